@@ -1,0 +1,9 @@
+"""mempath: an LLM inference engine that plans, places, moves and reports every
+consumer of GPU memory together."""
+from mempath.config import EngineConfig
+from mempath.engine.engine import RequestOutput
+from mempath.llm import LLM
+from mempath.sampling import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput"]
+__version__ = "0.1.0"

@@ -1,0 +1,5 @@
+import sys
+
+from mempath.cli import main
+
+sys.exit(main())

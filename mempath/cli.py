@@ -1,0 +1,122 @@
+"""mempath's command line: generate | chat | plan | serve."""
+import argparse
+import json
+import logging
+import sys
+
+from mempath.config import EngineConfig
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Engine knobs, named as in vLLM."""
+    d = EngineConfig(model="")
+    parser.add_argument("--model", default=None, help="model directory (default: the built-in mempath-tiny)")
+    parser.add_argument("--dtype", default=d.dtype, help="auto | float32 | float16 | bfloat16")
+    parser.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--block-size", type=int, default=d.block_size)
+    parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    parser.add_argument("--num-gpu-blocks-override", type=int, default=d.num_gpu_blocks_override)
+    parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+
+
+def engine_options(args) -> dict:
+    keys = ("dtype", "device", "seed", "block_size", "max_model_len", "max_num_seqs",
+            "max_num_batched_tokens", "gpu_memory_utilization", "num_gpu_blocks_override",
+            "enable_prefix_caching")
+    return {k: getattr(args, k) for k in keys}
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params(args):
+    from mempath.sampling import SamplingParams
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, min_p=args.min_p, seed=args.sample_seed, stop=args.stop,
+                          ignore_eos=args.ignore_eos)
+
+
+def resolve_model_and_prompt(args) -> tuple[str | None, str]:
+    """`generate PROMPT` or `generate MODEL PROMPT` (or --model MODEL PROMPT)."""
+    if len(args.positional) == 2:
+        if args.model:
+            raise ValueError("give the model either as --model or as the first argument, not both")
+        return args.positional[0], args.positional[1]
+    if len(args.positional) == 1:
+        return args.model, args.positional[0]
+    raise ValueError("usage: mempath generate [MODEL] PROMPT")
+
+
+def run_generate(args) -> int:
+    from mempath.llm import LLM
+    model, prompt = resolve_model_and_prompt(args)
+    llm = LLM(model, show_progress=not args.quiet, **engine_options(args))
+    output = llm.generate(prompt, sampling_params(args), use_tqdm=False)[0]
+    if args.json:
+        print(json.dumps({"prompt": prompt, "text": output.text, "token_ids": output.token_ids,
+                          "finish_reason": output.finish_reason,
+                          "time_to_first_token": output.time_to_first_token,
+                          "total_time": output.total_time}))
+    else:
+        print(prompt + output.text)
+    return 0
+
+
+def run_chat(args) -> int:
+    from mempath.llm import LLM
+    llm = LLM(args.model, show_progress=not args.quiet, **engine_options(args))
+    output = llm.chat([{"role": "user", "content": args.message}], sampling_params(args), use_tqdm=False)[0]
+    print(output.text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mempath", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete a prompt")
+    gen.add_argument("positional", nargs="+", metavar="[MODEL] PROMPT")
+    add_engine_arguments(gen)
+    add_sampling_arguments(gen)
+    gen.add_argument("--json", action="store_true", help="print one JSON object")
+    gen.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    chat = sub.add_parser("chat", help="answer one user message through the chat template")
+    chat.add_argument("message")
+    add_engine_arguments(chat)
+    add_sampling_arguments(chat)
+    chat.add_argument("--quiet", action="store_true")
+
+    from mempath.memory.plan import add_plan_arguments, run_plan
+    add_plan_arguments(sub.add_parser("plan", help="predict memory per pathway (no GPU needed)"))
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "generate":
+            return run_generate(args)
+        if args.command == "chat":
+            return run_chat(args)
+        if args.command == "plan":
+            return run_plan(args)
+    except ValueError as error:
+        print(f"mempath: error: {error}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,350 @@
+"""LLMEngine: loads the model, sizes the KV pool, and runs the step loop.
+
+One step: schedule → run the model on the scheduled tokens → sample → append
+tokens, check stop conditions, free finished requests' blocks → outputs.
+"""
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from mempath.config import EngineConfig
+from mempath.engine.detokenizer import IncrementalDetokenizer, find_stop
+from mempath.engine.request import Request, RequestStatus
+from mempath.engine.runner import ModelRunner
+from mempath.engine.scheduler import ScheduledBatch, Scheduler
+from mempath.kv.manager import KVCacheManager
+from mempath.memory.ledger import Ledger, format_bytes
+from mempath.model.loader import load_model, read_config
+from mempath.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None = None  # stop | length | abort | error
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    num_cached_tokens: int = 0
+    logprobs: list[dict[int, float]] | None = None
+    error: str | None = None
+    time_to_first_token: float | None = None  # seconds from arrival
+    total_time: float | None = None  # seconds from arrival to finish
+    new_text: str = ""  # text added since the previous output for this request
+    new_token_ids: list[int] = field(default_factory=list)
+
+
+def load_tokenizer(model_dir: str):
+    """The checkpoint's tokenizer, or None when the directory has none."""
+    path = Path(model_dir)
+    if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def load_generation_eos(model_dir: str) -> list[int]:
+    path = Path(model_dir) / "generation_config.json"
+    if not path.exists():
+        return []
+    import json
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, show_progress: bool = True):
+        self.config = config
+        self.device = config.torch_device()
+        self.ledger = Ledger()
+        cfg = read_config(config.model)
+        from mempath.model.llama import ModelSpec  # validate the architecture before any allocation
+        spec = ModelSpec.from_hf_config(cfg, source=str(Path(config.model) / "config.json"))
+        self.max_model_len = self._resolve_max_model_len(spec)
+        from mempath.model.loader import checkpoint_dtype
+        self.dtype = config.torch_dtype(checkpoint_dtype(cfg))
+
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        self.model, self.spec, self.load_report = load_model(
+            config.model, self.dtype, self.device, self.max_model_len, show_progress)
+        self.ledger.record("weights", self.load_report.weight_bytes, self.device.type, "measured",
+                           f"{self.load_report.tensors_loaded} tensors, {self.dtype}".replace("torch.", ""))
+        if self.device.type == "cuda":
+            measured = torch.cuda.memory_allocated(self.device) - before
+            log.info("weights: %s of parameters, %s allocated on the device",
+                     format_bytes(self.load_report.weight_bytes), format_bytes(measured))
+
+        self.tokenizer = load_tokenizer(config.model)
+        self.eos_token_ids = set(spec.eos_token_ids) | set(load_generation_eos(config.model))
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+
+        self.runner = ModelRunner(config, self.model, self.spec, self.device, self.dtype)
+        num_blocks = self._plan_kv_blocks()
+        self.runner.allocate_kv_cache(num_blocks)
+        self.ledger.record("kv_cache", self.runner.kv_cache.numel() * self.runner.kv_cache.element_size(),
+                           self.device.type, "measured",
+                           f"{num_blocks} blocks x {config.block_size} tokens")
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv)
+        self.requests: dict[str, Request] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        log.info("memory by pathway:\n%s", self.ledger.table())
+
+    # ----------------------------------------------------------------- set-up
+    def _resolve_max_model_len(self, spec) -> int:
+        limit = spec.max_position_embeddings
+        if spec.sliding_window is not None:
+            # The attention path has no sliding-window mask: stay where it makes no difference.
+            limit = min(limit, spec.sliding_window)
+        wanted = self.config.max_model_len
+        if wanted is None:
+            return limit
+        if wanted > limit:
+            raise ValueError(
+                f"max_model_len {wanted} exceeds what this model supports ({limit}: "
+                f"max_position_embeddings{' / sliding_window' if spec.sliding_window else ''}); "
+                f"use --max-model-len {limit} or less")
+        return wanted
+
+    def _plan_kv_blocks(self) -> int:
+        """How many KV blocks fit: fixed by override, by the CPU budget, or measured on CUDA."""
+        per_block = self.runner.kv_bytes_per_block()
+        if self.config.num_gpu_blocks_override is not None:
+            return self.config.num_gpu_blocks_override
+        if self.device.type != "cuda":
+            num_blocks = self.config.cpu_kv_cache_bytes // per_block
+        else:
+            num_blocks = self._profile_cuda_kv_blocks(per_block)
+        if num_blocks < 1:
+            raise ValueError(
+                f"no memory is left for the KV cache (one block needs {format_bytes(per_block)}); "
+                f"raise --gpu-memory-utilization, lower --max-num-batched-tokens, or use a smaller --dtype")
+        tokens = num_blocks * self.config.block_size
+        if tokens < self.max_model_len:
+            log.warning("the KV cache holds %d tokens, less than max_model_len %d: long requests "
+                        "will be rejected", tokens, self.max_model_len)
+        return num_blocks
+
+    def _profile_cuda_kv_blocks(self, per_block: int) -> int:
+        """Run the largest step once, measure its peak, give the rest of the budget to KV."""
+        device = self.device
+        torch.cuda.synchronize(device)
+        weights_end = torch.cuda.memory_allocated(device)
+        num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len * self.config.max_num_seqs)
+        num_seqs = max(1, min(self.config.max_num_seqs, num_tokens))
+        probe_blocks = num_seqs * (-(-(-(-num_tokens // num_seqs)) // self.config.block_size)) + 1
+        self.runner.allocate_kv_cache(probe_blocks)
+        probe_kv = self.runner.kv_cache.numel() * self.runner.kv_cache.element_size()
+        torch.cuda.reset_peak_memory_stats(device)
+        self._run_probe_step(num_tokens, num_seqs, probe_blocks)
+        torch.cuda.synchronize(device)
+        activation_peak = torch.cuda.max_memory_allocated(device) - weights_end - probe_kv
+        self.runner.allocate_kv_cache(0)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        in_use = total - free  # our weights, context and allocator, plus other processes
+        reserved = torch.cuda.memory_reserved(device)
+        budget = int(total * self.config.gpu_memory_utilization) - in_use - activation_peak
+        self.ledger.record("activation_peak", activation_peak, "cuda", "measured",
+                           f"profile step of {num_tokens} tokens in {num_seqs} sequences")
+        self.ledger.record("non_torch", in_use - reserved, "cuda", "derived",
+                           "device used - torch reserved (context, other processes)")
+        return max(0, budget) // per_block
+
+    def _run_probe_step(self, num_tokens: int, num_seqs: int, num_blocks: int) -> None:
+        per_seq = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
+        batch = ScheduledBatch()
+        probe = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=self.config.max_logprobs)
+        next_block = 0
+        for i, n in enumerate(per_seq):
+            request = Request(f"probe-{i}", None, [0] * n, probe)
+            blocks = -(-n // self.config.block_size)
+            request.block_table = list(range(next_block, next_block + blocks))
+            next_block += blocks
+            batch.requests.append(request)
+            batch.num_new_tokens.append(n)
+        self.runner.execute(batch, batch.requests)
+
+    # ----------------------------------------------------------------- requests
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(
+                f"{self.config.model} has no tokenizer files (tokenizer.json / tokenizer.model); "
+                f"pass prompts as lists of token ids")
+        return self.tokenizer.encode(prompt)
+
+    def make_request(self, prompt: str | list[int], params: SamplingParams,
+                     request_id: str | None = None) -> Request:
+        """Validate and build a request; raise ValueError naming the problem and the fix."""
+        params.validate(self.config.max_logprobs)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none: use stop_token_ids")
+        if params.n != 1:
+            raise ValueError("the engine runs one sample per request; LLM.generate expands n > 1")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty; give at least one token of text")
+            text, token_ids = prompt, self.tokenize(prompt)
+        else:
+            text, token_ids = None, [int(t) for t in prompt]
+        if not token_ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        vocab = self.spec.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id(s) {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, more than max_model_len "
+                f"{self.max_model_len}; shorten it or raise --max-model-len")
+        kv_tokens = min(len(token_ids) + params.max_tokens - 1, self.max_model_len)
+        needed = self.kv.blocks_for(kv_tokens)
+        if needed > self.kv.num_blocks:
+            raise ValueError(
+                f"the prompt plus max_tokens needs {needed} KV blocks ({kv_tokens} tokens) but the "
+                f"whole KV pool has {self.kv.num_blocks} ({self.kv.num_blocks * self.config.block_size} "
+                f"tokens); lower max_tokens, shorten the prompt, or give the KV cache more memory "
+                f"(--gpu-memory-utilization, num_gpu_blocks_override)")
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = Request(request_id, text, token_ids, params)
+        if params.seed is not None:
+            request.generator = self.runner.sampler.make_generator(params.seed)
+        return request
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        request = self.make_request(prompt, params, request_id)
+        self.requests[request.request_id] = request
+        if self.tokenizer is not None:
+            self.detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer)
+        self.scheduler.add(request)
+        return request.request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; None if it is unknown or already done."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return None
+        self.scheduler.finish(request, "abort")
+        return self._output(request, "", [], finished=True)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ----------------------------------------------------------------- the step
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.requests:
+            if self.scheduler.waiting and not self.scheduler.running:
+                # Nothing runs and the head cannot be admitted: only possible if the pool is
+                # pinned by nothing, i.e. the request can never fit. Fail it, keep the rest.
+                request = self.scheduler.waiting[0]
+                request.error = "the request does not fit in the KV pool"
+                self.scheduler.finish(request, "error")
+                return [self._output(request, "", [], finished=True)]
+            return []
+        sampling = batch.sampling_requests()
+        result = self.runner.execute(batch, sampling)
+        self.scheduler.update_after_step(batch)
+        for request, num_new in zip(batch.requests, batch.num_new_tokens):
+            start = request.num_computed_tokens - num_new
+            self.num_prompt_tokens += max(0, min(request.num_prompt_tokens, start + num_new) - start)
+        outputs = []
+        if result is None:
+            return outputs
+        now = time.perf_counter()
+        for request, token_id, logprobs in zip(sampling, result.token_ids, result.logprobs):
+            outputs.append(self._append_token(request, token_id, logprobs, now))
+        return outputs
+
+    def _append_token(self, request: Request, token_id: int, logprobs, now: float) -> RequestOutput:
+        request.token_ids.append(token_id)
+        self.num_generation_tokens += 1
+        if request.first_token_time is None:
+            request.first_token_time = now
+        if request.logprobs is not None:
+            request.logprobs.append(logprobs)
+        params = request.params
+        new_text = ""
+        detok = self.detokenizers.get(request.request_id)
+        if detok is not None:
+            new_text = detok.delta(request.token_ids[request.num_prompt_tokens:])
+            request.output_text += new_text
+        reason = None
+        if token_id in params.stop_token_ids:
+            reason, request.stop_reason = "stop", token_id
+        elif not params.ignore_eos and token_id in self.eos_token_ids:
+            reason = "stop"
+        elif params.stop and new_text:
+            hit = find_stop(request.output_text, params.stop, len(new_text))
+            if hit is not None:
+                index, stop = hit
+                kept = len(request.output_text) - len(new_text)
+                request.output_text = request.output_text[:index]
+                new_text = request.output_text[kept:] if index > kept else ""
+                reason, request.stop_reason = "stop", stop
+        if reason is None and (request.num_output_tokens >= params.max_tokens
+                               or request.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            if detok is not None and reason != "stop":
+                tail = detok.flush(request.token_ids[request.num_prompt_tokens:])
+                request.output_text += tail
+                new_text += tail
+            self.scheduler.finish(request, reason)
+        return self._output(request, new_text, [token_id], finished=reason is not None)
+
+    def _output(self, request: Request, new_text: str, new_token_ids: list[int],
+                finished: bool) -> RequestOutput:
+        if finished:
+            request.finish_time = time.perf_counter()
+            self.requests.pop(request.request_id, None)
+            self.detokenizers.pop(request.request_id, None)
+        ttft = None if request.first_token_time is None else request.first_token_time - request.arrival_time
+        total = None if request.finish_time is None else request.finish_time - request.arrival_time
+        return RequestOutput(
+            request_id=request.request_id, prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids, token_ids=request.output_token_ids,
+            text=request.output_text, finished=finished, finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens or 0,
+            logprobs=request.logprobs, error=request.error, time_to_first_token=ttft,
+            total_time=total, new_text=new_text, new_token_ids=new_token_ids)
+
+    # ----------------------------------------------------------------- visibility
+    def stats(self) -> dict:
+        pool = self.kv.pool
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_blocks_total": pool.num_blocks,
+            "kv_blocks_used": pool.num_used,
+            "kv_blocks_free": pool.num_free,
+            "kv_blocks_cached": pool.num_cached,
+            "kv_usage": self.kv.usage(),
+            "prefix_cache_queries": pool.num_queries,
+            "prefix_cache_hits": pool.num_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens": self.num_prompt_tokens,
+            "generation_tokens": self.num_generation_tokens,
+            "ledger": self.ledger.as_dict(),
+        }

@@ -1,0 +1,72 @@
+"""A request as the engine tracks it: its tokens, its KV blocks, its progress."""
+import enum
+import time
+
+import torch
+
+from mempath.kv.blocks import hash_block
+from mempath.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, arrival_time: float | None = None):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.token_ids = list(prompt_token_ids)  # prompt + generated so far
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # of each full block of token_ids
+        self.num_registered_blocks = 0  # leading blocks already in the prefix cache
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.error: str | None = None
+        self.output_text = ""
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.generator: torch.Generator | None = None
+        self.arrival_time = arrival_time if arrival_time is not None else time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def update_block_hashes(self, block_size: int) -> None:
+        """Hash every full block of token_ids not hashed yet (chained on the previous one)."""
+        while (len(self.block_hashes) + 1) * block_size <= len(self.token_ids):
+            i = len(self.block_hashes)
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            self.block_hashes.append(
+                hash_block(parent, self.token_ids[i * block_size:(i + 1) * block_size]))
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})")

@@ -1,0 +1,125 @@
+"""Continuous batching: who runs this step, with how many tokens each.
+
+Every step spends a budget of ``max_num_batched_tokens``: running requests first
+(a decode costs one token, an unfinished chunked prefill its next chunk), then
+waiting requests in arrival order, each prefilling as much of its prompt as the
+budget allows. When the KV pool runs dry, the newest running request is
+preempted by recompute: its blocks are freed (they stay in the prefix cache until
+reused) and it goes back to the front of the queue with the tokens it already
+generated.
+"""
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from mempath.config import EngineConfig
+from mempath.engine.request import Request, RequestStatus
+from mempath.kv.manager import KVCacheManager
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledBatch:
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def sampling_requests(self) -> list[Request]:
+        """Requests whose every token will have been computed after this step: they sample."""
+        return [r for r, n in zip(self.requests, self.num_new_tokens)
+                if r.num_computed_tokens + n == r.num_tokens]
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        self._schedule_running(batch, budget)
+        budget -= batch.total_tokens
+        if not batch.preempted:
+            self._schedule_waiting(batch, budget)
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> None:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.append_slots(request, num_new):
+                victim = self.running.pop()
+                self.preempt(victim)
+                batch.preempted.append(victim)
+                if victim is request:
+                    return
+            batch.requests.append(request)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+            i += 1
+
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            cached = self.kv.find_cached_prefix(request)
+            num_cached = len(cached) * self.kv.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self.kv.allocate(request, cached, num_new):
+                break  # first come, first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            batch.requests.append(request)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+
+    def preempt(self, request: Request) -> None:
+        """Recompute preemption: free the blocks, requeue at the front."""
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        log.debug("preempted %s by recompute (%d tokens)", request.request_id, request.num_tokens)
+
+    def update_after_step(self, batch: ScheduledBatch) -> None:
+        """Advance each request by what the step computed and publish its full blocks."""
+        for request, num_new in zip(batch.requests, batch.num_new_tokens):
+            request.num_computed_tokens += num_new
+            self.kv.cache_full_blocks(request)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Take a request out of the queues and give its blocks back."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status == RequestStatus.WAITING:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        self.kv.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = request.finish_reason or reason

@@ -1,0 +1,610 @@
+"""Triton kernels for the paged KV cache: the GPU fast path of ``attention.py``.
+
+The layout and the position rule are those of :mod:`mempath.kv.attention`, whose
+plain-PyTorch ``write_kv`` / ``paged_attention`` are the oracles these kernels
+are tested against.
+
+Kernels
+-------
+- :func:`triton_write_kv` — scatter new K/V rows into their slots.
+- :func:`triton_decode_attention` — one query row per sequence. A program owns
+  one (sequence, KV head, split): it handles every query head of its KV head so
+  each KV block is read once per KV head, and a long context is cut into splits
+  (flash-decoding) whose partial results a second small kernel merges.
+- :func:`triton_prefill_attention` — variable-length query chunks on top of a
+  cached prefix, flash-attention tiling (query tile x KV tile) with the KV read
+  through the block table. Also correct for decode rows, so a mixed batch can
+  use it.
+- :func:`paged_attention_triton` — drop-in for ``paged_attention``.
+
+CUDA graphs
+-----------
+The decode kernel launches a grid that depends only on the batch size, the
+head counts and ``num_splits`` (never on the data), and the splits' partials
+go to a workspace that can be allocated once with
+:func:`alloc_decode_workspace`. How many tokens a split covers is computed on
+the device from ``seq_lens``, so the workspace does not grow with
+``max_model_len``: it holds ``max_b(b * num_splits(b)) * num_heads * (head_dim + 1)``
+float32 values, b ranging over 1..max_num_seqs (see ``decode_workspace_numel``).
+The prefill kernel's grid depends on ``max_query_len``; pass it to avoid a
+device-to-host sync.
+
+Importing this module never fails: without Triton, ``HAS_TRITON`` is False
+and the launchers raise.
+"""
+import math
+from typing import NamedTuple, Optional
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+LOG2E = 1.4426950408889634
+
+# Tokens per KV tile in the decode kernel. A split always covers a whole
+# number of tiles, so this is also the smallest split.
+DECODE_TILE = 64
+# Upper bound on splits per (sequence, KV head); beyond it the merge costs
+# more than the extra parallelism brings.
+MAX_DECODE_SPLITS = 64
+# Target number of decode programs per SM: enough to hide memory latency.
+DECODE_PROGRAMS_PER_SM = 4
+
+
+class DecodeWorkspace(NamedTuple):
+    """Flat float32 buffers for the decode splits' partial results.
+
+    ``partial_out`` holds the per-split normalised outputs and ``partial_lse``
+    their log2-sum-exp2; each call views a prefix of them as
+    ``[num_seqs, num_heads, num_splits(, head_dim)]``.
+    """
+
+    partial_out: torch.Tensor
+    partial_lse: torch.Tensor
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+_SM_COUNT = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # interpreter runs: any small number exercises the splits
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def decode_num_splits(
+    num_seqs: int,
+    num_kv_heads: int,
+    device: torch.device,
+    max_seq_len: Optional[int] = None,
+) -> int:
+    """How many splits the decode kernel uses for this batch shape.
+
+    Depends only on shapes (and the device), so a CUDA graph captured for a
+    batch size keeps a valid choice. A power of two, to bound recompilations.
+    """
+    programs = max(1, num_seqs * num_kv_heads)
+    want = -(-DECODE_PROGRAMS_PER_SM * _sm_count(device) // programs)
+    if max_seq_len is not None:
+        # A split never covers less than one tile.
+        want = min(want, -(-max(1, max_seq_len) // DECODE_TILE))
+    return min(MAX_DECODE_SPLITS, _next_pow2(max(1, want)))
+
+
+def decode_workspace_numel(
+    max_num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
+) -> int:
+    """Elements of ``partial_out`` needed for any batch of up to ``max_num_seqs``.
+
+    ``partial_lse`` needs ``1 / head_dim`` of it. ``max_model_len`` does not
+    matter: longer contexts get longer splits, not more of them.
+    """
+    rows = max(b * decode_num_splits(b, num_kv_heads, device) for b in range(1, max_num_seqs + 1))
+    return rows * num_heads * head_dim
+
+
+def alloc_decode_workspace(
+    max_num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, device
+) -> DecodeWorkspace:
+    """Allocate once (e.g. before CUDA-graph capture) and pass to every decode call."""
+    device = torch.device(device)
+    numel = decode_workspace_numel(max_num_seqs, num_heads, num_kv_heads, head_dim, device)
+    return DecodeWorkspace(
+        partial_out=torch.empty(numel, dtype=torch.float32, device=device),
+        partial_lse=torch.empty(numel // head_dim, dtype=torch.float32, device=device),
+    )
+
+
+def _require_triton():
+    if not HAS_TRITON:
+        raise RuntimeError("Triton is not installed: the GPU attention kernels are unavailable")
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # TF32 would cost float32 caches about three decimal digits.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _pipeline_stages(tile_bytes: int) -> int:
+    # Keep the K/V double/triple buffers well inside the ~228 KB of shared memory.
+    return max(1, min(3, (128 * 1024) // max(1, tile_bytes)))
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _write_kv_kernel(
+        key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+        stride_kt, stride_kh, stride_kd,
+        stride_vt, stride_vh, stride_vd,
+        stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
+        stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d,
+        num_kv_heads,
+        HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        HEADS_PER_PROG: tl.constexpr, D_PAD: tl.constexpr,
+    ):
+        token = tl.program_id(0)
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        if slot < 0:
+            return
+        block = slot // BLOCK_SIZE
+        offset = slot % BLOCK_SIZE
+        heads = tl.program_id(1) * HEADS_PER_PROG + tl.arange(0, HEADS_PER_PROG)
+        dims = tl.arange(0, D_PAD)
+        mask = (heads < num_kv_heads)[:, None] & (dims < HEAD_DIM)[None, :]
+        token64 = token.to(tl.int64)
+
+        k = tl.load(key_ptr + token64 * stride_kt + heads[:, None] * stride_kh
+                    + dims[None, :] * stride_kd, mask=mask)
+        v = tl.load(value_ptr + token64 * stride_vt + heads[:, None] * stride_vh
+                    + dims[None, :] * stride_vd, mask=mask)
+        k_dst = (k_cache_ptr + block * stride_kc_blk + offset * stride_kc_off
+                 + heads[:, None] * stride_kc_h + dims[None, :] * stride_kc_d)
+        v_dst = (v_cache_ptr + block * stride_vc_blk + offset * stride_vc_off
+                 + heads[:, None] * stride_vc_h + dims[None, :] * stride_vc_d)
+        tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _decode_split_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+        out_ptr, part_out_ptr, part_lse_ptr,
+        qk_scale,
+        stride_qt, stride_qh, stride_qd,
+        stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
+        stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d,
+        stride_bt,
+        stride_ot, stride_oh, stride_od,
+        num_heads, num_splits,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+        SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+
+        seq_len = tl.load(seq_lens_ptr + seq)
+        # Splits cover whole tiles; the count of non-empty splits follows.
+        split_len = ((seq_len + num_splits - 1) // num_splits + TILE - 1) // TILE * TILE
+        start = split * split_len
+        end = tl.minimum(start + split_len, seq_len)
+        if SPLIT:
+            if start >= seq_len:
+                return
+
+        g = tl.arange(0, GROUP_PAD)
+        dims = tl.arange(0, D_PAD)
+        heads = kv_head * GROUP + g
+        head_mask = g < GROUP
+        dim_mask = dims < HEAD_DIM
+        q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+                    + dims[None, :] * stride_qd,
+                    mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
+        q = q.to(k_cache_ptr.dtype.element_ty)
+
+        bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        # Finite start value: rows padded past GROUP never produce inf - inf.
+        m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+        acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
+        tok = tl.arange(0, TILE)
+        for n in range(start, end, TILE):
+            pos = n + tok
+            valid = pos < end
+            block = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+            offset = pos % BLOCK_SIZE
+            kv_mask = valid[:, None] & dim_mask[None, :]
+            k = tl.load(k_cache_ptr + block[:, None] * stride_kc_blk + offset[:, None] * stride_kc_off
+                        + kv_head * stride_kc_h + dims[None, :] * stride_kc_d,
+                        mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + block[:, None] * stride_vc_blk + offset[:, None] * stride_vc_off
+                        + kv_head * stride_vc_h + dims[None, :] * stride_vc_d,
+                        mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+
+        # An empty sequence (padding in a captured batch) yields zeros.
+        out = acc / tl.maximum(l_i, 1.0e-30)[:, None]
+        out_mask = head_mask[:, None] & dim_mask[None, :]
+        if SPLIT:
+            row = (seq * num_heads + heads).to(tl.int64) * num_splits + split
+            tl.store(part_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out, mask=out_mask)
+            tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=head_mask)
+        else:
+            tl.store(out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
+                     + dims[None, :] * stride_od,
+                     out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+    @triton.jit
+    def _decode_merge_kernel(
+        seq_lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
+        stride_ot, stride_oh, stride_od,
+        num_heads, num_splits,
+        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+        SPLITS_PAD: tl.constexpr, TILE: tl.constexpr,
+    ):
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        seq_len = tl.load(seq_lens_ptr + seq)
+        # Same split arithmetic as the split kernel: which splits wrote.
+        split_len = ((seq_len + num_splits - 1) // num_splits + TILE - 1) // TILE * TILE
+        used = (seq_len + split_len - 1) // tl.maximum(split_len, 1)
+
+        splits = tl.arange(0, SPLITS_PAD)
+        dims = tl.arange(0, D_PAD)
+        split_mask = splits < used
+        row = (seq * num_heads + head).to(tl.int64) * num_splits + splits
+        lse = tl.load(part_lse_ptr + row, mask=split_mask, other=float("-inf"))
+        lse_max = tl.maximum(tl.max(lse, 0), -1.0e30)
+        weight = tl.exp2(lse - lse_max)
+        weight = weight / tl.maximum(tl.sum(weight, 0), 1.0e-30)
+        part = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + dims[None, :],
+                       mask=split_mask[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
+        out = tl.sum(part * weight[:, None], 0)
+        tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + dims * stride_od,
+                 out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+    @triton.jit
+    def _prefill_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr, seq_lens_ptr,
+        out_ptr,
+        qk_scale,
+        stride_qt, stride_qh, stride_qd,
+        stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
+        stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d,
+        stride_bt,
+        stride_ot, stride_oh, stride_od,
+        num_q_tiles,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        # The longest-running tiles (the last queries, which see the most keys)
+        # are launched first.
+        q_tile = num_q_tiles - 1 - tl.program_id(0)
+        seq = tl.program_id(1)
+        kv_head = tl.program_id(2)
+        BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
+
+        q_begin = tl.load(query_start_ptr + seq)
+        q_len = tl.load(query_start_ptr + seq + 1) - q_begin
+        q_first = q_tile * BLOCK_Q
+        if q_first >= q_len:
+            return
+        seq_len = tl.load(seq_lens_ptr + seq)
+        context = seq_len - q_len  # tokens before the first query row
+
+        # A row of the tile is (query token, query head of this KV head): all
+        # heads sharing the KV head share each K/V tile load.
+        rows = tl.arange(0, BLOCK_M)
+        tok = q_first + rows // GROUP_PAD
+        g = rows % GROUP_PAD
+        heads = kv_head * GROUP + g
+        row_mask = (tok < q_len) & (g < GROUP)
+        dims = tl.arange(0, D_PAD)
+        dim_mask = dims < HEAD_DIM
+        q_rows = (q_begin + tok).to(tl.int64)
+        q = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh
+                    + dims[None, :] * stride_qd,
+                    mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+        q = q.to(k_cache_ptr.dtype.element_ty)
+        q_pos = context + tok
+
+        bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+        cols = tl.arange(0, BLOCK_N)
+
+        # Keys up to the tile's first query position are seen by every row:
+        # those KV tiles need no mask at all.
+        first_pos = context + q_first
+        full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
+        for n in range(0, full_end, BLOCK_N):
+            pos = n + cols
+            block = tl.load(bt_row + pos // BLOCK_SIZE).to(tl.int64)
+            offset = pos % BLOCK_SIZE
+            k = tl.load(k_cache_ptr + block[:, None] * stride_kc_blk + offset[:, None] * stride_kc_off
+                        + kv_head * stride_kc_h + dims[None, :] * stride_kc_d,
+                        mask=dim_mask[None, :], other=0.0)
+            v = tl.load(v_cache_ptr + block[:, None] * stride_vc_blk + offset[:, None] * stride_vc_off
+                        + kv_head * stride_vc_h + dims[None, :] * stride_vc_d,
+                        mask=dim_mask[None, :], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+
+        # The diagonal band: causal mask, and never past the context.
+        kv_end = tl.minimum(seq_len, context + q_first + BLOCK_Q)
+        for n in range(full_end, kv_end, BLOCK_N):
+            pos = n + cols
+            valid = pos < kv_end
+            block = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+            offset = pos % BLOCK_SIZE
+            kv_mask = valid[:, None] & dim_mask[None, :]
+            k = tl.load(k_cache_ptr + block[:, None] * stride_kc_blk + offset[:, None] * stride_kc_off
+                        + kv_head * stride_kc_h + dims[None, :] * stride_kc_d,
+                        mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + block[:, None] * stride_vc_blk + offset[:, None] * stride_vc_off
+                        + kv_head * stride_vc_h + dims[None, :] * stride_vc_d,
+                        mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+
+        out = acc / tl.maximum(l_i, 1.0e-30)[:, None]
+        tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh
+                 + dims[None, :] * stride_od,
+                 out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
+        raise ValueError("k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim]")
+    block_size = k_cache.shape[1]
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+
+
+def triton_write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Triton twin of ``write_kv``: store ``[num_tokens, num_kv_heads, head_dim]`` rows.
+
+    Negative slots are skipped; values are cast to the cache dtype.
+    """
+    _require_triton()
+    _check_cache(k_cache, v_cache)
+    num_tokens = key.shape[0]
+    if num_tokens == 0:
+        return
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    d_pad = _next_pow2(head_dim)
+    # ~2K elements per program: one wide vector store per head row.
+    heads_per_prog = min(_next_pow2(num_kv_heads), max(1, 2048 // d_pad))
+    grid = (num_tokens, triton.cdiv(num_kv_heads, heads_per_prog))
+    _write_kv_kernel[grid](
+        key, value, k_cache, v_cache, slot_mapping,
+        *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
+        num_kv_heads,
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        HEADS_PER_PROG=heads_per_prog, D_PAD=d_pad,
+        num_warps=4 if heads_per_prog * d_pad >= 1024 else 2,
+    )
+
+
+def triton_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: Optional[torch.Tensor] = None,
+    workspace: Optional[DecodeWorkspace] = None,
+    num_splits: Optional[int] = None,
+    max_seq_len: Optional[int] = None,
+) -> torch.Tensor:
+    """Attention of one query row per sequence (``query: [B, num_heads, head_dim]``).
+
+    ``num_splits`` defaults to :func:`decode_num_splits` (shape-only, so safe
+    under CUDA graphs); ``max_seq_len``, if given, only lets it pick fewer
+    splits for short contexts. With ``workspace`` (see
+    :func:`alloc_decode_workspace`) and ``out`` the call allocates nothing.
+    """
+    _require_triton()
+    _check_cache(k_cache, v_cache)
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError("query and cache head shapes do not match")
+    if out is None:
+        out = torch.empty_like(query)
+    if num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    if num_splits is None:
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, query.device, max_seq_len)
+    d_pad = _next_pow2(head_dim)
+    split = num_splits > 1
+    if split:
+        need = num_seqs * num_heads * num_splits
+        if workspace is None:
+            workspace = DecodeWorkspace(
+                torch.empty(need * head_dim, dtype=torch.float32, device=query.device),
+                torch.empty(need, dtype=torch.float32, device=query.device),
+            )
+        elif workspace.partial_lse.numel() < need or workspace.partial_out.numel() < need * head_dim:
+            raise ValueError(
+                f"decode workspace too small: need {need} rows for {num_seqs} seqs x {num_splits} splits"
+            )
+        part_out, part_lse = workspace.partial_out, workspace.partial_lse
+    else:
+        part_out = part_lse = out  # unused by the kernel
+
+    tile_bytes = 2 * DECODE_TILE * d_pad * k_cache.element_size()
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, k_cache, v_cache, block_tables, seq_lens,
+        out, part_out, part_lse,
+        scale * LOG2E,
+        *query.stride(), *k_cache.stride(), *v_cache.stride(),
+        block_tables.stride(0),
+        *out.stride(),
+        num_heads, num_splits,
+        GROUP=group, GROUP_PAD=max(16, _next_pow2(group)),
+        HEAD_DIM=head_dim, D_PAD=d_pad,
+        BLOCK_SIZE=block_size, TILE=DECODE_TILE,
+        SPLIT=split, PRECISION=_dot_precision(k_cache.dtype),
+        num_warps=4, num_stages=_pipeline_stages(tile_bytes),
+    )
+    if split:
+        _decode_merge_kernel[(num_seqs, num_heads)](
+            seq_lens, part_out, part_lse, out,
+            *out.stride(),
+            num_heads, num_splits,
+            HEAD_DIM=head_dim, D_PAD=d_pad,
+            SPLITS_PAD=_next_pow2(num_splits), TILE=DECODE_TILE,
+            num_warps=4 if num_splits * d_pad <= 8192 else 8,
+        )
+    return out
+
+
+def _prefill_config(head_dim: int, dtype: torch.dtype):
+    """(BLOCK_M, BLOCK_N, num_warps) sized to keep Q, K and V tiles in shared memory."""
+    d_pad = _next_pow2(head_dim)
+    if dtype == torch.float32 or d_pad > 128:
+        return 64, 32, 4 if d_pad <= 64 else 8
+    if d_pad <= 64:
+        return 128, 64, 4
+    return 128, 64, 8
+
+
+def triton_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: Optional[int] = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Causal attention of variable-length query chunks over paged K/V.
+
+    Same semantics as ``paged_attention``: works for plain prefill, a prefill
+    over a cached prefix, a chunk of a chunked prefill and decode rows alike.
+    ``max_query_len`` (the longest chunk) sizes the grid; omitting it costs a
+    device-to-host sync. Query rows not owned by any sequence are not written.
+    """
+    _require_triton()
+    _check_cache(k_cache, v_cache)
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError("query and cache head shapes do not match")
+    if out is None:
+        out = torch.empty_like(query)
+    num_seqs = seq_lens.shape[0]
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item()) if num_seqs else 0
+    if num_seqs == 0 or max_query_len == 0:
+        return out
+    group = num_heads // num_kv_heads
+    group_pad = _next_pow2(group)
+    block_m, block_n, num_warps = _prefill_config(head_dim, k_cache.dtype)
+    # At least one query token per tile, whatever the group size.
+    block_m = max(block_m, group_pad)
+    num_q_tiles = triton.cdiv(max_query_len, block_m // group_pad)
+    d_pad = _next_pow2(head_dim)
+    tile_bytes = 2 * block_n * d_pad * k_cache.element_size()
+    _prefill_kernel[(num_q_tiles, num_seqs, num_kv_heads)](
+        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+        out,
+        scale * LOG2E,
+        *query.stride(), *k_cache.stride(), *v_cache.stride(),
+        block_tables.stride(0),
+        *out.stride(),
+        num_q_tiles,
+        GROUP=group, GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim, D_PAD=d_pad,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        PRECISION=_dot_precision(k_cache.dtype),
+        num_warps=num_warps, num_stages=min(2, _pipeline_stages(tile_bytes)),
+    )
+    return out
+
+
+def paged_attention_triton(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: Optional[int] = None,
+    max_seq_len: Optional[int] = None,
+    out: Optional[torch.Tensor] = None,
+    workspace: Optional[DecodeWorkspace] = None,
+) -> torch.Tensor:
+    """Drop-in for ``paged_attention``: the decode kernel when every sequence
+    has exactly one query row, the prefill kernel otherwise.
+
+    Pass ``max_query_len`` to skip a device-to-host sync (and for CUDA graphs).
+    """
+    num_seqs = seq_lens.shape[0]
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item()) if num_seqs else 0
+    # q_len <= 1 everywhere and num_tokens == num_seqs means q_len == 1
+    # everywhere, i.e. row b belongs to sequence b.
+    if max_query_len == 1 and query.shape[0] == num_seqs:
+        return triton_decode_attention(
+            query, k_cache, v_cache, block_tables, seq_lens, scale,
+            out=out, workspace=workspace, max_seq_len=max_seq_len,
+        )
+    return triton_prefill_attention(
+        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+        max_query_len=max_query_len, out=out,
+    )

@@ -1,0 +1,885 @@
+"""Memory planner: every pathway's bytes from a model's config.json, with no GPU needed.
+
+`plan_memory` turns (config, dtype, device size, engine settings) into a `MemoryPlan`;
+`format_plan` renders it as a terminal table; `add_plan_arguments` and `run_plan` are
+the `mempath plan MODEL ...` command.
+
+Notation used in the docstrings below: L layers, h hidden size, I intermediate (MLP)
+size, n_q / n_kv attention / key-value heads, d head dim, V vocabulary, b bytes per
+element of the model dtype, T tokens in one forward pass.
+
+Supported architectures: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+(q/k/v bias), Qwen3ForCausalLM (q/k RMSNorm), Phi3ForCausalLM (fused qkv_proj and
+gate_up_proj). Parameter counts are exact: the tests compare them with the
+transformers models instantiated on the meta device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+GiB = 1 << 30
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+DTYPE_ALIASES = {
+    "bf16": "bfloat16", "bfloat16": "bfloat16",
+    "fp16": "float16", "float16": "float16", "half": "float16",
+    "fp32": "float32", "float32": "float32", "float": "float32",
+}
+MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
+ARCHITECTURES = tuple(MODEL_TYPES.values())
+
+# Bytes per *trainable* parameter: (weights, grads, fp32 master copy, optimizer moments).
+# None means "the model dtype": 8-bit AdamW is normally paired with 16-bit weights and
+# grads and no master copy, so its only saving over `mixed` is in the moments.
+OPTIMIZERS = {
+    "adamw-fp32": (4, 4, 0, 8),
+    "mixed": (2, 2, 4, 8),
+    "adamw-8bit": (None, None, 0, 2),
+}
+CHECKPOINTING = ("none", "full", "selective")
+
+# nano-vllm style capture: decode graphs for batch sizes up to 512, sharing one pool.
+MAX_GRAPH_BATCH = 512
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_TRAIN_SEQ_LEN = 4096
+
+
+@dataclass
+class ModelShape:
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    tied_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    config_dtype: str | None
+
+
+@dataclass
+class MemoryPlan:
+    # model
+    architecture: str
+    dtype: str
+    dtype_bytes: int
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tied_embeddings: bool
+    # weights, per pathway (parameters, then bytes in `dtype`)
+    embedding_params: int
+    attention_params: int
+    mlp_params: int
+    norm_params: int
+    lm_head_params: int
+    total_params: int
+    embedding_bytes: int
+    attention_bytes: int
+    mlp_bytes: int
+    norm_bytes: int
+    lm_head_bytes: int
+    weight_bytes: int
+    # KV cache
+    block_size: int
+    kv_bytes_per_token: int
+    kv_bytes_per_block: int
+    blocks_per_seq: int
+    kv_bytes_per_seq: int
+    # settings
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    gpu_mem_bytes: int | None
+    gpu_memory_utilization: float
+    cuda_graphs: bool
+    # workspace
+    activation_peak_bytes: int
+    logits_rows: int
+    logits_bytes: int
+    cuda_graph_batch: int
+    cuda_graph_bytes: int
+    context_bytes: int
+    workspace_bytes: int
+    # capacity (None without gpu_mem_bytes)
+    budget_bytes: int | None = None
+    kv_budget_bytes: int | None = None
+    num_kv_blocks: int | None = None
+    kv_capacity_tokens: int | None = None
+    max_concurrency: int | None = None
+    kv_bytes_wanted: int = 0
+    fits: bool | None = None  # serving: at least one max-model-len sequence fits
+    # training (zeros unless train=True)
+    train: bool = False
+    optimizer: str = "adamw-fp32"
+    micro_batch: int = 1
+    seq_len: int = 0
+    checkpointing: str = "none"
+    checkpoint_layers: list[int] = field(default_factory=list)
+    lora_rank: int = 0
+    lora_targets: list[str] = field(default_factory=list)
+    trainable_params: int = 0
+    train_weight_bytes: int = 0
+    grad_bytes: int = 0
+    master_weight_bytes: int = 0
+    optimizer_bytes: int = 0
+    activation_bytes_per_layer: int = 0
+    train_activation_bytes: int = 0
+    train_logits_bytes: int = 0
+    train_total_bytes: int = 0
+    train_fits: bool | None = None
+    advice: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------- config and sizes
+
+
+def load_config(model: str | os.PathLike | dict) -> dict:
+    """The config as a dict, from a dict, a model directory, a config.json path, or a
+    Hugging Face hub id already in the local cache (no network)."""
+    if isinstance(model, dict):
+        return dict(model)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    elif not path.exists():
+        path = _cached_hub_config(str(model)) or path
+    if not path.is_file():
+        raise ValueError(
+            f"no config.json at {path}: pass a model directory, a path to its config.json, "
+            f"or a hub id that is already downloaded"
+        )
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}): pass the model's config.json") from e
+
+
+def _cached_hub_config(repo_id: str) -> Path | None:
+    if repo_id.count("/") != 1:
+        return None
+    hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME", os.path.expanduser("~/.cache/huggingface")), "hub")
+    snapshots = Path(hub) / ("models--" + repo_id.replace("/", "--")) / "snapshots"
+    found = sorted(snapshots.glob("*/config.json"), key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else None
+
+
+def read_shape(config: dict) -> ModelShape:
+    archs = config.get("architectures") or []
+    arch = archs[0] if archs else MODEL_TYPES.get(config.get("model_type", ""), "")
+    if arch not in ARCHITECTURES:
+        raise ValueError(
+            f"unsupported architecture {arch or config.get('model_type')!r}: "
+            f"mempath plans {', '.join(ARCHITECTURES)}"
+        )
+
+    def positive(key, default=None):
+        value = config.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"config.json: {key} must be a positive integer, got {value!r}")
+        return value
+
+    hidden = positive("hidden_size")
+    heads = positive("num_attention_heads")
+    kv_heads = positive("num_key_value_heads", heads)  # absent means plain multi-head
+    head_dim = config.get("head_dim") or hidden // heads  # Mistral v0.3 writes null
+    # Qwen2 always biases q/k/v; the others follow their config flag (Mistral and Phi-3
+    # have none in transformers, whatever the config says).
+    if arch == "Qwen2ForCausalLM":
+        attention_bias = True
+    elif arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+        attention_bias = bool(config.get("attention_bias", False))
+    else:
+        attention_bias = False
+    return ModelShape(
+        architecture=arch,
+        num_layers=positive("num_hidden_layers"),
+        hidden_size=hidden,
+        intermediate_size=positive("intermediate_size"),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=int(head_dim),
+        vocab_size=positive("vocab_size"),
+        max_position_embeddings=positive("max_position_embeddings"),
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        attention_bias=attention_bias,
+        mlp_bias=arch == "LlamaForCausalLM" and bool(config.get("mlp_bias", False)),
+        config_dtype=config.get("torch_dtype") or config.get("dtype"),
+    )
+
+
+def resolve_dtype(dtype: str, shape: ModelShape) -> tuple[str, int]:
+    """(name, bytes); "auto" takes the checkpoint's dtype, bfloat16 if it names none."""
+    if dtype == "auto":
+        # A checkpoint that names no dtype we know is served in bfloat16, like vLLM's auto.
+        name = DTYPE_ALIASES.get(str(shape.config_dtype).lower().removeprefix("torch."), "bfloat16")
+        return name, DTYPE_BYTES[name]
+    name = DTYPE_ALIASES.get(str(dtype).lower().removeprefix("torch."))
+    if name is None:
+        raise ValueError(f"unknown dtype {dtype!r}: use auto, bfloat16, float16 or float32")
+    return name, DTYPE_BYTES[name]
+
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str | int) -> int:
+    """"80GiB" -> 85899345920, "24GB" -> 24000000000, "1.5T" -> 1.5e12, "123" -> 123.
+
+    KiB/MiB/GiB/TiB (and Ki, Mi, ...) are powers of 1024; KB/MB/GB/TB and bare K/M/G/T
+    are powers of 1000, as on GPU spec sheets.
+    """
+    if isinstance(text, int):
+        value = text
+    else:
+        match = _SIZE.match(str(text))
+        if not match:
+            raise ValueError(f"cannot read {text!r} as a size: write e.g. 80GiB, 24GB or a byte count")
+        number, unit = match.groups()
+        unit = unit.lower().rstrip("b")
+        base = 1024 if unit.endswith("i") else 1000
+        power = "kmgt".find(unit[:1]) + 1 if unit else 0
+        value = int(float(number) * base**power)
+    if value <= 0:
+        raise ValueError(f"size {text!r} must be positive")
+    return value
+
+
+def detect_gpu_mem() -> int | None:
+    """Total memory of the current CUDA device, or None when there is none."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+
+# ---------------------------------------------------------------- weights and KV
+
+
+def linear_shapes(shape: ModelShape) -> dict[str, tuple[int, int, bool]]:
+    """One decoder layer's linear layers: name -> (in_features, out_features, has_bias).
+
+    The names are the checkpoint's, so they double as LoRA target names.
+    """
+    h, i, d = shape.hidden_size, shape.intermediate_size, shape.head_dim
+    q, kv = shape.num_heads * d, shape.num_kv_heads * d
+    if shape.architecture == "Phi3ForCausalLM":
+        return {
+            "qkv_proj": (h, q + 2 * kv, False),
+            "o_proj": (q, h, False),
+            "gate_up_proj": (h, 2 * i, False),
+            "down_proj": (i, h, False),
+        }
+    o_bias = shape.attention_bias and shape.architecture != "Qwen2ForCausalLM"
+    return {
+        "q_proj": (h, q, shape.attention_bias),
+        "k_proj": (h, kv, shape.attention_bias),
+        "v_proj": (h, kv, shape.attention_bias),
+        "o_proj": (q, h, o_bias),
+        "gate_proj": (h, i, shape.mlp_bias),
+        "up_proj": (h, i, shape.mlp_bias),
+        "down_proj": (i, h, shape.mlp_bias),
+    }
+
+
+def count_params(shape: ModelShape) -> dict[str, int]:
+    """Parameters per pathway: embedding, attention, mlp, norms, lm_head.
+
+    embedding V·h; attention L·(h·(n_q+2·n_kv)·d + n_q·d·h + biases); mlp L·(3·h·I +
+    biases); norms L·2·h + h for the final norm, plus L·2·d for Qwen3's q/k norms
+    (counted as norms, not attention, because they are RMSNorm weights); lm_head V·h,
+    or 0 when tied, because a tied head reads the embedding's storage.
+    """
+    attention = mlp = 0
+    for name, (fan_in, fan_out, bias) in linear_shapes(shape).items():
+        params = fan_in * fan_out + (fan_out if bias else 0)
+        if name.endswith(("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")):
+            attention += params
+        else:
+            mlp += params
+    L, h, d = shape.num_layers, shape.hidden_size, shape.head_dim
+    norms = L * 2 * h + h
+    if shape.architecture == "Qwen3ForCausalLM":
+        norms += L * 2 * d
+    embedding = shape.vocab_size * h
+    counts = {
+        "embedding": embedding,
+        "attention": L * attention,
+        "mlp": L * mlp,
+        "norms": norms,
+        "lm_head": 0 if shape.tied_embeddings else embedding,
+    }
+    counts["total"] = sum(counts.values())
+    return counts
+
+
+def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> int:
+    """2 (K and V) · L · n_kv · d · b. Every layer keeps full KV: Mistral's sliding
+    window is not used to trim the cache, so this is an upper bound for Mistral."""
+    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * dtype_bytes
+
+
+# ---------------------------------------------------------------- inference workspace
+
+
+def decoder_peak_bytes(shape: ModelShape, tokens: int, dtype_bytes: int) -> int:
+    """Peak bytes of one forward pass over `tokens` tokens, excluding the logits.
+
+    Layers run one after another and free their temporaries before the next starts, so
+    the pass peaks inside one layer, on top of the streams that cross layer boundaries:
+
+        streams:         residual T·h + normed input T·h
+        attention phase: qkv T·(n_q+2·n_kv)·d + rotated q, k T·(n_q+n_kv)·d
+                         + attention output T·n_q·d + o_proj output T·h
+        MLP phase:       gate/up T·2·I + activated T·I + down_proj output T·h
+        peak = b · (streams + max(attention phase, MLP phase))
+
+    Attention is taken as flash-style (no T×T score matrix), as in paged attention
+    kernels; a plain-PyTorch attention over a long prompt needs more.
+    """
+    h, i, d = shape.hidden_size, shape.intermediate_size, shape.head_dim
+    q, kv = shape.num_heads * d, shape.num_kv_heads * d
+    attention = (q + 2 * kv) + (q + kv) + q + h
+    mlp = 2 * i + i + h
+    return tokens * dtype_bytes * (2 * h + max(attention, mlp))
+
+
+def logits_bytes(shape: ModelShape, rows: int) -> int:
+    """rows · V · 4: fp32 logits only for the rows that are sampled (the last token of
+    each sequence), so at most max_num_seqs rows. The sampler's temporaries of the same
+    shape reuse the activation memory freed after the last layer."""
+    return rows * shape.vocab_size * 4
+
+
+def cuda_graph_bytes(shape: ModelShape, batch: int, blocks_per_seq: int, dtype_bytes: int) -> int:
+    """Private pool of the decode CUDA graphs plus their static buffers.
+
+    Graphs are captured largest batch first and share one pool, so the pool holds one
+    decode step's intermediates at the largest batch (one token per sequence):
+    decoder_peak(batch). Static buffers per row: input ids and positions (int64), slot
+    mapping and context length (int32), the output hidden state (h·b), and a block
+    table of blocks_per_seq int32 entries.
+    """
+    static = batch * (8 + 8 + 4 + 4 + shape.hidden_size * dtype_bytes + 4 * blocks_per_seq)
+    return decoder_peak_bytes(shape, batch, dtype_bytes) + static
+
+
+# ---------------------------------------------------------------- training
+
+
+def lora_trainable_params(shape: ModelShape, rank: int, targets) -> int:
+    """r·(in + out) per adapted matrix per layer (A is r×in, B is out×r)."""
+    shapes = linear_shapes(shape)
+    return shape.num_layers * sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets)
+
+
+def resolve_lora_targets(shape: ModelShape, targets) -> list[str]:
+    if isinstance(targets, str):
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
+    names = list(linear_shapes(shape))
+    if list(targets) == ["all-linear"]:
+        return names
+    unknown = [t for t in targets if t not in names]
+    if unknown or not targets:
+        raise ValueError(
+            f"LoRA targets {list(unknown) or list(targets)} are not linear layers of "
+            f"{shape.architecture}: choose from {', '.join(names)} or all-linear"
+        )
+    return list(dict.fromkeys(targets))
+
+
+def layer_activation_bytes(seq_len: int, micro_batch: int, shape: ModelShape) -> int:
+    """Korthikanti et al. (2022): s·b·h·(34 + 5·a·s/h) bytes per layer, 16-bit, no
+    tensor or sequence parallelism; written as s·b·(34·h + 5·a·s) so it stays exact.
+    The 5·a·s² term is the attention score matrix, softmax and dropout mask."""
+    s, b = seq_len, micro_batch
+    return s * b * (34 * shape.hidden_size + 5 * shape.num_heads * s)
+
+
+def plan_training(shape: ModelShape, dtype_bytes: int, *, optimizer: str, micro_batch: int,
+                  seq_len: int, checkpointing: str, checkpoint_layers, lora_rank: int,
+                  lora_targets) -> dict:
+    """Training memory for one micro-batch.
+
+    State, per trainable parameter (OPTIMIZERS): adamw-fp32 4+4+8; mixed 2 (16-bit
+    weights) + 2 (grads) + 4 (fp32 master) + 8 (moments); adamw-8bit model-dtype
+    weights and grads + 2 (two 8-bit moments; the block-wise scales, ~0.2%, are left
+    out). With LoRA the base is frozen in the model dtype with no grads or optimizer
+    state, and only the adapters carry the optimizer's state.
+
+    Activations with A = layer_activation_bytes (+ 2·s·b·r per adapted matrix for the
+    LoRA intermediate):
+        none:       L·A
+        full:       L·2·s·b·h (each layer's input) + A (one layer recomputed at a time)
+        selective:  C checkpointed layers: C·2·s·b·h + (L−C)·A + A
+    Logits: s·b·V·(2 + 4), the 16-bit LM-head output and its fp32 copy for the loss.
+    """
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}: use {', '.join(OPTIMIZERS)}")
+    if checkpointing not in CHECKPOINTING:
+        raise ValueError(f"unknown checkpointing {checkpointing!r}: use {', '.join(CHECKPOINTING)}")
+    for name, value in (("micro_batch", micro_batch), ("seq_len", seq_len)):
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if not isinstance(lora_rank, int) or lora_rank < 0:
+        raise ValueError(f"lora_rank must be 0 (full fine-tune) or a positive integer, got {lora_rank!r}")
+
+    L = shape.num_layers
+    layers = sorted(set(checkpoint_layers))
+    bad = [i for i in layers if not 0 <= i < L]
+    if bad:
+        raise ValueError(f"checkpoint layers {bad} out of range: the model has layers 0..{L - 1}")
+    if checkpointing == "selective" and not layers:
+        raise ValueError("checkpointing='selective' needs checkpoint_layers (e.g. 0,2,4 or 0-15)")
+    if checkpointing != "selective" and layers:
+        raise ValueError(f"checkpoint_layers given with checkpointing={checkpointing!r}: use 'selective'")
+    if checkpointing == "full":
+        layers = list(range(L))
+
+    total_params = count_params(shape)["total"]
+    targets = resolve_lora_targets(shape, lora_targets) if lora_rank else []
+    trainable = lora_trainable_params(shape, lora_rank, targets) if lora_rank else total_params
+    frozen = total_params if lora_rank else 0
+
+    w, g, master, moments = OPTIMIZERS[optimizer]
+    w = dtype_bytes if w is None else w
+    g = dtype_bytes if g is None else g
+
+    s, b, h = seq_len, micro_batch, shape.hidden_size
+    per_layer = layer_activation_bytes(s, b, shape) + 2 * s * b * lora_rank * len(targets)
+    stored = len(layers) * 2 * s * b * h + (L - len(layers)) * per_layer
+    activations = stored + (per_layer if layers else 0)
+
+    figures = {
+        "optimizer": optimizer,
+        "micro_batch": micro_batch,
+        "seq_len": seq_len,
+        "checkpointing": checkpointing,
+        "checkpoint_layers": layers if checkpointing == "selective" else [],
+        "lora_rank": lora_rank,
+        "lora_targets": targets,
+        "trainable_params": trainable,
+        "train_weight_bytes": frozen * dtype_bytes + trainable * w,
+        "grad_bytes": trainable * g,
+        "master_weight_bytes": trainable * master,
+        "optimizer_bytes": trainable * moments,
+        "activation_bytes_per_layer": per_layer,
+        "train_activation_bytes": activations,
+        "train_logits_bytes": s * b * shape.vocab_size * (2 + 4),
+    }
+    figures["train_total_bytes"] = sum(figures[k] for k in (
+        "train_weight_bytes", "grad_bytes", "master_weight_bytes", "optimizer_bytes",
+        "train_activation_bytes", "train_logits_bytes"))
+    return figures
+
+
+# ---------------------------------------------------------------- the plan
+
+
+def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | None = None,
+                gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
+                max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                block_size: int = DEFAULT_BLOCK_SIZE, cuda_graphs: bool = True,
+                context_bytes: int = 0, train: bool = False, optimizer: str = "adamw-fp32",
+                micro_batch: int = 1, seq_len: int | None = None, checkpointing: str = "none",
+                checkpoint_layers=(), lora_rank: int = 0,
+                lora_targets=("q_proj", "v_proj")) -> MemoryPlan:
+    """Plan every pathway's bytes for serving (and, with train=True, training) a model.
+
+    Capacity, when gpu_mem_bytes is given (no device is probed here; `run_plan` does
+    that for the CLI):
+        budget    = floor(gpu_mem · gpu_memory_utilization)
+        kv budget = budget − weights − activation peak − logits − CUDA graphs − context
+        blocks    = floor(kv budget / block bytes); tokens = blocks · block_size
+        max concurrency = blocks // ceil(max_model_len / block_size), which equals
+                          tokens // max_model_len when max_model_len is a multiple of
+                          block_size (a sequence holds whole blocks).
+    Training (train=True) is planned for seq_len tokens per sequence, by default
+    min(max_model_len, 4096), against the same budget; see plan_training.
+
+    context_bytes is what the caller knows must stay free for non-PyTorch memory (CUDA
+    context, cuBLAS workspaces); it cannot be derived from the config, so it defaults
+    to 0 and the headroom left by gpu_memory_utilization is expected to hold it.
+    """
+    shape = read_shape(load_config(model))
+    dtype_name, b = resolve_dtype(dtype, shape)
+    max_model_len = shape.max_position_embeddings if max_model_len is None else max_model_len
+    _check_settings(shape, gpu_mem_bytes, gpu_memory_utilization, max_model_len, max_num_seqs,
+                    max_num_batched_tokens, block_size, context_bytes)
+
+    params = count_params(shape)
+    per_token = kv_bytes_per_token(shape, b)
+    per_block = per_token * block_size
+    blocks_per_seq = -(-max_model_len // block_size)
+    rows = min(max_num_seqs, max_num_batched_tokens)
+    graph_batch = min(max_num_seqs, MAX_GRAPH_BATCH) if cuda_graphs else 0
+    activation = decoder_peak_bytes(shape, max_num_batched_tokens, b)
+    logits = logits_bytes(shape, rows)
+    graphs = cuda_graph_bytes(shape, graph_batch, blocks_per_seq, b) if cuda_graphs else 0
+
+    plan = MemoryPlan(
+        architecture=shape.architecture, dtype=dtype_name, dtype_bytes=b,
+        num_layers=shape.num_layers, hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size, num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+        vocab_size=shape.vocab_size, tied_embeddings=shape.tied_embeddings,
+        embedding_params=params["embedding"], attention_params=params["attention"],
+        mlp_params=params["mlp"], norm_params=params["norms"],
+        lm_head_params=params["lm_head"], total_params=params["total"],
+        embedding_bytes=params["embedding"] * b, attention_bytes=params["attention"] * b,
+        mlp_bytes=params["mlp"] * b, norm_bytes=params["norms"] * b,
+        lm_head_bytes=params["lm_head"] * b, weight_bytes=params["total"] * b,
+        block_size=block_size, kv_bytes_per_token=per_token, kv_bytes_per_block=per_block,
+        blocks_per_seq=blocks_per_seq, kv_bytes_per_seq=blocks_per_seq * per_block,
+        max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, gpu_mem_bytes=gpu_mem_bytes,
+        gpu_memory_utilization=gpu_memory_utilization, cuda_graphs=cuda_graphs,
+        activation_peak_bytes=activation, logits_rows=rows, logits_bytes=logits,
+        cuda_graph_batch=graph_batch, cuda_graph_bytes=graphs, context_bytes=context_bytes,
+        workspace_bytes=activation + logits + graphs + context_bytes,
+        kv_bytes_wanted=max_num_seqs * blocks_per_seq * per_block,
+    )
+    if gpu_mem_bytes is not None:
+        plan.budget_bytes = int(gpu_mem_bytes * gpu_memory_utilization)
+        plan.kv_budget_bytes = plan.budget_bytes - plan.weight_bytes - plan.workspace_bytes
+        plan.num_kv_blocks = max(0, plan.kv_budget_bytes) // per_block
+        plan.kv_capacity_tokens = plan.num_kv_blocks * block_size
+        plan.max_concurrency = plan.num_kv_blocks // blocks_per_seq
+        plan.fits = plan.max_concurrency >= 1
+
+    if train:
+        if seq_len is None:
+            seq_len = min(max_model_len, DEFAULT_TRAIN_SEQ_LEN)
+        figures = plan_training(
+            shape, b, optimizer=optimizer, micro_batch=micro_batch, seq_len=seq_len,
+            checkpointing=checkpointing, checkpoint_layers=checkpoint_layers,
+            lora_rank=lora_rank, lora_targets=lora_targets)
+        plan.train = True
+        for key, value in figures.items():
+            setattr(plan, key, value)
+        if plan.budget_bytes is not None:
+            plan.train_fits = plan.train_total_bytes <= plan.budget_bytes
+
+    plan.advice = advise(plan, shape)
+    return plan
+
+
+def _check_settings(shape, gpu_mem, utilization, max_model_len, max_num_seqs,
+                    max_num_batched_tokens, block_size, context_bytes):
+    for name, value in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
+                        ("max_num_batched_tokens", max_num_batched_tokens),
+                        ("block_size", block_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if gpu_mem is not None and (not isinstance(gpu_mem, int) or gpu_mem <= 0):
+        raise ValueError(f"gpu_mem_bytes must be a positive byte count, got {gpu_mem!r} "
+                         f"(parse_bytes('80GiB') reads sizes)")
+    if not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
+    if not isinstance(context_bytes, int) or context_bytes < 0:
+        raise ValueError(f"context_bytes must be a byte count >= 0, got {context_bytes!r}")
+    if max_model_len > shape.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+            f"{shape.max_position_embeddings}: pass --max-model-len {shape.max_position_embeddings} or less"
+        )
+
+
+# ---------------------------------------------------------------- advice
+
+
+def human(n: int | float) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def advise(plan: MemoryPlan, shape: ModelShape) -> list[str]:
+    lines = [_block_size_advice(plan)]
+    if plan.max_num_batched_tokens < plan.max_model_len:
+        lines.append(
+            f"max-num-batched-tokens {plan.max_num_batched_tokens} < max-model-len "
+            f"{plan.max_model_len}: longer prompts are prefilled in chunks of "
+            f"{plan.max_num_batched_tokens} tokens")
+    if plan.budget_bytes is None:
+        lines.append(
+            f"capacity needs --gpu-mem (no CUDA device visible): weights + workspace need "
+            f"{human(plan.weight_bytes + plan.workspace_bytes)} before any KV, and one "
+            f"max-model-len {plan.max_model_len} sequence needs {human(plan.kv_bytes_per_seq)} of KV")
+    else:
+        lines += _capacity_advice(plan)
+    if plan.train:
+        lines += _training_advice(plan, shape)
+    return lines
+
+
+def _block_size_advice(plan: MemoryPlan) -> str:
+    which = "default" if plan.block_size == DEFAULT_BLOCK_SIZE else f"chosen; the default is {DEFAULT_BLOCK_SIZE}"
+    return (f"block size {plan.block_size} ({which}; see docs for measured block-size table): "
+            f"one block holds {human(plan.kv_bytes_per_block)} of KV")
+
+
+def _capacity_advice(plan: MemoryPlan) -> list[str]:
+    lines = []
+    budget, b = plan.budget_bytes, plan.dtype_bytes
+    headroom = plan.gpu_mem_bytes - budget
+    if plan.weight_bytes > budget:
+        fix = (f"use --dtype bfloat16 ({human(plan.weight_bytes // 2)} of weights)" if b == 4 else
+               f"use an 8-bit checkpoint ({human(plan.total_params)} of weights), "
+               f"a GPU with more memory, or a smaller model")
+        return [f"does not fit: weights alone ({human(plan.weight_bytes)}) exceed the budget "
+                f"({human(budget)} = {human(plan.gpu_mem_bytes)} x {plan.gpu_memory_utilization}): {fix}"]
+
+    free_for_kv = max(0, plan.kv_budget_bytes)
+    if plan.max_concurrency == 0:
+        fixed = plan.weight_bytes + plan.logits_bytes + plan.cuda_graph_bytes + plan.context_bytes
+        per_token_act = decoder_peak_bytes_per_token(plan)
+        room = budget - fixed - plan.kv_bytes_per_seq
+        if room >= per_token_act:
+            lines.append(
+                f"does not fit: activations at max-num-batched-tokens {plan.max_num_batched_tokens} "
+                f"({human(plan.activation_peak_bytes)}) leave {human(free_for_kv)} for KV, less than one "
+                f"max-model-len sequence ({human(plan.kv_bytes_per_seq)}): use "
+                f"--max-num-batched-tokens {room // per_token_act}")
+        fit_len = plan.kv_capacity_tokens
+        lines.append(
+            f"does not fit: one max-model-len {plan.max_model_len} sequence needs "
+            f"{human(plan.kv_bytes_per_seq)} of KV; {human(free_for_kv)} is available: use "
+            + (f"--max-model-len {fit_len} or " if fit_len else "")
+            + f"--cpu-kv-gb {_gib_ceil(plan.kv_bytes_per_seq - free_for_kv)}")
+        return lines
+
+    if plan.kv_bytes_wanted > free_for_kv:
+        line = (f"max-num-seqs {plan.max_num_seqs} at max-model-len {plan.max_model_len} needs "
+                f"{human(plan.kv_bytes_wanted)} of KV; {human(free_for_kv)} is available: use "
+                f"--max-num-seqs {plan.max_concurrency} or "
+                f"--cpu-kv-gb {_gib_ceil(plan.kv_bytes_wanted - free_for_kv)}")
+        if b > 1:
+            line += f" (an 8-bit KV cache would need {human(plan.kv_bytes_wanted // b)})"
+        lines.append(line)
+    else:
+        lines.append(
+            f"fits: max-num-seqs {plan.max_num_seqs} at max-model-len {plan.max_model_len} needs "
+            f"{human(plan.kv_bytes_wanted)} of KV; {human(free_for_kv)} is available "
+            f"({plan.max_concurrency} full-length sequences, {plan.kv_capacity_tokens:,} tokens)")
+    lines.append(
+        f"{human(headroom)} (1 - {plan.gpu_memory_utilization} of {human(plan.gpu_mem_bytes)}) stays "
+        f"outside the budget for the CUDA context and allocator fragmentation, which the config "
+        f"cannot tell; measure them with `mempath diagnose`")
+    return lines
+
+
+def decoder_peak_bytes_per_token(plan: MemoryPlan) -> int:
+    # The activation peak is linear in the token count, so one token's share is exact.
+    return plan.activation_peak_bytes // plan.max_num_batched_tokens
+
+
+def _gib_ceil(n: int) -> int:
+    # --cpu-kv-gb counts GiB (as vLLM's *-gb flags do); round up so the advice suffices.
+    return max(1, math.ceil(n / GiB))
+
+
+def _training_advice(plan: MemoryPlan, shape: ModelShape) -> list[str]:
+    if plan.budget_bytes is None:
+        return [f"training needs {human(plan.train_total_bytes)} per GPU; pass --gpu-mem to check the fit"]
+    if plan.train_total_bytes <= plan.budget_bytes:
+        return [f"training fits: {human(plan.train_total_bytes)} of {human(plan.budget_bytes)}"]
+    current = dict(optimizer=plan.optimizer, micro_batch=plan.micro_batch, seq_len=plan.seq_len,
+                   checkpointing=plan.checkpointing, checkpoint_layers=plan.checkpoint_layers,
+                   lora_rank=plan.lora_rank, lora_targets=plan.lora_targets or ("q_proj", "v_proj"))
+    options = []
+    if plan.checkpointing != "full":
+        options.append(("--checkpointing full", dict(checkpointing="full", checkpoint_layers=())))
+    if plan.optimizer != "adamw-8bit":
+        options.append(("--optimizer adamw-8bit", dict(optimizer="adamw-8bit")))
+    if plan.lora_rank == 0:
+        options.append(("--lora-rank 16", dict(lora_rank=16)))
+    if plan.micro_batch > 1:
+        options.append(("--micro-batch 1", dict(micro_batch=1)))
+    options.append(("all of these", {k: v for _, o in options for k, v in o.items()}))
+    fixes = []
+    for flag, change in options:
+        total = plan_training(shape, plan.dtype_bytes, **{**current, **change})["train_total_bytes"]
+        fixes.append(f"{flag} -> {human(total)}{'' if total <= plan.budget_bytes else ' (still too big)'}")
+    return [f"training does not fit: {human(plan.train_total_bytes)} needed, "
+            f"{human(plan.budget_bytes)} available; " + "; ".join(fixes)]
+
+
+# ---------------------------------------------------------------- the table
+
+
+def _row(label: str, n: int, params: int | None = None) -> str:
+    count = f"{params:>16,}" if params is not None else " " * 16
+    return f"  {label:<34}{count}  {human(n):>12}  {n:>19,} B"
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    p = plan
+    out = [
+        f"mempath plan: {p.architecture}, {p.dtype} ({p.dtype_bytes} B/element)",
+        f"  {p.num_layers} layers, hidden {p.hidden_size}, {p.num_heads} heads "
+        f"({p.num_kv_heads} KV, head dim {p.head_dim}), intermediate {p.intermediate_size}, "
+        f"vocab {p.vocab_size}, embeddings {'tied' if p.tied_embeddings else 'untied'}",
+        "",
+        f"{'weights':<36}{'params':>16}  {'size':>12}  {'bytes':>21}",
+        _row("embedding", p.embedding_bytes, p.embedding_params),
+        _row("attention", p.attention_bytes, p.attention_params),
+        _row("mlp", p.mlp_bytes, p.mlp_params),
+        _row("norms", p.norm_bytes, p.norm_params),
+        _row("lm head" + (" (tied: no extra bytes)" if p.tied_embeddings else ""),
+             p.lm_head_bytes, p.lm_head_params),
+        _row("total", p.weight_bytes, p.total_params),
+        "",
+        "KV cache",
+        _row("per token", p.kv_bytes_per_token),
+        _row(f"per block ({p.block_size} tokens)", p.kv_bytes_per_block),
+        _row(f"per sequence ({p.max_model_len} tokens)", p.kv_bytes_per_seq),
+        _row(f"max-num-seqs {p.max_num_seqs} at full length", p.kv_bytes_wanted),
+        "",
+        f"workspace (max-num-batched-tokens {p.max_num_batched_tokens}, max-num-seqs {p.max_num_seqs})",
+        _row("activation peak (one layer)", p.activation_peak_bytes),
+        _row(f"logits ({p.logits_rows} rows, fp32)", p.logits_bytes),
+        _row(f"CUDA graphs (batch <= {p.cuda_graph_batch})" if p.cuda_graphs else "CUDA graphs (off)",
+             p.cuda_graph_bytes),
+        _row("context (given; not derivable)", p.context_bytes),
+        _row("total", p.workspace_bytes),
+        "",
+    ]
+    if p.budget_bytes is None:
+        out += ["capacity: needs --gpu-mem (no CUDA device visible)", ""]
+    else:
+        out += [
+            f"capacity (gpu-mem {human(p.gpu_mem_bytes)} x {p.gpu_memory_utilization})",
+            _row("budget", p.budget_bytes),
+            _row("- weights", p.weight_bytes),
+            _row("- workspace", p.workspace_bytes),
+            _row("= KV budget", p.kv_budget_bytes),
+            f"  {'KV blocks':<34}{p.num_kv_blocks:>16,}",
+            f"  {'KV tokens':<34}{p.kv_capacity_tokens:>16,}",
+            f"  {f'max concurrency at {p.max_model_len}':<34}{p.max_concurrency:>16,}",
+            "",
+        ]
+    if p.train:
+        setup = f"{p.optimizer}, micro-batch {p.micro_batch}, seq-len {p.seq_len}, checkpointing {p.checkpointing}"
+        if p.checkpoint_layers:
+            setup += f" (layers {_layer_ranges(p.checkpoint_layers)})"
+        if p.lora_rank:
+            setup += f", LoRA r={p.lora_rank} on {','.join(p.lora_targets)}"
+        out += [
+            f"training ({setup})",
+            f"  {'trainable params':<34}{p.trainable_params:>16,}",
+            _row("weights", p.train_weight_bytes),
+            _row("gradients", p.grad_bytes),
+            _row("fp32 master weights", p.master_weight_bytes),
+            _row("optimizer moments", p.optimizer_bytes),
+            _row("activations per layer", p.activation_bytes_per_layer),
+            _row("activations", p.train_activation_bytes),
+            _row("logits (16-bit + fp32 for the loss)", p.train_logits_bytes),
+            _row("total", p.train_total_bytes),
+            "",
+        ]
+    out.append("advice")
+    out += [f"  - {line}" for line in p.advice]
+    return "\n".join(out)
+
+
+def _layer_ranges(layers) -> str:
+    runs, start = [], None
+    for i, layer in enumerate(layers):
+        if start is None:
+            start = layer
+        if i + 1 == len(layers) or layers[i + 1] != layer + 1:
+            runs.append(str(start) if start == layer else f"{start}-{layer}")
+            start = None
+    return ",".join(runs)
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def parse_layers(text: str) -> list[int]:
+    """"0,2,4" or "0-15,20" -> layer indices."""
+    layers = []
+    for part in filter(None, (s.strip() for s in text.split(","))):
+        try:
+            lo, _, hi = part.partition("-")
+            layers += range(int(lo), int(hi or lo) + 1)
+        except ValueError:
+            raise ValueError(f"cannot read layer list {text!r}: write e.g. 0,2,4 or 0-15") from None
+    return layers
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="model directory, config.json, or a cached hub id")
+    parser.add_argument("--dtype", default="auto", help="auto | bfloat16 | float16 | float32")
+    parser.add_argument("--gpu-mem", default=None,
+                        help="device memory, e.g. 80GiB, 24GB or bytes (default: the CUDA device's)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    parser.add_argument("--enforce-eager", action="store_true", help="plan without CUDA graphs")
+    parser.add_argument("--context-mem", default="0",
+                        help="non-PyTorch memory to hold back (CUDA context etc.), e.g. 500MiB")
+    parser.add_argument("--train", action="store_true", help="also plan training memory")
+    parser.add_argument("--optimizer", default="adamw-fp32", choices=list(OPTIMIZERS))
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=None)
+    parser.add_argument("--checkpointing", default="none", choices=list(CHECKPOINTING))
+    parser.add_argument("--checkpoint-layers", default="", help="e.g. 0,2,4 or 0-15")
+    parser.add_argument("--lora-rank", type=int, default=0)
+    parser.add_argument("--lora-targets", default="q_proj,v_proj", help="comma list or all-linear")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    import sys
+
+    try:
+        gpu_mem = parse_bytes(args.gpu_mem) if args.gpu_mem else detect_gpu_mem()
+        context = 0 if str(args.context_mem).strip() in ("", "0") else parse_bytes(args.context_mem)
+        plan = plan_memory(
+            args.model, dtype=args.dtype, gpu_mem_bytes=gpu_mem,
+            gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            block_size=args.block_size, cuda_graphs=not args.enforce_eager, context_bytes=context,
+            train=args.train, optimizer=args.optimizer, micro_batch=args.micro_batch,
+            seq_len=args.seq_len, checkpointing=args.checkpointing,
+            checkpoint_layers=parse_layers(args.checkpoint_layers), lora_rank=args.lora_rank,
+            lora_targets=args.lora_targets)
+    except ValueError as e:
+        print(f"mempath plan: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    return 0

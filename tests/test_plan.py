@@ -1,0 +1,352 @@
+"""`mempath plan`: figures checked against transformers models built on the meta device."""
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from mempath.memory.plan import (
+    MemoryPlan,
+    add_plan_arguments,
+    format_plan,
+    parse_bytes,
+    parse_layers,
+    plan_memory,
+    run_plan,
+)
+
+CONFIGS = Path(__file__).parent / "data" / "configs"
+REAL = ["llama-3.1-8b", "qwen2.5-7b-instruct", "qwen3-0.6b", "mistral-7b-v0.1", "phi-3-mini-4k-instruct"]
+GiB = 1 << 30
+
+TINY = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000,
+    "max_position_embeddings": 512, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}
+TINY_PARAMS = 276_032  # 64000 embed + 49152 attn + 98304 mlp + 576 norms + 64000 head
+
+# Variants that exercise the bias and q/k-norm paths on small shapes.
+TINY_VARIANTS = {
+    "llama-biases": {**TINY, "attention_bias": True, "mlp_bias": True},
+    "llama-tied": {**TINY, "tie_word_embeddings": True},
+    "qwen2": {**TINY, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"},
+    "qwen3-bias": {**TINY, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+                   "head_dim": 32, "attention_bias": True},
+    "mistral-head-dim-null": {**TINY, "architectures": ["MistralForCausalLM"],
+                              "model_type": "mistral", "head_dim": None},
+    "phi3": {**TINY, "architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
+             "pad_token_id": 0},
+}
+
+_META_CACHE = {}
+
+
+def load(name):
+    return json.loads((CONFIGS / f"{name}.json").read_text())
+
+
+def meta_model(config: dict, dtype=torch.bfloat16):
+    key = (json.dumps(config, sort_keys=True), dtype)
+    if key not in _META_CACHE:
+        cfg = AutoConfig.for_model(**config)
+        with torch.device("meta"):
+            _META_CACHE[key] = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return _META_CACHE[key]
+
+
+def pathway(name: str) -> str:
+    if "embed_tokens" in name:
+        return "embedding"
+    if name.startswith("lm_head"):
+        return "lm_head"
+    if "norm" in name:  # layer norms, the final norm, and Qwen3's q/k norms
+        return "norms"
+    if ".self_attn." in name:
+        return "attention"
+    if ".mlp." in name:
+        return "mlp"
+    raise AssertionError(f"unclassified parameter {name}")
+
+
+def meta_counts(model) -> dict:
+    counts = dict.fromkeys(["embedding", "attention", "mlp", "norms", "lm_head"], 0)
+    for name, p in model.named_parameters():  # tied weights appear once
+        counts[pathway(name)] += p.numel()
+    counts["bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    return counts
+
+
+def plan_counts(plan: MemoryPlan) -> dict:
+    return {"embedding": plan.embedding_params, "attention": plan.attention_params,
+            "mlp": plan.mlp_params, "norms": plan.norm_params,
+            "lm_head": plan.lm_head_params, "bytes": plan.weight_bytes}
+
+
+# ---------------------------------------------------------------- weights and KV
+
+
+@pytest.mark.parametrize("name", REAL)
+def test_weights_match_meta_model(name):
+    config = load(name)
+    plan = plan_memory(config, dtype="bfloat16")
+    assert plan_counts(plan) == meta_counts(meta_model(config))
+    assert plan.total_params == sum(p.numel() for p in meta_model(config).parameters())
+
+
+@pytest.mark.parametrize("name", sorted(TINY_VARIANTS))
+def test_tiny_variants_match_meta_model(name):
+    config = TINY_VARIANTS[name]
+    plan = plan_memory(config, dtype="float32")
+    assert plan_counts(plan) == meta_counts(meta_model(config, torch.float32))
+
+
+def test_llama_31_8b_reference_figures():
+    plan = plan_memory(CONFIGS / "llama-3.1-8b.json")
+    assert plan.dtype == "bfloat16"
+    assert plan.weight_bytes == 16_060_522_496
+    assert plan.kv_bytes_per_token == 131_072
+    assert plan.kv_bytes_per_block == 2 * 1024 * 1024
+    assert plan.lm_head_bytes == plan.embedding_bytes
+
+
+@pytest.mark.parametrize("name", REAL)
+def test_kv_per_token_matches_formula(name):
+    config = load(name)
+    cfg = AutoConfig.for_model(**config)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    expected = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2
+    plan = plan_memory(config, block_size=32)
+    assert plan.kv_bytes_per_token == expected
+    assert plan.kv_bytes_per_block == expected * 32
+
+
+def test_tied_lm_head_costs_nothing():
+    plan = plan_memory(load("qwen3-0.6b"))
+    assert plan.tied_embeddings and plan.lm_head_params == 0 and plan.lm_head_bytes == 0
+    assert plan.kv_bytes_per_token == 2 * 28 * 8 * 128 * 2
+
+
+def test_model_directory_and_dtype_override(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(load("mistral-7b-v0.1")))
+    plan = plan_memory(str(tmp_path), dtype="fp32")
+    assert (plan.dtype, plan.dtype_bytes) == ("float32", 4)
+    assert plan.weight_bytes == 4 * plan.total_params
+
+
+# ---------------------------------------------------------------- workspace and capacity
+
+
+def test_workspace_figures():
+    plan = plan_memory(TINY, max_num_seqs=8, max_num_batched_tokens=100, block_size=16)
+    h, i, q, kv = 64, 128, 64, 32
+    attention = (q + 2 * kv) + (q + kv) + q + h
+    mlp = 3 * i + h
+    assert plan.activation_peak_bytes == 100 * 2 * (2 * h + max(attention, mlp))
+    assert plan.logits_rows == 8 and plan.logits_bytes == 8 * 1000 * 4
+    assert plan.workspace_bytes == plan.activation_peak_bytes + plan.logits_bytes + plan.cuda_graph_bytes
+    assert plan_memory(TINY, cuda_graphs=False).cuda_graph_bytes == 0
+
+
+def test_capacity_arithmetic():
+    plan = plan_memory(load("llama-3.1-8b"), gpu_mem_bytes=80 * GiB, max_model_len=8192,
+                       max_num_seqs=64)
+    assert plan.budget_bytes == int(80 * GiB * 0.9)
+    assert plan.kv_budget_bytes == plan.budget_bytes - plan.weight_bytes - plan.workspace_bytes
+    assert plan.num_kv_blocks == plan.kv_budget_bytes // plan.kv_bytes_per_block
+    assert plan.kv_capacity_tokens == plan.num_kv_blocks * 16
+    assert plan.max_concurrency == plan.kv_capacity_tokens // plan.max_model_len
+    assert 0 < plan.max_concurrency < 64 and plan.fits
+    advice = " ".join(plan.advice)
+    assert f"use --max-num-seqs {plan.max_concurrency} or --cpu-kv-gb" in advice
+    assert "see docs for measured block-size table" in advice
+
+
+def test_concurrency_counts_whole_blocks():
+    # 500 tokens occupy 32 blocks of 16 (512 slots), so tokens // max_model_len would overcount.
+    plan = plan_memory(TINY, gpu_mem_bytes=GiB, max_model_len=500, block_size=16)
+    assert plan.blocks_per_seq == 32
+    assert plan.max_concurrency == plan.num_kv_blocks // 32
+
+
+def test_everything_fits_advice():
+    plan = plan_memory(load("qwen3-0.6b"), gpu_mem_bytes=80 * GiB, max_model_len=4096,
+                       max_num_seqs=16)
+    assert plan.kv_bytes_wanted == 16 * 4096 * plan.kv_bytes_per_token
+    assert any(line.startswith("fits: max-num-seqs 16") for line in plan.advice)
+
+
+def test_weights_exceed_budget():
+    plan = plan_memory(load("llama-3.1-8b"), gpu_mem_bytes=16 * GiB)
+    assert plan.kv_budget_bytes < 0 and plan.num_kv_blocks == 0 and plan.max_concurrency == 0
+    assert not plan.fits
+    assert any(line.startswith("does not fit: weights alone") for line in plan.advice)
+
+
+def test_kv_for_one_sequence_does_not_fit():
+    plan = plan_memory(load("llama-3.1-8b"), gpu_mem_bytes=parse_bytes("18GiB"))
+    assert plan.kv_budget_bytes > 0 and plan.max_concurrency == 0 and not plan.fits
+    line = next(line for line in plan.advice if "one max-model-len 131072 sequence" in line)
+    assert f"--max-model-len {plan.kv_capacity_tokens}" in line and "--cpu-kv-gb" in line
+
+
+def test_no_gpu_mem_leaves_capacity_empty():
+    plan = plan_memory(load("phi-3-mini-4k-instruct"))
+    assert plan.budget_bytes is None and plan.max_concurrency is None and plan.fits is None
+    assert any("capacity needs --gpu-mem" in line for line in plan.advice)
+
+
+# ---------------------------------------------------------------- training
+
+
+def tiny_train(**kw):
+    args = dict(train=True, micro_batch=2, seq_len=128)
+    return plan_memory(TINY, dtype="bfloat16", **{**args, **kw})
+
+
+A = 128 * 2 * (34 * 64 + 5 * 4 * 128)  # Korthikanti, s=128, b=2, h=64, a=4: 1,212,416
+LOGITS = 128 * 2 * 1000 * (2 + 4)
+
+
+def test_training_adamw_fp32_no_checkpointing():
+    plan = tiny_train()
+    assert plan.total_params == TINY_PARAMS
+    assert A == 1_212_416
+    assert plan.trainable_params == TINY_PARAMS
+    assert (plan.train_weight_bytes, plan.grad_bytes, plan.master_weight_bytes, plan.optimizer_bytes) == (
+        4 * TINY_PARAMS, 4 * TINY_PARAMS, 0, 8 * TINY_PARAMS)
+    assert plan.activation_bytes_per_layer == A
+    assert plan.train_activation_bytes == 4 * A == 4_849_664
+    assert plan.train_logits_bytes == LOGITS == 1_536_000
+    assert plan.train_total_bytes == 16 * TINY_PARAMS + 4 * A + LOGITS
+
+
+def test_training_optimizers():
+    mixed = tiny_train(optimizer="mixed")
+    assert (mixed.train_weight_bytes, mixed.grad_bytes, mixed.master_weight_bytes,
+            mixed.optimizer_bytes) == (2 * TINY_PARAMS, 2 * TINY_PARAMS, 4 * TINY_PARAMS, 8 * TINY_PARAMS)
+    eight = tiny_train(optimizer="adamw-8bit")
+    assert (eight.train_weight_bytes, eight.grad_bytes, eight.master_weight_bytes,
+            eight.optimizer_bytes) == (2 * TINY_PARAMS, 2 * TINY_PARAMS, 0, 2 * TINY_PARAMS)
+
+
+def test_training_checkpointing():
+    layer_input = 2 * 128 * 2 * 64  # s·b·h·2 bytes
+    assert tiny_train(checkpointing="full").train_activation_bytes == 4 * layer_input + A == 1_343_488
+    selective = tiny_train(checkpointing="selective", checkpoint_layers=[0, 2])
+    assert selective.train_activation_bytes == 2 * layer_input + 2 * A + A == 3_702_784
+    assert selective.checkpoint_layers == [0, 2]
+
+
+def test_training_lora_matches_meta_linears():
+    plan = tiny_train(lora_rank=8)
+    model = meta_model(TINY)
+    manual = sum(8 * (m.in_features + m.out_features) for name, m in model.named_modules()
+                 if isinstance(m, torch.nn.Linear) and name.split(".")[-1] in ("q_proj", "v_proj"))
+    assert plan.trainable_params == manual == 7168
+    assert plan.train_weight_bytes == 2 * TINY_PARAMS + 4 * 7168
+    assert (plan.grad_bytes, plan.optimizer_bytes) == (4 * 7168, 8 * 7168)
+    assert plan.activation_bytes_per_layer == A + 2 * 128 * 2 * 8 * 2
+
+
+@pytest.mark.parametrize("name,targets", [("llama-3.1-8b", "all-linear"),
+                                          ("phi-3-mini-4k-instruct", ("qkv_proj", "gate_up_proj")),
+                                          ("qwen2.5-7b-instruct", ("q_proj", "k_proj", "v_proj", "o_proj"))])
+def test_lora_real_configs_match_meta_linears(name, targets):
+    config = load(name)
+    plan = plan_memory(config, train=True, lora_rank=16, lora_targets=targets, seq_len=256)
+    wanted = set(plan.lora_targets)
+    manual = sum(16 * (m.in_features + m.out_features) for n, m in meta_model(config).named_modules()
+                 if isinstance(m, torch.nn.Linear) and ".layers." in n and n.split(".")[-1] in wanted)
+    assert plan.trainable_params == manual
+
+
+def test_training_does_not_fit_suggests_alternatives():
+    plan = plan_memory(load("llama-3.1-8b"), gpu_mem_bytes=80 * GiB, train=True, seq_len=4096)
+    assert plan.fits and not plan.train_fits
+    line = next(line for line in plan.advice if line.startswith("training does not fit"))
+    assert "--checkpointing full ->" in line and "--optimizer adamw-8bit ->" in line
+    assert "--lora-rank 16 ->" in line
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(model={**TINY, "architectures": ["GPT2LMHeadModel"]}), "unsupported architecture"),
+    (dict(model="/nonexistent/model"), "no config.json"),
+    (dict(model={**TINY, "hidden_size": 0}), "hidden_size"),
+    (dict(model=TINY, dtype="int3"), "unknown dtype"),
+    (dict(model=TINY, gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+    (dict(model=TINY, gpu_mem_bytes=-1), "gpu_mem_bytes"),
+    (dict(model=TINY, max_model_len=4096), "max_position_embeddings"),
+    (dict(model=TINY, block_size=0), "block_size"),
+    (dict(model=TINY, train=True, optimizer="sgd"), "unknown optimizer"),
+    (dict(model=TINY, train=True, checkpointing="selective"), "needs checkpoint_layers"),
+    (dict(model=TINY, train=True, checkpointing="selective", checkpoint_layers=[9]), "out of range"),
+    (dict(model={**TINY, "architectures": ["Phi3ForCausalLM"], "model_type": "phi3"},
+          train=True, lora_rank=8, lora_targets=("q_proj",)), "qkv_proj"),
+])
+def test_bad_input_raises(kwargs, match):
+    model = kwargs.pop("model")
+    with pytest.raises(ValueError, match=match):
+        plan_memory(model, **kwargs)
+
+
+def test_parse_sizes_and_layers():
+    assert parse_bytes("80GiB") == 80 * GiB
+    assert parse_bytes("24GB") == 24_000_000_000
+    assert parse_bytes("141 G") == 141_000_000_000
+    assert parse_bytes("512MiB") == 512 << 20
+    assert parse_bytes("123") == 123
+    for bad in ("lots", "-5GB", "0"):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+    assert parse_layers("0-3,8") == [0, 1, 2, 3, 8]
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def cli(*argv):
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    return run_plan(parser.parse_args([str(a) for a in argv]))
+
+
+def test_cli_table(capsys):
+    rc = cli(CONFIGS / "llama-3.1-8b.json", "--gpu-mem", "80GiB", "--max-model-len", "8192",
+             "--train", "--optimizer", "mixed", "--checkpointing", "selective",
+             "--checkpoint-layers", "0-7", "--lora-rank", "8")
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "16,060,522,496 B" in out and "131,072 B" in out
+    assert "max concurrency at 8192" in out and "layers 0-7" in out and "advice" in out
+
+
+def test_cli_json(capsys):
+    assert cli(CONFIGS / "qwen3-0.6b.json", "--gpu-mem", "24GB", "--json") == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["weight_bytes"] == 1_192_099_840 and data["gpu_mem_bytes"] == 24_000_000_000
+    assert data["max_concurrency"] >= 1 and isinstance(data["advice"], list)
+
+
+def test_cli_error(capsys):
+    assert cli(CONFIGS / "qwen3-0.6b.json", "--gpu-mem", "lots") == 2
+    assert "cannot read 'lots' as a size" in capsys.readouterr().err
+
+
+def test_format_without_gpu_mem():
+    text = format_plan(plan_memory(load("mistral-7b-v0.1"), cuda_graphs=False))
+    assert "capacity: needs --gpu-mem" in text and "CUDA graphs (off)" in text
+
+
+def test_auto_dtype_reads_either_config_key():
+    no_dtype = {k: v for k, v in TINY.items() if k != "torch_dtype"}
+    assert plan_memory(no_dtype).dtype == "bfloat16"
+    assert plan_memory({**no_dtype, "dtype": "float16"}).dtype == "float16"
+    assert plan_memory({**TINY, "torch_dtype": "float32"}).weight_bytes == 4 * TINY_PARAMS
