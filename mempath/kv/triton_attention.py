@@ -114,7 +114,9 @@ def decode_workspace_numel(
     ``partial_lse`` needs ``1 / head_dim`` of it. ``max_model_len`` does not
     matter: longer contexts get longer splits, not more of them.
     """
-    rows = max(b * decode_num_splits(b, num_kv_heads, device) for b in range(1, max_num_seqs + 1))
+    splits = (decode_num_splits(b, num_kv_heads, device) for b in range(1, max_num_seqs + 1))
+    # A batch run in one split writes straight to the output.
+    rows = max([b * n for b, n in enumerate(splits, start=1) if n > 1] or [1])
     return rows * num_heads * head_dim
 
 
@@ -136,8 +138,10 @@ def _require_triton():
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
-    # TF32 would cost float32 caches about three decimal digits.
-    return "ieee" if dtype == torch.float32 else "tf32"
+    # Plain TF32 would cost float32 caches about three decimal digits; three
+    # TF32 products restore float32 accuracy on the tensor cores, where "ieee"
+    # falls back to FMAs and spills.
+    return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
 def _pipeline_stages(tile_bytes: int) -> int:
@@ -415,6 +419,8 @@ def triton_write_kv(
     _require_triton()
     _check_cache(k_cache, v_cache)
     num_tokens = key.shape[0]
+    if slot_mapping.shape[0] != num_tokens or value.shape[0] != num_tokens:
+        raise ValueError("key, value and slot_mapping must have one row per token")
     if num_tokens == 0:
         return
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -511,8 +517,11 @@ def triton_decode_attention(
 def _prefill_config(head_dim: int, dtype: torch.dtype):
     """(BLOCK_M, BLOCK_N, num_warps) sized to keep Q, K and V tiles in shared memory."""
     d_pad = _next_pow2(head_dim)
-    if dtype == torch.float32 or d_pad > 128:
-        return 64, 32, 4 if d_pad <= 64 else 8
+    if dtype == torch.float32:
+        # Float32 tiles (and the 3-pass TF32 dots) are twice as large: keep them small.
+        return 32, 32, 4
+    if d_pad > 128:
+        return 64, 32, 8
     if d_pad <= 64:
         return 128, 64, 4
     return 128, 64, 8
@@ -570,7 +579,7 @@ def triton_prefill_attention(
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n,
         PRECISION=_dot_precision(k_cache.dtype),
-        num_warps=num_warps, num_stages=min(2, _pipeline_stages(tile_bytes)),
+        num_warps=num_warps, num_stages=_pipeline_stages(tile_bytes),
     )
     return out
 

@@ -1,0 +1,202 @@
+"""Engine behaviour: prefix caching, sampling, stops, bad input, chat, CLI."""
+import json
+
+import pytest
+import torch
+
+from mempath import LLM, SamplingParams
+from mempath.cli import main as cli_main
+
+
+@pytest.fixture(scope="module")
+def llm(model_factory):
+    path, _ = model_factory("llama")
+    return LLM(path, dtype="float32", show_progress=False, num_gpu_blocks_override=24)
+
+
+def greedy(n=16, **kw):
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+def test_prefix_cache_hit_gives_same_tokens(model_factory):
+    path, _ = model_factory("llama")
+    shared = [7 + i % 90 for i in range(50)]
+    prompts = [shared + [1, 2, 3], shared + [4, 5]]
+    cached = LLM(path, dtype="float32", show_progress=False)
+    first = cached.generate(prompts[0], greedy())[0]
+    second = cached.generate(prompts[1], greedy())[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 48  # three full blocks of 16
+    uncached = LLM(path, dtype="float32", show_progress=False, enable_prefix_caching=False)
+    ref = uncached.generate(prompts, greedy(), use_tqdm=False)
+    assert [first.token_ids, second.token_ids] == [o.token_ids for o in ref]
+    assert all(o.num_cached_tokens == 0 for o in ref)
+    stats = cached.stats()
+    assert stats["prefix_cache_hits"] == 3 and stats["kv_blocks_used"] == 0
+
+
+def test_repeated_prompt_reuses_all_but_last_block(llm):
+    prompt = list(range(20, 52))  # exactly two blocks
+    llm.generate(prompt, greedy(4))
+    again = llm.generate(prompt, greedy(4))[0]
+    assert again.num_cached_tokens == 16  # the block holding the last token is recomputed
+
+
+def test_seeded_sampling_is_independent_of_batch(llm):
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    alone = llm.generate([5, 6, 7], params)[0].token_ids
+    noisy = SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True)
+    batch = llm.generate([[9, 9, 9, 9], [5, 6, 7], list(range(40))], [noisy, params, noisy], use_tqdm=False)
+    assert batch[1].token_ids == alone
+    other_seed = llm.generate([5, 6, 7], SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95,
+                                                         seed=99, ignore_eos=True))[0]
+    assert other_seed.token_ids != alone
+
+
+@pytest.mark.parametrize("kw", [dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)])
+def test_truncation_to_one_token_equals_greedy(llm, kw):
+    ref = llm.generate([3, 1, 4, 1, 5], greedy(10))[0].token_ids
+    out = llm.generate([3, 1, 4, 1, 5], SamplingParams(max_tokens=10, temperature=1.5, ignore_eos=True, **kw))[0]
+    assert out.token_ids == ref
+
+
+def test_top_k_restricts_support(llm):
+    prompt = [11, 12, 13]
+    lp = llm.generate(prompt, greedy(1, logprobs=3))[0].logprobs[0]
+    top3 = set(sorted(lp, key=lp.get, reverse=True)[:3])
+    for seed in range(12):
+        out = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=5.0, top_k=3, seed=seed))[0]
+        assert out.token_ids[0] in top3
+
+
+def test_logprobs_match_model_distribution(model_factory, llm):
+    _, hf = model_factory("llama")
+    prompt = [2, 40, 41, 42]
+    out = llm.generate(prompt, greedy(1, logprobs=5))[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1], -1)
+    entry = out.logprobs[0]
+    assert len(entry) == 5
+    top = ref.topk(5)
+    assert set(entry) == set(top.indices.tolist())
+    for token_id, value in entry.items():
+        assert value == pytest.approx(ref[token_id].item(), abs=1e-4)
+
+
+def test_stop_token_and_stop_string(llm):
+    base = llm.generate([5, 6, 7, 8], greedy(12))[0]
+    stop_id = base.token_ids[3]
+    first_at = base.token_ids.index(stop_id)
+    out = llm.generate([5, 6, 7, 8], greedy(12, stop_token_ids=[stop_id]))[0]
+    assert out.token_ids == base.token_ids[:first_at + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    text = llm.generate("def read_config(path):", greedy(24))[0].text
+    stop = text[5:8]
+    assert stop
+    cut = llm.generate("def read_config(path):", greedy(24, stop=[stop]))[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == text[:text.index(stop)]
+
+
+def test_eos_stops_unless_ignored(model_factory):
+    path, _ = model_factory("llama")
+    llm = LLM(path, dtype="float32", show_progress=False)
+    free = llm.generate([9, 8, 7], greedy(8))[0].token_ids
+    llm.engine.eos_token_ids = {free[2]}
+    stopped = llm.generate([9, 8, 7], SamplingParams(max_tokens=8, temperature=0))[0]
+    assert stopped.token_ids == free[:free.index(free[2]) + 1] and stopped.finish_reason == "stop"
+    ignored = llm.generate([9, 8, 7], greedy(8))[0]
+    assert ignored.token_ids == free and ignored.finish_reason == "length"
+
+
+def test_string_prompt_text_and_timings(llm):
+    out = llm.generate("class Engine:", greedy(8))[0]
+    assert out.prompt == "class Engine:"
+    assert out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    assert 0 < out.time_to_first_token <= out.total_time
+
+
+def test_n_samples(llm):
+    outs = llm.generate([1, 2, 3], SamplingParams(max_tokens=6, temperature=1.0, n=3, seed=5, ignore_eos=True))
+    assert len(outs) == 3
+    assert len({tuple(o.token_ids) for o in outs}) > 1
+
+
+def test_chat_applies_template(llm):
+    out = llm.chat([{"role": "user", "content": "hello"}], greedy(5))[0]
+    assert out.prompt.startswith("<s>user: hello") and out.prompt.endswith("assistant:")
+    assert len(out.token_ids) == 5
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ("", greedy(), "prompt is empty"),
+    ([1] * 600, greedy(), "max_model_len"),
+    ([1, 2], SamplingParams(max_tokens=0), "max_tokens"),
+    ([1, 2], SamplingParams(temperature=-1), "temperature"),
+    ([1, 2], SamplingParams(top_p=0), "top_p"),
+    ([1, 99999], greedy(), "outside the vocabulary"),
+    ([1] * 400, greedy(16), "KV blocks"),
+])
+def test_bad_single_request_raises(llm, prompt, params, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompt, params)
+    assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_engine_rejects_empty_token_list(llm):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.engine.add_request([], greedy())
+
+
+def test_bad_request_in_batch_does_not_stop_others(llm):
+    good = [4, 5, 6]
+    ref = llm.generate(good, greedy(8))[0].token_ids
+    outs = llm.generate([good, [], [1] * 600, good], greedy(8), use_tqdm=False)
+    assert outs[0].token_ids == ref and outs[3].token_ids == ref
+    for bad in outs[1:3]:
+        assert bad.finish_reason == "error" and bad.error and bad.token_ids == []
+    assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_abort_frees_blocks(llm):
+    engine = llm.engine
+    engine.add_request(list(range(40)), greedy(50), "abort-me")
+    engine.add_request(list(range(30)), greedy(5), "keep")
+    engine.step()
+    assert engine.stats()["kv_blocks_used"] > 0
+    aborted = engine.abort_request("abort-me")
+    assert aborted.finished and aborted.finish_reason == "abort"
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in done] == ["keep"]
+    assert engine.stats()["kv_blocks_used"] == 0
+    assert engine.abort_request("abort-me") is None
+
+
+def test_unsupported_architecture_is_clear(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*not supported"):
+        LLM(str(tmp_path), show_progress=False)
+
+
+def test_unknown_engine_option_is_clear(model_factory):
+    path, _ = model_factory("llama")
+    with pytest.raises(TypeError, match="max_num_seq"):
+        LLM(path, max_num_seq=4)
+
+
+def test_cli_generate_json(model_factory, capsys):
+    path, _ = model_factory("llama")
+    code = cli_main(["generate", path, "def f(x):", "--max-tokens", "6", "--json", "--quiet",
+                     "--ignore-eos", "--dtype", "float32"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert len(result["token_ids"]) == 6 and result["finish_reason"] == "length"
+
+
+def test_cli_reports_bad_input(model_factory, capsys):
+    path, _ = model_factory("llama")
+    code = cli_main(["generate", path, "x", "--max-tokens", "0", "--quiet"])
+    assert code == 2
+    assert "max_tokens" in capsys.readouterr().err
