@@ -21,12 +21,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
     parser.add_argument("--num-gpu-blocks-override", type=int, default=d.num_gpu_blocks_override)
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
 
 
 def engine_options(args) -> dict:
     keys = ("dtype", "device", "seed", "block_size", "max_model_len", "max_num_seqs",
             "max_num_batched_tokens", "gpu_memory_utilization", "num_gpu_blocks_override",
-            "enable_prefix_caching")
+            "enable_prefix_caching", "enforce_eager")
     return {k: getattr(args, k) for k in keys}
 
 

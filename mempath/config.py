@@ -25,7 +25,7 @@ class EngineConfig:
     cpu_kv_cache_bytes: int = 1 << 30
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
-    enforce_eager: bool = True
+    enforce_eager: bool = False  # True: no CUDA graphs (they are only used on CUDA)
     # Largest number of top logprobs a request may ask for; bounds the sampler's work.
     max_logprobs: int = 20
 

@@ -1,4 +1,6 @@
 """Greedy mempath output is token-identical to transformers generate() on the CPU."""
+import copy
+
 import pytest
 import torch
 
@@ -50,13 +52,12 @@ def test_chunked_prefill_and_preemption_match(arch, model_factory, references):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_logits_close_to_transformers(dtype, model_factory):
     path, hf = model_factory("llama")
-    hf = hf.to(dtype)
+    hf = copy.deepcopy(hf).to(dtype)  # the fixture's float32 model is shared
     llm = LLM(path, dtype=str(dtype).replace("torch.", ""), show_progress=False)
     prompt = PROMPTS[1]
     out = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0, logprobs=5), use_tqdm=False)[0]
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].float(), -1)
-    hf.float()
     for token_id, logprob in out.logprobs[0].items():
         assert abs(logprob - ref[token_id].item()) < 0.05
     assert out.token_ids[0] == int(ref.argmax())

@@ -93,12 +93,18 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
 
-        self.runner = ModelRunner(config, self.model, self.spec, self.device, self.dtype)
+        self.runner = ModelRunner(config, self.model, self.spec, self.device, self.dtype, self.max_model_len)
+        self.ledger.record("step_buffers", self.runner.workspace_bytes(), self.device.type, "measured",
+                           "static inputs and decode split workspace")
         num_blocks = self._plan_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         self.ledger.record("kv_cache", self.runner.kv_cache.numel() * self.runner.kv_cache.element_size(),
                            self.device.type, "measured",
                            f"{num_blocks} blocks x {config.block_size} tokens")
+        graph_bytes = self.runner.capture_cuda_graphs()
+        if self.runner.graphs:
+            self.ledger.record("cuda_graphs", graph_bytes, "cuda", "measured",
+                               f"{len(self.runner.graphs)} decode graphs, batch 1..{config.max_num_seqs}")
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
         self.requests: dict[str, Request] = {}
@@ -162,12 +168,27 @@ class LLMEngine:
         free, total = torch.cuda.mem_get_info(device)
         in_use = total - free  # our weights, context and allocator, plus other processes
         reserved = torch.cuda.memory_reserved(device)
-        budget = int(total * self.config.gpu_memory_utilization) - in_use - activation_peak
+        # CUDA graphs are captured after the KV cache exists; keep room for their pool
+        # (its size is measured then and shows in the ledger).
+        graph_reserve = 0 if self.config.enforce_eager else self._graph_pool_estimate()
+        budget = int(total * self.config.gpu_memory_utilization) - in_use - activation_peak - graph_reserve
         self.ledger.record("activation_peak", activation_peak, "cuda", "measured",
                            f"profile step of {num_tokens} tokens in {num_seqs} sequences")
         self.ledger.record("non_torch", in_use - reserved, "cuda", "derived",
                            "device used - torch reserved (context, other processes)")
         return max(0, budget) // per_block
+
+    def _graph_pool_estimate(self) -> int:
+        """Room for the decode graphs' pool: the largest graph's logits and hidden states.
+
+        Graphs share one pool and replay one at a time, so the pool holds about one
+        decode step at the largest batch; sized from the model's widths.
+        """
+        s = self.spec
+        rows = self.config.max_num_seqs
+        widths = s.vocab_size + 2 * s.intermediate_size + 4 * s.hidden_size + \
+            (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+        return 2 * rows * widths * self.dtype.itemsize + (64 << 20)
 
     def _run_probe_step(self, num_tokens: int, num_seqs: int, num_blocks: int) -> None:
         per_seq = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]

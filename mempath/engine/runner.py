@@ -1,5 +1,14 @@
-"""ModelRunner: owns the KV cache tensor, turns a scheduled batch into model inputs,
-runs the model and samples."""
+"""ModelRunner: owns the KV cache and the step's static buffers, turns a scheduled
+batch into model inputs, runs the model (eagerly or by replaying a CUDA graph)
+and samples.
+
+Every per-step input lives in a buffer allocated once, sized by the engine's
+limits (max_num_batched_tokens, max_num_seqs, max_model_len): the host side is
+pinned so the copies are asynchronous, the device side is what the model and
+the CUDA graphs read. A step writes into them; it allocates none.
+"""
+import logging
+
 import numpy as np
 import torch
 
@@ -7,27 +16,112 @@ from mempath.config import EngineConfig
 from mempath.engine.request import Request
 from mempath.engine.sampler import Sampler, SamplerOutput
 from mempath.engine.scheduler import ScheduledBatch
+from mempath.kv.attention import write_kv
 from mempath.model.llama import AttentionMetadata, CausalLM, ModelSpec
+
+log = logging.getLogger(__name__)
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Decode batch sizes that get a CUDA graph: 1, 2, 4, 8, then every 8 up to the limit."""
+    sizes = [s for s in (1, 2, 4) if s < max_num_seqs] + list(range(8, max_num_seqs + 1, 8))
+    if not sizes or sizes[-1] != max_num_seqs:
+        sizes.append(max_num_seqs)
+    return sizes
+
+
+class StepBuffers:
+    """Static per-step inputs: pinned host arrays and their device twins."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device):
+        pin = device.type == "cuda"
+        self.device = device
+
+        def pair(shape, dtype):
+            host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+            return host, host.numpy(), torch.zeros(shape, dtype=dtype, device=device)
+
+        self.input_ids_h, self.input_ids, self.input_ids_d = pair(max_tokens, torch.int64)
+        self.positions_h, self.positions, self.positions_d = pair(max_tokens, torch.int64)
+        self.slots_h, self.slots, self.slots_d = pair(max_tokens, torch.int64)
+        self.tables_h, self.tables, self.tables_d = pair((max_seqs, max_blocks), torch.int32)
+        self.qsl_h, self.qsl, self.qsl_d = pair(max_seqs + 1, torch.int32)
+        self.seq_lens_h, self.seq_lens, self.seq_lens_d = pair(max_seqs, torch.int32)
+        self.rows_h, self.rows, self.rows_d = pair(max_seqs, torch.int64)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (
+            self.input_ids_d, self.positions_d, self.slots_d, self.tables_d, self.qsl_d,
+            self.seq_lens_d, self.rows_d))
+
+    def upload(self, num_tokens: int, num_seqs: int, num_rows: int) -> None:
+        """Copy the filled prefixes host → device (asynchronous from pinned memory)."""
+        for host, dev, n in ((self.input_ids_h, self.input_ids_d, num_tokens),
+                             (self.positions_h, self.positions_d, num_tokens),
+                             (self.slots_h, self.slots_d, num_tokens),
+                             (self.tables_h, self.tables_d, num_seqs),
+                             (self.qsl_h, self.qsl_d, num_seqs + 1),
+                             (self.seq_lens_h, self.seq_lens_d, num_seqs),
+                             (self.rows_h, self.rows_d, num_rows)):
+            dev[:n].copy_(host[:n], non_blocking=True)
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: CausalLM, spec: ModelSpec,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, max_model_len: int):
         self.config = config
         self.model = model
         self.spec = spec
         self.device = device
         self.dtype = dtype
         self.block_size = config.block_size
+        self.max_num_seqs = config.max_num_seqs
+        self.max_blocks_per_seq = -(-max_model_len // config.block_size)
+        self.max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.sampler = Sampler(device, config.seed)
         self.kv_cache = torch.empty(0)
+        self.buffers = StepBuffers(self.max_tokens, config.max_num_seqs, self.max_blocks_per_seq, device)
+        self.decode_workspace = None
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_logits: torch.Tensor | None = None
+        self.use_triton = device.type == "cuda" and self._select_triton()
+
+    def _select_triton(self) -> bool:
+        from mempath.kv import triton_attention as ta
+        if not ta.HAS_TRITON:
+            log.warning("Triton is not installed: CUDA attention runs on the PyTorch reference path")
+            return False
+        s = self.spec
+        self.decode_workspace = ta.alloc_decode_workspace(
+            self.max_num_seqs, s.num_heads, s.num_kv_heads, s.head_dim, self.device)
+
+        def attend(q, k_cache, v_cache, meta, scale):
+            return ta.paged_attention_triton(
+                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
+                max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+                workspace=meta.decode_workspace)
+
+        for attn in self.model.attention_layers():
+            attn.attention_fn = attend
+            attn.write_kv_fn = ta.triton_write_kv
+        return True
 
     def kv_bytes_per_block(self) -> int:
         s = self.spec
         return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * self.dtype.itemsize
 
+    def workspace_bytes(self) -> int:
+        """Bytes of the static step buffers and the decode split workspace."""
+        total = self.buffers.nbytes()
+        if self.decode_workspace is not None:
+            total += sum(t.numel() * t.element_size() for t in self.decode_workspace)
+        return total
+
     def allocate_kv_cache(self, num_blocks: int) -> None:
         s = self.spec
+        self.graphs.clear()  # graphs captured against an old cache would read freed memory
+        self.graph_logits = None
+        self.kv_cache = torch.empty(0)
         self.kv_cache = torch.empty(
             s.num_layers, 2, num_blocks, self.block_size, s.num_kv_heads, s.head_dim,
             dtype=self.dtype, device=self.device)
@@ -35,49 +129,116 @@ class ModelRunner:
             attn.k_cache = self.kv_cache[i, 0]
             attn.v_cache = self.kv_cache[i, 1]
 
-    def prepare(self, batch: ScheduledBatch, sampling: set[int]):
-        """Flatten the batch: token ids, positions, slots, block tables, logit rows."""
+    # ----------------------------------------------------------------- inputs
+    def prepare(self, batch: ScheduledBatch, sampling: set[int], pad_to: int | None = None):
+        """Fill the static buffers for this batch; return the metadata over their prefixes."""
         bs = self.block_size
-        input_ids, positions, slots = [], [], []
-        query_start_loc = [0]
-        seq_lens = []
-        logits_rows = []
-        max_blocks = max(len(r.block_table) for r in batch.requests)
-        block_tables = np.zeros((len(batch.requests), max_blocks), dtype=np.int32)
+        buf = self.buffers
+        num_seqs = len(batch.requests)
+        t = 0
+        rows = 0
+        max_seq_len = 0
+        buf.qsl[0] = 0
         for b, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             start = request.num_computed_tokens
             end = start + num_new
-            input_ids.extend(request.token_ids[start:end])
+            buf.input_ids[t:t + num_new] = request.token_ids[start:end]
             pos = np.arange(start, end)
-            positions.append(pos)
-            table = np.asarray(request.block_table, dtype=np.int64)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            block_tables[b, :len(request.block_table)] = request.block_table
-            query_start_loc.append(query_start_loc[-1] + num_new)
-            seq_lens.append(end)
+            buf.positions[t:t + num_new] = pos
+            table = request.block_table
+            if num_new == 1:
+                buf.slots[t] = table[start // bs] * bs + start % bs
+            else:
+                buf.slots[t:t + num_new] = np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs
+            buf.tables[b, :len(table)] = table
+            t += num_new
+            buf.qsl[b + 1] = t
+            buf.seq_lens[b] = end
+            max_seq_len = max(max_seq_len, end)
             if id(request) in sampling:
-                logits_rows.append(query_start_loc[-1] - 1)
-
-        def to_device(array, dtype):
-            return torch.from_numpy(np.asarray(array)).to(self.device, dtype)
-
+                buf.rows[rows] = t - 1
+                rows += 1
+        if pad_to is not None and pad_to > num_seqs:
+            # Padding rows of a captured decode graph: write nothing, read one slot of block 0.
+            pad = slice(num_seqs, pad_to)
+            buf.input_ids[pad] = 0
+            buf.positions[pad] = 0
+            buf.slots[pad] = -1
+            buf.tables[pad, 0] = 0
+            buf.qsl[num_seqs + 1:pad_to + 1] = np.arange(t + 1, t + 1 + pad_to - num_seqs)
+            buf.seq_lens[pad] = 1
+            num_seqs, t = pad_to, pad_to
+        buf.upload(t, num_seqs, rows)
         meta = AttentionMetadata(
-            slot_mapping=to_device(np.concatenate(slots), torch.int64),
-            block_tables=to_device(block_tables, torch.int32),
-            query_start_loc=to_device(query_start_loc, torch.int32),
-            seq_lens=to_device(seq_lens, torch.int32),
-            max_query_len=max(batch.num_new_tokens),
-            max_seq_len=max(seq_lens),
-        )
-        return (to_device(input_ids, torch.int64), to_device(np.concatenate(positions), torch.int64),
-                meta, to_device(logits_rows, torch.int64))
+            slot_mapping=buf.slots_d[:t], block_tables=buf.tables_d[:num_seqs],
+            query_start_loc=buf.qsl_d[:num_seqs + 1], seq_lens=buf.seq_lens_d[:num_seqs],
+            max_query_len=max(batch.num_new_tokens), max_seq_len=max_seq_len,
+            decode_workspace=self.decode_workspace)
+        return buf.input_ids_d[:t], buf.positions_d[:t], meta, buf.rows_d[:rows]
 
+    # ----------------------------------------------------------------- running
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, sampling: list[Request]) -> SamplerOutput | None:
         """Run one step; sample for the requests in `sampling` (in batch order)."""
-        input_ids, positions, meta, logits_rows = self.prepare(batch, {id(r) for r in sampling})
-        hidden = self.model(input_ids, positions, meta)
-        if not sampling:
-            return None
-        logits = self.model.compute_logits(hidden[logits_rows])
+        graph_size = self._graph_size(batch, sampling)
+        if graph_size is not None:
+            self.prepare(batch, {id(r) for r in sampling}, pad_to=graph_size)
+            self.graphs[graph_size].replay()
+            logits = self.graph_logits[:len(batch.requests)]
+        else:
+            input_ids, positions, meta, logits_rows = self.prepare(batch, {id(r) for r in sampling})
+            hidden = self.model(input_ids, positions, meta)
+            if not sampling:
+                return None
+            logits = self.model.compute_logits(hidden[logits_rows])
         return self.sampler(logits, [r.params for r in sampling], [r.generator for r in sampling])
+
+    def _graph_size(self, batch: ScheduledBatch, sampling: list[Request]) -> int | None:
+        """The captured graph that can run this batch: decode-only, every row sampling."""
+        if not self.graphs or len(sampling) != len(batch.requests):
+            return None
+        if any(n != 1 for n in batch.num_new_tokens):
+            return None
+        for size in self.graphs:  # ascending
+            if size >= len(batch.requests):
+                return size
+        return None
+
+    @torch.inference_mode()
+    def capture_cuda_graphs(self) -> int:
+        """Capture decode steps for each bucket size; return the graph pool's bytes."""
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return 0
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_reserved(self.device)
+        sizes = graph_batch_sizes(self.max_num_seqs)
+        buf = self.buffers
+        max_size = sizes[-1]
+        # Static graph inputs: decode rows of one token each at position 0, writing nowhere.
+        buf.input_ids[:max_size] = 0
+        buf.positions[:max_size] = 0
+        buf.slots[:max_size] = -1
+        buf.tables[:max_size] = 0
+        buf.qsl[:max_size + 1] = np.arange(max_size + 1)
+        buf.seq_lens[:max_size] = 1
+        buf.rows[:max_size] = np.arange(max_size)
+        buf.upload(max_size, max_size, max_size)
+        self.graph_logits = torch.empty(max_size, self.spec.vocab_size, dtype=self.dtype, device=self.device)
+        pool = None
+        graphs = {}
+        for size in reversed(sizes):
+            meta = AttentionMetadata(
+                slot_mapping=buf.slots_d[:size], block_tables=buf.tables_d[:size],
+                query_start_loc=buf.qsl_d[:size + 1], seq_lens=buf.seq_lens_d[:size],
+                max_query_len=1, max_seq_len=None, decode_workspace=self.decode_workspace)
+            ids, pos = buf.input_ids_d[:size], buf.positions_d[:size]
+            self.graph_logits[:size] = self.model.compute_logits(self.model(ids, pos, meta))  # warm-up
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                self.graph_logits[:size] = self.model.compute_logits(self.model(ids, pos, meta))
+            if pool is None:
+                pool = graph.pool()
+            graphs[size] = graph
+        self.graphs = dict(sorted(graphs.items()))
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.memory_reserved(self.device) - before

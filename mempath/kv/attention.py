@@ -78,3 +78,9 @@ def paged_attention(
         probs = torch.softmax(scores, dim=-1)
         out[q_begin:q_end] = torch.matmul(probs, v).transpose(0, 1).to(query.dtype)
     return out
+
+
+def attend_torch(query, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
+    """`paged_attention` called with an AttentionMetadata (the model's calling convention)."""
+    return paged_attention(query, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                           meta.seq_lens, scale)

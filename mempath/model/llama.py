@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mempath.kv.attention import paged_attention, write_kv
+from mempath.kv.attention import attend_torch, write_kv
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -115,7 +115,8 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B + 1] int32
     seq_lens: torch.Tensor  # [B] int32
     max_query_len: int
-    max_seq_len: int
+    max_seq_len: int | None  # None under CUDA graphs: kernels must not depend on it
+    decode_workspace: object = None  # preallocated split-K buffers for the Triton decode kernel
 
 
 class RMSNorm(nn.Module):
@@ -211,7 +212,7 @@ class Attention(nn.Module):
         # Set by the runner once the KV cache is allocated.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
-        self.attention_fn = paged_attention
+        self.attention_fn = attend_torch
         self.write_kv_fn = write_kv
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -225,8 +226,7 @@ class Attention(nn.Module):
             k = self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         self.write_kv_fn(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        out = self.attention_fn(q, self.k_cache, self.v_cache, meta.block_tables,
-                                meta.query_start_loc, meta.seq_lens, self.scale)
+        out = self.attention_fn(q, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
