@@ -26,6 +26,9 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # True: no CUDA graphs (they are only used on CUDA)
+    # auto: read the checkpoint; dummy: random weights of the right shapes (benchmarks,
+    # needs only config.json), as vLLM's --load-format dummy.
+    load_format: str = "auto"
     # Largest number of top logprobs a request may ask for; bounds the sampler's work.
     max_logprobs: int = 20
 
@@ -43,6 +46,8 @@ class EngineConfig:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(set(_DTYPES))}, got {self.dtype!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

@@ -80,7 +80,8 @@ class LLMEngine:
             torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         self.model, self.spec, self.load_report = load_model(
-            config.model, self.dtype, self.device, self.max_model_len, show_progress)
+            config.model, self.dtype, self.device, self.max_model_len, show_progress,
+            dummy=config.load_format == "dummy")
         self.ledger.record("weights", self.load_report.weight_bytes, self.device.type, "measured",
                            f"{self.load_report.tensors_loaded} tensors, {self.dtype}".replace("torch.", ""))
         if self.device.type == "cuda":

@@ -188,8 +188,27 @@ def load_weights(model: CausalLM, model_dir: Path, show_progress: bool = True) -
     return LoadReport([str(f) for f in files], loaded, weight_bytes, torch.float32)
 
 
+def fill_dummy_weights(model: CausalLM, seed: int = 0) -> LoadReport:
+    """Random weights of the right shapes, drawn on the device (no checkpoint read)."""
+    generator = torch.Generator(device=model.lm_head.weight.device)
+    generator.manual_seed(seed)
+    weight_bytes = 0
+    seen = set()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=generator)
+            weight_bytes += p.numel() * p.element_size()
+    return LoadReport([], 0, weight_bytes, model.lm_head.weight.dtype)
+
+
 def load_model(model_dir: str | Path, dtype: torch.dtype | None, device: torch.device,
-               max_positions: int | None = None, show_progress: bool = True):
+               max_positions: int | None = None, show_progress: bool = True, dummy: bool = False):
     """Read config.json, build the model on `device` and stream the weights into it."""
     model_dir = Path(model_dir)
     cfg = read_config(model_dir)
@@ -197,6 +216,6 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | None, device: torch.d
     ckpt_dtype = checkpoint_dtype(cfg)
     dtype = dtype or ckpt_dtype
     model = build_model(spec, max_positions or spec.max_position_embeddings, dtype, device)
-    report = load_weights(model, model_dir, show_progress)
+    report = fill_dummy_weights(model) if dummy else load_weights(model, model_dir, show_progress)
     report.checkpoint_dtype = ckpt_dtype
     return model, spec, report

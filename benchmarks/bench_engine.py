@@ -1,0 +1,256 @@
+"""Engine benchmarks, each side by side with transformers and the hardware limit in one run.
+
+    python benchmarks/bench_engine.py latency --shape llama-3.1-8b
+    python benchmarks/bench_engine.py throughput --shape qwen3-0.6b --num-requests 256
+    python benchmarks/bench_engine.py block-size --shape qwen3-0.6b
+
+Models are random bf16 weights with the real architectures' shapes (config.json
+files in tests/data/configs; mempath loads them with load_format="dummy").
+Each command prints a table and one JSON line (prefix ``RESULT``).
+"""
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mempath import LLM, SamplingParams  # noqa: E402
+
+SHAPES = ROOT / "tests" / "data" / "configs"
+
+
+def model_dir(shape: str) -> str:
+    """A directory holding only the shape's config.json (weights come from load_format=dummy)."""
+    directory = Path(tempfile.mkdtemp(prefix=f"mempath-{shape}-"))
+    shutil.copy(SHAPES / f"{shape}.json", directory / "config.json")
+    return str(directory)
+
+
+def copy_bandwidth(device="cuda", nbytes=4 << 30) -> float:
+    """Device-to-device copy bandwidth, bytes read + written per second (median of 10)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(13):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / float(np.median(times[3:]))
+
+
+def hf_model(shape: str, dtype=torch.bfloat16, attn="sdpa"):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(model_dir(shape))
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+    return model.eval()
+
+
+def random_requests(n: int, seed: int, vocab: int, low=100, high=1024):
+    rng = np.random.default_rng(seed)
+    prompt_lens = rng.integers(low, high + 1, n)
+    output_lens = rng.integers(low, high + 1, n)
+    prompts = [rng.integers(0, vocab, int(p)).tolist() for p in prompt_lens]
+    return prompts, [int(o) for o in output_lens]
+
+
+def print_table(rows: list[tuple]) -> None:
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    for k, row in enumerate(rows):
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
+        if k == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+# --------------------------------------------------------------------------- latency
+def bench_latency(args) -> dict:
+    bandwidth = copy_bandwidth()
+    path = model_dir(args.shape)
+    llm = LLM(path, load_format="dummy", dtype="bfloat16", max_num_seqs=args.batch,
+              max_model_len=args.prompt_len + args.new_tokens + 32, show_progress=False,
+              enforce_eager=args.enforce_eager)
+    weight_bytes = llm.engine.ledger.get("weights")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, llm.engine.spec.vocab_size, args.prompt_len).tolist() for _ in range(args.batch)]
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    runs = []
+    for _ in range(3):
+        llm.engine.kv.pool.reset_prefix_cache()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        decode = max(o.total_time - o.time_to_first_token for o in outs) / (args.new_tokens - 1)
+        runs.append((decode, max(o.time_to_first_token for o in outs)))
+    ms_token = 1e3 * float(np.median([r[0] for r in runs]))
+    ttft_ms = 1e3 * float(np.median([r[1] for r in runs]))
+    limit_ms = 1e3 * weight_bytes / bandwidth
+    del llm
+    torch.cuda.empty_cache()
+
+    hf_ms = None
+    if args.hf_tokens > 0:
+        model = hf_model(args.shape)
+        ids = torch.tensor(prompts, device="cuda")
+        mask = torch.ones_like(ids)
+
+        def timed(n):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                           pad_token_id=0)
+            torch.cuda.synchronize()
+            return time.perf_counter() - t
+
+        timed(4)
+        hf_ms = 1e3 * (timed(args.hf_tokens) - timed(1)) / (args.hf_tokens - 1)
+        del model
+        torch.cuda.empty_cache()
+
+    rows = [("engine", "ms/token", "tok/s (per sequence)", "% of weight-read limit"),
+            ("weight-read limit", f"{limit_ms:.2f}", f"{1e3 / limit_ms:.1f}", "100%"),
+            ("mempath", f"{ms_token:.2f}", f"{1e3 / ms_token:.1f}", f"{100 * limit_ms / ms_token:.1f}%")]
+    if hf_ms:
+        rows.append(("transformers generate", f"{hf_ms:.2f}", f"{1e3 / hf_ms:.1f}", f"{100 * limit_ms / hf_ms:.1f}%"))
+    print(f"\nlatency: {args.shape}, batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
+          f"weights {weight_bytes / 1e9:.2f} GB, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    print_table(rows)
+    return {"bench": "latency", "shape": args.shape, "batch": args.batch, "ms_per_token": ms_token,
+            "ttft_ms": ttft_ms, "limit_ms_per_token": limit_ms, "fraction_of_limit": limit_ms / ms_token,
+            "hf_ms_per_token": hf_ms, "copy_bandwidth": bandwidth, "weight_bytes": weight_bytes}
+
+
+# --------------------------------------------------------------------------- throughput
+def run_mempath_throughput(args, prompts, output_lens, block_size=16) -> dict:
+    llm = LLM(model_dir(args.shape), load_format="dummy", dtype="bfloat16", show_progress=False,
+              max_model_len=2048 + 64, max_num_seqs=args.max_num_seqs, block_size=block_size,
+              max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
+              gpu_memory_utilization=args.gpu_memory_utilization)
+    warm = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:8], warm, use_tqdm=False)
+    llm.engine.kv.pool.reset_prefix_cache()
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in output_lens]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outs)
+    ttfts = [o.time_to_first_token for o in outs]
+    stats = llm.stats()
+    result = {"output_tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed,
+              "ttft_p50": float(np.median(ttfts)), "kv_blocks": stats["kv_blocks_total"],
+              "preemptions": stats["num_preemptions"], "block_size": block_size}
+    del llm
+    torch.cuda.empty_cache()
+    return result
+
+
+def run_hf_continuous_batching(args, prompts, output_lens) -> dict:
+    from transformers import GenerationConfig
+    model = hf_model(args.shape, attn="paged|sdpa")
+    config = GenerationConfig(max_new_tokens=1024, do_sample=False, eos_token_id=None, pad_token_id=0)
+    manager = model.init_continuous_batching(generation_config=config)
+    manager.start()
+    start = time.perf_counter()
+    for i, (p, n) in enumerate(zip(prompts, output_lens)):
+        manager.add_request(p, request_id=f"r{i}", max_new_tokens=n)
+    done, tokens = 0, 0
+    while done < len(prompts) and time.perf_counter() - start < args.hf_timeout:
+        result = manager.get_result(timeout=1.0)
+        if result is not None and result.is_finished():
+            done += 1
+            tokens += len(result.generated_tokens)
+    elapsed = time.perf_counter() - start
+    manager.stop(block=False)
+    del model
+    torch.cuda.empty_cache()
+    return {"output_tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed,
+            "finished": done, "complete": done == len(prompts)}
+
+
+def bench_throughput(args) -> dict:
+    from mempath.model.loader import read_config
+    vocab = read_config(model_dir(args.shape))["vocab_size"]
+    prompts, output_lens = random_requests(args.num_requests, args.seed, vocab)
+    ours = run_mempath_throughput(args, prompts, output_lens)
+    hf = None
+    if args.hf_timeout > 0:
+        try:
+            hf = run_hf_continuous_batching(args, prompts, output_lens)
+        except Exception as error:  # report, don't lose our own figures
+            hf = {"error": f"{type(error).__name__}: {error}"}
+    rows = [("engine", "output tokens", "seconds", "output tok/s", "note")]
+    rows.append(("mempath", ours["output_tokens"], f"{ours['seconds']:.1f}", f"{ours['tok_s']:.0f}",
+                 f"{ours['preemptions']} preemptions, {ours['kv_blocks']} KV blocks"))
+    if hf and "error" not in hf:
+        note = "complete" if hf["complete"] else f"stopped at {args.hf_timeout}s, {hf['finished']} finished"
+        rows.append(("transformers CB", hf["output_tokens"], f"{hf['seconds']:.1f}", f"{hf['tok_s']:.0f}", note))
+    elif hf:
+        rows.append(("transformers CB", "-", "-", "-", hf["error"][:80]))
+    print(f"\nthroughput: {args.shape}, {args.num_requests} requests, lengths uniform in [100, 1024], "
+          f"seed {args.seed}, EOS ignored")
+    print_table(rows)
+    speedup = ours["tok_s"] / hf["tok_s"] if hf and hf.get("tok_s") else None
+    if speedup:
+        print(f"speed-up over transformers: {speedup:.1f}x")
+    return {"bench": "throughput", "shape": args.shape, "mempath": ours, "transformers": hf, "speedup": speedup}
+
+
+def bench_block_size(args) -> dict:
+    from mempath.model.loader import read_config
+    vocab = read_config(model_dir(args.shape))["vocab_size"]
+    results = {}
+    rows = [("block size", "output tok/s", "TTFT p50 ms", "KV blocks")]
+    for short, label in ((True, "short [16,128]"), (False, "long [100,1024]")):
+        low, high = (16, 128) if short else (100, 1024)
+        rng_prompts, outs = random_requests(args.num_requests, args.seed, vocab, low, high)
+        for block_size in args.block_sizes:
+            r = run_mempath_throughput(args, rng_prompts, outs, block_size)
+            results[f"{label}/{block_size}"] = r
+            rows.append((f"{label} / {block_size}", f"{r['tok_s']:.0f}", f"{1e3 * r['ttft_p50']:.0f}", r["kv_blocks"]))
+    print(f"\nblock size sweep: {args.shape}, {args.num_requests} requests")
+    print_table(rows)
+    return {"bench": "block-size", "shape": args.shape, "results": results}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="bench", required=True)
+    lat = sub.add_parser("latency")
+    lat.add_argument("--shape", default="llama-3.1-8b")
+    lat.add_argument("--batch", type=int, default=1)
+    lat.add_argument("--prompt-len", type=int, default=128)
+    lat.add_argument("--new-tokens", type=int, default=256)
+    lat.add_argument("--hf-tokens", type=int, default=32, help="tokens for the transformers run (0: skip)")
+    for p in (sub.add_parser("throughput"), sub.add_parser("block-size")):
+        p.add_argument("--shape", default="qwen3-0.6b")
+        p.add_argument("--num-requests", type=int, default=256)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--max-num-seqs", type=int, default=256)
+        p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+        p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+        p.add_argument("--hf-timeout", type=float, default=60.0, help="cap on the transformers run (0: skip)")
+        p.add_argument("--block-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 32, 64, 128, 256])
+    for p in sub.choices.values():
+        p.add_argument("--enforce-eager", action="store_true")
+    args = parser.parse_args()
+    fn = {"latency": bench_latency, "throughput": bench_throughput, "block-size": bench_block_size}[args.bench]
+    result = fn(args)
+    result.update(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                  date=time.strftime("%Y-%m-%d"))
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

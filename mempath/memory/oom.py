@@ -1,0 +1,271 @@
+"""Out-of-memory explanations: which pathway overflowed, the ledger, and the fix that fits.
+
+A bare ``torch.OutOfMemoryError`` says how many bytes one allocation wanted; it does
+not say which consumer of memory was over its budget or what setting would have
+fitted. ``oom_guard(stage, ledger, config)`` turns that error into a
+``MempathOutOfMemoryError`` whose message names the pathway, shows the ledger
+table and gives flags with numbers computed from the planner's formulas and the
+figures at hand (bytes asked for, bytes free).
+
+Stages and the pathway each one feeds:
+
+    load           weights
+    profile        activation_peak (the largest step, run once at start-up)
+    kv_allocation  kv_cache
+    step           activations of one serving step (the batch being run)
+"""
+from __future__ import annotations
+
+import math
+import re
+from contextlib import contextmanager
+
+from mempath.memory.ledger import Ledger, format_bytes
+
+GiB = 1 << 30
+
+STAGE_PATHWAYS = {
+    "load": "weights",
+    "profile": "activation_peak",
+    "kv_allocation": "kv_cache",
+    "step": "activations",
+}
+
+
+class MempathOutOfMemoryError(RuntimeError):
+    """Out of memory, with the explanation and the numbers behind it."""
+
+    def __init__(self, explanation: str, *, stage: str, pathway: str,
+                 requested_bytes: int | None = None, free_bytes: int | None = None):
+        super().__init__(explanation)
+        self.explanation = explanation
+        self.stage = stage
+        self.pathway = pathway
+        self.requested_bytes = requested_bytes
+        self.free_bytes = free_bytes
+
+
+# ---------------------------------------------------------------- reading the torch error
+
+_SIZE = r"([0-9]+(?:\.[0-9]+)?)\s*(bytes|B|KiB|MiB|GiB|TiB)"
+_UNITS = {"b": 1, "bytes": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_oom_message(message: str) -> tuple[int | None, int | None]:
+    """(bytes requested, bytes free) as written in a CUDA or CPU allocator error, else None.
+
+    CUDA: "Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.10 GiB of which
+    1.20 GiB is free." CPU: "DefaultCPUAllocator: can't allocate memory: you tried to
+    allocate 123456 bytes."
+    """
+    def find(pattern):
+        match = re.search(pattern, message, re.IGNORECASE)
+        if not match:
+            return None
+        number, unit = match.groups()
+        return int(float(number) * _UNITS[unit.lower()])
+
+    requested = find(r"tried to allocate\s+" + _SIZE)
+    free = find(r"of which\s+" + _SIZE + r"\s+is free")
+    return requested, free
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    import torch
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    # The CPU allocator raises a plain RuntimeError.
+    return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
+
+
+# ---------------------------------------------------------------- explaining
+
+def explain_oom(stage: str, ledger: Ledger, requested_bytes: int | None, free_bytes: int | None,
+                config, *, dtype: str | None = None, total_bytes: int | None = None) -> str:
+    """Why the allocation of `stage` failed, the ledger, and fixes computed from the numbers.
+
+    `config` is an EngineConfig (or any object with its fields). `dtype` is the dtype the
+    engine resolved ("bfloat16", ...); by default it is resolved as the engine does.
+    `total_bytes` is the device's capacity; without it the capacity-based fixes are left out.
+    """
+    pathway = STAGE_PATHWAYS.get(stage, stage)
+    plan = _plan_for(config, dtype)
+    lines = [f"out of memory in stage {stage!r}: the {pathway} pathway exceeded its budget"]
+    if requested_bytes is not None or free_bytes is not None:
+        asked = format_bytes(requested_bytes) if requested_bytes is not None else "an unknown amount"
+        free = format_bytes(free_bytes) if free_bytes is not None else "an unknown amount"
+        lines.append(f"  one allocation asked for {asked}; {free} was free on the device")
+    fixes = _fixes(stage, plan, config, ledger, requested_bytes, free_bytes, total_bytes)
+    lines.append("")
+    lines.append("memory by pathway at the time (mempath ledger):")
+    table = ledger.table() if ledger.entries else "(nothing recorded yet)"
+    lines += ["  " + row for row in table.splitlines()]
+    lines.append("")
+    if fixes:
+        lines.append("what would have fitted:")
+        lines += [f"  - {fix}" for fix in fixes]
+    else:
+        lines.append("no setting of this engine fits it: use a device with more free memory")
+    return "\n".join(lines)
+
+
+def _plan_for(config, dtype: str | None):
+    """The planner's figures for the engine's settings, or None if the config cannot be read."""
+    from mempath.memory.plan import plan_memory
+    try:
+        return plan_memory(
+            config.model, dtype=dtype or _engine_dtype(config),
+            max_model_len=getattr(config, "max_model_len", None),
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            block_size=config.block_size, cuda_graphs=not getattr(config, "enforce_eager", True))
+    except (ValueError, OSError):
+        return None
+
+
+def _engine_dtype(config) -> str:
+    # Resolve "auto" the way the engine does, so the figures are those of the dtype it runs.
+    from mempath.model.loader import checkpoint_dtype, read_config
+    return str(config.torch_dtype(checkpoint_dtype(read_config(config.model)))).removeprefix("torch.")
+
+
+def _fixes(stage, plan, config, ledger, requested, free, total) -> list[str]:
+    if plan is None:
+        return []
+    if stage == "load":
+        return _weight_fixes(plan, free)
+    if stage == "kv_allocation":
+        return _kv_fixes(plan, config, ledger, requested, free, total)
+    if stage in ("profile", "step"):
+        return _activation_fixes(plan, config, requested, free)
+    return []
+
+
+def _weight_fixes(plan, free) -> list[str]:
+    need = plan.weight_bytes
+    fixes = []
+    if plan.dtype_bytes == 4:
+        fixes.append(f"--dtype bfloat16: weights need {format_bytes(need // 2)} instead of "
+                     f"{format_bytes(need)} (planner: {plan.total_params:,} parameters x 2 B)")
+    if free is not None and need > free:
+        fixes.append(f"the weights need {format_bytes(need)} and {format_bytes(free)} is free: free "
+                     f"{format_bytes(need - free)} on the device (other processes show in "
+                     f"`nvidia-smi`) or use a device with more memory")
+    return fixes
+
+
+def _kv_fixes(plan, config, ledger, requested, free, total) -> list[str]:
+    per_block = plan.kv_bytes_per_block
+    blocks_wanted = requested // per_block if requested else None
+    fixes = []
+    if free is None:
+        return fixes
+    fit_blocks = free // per_block
+    fit_tokens = fit_blocks * plan.block_size
+    wanted_text = (f"{blocks_wanted:,} KV blocks ({format_bytes(requested)})"
+                   if blocks_wanted else "the KV cache")
+    fixes.append(f"{wanted_text} were asked for; {format_bytes(free)} is free, which holds "
+                 f"{fit_blocks:,} blocks of {format_bytes(per_block)} ({fit_tokens:,} tokens): "
+                 f"use --num-gpu-blocks-override {fit_blocks}" if fit_blocks else
+                 f"{wanted_text} were asked for and not one block ({format_bytes(per_block)}) fits "
+                 f"in the {format_bytes(free)} that is free")
+    if total and requested and requested > free:
+        # The engine sizes KV as total x utilization minus what is in use; lower it by the deficit.
+        utilization = config.gpu_memory_utilization - (requested - free) / total
+        utilization = math.floor(utilization * 100) / 100
+        if utilization > 0:
+            fixes.append(f"--gpu-memory-utilization {utilization:.2f} (from "
+                         f"{config.gpu_memory_utilization}) leaves the {format_bytes(requested - free)} "
+                         f"that something outside the budget holds")
+    concurrency = fit_blocks // plan.blocks_per_seq
+    wanted_seqs = config.max_num_seqs
+    if fit_blocks and concurrency < wanted_seqs:
+        fixes.append(
+            f"max-num-seqs {wanted_seqs} at max-model-len {plan.max_model_len} needs "
+            f"{format_bytes(wanted_seqs * plan.kv_bytes_per_seq)} of KV; {format_bytes(free)} is free: "
+            + (f"use --max-num-seqs {concurrency}" if concurrency else
+               f"use --max-model-len {fit_tokens}")
+            + _offload_hint(config, wanted_seqs * plan.kv_bytes_per_seq - free))
+    return fixes
+
+
+def _activation_fixes(plan, config, requested, free) -> list[str]:
+    """Shrink the step until its activations and logits fit in what is free.
+
+    The step needs at least the planner's figure and at least the failing allocation;
+    activations grow with the step's tokens (linearly in the planner's model, faster with a
+    non-flash attention), so scaling the tokens by free / need is enough.
+    """
+    from mempath.memory.plan import decoder_peak_bytes_per_token
+    per_token = decoder_peak_bytes_per_token(plan)
+    planned = plan.activation_peak_bytes + plan.logits_bytes
+    need = max(planned, requested or 0)
+    tokens_now = plan.max_num_batched_tokens
+    fixes = [f"a step of max-num-batched-tokens {tokens_now} needs {format_bytes(planned)} of "
+             f"activations and logits by the planner ({format_bytes(per_token)} per token + "
+             f"{plan.logits_rows} rows of fp32 logits)"
+             + (f"; the failing allocation alone asked for {format_bytes(requested)}"
+                if requested and requested > planned else "")]
+    if free is None:
+        return fixes
+    tokens = tokens_now * free // need if need else 0
+    if free >= need:
+        fixes.append(f"{format_bytes(free)} is free, more than the step needs: the memory was held "
+                     f"elsewhere when it failed (see the ledger); lower --gpu-memory-utilization to "
+                     f"leave more room outside the KV cache")
+    elif tokens >= 1:
+        fixes.append(f"{format_bytes(free)} is free: use --max-num-batched-tokens {tokens} "
+                     f"({tokens}/{tokens_now} of the step)")
+    else:
+        fixes.append(f"not even one token's activations ({format_bytes(per_token)}) fit in the "
+                     f"{format_bytes(free)} that is free: lower --gpu-memory-utilization so the KV "
+                     f"cache leaves room, or use --dtype bfloat16")
+    row_bytes = plan.vocab_size * 4  # one fp32 logits row, as the planner counts it
+    deficit = need - free
+    if 0 < deficit < (plan.logits_rows - 1) * row_bytes:
+        seqs = plan.logits_rows - -(-deficit // row_bytes)
+        fixes.append(f"or --max-num-seqs {seqs}: {seqs} logit rows take "
+                     f"{format_bytes(seqs * row_bytes)} instead of {format_bytes(plan.logits_bytes)}")
+    return fixes
+
+
+def _offload_hint(config, deficit: int) -> str:
+    # Only name a host-KV flag this engine really has.
+    if hasattr(config, "cpu_kv_gb"):
+        return f" or --cpu-kv-gb {max(1, math.ceil(deficit / GiB))}"
+    return ""
+
+
+# ---------------------------------------------------------------- the guard
+
+def _device_memory(config) -> tuple[int | None, int | None]:
+    import torch
+    try:
+        device = config.torch_device()
+    except (AttributeError, RuntimeError):
+        return None, None
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None, None
+    free, total = torch.cuda.mem_get_info(device)
+    return free, total
+
+
+@contextmanager
+def oom_guard(stage: str, ledger: Ledger, config, *, requested_bytes: int | None = None,
+              dtype: str | None = None):
+    """Turn an out-of-memory error inside the block into MempathOutOfMemoryError.
+
+    The free figure is read from the error message (the allocator's view at the moment
+    of failure) and otherwise from the device after the failure.
+    """
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001 - only OOMs are converted, the rest re-raised
+        if isinstance(error, MempathOutOfMemoryError) or not is_out_of_memory(error):
+            raise
+        asked, free = parse_oom_message(str(error))
+        device_free, total = _device_memory(config)
+        asked = asked if asked is not None else requested_bytes
+        free = free if free is not None else device_free
+        explanation = explain_oom(stage, ledger, asked, free, config, dtype=dtype, total_bytes=total)
+        raise MempathOutOfMemoryError(explanation, stage=stage, pathway=STAGE_PATHWAYS.get(stage, stage),
+                                      requested_bytes=asked, free_bytes=free) from error
