@@ -37,7 +37,6 @@ import ast
 import hashlib
 import json
 import math
-import os
 import platform
 import shutil
 import sys
@@ -305,9 +304,7 @@ def eval_windows(stream, seq_len: int):
     one, so every token after the first is a target exactly once; the short
     tail is dropped.  Returns a [n, seq_len+1] view."""
     n = (stream.numel() - 1) // seq_len
-    idx = stream[: n * seq_len + 1]
-    import torch
-    return torch.stack([idx[i * seq_len: (i + 1) * seq_len + 1] for i in range(n)])
+    return stream[: n * seq_len + 1].unfold(0, seq_len + 1, seq_len)
 
 
 def evaluate(model, windows, batch: int, autocast: bool) -> float:
@@ -547,6 +544,12 @@ def cmd_package(args) -> None:
     record["corpus"] = {k: manifest[k] for k in (
         "python", "documents", "train_documents", "heldout_documents", "heldout_rule",
         "train_chars", "heldout_chars", "chars_per_token")}
+    # Other runs of the same command, recorded as evidence of reproducibility.
+    record["repeat_runs"] = []
+    for other in args.repeat_run or []:
+        rec = json.loads(Path(other).read_text())
+        record["repeat_runs"].append({k: rec[k] for k in (
+            "seed", "device", "corpus_sha256", "heldout_ppl", "wall_seconds")})
     for name in (MAIN_NAME, DRAFT_NAME):
         dst = assets / name
         dst.mkdir(parents=True, exist_ok=True)
@@ -654,6 +657,8 @@ def main(argv=None) -> None:
     sp.add_argument("--trained", required=True)
     sp.add_argument("--assets", default=str(DEFAULT_ASSETS))
     sp.add_argument("--command-line", default=None, help="training command to record")
+    sp.add_argument("--repeat-run", action="append",
+                    help="training.json of another run of the same command to record")
 
     sp = sub.add_parser("verify", help="load with transformers, generate, score")
     sp.add_argument("--assets", default=str(DEFAULT_ASSETS))
@@ -680,7 +685,7 @@ def main(argv=None) -> None:
         args.data = args.work
         args.out = str(Path(args.work) / "trained")
         cmd_train(args)
-        args.trained, args.command_line = args.out, None
+        args.trained, args.command_line, args.repeat_run = args.out, None, None
         cmd_package(args)
         args.prompt, args.write = "def read_config(path):", True
         cmd_verify(args)

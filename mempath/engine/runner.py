@@ -48,11 +48,17 @@ class StepBuffers:
         self.qsl_h, self.qsl, self.qsl_d = pair(max_seqs + 1, torch.int32)
         self.seq_lens_h, self.seq_lens, self.seq_lens_d = pair(max_seqs, torch.int32)
         self.rows_h, self.rows, self.rows_d = pair(max_seqs, torch.int64)
+        # Marks when the last upload has left the pinned buffers, so they may be rewritten.
+        self.uploaded = torch.cuda.Event() if pin else None
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (
             self.input_ids_d, self.positions_d, self.slots_d, self.tables_d, self.qsl_d,
             self.seq_lens_d, self.rows_d))
+
+    def wait_until_reusable(self) -> None:
+        if self.uploaded is not None:
+            self.uploaded.synchronize()
 
     def upload(self, num_tokens: int, num_seqs: int, num_rows: int) -> None:
         """Copy the filled prefixes host → device (asynchronous from pinned memory)."""
@@ -64,6 +70,8 @@ class StepBuffers:
                              (self.seq_lens_h, self.seq_lens_d, num_seqs),
                              (self.rows_h, self.rows_d, num_rows)):
             dev[:n].copy_(host[:n], non_blocking=True)
+        if self.uploaded is not None:
+            self.uploaded.record()
 
 
 class ModelRunner:
@@ -134,6 +142,7 @@ class ModelRunner:
         """Fill the static buffers for this batch; return the metadata over their prefixes."""
         bs = self.block_size
         buf = self.buffers
+        buf.wait_until_reusable()
         num_seqs = len(batch.requests)
         t = 0
         rows = 0
@@ -213,6 +222,7 @@ class ModelRunner:
         before = torch.cuda.memory_reserved(self.device)
         sizes = graph_batch_sizes(self.max_num_seqs)
         buf = self.buffers
+        buf.wait_until_reusable()
         max_size = sizes[-1]
         # Static graph inputs: decode rows of one token each at position 0, writing nowhere.
         buf.input_ids[:max_size] = 0
