@@ -60,9 +60,13 @@ class EngineConfig:
         return cls(model=model, **kwargs)
 
     def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        name = self.device
+        if name == "auto":
+            name = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(name)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
 
     def torch_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
         if self.dtype != "auto":
