@@ -32,6 +32,23 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
 
+WRITE_TOKENS = (32, 8192)
+DECODE_BATCHES = (1, 32, 256)
+DECODE_CONTEXTS = (512, 4096, 32768)
+SWEEP_CONTEXT = 32768
+SWEEP = {1: (8, 16, 32, 64), 32: (1, 2, 4, 8, 16), 256: (1, 2, 4)}  # batch -> split counts
+PREFILL_CASES = {
+    "1 x 4096 fresh": [(4096, 4096)],
+    "16 x 1024 fresh": [(1024, 1024)] * 16,
+    "4 x 512 chunk / 8k prefix": [(512, 8704)] * 4,
+    "1 x 2048 chunk / 30k prefix": [(2048, 32768)],
+}
+MIXED_DECODES, MIXED_CHUNK = [(1, 4096)] * 32, (512, 4608)
+PREFILL_SWEEP_CASES = ("1 x 4096 fresh", "4 x 512 chunk / 8k prefix")
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); the first is the default for this shape.
+PREFILL_SWEEP_CONFIGS = ((128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 8, 4))
+DECODE_TILE_SWEEP = ((1, 32768), (32, 32768), (256, 4096))
+
 
 def bench(fn) -> float:
     """Median milliseconds (L2 flushed between runs by ``do_bench``)."""
@@ -85,9 +102,22 @@ class PagedBatch:
         return g.transpose(1, 2)
 
     def torch_decode(self):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
         q = self.query.unsqueeze(2)  # [B, H, 1, D]
         k, v = self.gathered(self.k_cache), self.gathered(self.v_cache)
-        return F.scaled_dot_product_attention(q, k, v, scale=self.scale, enable_gqa=True)
+        # No silent fall-back to the math backend, which would expand K/V per query head.
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+            return F.scaled_dot_product_attention(q, k, v, scale=self.scale, enable_gqa=True).squeeze(2)
+
+    def torch_decode_matmul(self):
+        """Twin for when no fused SDPA backend takes GQA: grouped matmuls."""
+        batch, group = len(self.seqs), NUM_HEADS // NUM_KV_HEADS
+        q = self.query.view(batch, NUM_KV_HEADS, group, HEAD_DIM)
+        k, v = self.gathered(self.k_cache), self.gathered(self.v_cache)
+        scores = torch.matmul(q, k.transpose(-1, -2)).float() * self.scale
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        return torch.matmul(probs, v).view(batch, NUM_HEADS, HEAD_DIM)
 
     def torch_prefill(self):
         from torch.nn.attention.bias import causal_lower_right
@@ -108,6 +138,10 @@ def copy_bandwidth() -> float:
     dst = torch.empty_like(src)
     ms = bench(lambda: dst.copy_(src))
     return 2 * src.numel() / (ms * 1e-3) / 1e12
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def row(cells, widths):
@@ -131,8 +165,8 @@ def main():
     print("write_kv (K and V, bf16)")
     print(row(("tokens", "triton us", "torch us", "speedup"), widths))
     report["write_kv"] = []
-    for tokens in (32, 8192):
-        num_blocks = tokens // BLOCK_SIZE * 4
+    for tokens in WRITE_TOKENS:
+        num_blocks = max(4, tokens // BLOCK_SIZE * 4)
         shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
         kc = torch.zeros(shape, dtype=DTYPE, device=DEVICE)
         vc = torch.zeros_like(kc)
@@ -145,13 +179,14 @@ def main():
         print(row((tokens, f"{t_tri * 1e3:.1f}", f"{t_ref * 1e3:.1f}", f"{t_ref / t_tri:.2f}x"), widths))
 
     # -- decode ----------------------------------------------------------------
-    widths = (6, 7, 7, 11, 11, 10, 10, 8)
+    widths = (6, 7, 7, 11, 11, 10, 10, 8, 8)
     print("\ndecode (one query per sequence); TB/s = K/V bytes read / time")
-    print(row(("batch", "ctx", "splits", "triton us", "torch us", "tri TB/s", "torch TB/s", "speedup"), widths))
+    print(row(("batch", "ctx", "splits", "triton us", "torch us", "tri TB/s", "torch TB/s", "speedup", "rel err"),
+              widths))
     report["decode"] = []
-    batches = (1, 32) if args.quick else (1, 32, 256)
+    batches = DECODE_BATCHES[:-1] if args.quick else DECODE_BATCHES
     for batch in batches:
-        for ctx in (512, 4096, 32768):
+        for ctx in DECODE_CONTEXTS:
             pb = PagedBatch([(1, ctx)] * batch)
             splits = ta.decode_num_splits(batch, NUM_KV_HEADS, pb.query.device, ctx)
             ws = ta.alloc_decode_workspace(batch, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, DEVICE)
@@ -161,29 +196,36 @@ def main():
                                            pb.scale, out=pb.out, workspace=ws, max_seq_len=ctx)
 
             t_tri = bench(run_triton)
-            try:
-                t_ref = bench(pb.torch_decode)
-            except (RuntimeError, torch.OutOfMemoryError) as exc:  # report, keep going
-                print(f"  torch twin failed: {type(exc).__name__}: {str(exc)[:120]}")
-                t_ref = float("nan")
+            t_ref, twin_name, err = float("nan"), "none", float("nan")
+            for twin in (pb.torch_decode, pb.torch_decode_matmul):
+                try:
+                    t_ref = bench(twin)
+                    twin_name = twin.__name__
+                    err = rel_err(pb.out, twin())
+                    break
+                except RuntimeError as exc:  # includes OOM: report, keep going
+                    print(f"  {twin.__name__} failed: {type(exc).__name__}: {str(exc)[:100]}")
+                    torch.cuda.empty_cache()
             nbytes = pb.kv_bytes()
-            entry = {"batch": batch, "ctx": ctx, "splits": splits, "triton_us": t_tri * 1e3,
-                     "torch_us": t_ref * 1e3, "triton_tbps": nbytes / (t_tri * 1e-3) / 1e12,
+            entry = {"batch": batch, "ctx": ctx, "splits": splits, "twin": twin_name, "triton_us": t_tri * 1e3,
+                     "torch_us": t_ref * 1e3, "rel_err": err, "triton_tbps": nbytes / (t_tri * 1e-3) / 1e12,
                      "torch_tbps": nbytes / (t_ref * 1e-3) / 1e12}
             report["decode"].append(entry)
             print(row((batch, ctx, splits, f"{t_tri * 1e3:.1f}", f"{t_ref * 1e3:.1f}",
                        f"{entry['triton_tbps']:.2f}", f"{entry['torch_tbps']:.2f}",
-                       f"{t_ref / t_tri:.2f}x"), widths))
+                       f"{t_ref / t_tri:.2f}x", f"{err:.1e}"), widths))
             del pb, ws
             torch.cuda.empty_cache()
 
     # How the split count matters for a lone or few long requests.
-    print("\ndecode split sweep, ctx 32768 (us)")
+    print(f"\ndecode split sweep, ctx {SWEEP_CONTEXT} (us by number of splits)")
     report["decode_split_sweep"] = []
-    for batch in (1, 32):
-        pb = PagedBatch([(1, 32768)] * batch)
+    for batch, split_counts in SWEEP.items():
+        if args.quick and batch == max(SWEEP):
+            continue
+        pb = PagedBatch([(1, SWEEP_CONTEXT)] * batch)
         times = {}
-        for splits in (1, 4, 16, 32, 64):
+        for splits in split_counts:
             times[splits] = 1e3 * bench(lambda: ta.triton_decode_attention(
                 pb.query, pb.k_cache, pb.v_cache, pb.block_tables, pb.seq_lens, pb.scale, out=pb.out,
                 num_splits=splits))
@@ -193,17 +235,11 @@ def main():
         torch.cuda.empty_cache()
 
     # -- prefill -----------------------------------------------------------------
-    widths = (26, 11, 11, 10, 11, 8)
+    widths = (26, 11, 11, 10, 11, 8, 8)
     print("\nprefill (causal; chunks over a cached prefix)")
-    print(row(("case", "triton us", "torch us", "tri TFLOPs", "torch TFLOPs", "speedup"), widths))
+    print(row(("case", "triton us", "torch us", "tri TFLOPs", "torch TFLOPs", "speedup", "rel err"), widths))
     report["prefill"] = []
-    cases = {
-        "1 x 4096 fresh": [(4096, 4096)],
-        "16 x 1024 fresh": [(1024, 1024)] * 16,
-        "4 x 512 chunk / 8k prefix": [(512, 8704)] * 4,
-        "1 x 2048 chunk / 30k prefix": [(2048, 32768)],
-    }
-    for name, seqs in cases.items():
+    for name, seqs in PREFILL_CASES.items():
         pb = PagedBatch(seqs)
 
         def run_triton():
@@ -213,36 +249,79 @@ def main():
         t_tri = bench(run_triton)
         try:
             t_ref = bench(pb.torch_prefill)
-        except (RuntimeError, torch.OutOfMemoryError) as exc:
+            ref = pb.torch_prefill().transpose(1, 2).reshape(-1, NUM_HEADS, HEAD_DIM)
+            err = rel_err(pb.out, ref)
+        except RuntimeError as exc:
             print(f"  torch twin failed: {type(exc).__name__}: {str(exc)[:120]}")
-            t_ref = float("nan")
+            t_ref, err = float("nan"), float("nan")
         flops = pb.attention_flops()
-        entry = {"case": name, "triton_us": t_tri * 1e3, "torch_us": t_ref * 1e3,
+        entry = {"case": name, "triton_us": t_tri * 1e3, "torch_us": t_ref * 1e3, "rel_err": err,
                  "triton_tflops": flops / (t_tri * 1e-3) / 1e12, "torch_tflops": flops / (t_ref * 1e-3) / 1e12}
         report["prefill"].append(entry)
         print(row((name, f"{t_tri * 1e3:.1f}", f"{t_ref * 1e3:.1f}", f"{entry['triton_tflops']:.1f}",
-                   f"{entry['torch_tflops']:.1f}", f"{t_ref / t_tri:.2f}x"), widths))
+                   f"{entry['torch_tflops']:.1f}", f"{t_ref / t_tri:.2f}x", f"{err:.1e}"), widths))
+        del pb
+        torch.cuda.empty_cache()
+
+    # -- tile sweeps ------------------------------------------------------------
+    print("\nprefill tile sweep (us): BLOCK_M x BLOCK_N / warps / stages")
+    report["prefill_config_sweep"] = []
+    for name in PREFILL_SWEEP_CASES:
+        pb = PagedBatch(PREFILL_CASES[name])
+        times = {}
+        for cfg in PREFILL_SWEEP_CONFIGS:
+            config = ta.PrefillConfig(*cfg)
+            try:
+                times["%dx%d/%d/%d" % cfg] = 1e3 * bench(lambda: ta.triton_prefill_attention(
+                    pb.query, pb.k_cache, pb.v_cache, pb.block_tables, pb.query_start_loc, pb.seq_lens,
+                    pb.scale, max_query_len=pb.max_query_len, out=pb.out, config=config))
+            except Exception as exc:  # out of resources, say: report and go on
+                times["%dx%d/%d/%d" % cfg] = f"{type(exc).__name__}"
+        report["prefill_config_sweep"].append({"case": name, "us_by_config": times})
+        print(f"  {name}: " + "  ".join(f"{c}: {t:.1f}" if isinstance(t, float) else f"{c}: {t}"
+                                        for c, t in times.items()))
+        del pb
+        torch.cuda.empty_cache()
+
+    print("\ndecode tile sweep (us by tokens per KV tile, automatic splits)")
+    report["decode_tile_sweep"] = []
+    default_tile = ta.DECODE_TILE
+    for batch, ctx in DECODE_TILE_SWEEP:
+        pb = PagedBatch([(1, ctx)] * batch)
+        times = {}
+        for tile in (32, 64, 128):
+            ta.DECODE_TILE = tile
+            times[tile] = 1e3 * bench(lambda: ta.triton_decode_attention(
+                pb.query, pb.k_cache, pb.v_cache, pb.block_tables, pb.seq_lens, pb.scale, out=pb.out,
+                max_seq_len=ctx))
+        ta.DECODE_TILE = default_tile
+        report["decode_tile_sweep"].append({"batch": batch, "ctx": ctx, "us_by_tile": times})
+        print(f"  batch {batch:3d} ctx {ctx:5d}: " + "  ".join(f"{t}: {v:.1f}" for t, v in times.items()))
         del pb
         torch.cuda.empty_cache()
 
     # -- mixed batch through the dispatcher ----------------------------------------
-    print("\nmixed batch via paged_attention_triton (prefill kernel) vs decode-only kernel")
-    decodes = [(1, 4096)] * 32
-    mixed = PagedBatch(decodes + [(512, 4608)])
-    only = PagedBatch(decodes)
-    t_mixed = bench(lambda: ta.paged_attention_triton(
-        mixed.query, mixed.k_cache, mixed.v_cache, mixed.block_tables, mixed.query_start_loc, mixed.seq_lens,
-        mixed.scale, max_query_len=mixed.max_query_len, out=mixed.out))
-    t_only = bench(lambda: ta.paged_attention_triton(
-        only.query, only.k_cache, only.v_cache, only.block_tables, only.query_start_loc, only.seq_lens,
-        only.scale, max_query_len=1, out=only.out))
-    t_decode_rows_prefill = bench(lambda: ta.triton_prefill_attention(
-        only.query, only.k_cache, only.v_cache, only.block_tables, only.query_start_loc, only.seq_lens,
-        only.scale, max_query_len=1, out=only.out))
-    report["mixed"] = {"32 decodes + 512 chunk (prefill kernel) us": t_mixed * 1e3,
-                       "32 decodes (decode kernel) us": t_only * 1e3,
-                       "32 decodes (prefill kernel) us": t_decode_rows_prefill * 1e3}
-    for k, v in report["mixed"].items():
+    n = len(MIXED_DECODES)
+    print(f"\nmixed batch: {n} decodes (ctx {MIXED_DECODES[0][1]}) + one {MIXED_CHUNK[0]}-token chunk (us)")
+    mixed = PagedBatch(MIXED_DECODES + [MIXED_CHUNK])
+    only = PagedBatch(MIXED_DECODES)
+    chunk = PagedBatch([MIXED_CHUNK])
+
+    def dispatch(pb, **kwargs):
+        return lambda: ta.paged_attention_triton(
+            pb.query, pb.k_cache, pb.v_cache, pb.block_tables, pb.query_start_loc, pb.seq_lens, pb.scale,
+            max_query_len=pb.max_query_len, out=pb.out, **kwargs)
+
+    report["mixed_us"] = {
+        "mixed, decode rows split off (default)": 1e3 * bench(dispatch(mixed)),
+        "mixed, all in the prefill kernel": 1e3 * bench(dispatch(mixed, split_decodes=False)),
+        "decodes alone (decode kernel)": 1e3 * bench(dispatch(only)),
+        "decodes alone (prefill kernel)": 1e3 * bench(lambda: ta.triton_prefill_attention(
+            only.query, only.k_cache, only.v_cache, only.block_tables, only.query_start_loc, only.seq_lens,
+            only.scale, max_query_len=1, out=only.out)),
+        "chunk alone (prefill kernel)": 1e3 * bench(dispatch(chunk, split_decodes=False)),
+    }
+    for k, v in report["mixed_us"].items():
         print(f"  {k}: {v:.1f}")
 
     print("\nJSON " + json.dumps(report))

@@ -1,4 +1,4 @@
-"""mempath's command line: generate | chat | plan | serve."""
+"""mempath's command line: generate | chat | serve | plan | diagnose."""
 import argparse
 import json
 import logging
@@ -101,8 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     add_sampling_arguments(chat)
     chat.add_argument("--quiet", action="store_true")
 
+    from mempath.server.cli import add_serve_arguments, run_serve
+    add_serve_arguments(sub.add_parser("serve", help="OpenAI-compatible HTTP server"))
     from mempath.memory.plan import add_plan_arguments, run_plan
     add_plan_arguments(sub.add_parser("plan", help="predict memory per pathway (no GPU needed)"))
+    from mempath.memory.diagnose import add_diagnose_arguments, run_diagnose
+    add_diagnose_arguments(sub.add_parser("diagnose", help="measure memory per pathway against the plan"))
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -111,8 +115,12 @@ def main(argv: list[str] | None = None) -> int:
             return run_generate(args)
         if args.command == "chat":
             return run_chat(args)
+        if args.command == "serve":
+            return run_serve(args)
         if args.command == "plan":
             return run_plan(args)
+        if args.command == "diagnose":
+            return run_diagnose(args)
     except ValueError as error:
         print(f"mempath: error: {error}", file=sys.stderr)
         return 2

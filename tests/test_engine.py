@@ -200,3 +200,25 @@ def test_cli_reports_bad_input(model_factory, capsys):
     code = cli_main(["generate", path, "x", "--max-tokens", "0", "--quiet"])
     assert code == 2
     assert "max_tokens" in capsys.readouterr().err
+
+
+def test_step_out_of_memory_fails_one_request_and_keeps_serving(model_factory):
+    path, _ = model_factory("llama")
+    llm = LLM(path, dtype="float32", show_progress=False)
+    ref = llm.generate([[4, 5, 6], [7, 8, 9]], greedy(8), use_tqdm=False)
+    runner = llm.engine.runner
+    real_execute = runner.execute
+    calls = [0]
+
+    def flaky(batch, sampling):
+        calls[0] += 1
+        if calls[0] == 3:  # a decode step with both requests in it
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+        return real_execute(batch, sampling)
+
+    runner.execute = flaky
+    outs = llm.generate([[4, 5, 6], [7, 8, 9]], greedy(8), use_tqdm=False)
+    runner.execute = real_execute
+    assert outs[0].token_ids == ref[0].token_ids and outs[0].finish_reason == "length"
+    assert outs[1].finish_reason == "error" and "step" in outs[1].error
+    assert llm.stats()["kv_blocks_used"] == 0

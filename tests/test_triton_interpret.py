@@ -24,7 +24,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from test_triton_kernels import Case, check_attention, check_write_kv  # noqa: E402
+from test_triton_kernels import Case, assert_close, check_attention, check_write_kv  # noqa: E402
 
 DEVICE = "cpu"
 
@@ -67,6 +67,23 @@ def check_prefill_mixed(ta, group, dtype):
     case = Case(seqs, 2 * group, 2, 32, 8, dtype, DEVICE, seed=group)
     check_attention(ta, case, dtype, "prefill")
     check_attention(ta, case, dtype, "auto", max_query_len=case.max_query_len)
+    check_attention(ta, case, dtype, "auto", split_decodes=False)
+
+
+def check_mixed_decode_rows(ta):
+    """The decode kernel on a mixed batch: its rows right, the others untouched."""
+    seqs = [(1, 77), (33, 100), (1, 5), (7, 7), (1, 200)]
+    case = Case(seqs, 8, 2, 32, 8, torch.float32, DEVICE, seed=9)
+    ref = case.reference()
+    rows = torch.tensor([0, 34, 42])
+    for splits in (1, 4):
+        out = case.poisoned_out()
+        ta.triton_decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                                   case.scale, out=out, num_splits=splits, query_start_loc=case.query_start_loc)
+        assert_close(out[rows], ref[rows], torch.float32)
+        others = torch.ones(case.num_tokens, dtype=torch.bool)
+        others[rows] = False
+        assert torch.isnan(out[others]).all()
 
 
 def check_odd_head_dim(ta):
@@ -81,6 +98,7 @@ CHECKS = {
     "write_kv_same_dtype": check_write_kv_same_dtype,
     "decode_padding_and_workspace": check_decode_padding_and_workspace,
     "odd_head_dim": check_odd_head_dim,
+    "mixed_decode_rows": check_mixed_decode_rows,
 }
 for _group in (1, 4):
     for _dtype in (torch.float32, torch.float16):

@@ -18,6 +18,7 @@ from mempath.engine.runner import ModelRunner
 from mempath.engine.scheduler import ScheduledBatch, Scheduler
 from mempath.kv.manager import KVCacheManager
 from mempath.memory.ledger import Ledger, format_bytes
+from mempath.memory.oom import MempathOutOfMemoryError, oom_guard
 from mempath.model.loader import load_model, read_config
 from mempath.sampling import SamplingParams
 
@@ -79,9 +80,12 @@ class LLMEngine:
             torch.cuda.set_device(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
-        self.model, self.spec, self.load_report = load_model(
-            config.model, self.dtype, self.device, self.max_model_len, show_progress,
-            dummy=config.load_format == "dummy")
+        dtype_name = str(self.dtype).removeprefix("torch.")
+        self.dtype_name = dtype_name
+        with oom_guard("load", self.ledger, config, dtype=dtype_name):
+            self.model, self.spec, self.load_report = load_model(
+                config.model, self.dtype, self.device, self.max_model_len, show_progress,
+                dummy=config.load_format == "dummy")
         self.ledger.record("weights", self.load_report.weight_bytes, self.device.type, "measured",
                            f"{self.load_report.tensors_loaded} tensors, {self.dtype}".replace("torch.", ""))
         if self.device.type == "cuda":
@@ -98,11 +102,14 @@ class LLMEngine:
         self.ledger.record("step_buffers", self.runner.workspace_bytes(), self.device.type, "measured",
                            "static inputs and decode split workspace")
         num_blocks = self._plan_kv_blocks()
-        self.runner.allocate_kv_cache(num_blocks)
+        with oom_guard("kv_allocation", self.ledger, config, dtype=dtype_name,
+                       requested_bytes=num_blocks * self.runner.kv_bytes_per_block()):
+            self.runner.allocate_kv_cache(num_blocks)
         self.ledger.record("kv_cache", self.runner.kv_cache.numel() * self.runner.kv_cache.element_size(),
                            self.device.type, "measured",
                            f"{num_blocks} blocks x {config.block_size} tokens")
-        graph_bytes = self.runner.capture_cuda_graphs()
+        with oom_guard("cuda_graphs", self.ledger, config, dtype=dtype_name):
+            graph_bytes = self.runner.capture_cuda_graphs()
         if self.runner.graphs:
             self.ledger.record("cuda_graphs", graph_bytes, "cuda", "measured",
                                f"{len(self.runner.graphs)} decode graphs, batch 1..{config.max_num_seqs}")
@@ -139,7 +146,8 @@ class LLMEngine:
         if self.device.type != "cuda":
             num_blocks = self.config.cpu_kv_cache_bytes // per_block
         else:
-            num_blocks = self._profile_cuda_kv_blocks(per_block)
+            with oom_guard("profile", self.ledger, self.config, dtype=self.dtype_name):
+                num_blocks = self._profile_cuda_kv_blocks(per_block)
         if num_blocks < 1:
             raise ValueError(
                 f"no memory is left for the KV cache (one block needs {format_bytes(per_block)}); "
@@ -286,7 +294,11 @@ class LLMEngine:
                 return [self._output(request, "", [], finished=True)]
             return []
         sampling = batch.sampling_requests()
-        result = self.runner.execute(batch, sampling)
+        try:
+            with oom_guard("step", self.ledger, self.config, dtype=self.dtype_name):
+                result = self.runner.execute(batch, sampling)
+        except MempathOutOfMemoryError as error:
+            return [self._fail_newest(batch, error)]
         self.scheduler.update_after_step(batch)
         for request, num_new in zip(batch.requests, batch.num_new_tokens):
             start = request.num_computed_tokens - num_new
@@ -298,6 +310,20 @@ class LLMEngine:
         for request, token_id, logprobs in zip(sampling, result.token_ids, result.logprobs):
             outputs.append(self._append_token(request, token_id, logprobs, now))
         return outputs
+
+    def _fail_newest(self, batch: ScheduledBatch, error: MempathOutOfMemoryError) -> RequestOutput:
+        """One step ran out of memory: fail its newest request and keep serving the rest.
+
+        The others did not advance (num_computed_tokens is unchanged), so the next
+        step recomputes their tokens into the blocks they already hold.
+        """
+        log.error("%s", error)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        victim = batch.requests[-1]
+        victim.error = error.explanation
+        self.scheduler.finish(victim, "error")
+        return self._output(victim, "", [], finished=True)
 
     def _append_token(self, request: Request, token_id: int, logprobs, now: float) -> RequestOutput:
         request.token_ids.append(token_id)

@@ -186,7 +186,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _decode_split_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
         out_ptr, part_out_ptr, part_lse_ptr,
         qk_scale,
         stride_qt, stride_qh, stride_qd,
@@ -198,11 +198,19 @@ if HAS_TRITON:
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-        SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+        SPLIT: tl.constexpr, PRECISION: tl.constexpr, VARLEN: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
+        # VARLEN: a mixed batch; this kernel takes the single-row sequences and
+        # leaves the others to the prefill kernel.
+        if VARLEN:
+            q_row = tl.load(query_start_ptr + seq)
+            if tl.load(query_start_ptr + seq + 1) - q_row != 1:
+                return
+        else:
+            q_row = seq
 
         seq_len = tl.load(seq_lens_ptr + seq)
         # Splits cover whole tiles; the count of non-empty splits follows.
@@ -218,7 +226,7 @@ if HAS_TRITON:
         heads = kv_head * GROUP + g
         head_mask = g < GROUP
         dim_mask = dims < HEAD_DIM
-        q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+        q = tl.load(q_ptr + q_row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
                     + dims[None, :] * stride_qd,
                     mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
         q = q.to(k_cache_ptr.dtype.element_ty)
@@ -258,20 +266,26 @@ if HAS_TRITON:
             tl.store(part_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out, mask=out_mask)
             tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=head_mask)
         else:
-            tl.store(out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
+            tl.store(out_ptr + q_row.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
                      + dims[None, :] * stride_od,
                      out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
     @triton.jit
     def _decode_merge_kernel(
-        seq_lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
+        seq_lens_ptr, query_start_ptr, part_out_ptr, part_lse_ptr, out_ptr,
         stride_ot, stride_oh, stride_od,
         num_heads, num_splits,
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-        SPLITS_PAD: tl.constexpr, TILE: tl.constexpr,
+        SPLITS_PAD: tl.constexpr, TILE: tl.constexpr, VARLEN: tl.constexpr,
     ):
         seq = tl.program_id(0)
         head = tl.program_id(1)
+        if VARLEN:
+            q_row = tl.load(query_start_ptr + seq)
+            if tl.load(query_start_ptr + seq + 1) - q_row != 1:
+                return
+        else:
+            q_row = seq
         seq_len = tl.load(seq_lens_ptr + seq)
         # Same split arithmetic as the split kernel: which splits wrote.
         split_len = ((seq_len + num_splits - 1) // num_splits + TILE - 1) // TILE * TILE
@@ -288,7 +302,7 @@ if HAS_TRITON:
         part = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + dims[None, :],
                        mask=split_mask[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
         out = tl.sum(part * weight[:, None], 0)
-        tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + dims * stride_od,
+        tl.store(out_ptr + q_row.to(tl.int64) * stride_ot + head * stride_oh + dims * stride_od,
                  out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
     @triton.jit
@@ -306,7 +320,7 @@ if HAS_TRITON:
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PRECISION: tl.constexpr, SKIP_DECODE: tl.constexpr,
     ):
         # The longest-running tiles (the last queries, which see the most keys)
         # are launched first.
@@ -320,6 +334,9 @@ if HAS_TRITON:
         q_first = q_tile * BLOCK_Q
         if q_first >= q_len:
             return
+        if SKIP_DECODE:
+            if q_len == 1:  # done by the decode kernel
+                return
         seq_len = tl.load(seq_lens_ptr + seq)
         context = seq_len - q_len  # tokens before the first query row
 
@@ -449,6 +466,7 @@ def triton_decode_attention(
     workspace: Optional[DecodeWorkspace] = None,
     num_splits: Optional[int] = None,
     max_seq_len: Optional[int] = None,
+    query_start_loc: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of one query row per sequence (``query: [B, num_heads, head_dim]``).
 
@@ -456,17 +474,27 @@ def triton_decode_attention(
     under CUDA graphs); ``max_seq_len``, if given, only lets it pick fewer
     splits for short contexts. With ``workspace`` (see
     :func:`alloc_decode_workspace`) and ``out`` the call allocates nothing.
+
+    With ``query_start_loc``, ``query`` is a mixed batch's flattened rows: only
+    the sequences with exactly one query row are computed, the other rows of
+    ``out`` are left alone (for :func:`triton_prefill_attention` with
+    ``skip_decode=True``).
     """
     _require_triton()
     _check_cache(k_cache, v_cache)
-    num_seqs, num_heads, head_dim = query.shape
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_seqs = seq_lens.shape[0]
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     if cache_head_dim != head_dim or num_heads % num_kv_heads:
         raise ValueError("query and cache head shapes do not match")
+    if query_start_loc is None and query.shape[0] != num_seqs:
+        raise ValueError("decode takes one query row per sequence (or pass query_start_loc)")
     if out is None:
         out = torch.empty_like(query)
     if num_seqs == 0:
         return out
+    varlen = query_start_loc is not None
+    query_start = query_start_loc if varlen else seq_lens  # unused by the kernel unless varlen
     group = num_heads // num_kv_heads
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, query.device, max_seq_len)
@@ -489,7 +517,7 @@ def triton_decode_attention(
 
     tile_bytes = 2 * DECODE_TILE * d_pad * k_cache.element_size()
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, k_cache, v_cache, block_tables, seq_lens,
+        query, k_cache, v_cache, block_tables, seq_lens, query_start,
         out, part_out, part_lse,
         scale * LOG2E,
         *query.stride(), *k_cache.stride(), *v_cache.stride(),
@@ -499,32 +527,46 @@ def triton_decode_attention(
         GROUP=group, GROUP_PAD=max(16, _next_pow2(group)),
         HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, TILE=DECODE_TILE,
-        SPLIT=split, PRECISION=_dot_precision(k_cache.dtype),
+        SPLIT=split, PRECISION=_dot_precision(k_cache.dtype), VARLEN=varlen,
         num_warps=4, num_stages=_pipeline_stages(tile_bytes),
     )
     if split:
         _decode_merge_kernel[(num_seqs, num_heads)](
-            seq_lens, part_out, part_lse, out,
+            seq_lens, query_start, part_out, part_lse, out,
             *out.stride(),
             num_heads, num_splits,
             HEAD_DIM=head_dim, D_PAD=d_pad,
-            SPLITS_PAD=_next_pow2(num_splits), TILE=DECODE_TILE,
+            SPLITS_PAD=_next_pow2(num_splits), TILE=DECODE_TILE, VARLEN=varlen,
             num_warps=4 if num_splits * d_pad <= 8192 else 8,
         )
     return out
 
 
-def _prefill_config(head_dim: int, dtype: torch.dtype):
-    """(BLOCK_M, BLOCK_N, num_warps) sized to keep Q, K and V tiles in shared memory."""
+class PrefillConfig(NamedTuple):
+    block_m: int  # tile rows: query tokens x query heads of one KV head
+    block_n: int  # keys per KV tile
+    num_warps: int
+    num_stages: int
+
+
+def prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
+    """Default tiles, sized to keep Q, K and V tiles in shared memory."""
     d_pad = _next_pow2(head_dim)
     if dtype == torch.float32:
         # Float32 tiles (and the 3-pass TF32 dots) are twice as large: keep them small.
-        return 32, 32, 4
-    if d_pad > 128:
-        return 64, 32, 8
-    if d_pad <= 64:
-        return 128, 64, 4
-    return 128, 64, 8
+        block_m, block_n, num_warps = 32, 32, 4
+    elif d_pad > 128:
+        block_m, block_n, num_warps = 64, 32, 8
+    elif d_pad <= 64:
+        block_m, block_n, num_warps = 128, 64, 4
+    else:
+        block_m, block_n, num_warps = 128, 64, 8
+    stages = _pipeline_stages(2 * block_n * d_pad * _element_size(dtype))
+    return PrefillConfig(block_m, block_n, num_warps, stages)
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def triton_prefill_attention(
@@ -537,13 +579,17 @@ def triton_prefill_attention(
     scale: float,
     max_query_len: Optional[int] = None,
     out: Optional[torch.Tensor] = None,
+    skip_decode: bool = False,
+    config: Optional[PrefillConfig] = None,
 ) -> torch.Tensor:
     """Causal attention of variable-length query chunks over paged K/V.
 
     Same semantics as ``paged_attention``: works for plain prefill, a prefill
     over a cached prefix, a chunk of a chunked prefill and decode rows alike.
     ``max_query_len`` (the longest chunk) sizes the grid; omitting it costs a
-    device-to-host sync. Query rows not owned by any sequence are not written.
+    device-to-host sync. Query rows not owned by any sequence are not written,
+    nor, with ``skip_decode``, those of single-row sequences. ``config``
+    overrides :func:`prefill_config` (for tuning).
     """
     _require_triton()
     _check_cache(k_cache, v_cache)
@@ -555,17 +601,15 @@ def triton_prefill_attention(
         out = torch.empty_like(query)
     num_seqs = seq_lens.shape[0]
     if max_query_len is None:
-        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item()) if num_seqs else 0
+        max_query_len = _max_query_len(query_start_loc)
     if num_seqs == 0 or max_query_len == 0:
         return out
     group = num_heads // num_kv_heads
     group_pad = _next_pow2(group)
-    block_m, block_n, num_warps = _prefill_config(head_dim, k_cache.dtype)
+    config = config or prefill_config(head_dim, k_cache.dtype)
     # At least one query token per tile, whatever the group size.
-    block_m = max(block_m, group_pad)
+    block_m = max(config.block_m, group_pad)
     num_q_tiles = triton.cdiv(max_query_len, block_m // group_pad)
-    d_pad = _next_pow2(head_dim)
-    tile_bytes = 2 * block_n * d_pad * k_cache.element_size()
     _prefill_kernel[(num_q_tiles, num_seqs, num_kv_heads)](
         query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
         out,
@@ -575,13 +619,20 @@ def triton_prefill_attention(
         *out.stride(),
         num_q_tiles,
         GROUP=group, GROUP_PAD=group_pad,
-        HEAD_DIM=head_dim, D_PAD=d_pad,
+        HEAD_DIM=head_dim, D_PAD=_next_pow2(head_dim),
         BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n,
-        PRECISION=_dot_precision(k_cache.dtype),
-        num_warps=num_warps, num_stages=_pipeline_stages(tile_bytes),
+        BLOCK_M=block_m, BLOCK_N=config.block_n,
+        PRECISION=_dot_precision(k_cache.dtype), SKIP_DECODE=skip_decode,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
+
+
+def _max_query_len(query_start_loc: torch.Tensor) -> int:
+    """The longest query chunk; a device-to-host sync."""
+    if query_start_loc.shape[0] < 2:
+        return 0
+    return int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
 
 
 def paged_attention_triton(
@@ -597,15 +648,24 @@ def paged_attention_triton(
     max_seq_len: Optional[int] = None,
     out: Optional[torch.Tensor] = None,
     workspace: Optional[DecodeWorkspace] = None,
+    split_decodes: bool = True,
 ) -> torch.Tensor:
-    """Drop-in for ``paged_attention``: the decode kernel when every sequence
-    has exactly one query row, the prefill kernel otherwise.
+    """Drop-in for ``paged_attention``.
 
-    Pass ``max_query_len`` to skip a device-to-host sync (and for CUDA graphs).
+    - every sequence has one query row: the decode kernel;
+    - otherwise the prefill kernel, and with ``split_decodes`` (the default)
+      the decode kernel too, for the single-row sequences of the batch, which
+      the prefill kernel then skips: its query tiles would be almost empty for
+      them. Both choose per sequence on the device, so this stays
+      graph-capturable; pass ``split_decodes=False`` for batches known to hold
+      no decode rows, to save the decode launch.
+
+    Pass ``max_query_len`` to skip a device-to-host sync (and for CUDA graphs);
+    ``max_seq_len`` and ``workspace`` go to :func:`triton_decode_attention`.
     """
     num_seqs = seq_lens.shape[0]
     if max_query_len is None:
-        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item()) if num_seqs else 0
+        max_query_len = _max_query_len(query_start_loc)
     # q_len <= 1 everywhere and num_tokens == num_seqs means q_len == 1
     # everywhere, i.e. row b belongs to sequence b.
     if max_query_len == 1 and query.shape[0] == num_seqs:
@@ -613,7 +673,14 @@ def paged_attention_triton(
             query, k_cache, v_cache, block_tables, seq_lens, scale,
             out=out, workspace=workspace, max_seq_len=max_seq_len,
         )
+    if out is None:
+        out = torch.empty_like(query)
+    if split_decodes and max_query_len > 1:
+        triton_decode_attention(
+            query, k_cache, v_cache, block_tables, seq_lens, scale,
+            out=out, workspace=workspace, max_seq_len=max_seq_len, query_start_loc=query_start_loc,
+        )
     return triton_prefill_attention(
         query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-        max_query_len=max_query_len, out=out,
+        max_query_len=max_query_len, out=out, skip_decode=split_decodes and max_query_len > 1,
     )

@@ -255,7 +255,7 @@ class Recorder:
 
 @contextmanager
 def observe_engine_stages(recorder: Recorder):
-    """Wrap the engine's load, profile and KV-allocation steps in recorder stages.
+    """Wrap the engine's load, profile, KV-allocation and graph-capture steps in stages.
 
     The engine builds itself in one constructor; wrapping its three memory-taking
     calls for the duration of that constructor measures the real code path. (An
@@ -267,6 +267,7 @@ def observe_engine_stages(recorder: Recorder):
     original_load = engine_module.load_model
     original_allocate = ModelRunner.allocate_kv_cache
     original_profile = engine_module.LLMEngine._profile_cuda_kv_blocks
+    original_capture = ModelRunner.capture_cuda_graphs
 
     def load_model(*args, **kwargs):
         with recorder.stage("load weights", "weights"):
@@ -280,7 +281,12 @@ def observe_engine_stages(recorder: Recorder):
         with recorder.stage("profile step", "activation_peak"):
             return original_profile(engine, per_block)
 
+    def capture_cuda_graphs(runner):
+        with recorder.stage("cuda graph capture", "cuda_graphs"):
+            return original_capture(runner)
+
     engine_module.load_model = load_model
+    ModelRunner.capture_cuda_graphs = capture_cuda_graphs
     ModelRunner.allocate_kv_cache = allocate_kv_cache
     engine_module.LLMEngine._profile_cuda_kv_blocks = profile
     try:
@@ -289,6 +295,7 @@ def observe_engine_stages(recorder: Recorder):
         engine_module.load_model = original_load
         ModelRunner.allocate_kv_cache = original_allocate
         engine_module.LLMEngine._profile_cuda_kv_blocks = original_profile
+        ModelRunner.capture_cuda_graphs = original_capture
 
 
 # ---------------------------------------------------------------- comparison rows
@@ -657,7 +664,7 @@ def diagnose(model_dir: str, *, device: str = "auto", dtype: str = "auto", train
     from mempath.engine.engine import LLMEngine
     from mempath.memory.plan import detect_gpu_mem, plan_memory
 
-    config = EngineConfig.from_kwargs(model_dir, device=device, dtype=dtype, **engine_options)
+    config = EngineConfig.from_kwargs(model_dir, device=_indexed(device), dtype=dtype, **engine_options)
     torch_device = config.torch_device()
     meter = CudaMeter(torch_device) if torch_device.type == "cuda" else CpuMeter()
     recorder = Recorder(meter)
@@ -677,8 +684,10 @@ def diagnose(model_dir: str, *, device: str = "auto", dtype: str = "auto", train
                 max_model_len=engine.max_model_len, max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens, block_size=config.block_size,
                 cuda_graphs=not config.enforce_eager)
-            tokens = max(1, min(probe_tokens, config.max_num_batched_tokens, probe_capacity(engine)))
-            seqs = max(1, min(probe_seqs, config.max_num_seqs, tokens))
+            seqs = max(1, min(probe_seqs, config.max_num_seqs, probe_tokens))
+            # The step buffers hold max-num-batched-tokens tokens and max-model-len per sequence.
+            tokens = max(seqs, min(probe_tokens, config.max_num_batched_tokens, probe_capacity(engine),
+                                   seqs * engine.max_model_len))
             probe_plan = plan_memory(model_dir, dtype=dtype_name, max_model_len=engine.max_model_len,
                                      max_num_seqs=seqs, max_num_batched_tokens=tokens,
                                      block_size=config.block_size, cuda_graphs=False)
@@ -737,6 +746,13 @@ def diagnose(model_dir: str, *, device: str = "auto", dtype: str = "auto", train
     return report
 
 
+def _indexed(device: str) -> str:
+    """"cuda" or "auto" on a CUDA machine as "cuda:N": the engine's set_device needs an index."""
+    if device in ("auto", "cuda") and torch.cuda.is_available():
+        return f"cuda:{torch.cuda.current_device()}"
+    return device
+
+
 def _run_growth(engine, recorder, plan, num_requests: int) -> list[dict]:
     """KV growth over a generation that crosses block boundaries, sized to fit the pool."""
     block = engine.config.block_size
@@ -761,6 +777,16 @@ def _rows(engine, plan, probe_plan, recorder, forward, growth) -> list[Row]:
                         num_blocks * plan.kv_bytes_per_block,
                         f"plan: {plan.num_kv_blocks:,} blocks (device memory x utilization - weights - workspace)",
                         f"engine: {num_blocks:,} blocks after its profile step"))
+    graphs = engine.ledger.entries.get("cuda_graphs")
+    if graphs is not None:
+        rows.append(Row("cuda_graphs", plan.cuda_graph_bytes, graphs.bytes,
+                        f"plan: cuda_graph_bytes (batch <= {plan.cuda_graph_batch})",
+                        f"engine ledger: {graphs.detail}"))
+    for name in ("step_buffers", "non_torch"):  # figures the plan has no formula for
+        entry = engine.ledger.entries.get(name)
+        if entry is not None:
+            rows.append(Row(name, None, entry.bytes, "not in the plan", f"engine ledger ({entry.source})",
+                            entry.detail))
     if "activation_peak" in engine.ledger.entries:
         rows.append(Row("activation_peak (engine profile step)",
                         plan.activation_peak_bytes + plan.logits_bytes, engine.ledger.get("activation_peak"),

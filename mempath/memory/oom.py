@@ -13,6 +13,7 @@ Stages and the pathway each one feeds:
     profile        activation_peak (the largest step, run once at start-up)
     kv_allocation  kv_cache
     step           activations of one serving step (the batch being run)
+    cuda_graphs    cuda_graphs (decode graph capture)
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ STAGE_PATHWAYS = {
     "profile": "activation_peak",
     "kv_allocation": "kv_cache",
     "step": "activations",
+    "cuda_graphs": "cuda_graphs",
 }
 
 
@@ -137,6 +139,10 @@ def _fixes(stage, plan, config, ledger, requested, free, total) -> list[str]:
         return _kv_fixes(plan, config, ledger, requested, free, total)
     if stage in ("profile", "step"):
         return _activation_fixes(plan, config, requested, free)
+    if stage == "cuda_graphs":
+        return [f"--enforce-eager: no decode graphs (the planner puts their pool at "
+                f"{format_bytes(plan.cuda_graph_bytes)} for batch <= {plan.cuda_graph_batch}), "
+                f"or a lower --max-num-seqs for smaller graphs"]
     return []
 
 
@@ -193,7 +199,7 @@ def _activation_fixes(plan, config, requested, free) -> list[str]:
 
     The step needs at least the planner's figure and at least the failing allocation;
     activations grow with the step's tokens (linearly in the planner's model, faster with a
-    non-flash attention), so scaling the tokens by free / need is enough.
+    non-flash attention), so the planner's figures are spent from free x planned / need.
     """
     from mempath.memory.plan import decoder_peak_bytes_per_token
     per_token = decoder_peak_bytes_per_token(plan)
@@ -207,19 +213,33 @@ def _activation_fixes(plan, config, requested, free) -> list[str]:
                 if requested and requested > planned else "")]
     if free is None:
         return fixes
-    tokens = tokens_now * free // need if need else 0
+    # In the planner's units, so that its per-token and logits figures can be spent.
+    budget = free * planned // need if need else 0
+    row_bytes = plan.vocab_size * 4  # one fp32 logits row, as the planner counts it
+    tokens = (budget - plan.logits_rows * row_bytes) // per_token if per_token else 0
     if free >= need:
         fixes.append(f"{format_bytes(free)} is free, more than the step needs: the memory was held "
                      f"elsewhere when it failed (see the ledger); lower --gpu-memory-utilization to "
                      f"leave more room outside the KV cache")
     elif tokens >= 1:
         fixes.append(f"{format_bytes(free)} is free: use --max-num-batched-tokens {tokens} "
-                     f"({tokens}/{tokens_now} of the step)")
+                     f"({format_bytes(tokens * per_token + plan.logits_bytes)} by the planner"
+                     + (f", scaled by the {format_bytes(requested)} the failing allocation asked for)"
+                        if need > planned else ")"))
+    elif budget // (row_bytes + per_token) >= 1:
+        # The logits rows alone overflow: fewer sequences per step, each with at least one token.
+        seqs = min(plan.logits_rows - 1, budget // (row_bytes + per_token))
+        tokens = (budget - seqs * row_bytes) // per_token
+        fixes.append(f"{format_bytes(free)} is free and {plan.logits_rows} logit rows alone take "
+                     f"{format_bytes(plan.logits_bytes)}: use --max-num-seqs {seqs} "
+                     f"--max-num-batched-tokens {tokens}")
+        return fixes
     else:
-        fixes.append(f"not even one token's activations ({format_bytes(per_token)}) fit in the "
-                     f"{format_bytes(free)} that is free: lower --gpu-memory-utilization so the KV "
-                     f"cache leaves room, or use --dtype bfloat16")
-    row_bytes = plan.vocab_size * 4  # one fp32 logits row, as the planner counts it
+        fixes.append(f"not even one token's activations and logits row "
+                     f"({format_bytes(per_token + row_bytes)}) fit in the {format_bytes(free)} that "
+                     f"is free: lower --gpu-memory-utilization so the KV cache leaves room, or use "
+                     f"--dtype bfloat16")
+        return fixes
     deficit = need - free
     if 0 < deficit < (plan.logits_rows - 1) * row_bytes:
         seqs = plan.logits_rows - -(-deficit // row_bytes)

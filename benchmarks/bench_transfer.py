@@ -1,0 +1,154 @@
+"""Bandwidth of moving KV blocks between the tiers, on one GPU.
+
+Shape: Llama-3.1-8B KV blocks (32 layers, 8 KV heads, head_dim 128, bf16,
+16 tokens: 2 MiB per block, scattered as 64 slices of 32 KiB over the cache).
+
+Paths compared, both directions, for 256 and 2048 blocks at random device ids:
+  * one copy: a single pinned copy of the same bytes, contiguous on both sides
+    (the PCIe ceiling: ANCHORS.md reads ~53-55 GB/s);
+  * per slice: one ``copy_`` per (block, layer, K/V), 32 KiB each: what a
+    block table walk without batching does;
+  * engine: ``TransferEngine``, gather/scatter on the device through the
+    staging buffer, consecutive host ids (one copy per chunk);
+  * engine, scattered host ids: the same with host ids in random order (one
+    2 MiB copy per block).
+Then the disk tier: ``DiskBlockStore`` writes (timed to fsync) and cold reads
+(page cache dropped) of the same blocks.
+
+Prints a table, then one JSON line. Usage:
+    PYTHONPATH=. python3 benchmarks/bench_transfer.py [--quick] [--disk-path DIR] [--disk-blocks N]
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from mempath.kv.blocks import hash_block
+from mempath.kv.tiers import DiskBlockStore, HostBlockStore
+from mempath.kv.transfer import TransferEngine
+
+NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+SIZES = (256, 2048)
+REPEATS = 3
+
+
+def timed(fn) -> float:
+    """Median seconds of REPEATS runs after one warm-up; fn must leave nothing in flight."""
+    fn()
+    times = []
+    for _ in range(REPEATS):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def transfer_cases(num_blocks: int, staging_blocks: int) -> dict[str, float]:
+    """Seconds per path and direction for num_blocks blocks."""
+    rng = np.random.default_rng(0)
+    cache = torch.randn(NUM_LAYERS, 2, num_blocks + 64, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
+                        dtype=DTYPE, device="cuda")
+    host = HostBlockStore.for_cache(cache, num_blocks * 2 * 1024 * 1024)
+    engine = TransferEngine(cache, host, staging_blocks=staging_blocks)
+    gpu_ids = [int(i) for i in rng.permutation(num_blocks + 64)[:num_blocks]]
+    cpu_ids = host.allocate(num_blocks)
+    scattered = [int(i) for i in rng.permutation(cpu_ids)]
+    flat_dev = torch.empty(host.storage.shape, dtype=DTYPE, device="cuda")
+    flat_host = host.storage
+
+    def per_slice(to_host: bool):
+        for g, c in zip(gpu_ids, cpu_ids):
+            for layer in range(NUM_LAYERS):
+                for kv in range(2):
+                    if to_host:
+                        flat_host[c, layer, kv].copy_(cache[layer, kv, g], non_blocking=True)
+                    else:
+                        cache[layer, kv, g].copy_(flat_host[c, layer, kv], non_blocking=True)
+        torch.cuda.synchronize()
+
+    def one_copy(to_host: bool):
+        (flat_host.copy_(flat_dev, non_blocking=True) if to_host
+         else flat_dev.copy_(flat_host, non_blocking=True))
+        torch.cuda.synchronize()
+
+    seconds = {
+        "one copy d2h": timed(lambda: one_copy(True)),
+        "one copy h2d": timed(lambda: one_copy(False)),
+        "per slice d2h": timed(lambda: per_slice(True)),
+        "per slice h2d": timed(lambda: per_slice(False)),
+        "engine d2h": timed(lambda: engine.device_to_host(gpu_ids, cpu_ids).wait()),
+        "engine h2d": timed(lambda: engine.host_to_device(cpu_ids, gpu_ids).wait()),
+        "engine scattered-host d2h": timed(lambda: engine.device_to_host(gpu_ids, scattered).wait()),
+        "engine scattered-host h2d": timed(lambda: engine.host_to_device(scattered, gpu_ids).wait()),
+    }
+    # Host time to launch a batch while the GPU is busy: what the step loop pays.
+    torch.cuda._sleep(int(2e8))
+    start = time.perf_counter()
+    transfer = engine.device_to_host(gpu_ids, cpu_ids)
+    seconds["engine d2h launch (host time)"] = time.perf_counter() - start
+    transfer.wait()
+    del cache, flat_dev, engine
+    torch.cuda.empty_cache()
+    return seconds
+
+
+def disk_cases(path: str, num_blocks: int, workers: int) -> dict[str, float]:
+    host = HostBlockStore(num_blocks, (NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), DTYPE)
+    host.storage.view(torch.int16).random_()
+    keys = [hash_block(None, [os.getpid(), i]) for i in range(num_blocks)]
+    with DiskBlockStore(os.path.join(path, "mempath-bench-kv"), num_blocks * (host.block_nbytes + 4096),
+                        host.block_nbytes, fingerprint="bench", block_shape=host.block_shape, dtype=DTYPE,
+                        num_workers=workers) as disk:
+        try:
+            start = time.perf_counter()
+            assert all(f.result() for f in [disk.write_async(h, host.storage[i]) for i, h in enumerate(keys)])
+            disk.drop_page_cache(keys)  # fsync: the sustained rate, not the page cache's
+            write = time.perf_counter() - start
+            start = time.perf_counter()
+            assert all(f.result() for f in [disk.read_async(h, host.storage[i]) for i, h in enumerate(keys)])
+            read = time.perf_counter() - start
+        finally:
+            disk.remove(keys)
+    return {"disk write (to fsync)": write, "disk read (cold)": read}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="256 blocks only")
+    parser.add_argument("--staging-blocks", type=int, default=64)
+    parser.add_argument("--disk-path", default=tempfile.gettempdir())
+    parser.add_argument("--disk-blocks", type=int, default=256)
+    parser.add_argument("--disk-workers", type=int, default=4)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_transfer.py needs a CUDA device")
+    block_nbytes = 2 * NUM_LAYERS * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    rows = []
+    for num_blocks in SIZES[:1] if args.quick else SIZES:
+        for case, s in transfer_cases(num_blocks, args.staging_blocks).items():
+            rows.append({"case": case, "blocks": num_blocks, "seconds": s,
+                         "gb_per_s": None if "launch" in case else num_blocks * block_nbytes / s / 1e9})
+    for case, s in disk_cases(args.disk_path, args.disk_blocks, args.disk_workers).items():
+        rows.append({"case": case, "blocks": args.disk_blocks, "seconds": s,
+                     "gb_per_s": args.disk_blocks * block_nbytes / s / 1e9})
+
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, block {block_nbytes >> 20} MiB, "
+          f"staging {args.staging_blocks} blocks")
+    print(f"{'case':<32}{'blocks':>8}{'ms':>11}{'GB/s':>9}")
+    for r in rows:
+        rate = "" if r["gb_per_s"] is None else f"{r['gb_per_s']:.1f}"
+        print(f"{r['case']:<32}{r['blocks']:>8}{r['seconds'] * 1e3:>11.2f}{rate:>9}")
+    print(json.dumps({"bench": "transfer", "device": torch.cuda.get_device_name(), "block_nbytes": block_nbytes,
+                      "staging_blocks": args.staging_blocks, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
