@@ -30,7 +30,7 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    token_ids: list[int]
+    token_ids: list[int]  # all generated tokens once finished; while streaming, see new_token_ids
     text: str
     finished: bool
     finish_reason: str | None = None  # stop | length | abort | error
@@ -42,6 +42,7 @@ class RequestOutput:
     total_time: float | None = None  # seconds from arrival to finish
     new_text: str = ""  # text added since the previous output for this request
     new_token_ids: list[int] = field(default_factory=list)
+    num_output_tokens: int = 0
 
 
 def load_tokenizer(model_dir: str):
@@ -372,11 +373,13 @@ class LLMEngine:
         total = None if request.finish_time is None else request.finish_time - request.arrival_time
         return RequestOutput(
             request_id=request.request_id, prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids, token_ids=request.output_token_ids,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=request.output_token_ids if finished else [],
             text=request.output_text, finished=finished, finish_reason=request.finish_reason,
             stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens or 0,
             logprobs=request.logprobs, error=request.error, time_to_first_token=ttft,
-            total_time=total, new_text=new_text, new_token_ids=new_token_ids)
+            total_time=total, new_text=new_text, new_token_ids=new_token_ids,
+            num_output_tokens=request.num_output_tokens)
 
     # ----------------------------------------------------------------- visibility
     def stats(self) -> dict:

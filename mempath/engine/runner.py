@@ -89,6 +89,10 @@ class ModelRunner:
         self.sampler = Sampler(device, config.seed)
         self.kv_cache = torch.empty(0)
         self.buffers = StepBuffers(self.max_tokens, config.max_num_seqs, self.max_blocks_per_seq, device)
+        self.arange = np.arange(max(self.max_tokens, max_model_len) + 1, dtype=np.int64)
+        # Which block-table list each row of buffers.tables holds, and how much of it.
+        self.row_owner: list[list[int] | None] = [None] * config.max_num_seqs
+        self.row_len = [0] * config.max_num_seqs
         self.decode_workspace = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_logits: torch.Tensor | None = None
@@ -140,33 +144,14 @@ class ModelRunner:
     # ----------------------------------------------------------------- inputs
     def prepare(self, batch: ScheduledBatch, sampling: set[int], pad_to: int | None = None):
         """Fill the static buffers for this batch; return the metadata over their prefixes."""
-        bs = self.block_size
         buf = self.buffers
         buf.wait_until_reusable()
         num_seqs = len(batch.requests)
-        t = 0
-        rows = 0
-        max_seq_len = 0
-        buf.qsl[0] = 0
-        for b, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
-            start = request.num_computed_tokens
-            end = start + num_new
-            buf.input_ids[t:t + num_new] = request.token_ids[start:end]
-            pos = np.arange(start, end)
-            buf.positions[t:t + num_new] = pos
-            table = request.block_table
-            if num_new == 1:
-                buf.slots[t] = table[start // bs] * bs + start % bs
-            else:
-                buf.slots[t:t + num_new] = np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs
-            buf.tables[b, :len(table)] = table
-            t += num_new
-            buf.qsl[b + 1] = t
-            buf.seq_lens[b] = end
-            max_seq_len = max(max_seq_len, end)
-            if id(request) in sampling:
-                buf.rows[rows] = t - 1
-                rows += 1
+        if max(batch.num_new_tokens) == 1:
+            t, rows, max_seq_len = self._fill_decode(batch.requests, sampling)
+        else:
+            t, rows, max_seq_len = self._fill_mixed(batch, sampling)
+        self._fill_block_tables(batch.requests)
         if pad_to is not None and pad_to > num_seqs:
             # Padding rows of a captured decode graph: write nothing, read one slot of block 0.
             pad = slice(num_seqs, pad_to)
@@ -174,6 +159,7 @@ class ModelRunner:
             buf.positions[pad] = 0
             buf.slots[pad] = -1
             buf.tables[pad, 0] = 0
+            self.row_owner[num_seqs:pad_to] = [None] * (pad_to - num_seqs)
             buf.qsl[num_seqs + 1:pad_to + 1] = np.arange(t + 1, t + 1 + pad_to - num_seqs)
             buf.seq_lens[pad] = 1
             num_seqs, t = pad_to, pad_to
@@ -184,6 +170,71 @@ class ModelRunner:
             max_query_len=max(batch.num_new_tokens), max_seq_len=max_seq_len,
             decode_workspace=self.decode_workspace)
         return buf.input_ids_d[:t], buf.positions_d[:t], meta, buf.rows_d[:rows]
+
+    def _fill_decode(self, requests: list[Request], sampling: set[int]):
+        """One new token per request: whole-array writes, no per-request numpy calls."""
+        bs = self.block_size
+        buf = self.buffers
+        n = len(requests)
+        positions = [r.num_computed_tokens for r in requests]
+        buf.input_ids[:n] = [r.token_ids[p] for r, p in zip(requests, positions)]
+        buf.positions[:n] = positions
+        buf.slots[:n] = [r.block_table[p // bs] * bs + p % bs for r, p in zip(requests, positions)]
+        buf.qsl[:n + 1] = self.arange[:n + 1]
+        buf.seq_lens[:n] = positions
+        buf.seq_lens[:n] += 1
+        if len(sampling) == n:
+            buf.rows[:n] = self.arange[:n]
+            rows = n
+        else:
+            picked = [i for i, r in enumerate(requests) if id(r) in sampling]
+            buf.rows[:len(picked)] = picked
+            rows = len(picked)
+        return n, rows, max(positions) + 1
+
+    def _fill_mixed(self, batch: ScheduledBatch, sampling: set[int]):
+        bs = self.block_size
+        buf = self.buffers
+        t = rows = max_seq_len = 0
+        buf.qsl[0] = 0
+        for b, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+            start = request.num_computed_tokens
+            end = start + num_new
+            buf.input_ids[t:t + num_new] = request.token_ids[start:end]
+            if num_new == 1:
+                buf.positions[t] = start
+                buf.slots[t] = request.block_table[start // bs] * bs + start % bs
+            else:
+                pos = self.arange[start:end]
+                buf.positions[t:t + num_new] = pos
+                table = np.asarray(request.block_table, dtype=np.int64)
+                buf.slots[t:t + num_new] = table[pos // bs] * bs + pos % bs
+            t += num_new
+            buf.qsl[b + 1] = t
+            buf.seq_lens[b] = end
+            max_seq_len = max(max_seq_len, end)
+            if id(request) in sampling:
+                buf.rows[rows] = t - 1
+                rows += 1
+        return t, rows, max_seq_len
+
+    def _fill_block_tables(self, requests: list[Request]) -> None:
+        """Rewrite a row only where it changed: another table, or blocks appended since.
+
+        A block table list only ever grows in place; any re-allocation (admission,
+        resumption after preemption) makes a new list, so list identity says "same table".
+        """
+        tables = self.buffers.tables
+        owner, written = self.row_owner, self.row_len
+        for b, request in enumerate(requests):
+            table = request.block_table
+            if owner[b] is table:
+                if written[b] < len(table):
+                    tables[b, written[b]:len(table)] = table[written[b]:]
+            else:
+                tables[b, :len(table)] = table
+                owner[b] = table
+            written[b] = len(table)
 
     # ----------------------------------------------------------------- running
     @torch.inference_mode()
@@ -229,6 +280,7 @@ class ModelRunner:
         buf.positions[:max_size] = 0
         buf.slots[:max_size] = -1
         buf.tables[:max_size] = 0
+        self.row_owner[:] = [None] * len(self.row_owner)
         buf.qsl[:max_size + 1] = np.arange(max_size + 1)
         buf.seq_lens[:max_size] = 1
         buf.rows[:max_size] = np.arange(max_size)

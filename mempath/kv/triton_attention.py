@@ -15,7 +15,9 @@ Kernels
   cached prefix, flash-attention tiling (query tile x KV tile) with the KV read
   through the block table. Also correct for decode rows, so a mixed batch can
   use it.
-- :func:`paged_attention_triton` — drop-in for ``paged_attention``.
+- :func:`paged_attention_triton` — drop-in for ``paged_attention``; in a mixed
+  batch the decode rows go to the decode kernel and the chunks to the prefill
+  kernel (both launched, each skipping the other's sequences on the device).
 
 CUDA graphs
 -----------
@@ -560,7 +562,8 @@ def prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
     elif d_pad <= 64:
         block_m, block_n, num_warps = 128, 64, 4
     else:
-        block_m, block_n, num_warps = 128, 64, 8
+        # Measured on an H200 (Llama-8B shape): 8-12% faster than 128x64 with 8 warps.
+        block_m, block_n, num_warps = 64, 64, 4
     stages = _pipeline_stages(2 * block_n * d_pad * _element_size(dtype))
     return PrefillConfig(block_m, block_n, num_warps, stages)
 

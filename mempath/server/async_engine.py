@@ -216,7 +216,7 @@ class AsyncEngine:
             new_token_ids=list(output.new_token_ids), new_logprobs=new_logprobs, text=output.text,
             finished=output.finished, finish_reason=output.finish_reason,
             num_prompt_tokens=len(output.prompt_token_ids), num_cached_tokens=output.num_cached_tokens,
-            num_output_tokens=len(output.token_ids), error=output.error)
+            num_output_tokens=output.num_output_tokens, error=output.error)
 
     def _deliver(self, route: _Route, update: Update) -> None:
         try:
