@@ -11,10 +11,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mempath.kv.attention import attend_torch, write_kv
+from mempath.model.ops import apply_rope, rms_norm, silu_and_mul
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -125,13 +125,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # float32 statistics, then back to the input dtype before the scale,
-        # exactly as transformers does, so greedy outputs match it.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Normalise x (x + residual when given; then also return the new residual).
+
+        float32 statistics, then back to the input dtype before the scale, exactly
+        as transformers does, so greedy outputs match it.
+        """
+        out, residual_out = rms_norm(x, self.weight, self.eps, residual)
+        return out if residual is None else (out, residual_out)
 
 
 def rope_inverse_frequencies(spec: ModelSpec) -> torch.Tensor:
@@ -182,14 +183,7 @@ class RotaryEmbedding(nn.Module):
         self.sin = emb.sin()
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return apply_rope(positions, q, k, self.cos, self.sin)
 
 
 class Attention(nn.Module):
@@ -222,8 +216,8 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(-1, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
         self.write_kv_fn(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = self.attention_fn(q, self.k_cache, self.v_cache, meta, self.scale)
@@ -238,8 +232,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -250,9 +243,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, positions, hidden, meta):
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, positions, hidden, residual, meta):
+        """Returns (sublayer output, residual stream); the next norm adds them."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class DecoderModel(nn.Module):
@@ -265,9 +265,10 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids, positions, meta):
         hidden = self.embed_tokens(input_ids)
+        residual = None
         for layer in self.layers:
-            hidden = layer(positions, hidden, meta)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, meta)
+        return self.norm(hidden, residual)[0]
 
 
 class CausalLM(nn.Module):

@@ -1,0 +1,133 @@
+"""Fused Triton kernels for the decoder's elementwise work (twins in mempath.model.ops).
+
+Each kernel reads its inputs once and writes once, replacing the 5-15 small
+kernels the PyTorch expressions launch; with CUDA graphs removing launch costs,
+what is left per layer is mostly these kernels' count and memory traffic.
+"""
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - depends on the environment
+    HAS_TRITON = False
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_res, stride_out, n_cols, eps,
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+            # Round the sum to the activation dtype, as `x + residual` does in PyTorch.
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+            tl.store(res_ptr + row * stride_res + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        variance = tl.sum(xf * xf, axis=0) / n_cols
+        normed = (xf * (1.0 / tl.sqrt(variance + eps))).to(x.dtype)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        y = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
+
+    @triton.jit
+    def _rotate_heads(base, t, stride_t, stride_h, n_heads, c, s,
+                      HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr):
+        d = tl.arange(0, HALF_PAD)
+        heads = tl.arange(0, HEADS_PAD)
+        dtype = base.dtype.element_ty
+        mask = (heads[:, None] < n_heads) & (d[None, :] < HALF)
+        ptr = base + t * stride_t + heads[:, None] * stride_h + d[None, :]
+        x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
+        # x*cos + rotate_half(x)*sin, each product rounded like the PyTorch expression.
+        a1 = (x1 * c[None, :]).to(dtype).to(tl.float32)
+        b1 = (-x2 * s[None, :]).to(dtype).to(tl.float32)
+        a2 = (x2 * c[None, :]).to(dtype).to(tl.float32)
+        b2 = (x1 * s[None, :]).to(dtype).to(tl.float32)
+        tl.store(ptr, (a1 + b1).to(dtype), mask=mask)
+        tl.store(ptr + HALF, (a2 + b2).to(dtype), mask=mask)
+
+    @triton.jit
+    def _rope_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
+                     stride_cos, num_q_heads, num_k_heads,
+                     HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        pos = tl.load(pos_ptr + t)
+        d = tl.arange(0, HALF_PAD)
+        dmask = d < HALF
+        dtype = q_ptr.dtype.element_ty
+        # The tables are float32; PyTorch casts them to the activation dtype first.
+        c = tl.load(cos_ptr + pos * stride_cos + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)
+        s = tl.load(sin_ptr + pos * stride_cos + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)
+        _rotate_heads(q_ptr, t, stride_qt, stride_qh, num_q_heads, c, s, HALF, HALF_PAD, HEADS_PAD)
+        _rotate_heads(k_ptr, t, stride_kt, stride_kh, num_k_heads, c, s, HALF, HALF_PAD, HEADS_PAD)
+
+    @triton.jit
+    def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
+        g = gate.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+        y = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+        tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
+
+
+def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """Fused twin of ``ops.rms_norm_torch``; with a residual, updates both tensors in place."""
+    n_cols = x.shape[-1]
+    rows = x.numel() // n_cols
+    if rows == 0:
+        return x, residual
+    if residual is not None:
+        out = x  # x (the sublayer's output) is dead once added to the residual
+        res = residual
+    else:
+        out = torch.empty_like(x)
+        res = x
+    x2, out2, res2 = x.view(rows, n_cols), out.view(rows, n_cols), res.view(rows, n_cols)
+    block = _next_pow2(n_cols)
+    _rms_norm_kernel[(rows,)](
+        x2, res2, weight, out2, x2.stride(0), res2.stride(0), out2.stride(0), n_cols, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+    return out, residual
+
+
+def triton_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> None:
+    """Fused twin of ``ops.apply_rope_torch``, rotating q and k in place."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    if num_tokens == 0:
+        return
+    assert q.stride(2) == 1 and k.stride(2) == 1 and cos.stride(1) == 1
+    half = head_dim // 2
+    _rope_kernel[(num_tokens,)](
+        positions, q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
+        num_q_heads, k.shape[1], HALF=half, HALF_PAD=_next_pow2(half),
+        HEADS_PAD=_next_pow2(max(num_q_heads, k.shape[1])), num_warps=4)
+
+
+def triton_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    n_cols = x.shape[-1] // 2
+    rows = x.numel() // x.shape[-1]
+    out = torch.empty(*x.shape[:-1], n_cols, dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    x2, out2 = x.view(rows, 2 * n_cols), out.view(rows, n_cols)
+    block = min(1024, _next_pow2(n_cols))
+    _silu_and_mul_kernel[(rows, triton.cdiv(n_cols, block))](
+        x2, out2, x2.stride(0), out2.stride(0), n_cols, BLOCK=block, num_warps=4)
+    return out

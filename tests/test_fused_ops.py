@@ -1,0 +1,113 @@
+"""Fused elementwise kernels against their PyTorch twins (mempath.model.ops).
+
+On CUDA the kernels run compiled and must match the twins bit for bit in 16-bit
+dtypes (they round where the twins round). On the CPU the same checks run under
+Triton's interpreter in a child process (float32/float16: the interpreter does
+not emulate bfloat16 arithmetic faithfully).
+"""
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def check_rms_norm(ops, tops, device, dtype, exact):
+    for rows, cols in ((1, 64), (7, 384), (33, 1000)):
+        x = torch.randn(rows, cols, device=device, dtype=dtype)
+        w = (1 + 0.1 * torch.randn(cols, device=device)).to(dtype)
+        ref, _ = ops.rms_norm_torch(x, w, 1e-6)
+        out, _ = tops.triton_rms_norm(x.clone(), w, 1e-6)
+        compare(out, ref, exact)
+        r = torch.randn(rows, cols, device=device, dtype=dtype)
+        ref, ref_res = ops.rms_norm_torch(x, w, 1e-6, r)
+        x2, r2 = x.clone(), r.clone()
+        out, res = tops.triton_rms_norm(x2, w, 1e-6, r2)
+        compare(res, ref_res, True)  # the residual sum is one rounding either way
+        compare(out, ref, exact)
+        assert res.data_ptr() == r2.data_ptr() and out.data_ptr() == x2.data_ptr()  # in place
+
+
+def check_rope(ops, tops, device, dtype, exact):
+    for tokens, heads, kv_heads, dim in ((1, 4, 2, 64), (9, 6, 2, 64), (17, 32, 8, 128)):
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device=device, dtype=dtype)
+        q = qkv[:, :heads * dim].view(tokens, heads, dim)  # strided views, as in the model
+        k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+        positions = torch.randint(0, 500, (tokens,), device=device)
+        inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, device=device).float() / dim))
+        freqs = torch.arange(512, device=device).float()[:, None] * inv[None, :]
+        emb = torch.cat((freqs, freqs), -1)
+        cos, sin = emb.cos(), emb.sin()
+        ref_q, ref_k = ops.apply_rope_torch(positions, q, k, cos, sin)
+        tops.triton_rope(positions, q, k, cos, sin)
+        compare(q, ref_q, exact)
+        compare(k, ref_k, exact)
+
+
+def check_silu_and_mul(ops, tops, device, dtype, exact):
+    for rows, cols in ((1, 128), (5, 768), (64, 3000)):
+        x = torch.randn(rows, 2 * cols, device=device, dtype=dtype)
+        compare(tops.triton_silu_and_mul(x), ops.silu_and_mul_torch(x), exact)
+
+
+def compare(out, ref, exact):
+    if exact:
+        assert torch.equal(out, ref), (out - ref).abs().max()
+    else:
+        torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)
+
+
+CHECKS = [check_rms_norm, check_rope, check_silu_and_mul]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fused_matches_twin_on_cuda(check, dtype):
+    from mempath.model import ops, triton_ops as tops
+    torch.manual_seed(0)
+    check(ops, tops, "cuda", dtype, exact=dtype != torch.float32)
+
+
+def _run_interpreted() -> dict:
+    from triton.runtime import interpreter
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):  # numpy >= 2.4 refuses int() of shape-(1,) arrays
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    interpreter._patch_lang_tensor = patched
+    from mempath.model import ops, triton_ops as tops
+    results = {}
+    for check in CHECKS:
+        for dtype in (torch.float32, torch.float16):
+            torch.manual_seed(0)
+            try:
+                check(ops, tops, "cpu", dtype, exact=False)
+                results[f"{check.__name__}-{dtype}"] = None
+            except Exception:  # noqa: BLE001 - reported to the parent
+                results[f"{check.__name__}-{dtype}"] = traceback.format_exc()
+    return results
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present: the compiled test runs")
+def test_fused_matches_twin_interpreted():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, __file__, "--child"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    failures = {k: v for k, v in json.loads(lines[-1]).items() if v}
+    assert not failures, "\n".join(failures.values())
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--child"]:
+    print(json.dumps(_run_interpreted()))
