@@ -198,7 +198,7 @@ class TransferEngine:
             runs = contiguous_runs(cpu_ids[lo:hi])
             if direction == D2H:
                 torch.index_select(self._cache_rows, 0, rows, out=staged_rows)
-                if self._cuda:
+                if self._cuda and hi == len(gpu_ids):
                     last_gather = torch.cuda.Event()
                     last_gather.record()
                 for pos, first, n in runs:
