@@ -390,7 +390,7 @@ def measure_forward(engine, recorder: Recorder, num_tokens: int, num_seqs: int) 
             hidden = model.model.embed_tokens(input_ids)
         embed = recorder.last("embedding forward")
         with recorder.stage("decoder layer 0", "activation_peak"):
-            layer_out = model.model.layers[0](positions, hidden, meta)
+            layer_out = model.model.layers[0](positions, hidden, None, meta)
         layer = recorder.last("decoder layer 0")
         del hidden, layer_out
         with recorder.stage("decoder forward", "activation_peak"):
