@@ -31,6 +31,15 @@ class EngineConfig:
     load_format: str = "auto"
     # Largest number of top logprobs a request may ask for; bounds the sampler's work.
     max_logprobs: int = 20
+    # KV tiers (docs/tiers.md). Off by default: nothing is allocated and the step loop
+    # does no extra work. GiB of pinned host memory for the warm tier, reserved at start-up.
+    cpu_kv_gb: float = 0.0
+    disk_kv_path: str | None = None  # the cold tier's directory (needs cpu_kv_gb > 0)
+    disk_kv_gb: float = 0.0
+    disk_write_policy: str = "write-back"  # write-back | write-through
+    # How a preempted request gives its blocks back: auto (swap or recompute, whichever
+    # the calibrated cost model says is faster), recompute, or swap (needs cpu_kv_gb).
+    preemption_mode: str = "auto"
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -50,6 +59,27 @@ class EngineConfig:
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        self._validate_tiers()
+
+    def _validate_tiers(self) -> None:
+        if self.cpu_kv_gb < 0 or self.disk_kv_gb < 0:
+            raise ValueError(f"cpu_kv_gb and disk_kv_gb must be >= 0, got {self.cpu_kv_gb}, {self.disk_kv_gb}")
+        if self.disk_write_policy not in ("write-back", "write-through"):
+            raise ValueError(f"disk_write_policy must be write-back or write-through, "
+                             f"got {self.disk_write_policy!r}")
+        if self.preemption_mode not in ("auto", "recompute", "swap"):
+            raise ValueError(f"preemption_mode must be auto, recompute or swap, got {self.preemption_mode!r}")
+        if self.disk_kv_path and not (self.disk_kv_gb > 0 and self.cpu_kv_gb > 0):
+            raise ValueError("the disk KV tier needs disk_kv_gb > 0 and a host tier to stage through "
+                             "(cpu_kv_gb > 0)")
+        if self.disk_kv_gb > 0 and not self.disk_kv_path:
+            raise ValueError("disk_kv_gb is set but disk_kv_path is not: name the cold tier's directory")
+        if self.preemption_mode == "swap" and self.cpu_kv_gb <= 0:
+            raise ValueError("preemption_mode swap needs a host tier to swap to: set cpu_kv_gb > 0")
+
+    @property
+    def tiers_enabled(self) -> bool:
+        return self.cpu_kv_gb > 0
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":

@@ -115,6 +115,8 @@ class LLMEngine:
             self.ledger.record("cuda_graphs", graph_bytes, "cuda", "measured",
                                f"{len(self.runner.graphs)} decode graphs, batch 1..{config.max_num_seqs}")
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        if config.tiers_enabled:
+            self._attach_tiers()
         self.scheduler = Scheduler(config, self.kv)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -214,6 +216,56 @@ class LLMEngine:
             batch.num_new_tokens.append(n)
         self.runner.execute(batch, batch.requests)
 
+    def _attach_tiers(self) -> None:
+        """Reserve the host tier, open the disk tier, calibrate the cost model (docs/tiers.md)."""
+        from mempath.kv.tiered import TieredKV
+        c = self.config
+        tiers = TieredKV(self.kv.pool, self.runner.kv_cache, c.block_size, int(c.cpu_kv_gb * (1 << 30)),
+                         c.disk_kv_path, int(c.disk_kv_gb * (1 << 30)), c.disk_write_policy == "write-through",
+                         self._kv_fingerprint(), c.preemption_mode)
+        host = tiers.host
+        self.ledger.record("kv_cpu", host.capacity_bytes, "cpu", "measured",
+                           f"{host.num_blocks} blocks, {'pinned' if host.storage.is_pinned() else 'pageable'}")
+        if tiers.disk is not None:
+            self.ledger.record("kv_disk", tiers.disk.capacity_bytes, "disk", "derived",
+                               f"capacity at {tiers.disk.path}, {c.disk_write_policy}")
+        self.ledger.record("kv_transfer_staging", tiers.transfer.staging_nbytes, self.device.type, "measured",
+                           f"{tiers.transfer.staging_blocks} blocks per direction")
+        tiers.calibrate(self._measure_prefill_rate)
+        self.kv.tiers = tiers
+
+    def _kv_fingerprint(self) -> str:
+        """What makes a block's bytes this model's: the checkpoint's identity and the KV dtype.
+
+        Files are named by size and modification time rather than hashed: hashing
+        tens of GB at every start-up would cost more than the cache saves.
+        """
+        root = Path(self.config.model).resolve()
+        parts = [str(root), self.dtype_name, self.config.load_format]
+        if self.config.load_format == "dummy":
+            parts.append(f"seed={self.config.seed}")
+        for path in sorted(root.glob("*")):
+            if path.suffix in (".safetensors", ".bin", ".json") and path.is_file():
+                st = path.stat()
+                parts.append(f"{path.name}:{st.st_size}:{st.st_mtime_ns}")
+        import hashlib
+        return hashlib.blake2b("|".join(parts).encode(), digest_size=16).hexdigest()
+
+    def _measure_prefill_rate(self) -> float:
+        """Prefill tokens per second of one sequence, timed on the second of two probe steps."""
+        n = max(1, min(self.config.max_num_batched_tokens, self.max_model_len,
+                       self.kv.num_blocks * self.config.block_size, 1024))
+        seconds = float("inf")
+        for _ in range(2):  # the first pays for warm-up (kernel compilation, caches)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            start = time.perf_counter()
+            self._run_probe_step(n, 1, self.kv.num_blocks)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            seconds = time.perf_counter() - start
+        return n / seconds
+
     # ----------------------------------------------------------------- requests
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
@@ -286,6 +338,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if not batch.requests:
+            if self.scheduler.loading:
+                self.scheduler.wait_for_loads()
+                return []
             if self.scheduler.waiting and not self.scheduler.running:
                 # Nothing runs and the head cannot be admitted: only possible if the pool is
                 # pinned by nothing, i.e. the request can never fit. Fail it, keep the rest.
@@ -398,4 +453,6 @@ class LLMEngine:
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.num_generation_tokens,
             "ledger": self.ledger.as_dict(),
+            "num_loading": len(self.scheduler.loading),
+            "tiers": self.kv.tiers.stats() if self.kv.tiers is not None else {"enabled": False},
         }

@@ -11,6 +11,7 @@ from mempath.sampling import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    LOADING = "loading"  # admitted; its KV blocks are on their way from the host or disk tier
     FINISHED = "finished"
 
 
@@ -29,6 +30,8 @@ class Request:
         self.block_hashes: list[bytes] = []  # of each full block of token_ids
         self.num_registered_blocks = 0  # leading blocks already in the prefix cache
         self.num_preemptions = 0
+        # Set while swapped out: the host-tier blocks holding its KV, and how many tokens they hold.
+        self.swapped: tuple[list[int], int] | None = None
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.error: str | None = None

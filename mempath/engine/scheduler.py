@@ -7,6 +7,12 @@ budget allows. When the KV pool runs dry, the newest running request is
 preempted by recompute: its blocks are freed (they stay in the prefix cache until
 reused) and it goes back to the front of the queue with the tokens it already
 generated.
+
+With KV tiers (``kv.tiers``), admission also looks for the request's next blocks
+in the host and disk tiers: if loading them beats recomputing them, the request
+gets device blocks and waits in ``loading`` (other requests keep running) until
+they land, then runs with those tokens computed. A preempted request may be
+swapped to host memory instead of recomputed (``TieredKV.should_swap``).
 """
 import logging
 from collections import deque
@@ -15,6 +21,7 @@ from dataclasses import dataclass, field
 from mempath.config import EngineConfig
 from mempath.engine.request import Request, RequestStatus
 from mempath.kv.manager import KVCacheManager
+from mempath.kv.tiered import Load
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +52,18 @@ class Scheduler:
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.loading: dict[Request, Load] = {}  # admitted, KV blocks still on their way
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def schedule(self) -> ScheduledBatch:
+        if self.kv.tiers is not None:
+            self._land_loads()
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         self._schedule_running(batch, budget)
@@ -79,9 +89,25 @@ class Scheduler:
             i += 1
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.max_num_seqs:
             request = self.waiting[0]
+            if request.swapped is not None:
+                load = self.kv.tiers.start_swap_in(request)
+                if load is None:
+                    break
+                self._start_loading(request, load)
+                continue
             cached = self.kv.find_cached_prefix(request)
+            if self.kv.tiers is not None:
+                found = self.kv.find_in_tiers(request, len(cached))
+                if found:
+                    found = self.kv.tiers.worth_loading(request.request_id, found)
+                if found:
+                    load = self.kv.tiers.start_promotion(request, cached, found)
+                    if load is None:
+                        break
+                    self._start_loading(request, load)
+                    continue
             num_cached = len(cached) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.kv.allocate(request, cached, num_new):
@@ -95,15 +121,48 @@ class Scheduler:
             batch.num_new_tokens.append(num_new)
             budget -= num_new
 
+    def _start_loading(self, request: Request, load: Load) -> None:
+        self.waiting.popleft()
+        request.status = RequestStatus.LOADING
+        self.loading[request] = load
+
+    def _land_loads(self) -> None:
+        """Requests whose blocks have all landed become running, with those tokens computed."""
+        tiers = self.kv.tiers
+        tiers.reap()
+        for request, load in list(self.loading.items()):
+            if not tiers.poll(load):
+                continue
+            del self.loading[request]
+            tiers.land(load)
+            self.kv.cache_full_blocks(request)  # a swapped-in request's blocks get their hashes back
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = request.num_computed_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+
+    def wait_for_loads(self) -> None:
+        """Nothing else can run: block until the oldest load lands instead of spinning."""
+        if self.loading:
+            self.kv.tiers.wait(next(iter(self.loading.values())))
+
     def preempt(self, request: Request) -> None:
-        """Recompute preemption: free the blocks, requeue at the front."""
+        """Free the request's device blocks (swapping them to the host tier if that is cheaper), requeue it first."""
+        tiers = self.kv.tiers
+        swapped = False
+        if tiers is not None and request.num_computed_tokens > 0:
+            blocks = request.block_table[:self.kv.blocks_for(request.num_computed_tokens)]
+            swapped = tiers.should_swap(request, len(blocks)) and tiers.swap_out(request, blocks)
+            if not swapped:
+                tiers.counters["recompute_preemptions"] += 1
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
-        log.debug("preempted %s by recompute (%d tokens)", request.request_id, request.num_tokens)
+        log.debug("preempted %s by %s (%d tokens)", request.request_id,
+                  "swap" if swapped else "recompute", request.num_tokens)
 
     def update_after_step(self, batch: ScheduledBatch) -> None:
         """Advance each request by what the step computed and publish its full blocks."""
@@ -120,6 +179,10 @@ class Scheduler:
                 self.waiting.remove(request)
             except ValueError:
                 pass
+            if request.swapped is not None:
+                self.kv.tiers.release_swap(request)
+        elif request.status == RequestStatus.LOADING:
+            self.kv.tiers.cancel(self.loading.pop(request))
         self.kv.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = request.finish_reason or reason

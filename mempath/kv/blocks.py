@@ -6,6 +6,7 @@ hands it out again, least recently freed first. So a finished conversation's
 KV survives until memory is actually needed.
 """
 import hashlib
+import itertools
 from collections import OrderedDict
 
 import numpy as np
@@ -66,6 +67,14 @@ class BlockPool:
             self.ref_counts[block_id] = 1
             ids.append(block_id)
         return ids
+
+    def next_evictions(self, n: int) -> list[tuple[int, bytes]]:
+        """(block id, hash) of the cached blocks among the next n that allocate(n) would hand out.
+
+        allocate() forgets their content; a tiered cache copies it down first.
+        """
+        return [(b, self.block_hash[b]) for b in itertools.islice(self.free_queue, n)
+                if self.block_hash[b] is not None]
 
     def touch(self, block_ids: list[int]) -> None:
         """Take a reference on cached blocks found by prefix match."""

@@ -7,6 +7,11 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
+        self.tiers = None  # a TieredKV once the engine attaches the host/disk tiers
+
+    def _take(self, n: int) -> list[int]:
+        """n free device blocks; with tiers, the cached content they held is demoted first."""
+        return self.tiers.allocate_device(n) if self.tiers is not None else self.pool.allocate(n)
 
     @property
     def num_blocks(self) -> int:
@@ -35,6 +40,19 @@ class KVCacheManager:
         self.pool.num_hits += len(blocks)
         return blocks
 
+    def find_in_tiers(self, request, start: int) -> list:
+        """(tier, id or hash) of the request's blocks after the first ``start``, up to the first miss."""
+        if not self.enable_prefix_caching or self.tiers is None:
+            return []
+        limit = (request.num_tokens - 1) // self.block_size
+        found = []
+        for block_hash in request.block_hashes[start:limit]:
+            where = self.tiers.locate(block_hash)
+            if where is None:
+                break
+            found.append(where)
+        return found
+
     def allocate(self, request, cached_blocks: list[int], num_new_tokens: int) -> bool:
         """Give a request without blocks its cached prefix plus room for num_new_tokens."""
         assert not request.block_table, "allocate() is for requests that hold no blocks"
@@ -46,7 +64,7 @@ class KVCacheManager:
         if num_new_blocks > free_after_touch:
             return False
         self.pool.touch(cached_blocks)
-        request.block_table = cached_blocks + self.pool.allocate(num_new_blocks)
+        request.block_table = cached_blocks + self._take(num_new_blocks)
         request.num_computed_tokens = num_cached_tokens
         request.num_registered_blocks = len(cached_blocks)
         return True
@@ -57,7 +75,7 @@ class KVCacheManager:
         if needed > self.pool.num_free:
             return False
         if needed > 0:
-            request.block_table.extend(self.pool.allocate(needed))
+            request.block_table.extend(self._take(needed))
         return True
 
     def cache_full_blocks(self, request) -> None:

@@ -127,9 +127,13 @@ class _SnapshotCollector:
         yield counter("mempath:prefix_cache_hits",
                       "Prefix cache hits, in terms of number of cached tokens.",
                       stats["prefix_cache_hits"] * block)
-        yield counter("mempath:num_preemptions",
-                      "Cumulative number of preemptions from the engine, by kind.",
-                      stats["num_preemptions"], {"kind": "recompute"})
+        swaps = stats.get("tiers", {}).get("swaps", 0)
+        preemptions = CounterMetricFamily("mempath:num_preemptions",
+                                          "Cumulative number of preemptions from the engine, by kind.",
+                                          labels=["model_name", "kind"])
+        preemptions.add_metric([name, "recompute"], stats["num_preemptions"] - swaps)
+        preemptions.add_metric([name, "swap"], swaps)
+        yield preemptions
 
         blocks = GaugeMetricFamily("mempath:kv_blocks", "KV cache blocks by state.",
                                    labels=["model_name", "state"])

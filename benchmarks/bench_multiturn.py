@@ -1,0 +1,124 @@
+"""Multi-turn chat with a limited GPU KV pool: recompute only vs GPU+CPU vs GPU+CPU+disk tiers.
+
+    python benchmarks/bench_multiturn.py                      # H200: Llama-3.1-8B shape, dummy weights
+    python benchmarks/bench_multiturn.py --tiny               # CPU smoke run with the built-in model
+
+Every conversation shares one system prompt and adds its own user turns; each
+turn submits the next message of every conversation at once and waits for all.
+The GPU pool is limited (--gpu-kv-blocks) so idle conversations cannot all stay
+on the GPU: with tiers they are demoted and promoted back, without they are
+recomputed. Reported per mode: TTFT p50/p95 per turn, throughput, the GPU KV
+bytes still held while every conversation is idle, achieved transfer bandwidth.
+Prints a table and one JSON line (prefix ``RESULT``).
+"""
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mempath import LLM, SamplingParams  # noqa: E402
+
+
+def run_mode(model: str, mode: str, args, engine_options: dict) -> dict:
+    options = dict(engine_options)
+    disk_dir = None
+    if mode in ("cpu", "disk"):
+        options["cpu_kv_gb"] = args.cpu_kv_gb
+    if mode == "disk":
+        disk_dir = args.disk_kv_path or tempfile.mkdtemp(prefix="mempath-disk-kv-")
+        options.update(cpu_kv_gb=args.cpu_kv_gb_with_disk, disk_kv_path=disk_dir, disk_kv_gb=args.disk_kv_gb)
+    llm = LLM(model, show_progress=False, **options)
+    engine = llm.engine
+    rng = np.random.default_rng(0)
+    vocab = engine.spec.vocab_size
+    system = rng.integers(3, vocab, args.system_tokens).tolist()
+    history = [list(system) for _ in range(args.conversations)]
+    params = SamplingParams(max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True)
+    turns, generated, start = [], 0, time.perf_counter()
+    for turn in range(args.turns):
+        ids = {}
+        for c in range(args.conversations):
+            history[c] += rng.integers(3, vocab, args.user_tokens).tolist()
+            ids[engine.add_request(history[c], params)] = c
+        ttft, cached = [], 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    ttft.append(out.time_to_first_token)
+                    cached += out.num_cached_tokens
+                    history[ids[out.request_id]] += out.token_ids
+                    generated += len(out.token_ids)
+        stats = engine.stats()
+        turns.append({"turn": turn, "ttft_p50_ms": 1e3 * float(np.percentile(ttft, 50)),
+                      "ttft_p95_ms": 1e3 * float(np.percentile(ttft, 95)), "cached_tokens": cached,
+                      "idle_gpu_kv_bytes": stats["kv_blocks_cached"] * engine.runner.kv_bytes_per_block()})
+    seconds = time.perf_counter() - start
+    tiers = engine.stats()["tiers"]
+    bandwidth = {}
+    if tiers["enabled"]:
+        for direction, moved in tiers["moved"].items():
+            if moved.get("seconds"):
+                bandwidth[direction] = moved["bytes"] / moved["seconds"]
+    if disk_dir and not args.disk_kv_path:
+        engine.kv.tiers.close()
+        shutil.rmtree(disk_dir, ignore_errors=True)
+    return {"mode": mode, "seconds": seconds, "output_tokens_per_s": generated / seconds, "turns": turns,
+            "transfer_bytes_per_s": bandwidth,
+            "tiers": {k: tiers.get(k) for k in ("hits_blocks", "swaps", "recompute_preemptions", "decisions")}
+            if tiers["enabled"] else None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="llama-3.1-8b", help="a config in tests/data/configs")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run: built-in model, tiny sizes")
+    parser.add_argument("--conversations", type=int, default=64)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--system-tokens", type=int, default=1024)
+    parser.add_argument("--user-tokens", type=int, default=64)
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--gpu-kv-blocks", type=int, default=2048, help="the limited GPU pool (blocks of 16)")
+    parser.add_argument("--cpu-kv-gb", type=float, default=32.0, help="host tier in the cpu mode")
+    parser.add_argument("--cpu-kv-gb-with-disk", type=float, default=8.0, help="host tier in the disk mode")
+    parser.add_argument("--disk-kv-gb", type=float, default=128.0)
+    parser.add_argument("--disk-kv-path", default=None, help="default: a temporary directory")
+    parser.add_argument("--modes", default="recompute,cpu,disk")
+    args = parser.parse_args()
+
+    if args.tiny:
+        from mempath.assets import default_model_path
+        model = default_model_path()
+        engine_options = dict(device="cpu", dtype="float32", num_gpu_blocks_override=24,
+                              max_num_batched_tokens=512)
+        for name, value in (("conversations", 4), ("turns", 3), ("system_tokens", 96), ("user_tokens", 16),
+                            ("output_tokens", 8), ("cpu_kv_gb", 0.01), ("cpu_kv_gb_with_disk", 0.0005),
+                            ("disk_kv_gb", 0.05)):
+            setattr(args, name, value)
+    else:
+        model = tempfile.mkdtemp(prefix=f"mempath-{args.shape}-")
+        shutil.copy(ROOT / "tests" / "data" / "configs" / f"{args.shape}.json", Path(model) / "config.json")
+        engine_options = dict(load_format="dummy", dtype="bfloat16", num_gpu_blocks_override=args.gpu_kv_blocks,
+                              max_model_len=args.system_tokens + args.turns * (args.user_tokens + args.output_tokens))
+
+    results = [run_mode(model, mode, args, engine_options) for mode in args.modes.split(",")]
+    print(f"{'mode':10} {'turn':>4} {'ttft p50 ms':>12} {'ttft p95 ms':>12} {'cached tok':>10} {'idle GPU KV':>12}")
+    for r in results:
+        for t in r["turns"]:
+            print(f"{r['mode']:10} {t['turn']:>4} {t['ttft_p50_ms']:>12.2f} {t['ttft_p95_ms']:>12.2f} "
+                  f"{t['cached_tokens']:>10} {t['idle_gpu_kv_bytes'] / 2**20:>10.1f} MiB")
+        rates = ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in r["transfer_bytes_per_s"].items())
+        print(f"{r['mode']:10} {r['output_tokens_per_s']:.1f} output tokens/s  {rates}")
+    print("RESULT " + json.dumps({"benchmark": "multiturn", "shape": "tiny" if args.tiny else args.shape,
+                                  "results": results}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,448 @@
+"""TieredKV: the device block pool backed by a warm (host) and a cold (disk) tier.
+
+The device pool (``BlockPool``) stays the only place the model reads KV from.
+This class moves blocks around it:
+
+  * demotion: before the pool hands out free blocks that still hold cached
+    content, that content is copied to the host tier (one batched transfer) and
+    indexed there by its hash; when the host tier needs room, its eviction rule
+    picks victims and the disk tier takes them (write-back or write-through);
+  * promotion: a new request whose next blocks are found in the host or disk tier
+    gets device blocks and an asynchronous load; the scheduler keeps it in a
+    "loading" state until the blocks land, then runs it with those tokens computed;
+  * swap: a preempted request's blocks go to host blocks it owns and come back
+    when it resumes.
+
+Whether moving beats recomputing is decided by ``CostModel`` from rates measured
+at start-up (docs/tiers.md has the formulas). On the CPU the "device" is the CPU
+and every transfer completes at once, but the same code and states run.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from mempath.kv.blocks import BlockPool
+from mempath.kv.tiers import DiskBlockStore, HostBlockStore, spill_to_disk, write_through_block
+from mempath.kv.transfer import Transfer, TransferEngine
+
+log = logging.getLogger(__name__)
+
+GPU, CPU, DISK = "gpu", "cpu", "disk"  # tier names; "gpu" is the device tier (the CPU in CI)
+# Used when the disk tier is too full at start-up to hold the calibration probe.
+ASSUMED_DISK_BYTES_PER_S = 0.5e9
+
+
+@dataclass
+class Load:
+    """Blocks on their way to the device for one request (a promotion or a swap-in).
+
+    ``gpu_ids[i]`` becomes block ``first + i`` of the request's block table, where
+    ``first`` is the number of device-cached blocks it already held.
+    """
+    request: object
+    gpu_ids: list[int]
+    hashes: list[bytes | None]  # registered on the device once landed (None: swap-in)
+    sources: list[str]  # tier each block comes from, for the hit counters
+    num_tokens: int  # computed tokens once landed (swap-in); promotions derive it
+    transfers: list[Transfer] = field(default_factory=list)
+    reads: list[tuple[Future, int, int]] = field(default_factory=list)  # (read, host id, position)
+    swap_host_ids: list[int] = field(default_factory=list)  # freed once landed
+    num_valid: int = 0  # positions [0, num_valid) hold good KV; the rest are dropped at landing
+    started: float = field(default_factory=time.perf_counter)
+
+
+class CostModel:
+    """Load-or-recompute and swap-or-recompute, from rates measured at start-up.
+
+    Loading n blocks of B bytes from the host costs ``latency + n·B/h2d``; from
+    disk ``latency + n·B/disk_read + n·B/h2d``; recomputing them costs
+    ``n·block_size / prefill_tokens_per_s``. A swap costs the copy out and back,
+    ``2·latency + n·B/d2h + n·B/h2d``, against recomputing the tokens it holds.
+    The fixed latency is why short requests recompute and long ones swap.
+    """
+
+    def __init__(self, block_size: int, block_nbytes: int, rates: dict):
+        self.block_size = block_size
+        self.block_nbytes = block_nbytes
+        self.rates = rates
+
+    def recompute_s(self, num_tokens: int) -> float:
+        return num_tokens / self.rates["prefill_tokens_per_s"]
+
+    def load_s(self, num_host: int, num_disk: int) -> float:
+        r, b = self.rates, self.block_nbytes
+        return (r["transfer_latency_s"] + (num_host + num_disk) * b / r["h2d_bytes_per_s"]
+                + num_disk * b / r["disk_read_bytes_per_s"])
+
+    def swap_s(self, num_blocks: int) -> float:
+        r, nbytes = self.rates, num_blocks * self.block_nbytes
+        return 2 * r["transfer_latency_s"] + nbytes / r["d2h_bytes_per_s"] + nbytes / r["h2d_bytes_per_s"]
+
+
+class TieredKV:
+    def __init__(self, pool: BlockPool, kv_cache: torch.Tensor, block_size: int, cpu_bytes: int,
+                 disk_path: str | None = None, disk_bytes: int = 0, write_through: bool = False,
+                 fingerprint: str = "", preemption_mode: str = "auto"):
+        self.pool = pool
+        self.block_size = block_size
+        self.preemption_mode = preemption_mode
+        self.host = HostBlockStore.for_cache(kv_cache, cpu_bytes)
+        self.block_nbytes = self.host.block_nbytes
+        self.disk = None
+        if disk_path:
+            self.disk = DiskBlockStore(disk_path, disk_bytes, self.block_nbytes, write_through,
+                                       fingerprint=fingerprint, block_shape=self.host.block_shape,
+                                       dtype=self.host.dtype)
+        self.transfer = TransferEngine(kv_cache, self.host, staging_blocks=min(64, pool.num_blocks))
+        self.rates: dict = {}
+        self.cost = CostModel(block_size, self.block_nbytes, self.rates)
+        self.counters: Counter[str] = Counter()
+        # Device → host copies in flight: (transfer, host ids, write through once done).
+        self._d2h: list[tuple[Transfer, set[int], list[int]]] = []
+
+    # ------------------------------------------------------------ start-up
+    def calibrate(self, measure_prefill) -> dict:
+        """Measure transfer, disk and prefill rates; ``measure_prefill()`` returns tokens/s."""
+        disk = None
+        probe = 8
+        if self.disk is not None:
+            # The probe must not evict blocks kept from an earlier run.
+            room = (self.disk.capacity_bytes - self.disk.used_bytes) // self.disk.file_nbytes(bytes(16))
+            probe = int(min(probe, room))
+            disk = self.disk if probe > 0 else None
+        rates = self.transfer.calibrate(disk, probe_blocks=min(64, self.pool.num_blocks),
+                                        disk_probe_blocks=max(probe, 1))
+        self.rates.update({k: v for k, v in rates.items() if k.endswith("_bytes_per_s")})
+        self.rates.setdefault("disk_read_bytes_per_s", ASSUMED_DISK_BYTES_PER_S)
+        self.rates["transfer_latency_s"] = self._measure_latency()
+        self.rates["prefill_tokens_per_s"] = float(measure_prefill())
+        log.info("KV tiers calibrated: h2d %.2f GB/s, d2h %.2f GB/s, disk read %.2f GB/s%s, "
+                 "transfer latency %.1f us, prefill %.0f tokens/s",
+                 self.rates["h2d_bytes_per_s"] / 1e9, self.rates["d2h_bytes_per_s"] / 1e9,
+                 self.rates["disk_read_bytes_per_s"] / 1e9,
+                 "" if disk is not None or self.disk is None else " (assumed: no room for the probe)",
+                 self.rates["transfer_latency_s"] * 1e6, self.rates["prefill_tokens_per_s"])
+        return dict(self.rates)
+
+    def _measure_latency(self) -> float:
+        """The fixed cost of one transfer: the fastest of a few one-block round trips, halved."""
+        host_ids = self.host.allocate(1)
+        best = float("inf")
+        try:
+            for _ in range(5):
+                start = time.perf_counter()
+                self.transfer.device_to_host([0], host_ids).wait()
+                self.transfer.host_to_device(host_ids, [0]).wait()
+                best = min(best, (time.perf_counter() - start) / 2)
+        finally:
+            self.host.free(host_ids)
+        return best
+
+    # ------------------------------------------------------------ device allocation
+    def allocate_device(self, n: int) -> list[int]:
+        """pool.allocate(n), after copying the cached content it would destroy to the host tier."""
+        self.demote(n)
+        return self.pool.allocate(n)
+
+    def demote(self, n: int) -> None:
+        victims = [(b, h) for b, h in self.pool.next_evictions(n) if h not in self.host]
+        if not victims:
+            return
+        host_ids = self._allocate_host(len(victims))
+        self.counters["demotions_dropped"] += len(victims) - len(host_ids)
+        victims = victims[:len(host_ids)]
+        if not victims:
+            return
+        transfer = self.transfer.device_to_host([b for b, _ in victims], host_ids)
+        # Only the gather must be over before the blocks are overwritten, not the PCIe copy.
+        transfer.make_current_stream_wait()
+        for (_, block_hash), host_id in zip(victims, host_ids):
+            self.host.insert(block_hash, host_id)
+        self.counters["demoted_blocks"] += len(victims)
+        write_after = host_ids if self.disk is not None and self.disk.write_through else []
+        self._d2h.append((transfer, set(host_ids), write_after))
+        self.reap()
+
+    def _allocate_host(self, n: int) -> list[int]:
+        """Up to n host blocks, evicting warm blocks to disk (or dropping them) to make room."""
+        ids = self.host.allocate(n)
+        if ids is not None:
+            return ids
+        self._spill(n - self.host.num_free)
+        ids = self.host.allocate(n)
+        if ids is None and self.disk is not None:
+            # Spilled blocks are freed when their disk writes end, and write-through
+            # blocks become evictable then: wait for the writes rather than lose blocks.
+            self.disk.flush()
+            self._spill(n - self.host.num_free)
+            ids = self.host.allocate(n)
+        return ids if ids is not None else self.host.allocate(self.host.num_free)
+
+    def _spill(self, n: int) -> None:
+        if self.disk is not None and not self.disk.write_through:
+            candidates = self.host.evict_candidates(n)
+            written = sum(self.host.hash_of(i) not in self.disk for i in candidates)
+            self.counters["cpu_to_disk_blocks"] += written
+        self.counters["host_evictions"] += len(spill_to_disk(self.host, self.disk, n))
+
+    def reap(self) -> None:
+        """Retire finished device → host copies; under write-through, send their blocks to disk."""
+        still = []
+        for transfer, host_ids, write_after in self._d2h:
+            if not transfer.done():
+                still.append((transfer, host_ids, write_after))
+                continue
+            for host_id in write_after:
+                if self.host.hash_of(host_id) is not None and \
+                        write_through_block(self.host, self.disk, host_id) is not None:
+                    self.counters["cpu_to_disk_blocks"] += 1
+        self._d2h = still
+
+    def _wait_for_d2h(self, host_ids) -> None:
+        """A block copied down moments ago may still be on its way: let it arrive before reading it."""
+        wanted = set(host_ids)
+        for transfer, ids, _ in self._d2h:
+            if wanted & ids:
+                transfer.wait()
+
+    # ------------------------------------------------------------ promotion
+    def locate(self, block_hash: bytes) -> tuple[str, int | bytes] | None:
+        block_id = self.pool.lookup(block_hash)
+        if block_id is not None:
+            return GPU, block_id
+        host_id = self.host.lookup(block_hash)
+        if host_id is not None:
+            return CPU, host_id
+        if self.disk is not None and block_hash in self.disk:
+            return DISK, block_hash
+        return None
+
+    def worth_loading(self, request_id: str, found: list) -> list:
+        """The leading part of ``found`` that is faster to load than to recompute; logs the choice.
+
+        Per block, loading from a tier costs a fixed amount and recomputing costs
+        block_size tokens, so the choice is made per tier and the prefix is cut at
+        the first block of a tier not worth loading.
+        """
+        num_host = sum(t == CPU for t, _ in found)
+        num_disk = sum(t == DISK for t, _ in found)
+        verdict = {}
+        for tier, n_host, n_disk in ((CPU, num_host, 0), (DISK, 0, num_disk)):
+            n = n_host + n_disk
+            if n == 0:
+                continue
+            load, recompute = self.cost.load_s(n_host, n_disk), self.cost.recompute_s(n * self.block_size)
+            verdict[tier] = load < recompute
+            self.counters["decided_load" if verdict[tier] else "decided_recompute"] += 1
+            log.info("request %s: %d blocks (%d tokens, %d bytes) in %s: load %.3f ms, recompute %.3f ms: %s",
+                     request_id, n, n * self.block_size, n * self.block_nbytes, tier, load * 1e3,
+                     recompute * 1e3, "load" if verdict[tier] else "recompute")
+        for i, (tier, _) in enumerate(found):
+            if tier != GPU and not verdict[tier]:
+                return found[:i]
+        return found
+
+    def start_promotion(self, request, cached: list[int], found: list) -> Load | None:
+        """Give the request device blocks for ``found`` and start loading them; None if they don't fit.
+
+        ``cached`` are the device blocks of its leading prefix; ``found`` the
+        (tier, id-or-hash) of the blocks after it, as ``locate`` gave them.
+        """
+        on_device = cached + [b for t, b in found if t == GPU]
+        needed = sum(t != GPU for t, _ in found)
+        taken = sum(1 for b in set(on_device) if self.pool.ref_counts[b] == 0)
+        if needed > self.pool.num_free - taken:
+            return None
+        self.pool.touch(on_device)
+        host_hits = [b for t, b in found if t == CPU]
+        self.host.pin(host_hits)  # no eviction may take them while device blocks are made
+        try:
+            fresh = iter(self.allocate_device(needed))
+            gpu_ids = [b if t == GPU else next(fresh) for t, b in found]
+            disk_hits = [(i, b) for i, (t, b) in enumerate(found) if t == DISK]
+            read_ids = self._allocate_host(len(disk_hits))
+        finally:
+            self.host.unpin(host_hits)
+        load = Load(request, gpu_ids, list(request.block_hashes[len(cached):len(cached) + len(found)]),
+                    [t for t, _ in found], 0, num_valid=len(found))
+        pairs = [(b, g) for (t, b), g in zip(found, gpu_ids) if t == CPU]
+        if pairs:
+            for host_id, _ in pairs:
+                self.host.touch(host_id)
+            self._launch_h2d(load, [h for h, _ in pairs], [g for _, g in pairs])
+        if len(read_ids) < len(disk_hits):  # the host tier had no room to stage them all
+            load.num_valid = disk_hits[len(read_ids)][0]
+        for (pos, block_hash), host_id in zip(disk_hits, read_ids):
+            load.reads.append((self.disk.read_async(block_hash, self.host.block(host_id)), host_id, pos))
+        request.block_table = cached + gpu_ids
+        request.num_computed_tokens = len(cached) * self.block_size
+        request.num_registered_blocks = len(cached)
+        return load
+
+    def _launch_h2d(self, load: Load, host_ids: list[int], gpu_ids: list[int]) -> None:
+        self._wait_for_d2h(host_ids)
+        load.transfers.append(self.transfer.host_to_device(host_ids, gpu_ids))
+
+    def _finish_reads(self, load: Load) -> None:
+        """Disk reads are over: cut the prefix at the first bad block, send the good ones up."""
+        results = [(future.result(), host_id, pos) for future, host_id, pos in load.reads]
+        load.reads = []
+        for ok, _, pos in results:
+            if ok:
+                self.counters["disk_to_cpu_blocks"] += 1
+            else:
+                self.counters["disk_read_failures"] += 1
+                load.num_valid = min(load.num_valid, pos)
+        up = [(host_id, load.gpu_ids[pos]) for ok, host_id, pos in results if ok and pos < load.num_valid]
+        if up:
+            self._launch_h2d(load, [h for h, _ in up], [g for _, g in up])
+        # Good blocks read from disk are warm now; failed (or duplicate) ones are freed.
+        for ok, host_id, pos in results:
+            if ok and self.host.insert(load.hashes[pos], host_id):
+                continue
+            if self.host.is_pinned(host_id):
+                self.host.hold_until(load.transfers[-1], [host_id], free=True)
+            else:
+                self.host.free([host_id])
+
+    def poll(self, load: Load) -> bool:
+        """True once every block of the load has landed on the device."""
+        if load.reads:
+            if not all(future.done() for future, _, _ in load.reads):
+                return False
+            self._finish_reads(load)
+        return all(t.done() for t in load.transfers)
+
+    def wait(self, load: Load) -> None:
+        for future, _, _ in load.reads:
+            future.exception()
+        self.poll(load)
+        for transfer in load.transfers:
+            transfer.wait()
+
+    def land(self, load: Load) -> None:
+        """Hand the loaded blocks to the request: computed tokens, prefix-cache entries, counters."""
+        request = load.request
+        first = len(request.block_table) - len(load.gpu_ids)
+        keep = first + load.num_valid
+        dropped = request.block_table[keep:]
+        # A new list: the runner caches block-table rows by list identity, and this one shrank.
+        request.block_table = request.block_table[:keep]
+        self.pool.free(list(reversed(dropped)))
+        for tier in load.sources[:load.num_valid]:
+            if tier != GPU:
+                self.counters[f"hits_{tier}"] += 1
+        if load.swap_host_ids:
+            self.host.free(load.swap_host_ids)
+            request.num_computed_tokens = load.num_tokens
+            request.num_registered_blocks = 0
+            self.counters["swap_ins"] += 1
+            return
+        for block_id, block_hash in zip(load.gpu_ids[:load.num_valid], load.hashes):
+            self.pool.cache(block_id, block_hash)
+        request.num_computed_tokens = keep * self.block_size
+        request.num_registered_blocks = keep
+        if load.num_valid < len(load.gpu_ids):
+            self.counters["recomputed_after_failed_load_blocks"] += len(load.gpu_ids) - load.num_valid
+        log.debug("request %s: %d blocks landed in %.3f ms", request.request_id, load.num_valid,
+                  (time.perf_counter() - load.started) * 1e3)
+
+    def cancel(self, load: Load) -> None:
+        """The request went away mid-load: let the copies finish, give back the host blocks.
+
+        The caller frees the device blocks (they are in the request's block table).
+        """
+        self.wait(load)
+        if load.swap_host_ids:
+            self.host.free(load.swap_host_ids)
+
+    # ------------------------------------------------------------ swap
+    def should_swap(self, request, num_blocks: int) -> bool:
+        """Swap or recompute a preempted request; logs the numbers behind the choice."""
+        if self.preemption_mode == "recompute" or num_blocks == 0:
+            return False
+        swap, recompute = self.cost.swap_s(num_blocks), self.cost.recompute_s(request.num_computed_tokens)
+        choice = self.preemption_mode == "swap" or swap < recompute
+        log.info("preempting %s: %d tokens, %d blocks (%d bytes): swap %.3f ms, recompute %.3f ms: %s%s",
+                 request.request_id, request.num_computed_tokens, num_blocks, num_blocks * self.block_nbytes,
+                 swap * 1e3, recompute * 1e3, "swap" if choice else "recompute",
+                 " (forced)" if self.preemption_mode == "swap" else "")
+        return choice
+
+    def swap_out(self, request, block_ids: list[int]) -> bool:
+        """Copy the blocks to host blocks the request owns; False (nothing copied) if no room."""
+        host_ids = self._allocate_host(len(block_ids))
+        if len(host_ids) < len(block_ids):
+            self.host.free(host_ids)
+            log.info("no host room to swap %s (%d blocks): recompute instead", request.request_id, len(block_ids))
+            return False
+        transfer = self.transfer.device_to_host(block_ids, host_ids)
+        transfer.make_current_stream_wait()
+        self._d2h.append((transfer, set(host_ids), []))
+        request.swapped = (host_ids, request.num_computed_tokens)
+        self.counters["swap_outs"] += 1
+        return True
+
+    def start_swap_in(self, request) -> Load | None:
+        host_ids, num_tokens = request.swapped
+        if len(host_ids) > self.pool.num_free:
+            return None
+        gpu_ids = self.allocate_device(len(host_ids))
+        load = Load(request, gpu_ids, [None] * len(gpu_ids), [], num_tokens,
+                    swap_host_ids=host_ids, num_valid=len(gpu_ids))
+        self._launch_h2d(load, host_ids, gpu_ids)
+        request.swapped = None
+        request.block_table = list(gpu_ids)
+        return load
+
+    def release_swap(self, request) -> None:
+        """A swapped-out request finished without resuming (aborted): free its host blocks."""
+        if request.swapped is not None:
+            host_ids, _ = request.swapped
+            self._wait_for_d2h(host_ids)
+            self.host.free(host_ids)
+            request.swapped = None
+
+    # ------------------------------------------------------------ visibility
+    def stats(self) -> dict:
+        self.reap()
+        c, nb, t = self.counters, self.block_nbytes, self.transfer.stats()
+        host, disk = self.host, self.disk
+        return {
+            "enabled": True,
+            "block_nbytes": nb,
+            "cpu": {"capacity_bytes": host.capacity_bytes, "used_bytes": host.used_bytes,
+                    "capacity_blocks": host.num_blocks, "used_blocks": host.num_blocks - host.num_free,
+                    "cached_blocks": len(host._index)},
+            "disk": None if disk is None else {
+                "path": disk.path, "capacity_bytes": disk.capacity_bytes, "used_bytes": disk.used_bytes,
+                "blocks": disk.num_blocks, "write_policy": "write-through" if disk.write_through else "write-back"},
+            "hits_blocks": {GPU: self.pool.num_hits, CPU: c["hits_cpu"], DISK: c["hits_disk"]},
+            "moved": {
+                "gpu_to_cpu": {"blocks": t["d2h_blocks"], "bytes": t["d2h_bytes"], "seconds": t["d2h_seconds"]},
+                "cpu_to_gpu": {"blocks": t["h2d_blocks"], "bytes": t["h2d_bytes"], "seconds": t["h2d_seconds"]},
+                "cpu_to_disk": {"blocks": c["cpu_to_disk_blocks"], "bytes": c["cpu_to_disk_blocks"] * nb},
+                "disk_to_cpu": {"blocks": c["disk_to_cpu_blocks"], "bytes": c["disk_to_cpu_blocks"] * nb},
+            },
+            "demoted_blocks": c["demoted_blocks"],
+            "demotions_dropped": c["demotions_dropped"],
+            "host_evictions": c["host_evictions"],
+            "swaps": c["swap_outs"],
+            "swap_ins": c["swap_ins"],
+            "recompute_preemptions": c["recompute_preemptions"],
+            "decisions": {"load": c["decided_load"], "recompute": c["decided_recompute"]},
+            "disk_read_failures": c["disk_read_failures"],
+            "recomputed_after_failed_load_blocks": c["recomputed_after_failed_load_blocks"],
+            "rates": dict(self.rates),
+        }
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.flush()
+            self.disk.close()

@@ -1,0 +1,265 @@
+"""The KV tiers inside the engine: demotion, promotion, swap, restart, corruption, leaks.
+
+The device tier is the CPU here, so every path runs for real (transfers complete
+at once). A device pool of a few blocks forces finished conversations down the
+tiers; outputs must equal a run without tiers, token for token.
+"""
+import os
+import random
+
+import pytest
+
+from mempath import LLM, SamplingParams
+from mempath.config import EngineConfig
+
+BLOCK = 16
+DEVICE_BLOCKS = 8
+BLOCK_NBYTES = 2 * 2 * BLOCK * 2 * 16 * 4  # layers, K/V, tokens, kv heads, head_dim, float32
+GIB = 1 << 30
+
+
+def gb(blocks: int) -> float:
+    """cpu_kv_gb / disk_kv_gb holding about this many blocks (disk files carry ~130 bytes of header)."""
+    return blocks * (BLOCK_NBYTES + 256) / GIB
+
+
+def greedy(n=6):
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def make_llm(path, **kw):
+    llm = LLM(path, dtype="float32", show_progress=False, num_gpu_blocks_override=DEVICE_BLOCKS, **kw)
+    tiers = llm.engine.kv.tiers
+    if tiers is not None:
+        # Deterministic choices: loading always beats recomputing unless a test says otherwise.
+        tiers.rates["prefill_tokens_per_s"] = 1.0
+    return llm
+
+
+def conversations(n=4, length=40):
+    return [[10 + (7 * c + i) % 200 for i in range(length)] for c in range(n)]
+
+
+def run_turns(llm, prompts, turns=2):
+    """Each conversation alone, turn after turn; returns outputs and num_cached_tokens per turn."""
+    history = [list(p) for p in prompts]
+    tokens, cached = [], []
+    for turn in range(turns):
+        for c in range(len(history)):
+            out = llm.generate(history[c], greedy(), use_tqdm=False)[0]
+            tokens.append(out.token_ids)
+            cached.append(out.num_cached_tokens)
+            history[c] = history[c] + out.token_ids + [250 + turn, 251, 252]
+    return tokens, cached
+
+
+@pytest.fixture(scope="module")
+def tiny(model_factory):
+    return model_factory("llama")[0]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    return run_turns(make_llm(tiny), conversations())
+
+
+def tier_stats(llm):
+    return llm.stats()["tiers"]
+
+
+def assert_no_leak(llm):
+    engine = llm.engine
+    assert not engine.has_unfinished_requests()
+    engine.kv.pool.check_invariants()
+    assert engine.kv.pool.num_used == 0
+    tiers = engine.kv.tiers
+    if tiers is not None:
+        tiers.reap()
+        if tiers.disk is not None:
+            tiers.disk.flush()
+        host = tiers.host
+        host.check_invariants()
+        owned = host.num_blocks - host.num_free - len(host._index)
+        assert owned == 0, f"{owned} host blocks owned by nobody"
+        if tiers.disk is not None:
+            assert tiers.disk.used_bytes <= tiers.disk.capacity_bytes
+
+
+def test_multi_turn_reuses_the_cpu_tier(tiny, reference):
+    llm = make_llm(tiny, cpu_kv_gb=gb(32))
+    tokens, cached = run_turns(llm, conversations())
+    assert tokens == reference[0]
+    stats = tier_stats(llm)
+    assert stats["hits_blocks"]["cpu"] > 0 and stats["demoted_blocks"] > 0
+    assert all(c > 0 for c in cached[4:])  # every second turn found its first turn's KV
+    assert stats["moved"]["cpu_to_gpu"]["bytes"] == stats["moved"]["cpu_to_gpu"]["blocks"] * BLOCK_NBYTES
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("policy", ["write-back", "write-through"])
+def test_multi_turn_through_the_disk_tier(tiny, reference, tmp_path, policy):
+    llm = make_llm(tiny, cpu_kv_gb=gb(2), disk_kv_path=str(tmp_path), disk_kv_gb=gb(64),
+                   disk_write_policy=policy)
+    tokens, cached = run_turns(llm, conversations())
+    assert tokens == reference[0]
+    stats = tier_stats(llm)
+    assert stats["hits_blocks"]["disk"] > 0 and stats["moved"]["cpu_to_disk"]["blocks"] > 0
+    assert stats["disk"]["write_policy"] == policy
+    assert_no_leak(llm)
+
+
+def first_run_on_disk(tiny, path):
+    """Fill the disk tier with the first turns, then let the writes finish (a clean shutdown)."""
+    llm = make_llm(tiny, cpu_kv_gb=gb(8), disk_kv_path=str(path), disk_kv_gb=gb(64),
+                   disk_write_policy="write-through")
+    run_turns(llm, conversations(), turns=1)
+    llm.engine.kv.tiers.close()
+    assert any(name.endswith(".kv") for _, _, names in os.walk(path) for name in names)
+
+
+def test_disk_index_survives_a_restart(tiny, reference, tmp_path):
+    first_run_on_disk(tiny, tmp_path)
+    llm = make_llm(tiny, cpu_kv_gb=gb(4), disk_kv_path=str(tmp_path), disk_kv_gb=gb(64))
+    assert llm.engine.kv.tiers.disk.num_blocks > 0
+    prompt = conversations()[0]
+    out = llm.generate(prompt, greedy(), use_tqdm=False)[0]
+    assert out.token_ids == reference[0][0]
+    assert out.num_cached_tokens == 32 and tier_stats(llm)["hits_blocks"]["disk"] == 2
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_corrupted_disk_block_is_recomputed_with_identical_output(tiny, reference, tmp_path, damage):
+    first_run_on_disk(tiny, tmp_path)
+    llm = make_llm(tiny, cpu_kv_gb=gb(4), disk_kv_path=str(tmp_path), disk_kv_gb=gb(64))
+    # Damage every file after start-up, so the index still lists them and the reads must notice.
+    for root, _, names in os.walk(tmp_path):
+        for name in names:
+            file_path = os.path.join(root, name)
+            size = os.path.getsize(file_path)
+            with open(file_path, "r+b") as f:
+                if damage == "truncate":
+                    f.truncate(size - 100)
+                else:
+                    f.seek(size // 2)
+                    byte = f.read(1)
+                    f.seek(size // 2)
+                    f.write(bytes([byte[0] ^ 0xFF]))
+    out = llm.generate(conversations()[0], greedy(), use_tqdm=False)[0]
+    assert out.token_ids == reference[0][0]
+    stats = tier_stats(llm)
+    assert stats["disk_read_failures"] >= 1 and stats["hits_blocks"]["disk"] == 0
+    assert out.num_cached_tokens == 0
+    assert_no_leak(llm)
+
+
+def test_cost_model_recomputes_when_that_is_faster(tiny, reference):
+    llm = make_llm(tiny, cpu_kv_gb=gb(32))
+    llm.engine.kv.tiers.rates["prefill_tokens_per_s"] = 1e15
+    tokens, _ = run_turns(llm, conversations())
+    assert tokens == reference[0]
+    stats = tier_stats(llm)
+    assert stats["hits_blocks"]["cpu"] == 0 and stats["decisions"]["recompute"] > 0
+    assert stats["decisions"]["load"] == 0
+    assert_no_leak(llm)
+
+
+def batch_under_pressure(llm):
+    """Eight requests growing at once in a pool of eight blocks: preemption is certain."""
+    prompts = [[20 + (5 * r + i) % 150 for i in range(18 + r)] for r in range(8)]
+    return [o.token_ids for o in llm.generate(prompts, greedy(30), use_tqdm=False)]
+
+
+@pytest.mark.parametrize("mode", ["swap", "auto"])
+def test_swap_preemption_gives_the_outputs_of_recompute(tiny, mode):
+    reference = batch_under_pressure(make_llm(tiny))
+    llm = make_llm(tiny, cpu_kv_gb=gb(32), preemption_mode=mode)
+    if mode == "auto":
+        llm.engine.kv.tiers.rates["transfer_latency_s"] = 0.0  # long or short, swapping wins
+    assert batch_under_pressure(llm) == reference
+    stats = tier_stats(llm)
+    assert stats["swaps"] > 0 and stats["swap_ins"] == stats["swaps"]
+    assert stats["recompute_preemptions"] == 0
+    assert_no_leak(llm)
+
+
+def test_cost_model_recomputes_short_requests_and_swaps_long_ones(tiny):
+    llm = make_llm(tiny, cpu_kv_gb=gb(32))
+    tiers = llm.engine.kv.tiers
+    tiers.rates.update(prefill_tokens_per_s=1000.0, transfer_latency_s=0.01,
+                       d2h_bytes_per_s=1e9, h2d_bytes_per_s=1e9)
+
+    class Victim:
+        request_id = "v"
+
+    short, long = Victim(), Victim()
+    short.num_computed_tokens, long.num_computed_tokens = 16, 4096
+    assert not tiers.should_swap(short, 1)  # 16 ms to recompute < 20 ms of latency
+    assert tiers.should_swap(long, 4096 // BLOCK)
+
+
+def test_random_workload_with_aborts_leaks_nothing(tiny, tmp_path):
+    llm = make_llm(tiny, cpu_kv_gb=gb(4), disk_kv_path=str(tmp_path), disk_kv_gb=gb(12))
+    engine, tiers = llm.engine, llm.engine.kv.tiers
+    rng = random.Random(1234)
+    shared = [[30 + (11 * s + i) % 180 for i in range(rng.randrange(16, 48))] for s in range(4)]
+    live = []
+    for step in range(300):
+        if rng.random() < 0.3:
+            prompt = rng.choice(shared) + [rng.randrange(3, 300) for _ in range(rng.randrange(1, 20))]
+            live.append(engine.add_request(prompt, greedy(rng.randrange(1, 24))))
+        if live and rng.random() < 0.1:
+            engine.abort_request(live.pop(rng.randrange(len(live))))
+        engine.step()
+        assert tiers.host.used_bytes <= tiers.host.capacity_bytes
+        assert tiers.disk.used_bytes <= tiers.disk.capacity_bytes
+        assert engine.kv.pool.num_used <= engine.kv.pool.num_blocks
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats = tier_stats(llm)
+    assert stats["demoted_blocks"] > 0 and stats["hits_blocks"]["cpu"] + stats["hits_blocks"]["disk"] > 0
+    assert_no_leak(llm)
+
+
+def test_tiers_off_allocate_nothing(tiny):
+    llm = make_llm(tiny)
+    stats = llm.stats()
+    assert stats["tiers"] == {"enabled": False}
+    assert not {"kv_cpu", "kv_disk", "kv_transfer_staging"} & set(stats["ledger"])
+    assert llm.engine.kv.tiers is None
+
+
+def test_ledger_and_stats_show_the_tiers(tiny, tmp_path):
+    llm = make_llm(tiny, cpu_kv_gb=gb(4), disk_kv_path=str(tmp_path), disk_kv_gb=gb(8))
+    ledger, tiers = llm.stats()["ledger"], tier_stats(llm)
+    assert ledger["kv_cpu"]["bytes"] == tiers["cpu"]["capacity_bytes"] == 4 * BLOCK_NBYTES
+    assert ledger["kv_disk"]["bytes"] == tiers["disk"]["capacity_bytes"]
+    assert ledger["kv_disk"]["device"] == "disk"
+    for key in ("h2d_bytes_per_s", "d2h_bytes_per_s", "disk_read_bytes_per_s", "prefill_tokens_per_s"):
+        assert tiers["rates"][key] > 0
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(disk_kv_path="/tmp/x", disk_kv_gb=1.0), "host tier"),
+    (dict(cpu_kv_gb=1.0, disk_kv_gb=1.0), "disk_kv_path"),
+    (dict(preemption_mode="swap"), "cpu_kv_gb"),
+    (dict(preemption_mode="sometimes"), "preemption_mode"),
+    (dict(cpu_kv_gb=1.0, disk_kv_path="/tmp/x", disk_kv_gb=1.0, disk_write_policy="never"), "write-back"),
+    (dict(cpu_kv_gb=-1.0), ">= 0"),
+])
+def test_bad_tier_options_are_refused(kw, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model="m", **kw)
+
+
+def test_cli_passes_the_tier_flags():
+    import argparse
+
+    from mempath.cli import add_engine_arguments, engine_options
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--cpu-kv-gb", "4", "--disk-kv-path", "/d", "--disk-kv-gb", "100",
+                              "--disk-write-policy", "write-through", "--preemption-mode", "swap"])
+    options = engine_options(args)
+    assert options["cpu_kv_gb"] == 4 and options["disk_kv_path"] == "/d" and options["disk_kv_gb"] == 100
+    assert options["disk_write_policy"] == "write-through" and options["preemption_mode"] == "swap"
