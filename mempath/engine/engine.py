@@ -3,7 +3,9 @@
 One step: schedule → run the model on the scheduled tokens → sample → append
 tokens, check stop conditions, free finished requests' blocks → outputs.
 """
+import hashlib
 import itertools
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -19,7 +21,8 @@ from mempath.engine.scheduler import ScheduledBatch, Scheduler
 from mempath.kv.manager import KVCacheManager
 from mempath.memory.ledger import Ledger, format_bytes
 from mempath.memory.oom import MempathOutOfMemoryError, oom_guard
-from mempath.model.loader import load_model, read_config
+from mempath.model.llama import ModelSpec
+from mempath.model.loader import checkpoint_dtype, load_model, read_config
 from mempath.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -58,7 +61,6 @@ def load_generation_eos(model_dir: str) -> list[int]:
     path = Path(model_dir) / "generation_config.json"
     if not path.exists():
         return []
-    import json
     eos = json.loads(path.read_text()).get("eos_token_id")
     if eos is None:
         return []
@@ -71,10 +73,9 @@ class LLMEngine:
         self.device = config.torch_device()
         self.ledger = Ledger()
         cfg = read_config(config.model)
-        from mempath.model.llama import ModelSpec  # validate the architecture before any allocation
+        # Validate the architecture and lengths before anything is allocated.
         spec = ModelSpec.from_hf_config(cfg, source=str(Path(config.model) / "config.json"))
         self.max_model_len = self._resolve_max_model_len(spec)
-        from mempath.model.loader import checkpoint_dtype
         self.dtype = config.torch_dtype(checkpoint_dtype(cfg))
 
         if self.device.type == "cuda":
@@ -168,7 +169,8 @@ class LLMEngine:
         weights_end = torch.cuda.memory_allocated(device)
         num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len * self.config.max_num_seqs)
         num_seqs = max(1, min(self.config.max_num_seqs, num_tokens))
-        probe_blocks = num_seqs * (-(-(-(-num_tokens // num_seqs)) // self.config.block_size)) + 1
+        longest = -(-num_tokens // num_seqs)  # the probe's sequences differ by at most one token
+        probe_blocks = num_seqs * self.kv_blocks_for(longest)
         self.runner.allocate_kv_cache(probe_blocks)
         probe_kv = self.runner.kv_cache.numel() * self.runner.kv_cache.element_size()
         torch.cuda.reset_peak_memory_stats(device)
@@ -190,6 +192,9 @@ class LLMEngine:
                            "device used - torch reserved (context, other processes)")
         return max(0, budget) // per_block
 
+    def kv_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.config.block_size)
+
     def _graph_pool_estimate(self) -> int:
         """Room for the decode graphs' pool: the largest graph's logits and hidden states.
 
@@ -200,6 +205,8 @@ class LLMEngine:
         rows = self.config.max_num_seqs
         widths = s.vocab_size + 2 * s.intermediate_size + 4 * s.hidden_size + \
             (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+        # Plus a fixed margin for the graphs' own allocations (cuBLAS workspaces); the
+        # measured pool size is what the ledger reports.
         return 2 * rows * widths * self.dtype.itemsize + (64 << 20)
 
     def _run_probe_step(self, num_tokens: int, num_seqs: int, num_blocks: int) -> None:
@@ -248,7 +255,6 @@ class LLMEngine:
             if path.suffix in (".safetensors", ".bin", ".json") and path.is_file():
                 st = path.stat()
                 parts.append(f"{path.name}:{st.st_size}:{st.st_mtime_ns}")
-        import hashlib
         return hashlib.blake2b("|".join(parts).encode(), digest_size=16).hexdigest()
 
     def _measure_prefill_rate(self) -> float:
