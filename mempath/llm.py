@@ -20,6 +20,7 @@ class LLM:
             model = default_model_path()
         self.config = EngineConfig.from_kwargs(model, **engine_options)
         self.engine = LLMEngine(self.config, show_progress=show_progress)
+        self.engine.emit_progress = False  # generate() only collects finished requests
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

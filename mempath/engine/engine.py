@@ -122,6 +122,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
+        # step() reports every token (streaming callers); offline callers that only
+        # want finished requests turn this off and save an output object per token.
+        self.emit_progress = True
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         log.info("memory by pathway:\n%s", self.ledger.table())
@@ -370,7 +373,9 @@ class LLMEngine:
             return outputs
         now = time.perf_counter()
         for request, token_id, logprobs in zip(sampling, result.token_ids, result.logprobs):
-            outputs.append(self._append_token(request, token_id, logprobs, now))
+            output = self._append_token(request, token_id, logprobs, now)
+            if output is not None:
+                outputs.append(output)
         return outputs
 
     def _fail_newest(self, batch: ScheduledBatch, error: MempathOutOfMemoryError) -> RequestOutput:
@@ -387,7 +392,7 @@ class LLMEngine:
         self.scheduler.finish(victim, "error")
         return self._output(victim, "", [], finished=True)
 
-    def _append_token(self, request: Request, token_id: int, logprobs, now: float) -> RequestOutput:
+    def _append_token(self, request: Request, token_id: int, logprobs, now: float) -> RequestOutput | None:
         request.token_ids.append(token_id)
         self.num_generation_tokens += 1
         if request.first_token_time is None:
@@ -422,6 +427,8 @@ class LLMEngine:
                 request.output_text += tail
                 new_text += tail
             self.scheduler.finish(request, reason)
+        elif not self.emit_progress:
+            return None
         return self._output(request, new_text, [token_id], finished=reason is not None)
 
     def _output(self, request: Request, new_text: str, new_token_ids: list[int],

@@ -82,6 +82,8 @@ class KVCacheManager:
         """Make the request's fully computed blocks findable by later requests."""
         if not self.enable_prefix_caching:
             return
+        if request.num_computed_tokens // self.block_size <= request.num_registered_blocks:
+            return  # no block filled up since the last call: the common decode step
         request.update_block_hashes(self.block_size)
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
         for i in range(request.num_registered_blocks, num_full):
