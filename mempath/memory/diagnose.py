@@ -678,19 +678,20 @@ def diagnose(model_dir: str, *, device: str = "auto", dtype: str = "auto", train
                 engine = LLMEngine(config, show_progress=show_progress)
             dtype_name = str(engine.dtype).removeprefix("torch.")
             gpu_mem = detect_gpu_mem() if torch_device.type == "cuda" else None
+            fused = engine.runner.use_triton  # which elementwise path the forward takes
             serving_plan = plan_memory(
                 model_dir, dtype=dtype_name, gpu_mem_bytes=gpu_mem,
                 gpu_memory_utilization=config.gpu_memory_utilization,
                 max_model_len=engine.max_model_len, max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens, block_size=config.block_size,
-                cuda_graphs=not config.enforce_eager)
+                cuda_graphs=not config.enforce_eager, fused_kernels=fused)
             seqs = max(1, min(probe_seqs, config.max_num_seqs, probe_tokens))
             # The step buffers hold max-num-batched-tokens tokens and max-model-len per sequence.
             tokens = max(seqs, min(probe_tokens, config.max_num_batched_tokens, probe_capacity(engine),
                                    seqs * engine.max_model_len))
             probe_plan = plan_memory(model_dir, dtype=dtype_name, max_model_len=engine.max_model_len,
                                      max_num_seqs=seqs, max_num_batched_tokens=tokens,
-                                     block_size=config.block_size, cuda_graphs=False)
+                                     block_size=config.block_size, cuda_graphs=False, fused_kernels=fused)
             forward = measure_forward(engine, recorder, tokens, seqs)
             growth = _run_growth(engine, recorder, serving_plan, growth_requests)
             leak = measure_leak(engine, recorder, leak_requests,

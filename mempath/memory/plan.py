@@ -114,6 +114,7 @@ class MemoryPlan:
     gpu_mem_bytes: int | None
     gpu_memory_utilization: float
     cuda_graphs: bool
+    fused_kernels: bool  # the activation peak assumes the fused CUDA path (else the PyTorch one)
     # workspace
     activation_peak_bytes: int
     logits_rows: int
@@ -350,26 +351,35 @@ def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> int:
 # ---------------------------------------------------------------- inference workspace
 
 
-def decoder_peak_bytes(shape: ModelShape, tokens: int, dtype_bytes: int) -> int:
+def decoder_peak_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, fused: bool = True) -> int:
     """Peak bytes of one forward pass over `tokens` tokens, excluding the logits.
 
     Layers run one after another and free their temporaries before the next starts, so
-    the pass peaks inside one layer, on top of the streams that cross layer boundaries:
+    the pass peaks inside one layer, on top of the streams that cross layer boundaries.
+    Two code paths (mempath.model.ops):
 
-        streams:         residual T·h + normed input T·h
+    fused (CUDA with Triton): RMSNorm adds the residual and normalises in place, and
+    SiLU-and-mul writes one I-wide output:
+        streams:   residual T·h + normed input T·h
+        MLP phase: gate/up T·2·I + activated T·I
+    PyTorch (the CPU path): each op makes a new tensor while the caller still holds
+    the previous sublayer output and residual, and silu(gate) and its product with
+    up are alive together:
+        streams:   old residual, new residual, sublayer output, normed input: 4·T·h
+        MLP phase: gate/up T·2·I + silu(gate) T·I + product T·I
+    Both:
         attention phase: qkv T·(n_q+2·n_kv)·d + rotated q, k T·(n_q+n_kv)·d
                          + attention output T·n_q·d + o_proj output T·h
-        MLP phase:       gate/up T·2·I + activated T·I + down_proj output T·h
         peak = b · (streams + max(attention phase, MLP phase))
 
     Attention is taken as flash-style (no T×T score matrix), as in paged attention
-    kernels; a plain-PyTorch attention over a long prompt needs more.
+    kernels; the PyTorch reference attention adds one sequence's scores on top.
     """
     h, i, d = shape.hidden_size, shape.intermediate_size, shape.head_dim
     q, kv = shape.num_heads * d, shape.num_kv_heads * d
     attention = (q + 2 * kv) + (q + kv) + q + h
-    mlp = 2 * i + i + h
-    return tokens * dtype_bytes * (2 * h + max(attention, mlp))
+    streams, mlp = (2 * h, 3 * i) if fused else (4 * h, 4 * i)
+    return tokens * dtype_bytes * (streams + max(attention, mlp))
 
 
 def logits_bytes(shape: ModelShape, rows: int) -> int:
@@ -508,7 +518,7 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
                 gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                 block_size: int = DEFAULT_BLOCK_SIZE, cuda_graphs: bool = True,
-                context_bytes: int = 0, train: bool = False, optimizer: str = "adamw-fp32",
+                fused_kernels: bool = True, context_bytes: int = 0, train: bool = False, optimizer: str = "adamw-fp32",
                 micro_batch: int = 1, seq_len: int | None = None, checkpointing: str = "none",
                 checkpoint_layers=(), lora_rank: int = 0,
                 lora_targets=("q_proj", "v_proj")) -> MemoryPlan:
@@ -541,7 +551,7 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
     blocks_per_seq = -(-max_model_len // block_size)
     rows = min(max_num_seqs, max_num_batched_tokens)
     graph_batch = min(max_num_seqs, MAX_GRAPH_BATCH) if cuda_graphs else 0
-    activation = decoder_peak_bytes(shape, max_num_batched_tokens, b)
+    activation = decoder_peak_bytes(shape, max_num_batched_tokens, b, fused_kernels)
     logits = logits_bytes(shape, rows)
     graphs = cuda_graph_bytes(shape, graph_batch, blocks_per_seq, b) if cuda_graphs else 0
 
@@ -562,6 +572,7 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
         max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, gpu_mem_bytes=gpu_mem_bytes,
         gpu_memory_utilization=gpu_memory_utilization, cuda_graphs=cuda_graphs,
+        fused_kernels=fused_kernels,
         activation_peak_bytes=activation, logits_rows=rows, logits_bytes=logits,
         cuda_graph_batch=graph_batch, cuda_graph_bytes=graphs, context_bytes=context_bytes,
         workspace_bytes=activation + logits + graphs + context_bytes,
