@@ -145,8 +145,9 @@ def test_workspace_figures():
     plan = plan_memory(TINY, max_num_seqs=8, max_num_batched_tokens=100, block_size=16)
     h, i, q, kv = 64, 128, 64, 32
     attention = (q + 2 * kv) + (q + kv) + q + h
-    mlp = 3 * i + h
-    assert plan.activation_peak_bytes == 100 * 2 * (2 * h + max(attention, mlp))
+    assert plan.activation_peak_bytes == 100 * 2 * (2 * h + max(attention, 3 * i))  # fused CUDA path
+    reference = plan_memory(TINY, max_num_seqs=8, max_num_batched_tokens=100, fused_kernels=False)
+    assert reference.activation_peak_bytes == 100 * 2 * (4 * h + max(attention, 4 * i))
     assert plan.logits_rows == 8 and plan.logits_bytes == 8 * 1000 * 4
     assert plan.workspace_bytes == plan.activation_peak_bytes + plan.logits_bytes + plan.cuda_graph_bytes
     assert plan_memory(TINY, cuda_graphs=False).cuda_graph_bytes == 0
