@@ -656,7 +656,7 @@ def advise(plan: MemoryPlan, shape: ModelShape) -> list[str]:
 
 def _block_size_advice(plan: MemoryPlan) -> str:
     which = "default" if plan.block_size == DEFAULT_BLOCK_SIZE else f"chosen; the default is {DEFAULT_BLOCK_SIZE}"
-    return (f"block size {plan.block_size} ({which}; see docs for measured block-size table): "
+    return (f"block size {plan.block_size} ({which}; no block-size sweep has been measured yet, see BENCHMARKS.md): "
             f"one block holds {human(plan.kv_bytes_per_block)} of KV")
 
 
