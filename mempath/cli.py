@@ -7,10 +7,12 @@ import sys
 from mempath.config import EngineConfig
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Engine knobs, named as in vLLM."""
+def add_engine_arguments(parser: argparse.ArgumentParser, model_flag: bool = True) -> None:
+    """Engine knobs, named as in vLLM (model_flag=False where MODEL is positional)."""
     d = EngineConfig(model="")
-    parser.add_argument("--model", default=None, help="model directory (default: the built-in mempath-tiny)")
+    if model_flag:
+        parser.add_argument("--model", default=None,
+                            help="model directory (default: the built-in mempath-tiny)")
     parser.add_argument("--dtype", default=d.dtype, help="auto | float32 | float16 | bfloat16")
     parser.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
     parser.add_argument("--seed", type=int, default=d.seed)
@@ -29,13 +31,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disk-write-policy", default=d.disk_write_policy,
                         choices=("write-back", "write-through"))
     parser.add_argument("--preemption-mode", default=d.preemption_mode, choices=("auto", "recompute", "swap"))
+    parser.add_argument("--cpu-kv-cache-bytes", type=int, default=d.cpu_kv_cache_bytes,
+                        help="KV cache bytes when the device is the CPU")
 
 
 def engine_options(args) -> dict:
     keys = ("dtype", "device", "seed", "block_size", "max_model_len", "max_num_seqs",
             "max_num_batched_tokens", "gpu_memory_utilization", "num_gpu_blocks_override",
             "enable_prefix_caching", "enforce_eager", "cpu_kv_gb", "disk_kv_path", "disk_kv_gb",
-            "disk_write_policy", "preemption_mode")
+            "disk_write_policy", "preemption_mode", "cpu_kv_cache_bytes")
     return {k: getattr(args, k) for k in keys}
 
 

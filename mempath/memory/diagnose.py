@@ -894,11 +894,9 @@ def _write_outputs(report: dict, out_dir: Path, snapshot: bool) -> None:
 # ---------------------------------------------------------------- CLI
 
 def add_diagnose_arguments(parser: argparse.ArgumentParser) -> None:
-    from mempath.config import EngineConfig
-    d = EngineConfig(model="")
+    from mempath.cli import add_engine_arguments
     parser.add_argument("model", help="model directory (config.json + safetensors)")
-    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    parser.add_argument("--dtype", default="auto", help="auto | float32 | float16 | bfloat16")
+    add_engine_arguments(parser, model_flag=False)
     parser.add_argument("--train", action="store_true",
                         help="also measure gradients and AdamW state (transformers model, float32)")
     parser.add_argument("--probe-tokens", type=int, default=2048, help="tokens in the probe forward")
@@ -909,24 +907,16 @@ def add_diagnose_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--snapshot", action="store_true",
                         help="also dump a CUDA memory snapshot for pytorch.org/memory_viz")
     parser.add_argument("--open", action="store_true", help="open the HTML report in a browser")
-    parser.add_argument("--block-size", type=int, default=d.block_size)
-    parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
-    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
-    parser.add_argument("--num-gpu-blocks-override", type=int, default=d.num_gpu_blocks_override)
-    parser.add_argument("--cpu-kv-cache-bytes", type=int, default=d.cpu_kv_cache_bytes,
-                        help="KV cache bytes when the device is the CPU")
 
 
 def run_diagnose(args: argparse.Namespace) -> int:
     from mempath.memory.oom import MempathOutOfMemoryError
     from mempath.memory.report import format_table
-    options = {k: getattr(args, k) for k in (
-        "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-        "gpu_memory_utilization", "num_gpu_blocks_override", "cpu_kv_cache_bytes")}
+    from mempath.cli import engine_options
+    options = engine_options(args)
+    device, dtype = options.pop("device"), options.pop("dtype")
     try:
-        report = diagnose(args.model, device=args.device, dtype=args.dtype, train=args.train,
+        report = diagnose(args.model, device=device, dtype=dtype, train=args.train,
                           probe_tokens=args.probe_tokens, probe_seqs=args.probe_seqs,
                           leak_requests=args.leak_requests, out_dir=args.out_dir,
                           snapshot=args.snapshot, show_progress=True, **options)
