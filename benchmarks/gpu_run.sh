@@ -1,17 +1,35 @@
 #!/usr/bin/env bash
-# One device session: GPU tests, then the engine benchmarks; logs under $OUT.
-# STEPS picks what runs (default: all), e.g. STEPS="tests latency".
+# One device session: GPU tests, then the benchmarks; logs under $OUT.
+# STEPS picks what runs, e.g. STEPS="tests latency". Steps and their rough H200 cost:
+#   tests (~3 min)  latency (~1 min)  tput-qwen3, tput-llama (~1.5 min each with HF_TIMEOUT=40)
+#   blocks (~3 min)  multiturn (~3 min?)  diagnose (~2 min, three shapes)  serve (needs .whl, below)
+# For `serve`, carry fastapi/uvicorn/starlette/pydantic(+core)/anyio/h11/sniffio/annotated-types/
+# typing-inspection/prometheus-client as wheels in .whl (see ../.library/device/README.md).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mempath-out}; mkdir -p "$OUT"
-STEPS=${STEPS:-"tests latency tput-qwen3 tput-llama blocks"}
+STEPS=${STEPS:-"tests latency tput-qwen3 tput-llama"}
 HF_TIMEOUT=${HF_TIMEOUT:-40}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 step() { local name=$1 limit=$2; shift 2; want "$name" || return 0; echo "=== $name"; timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | grep -vE "^\s*$|Logger|Traceback|^  " | tail -n 14; }
-step tests 260 python3 -m pytest -q -x -p no:cacheprovider tests/test_fused_ops.py tests/test_gpu_engine.py tests/test_triton_kernels.py ${TEST_FILTER:+-k "$TEST_FILTER"}
+step tests 260 python3 -m pytest -q -p no:cacheprovider tests/test_fused_ops.py tests/test_gpu_engine.py tests/test_triton_kernels.py tests/test_tiers.py
 step latency 150 python3 benchmarks/bench_engine.py latency --shape llama-3.1-8b --hf-tokens 32
 step tput-qwen3 150 python3 benchmarks/bench_engine.py throughput --shape qwen3-0.6b --hf-timeout "$HF_TIMEOUT"
 step tput-llama 200 python3 benchmarks/bench_engine.py throughput --shape llama-3.1-8b --hf-timeout "$HF_TIMEOUT"
-step blocks 200 python3 benchmarks/bench_engine.py block-size --shape qwen3-0.6b --num-requests 128 --block-sizes 8,16,32,64,128,256 --hf-timeout 0
-grep -h RESULT "$OUT"/*.log > "$OUT/results.jsonl" || true
+step blocks 240 python3 benchmarks/bench_engine.py block-size --shape qwen3-0.6b --num-requests 128 --block-sizes 8,16,32,64,128,256 --hf-timeout 0
+step multiturn 300 python3 benchmarks/bench_multiturn.py --shape llama-3.1-8b
+if want diagnose; then
+  for shape in qwen3-0.6b llama-3.1-8b phi-3-mini-4k-instruct; do
+    d=$(mktemp -d); cp "tests/data/configs/$shape.json" "$d/config.json"
+    STEPS=diagnose step diagnose 150 python3 -m mempath diagnose "$d" --load-format dummy --dtype bfloat16 \
+      --max-model-len 4096 --out "$OUT/diagnose-$shape"
+    mv "$OUT/diagnose.log" "$OUT/diagnose-$shape.log"
+  done
+fi
+if want serve; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && \
+    PYTHONPATH=.:/tmp/site step serve 300 python3 benchmarks/bench_serve.py --model "$(python3 -c 'from mempath.assets import default_model_path as p; print(p())')" \
+      --rates 4,16,64,inf --num-requests 256 --input-len 64:512 --output-len 32:256
+fi
+grep -h RESULT "$OUT"/*.log > "$OUT/results.jsonl" 2>/dev/null || true

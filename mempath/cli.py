@@ -24,6 +24,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, model_flag: bool = Tru
     parser.add_argument("--num-gpu-blocks-override", type=int, default=d.num_gpu_blocks_override)
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--load-format", default=d.load_format, choices=("auto", "dummy"),
+                        help="dummy: random weights of the config's shapes (benchmarks)")
     parser.add_argument("--cpu-kv-gb", type=float, default=d.cpu_kv_gb,
                         help="GiB of pinned host memory for the warm KV tier (0: none)")
     parser.add_argument("--disk-kv-path", default=d.disk_kv_path, help="directory of the cold KV tier")
@@ -39,7 +41,7 @@ def engine_options(args) -> dict:
     keys = ("dtype", "device", "seed", "block_size", "max_model_len", "max_num_seqs",
             "max_num_batched_tokens", "gpu_memory_utilization", "num_gpu_blocks_override",
             "enable_prefix_caching", "enforce_eager", "cpu_kv_gb", "disk_kv_path", "disk_kv_gb",
-            "disk_write_policy", "preemption_mode", "cpu_kv_cache_bytes")
+            "disk_write_policy", "preemption_mode", "cpu_kv_cache_bytes", "load_format")
     return {k: getattr(args, k) for k in keys}
 
 
