@@ -8,11 +8,13 @@
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mempath-out}; mkdir -p "$OUT"
+# The device tool returns at most 8 files: logs go to LOGS and come back as one archive.
+LOGS=$(mktemp -d)
 STEPS=${STEPS:-"tests latency tput-qwen3 tput-llama"}
 HF_TIMEOUT=${HF_TIMEOUT:-40}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 want() { [[ " $STEPS " == *" $1 "* ]]; }
-step() { local name=$1 limit=$2; shift 2; want "$name" || return 0; echo "=== $name"; timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | grep -vE "^\s*$|Logger|Traceback|^  " | tail -n 14; }
+step() { local name=$1 limit=$2; shift 2; want "$name" || return 0; echo "=== $name"; timeout "$limit" "$@" 2>&1 | tee "$LOGS/$name.log" | grep -vE "^\s*$|Logger|Traceback|^  " | tail -n 14; }
 step tests 260 python3 -m pytest -q -p no:cacheprovider tests/test_fused_ops.py tests/test_gpu_engine.py tests/test_triton_kernels.py tests/test_tiers.py
 step latency 150 python3 benchmarks/bench_engine.py latency --shape llama-3.1-8b --hf-tokens 32
 step tput-qwen3 150 python3 benchmarks/bench_engine.py throughput --shape qwen3-0.6b --hf-timeout "$HF_TIMEOUT"
@@ -22,9 +24,9 @@ step multiturn 300 python3 benchmarks/bench_multiturn.py --shape llama-3.1-8b
 if want diagnose; then
   for shape in qwen3-0.6b llama-3.1-8b phi-3-mini-4k-instruct; do
     d=$(mktemp -d); cp "tests/data/configs/$shape.json" "$d/config.json"
-    STEPS=diagnose step diagnose 150 python3 -m mempath diagnose "$d" --load-format dummy --dtype bfloat16 \
-      --max-model-len 4096 --out "$OUT/diagnose-$shape"
-    mv "$OUT/diagnose.log" "$OUT/diagnose-$shape.log"
+    step diagnose 150 python3 -m mempath diagnose "$d" --load-format dummy --dtype bfloat16 \
+      --max-model-len 4096 --out "$LOGS/diagnose-$shape"
+    mv "$LOGS/diagnose.log" "$LOGS/diagnose-$shape.log"
   done
 fi
 if want serve; then
@@ -32,4 +34,5 @@ if want serve; then
     PYTHONPATH=.:/tmp/site step serve 300 python3 benchmarks/bench_serve.py --model "$(python3 -c 'from mempath.assets import default_model_path as p; print(p())')" \
       --rates 4,16,64,inf --num-requests 256 --input-len 64:512 --output-len 32:256
 fi
-grep -h RESULT "$OUT"/*.log > "$OUT/results.jsonl" 2>/dev/null || true
+grep -h RESULT "$LOGS"/*.log > "$OUT/results.jsonl" 2>/dev/null || true
+tar -czf "$OUT/logs.tgz" -C "$LOGS" .
