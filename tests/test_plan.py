@@ -148,7 +148,9 @@ def test_workspace_figures():
     assert plan.activation_peak_bytes == 100 * 2 * (2 * h + max(attention, 3 * i))  # fused CUDA path
     reference = plan_memory(TINY, max_num_seqs=8, max_num_batched_tokens=100, fused_kernels=False)
     assert reference.activation_peak_bytes == 100 * 2 * (4 * h + max(attention, 4 * i))
-    assert plan.logits_rows == 8 and plan.logits_bytes == 8 * 1000 * 4
+    # bf16 lm_head output and the sampler's float32 copy, alive together
+    assert plan.logits_rows == 8 and plan.logits_bytes == 8 * 1000 * (2 + 4)
+    assert plan_memory(TINY, dtype="float32", max_num_seqs=8).logits_bytes == 8 * 1000 * 4
     assert plan.workspace_bytes == plan.activation_peak_bytes + plan.logits_bytes + plan.cuda_graph_bytes
     assert plan_memory(TINY, cuda_graphs=False).cuda_graph_bytes == 0
 
