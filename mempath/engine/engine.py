@@ -15,7 +15,7 @@ import torch
 
 from mempath.config import EngineConfig
 from mempath.engine.detokenizer import IncrementalDetokenizer, find_stop
-from mempath.engine.request import Request, RequestStatus
+from mempath.engine.request import Request
 from mempath.engine.runner import ModelRunner
 from mempath.engine.scheduler import ScheduledBatch, Scheduler
 from mempath.kv.manager import KVCacheManager

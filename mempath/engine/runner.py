@@ -16,7 +16,6 @@ from mempath.config import EngineConfig
 from mempath.engine.request import Request
 from mempath.engine.sampler import Sampler, SamplerOutput
 from mempath.engine.scheduler import ScheduledBatch
-from mempath.kv.attention import write_kv
 from mempath.model.llama import AttentionMetadata, CausalLM, ModelSpec
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,6 @@ device-to-host sync.
 Importing this module never fails: without Triton, ``HAS_TRITON`` is False
 and the launchers raise.
 """
-import math
 from typing import NamedTuple, Optional
 
 import torch

@@ -480,11 +480,14 @@ def sse(payload: dict) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-async def stream_completion(call: Call, include_usage: bool):
+async def stream_sse(call: Call, include_usage: bool, chunk, choice, logprobs_for, opening: str | None = None):
+    """Server-sent events for one call; `chunk`, `choice` and `logprobs_for` give the
+    endpoint's shapes. The request is aborted however the stream ends."""
     texts = [ChoiceText(call.stops) for _ in range(call.num_choices)]
-    offsets = [0] * call.num_choices
     finals: dict[int, Update] = {}
     try:
+        if opening is not None:
+            yield opening
         async for index, update in call.updates():
             if update.finished:
                 finals[index] = update
@@ -494,50 +497,45 @@ async def stream_completion(call: Call, include_usage: bool):
             delta = texts[index].take(update)
             logprobs = None
             if call.num_logprobs is not None and update.new_token_ids:
-                logprobs = completion_logprobs(call, update.new_token_ids, update.new_logprobs,
-                                               offsets[index])
-                offsets[index] += sum(len(t) for t in logprobs["tokens"])
+                logprobs = logprobs_for(index, update)
             if not (delta or update.finished or logprobs):
                 continue
-            choice = {"index": index, "text": delta, "logprobs": logprobs,
-                      "finish_reason": openai_finish_reason(update) if update.finished else None}
-            yield sse(completion_body(call.id, call.model, [choice], None, chunk=True,
-                                      created=call.created))
-        if include_usage:
-            yield sse(completion_body(call.id, call.model, [], call.usage(finals), chunk=True,
-                                      created=call.created))
-        yield SSE_DONE
-    finally:
-        call.abort()
-
-
-async def stream_chat(call: Call, include_usage: bool):
-    texts = [ChoiceText(call.stops) for _ in range(call.num_choices)]
-    finals: dict[int, Update] = {}
-
-    def chunk(choices: list[dict], usage: dict | None = None) -> str:
-        return sse(chat_body(call.id, call.model, choices, usage, chunk=True, created=call.created))
-
-    try:
-        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None} for i in range(call.num_choices)])
-        async for index, update in call.updates():
-            if update.finished:
-                finals[index] = update
-            if update.finish_reason == "error":
-                yield sse(error_body(update.error or "generation failed", "server_error"))
-                continue
-            delta = texts[index].take(update)
-            logprobs = None
-            if call.num_logprobs is not None and update.new_token_ids:
-                logprobs = chat_logprobs(call, update.new_token_ids, update.new_logprobs)
-            if not (delta or update.finished or logprobs):
-                continue
-            yield chunk([{"index": index, "delta": {"content": delta} if delta else {},
-                          "logprobs": logprobs,
-                          "finish_reason": openai_finish_reason(update) if update.finished else None}])
+            finish = openai_finish_reason(update) if update.finished else None
+            yield chunk([choice(index, delta, logprobs, finish)])
         if include_usage:
             yield chunk([], call.usage(finals))
         yield SSE_DONE
     finally:
         call.abort()
+
+
+def stream_completion(call: Call, include_usage: bool):
+    offsets = [0] * call.num_choices  # text offsets of each choice's logprobs
+
+    def logprobs_for(index: int, update: Update) -> dict:
+        logprobs = completion_logprobs(call, update.new_token_ids, update.new_logprobs, offsets[index])
+        offsets[index] += sum(len(t) for t in logprobs["tokens"])
+        return logprobs
+
+    def chunk(choices: list[dict], usage: dict | None = None) -> str:
+        return sse(completion_body(call.id, call.model, choices, usage, chunk=True, created=call.created))
+
+    def choice(index, delta, logprobs, finish) -> dict:
+        return {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish}
+
+    return stream_sse(call, include_usage, chunk, choice, logprobs_for)
+
+
+def stream_chat(call: Call, include_usage: bool):
+    def chunk(choices: list[dict], usage: dict | None = None) -> str:
+        return sse(chat_body(call.id, call.model, choices, usage, chunk=True, created=call.created))
+
+    def choice(index, delta, logprobs, finish) -> dict:
+        return {"index": index, "delta": {"content": delta} if delta else {}, "logprobs": logprobs,
+                "finish_reason": finish}
+
+    opening = chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for i in range(call.num_choices)])
+    return stream_sse(call, include_usage, chunk, choice,
+                      lambda index, update: chat_logprobs(call, update.new_token_ids, update.new_logprobs),
+                      opening)
