@@ -27,6 +27,60 @@ sys.path.insert(0, str(ROOT))
 from mempath import LLM, SamplingParams  # noqa: E402
 
 
+def pinned_copy_bandwidth(nbytes: int = 1 << 30) -> dict:
+    """One large pinned copy each way (median of 5): the ceiling block transfers are measured against."""
+    import torch
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    out = {}
+    for direction, copy in (("h2d", lambda: dev.copy_(host, non_blocking=True)),
+                            ("d2h", lambda: host.copy_(dev, non_blocking=True))):
+        times = []
+        for _ in range(6):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            copy()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        out[direction] = nbytes / float(np.median(times[1:]))
+    del host, dev
+    return out
+
+
+def swap_versus_recompute(engine, num_tokens: int) -> dict:
+    """Swap a long request's blocks out and back through the TransferEngine vs prefilling its tokens.
+
+    Uses the mechanisms the engine's preemption uses (batched gather + one copy per
+    direction; a probe prefill step of the same length); run at the end of a mode,
+    over blocks whose contents no longer matter.
+    """
+    import torch
+    tiers = engine.kv.tiers
+    num_blocks = engine.kv.blocks_for(num_tokens)
+    gpu_ids = list(range(num_blocks))
+    host_ids = tiers.host.allocate(num_blocks)
+    if host_ids is None or num_blocks > engine.kv.num_blocks:
+        return {"skipped": f"needs {num_blocks} free blocks in each tier"}
+    timings = {}
+    for name, run in (("swap_out", lambda: tiers.transfer.device_to_host(gpu_ids, host_ids).wait()),
+                      ("swap_in", lambda: tiers.transfer.host_to_device(host_ids, gpu_ids).wait()),
+                      ("recompute", lambda: engine._run_probe_step(num_tokens, 1, engine.kv.num_blocks))):
+        best = float("inf")
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            run()
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t)
+        timings[name] = best
+    tiers.host.free(host_ids)
+    nbytes = num_blocks * engine.runner.kv_bytes_per_block()
+    return {"tokens": num_tokens, "bytes": nbytes, "swap_out_s": timings["swap_out"],
+            "swap_in_s": timings["swap_in"], "swap_round_trip_s": timings["swap_out"] + timings["swap_in"],
+            "recompute_s": timings["recompute"],
+            "d2h_bytes_per_s": nbytes / timings["swap_out"], "h2d_bytes_per_s": nbytes / timings["swap_in"]}
+
+
 def run_mode(model: str, mode: str, args, engine_options: dict) -> dict:
     options = dict(engine_options)
     disk_dir = None
@@ -59,6 +113,10 @@ def run_mode(model: str, mode: str, args, engine_options: dict) -> dict:
         stats = engine.stats()
         turns.append({"turn": turn, "ttft_p50_ms": 1e3 * float(np.percentile(ttft, 50)),
                       "ttft_p95_ms": 1e3 * float(np.percentile(ttft, 95)), "cached_tokens": cached,
+                      # Held: blocks referenced while every conversation is idle (must be 0).
+                      # Resident: free blocks whose cached content is still findable; any
+                      # allocation may take them (demoting the content to the host tier first).
+                      "idle_gpu_kv_held_bytes": stats["kv_blocks_used"] * engine.runner.kv_bytes_per_block(),
                       "idle_gpu_kv_bytes": stats["kv_blocks_cached"] * engine.runner.kv_bytes_per_block()})
     seconds = time.perf_counter() - start
     tiers = engine.stats()["tiers"]
@@ -67,11 +125,14 @@ def run_mode(model: str, mode: str, args, engine_options: dict) -> dict:
         for direction, moved in tiers["moved"].items():
             if moved.get("seconds"):
                 bandwidth[direction] = moved["bytes"] / moved["seconds"]
+    swap = None
+    if mode == "cpu" and args.swap_tokens and engine.device.type == "cuda":
+        swap = swap_versus_recompute(engine, min(args.swap_tokens, engine.max_model_len))
     if disk_dir and not args.disk_kv_path:
         engine.kv.tiers.close()
         shutil.rmtree(disk_dir, ignore_errors=True)
     return {"mode": mode, "seconds": seconds, "output_tokens_per_s": generated / seconds, "turns": turns,
-            "transfer_bytes_per_s": bandwidth,
+            "transfer_bytes_per_s": bandwidth, "swap_check": swap,
             "tiers": {k: tiers.get(k) for k in ("hits_blocks", "swaps", "recompute_preemptions", "decisions")}
             if tiers["enabled"] else None}
 
@@ -91,6 +152,8 @@ def main() -> None:
     parser.add_argument("--disk-kv-gb", type=float, default=128.0)
     parser.add_argument("--disk-kv-path", default=None, help="default: a temporary directory")
     parser.add_argument("--modes", default="recompute,cpu,disk")
+    parser.add_argument("--swap-tokens", type=int, default=8192,
+                        help="length of the request in the swap-versus-recompute check (cpu mode, CUDA; 0: skip)")
     args = parser.parse_args()
 
     if args.tiny:
@@ -108,16 +171,30 @@ def main() -> None:
         engine_options = dict(load_format="dummy", dtype="bfloat16", num_gpu_blocks_override=args.gpu_kv_blocks,
                               max_model_len=args.system_tokens + args.turns * (args.user_tokens + args.output_tokens))
 
-    results = [run_mode(model, mode, args, engine_options) for mode in args.modes.split(",")]
-    print(f"{'mode':10} {'turn':>4} {'ttft p50 ms':>12} {'ttft p95 ms':>12} {'cached tok':>10} {'idle GPU KV':>12}")
+    ceiling = None
+    if not args.tiny:
+        ceiling = pinned_copy_bandwidth()
+        print(f"pinned copy ceiling: h2d {ceiling['h2d'] / 1e9:.1f} GB/s, d2h {ceiling['d2h'] / 1e9:.1f} GB/s",
+              flush=True)
+    results = []
+    for mode in args.modes.split(","):
+        results.append(run_mode(model, mode, args, engine_options))
+        print("MODE " + json.dumps(results[-1]), flush=True)  # partial results survive a time limit
+    print(f"{'mode':10} {'turn':>4} {'ttft p50 ms':>12} {'ttft p95 ms':>12} {'cached tok':>10} {'idle held':>10} {'idle resident':>14}")
     for r in results:
         for t in r["turns"]:
             print(f"{r['mode']:10} {t['turn']:>4} {t['ttft_p50_ms']:>12.2f} {t['ttft_p95_ms']:>12.2f} "
-                  f"{t['cached_tokens']:>10} {t['idle_gpu_kv_bytes'] / 2**20:>10.1f} MiB")
+                  f"{t['cached_tokens']:>10} {t['idle_gpu_kv_held_bytes'] / 2**20:>6.1f} MiB "
+                  f"{t['idle_gpu_kv_bytes'] / 2**20:>10.1f} MiB")
         rates = ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in r["transfer_bytes_per_s"].items())
         print(f"{r['mode']:10} {r['output_tokens_per_s']:.1f} output tokens/s  {rates}")
+        if r.get("swap_check") and "recompute_s" in r["swap_check"]:
+            c = r["swap_check"]
+            print(f"{r['mode']:10} swap of a {c['tokens']}-token request: out {1e3 * c['swap_out_s']:.1f} ms + in "
+                  f"{1e3 * c['swap_in_s']:.1f} ms = {1e3 * c['swap_round_trip_s']:.1f} ms; recompute "
+                  f"{1e3 * c['recompute_s']:.1f} ms")
     print("RESULT " + json.dumps({"benchmark": "multiturn", "shape": "tiny" if args.tiny else args.shape,
-                                  "results": results}))
+                                  "pinned_copy_bytes_per_s": ceiling, "results": results}))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 # One device session: GPU tests, then the benchmarks; logs under $OUT.
 # STEPS picks what runs, e.g. STEPS="tests latency". Steps and their rough H200 cost:
 #   tests (~3 min)  latency (~1 min)  tput-qwen3, tput-llama (~1.5 min each with HF_TIMEOUT=40)
-#   blocks (~3 min)  multiturn (~3 min?)  diagnose (~2 min, three shapes)  serve (needs .whl, below)
+#   blocks (~3 min)  multiturn (~5 min)  diagnose (~2 min, three shapes)  serve (needs .whl, below)
+#   profile (~2 min: kernel table at batch 1, host/device split of the throughput workload)
 # For `serve`, carry fastapi/uvicorn/starlette/pydantic(+core)/anyio/h11/sniffio/annotated-types/
 # typing-inspection/prometheus-client as wheels in .whl (see ../.library/device/README.md).
 set -u
@@ -20,7 +21,13 @@ step latency 150 python3 benchmarks/bench_engine.py latency --shape llama-3.1-8b
 step tput-qwen3 150 python3 benchmarks/bench_engine.py throughput --shape qwen3-0.6b --hf-timeout "$HF_TIMEOUT"
 step tput-llama 200 python3 benchmarks/bench_engine.py throughput --shape llama-3.1-8b --hf-timeout "$HF_TIMEOUT"
 step blocks 240 python3 benchmarks/bench_engine.py block-size --shape qwen3-0.6b --num-requests 128 --block-sizes 8,16,32,64,128,256 --hf-timeout 0
-step multiturn 300 python3 benchmarks/bench_multiturn.py --shape llama-3.1-8b
+# 32 conversations whose history grows past 8k tokens; the GPU pool (2,048 blocks, 4 GiB)
+# holds about 12% of what they need at the last turn.
+step multiturn 460 python3 benchmarks/bench_multiturn.py --shape llama-3.1-8b --conversations 32 \
+  --user-tokens 1200 --cpu-kv-gb 48 --cpu-kv-gb-with-disk 8
+step profile 100 python3 benchmarks/profile_steps.py decode --shape llama-3.1-8b --batch 1 --context 128
+mv "$LOGS/profile.log" "$LOGS/profile-decode.log" 2>/dev/null
+step profile 100 python3 benchmarks/profile_steps.py workload --shape qwen3-0.6b
 if want diagnose; then
   for shape in qwen3-0.6b llama-3.1-8b phi-3-mini-4k-instruct; do
     d=$(mktemp -d); cp "tests/data/configs/$shape.json" "$d/config.json"
@@ -30,9 +37,9 @@ if want diagnose; then
   done
 fi
 if want serve; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && \
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && \
     PYTHONPATH=.:/tmp/site step serve 300 python3 benchmarks/bench_serve.py --model "$(python3 -c 'from mempath.assets import default_model_path as p; print(p())')" \
-      --rates 4,16,64,inf --num-requests 256 --input-len 64:512 --output-len 32:256
+      --rates 8,32,128,inf --num-requests 256 --input-len 64:512 --output-len 32:256
 fi
 grep -h RESULT "$LOGS"/*.log > "$OUT/results.jsonl" 2>/dev/null || true
 tar -czf "$OUT/logs.tgz" -C "$LOGS" .

@@ -72,7 +72,7 @@ class LLMEngine:
         self.config = config
         self.device = config.torch_device()
         self.ledger = Ledger()
-        cfg = read_config(config.model)
+        cfg = self.hf_config = read_config(config.model)
         # Validate the architecture and lengths before anything is allocated.
         spec = ModelSpec.from_hf_config(cfg, source=str(Path(config.model) / "config.json"))
         self.max_model_len = self._resolve_max_model_len(spec)
@@ -199,18 +199,14 @@ class LLMEngine:
         return -(-num_tokens // self.config.block_size)
 
     def _graph_pool_estimate(self) -> int:
-        """Room for the decode graphs' pool: the largest graph's logits and hidden states.
+        """Room for the decode graphs: memory.plan.cuda_graph_bytes at the largest captured batch.
 
-        Graphs share one pool and replay one at a time, so the pool holds about one
-        decode step at the largest batch; sized from the model's widths.
+        The measured size, once captured, is what the ledger reports.
         """
-        s = self.spec
-        rows = self.config.max_num_seqs
-        widths = s.vocab_size + 2 * s.intermediate_size + 4 * s.hidden_size + \
-            (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
-        # Plus a fixed margin for the graphs' own allocations (cuBLAS workspaces); the
-        # measured pool size is what the ledger reports.
-        return 2 * rows * widths * self.dtype.itemsize + (64 << 20)
+        from mempath.memory.plan import MAX_GRAPH_BATCH, cublas_workspace_bytes, cuda_graph_bytes, read_shape
+        major, _ = torch.cuda.get_device_capability(self.device)
+        return cuda_graph_bytes(read_shape(self.hf_config), min(self.config.max_num_seqs, MAX_GRAPH_BATCH),
+                                self.dtype.itemsize, cublas_workspace_bytes(major))
 
     def _run_probe_step(self, num_tokens: int, num_seqs: int, num_blocks: int) -> None:
         per_seq = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]

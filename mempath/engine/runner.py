@@ -16,6 +16,7 @@ from mempath.config import EngineConfig
 from mempath.engine.request import Request
 from mempath.engine.sampler import Sampler, SamplerOutput
 from mempath.engine.scheduler import ScheduledBatch
+from mempath.memory.plan import MAX_GRAPH_BATCH
 from mempath.model.llama import AttentionMetadata, CausalLM, ModelSpec
 
 log = logging.getLogger(__name__)
@@ -270,7 +271,7 @@ class ModelRunner:
             return 0
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_reserved(self.device)
-        sizes = graph_batch_sizes(self.max_num_seqs)
+        sizes = graph_batch_sizes(min(self.max_num_seqs, MAX_GRAPH_BATCH))
         buf = self.buffers
         buf.wait_until_reusable()
         max_size = sizes[-1]

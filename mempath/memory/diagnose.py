@@ -662,7 +662,8 @@ def diagnose(model_dir: str, *, device: str = "auto", dtype: str = "auto", train
     """
     from mempath.config import EngineConfig
     from mempath.engine.engine import LLMEngine
-    from mempath.memory.plan import detect_gpu_mem, plan_memory
+    from mempath.memory.plan import (CUBLAS_WORKSPACE_BYTES_SM90, cublas_workspace_bytes, detect_gpu_mem,
+                                     plan_memory)
 
     config = EngineConfig.from_kwargs(model_dir, device=_indexed(device), dtype=dtype, **engine_options)
     torch_device = config.torch_device()
@@ -679,8 +680,11 @@ def diagnose(model_dir: str, *, device: str = "auto", dtype: str = "auto", train
             dtype_name = str(engine.dtype).removeprefix("torch.")
             gpu_mem = detect_gpu_mem() if torch_device.type == "cuda" else None
             fused = engine.runner.use_triton  # which elementwise path the forward takes
+            workspace = CUBLAS_WORKSPACE_BYTES_SM90
+            if torch_device.type == "cuda":
+                workspace = cublas_workspace_bytes(torch.cuda.get_device_capability(torch_device)[0])
             serving_plan = plan_memory(
-                model_dir, dtype=dtype_name, gpu_mem_bytes=gpu_mem,
+                model_dir, dtype=dtype_name, gpu_mem_bytes=gpu_mem, cublas_workspace=workspace,
                 gpu_memory_utilization=config.gpu_memory_utilization,
                 max_model_len=engine.max_model_len, max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens, block_size=config.block_size,

@@ -51,8 +51,14 @@ OPTIMIZERS = {
 }
 CHECKPOINTING = ("none", "full", "selective")
 
-# nano-vllm style capture: decode graphs for batch sizes up to 512, sharing one pool.
+# Decode graphs are captured for batch sizes up to 512 (larger batches run eagerly:
+# launch overhead is amortised there), all sharing one memory pool.
 MAX_GRAPH_BATCH = 512
+# cuBLAS takes a workspace per (handle, stream) through PyTorch's allocator; capture
+# runs on its own stream, so the graph pool gets one. PyTorch's default size:
+# 32 MiB on compute capability 9.x and later, 4096·2 + 16·8 KiB before.
+CUBLAS_WORKSPACE_BYTES_SM90 = 32 << 20
+CUBLAS_WORKSPACE_BYTES_OLDER = (4096 * 2 + 16 * 8) << 10
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_TRAIN_SEQ_LEN = 4096
 
@@ -395,17 +401,23 @@ def logits_bytes(shape: ModelShape, rows: int, dtype_bytes: int = 4) -> int:
     return rows * shape.vocab_size * (4 + copy)
 
 
-def cuda_graph_bytes(shape: ModelShape, batch: int, blocks_per_seq: int, dtype_bytes: int) -> int:
-    """Private pool of the decode CUDA graphs plus their static buffers.
+def cublas_workspace_bytes(capability_major: int) -> int:
+    return CUBLAS_WORKSPACE_BYTES_SM90 if capability_major >= 9 else CUBLAS_WORKSPACE_BYTES_OLDER
+
+
+def cuda_graph_bytes(shape: ModelShape, batch: int, dtype_bytes: int,
+                     cublas_workspace: int = CUBLAS_WORKSPACE_BYTES_SM90) -> int:
+    """What capturing the decode CUDA graphs adds: the graphs' output buffer and their pool.
 
     Graphs are captured largest batch first and share one pool, so the pool holds one
-    decode step's intermediates at the largest batch (one token per sequence):
-    decoder_peak(batch). Static buffers per row: input ids and positions (int64), slot
-    mapping and context length (int32), the output hidden state (h·b), and a block
-    table of blocks_per_seq int32 entries.
+    decode step at the largest batch (one token per sequence): the forward's
+    intermediates decoder_peak(batch), the lm_head output batch·V·b, and the cuBLAS
+    workspace of the capture stream. The graphs copy their logits into one static
+    output buffer, batch·V·b more. (The step's input buffers exist before capture and
+    are counted with them.)
     """
-    static = batch * (8 + 8 + 4 + 4 + shape.hidden_size * dtype_bytes + 4 * blocks_per_seq)
-    return decoder_peak_bytes(shape, batch, dtype_bytes) + static
+    logits = batch * shape.vocab_size * dtype_bytes
+    return decoder_peak_bytes(shape, batch, dtype_bytes) + 2 * logits + cublas_workspace
 
 
 # ---------------------------------------------------------------- training
@@ -524,7 +536,9 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
                 gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                 block_size: int = DEFAULT_BLOCK_SIZE, cuda_graphs: bool = True,
-                fused_kernels: bool = True, context_bytes: int = 0, train: bool = False, optimizer: str = "adamw-fp32",
+                fused_kernels: bool = True, context_bytes: int = 0,
+                cublas_workspace: int = CUBLAS_WORKSPACE_BYTES_SM90, train: bool = False,
+                optimizer: str = "adamw-fp32",
                 micro_batch: int = 1, seq_len: int | None = None, checkpointing: str = "none",
                 checkpoint_layers=(), lora_rank: int = 0,
                 lora_targets=("q_proj", "v_proj")) -> MemoryPlan:
@@ -544,6 +558,8 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
     context_bytes is what the caller knows must stay free for non-PyTorch memory (CUDA
     context, cuBLAS workspaces); it cannot be derived from the config, so it defaults
     to 0 and the headroom left by gpu_memory_utilization is expected to hold it.
+    cublas_workspace is the capture stream's cuBLAS workspace (cublas_workspace_bytes
+    gives it for a compute capability; the default is Hopper's).
     """
     shape = read_shape(load_config(model))
     dtype_name, b = resolve_dtype(dtype, shape)
@@ -559,7 +575,7 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
     graph_batch = min(max_num_seqs, MAX_GRAPH_BATCH) if cuda_graphs else 0
     activation = decoder_peak_bytes(shape, max_num_batched_tokens, b, fused_kernels)
     logits = logits_bytes(shape, rows, b)
-    graphs = cuda_graph_bytes(shape, graph_batch, blocks_per_seq, b) if cuda_graphs else 0
+    graphs = cuda_graph_bytes(shape, graph_batch, b, cublas_workspace) if cuda_graphs else 0
 
     plan = MemoryPlan(
         architecture=shape.architecture, dtype=dtype_name, dtype_bytes=b,

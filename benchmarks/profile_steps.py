@@ -1,0 +1,178 @@
+"""Where a step's time goes: host work between steps, GPU time per step, and the kernels.
+
+    python benchmarks/profile_steps.py decode --shape llama-3.1-8b --batch 1 --context 128
+    python benchmarks/profile_steps.py workload --shape qwen3-0.6b      # the throughput workload
+
+``decode`` runs steady decode steps at a fixed batch and prints wall and GPU time
+per step and the torch.profiler kernel table. ``workload`` runs the throughput
+benchmark's 256 requests step by step and splits the wall time into GPU time
+(CUDA events around each step's device work) and host time, by step kind and
+batch size. GPU only. Prints a table and one JSON line (prefix ``RESULT``).
+"""
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_engine import model_dir, random_requests  # noqa: E402
+from mempath import LLM, SamplingParams  # noqa: E402
+
+
+class StepTimer:
+    """CUDA events from the end of input preparation to the end of sampling: a step's device window.
+
+    The window starts once the host has filled and queued the inputs, so host work
+    before it (scheduling, filling buffers) is not counted as device time.
+    """
+
+    def __init__(self, runner):
+        self.inner_execute, self.inner_prepare = runner.execute, runner.prepare
+        self.events = []
+        self.start = None
+        runner.execute, runner.prepare = self, self.prepare
+
+    def prepare(self, *args, **kwargs):
+        out = self.inner_prepare(*args, **kwargs)
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.start.record()
+        return out
+
+    def __call__(self, batch, sampling):
+        end = torch.cuda.Event(enable_timing=True)
+        out = self.inner_execute(batch, sampling)
+        end.record()
+        start = self.start
+        kind = "decode" if max(batch.num_new_tokens) == 1 else "mixed"
+        self.events.append((start, end, kind, len(batch.requests), sum(batch.num_new_tokens)))
+        return out
+
+
+def kernel_table(prof, top: int) -> list[dict]:
+    rows = []
+    for e in prof.key_averages():
+        device_us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if device_us and e.device_type == torch.autograd.DeviceType.CUDA:
+            rows.append({"name": e.key[:90], "count": e.count, "total_us": device_us})
+    rows.sort(key=lambda r: -r["total_us"])
+    return rows[:top]
+
+
+def bench_decode(args) -> dict:
+    llm = LLM(model_dir(args.shape), load_format="dummy", dtype="bfloat16", max_num_seqs=args.batch,
+              max_model_len=args.context + args.steps * 3 + 64, show_progress=False,
+              enforce_eager=args.enforce_eager)
+    engine = llm.engine
+    engine.emit_progress = False
+    rng = np.random.default_rng(0)
+    params = SamplingParams(max_tokens=args.steps * 3, temperature=0.0, ignore_eos=True)
+    for _ in range(args.batch):
+        engine.add_request(rng.integers(0, engine.spec.vocab_size, args.context).tolist(), params)
+    while any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(10):
+        engine.step()
+    timer = StepTimer(engine.runner)
+    torch.cuda.synchronize()
+    walls = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - t)
+    torch.cuda.synchronize()
+    gpu = [s.elapsed_time(e) / 1e3 for s, e, *_ in timer.events]
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            engine.step()
+        torch.cuda.synchronize()
+    kernels = kernel_table(prof, args.top)
+    wall_ms, gpu_ms = 1e3 * float(np.median(walls)), 1e3 * float(np.median(gpu))
+    print(f"\ndecode {args.shape} batch {args.batch} context ~{args.context}: wall {wall_ms:.3f} ms/step, "
+          f"device-work window {gpu_ms:.3f} ms/step, host-only {wall_ms - gpu_ms:.3f} ms/step")
+    print(f"{'kernel':90} {'calls/step':>10} {'us/step':>9}")
+    for k in kernels:
+        print(f"{k['name']:90} {k['count'] / 10:>10.1f} {k['total_us'] / 10:>9.1f}")
+    return {"bench": "profile-decode", "shape": args.shape, "batch": args.batch, "wall_ms": wall_ms,
+            "device_window_ms": gpu_ms, "kernels_per_step": [
+                {**k, "us_per_step": k["total_us"] / 10, "calls_per_step": k["count"] / 10} for k in kernels]}
+
+
+def bench_workload(args) -> dict:
+    from mempath.model.loader import read_config
+    path = model_dir(args.shape)
+    vocab = read_config(path)["vocab_size"]
+    prompts, output_lens = random_requests(args.num_requests, 0, vocab)
+    llm = LLM(path, load_format="dummy", dtype="bfloat16", show_progress=False, max_model_len=2048 + 64,
+              max_num_seqs=256, max_num_batched_tokens=8192, enforce_eager=args.enforce_eager)
+    engine = llm.engine
+    engine.emit_progress = False
+    llm.generate(prompts[:8], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    engine.kv.pool.reset_prefix_cache()
+    timer = StepTimer(engine.runner)
+    for p, n in zip(prompts, output_lens):
+        engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    walls = []
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - t)
+    torch.cuda.synchronize()
+    total = time.perf_counter() - start
+    groups = defaultdict(lambda: [0, 0.0, 0.0, 0])  # steps, wall, device, tokens
+    for wall, (s, e, kind, rows, tokens) in zip(walls, timer.events):
+        key = kind if kind == "mixed" else f"decode {8 * ((rows - 1) // 8) + 1}-{8 * ((rows - 1) // 8 + 1)}" \
+            if rows > 8 else f"decode {rows}"
+        bucket = "decode >128" if kind == "decode" and rows > 128 else \
+            "decode 33-128" if kind == "decode" and rows > 32 else \
+            "decode 9-32" if kind == "decode" and rows > 8 else key if kind == "mixed" else "decode 1-8"
+        g = groups[bucket]
+        g[0] += 1
+        g[1] += wall
+        g[2] += s.elapsed_time(e) / 1e3
+        g[3] += tokens
+    print(f"\nworkload {args.shape}: {len(walls)} steps, {total:.2f} s")
+    print(f"{'steps':16} {'count':>6} {'wall s':>8} {'device s':>9} {'host s':>8} {'wall ms/step':>12}")
+    table = {}
+    for name in ("mixed", "decode >128", "decode 33-128", "decode 9-32", "decode 1-8"):
+        if name not in groups:
+            continue
+        n, wall, dev, tokens = groups[name]
+        table[name] = {"steps": n, "wall_s": wall, "device_s": dev, "tokens": tokens}
+        print(f"{name:16} {n:>6} {wall:>8.2f} {dev:>9.2f} {wall - dev:>8.2f} {1e3 * wall / n:>12.3f}")
+    return {"bench": "profile-workload", "shape": args.shape, "seconds": total, "steps": len(walls),
+            "groups": table}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="bench", required=True)
+    dec = sub.add_parser("decode")
+    dec.add_argument("--shape", default="llama-3.1-8b")
+    dec.add_argument("--batch", type=int, default=1)
+    dec.add_argument("--context", type=int, default=128)
+    dec.add_argument("--steps", type=int, default=100)
+    dec.add_argument("--top", type=int, default=25)
+    work = sub.add_parser("workload")
+    work.add_argument("--shape", default="qwen3-0.6b")
+    work.add_argument("--num-requests", type=int, default=256)
+    for p in sub.choices.values():
+        p.add_argument("--enforce-eager", action="store_true")
+    args = parser.parse_args()
+    result = {"decode": bench_decode, "workload": bench_workload}[args.bench](args)
+    result.update(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"))
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
