@@ -25,7 +25,7 @@ step blocks 240 python3 benchmarks/bench_engine.py block-size --shape qwen3-0.6b
 # holds about 12% of what they need at the last turn.
 step multiturn 460 python3 benchmarks/bench_multiturn.py --shape llama-3.1-8b --conversations 32 \
   --user-tokens 1200 --cpu-kv-gb 48 --cpu-kv-gb-with-disk 8
-step profile 100 python3 benchmarks/profile_steps.py decode --shape llama-3.1-8b --batch 1 --context 128
+want decode-profile && step profile 100 python3 benchmarks/profile_steps.py decode --shape llama-3.1-8b --batch 1 --context 128
 mv "$LOGS/profile.log" "$LOGS/profile-decode.log" 2>/dev/null
 step profile 100 python3 benchmarks/profile_steps.py workload --shape qwen3-0.6b
 if want diagnose; then

@@ -150,8 +150,38 @@ def bench_workload(args) -> dict:
         n, wall, dev, tokens = groups[name]
         table[name] = {"steps": n, "wall_s": wall, "device_s": dev, "tokens": tokens}
         print(f"{name:16} {n:>6} {wall:>8.2f} {dev:>9.2f} {wall - dev:>8.2f} {1e3 * wall / n:>12.3f}")
+    kernels = profile_workload_steps(engine, prompts, output_lens, args.top)
     return {"bench": "profile-workload", "shape": args.shape, "seconds": total, "steps": len(walls),
-            "groups": table}
+            "groups": table, "kernels": kernels}
+
+
+def profile_workload_steps(engine, prompts, output_lens, top: int) -> dict:
+    """Kernel tables of the workload's first two (prefill) steps and of three full decode steps."""
+    from torch.profiler import ProfilerActivity, profile
+    engine.kv.pool.reset_prefix_cache()
+    for p, n in zip(prompts, output_lens):
+        engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    tables = {}
+
+    def profiled(name: str, steps: int):
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            torch.cuda.synchronize()
+        tables[name] = [{**k, "us_per_step": k["total_us"] / steps} for k in kernel_table(prof, top)]
+        print(f"\n{name} ({steps} steps): {'kernel':80} {'calls/step':>10} {'us/step':>9}")
+        for k in tables[name]:
+            print(f"{k['name'][:80]:80} {k['count'] / steps:>10.1f} {k['us_per_step']:>9.1f}")
+
+    profiled("prefill steps", 2)
+    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running):
+        engine.step()
+    engine.step()
+    profiled(f"decode steps at batch {len(engine.scheduler.running)}", 3)
+    for request_id in list(engine.requests):
+        engine.abort_request(request_id)
+    return tables
 
 
 def main() -> None:
@@ -166,6 +196,7 @@ def main() -> None:
     work = sub.add_parser("workload")
     work.add_argument("--shape", default="qwen3-0.6b")
     work.add_argument("--num-requests", type=int, default=256)
+    work.add_argument("--top", type=int, default=25)
     for p in sub.choices.values():
         p.add_argument("--enforce-eager", action="store_true")
     args = parser.parse_args()

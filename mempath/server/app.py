@@ -23,10 +23,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mempath.sampling import SamplingParams
 from mempath.server.async_engine import AsyncEngine, EngineDeadError, Update
-from mempath.server.protocol import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N, APIError,
-                                     ChatCompletionRequest, CompletionRequest, chat_body,
-                                     completion_body, error_body, models_body, parse_request,
-                                     usage_body)
+from mempath.server.cli import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N
+from mempath.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_body,
+                                     completion_body, error_body, models_body, parse_request, usage_body)
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,10 @@ import logging
 import os
 from pathlib import Path
 
-from mempath.server.protocol import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N
+# Limits a request cannot exceed by default. Here rather than in protocol.py so that
+# building the CLI's parser does not import pydantic (the other subcommands need none).
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+DEFAULT_MAX_N = 16  # choices (prompts x n) per request
 
 log = logging.getLogger(__name__)
 

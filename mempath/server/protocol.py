@@ -12,8 +12,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63 - 1
-DEFAULT_MAX_BODY_BYTES = 1 << 20
-DEFAULT_MAX_N = 16  # choices (prompts x n) per request
 
 
 class APIError(Exception):
