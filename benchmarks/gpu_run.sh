@@ -32,7 +32,7 @@ if want diagnose; then
   for shape in qwen3-0.6b llama-3.1-8b phi-3-mini-4k-instruct; do
     d=$(mktemp -d); cp "tests/data/configs/$shape.json" "$d/config.json"
     step diagnose 150 python3 -m mempath diagnose "$d" --load-format dummy --dtype bfloat16 \
-      --max-model-len 4096 --out "$LOGS/diagnose-$shape"
+      --max-model-len 2047 --out "$LOGS/diagnose-$shape"
     mv "$LOGS/diagnose.log" "$LOGS/diagnose-$shape.log"
   done
 fi

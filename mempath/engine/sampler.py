@@ -1,14 +1,22 @@
 """Batched sampling on the device: greedy, temperature, top-k, top-p, min-p, seeds.
 
 Random rows are drawn with the exponential race (argmax of p / q with
-q ~ Exp(1)), which samples exactly from p. A request with its own seed draws its
+q ~ Exp(1)), which samples exactly from p; p need not be normalised, since a
+per-row factor does not move the argmax. A request with its own seed draws its
 q row from its own generator, so its tokens do not depend on its batch mates;
 the rest share one generator for a single batched draw.
+
+Memory: with a large vocabulary the sampler's [rows, V] float32 tensors are the
+biggest temporaries of a step (Qwen3's V = 151,936 at 256 rows: 156 MB each).
+The work happens in place on one float32 copy of the logits, plus the noise
+tensor; top-k/top-p sort a bounded slice of rows at a time. The peak is
+``sampler_peak_bytes`` in mempath.memory.plan (measured in tests/test_sampler.py).
 """
 from dataclasses import dataclass
 
 import torch
 
+from mempath.memory.plan import SAMPLER_SORT_ROWS as SORT_ROWS  # the planner counts it
 from mempath.sampling import SamplingParams
 
 
@@ -33,26 +41,29 @@ class Sampler:
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> SamplerOutput:
-        logits = logits.float()
-        num_rows = logits.shape[0]
+        scores = logits.float()
+        if scores.data_ptr() == logits.data_ptr():
+            scores = scores.clone()  # float32 logits: work on a copy, the caller's stay intact
         want_logprobs = [p.logprobs for p in params]
-        raw_logprobs = None
+        top = None
         if any(n is not None for n in want_logprobs):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
+            # log p = logit - logsumexp: keep the row constants and the top-n, not a [rows, V] tensor.
+            log_z = torch.logsumexp(scores, dim=-1)
+            max_n = max(n or 0 for n in want_logprobs)
+            top = scores.topk(max(max_n, 1), dim=-1)
 
-        greedy_tokens = logits.argmax(dim=-1)
+        greedy_tokens = scores.argmax(dim=-1)
         if all(p.greedy for p in params):
             tokens = greedy_tokens
         else:
-            tokens = self._sample(logits, params, generators, greedy_tokens)
+            tokens = self._sample(scores, params, generators, greedy_tokens)
 
         token_list = tokens.tolist()
-        logprobs: list[dict[int, float] | None] = [None] * num_rows
-        if raw_logprobs is not None:
-            max_n = max(n or 0 for n in want_logprobs)
-            top_values, top_ids = raw_logprobs.topk(max(max_n, 1), dim=-1)
-            chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
-            top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        logprobs: list[dict[int, float] | None] = [None] * len(params)
+        if top is not None:
+            chosen = (logits.gather(1, tokens[:, None]).squeeze(1).float() - log_z).tolist()
+            top_values = (top.values - log_z[:, None]).tolist()
+            top_ids = top.indices.tolist()
             for row, n in enumerate(want_logprobs):
                 if n is None:
                     continue
@@ -62,42 +73,57 @@ class Sampler:
                 logprobs[row] = entry
         return SamplerOutput(token_list, logprobs)
 
-    def _sample(self, logits, params, generators, greedy_tokens):
-        device = logits.device
+    def _sample(self, scores, params, generators, greedy_tokens):
+        """Overwrites ``scores`` (float32, [rows, V])."""
+        device = scores.device
         temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
                                    device=device, dtype=torch.float32)
-        logits = logits / temperature[:, None]
+        scores.div_(temperature[:, None])
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-            logits = apply_top_k_top_p(logits, top_k, top_p)
+            apply_top_k_top_p(scores, top_k, top_p)
+        # Unnormalised probabilities in place: exp(x - max), so each row's largest is 1.
+        scores.sub_(scores.max(dim=-1, keepdim=True).values).exp_()
         min_p = [p.min_p for p in params]
         if any(m > 0 for m in min_p):
-            probs = torch.softmax(logits, dim=-1)
-            threshold = torch.tensor(min_p, device=device)[:, None] * probs.max(dim=-1, keepdim=True).values
-            logits = logits.masked_fill(probs < threshold, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        noise = torch.empty_like(probs)
+            # p < min_p * p_max  <=>  exp(x - max) < min_p
+            threshold = torch.tensor(min_p, device=device, dtype=torch.float32)[:, None]
+            scores.masked_fill_(scores < threshold, 0.0)
+        noise = torch.empty_like(scores)
         noise.exponential_(generator=self.generator)
         for row, generator in enumerate(generators):
             if generator is not None:
                 noise[row].exponential_(generator=generator)
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = scores.div_(noise).argmax(dim=-1)
         greedy = torch.tensor([p.greedy for p in params], device=device)
         return torch.where(greedy, greedy_tokens, sampled)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Mask logits outside each row's top-k and top-p nucleus (k=0, p=1: off)."""
-    vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    k = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_k], device=logits.device)
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
-    remove = ranks >= k[:, None]
-    p = torch.tensor(top_p, device=logits.device, dtype=torch.float32)
-    probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
-    # Drop a token when the tokens ranked above it already cover p; the top one always stays.
-    mass_before = probs.cumsum(dim=-1) - probs
-    remove |= mass_before >= p[:, None]
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    """Set logits outside each row's top-k and top-p nucleus to -inf, in place (k=0, p=1: off).
+
+    Sorts SORT_ROWS rows at a time, so the sort's values and indices never cover
+    the whole batch.
+    """
+    rows, vocab = logits.shape
+    device = logits.device
+    k_all = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_k], device=device)
+    p_all = torch.tensor(top_p, device=device, dtype=torch.float32)
+    ranks = torch.arange(vocab, device=device)[None, :]
+    for start in range(0, rows, SORT_ROWS):
+        chunk = logits[start:start + SORT_ROWS]
+        k, p = k_all[start:start + SORT_ROWS], p_all[start:start + SORT_ROWS]
+        sorted_logits, order = chunk.sort(dim=-1, descending=True)
+        remove = ranks >= k[:, None]
+        sorted_logits.masked_fill_(remove, float("-inf"))
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the tokens ranked above it already cover p; the top one always stays.
+        mass_before = probs.cumsum(dim=-1).sub_(probs)
+        del probs
+        remove |= mass_before >= p[:, None]
+        del mass_before
+        sorted_logits.masked_fill_(remove, float("-inf"))
+        chunk.scatter_(-1, order, sorted_logits)
+        del sorted_logits, order, remove  # before the next slice's sort allocates its own
+    return logits

@@ -185,7 +185,10 @@ if HAS_TRITON:
         tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
+    # Integers that vary with the batch are not specialised on (Triton would compile a
+    # variant for == 1 and for multiples of 16): a new variant mid-serving costs a
+    # compile of hundreds of milliseconds inside a step.
+    @triton.jit(do_not_specialize=["num_heads", "num_splits"])
     def _decode_split_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
         out_ptr, part_out_ptr, part_lse_ptr,
@@ -271,7 +274,7 @@ if HAS_TRITON:
                      + dims[None, :] * stride_od,
                      out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_heads", "num_splits"])
     def _decode_merge_kernel(
         seq_lens_ptr, query_start_ptr, part_out_ptr, part_lse_ptr, out_ptr,
         stride_ot, stride_oh, stride_od,
@@ -306,7 +309,7 @@ if HAS_TRITON:
         tl.store(out_ptr + q_row.to(tl.int64) * stride_ot + head * stride_oh + dims * stride_od,
                  out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_q_tiles"])
     def _prefill_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr, seq_lens_ptr,
         out_ptr,
@@ -537,8 +540,9 @@ def triton_decode_attention(
             *out.stride(),
             num_heads, num_splits,
             HEAD_DIM=head_dim, D_PAD=d_pad,
-            SPLITS_PAD=_next_pow2(num_splits), TILE=DECODE_TILE, VARLEN=varlen,
-            num_warps=4 if num_splits * d_pad <= 8192 else 8,
+            # One width for every split count: one compiled variant (unused splits are masked).
+            SPLITS_PAD=_next_pow2(MAX_DECODE_SPLITS), TILE=DECODE_TILE, VARLEN=varlen,
+            num_warps=4 if _next_pow2(MAX_DECODE_SPLITS) * d_pad <= 8192 else 8,
         )
     return out
 

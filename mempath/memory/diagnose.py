@@ -365,7 +365,9 @@ def _probe_batch(engine, num_tokens: int, num_seqs: int):
     for i in range(num_seqs):
         n = num_tokens // num_seqs + (i < num_tokens % num_seqs)
         ids = torch.randint(0, engine.spec.vocab_size, (n,), generator=generator).tolist()
-        request = Request(f"diagnose-probe-{i}", None, ids, SamplingParams(temperature=0.0))
+        # The sampler's costliest settings, as in the engine's profile step (what the plan counts).
+        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=engine.config.max_logprobs)
+        request = Request(f"diagnose-probe-{i}", None, ids, params)
         blocks = -(-n // block_size)
         request.block_table = list(range(next_block, next_block + blocks))
         next_block += blocks
@@ -794,8 +796,9 @@ def _rows(engine, plan, probe_plan, recorder, forward, growth) -> list[Row]:
                             entry.detail))
     if "activation_peak" in engine.ledger.entries:
         rows.append(Row("activation_peak (engine profile step)",
-                        plan.activation_peak_bytes + plan.logits_bytes, engine.ledger.get("activation_peak"),
-                        f"plan: activation_peak_bytes + logits_bytes at {plan.max_num_batched_tokens} tokens",
+                        plan.step_peak_bytes, engine.ledger.get("activation_peak"),
+                        f"plan: step_peak_bytes at {plan.max_num_batched_tokens} tokens, "
+                        f"{plan.logits_rows} sampled rows",
                         "engine ledger (peak allocation of its profile step)"))
     tokens, h, b = forward["tokens"], probe_plan.hidden_size, probe_plan.dtype_bytes
     rows += [
@@ -807,7 +810,7 @@ def _rows(engine, plan, probe_plan, recorder, forward, growth) -> list[Row]:
         Row("decoder forward peak", probe_plan.activation_peak_bytes, forward["forward_peak"],
             f"plan: activation_peak_bytes at {tokens} tokens", f"{meter.peak_source} over the forward"),
         Row("logits", probe_plan.logits_bytes, forward["logits_peak"],
-            f"plan: logits_bytes ({probe_plan.logits_rows} rows x vocab x fp32)",
+            f"plan: logits_bytes ({probe_plan.logits_rows} rows: lm_head output + sampler peak)",
             f"{meter.peak_source} over lm_head + sampler"),
     ]
     if growth:

@@ -208,14 +208,14 @@ def _activation_fixes(plan, config, requested, free) -> list[str]:
     tokens_now = plan.max_num_batched_tokens
     fixes = [f"a step of max-num-batched-tokens {tokens_now} needs {format_bytes(planned)} of "
              f"activations and logits by the planner ({format_bytes(per_token)} per token + "
-             f"{plan.logits_rows} rows of fp32 logits)"
+             f"{plan.logits_rows} rows of logits and sampling)"
              + (f"; the failing allocation alone asked for {format_bytes(requested)}"
                 if requested and requested > planned else "")]
     if free is None:
         return fixes
     # In the planner's units, so that its per-token and logits figures can be spent.
     budget = free * planned // need if need else 0
-    row_bytes = plan.vocab_size * 4  # one fp32 logits row, as the planner counts it
+    row_bytes = -(-plan.logits_bytes // plan.logits_rows)  # one row's logits and sampler share, as planned
     tokens = (budget - plan.logits_rows * row_bytes) // per_token if per_token else 0
     if free >= need:
         fixes.append(f"{format_bytes(free)} is free, more than the step needs: the memory was held "

@@ -125,6 +125,7 @@ class MemoryPlan:
     activation_peak_bytes: int
     logits_rows: int
     logits_bytes: int
+    step_peak_bytes: int  # max(activation peak, sampling phase): what the engine's profile step measures
     cuda_graph_batch: int
     cuda_graph_bytes: int
     context_bytes: int
@@ -391,14 +392,36 @@ def decoder_peak_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, fused: 
     return tokens * dtype_bytes * (streams + max(attention, mlp))
 
 
+# Rows the sampler sorts at a time for top-k/top-p (mempath.engine.sampler uses this).
+SAMPLER_SORT_ROWS = 32
+
+
+def sampler_peak_bytes(vocab_size: int, rows: int) -> int:
+    """The sampler's peak at its costliest settings (temperature, top-k/top-p, logprobs).
+
+    It works in place on one float32 copy of the logits (4 B per entry), and then
+    needs either the exponential noise (4 B per entry) or, while it sorts a slice
+    of at most SAMPLER_SORT_ROWS rows for top-k/top-p, that slice's values (4),
+    indices (8), masks (1 + 1), probabilities (4) and cumulative sums (4): 22 B per
+    entry of the slice, plus one int64 rank per vocabulary entry. Logprobs keep only
+    per-row constants and the top-n. Measured on the CPU by tests/test_sampler.py.
+    """
+    return vocab_size * max(8 * rows, 4 * rows + 22 * min(rows, SAMPLER_SORT_ROWS) + 8)
+
+
 def logits_bytes(shape: ModelShape, rows: int, dtype_bytes: int = 4) -> int:
     """Logits only for the rows that are sampled (the last token of each sequence), so
-    at most max_num_seqs rows: the lm_head output in the model dtype plus the
-    sampler's float32 copy, alive together (rows · V · (b + 4); rows · V · 4 in float32,
-    where the copy is the same tensor). The sampler's other temporaries of that shape
-    reuse the activation memory freed after the last layer."""
-    copy = 0 if dtype_bytes == 4 else dtype_bytes
-    return rows * shape.vocab_size * (4 + copy)
+    at most max_num_seqs rows: the lm_head output in the model dtype (rows · V · b),
+    alive while the sampler runs, plus the sampler's peak (sampler_peak_bytes)."""
+    return rows * shape.vocab_size * dtype_bytes + sampler_peak_bytes(shape.vocab_size, rows)
+
+
+def step_peak_bytes(shape: ModelShape, tokens: int, rows: int, dtype_bytes: int, fused: bool = True) -> int:
+    """Peak of one whole step over its weights and KV: the decoder forward, or the
+    sampling phase after it (the final hidden states T·h·b, the sampled rows'
+    hidden states, and the logits with the sampler), whichever is larger."""
+    sampling = (tokens + rows) * shape.hidden_size * dtype_bytes + logits_bytes(shape, rows, dtype_bytes)
+    return max(decoder_peak_bytes(shape, tokens, dtype_bytes, fused), sampling)
 
 
 def cublas_workspace_bytes(capability_major: int) -> int:
@@ -547,7 +570,8 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
     Capacity, when gpu_mem_bytes is given (no device is probed here; `run_plan` does
     that for the CLI):
         budget    = floor(gpu_mem · gpu_memory_utilization)
-        kv budget = budget − weights − activation peak − logits − CUDA graphs − context
+        kv budget = budget − weights − step peak − CUDA graphs − context
+        step peak = max(activation peak, final hidden states + logits + sampler)
         blocks    = floor(kv budget / block bytes); tokens = blocks · block_size
         max concurrency = blocks // ceil(max_model_len / block_size), which equals
                           tokens // max_model_len when max_model_len is a multiple of
@@ -575,6 +599,7 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
     graph_batch = min(max_num_seqs, MAX_GRAPH_BATCH) if cuda_graphs else 0
     activation = decoder_peak_bytes(shape, max_num_batched_tokens, b, fused_kernels)
     logits = logits_bytes(shape, rows, b)
+    step_peak = step_peak_bytes(shape, max_num_batched_tokens, rows, b, fused_kernels)
     graphs = cuda_graph_bytes(shape, graph_batch, b, cublas_workspace) if cuda_graphs else 0
 
     plan = MemoryPlan(
@@ -595,9 +620,9 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
         max_num_batched_tokens=max_num_batched_tokens, gpu_mem_bytes=gpu_mem_bytes,
         gpu_memory_utilization=gpu_memory_utilization, cuda_graphs=cuda_graphs,
         fused_kernels=fused_kernels,
-        activation_peak_bytes=activation, logits_rows=rows, logits_bytes=logits,
+        activation_peak_bytes=activation, logits_rows=rows, logits_bytes=logits, step_peak_bytes=step_peak,
         cuda_graph_batch=graph_batch, cuda_graph_bytes=graphs, context_bytes=context_bytes,
-        workspace_bytes=activation + logits + graphs + context_bytes,
+        workspace_bytes=step_peak + graphs + context_bytes,
         kv_bytes_wanted=max_num_seqs * blocks_per_seq * per_block,
     )
     if gpu_mem_bytes is not None:
@@ -801,7 +826,8 @@ def format_plan(plan: MemoryPlan) -> str:
         "",
         f"workspace (max-num-batched-tokens {p.max_num_batched_tokens}, max-num-seqs {p.max_num_seqs})",
         _row("activation peak (one layer)", p.activation_peak_bytes),
-        _row(f"logits ({p.logits_rows} rows, fp32)", p.logits_bytes),
+        _row(f"logits + sampler ({p.logits_rows} rows)", p.logits_bytes),
+        _row("step peak: max(activations, final hidden + logits)", p.step_peak_bytes),
         _row(f"CUDA graphs (batch <= {p.cuda_graph_batch})" if p.cuda_graphs else "CUDA graphs (off)",
              p.cuda_graph_bytes),
         _row("context (given; not derivable)", p.context_bytes),

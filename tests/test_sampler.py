@@ -1,0 +1,74 @@
+"""The sampler: its memory peak against the planner's formula, and its draws against a plain reference."""
+import pytest
+import torch
+
+from mempath.engine.sampler import Sampler, apply_top_k_top_p
+from mempath.memory.diagnose import TensorBytesTracker
+from mempath.memory.plan import sampler_peak_bytes
+from mempath.sampling import SamplingParams
+
+COSTLIEST = SamplingParams(temperature=0.9, top_k=50, top_p=0.9, logprobs=5)
+
+
+@pytest.mark.parametrize("rows,vocab", [(256, 20_000), (64, 8_000), (7, 30_000), (1, 50_000)])
+def test_peak_matches_the_plan(rows, vocab):
+    logits = torch.randn(rows, vocab, dtype=torch.bfloat16)
+    sampler = Sampler(torch.device("cpu"), 0)
+    tracker = TensorBytesTracker()
+    with tracker:
+        sampler(logits, [COSTLIEST] * rows, [None] * rows)
+    planned = sampler_peak_bytes(vocab, rows)
+    assert abs(tracker.peak - planned) <= 0.05 * planned, (tracker.peak, planned)
+
+
+def reference_top_k_top_p(logits, top_k, top_p):
+    """Row by row, the textbook way: keep the top k, then the smallest prefix reaching p."""
+    out = torch.full_like(logits, float("-inf"))
+    for row, (k, p) in enumerate(zip(top_k, top_p)):
+        values, order = logits[row].sort(descending=True)
+        keep = len(values) if k <= 0 else min(k, len(values))
+        probs = torch.softmax(values[:keep], dim=-1)
+        before = probs.cumsum(0) - probs
+        keep = int((before < p).sum())
+        out[row, order[:keep]] = values[:keep]
+    return out
+
+
+def test_top_k_top_p_matches_reference_across_sort_slices():
+    torch.manual_seed(0)
+    rows = 70  # three slices of SAMPLER_SORT_ROWS
+    logits = torch.randn(rows, 300)
+    top_k = [0, 1, 5, 299, 300, 40, 7] * 10
+    top_p = [1.0, 0.5, 0.9, 0.1, 0.99, 1.0, 0.3] * 10
+    expected = reference_top_k_top_p(logits, top_k, top_p)
+    got = apply_top_k_top_p(logits.clone(), top_k, top_p)
+    assert torch.equal(torch.isinf(got), torch.isinf(expected))
+    assert torch.equal(got[~torch.isinf(got)], expected[~torch.isinf(expected)])
+
+
+def test_sampling_frequencies_follow_the_distribution():
+    """min-p, top-k and temperature together: empirical frequencies vs the target distribution."""
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.0, -1.0, -3.0]]).repeat(20_000, 1)
+    params = SamplingParams(temperature=0.7, top_k=4, min_p=0.2)
+    tokens = torch.tensor(Sampler(torch.device("cpu"), 1)(logits, [params] * 20_000, [None] * 20_000).token_ids)
+    target = torch.softmax(logits[0] / 0.7, dim=-1)
+    target[4:] = 0  # top-k 4
+    target[target < 0.2 * target.max()] = 0  # min-p
+    target /= target.sum()
+    freq = torch.bincount(tokens, minlength=6).float() / len(tokens)
+    assert torch.allclose(freq, target, atol=0.015), (freq, target)
+
+
+def test_logprobs_equal_log_softmax_and_inputs_stay_intact():
+    torch.manual_seed(1)
+    logits = torch.randn(5, 1000, dtype=torch.float32)
+    before = logits.clone()
+    out = Sampler(torch.device("cpu"), 0)(logits, [COSTLIEST] * 5, [None] * 5)
+    assert torch.equal(logits, before)  # float32 input: the sampler worked on a copy
+    reference = torch.log_softmax(logits, dim=-1)
+    for row, entry in enumerate(out.logprobs):
+        assert len(entry) >= 5
+        for token, value in entry.items():
+            assert value == pytest.approx(reference[row, token].item(), abs=1e-5)
+        best = reference[row].topk(5).indices.tolist()
+        assert set(best) <= set(entry)
