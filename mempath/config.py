@@ -26,6 +26,9 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # True: no CUDA graphs (they are only used on CUDA)
+    # Launch the next decode step before reading the current one's tokens, so the host's
+    # bookkeeping overlaps the device's work (vLLM's --async-scheduling); docs/architecture.md.
+    async_scheduling: bool = True
     # auto: read the checkpoint; dummy: random weights of the right shapes (benchmarks,
     # needs only config.json), as vLLM's --load-format dummy.
     load_format: str = "auto"

@@ -210,11 +210,11 @@ def test_step_out_of_memory_fails_one_request_and_keeps_serving(model_factory):
     real_execute = runner.execute
     calls = [0]
 
-    def flaky(batch, sampling):
+    def flaky(batch, sampling, **kwargs):
         calls[0] += 1
         if calls[0] == 3:  # a decode step with both requests in it
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
-        return real_execute(batch, sampling)
+        return real_execute(batch, sampling, **kwargs)
 
     runner.execute = flaky
     outs = llm.generate([[4, 5, 6], [7, 8, 9]], greedy(8), use_tqdm=False)
@@ -222,3 +222,67 @@ def test_step_out_of_memory_fails_one_request_and_keeps_serving(model_factory):
     assert outs[0].token_ids == ref[0].token_ids and outs[0].finish_reason == "length"
     assert outs[1].finish_reason == "error" and "step" in outs[1].error
     assert llm.stats()["kv_blocks_used"] == 0
+
+
+# ---------------------------------------------------------------- async scheduling
+
+
+def _mixed_params(stop_token: int) -> list[SamplingParams]:
+    return [greedy(12), greedy(3), greedy(20, stop_token_ids=[stop_token]),
+            SamplingParams(max_tokens=15, temperature=0.8, top_p=0.9, seed=7), greedy(1), greedy(9)]
+
+
+def test_async_scheduling_gives_the_same_outputs(model_factory):
+    """Launching each decode step before reading the previous one's tokens changes nothing visible:
+    same tokens and finish reasons (stop ids found a step late included), no block left behind."""
+    path, _ = model_factory("llama")
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 9, 30, 4, 12)]
+    sync = LLM(path, dtype="float32", show_progress=False, async_scheduling=False)
+    probe = sync.generate(prompts[2:3], greedy(20), use_tqdm=False)[0].token_ids
+    params = _mixed_params(stop_token=probe[5])
+    expected = sync.generate(prompts, params, use_tqdm=False)
+    assert sync.stats()["steps_launched_ahead"] == 0
+    fast = LLM(path, dtype="float32", show_progress=False)
+    got = fast.generate(prompts, params, use_tqdm=False)
+    for e, g in zip(expected, got):
+        assert (g.token_ids, g.finish_reason, g.stop_reason) == (e.token_ids, e.finish_reason, e.stop_reason)
+    assert got[2].finish_reason == "stop" and len(got[2].token_ids) == 6
+    stats = fast.stats()
+    assert stats["steps_launched_ahead"] > 5
+    assert stats["kv_blocks_used"] == 0 and not fast.engine.has_unfinished_requests()
+
+
+def test_async_scheduling_abort_while_a_step_is_in_flight(model_factory):
+    path, _ = model_factory("llama")
+    reference = LLM(path, dtype="float32", show_progress=False, async_scheduling=False)
+    expected = reference.generate([list(range(30))], greedy(12), use_tqdm=False)[0].token_ids
+    llm = LLM(path, dtype="float32", show_progress=False)
+    engine = llm.engine
+    engine.add_request(list(range(40)), greedy(50), "abort-me")
+    engine.add_request(list(range(30)), greedy(12), "keep")
+    while engine.num_steps_ahead < 2:
+        engine.step()
+    assert engine.in_flight is not None
+    assert engine.abort_request("abort-me").finish_reason == "abort"
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in done] == ["keep"] and done[0].token_ids == expected
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_async_scheduling_yields_to_new_requests(model_factory):
+    """A request arriving while steps run ahead is admitted at the next step, as without them."""
+    path, _ = model_factory("llama")
+    llm = LLM(path, dtype="float32", show_progress=False)
+    engine = llm.engine
+    engine.add_request(list(range(20)), greedy(30), "first")
+    while engine.num_steps_ahead < 2:
+        engine.step()
+    engine.add_request(list(range(10)), greedy(4), "second")
+    engine.step()  # reads the in-flight tokens; the waiting request must not be held back by another step ahead
+    engine.step()
+    assert engine.requests["second"].num_computed_tokens > 0
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats()["kv_blocks_used"] == 0

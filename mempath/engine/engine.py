@@ -15,8 +15,8 @@ import torch
 
 from mempath.config import EngineConfig
 from mempath.engine.detokenizer import IncrementalDetokenizer, find_stop
-from mempath.engine.request import Request
-from mempath.engine.runner import ModelRunner
+from mempath.engine.request import Request, RequestStatus
+from mempath.engine.runner import ModelRunner, PendingTokens
 from mempath.engine.scheduler import ScheduledBatch, Scheduler
 from mempath.kv.manager import KVCacheManager
 from mempath.memory.ledger import Ledger, format_bytes
@@ -129,6 +129,9 @@ class LLMEngine:
         self.emit_progress = True
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        # A decode step launched but not read back yet (async scheduling).
+        self.in_flight: PendingTokens | None = None
+        self.num_steps_ahead = 0  # decode steps launched before the previous one's tokens were read
         log.info("memory by pathway:\n%s", self.ledger.table())
 
     # ----------------------------------------------------------------- set-up
@@ -357,10 +360,12 @@ class LLMEngine:
         return self._output(request, "", [], finished=True)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.in_flight is not None
 
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
+        if self.in_flight is not None:
+            return self._step_ahead()
         batch = self.scheduler.schedule()
         if not batch.requests:
             if self.scheduler.loading:
@@ -375,24 +380,90 @@ class LLMEngine:
                 return [self._output(request, "", [], finished=True)]
             return []
         sampling = batch.sampling_requests()
+        defer = self._can_defer(batch, sampling)
         try:
             with oom_guard("step", self.ledger, self.config, dtype=self.dtype_name):
-                result = self.runner.execute(batch, sampling)
+                result = self.runner.execute(batch, sampling, defer=defer)
         except MempathOutOfMemoryError as error:
             return [self._fail_newest(batch, error)]
         self.scheduler.update_after_step(batch)
         for request, num_new in zip(batch.requests, batch.num_new_tokens):
             start = request.num_computed_tokens - num_new
             self.num_prompt_tokens += max(0, min(request.num_prompt_tokens, start + num_new) - start)
-        outputs = []
         if result is None:
-            return outputs
+            return []
+        if defer:
+            self.in_flight = result
+            return []
+        return self._emit(sampling, result.token_ids, result.logprobs)
+
+    def _emit(self, sampling: list[Request], token_ids: list[int], logprobs: list) -> list[RequestOutput]:
+        outputs = []
         now = time.perf_counter()
-        for request, token_id, logprobs in zip(sampling, result.token_ids, result.logprobs):
-            output = self._append_token(request, token_id, logprobs, now)
+        for request, token_id, row_logprobs in zip(sampling, token_ids, logprobs):
+            if request.is_finished:
+                continue  # finished or aborted while its step ran: the token is surplus
+            output = self._append_token(request, token_id, row_logprobs, now)
             if output is not None:
                 outputs.append(output)
         return outputs
+
+    # ----------------------------------------------------------------- async scheduling
+    # A decode step whose tokens nobody needs on the host before the next step can
+    # launch (no logprobs, every row samples) is left in flight: the next call
+    # launches the following decode step first, feeding it those tokens on the
+    # device, and only then reads them back, checks stops and frees finished
+    # requests while the device computes. A request that stopped (EOS, stop string)
+    # thus runs one surplus row whose token is dropped; requests that end by length
+    # are known in advance and not scheduled. Anything else (new requests to admit,
+    # loads landing, a block shortage that may preempt) goes through the ordinary
+    # schedule once the in-flight tokens are read.
+
+    def _can_defer(self, batch: ScheduledBatch, sampling: list[Request]) -> bool:
+        return (self.config.async_scheduling and len(sampling) == len(batch.requests)
+                and all(n == 1 for n in batch.num_new_tokens)
+                and all(r.params.logprobs is None for r in sampling))
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        previous, self.in_flight = self.in_flight, None
+        ahead = self._schedule_ahead(previous)
+        launched = failed = None
+        if ahead is not None:
+            batch, src = ahead
+            try:
+                with oom_guard("step", self.ledger, self.config, dtype=self.dtype_name):
+                    launched = self.runner.execute(batch, batch.requests, defer=True, tokens_from=(previous, src))
+                self.scheduler.update_after_step(batch)
+                self.num_steps_ahead += 1
+            except MempathOutOfMemoryError as error:
+                failed = (batch, error)
+        outputs = self._emit(previous.sampling, previous.token_ids(), [None] * len(previous.sampling))
+        if failed is not None:
+            outputs.append(self._fail_newest(*failed))
+        self.in_flight = launched
+        return outputs
+
+    def _schedule_ahead(self, previous: PendingTokens) -> tuple[ScheduledBatch, list[int]] | None:
+        """The next decode step of the in-flight requests, or None when the ordinary schedule is needed."""
+        s = self.scheduler
+        if s.loading or (s.waiting and len(s.running) < self.config.max_num_seqs):
+            return None
+        rows = [i for i, r in enumerate(previous.sampling) if r.status == RequestStatus.RUNNING]
+        if len(rows) != len(s.running) or len(rows) > self.config.max_num_batched_tokens:
+            return None  # someone runs that the in-flight step did not cover
+        batch, src = ScheduledBatch(), []
+        for i in rows:
+            request = previous.sampling[i]
+            # With its in-flight token, does it end by length? Then it is not scheduled.
+            if (request.num_output_tokens + 1 >= request.params.max_tokens
+                    or request.num_tokens + 1 >= self.max_model_len):
+                continue
+            if not self.kv.append_slots(request, 1):
+                return None  # room must come from preemption: the ordinary schedule decides
+            batch.requests.append(request)
+            batch.num_new_tokens.append(1)
+            src.append(i)
+        return (batch, src) if batch.requests else None
 
     def _fail_newest(self, batch: ScheduledBatch, error: MempathOutOfMemoryError) -> RequestOutput:
         """One step ran out of memory: fail its newest request and keep serving the rest.
@@ -479,6 +550,7 @@ class LLMEngine:
             "prefix_cache_queries": pool.num_queries,
             "prefix_cache_hits": pool.num_hits,
             "num_preemptions": self.scheduler.num_preemptions,
+            "steps_launched_ahead": self.num_steps_ahead,
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.num_generation_tokens,
             "ledger": self.ledger.as_dict(),

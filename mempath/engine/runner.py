@@ -8,6 +8,7 @@ pinned so the copies are asynchronous, the device side is what the model and
 the CUDA graphs read. A step writes into them; it allocates none.
 """
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -30,6 +31,24 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
+@dataclass
+class PendingTokens:
+    """A launched step's sampled tokens, still on their way to the host.
+
+    ``tokens`` stays on the device so that the next step can read its inputs from it;
+    ``host`` is the pinned buffer the copy lands in, ``ready`` marks its arrival.
+    """
+    sampling: list[Request]
+    tokens: torch.Tensor
+    host: torch.Tensor
+    ready: "torch.cuda.Event | None"
+
+    def token_ids(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
+
+
 class StepBuffers:
     """Static per-step inputs: pinned host arrays and their device twins."""
 
@@ -48,13 +67,20 @@ class StepBuffers:
         self.qsl_h, self.qsl, self.qsl_d = pair(max_seqs + 1, torch.int32)
         self.seq_lens_h, self.seq_lens, self.seq_lens_d = pair(max_seqs, torch.int32)
         self.rows_h, self.rows, self.rows_d = pair(max_seqs, torch.int64)
+        # Rows of the previous step's sampled tokens that feed this step (async scheduling).
+        self.src_rows_h, self.src_rows, self.src_rows_d = pair(max_seqs, torch.int64)
+        # Two landing buffers for sampled tokens: one step's copy may still be unread
+        # when the next step's copy is queued.
+        self.sampled_h = [torch.zeros(max_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self.sampled_ready = [torch.cuda.Event() for _ in range(2)] if pin else [None, None]
+        self.next_sampled = 0
         # Marks when the last upload has left the pinned buffers, so they may be rewritten.
         self.uploaded = torch.cuda.Event() if pin else None
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (
             self.input_ids_d, self.positions_d, self.slots_d, self.tables_d, self.qsl_d,
-            self.seq_lens_d, self.rows_d))
+            self.seq_lens_d, self.rows_d, self.src_rows_d))
 
     def wait_until_reusable(self) -> None:
         if self.uploaded is not None:
@@ -142,13 +168,19 @@ class ModelRunner:
             attn.v_cache = self.kv_cache[i, 1]
 
     # ----------------------------------------------------------------- inputs
-    def prepare(self, batch: ScheduledBatch, sampling: set[int], pad_to: int | None = None):
-        """Fill the static buffers for this batch; return the metadata over their prefixes."""
+    def prepare(self, batch: ScheduledBatch, sampling: set[int], pad_to: int | None = None,
+                tokens_from: tuple[PendingTokens, list[int]] | None = None):
+        """Fill the static buffers for this batch; return the metadata over their prefixes.
+
+        With ``tokens_from`` (a decode batch whose input tokens were sampled by the
+        step before and are not on the host yet), row i's input id is copied on the
+        device from row ``src[i]`` of that step's tokens.
+        """
         buf = self.buffers
         buf.wait_until_reusable()
         num_seqs = len(batch.requests)
         if max(batch.num_new_tokens) == 1:
-            t, rows, max_seq_len = self._fill_decode(batch.requests, sampling)
+            t, rows, max_seq_len = self._fill_decode(batch.requests, sampling, tokens_from is not None)
         else:
             t, rows, max_seq_len = self._fill_mixed(batch, sampling)
         self._fill_block_tables(batch.requests)
@@ -163,7 +195,13 @@ class ModelRunner:
             buf.qsl[num_seqs + 1:pad_to + 1] = np.arange(t + 1, t + 1 + pad_to - num_seqs)
             buf.seq_lens[pad] = 1
             num_seqs, t = pad_to, pad_to
+        if tokens_from is not None:
+            pending, src = tokens_from
+            buf.src_rows[:len(src)] = src
+            buf.src_rows_d[:len(src)].copy_(buf.src_rows_h[:len(src)], non_blocking=True)
         buf.upload(t, num_seqs, rows)
+        if tokens_from is not None:
+            torch.index_select(pending.tokens, 0, buf.src_rows_d[:len(src)], out=buf.input_ids_d[:len(src)])
         meta = AttentionMetadata(
             slot_mapping=buf.slots_d[:t], block_tables=buf.tables_d[:num_seqs],
             query_start_loc=buf.qsl_d[:num_seqs + 1], seq_lens=buf.seq_lens_d[:num_seqs],
@@ -171,13 +209,14 @@ class ModelRunner:
             decode_workspace=self.decode_workspace)
         return buf.input_ids_d[:t], buf.positions_d[:t], meta, buf.rows_d[:rows]
 
-    def _fill_decode(self, requests: list[Request], sampling: set[int]):
+    def _fill_decode(self, requests: list[Request], sampling: set[int], tokens_on_device: bool = False):
         """One new token per request: whole-array writes, no per-request numpy calls."""
         bs = self.block_size
         buf = self.buffers
         n = len(requests)
         positions = [r.num_computed_tokens for r in requests]
-        buf.input_ids[:n] = [r.token_ids[p] for r, p in zip(requests, positions)]
+        if not tokens_on_device:
+            buf.input_ids[:n] = [r.token_ids[p] for r, p in zip(requests, positions)]
         buf.positions[:n] = positions
         buf.slots[:n] = [r.block_table[p // bs] * bs + p % bs for r, p in zip(requests, positions)]
         buf.qsl[:n + 1] = self.arange[:n + 1]
@@ -238,20 +277,37 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- running
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, sampling: list[Request]) -> SamplerOutput | None:
-        """Run one step; sample for the requests in `sampling` (in batch order)."""
+    def execute(self, batch: ScheduledBatch, sampling: list[Request], defer: bool = False,
+                tokens_from: tuple[PendingTokens, list[int]] | None = None
+                ) -> SamplerOutput | PendingTokens | None:
+        """Run one step; sample for the requests in `sampling` (in batch order).
+
+        ``defer``: return the sampled tokens as PendingTokens without waiting for them
+        (no logprobs). ``tokens_from``: see ``prepare``.
+        """
         graph_size = self._graph_size(batch, sampling)
         if graph_size is not None:
-            self.prepare(batch, {id(r) for r in sampling}, pad_to=graph_size)
+            self.prepare(batch, {id(r) for r in sampling}, pad_to=graph_size, tokens_from=tokens_from)
             self.graphs[graph_size].replay()
             logits = self.graph_logits[:len(batch.requests)]
         else:
-            input_ids, positions, meta, logits_rows = self.prepare(batch, {id(r) for r in sampling})
+            input_ids, positions, meta, logits_rows = self.prepare(
+                batch, {id(r) for r in sampling}, tokens_from=tokens_from)
             hidden = self.model(input_ids, positions, meta)
             if not sampling:
                 return None
             logits = self.model.compute_logits(hidden[logits_rows])
-        return self.sampler(logits, [r.params for r in sampling], [r.generator for r in sampling])
+        params, generators = [r.params for r in sampling], [r.generator for r in sampling]
+        if not defer:
+            return self.sampler(logits, params, generators)
+        tokens = self.sampler.sample_tokens(logits, params, generators)
+        buf = self.buffers
+        host, ready = buf.sampled_h[buf.next_sampled][:len(sampling)], buf.sampled_ready[buf.next_sampled]
+        buf.next_sampled ^= 1
+        host.copy_(tokens, non_blocking=True)
+        if ready is not None:
+            ready.record()
+        return PendingTokens(sampling, tokens, host, ready)
 
     def _graph_size(self, batch: ScheduledBatch, sampling: list[Request]) -> int | None:
         """The captured graph that can run this batch: decode-only, every row sampling."""

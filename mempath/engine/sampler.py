@@ -27,6 +27,18 @@ class SamplerOutput:
     logprobs: list[dict[int, float] | None]
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small per-step tensor on the device without stalling the host.
+
+    ``torch.tensor(values, device="cuda")`` copies from pageable memory, which waits
+    for the device's queue to drain; from pinned memory the copy is queued instead
+    (PyTorch's pinned-memory cache reuses the buffer once the copy has run).
+    """
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int):
         self.device = device
@@ -39,11 +51,28 @@ class Sampler:
         return generator
 
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> SamplerOutput:
+    def sample_tokens(self, logits: torch.Tensor, params: list[SamplingParams],
+                      generators: list[torch.Generator | None]) -> torch.Tensor:
+        """The sampled token ids as a device tensor, without waiting for them (no logprobs)."""
+        return self._tokens(self._scores(logits), params, generators)
+
+    @staticmethod
+    def _scores(logits: torch.Tensor) -> torch.Tensor:
         scores = logits.float()
         if scores.data_ptr() == logits.data_ptr():
             scores = scores.clone()  # float32 logits: work on a copy, the caller's stay intact
+        return scores
+
+    def _tokens(self, scores, params, generators) -> torch.Tensor:
+        greedy_tokens = scores.argmax(dim=-1)
+        if all(p.greedy for p in params):
+            return greedy_tokens
+        return self._sample(scores, params, generators, greedy_tokens)
+
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> SamplerOutput:
+        scores = self._scores(logits)
         want_logprobs = [p.logprobs for p in params]
         top = None
         if any(n is not None for n in want_logprobs):
@@ -51,13 +80,7 @@ class Sampler:
             log_z = torch.logsumexp(scores, dim=-1)
             max_n = max(n or 0 for n in want_logprobs)
             top = scores.topk(max(max_n, 1), dim=-1)
-
-        greedy_tokens = scores.argmax(dim=-1)
-        if all(p.greedy for p in params):
-            tokens = greedy_tokens
-        else:
-            tokens = self._sample(scores, params, generators, greedy_tokens)
-
+        tokens = self._tokens(scores, params, generators)
         token_list = tokens.tolist()
         logprobs: list[dict[int, float] | None] = [None] * len(params)
         if top is not None:
@@ -76,8 +99,8 @@ class Sampler:
     def _sample(self, scores, params, generators, greedy_tokens):
         """Overwrites ``scores`` (float32, [rows, V])."""
         device = scores.device
-        temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
-                                   device=device, dtype=torch.float32)
+        temperature = to_device([p.temperature if p.temperature > 0 else 1.0 for p in params],
+                                torch.float32, device)
         scores.div_(temperature[:, None])
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
@@ -88,7 +111,7 @@ class Sampler:
         min_p = [p.min_p for p in params]
         if any(m > 0 for m in min_p):
             # p < min_p * p_max  <=>  exp(x - max) < min_p
-            threshold = torch.tensor(min_p, device=device, dtype=torch.float32)[:, None]
+            threshold = to_device(min_p, torch.float32, device)[:, None]
             scores.masked_fill_(scores < threshold, 0.0)
         noise = torch.empty_like(scores)
         noise.exponential_(generator=self.generator)
@@ -96,7 +119,7 @@ class Sampler:
             if generator is not None:
                 noise[row].exponential_(generator=generator)
         sampled = scores.div_(noise).argmax(dim=-1)
-        greedy = torch.tensor([p.greedy for p in params], device=device)
+        greedy = to_device([p.greedy for p in params], torch.bool, device)
         return torch.where(greedy, greedy_tokens, sampled)
 
 
@@ -108,8 +131,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     """
     rows, vocab = logits.shape
     device = logits.device
-    k_all = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_k], device=device)
-    p_all = torch.tensor(top_p, device=device, dtype=torch.float32)
+    k_all = to_device([kk if 0 < kk < vocab else vocab for kk in top_k], torch.int64, device)
+    p_all = to_device(top_p, torch.float32, device)
     ranks = torch.arange(vocab, device=device)[None, :]
     for start in range(0, rows, SORT_ROWS):
         chunk = logits[start:start + SORT_ROWS]
