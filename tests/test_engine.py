@@ -286,3 +286,15 @@ def test_async_scheduling_yields_to_new_requests(model_factory):
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("max_num_seqs,max_tokens", [(1, 8), (2, 2), (4, 64)])
+def test_kernel_warm_up_probes_stay_inside_the_step_buffers(model_factory, max_num_seqs, max_tokens):
+    """The start-up probes (run on CUDA to compile every kernel variant) fit any configuration."""
+    path, _ = model_factory("llama")
+    llm = LLM(path, dtype="float32", show_progress=False, max_num_seqs=max_num_seqs,
+              max_num_batched_tokens=max_tokens, max_model_len=64)
+    engine = llm.engine
+    engine._compile_kernels(engine.kv.num_blocks)
+    out = llm.generate([[5, 6, 7]], greedy(4), use_tqdm=False)[0]
+    assert len(out.token_ids) == 4 and engine.stats()["kv_blocks_used"] == 0

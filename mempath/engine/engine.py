@@ -220,15 +220,17 @@ class LLMEngine:
         mixed batch; split along the context or not); the first step needing one
         would otherwise stall for a compile (measured on an H200: the throughput
         benchmark's 19 prefill steps took 2.4 s of device-side wall time, of which
-        kernels were 0.4 s). The probes are a single row, a mixed pair, and
-        max_num_seqs rows of one token and of one or two tokens.
+        kernels were 0.4 s). The probes are a single row, one two-token
+        prefill, a mixed pair, and max_num_seqs rows of one token and of one or two tokens.
         """
         start = time.perf_counter()
         many = max(1, min(self.config.max_num_seqs, num_blocks, self.runner.max_tokens - 1))
-        for tokens, seqs in ((1, 1), (3, 2), (many, many), (many + 1, many)):
-            if seqs <= num_blocks and tokens <= self.max_model_len * seqs:
+        for tokens, seqs in ((1, 1), (2, 1), (3, 2), (many, many), (many + 1, many)):
+            fits = seqs <= min(many, num_blocks) and tokens <= self.runner.max_tokens
+            if fits and tokens <= self.max_model_len * seqs:
                 self._run_probe_step(tokens, seqs, num_blocks)
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         log.info("attention kernels compiled and warmed up in %.1f s", time.perf_counter() - start)
 
     def _run_probe_step(self, num_tokens: int, num_seqs: int, num_blocks: int) -> None:
