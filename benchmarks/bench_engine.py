@@ -230,6 +230,7 @@ def bench_block_size(args) -> dict:
             r = run_mempath_throughput(args, rng_prompts, outs, block_size)
             results[f"{label}/{block_size}"] = r
             rows.append((f"{label} / {block_size}", f"{r['tok_s']:.0f}", f"{1e3 * r['ttft_p50']:.0f}", r["kv_blocks"]))
+            print("BLOCK " + json.dumps({"lengths": label, "block_size": block_size, **r}), flush=True)
     print(f"\nblock size sweep: {args.shape}, {args.num_requests} requests")
     print_table(rows)
     return {"bench": "block-size", "shape": args.shape, "results": results}

@@ -3,8 +3,9 @@
     python benchmarks/bench_multiturn.py                      # H200: Llama-3.1-8B shape, dummy weights
     python benchmarks/bench_multiturn.py --tiny               # CPU smoke run with the built-in model
 
-Every conversation shares one system prompt and adds its own user turns; each
-turn submits the next message of every conversation at once and waits for all.
+Every conversation shares one system prompt and adds its own user turns. In each
+turn, --concurrency users at a time send their conversation's next message (a
+closed loop: when one gets its answer, the next conversation's message goes in).
 The GPU pool is limited (--gpu-kv-blocks) so idle conversations cannot all stay
 on the GPU: with tiers they are demoted and promoted back, without they are
 recomputed. Reported per mode: TTFT p50/p95 per turn, throughput, the GPU KV
@@ -98,10 +99,17 @@ def run_mode(model: str, mode: str, args, engine_options: dict) -> dict:
     params = SamplingParams(max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True)
     turns, generated, start = [], 0, time.perf_counter()
     for turn in range(args.turns):
-        ids = {}
-        for c in range(args.conversations):
+        # A closed loop of --concurrency users: the next conversation's message goes in when
+        # one finishes, so a request's TTFT is its own prefill or restore, not a queue.
+        pending, ids = list(range(args.conversations)), {}
+
+        def submit():
+            c = pending.pop(0)
             history[c] += rng.integers(3, vocab, args.user_tokens).tolist()
             ids[engine.add_request(history[c], params)] = c
+
+        for _ in range(min(args.concurrency, len(pending))):
+            submit()
         ttft, cached = [], 0
         while engine.has_unfinished_requests():
             for out in engine.step():
@@ -110,6 +118,8 @@ def run_mode(model: str, mode: str, args, engine_options: dict) -> dict:
                     cached += out.num_cached_tokens
                     history[ids[out.request_id]] += out.token_ids
                     generated += len(out.token_ids)
+                    if pending:
+                        submit()
         stats = engine.stats()
         turns.append({"turn": turn, "ttft_p50_ms": 1e3 * float(np.percentile(ttft, 50)),
                       "ttft_p95_ms": 1e3 * float(np.percentile(ttft, 95)), "cached_tokens": cached,
@@ -143,6 +153,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: built-in model, tiny sizes")
     parser.add_argument("--conversations", type=int, default=64)
     parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--concurrency", type=int, default=4, help="conversations in flight at once")
     parser.add_argument("--system-tokens", type=int, default=1024)
     parser.add_argument("--user-tokens", type=int, default=64)
     parser.add_argument("--output-tokens", type=int, default=64)

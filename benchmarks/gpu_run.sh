@@ -15,15 +15,22 @@ STEPS=${STEPS:-"tests latency tput-qwen3 tput-llama"}
 HF_TIMEOUT=${HF_TIMEOUT:-40}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 want() { [[ " $STEPS " == *" $1 "* ]]; }
-step() { local name=$1 limit=$2; shift 2; want "$name" || return 0; echo "=== $name"; timeout "$limit" "$@" 2>&1 | tee "$LOGS/$name.log" | grep -vE "^\s*$|Logger|Traceback|^  " | tail -n 14; }
+# After each step the archive is rewritten, so a call cut off by its time limit still returns the logs so far.
+step() {
+  local name=$1 limit=$2; shift 2; want "$name" || return 0; echo "=== $name"
+  timeout "$limit" "$@" 2>&1 | tee "$LOGS/$name.log" | grep -vE "^\s*$|Logger|Traceback|^  " | tail -n 14
+  tar -czf "$OUT/logs.tgz" -C "$LOGS" .
+}
 step tests 260 python3 -m pytest -q -p no:cacheprovider tests/test_fused_ops.py tests/test_gpu_engine.py tests/test_triton_kernels.py tests/test_tiers.py
+step gpu-tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_fused_ops.py tests/test_gpu_engine.py
 step latency 150 python3 benchmarks/bench_engine.py latency --shape llama-3.1-8b --hf-tokens 32
 step tput-qwen3 150 python3 benchmarks/bench_engine.py throughput --shape qwen3-0.6b --hf-timeout "$HF_TIMEOUT"
 step tput-llama 200 python3 benchmarks/bench_engine.py throughput --shape llama-3.1-8b --hf-timeout "$HF_TIMEOUT"
-step blocks 240 python3 benchmarks/bench_engine.py block-size --shape qwen3-0.6b --num-requests 128 --block-sizes 8,16,32,64,128,256 --hf-timeout 0
+step blocks 170 python3 benchmarks/bench_engine.py block-size --shape qwen3-0.6b --num-requests 64 --max-num-seqs 64 \
+  --block-sizes 8,16,32,64,128,256 --hf-timeout 0
 # 24 conversations whose history grows past 8k tokens; the GPU pool (2,048 blocks, 4 GiB)
 # holds about 16% of what they need at the last turn.
-step multiturn 330 python3 benchmarks/bench_multiturn.py --shape llama-3.1-8b --conversations 24 \
+step multiturn 220 python3 benchmarks/bench_multiturn.py --shape llama-3.1-8b --conversations 24 \
   --user-tokens 1200 --cpu-kv-gb 48 --cpu-kv-gb-with-disk 8
 want decode-profile && step profile 100 python3 benchmarks/profile_steps.py decode --shape llama-3.1-8b --batch 1 --context 128
 mv "$LOGS/profile.log" "$LOGS/profile-decode.log" 2>/dev/null
@@ -31,7 +38,7 @@ step profile 100 python3 benchmarks/profile_steps.py workload --shape qwen3-0.6b
 if want diagnose; then
   for shape in qwen3-0.6b llama-3.1-8b phi-3-mini-4k-instruct; do
     d=$(mktemp -d); cp "tests/data/configs/$shape.json" "$d/config.json"
-    step diagnose 110 python3 -m mempath diagnose "$d" --load-format dummy --dtype bfloat16 \
+    step diagnose 75 python3 -m mempath diagnose "$d" --load-format dummy --dtype bfloat16 \
       --max-model-len 2047 --out "$LOGS/diagnose-$shape"
     mv "$LOGS/diagnose.log" "$LOGS/diagnose-$shape.log"
   done

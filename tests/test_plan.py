@@ -148,14 +148,17 @@ def test_workspace_figures():
     assert plan.activation_peak_bytes == 100 * 2 * (2 * h + max(attention, 3 * i))  # fused CUDA path
     reference = plan_memory(TINY, max_num_seqs=8, max_num_batched_tokens=100, fused_kernels=False)
     assert reference.activation_peak_bytes == 100 * 2 * (4 * h + max(attention, 4 * i))
-    # bf16 lm_head output, plus the sampler's float32 scores and its sort slice (8 rows < 32)
-    assert plan.logits_rows == 8 and plan.logits_bytes == 8 * 1000 * 2 + 1000 * (4 * 8 + 22 * 8 + 8)
-    # 256 rows: scores + noise outweigh the 32-row sort slice
+    # bf16 lm_head output, plus the sampler's float32 scores and its sort slice (8 rows < 16)
+    assert plan.logits_rows == 8 and plan.logits_bytes == 8 * 1000 * 2 + 1000 * (4 * 8 + 21 * 8)
+    # 256 rows: scores + noise outweigh the 16-row sort slice
     wide = plan_memory(TINY, dtype="float32", max_num_seqs=256, max_num_batched_tokens=256)
     assert wide.logits_bytes == 256 * 1000 * 4 + 1000 * 8 * 256
-    # The step peaks in the forward or in the sampling phase after it, whichever is larger.
+    # The step peaks in the forward or in the sampling phase after it, whichever is larger,
+    # on top of the serving stream's cuBLAS workspace (Hopper's 32 MiB by default; none on the CPU).
     sampling = (100 + 8) * h * 2 + plan.logits_bytes
-    assert plan.step_peak_bytes == max(plan.activation_peak_bytes, sampling)
+    assert plan.step_peak_bytes == max(plan.activation_peak_bytes, sampling) + (32 << 20)
+    cpu = plan_memory(TINY, max_num_seqs=8, max_num_batched_tokens=100, cublas_workspace=0)
+    assert cpu.step_peak_bytes == max(cpu.activation_peak_bytes, sampling)
     assert plan.workspace_bytes == plan.step_peak_bytes + plan.cuda_graph_bytes
     assert plan_memory(TINY, cuda_graphs=False).cuda_graph_bytes == 0
 

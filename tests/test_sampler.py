@@ -8,6 +8,8 @@ from mempath.memory.plan import sampler_peak_bytes
 from mempath.sampling import SamplingParams
 
 COSTLIEST = SamplingParams(temperature=0.9, top_k=50, top_p=0.9, logprobs=5)
+# Top-p without top-k: the rows are sorted, the sampler's costliest path in memory.
+SORTED = SamplingParams(temperature=0.9, top_p=0.9, logprobs=5)
 
 
 @pytest.mark.parametrize("rows,vocab", [(256, 20_000), (64, 8_000), (7, 30_000), (1, 50_000)])
@@ -16,7 +18,7 @@ def test_peak_matches_the_plan(rows, vocab):
     sampler = Sampler(torch.device("cpu"), 0)
     tracker = TensorBytesTracker()
     with tracker:
-        sampler(logits, [COSTLIEST] * rows, [None] * rows)
+        sampler(logits, [SORTED] * rows, [None] * rows)
     planned = sampler_peak_bytes(vocab, rows)
     assert abs(tracker.peak - planned) <= 0.05 * planned, (tracker.peak, planned)
 
@@ -72,3 +74,25 @@ def test_logprobs_equal_log_softmax_and_inputs_stay_intact():
             assert value == pytest.approx(reference[row, token].item(), abs=1e-5)
         best = reference[row].topk(5).indices.tolist()
         assert set(best) <= set(entry)
+
+
+def test_top_k_path_matches_reference():
+    """Every row with a top-k: only the top max(k) are taken, same result as sorting everything."""
+    torch.manual_seed(2)
+    logits = torch.randn(40, 500)
+    top_k = [1, 5, 50, 7, 500 - 1] * 8
+    top_p = [1.0, 0.5, 0.9, 0.3, 0.95] * 8
+    expected = reference_top_k_top_p(logits, top_k, top_p)
+    got = apply_top_k_top_p(logits.clone(), top_k, top_p)
+    assert torch.equal(torch.isinf(got), torch.isinf(expected))
+    assert torch.equal(got[~torch.isinf(got)], expected[~torch.isinf(expected)])
+
+
+def test_top_k_path_peak_is_the_noise_phase():
+    """With top-k on every row the sampler never holds more than its scores and noise (plus small)."""
+    rows, vocab = 48, 20_000
+    logits = torch.randn(rows, vocab, dtype=torch.bfloat16)
+    tracker = TensorBytesTracker()
+    with tracker:
+        Sampler(torch.device("cpu"), 0)(logits, [COSTLIEST] * rows, [None] * rows)
+    assert tracker.peak <= 8 * rows * vocab * 1.02

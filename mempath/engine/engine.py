@@ -236,7 +236,8 @@ class LLMEngine:
     def _run_probe_step(self, num_tokens: int, num_seqs: int, num_blocks: int) -> None:
         per_seq = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
         batch = ScheduledBatch()
-        probe = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=self.config.max_logprobs)
+        # Top-p without top-k sorts the logits: the sampler's costliest path in memory.
+        probe = SamplingParams(temperature=1.0, top_p=0.9, logprobs=self.config.max_logprobs)
         next_block = 0
         for i, n in enumerate(per_seq):
             request = Request(f"probe-{i}", None, [0] * n, probe)

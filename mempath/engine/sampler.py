@@ -123,30 +123,47 @@ class Sampler:
         return torch.where(greedy, greedy_tokens, sampled)
 
 
+# Above this top-k, or with rows that have no top-k, the rows are sorted instead.
+TOPK_LIMIT = 1024
+
+
 def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """Set logits outside each row's top-k and top-p nucleus to -inf, in place (k=0, p=1: off).
 
-    Sorts SORT_ROWS rows at a time, so the sort's values and indices never cover
+    When every row has a top-k of at most TOPK_LIMIT, only the top max(k) of each row
+    are taken (``topk``: small temporaries, no sort of the vocabulary). Otherwise the
+    rows are sorted SORT_ROWS at a time, so the sort's values and indices never cover
     the whole batch.
     """
     rows, vocab = logits.shape
     device = logits.device
-    k_all = to_device([kk if 0 < kk < vocab else vocab for kk in top_k], torch.int64, device)
+    k_list = [kk if 0 < kk < vocab else vocab for kk in top_k]
+    k_all = to_device(k_list, torch.int64, device)
     p_all = to_device(top_p, torch.float32, device)
-    ranks = torch.arange(vocab, device=device)[None, :]
+    if all(0 < kk <= TOPK_LIMIT for kk in top_k):
+        values, order = logits.topk(max(k_list), dim=-1)
+        _mask_sorted(values, k_all, p_all)
+        logits.fill_(float("-inf")).scatter_(-1, order, values)
+        return logits
     for start in range(0, rows, SORT_ROWS):
         chunk = logits[start:start + SORT_ROWS]
-        k, p = k_all[start:start + SORT_ROWS], p_all[start:start + SORT_ROWS]
         sorted_logits, order = chunk.sort(dim=-1, descending=True)
-        remove = ranks >= k[:, None]
-        sorted_logits.masked_fill_(remove, float("-inf"))
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the tokens ranked above it already cover p; the top one always stays.
-        mass_before = probs.cumsum(dim=-1).sub_(probs)
-        del probs
-        remove |= mass_before >= p[:, None]
-        del mass_before
-        sorted_logits.masked_fill_(remove, float("-inf"))
+        _mask_sorted(sorted_logits, k_all[start:start + SORT_ROWS], p_all[start:start + SORT_ROWS])
         chunk.scatter_(-1, order, sorted_logits)
-        del sorted_logits, order, remove  # before the next slice's sort allocates its own
+        del sorted_logits, order  # before the next slice's sort allocates its own
     return logits
+
+
+def _mask_sorted(sorted_logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> None:
+    """On rows sorted in descending order: -inf past rank k and past the top-p nucleus."""
+    ranks = torch.arange(sorted_logits.shape[-1], device=sorted_logits.device)[None, :]
+    remove = ranks >= k[:, None]
+    del ranks
+    sorted_logits.masked_fill_(remove, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # Drop a token when the tokens ranked above it already cover p; the top one always stays.
+    mass_before = probs.cumsum(dim=-1).sub_(probs)
+    del probs
+    remove |= mass_before >= p[:, None]
+    del mass_before
+    sorted_logits.masked_fill_(remove, float("-inf"))

@@ -366,7 +366,7 @@ def _probe_batch(engine, num_tokens: int, num_seqs: int):
         n = num_tokens // num_seqs + (i < num_tokens % num_seqs)
         ids = torch.randint(0, engine.spec.vocab_size, (n,), generator=generator).tolist()
         # The sampler's costliest settings, as in the engine's profile step (what the plan counts).
-        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=engine.config.max_logprobs)
+        params = SamplingParams(temperature=1.0, top_p=0.9, logprobs=engine.config.max_logprobs)
         request = Request(f"diagnose-probe-{i}", None, ids, params)
         blocks = -(-n // block_size)
         request.block_table = list(range(next_block, next_block + blocks))
@@ -664,8 +664,7 @@ def diagnose(model_dir: str, *, device: str = "auto", dtype: str = "auto", train
     """
     from mempath.config import EngineConfig
     from mempath.engine.engine import LLMEngine
-    from mempath.memory.plan import (CUBLAS_WORKSPACE_BYTES_SM90, cublas_workspace_bytes, detect_gpu_mem,
-                                     plan_memory)
+    from mempath.memory.plan import cublas_workspace_bytes, detect_gpu_mem, plan_memory
 
     config = EngineConfig.from_kwargs(model_dir, device=_indexed(device), dtype=dtype, **engine_options)
     torch_device = config.torch_device()
@@ -682,7 +681,7 @@ def diagnose(model_dir: str, *, device: str = "auto", dtype: str = "auto", train
             dtype_name = str(engine.dtype).removeprefix("torch.")
             gpu_mem = detect_gpu_mem() if torch_device.type == "cuda" else None
             fused = engine.runner.use_triton  # which elementwise path the forward takes
-            workspace = CUBLAS_WORKSPACE_BYTES_SM90
+            workspace = 0  # no cuBLAS on the CPU
             if torch_device.type == "cuda":
                 workspace = cublas_workspace_bytes(torch.cuda.get_device_capability(torch_device)[0])
             serving_plan = plan_memory(
@@ -696,6 +695,7 @@ def diagnose(model_dir: str, *, device: str = "auto", dtype: str = "auto", train
             tokens = max(seqs, min(probe_tokens, config.max_num_batched_tokens, probe_capacity(engine),
                                    seqs * engine.max_model_len))
             probe_plan = plan_memory(model_dir, dtype=dtype_name, max_model_len=engine.max_model_len,
+                                     cublas_workspace=0,  # the probe's rows are deltas: the workspace exists
                                      max_num_seqs=seqs, max_num_batched_tokens=tokens,
                                      block_size=config.block_size, cuda_graphs=False, fused_kernels=fused)
             forward = measure_forward(engine, recorder, tokens, seqs)

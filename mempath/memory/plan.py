@@ -393,20 +393,21 @@ def decoder_peak_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, fused: 
 
 
 # Rows the sampler sorts at a time for top-k/top-p (mempath.engine.sampler uses this).
-SAMPLER_SORT_ROWS = 32
+SAMPLER_SORT_ROWS = 16
 
 
 def sampler_peak_bytes(vocab_size: int, rows: int) -> int:
     """The sampler's peak at its costliest settings (temperature, top-k/top-p, logprobs).
 
     It works in place on one float32 copy of the logits (4 B per entry), and then
-    needs either the exponential noise (4 B per entry) or, while it sorts a slice
-    of at most SAMPLER_SORT_ROWS rows for top-k/top-p, that slice's values (4),
-    indices (8), masks (1 + 1), probabilities (4) and cumulative sums (4): 22 B per
-    entry of the slice, plus one int64 rank per vocabulary entry. Logprobs keep only
-    per-row constants and the top-n. Measured on the CPU by tests/test_sampler.py.
+    needs either the exponential noise (4 B per entry) or, when top-p rows without
+    top-k are sorted SAMPLER_SORT_ROWS at a time, a slice's values (4), indices (8),
+    mask (1), probabilities (4) and cumulative sums (4): 21 B per entry of the slice.
+    (With a top-k on every row only the top k are taken: the noise phase is the
+    peak.) Logprobs keep only per-row constants and the top-n. Measured on the CPU by
+    tests/test_sampler.py; on CUDA the sort's own temporaries come on top.
     """
-    return vocab_size * max(8 * rows, 4 * rows + 22 * min(rows, SAMPLER_SORT_ROWS) + 8)
+    return vocab_size * max(8 * rows, 4 * rows + 21 * min(rows, SAMPLER_SORT_ROWS))
 
 
 def logits_bytes(shape: ModelShape, rows: int, dtype_bytes: int = 4) -> int:
@@ -582,8 +583,9 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
     context_bytes is what the caller knows must stay free for non-PyTorch memory (CUDA
     context, cuBLAS workspaces); it cannot be derived from the config, so it defaults
     to 0 and the headroom left by gpu_memory_utilization is expected to hold it.
-    cublas_workspace is the capture stream's cuBLAS workspace (cublas_workspace_bytes
-    gives it for a compute capability; the default is Hopper's).
+    cublas_workspace is the bytes of one cuBLAS workspace (cublas_workspace_bytes gives
+    it for a compute capability; the default is Hopper's; 0 for the CPU): one for the
+    serving stream, counted in the step peak, and one for the graph-capture stream.
     """
     shape = read_shape(load_config(model))
     dtype_name, b = resolve_dtype(dtype, shape)
@@ -599,7 +601,8 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
     graph_batch = min(max_num_seqs, MAX_GRAPH_BATCH) if cuda_graphs else 0
     activation = decoder_peak_bytes(shape, max_num_batched_tokens, b, fused_kernels)
     logits = logits_bytes(shape, rows, b)
-    step_peak = step_peak_bytes(shape, max_num_batched_tokens, rows, b, fused_kernels)
+    # The first matmul on the serving stream allocates cuBLAS's workspace; it stays.
+    step_peak = step_peak_bytes(shape, max_num_batched_tokens, rows, b, fused_kernels) + cublas_workspace
     graphs = cuda_graph_bytes(shape, graph_batch, b, cublas_workspace) if cuda_graphs else 0
 
     plan = MemoryPlan(

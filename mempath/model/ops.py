@@ -21,15 +21,17 @@ def _fused(x: torch.Tensor) -> bool:
     return triton_ops.HAS_TRITON
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             out: torch.Tensor | None = None):
     """RMSNorm of ``x`` (of ``x + residual`` when given). Returns ``(out, new_residual)``.
 
     With a residual, the fused kernel writes the sum into ``residual`` and the
-    normalised values into ``x``: no new memory in the step loop.
+    normalised values into ``out`` (default: ``x``): no new memory in the step loop.
+    The PyTorch twin ignores ``out`` (callers use the returned tensor).
     """
     if _fused(x):
         from mempath.model.triton_ops import triton_rms_norm
-        return triton_rms_norm(x, weight, eps, residual)
+        return triton_rms_norm(x, weight, eps, residual, out)
     return rms_norm_torch(x, weight, eps, residual)
 
 

@@ -86,14 +86,16 @@ if HAS_TRITON:
         tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
 
 
-def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """Fused twin of ``ops.rms_norm_torch``; with a residual, updates both tensors in place."""
+def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None):
+    """Fused twin of ``ops.rms_norm_torch``; with a residual, updates it in place and writes
+    the normalised values into ``out`` (default ``x``, dead once added to the residual)."""
     n_cols = x.shape[-1]
     rows = x.numel() // n_cols
     if rows == 0:
         return x, residual
     if residual is not None:
-        out = x  # x (the sublayer's output) is dead once added to the residual
+        out = x if out is None else out
         res = residual
     else:
         out = torch.empty_like(x)
