@@ -7,6 +7,15 @@ import sys
 from mempath.config import EngineConfig
 
 
+def block_size_arg(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a power of two or 'auto', got {text!r}") from None
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser, model_flag: bool = True) -> None:
     """Engine knobs, named as in vLLM (model_flag=False where MODEL is positional)."""
     d = EngineConfig(model="")
@@ -16,7 +25,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, model_flag: bool = Tru
     parser.add_argument("--dtype", default=d.dtype, help="auto | float32 | float16 | bfloat16")
     parser.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
     parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--block-size", type=int, default=d.block_size)
+    parser.add_argument("--block-size", type=block_size_arg, default=d.block_size,
+                        help="tokens per KV block (power of two) or auto (16: measured, see BENCHMARKS.md)")
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
@@ -24,6 +34,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, model_flag: bool = Tru
     parser.add_argument("--num-gpu-blocks-override", type=int, default=d.num_gpu_blocks_override)
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                        help="read each decode step's tokens before launching the next")
     parser.add_argument("--load-format", default=d.load_format, choices=("auto", "dummy"),
                         help="dummy: random weights of the config's shapes (benchmarks)")
     parser.add_argument("--cpu-kv-gb", type=float, default=d.cpu_kv_gb,
@@ -41,7 +53,7 @@ def engine_options(args) -> dict:
     keys = ("dtype", "device", "seed", "block_size", "max_model_len", "max_num_seqs",
             "max_num_batched_tokens", "gpu_memory_utilization", "num_gpu_blocks_override",
             "enable_prefix_caching", "enforce_eager", "cpu_kv_gb", "disk_kv_path", "disk_kv_gb",
-            "disk_write_policy", "preemption_mode", "cpu_kv_cache_bytes", "load_format")
+            "disk_write_policy", "preemption_mode", "cpu_kv_cache_bytes", "load_format", "async_scheduling")
     return {k: getattr(args, k) for k in keys}
 
 

@@ -3,6 +3,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from mempath.memory.plan import DEFAULT_BLOCK_SIZE as AUTO_BLOCK_SIZE  # what --block-size auto picks
+
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -16,7 +18,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA, float32 on the CPU
     device: str = "auto"  # auto: cuda when available, else cpu
     seed: int = 0
-    block_size: int = 16
+    block_size: int | str = 16  # tokens per KV block, a power of two, or "auto" (AUTO_BLOCK_SIZE)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -45,6 +47,10 @@ class EngineConfig:
     preemption_mode: str = "auto"
 
     def __post_init__(self):
+        if self.block_size == "auto":
+            self.block_size = AUTO_BLOCK_SIZE
+        if not isinstance(self.block_size, int):
+            raise ValueError(f"block_size must be a power of two or 'auto', got {self.block_size!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1:

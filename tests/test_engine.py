@@ -298,3 +298,11 @@ def test_kernel_warm_up_probes_stay_inside_the_step_buffers(model_factory, max_n
     engine._compile_kernels(engine.kv.num_blocks)
     out = llm.generate([[5, 6, 7]], greedy(4), use_tqdm=False)[0]
     assert len(out.token_ids) == 4 and engine.stats()["kv_blocks_used"] == 0
+
+
+def test_block_size_auto_and_bad_block_sizes(model_factory):
+    path, _ = model_factory("llama")
+    assert LLM(path, dtype="float32", show_progress=False, block_size="auto").engine.config.block_size == 16
+    for bad in ("big", 12, 0):
+        with pytest.raises(ValueError, match="block_size must be a power of two"):
+            LLM(path, dtype="float32", show_progress=False, block_size=bad)

@@ -326,6 +326,9 @@ class ModelRunner:
         if self.device.type != "cuda" or self.config.enforce_eager:
             return 0
         torch.cuda.synchronize(self.device)
+        # Capture empties the allocator's cache first; do it before measuring, or blocks
+        # cached by earlier steps (the kernel warm-up) count as negative graph bytes.
+        torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(self.device)
         sizes = graph_batch_sizes(min(self.max_num_seqs, MAX_GRAPH_BATCH))
         buf = self.buffers

@@ -59,6 +59,11 @@ MAX_GRAPH_BATCH = 512
 # 32 MiB on compute capability 9.x and later, 4096·2 + 16·8 KiB before.
 CUBLAS_WORKSPACE_BYTES_SM90 = 32 << 20
 CUBLAS_WORKSPACE_BYTES_OLDER = (4096 * 2 + 16 * 8) << 10
+# The default and what --block-size auto picks. Measured on an H200 (BENCHMARKS.md, "Block
+# size"): output tok/s for 8..256-token blocks, short [16, 128] and long [100, 1024]
+# requests. 16 was best or within noise of best in both; 8 lost 12% on short requests
+# (more blocks and table entries per decode read); larger blocks gained nothing while
+# wasting more of each sequence's last block and matching cached prefixes more coarsely.
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_TRAIN_SEQ_LEN = 4096
 
@@ -704,10 +709,15 @@ def advise(plan: MemoryPlan, shape: ModelShape) -> list[str]:
     return lines
 
 
+def _block_size(text: str) -> int:
+    return DEFAULT_BLOCK_SIZE if text == "auto" else int(text)
+
+
 def _block_size_advice(plan: MemoryPlan) -> str:
-    which = "default" if plan.block_size == DEFAULT_BLOCK_SIZE else f"chosen; the default is {DEFAULT_BLOCK_SIZE}"
-    return (f"block size {plan.block_size} ({which}; no block-size sweep has been measured yet, see BENCHMARKS.md): "
-            f"one block holds {human(plan.kv_bytes_per_block)} of KV")
+    which = "the default" if plan.block_size == DEFAULT_BLOCK_SIZE else f"chosen; the default is {DEFAULT_BLOCK_SIZE}"
+    return (f"block size {plan.block_size} ({which}): one block holds {human(plan.kv_bytes_per_block)} of KV. "
+            f"On an H200 (BENCHMARKS.md) 16 was best or tied for short and long requests; 8 lost 12% "
+            f"on short ones, larger blocks gained nothing and waste up to block_size - 1 tokens per sequence")
 
 
 def _capacity_advice(plan: MemoryPlan) -> list[str]:
@@ -910,7 +920,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    parser.add_argument("--block-size", type=_block_size, default=DEFAULT_BLOCK_SIZE,
+                        help="tokens per KV block or auto (16, measured)")
     parser.add_argument("--enforce-eager", action="store_true", help="plan without CUDA graphs")
     parser.add_argument("--context-mem", default="0",
                         help="non-PyTorch memory to hold back (CUDA context etc.), e.g. 500MiB")

@@ -1,0 +1,73 @@
+"""Which tensors the fused (CUDA) forward keeps alive, checked on the CPU against the planner.
+
+The fused kernels' memory behaviour is emulated with their PyTorch twins: a norm
+with a residual writes in place (into ``out`` when given), rotary embedding
+rotates in place, SiLU-and-mul and attention each make one output. The twins'
+own temporaries are kept out of the count, as the kernels make none. What is
+left is the model code's liveness: which [tokens, width] tensors it holds at once.
+"""
+import torch
+from torch.utils._python_dispatch import _pop_mode_temporarily
+
+from mempath import LLM
+from mempath.kv.attention import attend_torch
+from mempath.memory.diagnose import TensorBytesTracker, _probe_batch
+from mempath.memory.plan import decoder_peak_bytes, load_config, read_shape
+from mempath.model import ops, triton_ops
+
+
+def _untracked(fn, *args):
+    with _pop_mode_temporarily():
+        return fn(*args)
+
+
+def fake_rms_norm(x, weight, eps, residual=None, out=None):
+    normed, new_residual = _untracked(ops.rms_norm_torch, x, weight, eps, residual)
+    if residual is not None:
+        residual.copy_(new_residual)
+        dest = x if out is None else out
+    else:
+        dest = torch.empty_like(x)
+    dest.copy_(normed)
+    return dest, residual
+
+
+def fake_rope(positions, q, k, cos, sin):
+    q2, k2 = _untracked(ops.apply_rope_torch, positions, q, k, cos, sin)
+    q.copy_(q2)
+    k.copy_(k2)
+
+
+def fake_silu_and_mul(x):
+    out = torch.empty(*x.shape[:-1], x.shape[-1] // 2, dtype=x.dtype)
+    out.copy_(_untracked(ops.silu_and_mul_torch, x))
+    return out
+
+
+def fake_attention(q, k_cache, v_cache, meta, scale):
+    out = torch.empty_like(q)
+    out.copy_(_untracked(attend_torch, q, k_cache, v_cache, meta, scale))
+    return out
+
+
+def test_fused_forward_peak_equals_the_plan(model_factory, monkeypatch):
+    path, _ = model_factory("llama")
+    llm = LLM(path, dtype="float32", show_progress=False)
+    engine = llm.engine
+    monkeypatch.setattr(ops, "_fused", lambda x: True)
+    monkeypatch.setattr(triton_ops, "triton_rms_norm", fake_rms_norm)
+    monkeypatch.setattr(triton_ops, "triton_rope", fake_rope)
+    monkeypatch.setattr(triton_ops, "triton_silu_and_mul", fake_silu_and_mul)
+    for attn in engine.model.attention_layers():
+        monkeypatch.setattr(attn, "attention_fn", fake_attention)
+    tokens = 96
+    batch = _probe_batch(engine, tokens, 1)
+    with torch.inference_mode():
+        input_ids, positions, meta, _ = engine.runner.prepare(batch, {id(r) for r in batch.requests})
+        tracker = TensorBytesTracker()
+        with tracker:
+            engine.model(input_ids, positions, meta)
+    shape = read_shape(load_config(path))
+    # The MLP phase is the peak for this shape: residual + normalised input + gate/up + activation.
+    assert 3 * shape.intermediate_size > (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim * 2
+    assert tracker.peak == decoder_peak_bytes(shape, tokens, 4, fused=True)
