@@ -306,3 +306,65 @@ def test_block_size_auto_and_bad_block_sizes(model_factory):
     for bad in ("big", 12, 0):
         with pytest.raises(ValueError, match="block_size must be a power of two"):
             LLM(path, dtype="float32", show_progress=False, block_size=bad)
+
+
+def test_async_scheduling_survives_an_error_in_the_step_launched_ahead(model_factory):
+    """An exception while launching ahead must not lose the in-flight tokens: the engine
+    goes on and the request's output equals a run without the error."""
+    path, _ = model_factory("llama")
+    expected = LLM(path, dtype="float32", show_progress=False).generate([[4, 5, 6]], greedy(8),
+                                                                        use_tqdm=False)[0].token_ids
+    llm = LLM(path, dtype="float32", show_progress=False)
+    engine, real, calls = llm.engine, llm.engine.runner.execute, [0]
+
+    def flaky(batch, sampling, **kwargs):
+        calls[0] += 1
+        if calls[0] == 4:
+            assert kwargs.get("tokens_from") is not None  # a step launched ahead
+            raise RuntimeError("transient")
+        return real(batch, sampling, **kwargs)
+
+    engine.runner.execute = flaky
+    engine.add_request([4, 5, 6], greedy(8), "a")
+    with pytest.raises(RuntimeError, match="transient"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    assert [o.token_ids for o in done] == [expected]
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_out_of_memory_ahead_never_fails_a_request_that_just_stopped(model_factory):
+    """The OOM victim is chosen after the in-flight tokens are read: a request that stopped on
+    its in-flight token finishes once, with its stop, and a live request takes the error."""
+    path, _ = model_factory("llama")
+    reference = LLM(path, dtype="float32", show_progress=False, async_scheduling=False)
+    ref = reference.generate([[4, 5, 6], [7, 8, 9]], greedy(10), use_tqdm=False)
+    stop = ref[1].token_ids[3]
+    llm = LLM(path, dtype="float32", show_progress=False)
+    engine, real = llm.engine, llm.engine.runner.execute
+
+    def flaky(batch, sampling, **kwargs):
+        newest = batch.requests[-1]
+        if kwargs.get("tokens_from") is not None and newest.request_id == "b" and newest.num_output_tokens == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+        return real(batch, sampling, **kwargs)
+
+    engine.runner.execute = flaky
+    engine.add_request([4, 5, 6], greedy(10), "a")
+    engine.add_request([7, 8, 9], greedy(10, stop_token_ids=[stop]), "b")
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [(o.request_id, o.finish_reason) for o in engine.step() if o.finished]
+    assert sorted(finished) == [("a", "error"), ("b", "stop")]
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_kernel_warm_up_probes_fit_a_pool_of_one_token_blocks(model_factory):
+    path, _ = model_factory("llama")
+    llm = LLM(path, dtype="float32", show_progress=False, block_size=1, num_gpu_blocks_override=4,
+              max_num_seqs=8, max_num_batched_tokens=16, max_model_len=4)
+    llm.engine._compile_kernels(llm.engine.kv.num_blocks)
+    assert len(llm.generate([[5, 6]], greedy(2), use_tqdm=False)[0].token_ids) == 2

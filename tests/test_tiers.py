@@ -537,3 +537,29 @@ def test_cuda_batched_beats_one_copy_per_slice(num_blocks):
     print(f"\nD2H {num_blocks} blocks of 2 MiB: batched {rates['batched']:.1f} GB/s, "
           f"one copy per slice {rates['naive']:.1f} GB/s")
     assert rates["batched"] > rates["naive"]
+
+
+def test_host_tier_short_of_room_spills_once_while_writes_are_pending(tmp_path):
+    """With the host tier full and its spilled blocks still being written, asking again for
+    the same room must not evict more warm blocks (each ask used to evict another batch)."""
+    import threading
+
+    from mempath.kv.blocks import BlockPool
+    from mempath.kv.tiered import TieredKV
+    kv = torch.zeros(1, 2, 8, 4, 1, 8)
+    block_nbytes = 2 * 4 * 8 * 4
+    tiers = TieredKV(BlockPool(8), kv, 4, 6 * block_nbytes, str(tmp_path), 1 << 20, False)
+    gate = threading.Event()
+    write_file = tiers.disk._write_file
+    tiers.disk._write_file = lambda *a: (gate.wait(), write_file(*a))[1]
+    for i, block in enumerate(tiers.host.allocate(6)):
+        tiers.host.insert(bytes([i]) * 16, block)
+    try:
+        for _ in range(3):
+            assert tiers._allocate_host(2) == []  # the writes are held: nothing is free yet
+            assert tiers.counters["host_evictions"] == 2
+    finally:
+        gate.set()
+        tiers.disk.flush()
+    assert tiers.host.num_free == 2 and len(tiers.host._index) == 4
+    tiers.close()

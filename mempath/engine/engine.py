@@ -226,8 +226,10 @@ class LLMEngine:
         start = time.perf_counter()
         many = max(1, min(self.config.max_num_seqs, num_blocks, self.runner.max_tokens - 1))
         for tokens, seqs in ((1, 1), (2, 1), (3, 2), (many, many), (many + 1, many)):
-            fits = seqs <= min(many, num_blocks) and tokens <= self.runner.max_tokens
-            if fits and tokens <= self.max_model_len * seqs:
+            per_seq = [tokens // seqs + (i < tokens % seqs) for i in range(seqs)]
+            fits = (seqs <= many and tokens <= self.runner.max_tokens and max(per_seq) <= self.max_model_len
+                    and sum(self.kv_blocks_for(n) for n in per_seq) <= num_blocks)
+            if fits:
                 self._run_probe_step(tokens, seqs, num_blocks)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -388,7 +390,8 @@ class LLMEngine:
             with oom_guard("step", self.ledger, self.config, dtype=self.dtype_name):
                 result = self.runner.execute(batch, sampling, defer=defer)
         except MempathOutOfMemoryError as error:
-            return [self._fail_newest(batch, error)]
+            victim = self._fail_newest(batch, error)
+            return [victim] if victim is not None else []
         self.scheduler.update_after_step(batch)
         for request, num_new in zip(batch.requests, batch.num_new_tokens):
             start = request.num_computed_tokens - num_new
@@ -440,9 +443,17 @@ class LLMEngine:
                 self.num_steps_ahead += 1
             except MempathOutOfMemoryError as error:
                 failed = (batch, error)
+            except BaseException:
+                # The in-flight tokens are computed and counted as such: hand them to their
+                # requests before the error leaves, or the next schedule finds nothing to run.
+                self._emit(previous.sampling, previous.token_ids(), [None] * len(previous.sampling))
+                raise
         outputs = self._emit(previous.sampling, previous.token_ids(), [None] * len(previous.sampling))
         if failed is not None:
-            outputs.append(self._fail_newest(*failed))
+            # After the emit: a request that stopped on its in-flight token is not the victim.
+            victim = self._fail_newest(*failed)
+            if victim is not None:
+                outputs.append(victim)
         self.in_flight = launched
         return outputs
 
@@ -468,8 +479,8 @@ class LLMEngine:
             src.append(i)
         return (batch, src) if batch.requests else None
 
-    def _fail_newest(self, batch: ScheduledBatch, error: MempathOutOfMemoryError) -> RequestOutput:
-        """One step ran out of memory: fail its newest request and keep serving the rest.
+    def _fail_newest(self, batch: ScheduledBatch, error: MempathOutOfMemoryError) -> RequestOutput | None:
+        """One step ran out of memory: fail its newest unfinished request and keep serving the rest.
 
         The others did not advance (num_computed_tokens is unchanged), so the next
         step recomputes their tokens into the blocks they already hold.
@@ -477,7 +488,9 @@ class LLMEngine:
         log.error("%s", error)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        victim = batch.requests[-1]
+        victim = next((r for r in reversed(batch.requests) if not r.is_finished), None)
+        if victim is None:
+            return None
         victim.error = error.explanation
         self.scheduler.finish(victim, "error")
         return self._output(victim, "", [], finished=True)

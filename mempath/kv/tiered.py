@@ -174,7 +174,11 @@ class TieredKV:
         ids = self.host.allocate(n)
         if ids is not None:
             return ids
-        self._spill(n - self.host.num_free)
+        # Blocks already on their way to disk will come free: spill only beyond them, or
+        # each call for the same shortfall would evict another batch of warm blocks.
+        shortfall = n - self.host.num_free - self.host.num_freeing
+        if shortfall > 0:
+            self._spill(shortfall)
         ids = self.host.allocate(n)
         # Blocks spilled under write-back come free only when their disk writes end.
         # Waiting for the disk here stalled every step behind it (H200 multi-turn run:

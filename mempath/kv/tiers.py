@@ -131,6 +131,12 @@ class HostBlockStore:
         return int(self._free.sum())
 
     @property
+    def num_freeing(self) -> int:
+        """Blocks that come free when their pending disk writes end (write-back spills)."""
+        self.reap()
+        return sum(len(ids) for _, ids, free in self._holds if free)
+
+    @property
     def used_bytes(self) -> int:
         return (self.num_blocks - int(self._free.sum())) * self.block_nbytes
 
