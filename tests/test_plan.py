@@ -174,7 +174,7 @@ def test_capacity_arithmetic():
     assert 0 < plan.max_concurrency < 64 and plan.fits
     advice = " ".join(plan.advice)
     assert f"use --max-num-seqs {plan.max_concurrency} or --cpu-kv-gb" in advice
-    assert "block size 16 (the default)" in advice and "8 lost 12%" in advice
+    assert "block size 16 (the default)" in advice and "8 was the slowest" in advice
 
 
 def test_concurrency_counts_whole_blocks():

@@ -61,9 +61,9 @@ CUBLAS_WORKSPACE_BYTES_SM90 = 32 << 20
 CUBLAS_WORKSPACE_BYTES_OLDER = (4096 * 2 + 16 * 8) << 10
 # The default and what --block-size auto picks. Measured on an H200 (BENCHMARKS.md, "Block
 # size"): output tok/s for 8..256-token blocks, short [16, 128] and long [100, 1024]
-# requests. 16 was best or within noise of best in both; 8 lost 12% on short requests
-# (more blocks and table entries per decode read); larger blocks gained nothing while
-# wasting more of each sequence's last block and matching cached prefixes more coarsely.
+# requests. 8 was the slowest in both; 16..256 were within noise of each other, and
+# larger blocks waste more of each sequence's last block and match cached prefixes
+# more coarsely, so 16.
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_TRAIN_SEQ_LEN = 4096
 
@@ -716,8 +716,8 @@ def _block_size(text: str) -> int:
 def _block_size_advice(plan: MemoryPlan) -> str:
     which = "the default" if plan.block_size == DEFAULT_BLOCK_SIZE else f"chosen; the default is {DEFAULT_BLOCK_SIZE}"
     return (f"block size {plan.block_size} ({which}): one block holds {human(plan.kv_bytes_per_block)} of KV. "
-            f"On an H200 (BENCHMARKS.md) 16 was best or tied for short and long requests; 8 lost 12% "
-            f"on short ones, larger blocks gained nothing and waste up to block_size - 1 tokens per sequence")
+            f"On an H200 (BENCHMARKS.md) 8 was the slowest and 16-256 were within noise for short and "
+            f"long requests; larger blocks only waste more of each sequence's last block")
 
 
 def _capacity_advice(plan: MemoryPlan) -> list[str]:
@@ -840,7 +840,7 @@ def format_plan(plan: MemoryPlan) -> str:
         f"workspace (max-num-batched-tokens {p.max_num_batched_tokens}, max-num-seqs {p.max_num_seqs})",
         _row("activation peak (one layer)", p.activation_peak_bytes),
         _row(f"logits + sampler ({p.logits_rows} rows)", p.logits_bytes),
-        _row("step peak: max(activations, final hidden + logits)", p.step_peak_bytes),
+        _row("step peak (+ cuBLAS workspace)", p.step_peak_bytes),
         _row(f"CUDA graphs (batch <= {p.cuda_graph_batch})" if p.cuda_graphs else "CUDA graphs (off)",
              p.cuda_graph_bytes),
         _row("context (given; not derivable)", p.context_bytes),
