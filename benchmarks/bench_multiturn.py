@@ -105,7 +105,8 @@ def run_mode(model: str, mode: str, args, engine_options: dict) -> dict:
 
         def submit():
             c = pending.pop(0)
-            history[c] += rng.integers(3, vocab, args.user_tokens).tolist()
+            length = args.first_user_tokens if turn == 0 and args.first_user_tokens else args.user_tokens
+            history[c] += rng.integers(3, vocab, length).tolist()
             ids[engine.add_request(history[c], params)] = c
 
         for _ in range(min(args.concurrency, len(pending))):
@@ -156,6 +157,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4, help="conversations in flight at once")
     parser.add_argument("--system-tokens", type=int, default=1024)
     parser.add_argument("--user-tokens", type=int, default=64)
+    parser.add_argument("--first-user-tokens", type=int, default=0,
+                        help="length of each conversation's first message (a pasted document; 0: --user-tokens)")
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--gpu-kv-blocks", type=int, default=2048, help="the limited GPU pool (blocks of 16)")
     parser.add_argument("--cpu-kv-gb", type=float, default=32.0, help="host tier in the cpu mode")
@@ -180,7 +183,8 @@ def main() -> None:
         model = tempfile.mkdtemp(prefix=f"mempath-{args.shape}-")
         shutil.copy(ROOT / "tests" / "data" / "configs" / f"{args.shape}.json", Path(model) / "config.json")
         engine_options = dict(load_format="dummy", dtype="bfloat16", num_gpu_blocks_override=args.gpu_kv_blocks,
-                              max_model_len=args.system_tokens + args.turns * (args.user_tokens + args.output_tokens))
+                              max_model_len=args.system_tokens + max(0, args.first_user_tokens - args.user_tokens)
+                              + args.turns * (args.user_tokens + args.output_tokens))
 
     ceiling = None
     if not args.tiny:

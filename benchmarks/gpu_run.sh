@@ -32,7 +32,12 @@ step blocks 170 python3 benchmarks/bench_engine.py block-size --shape qwen3-0.6b
 # holds about 16% of what they need at the last turn.
 step multiturn 220 python3 benchmarks/bench_multiturn.py --shape llama-3.1-8b --conversations 24 \
   --user-tokens 1200 --cpu-kv-gb 48 --cpu-kv-gb-with-disk 8
-want decode-profile && step profile 100 python3 benchmarks/profile_steps.py decode --shape llama-3.1-8b --batch 1 --context 128
+want decode-profile && # Not run yet: the customer-service shape of the same test. A 6,500-token document in each
+# conversation's first message, then 64-token questions: histories pass 8k tokens while
+# each turn adds little to prefill, so TTFT shows what restoring the history saves.
+step multiturn-doc 220 python3 benchmarks/bench_multiturn.py --shape llama-3.1-8b --conversations 24 \
+  --first-user-tokens 6500 --user-tokens 64 --cpu-kv-gb 48 --cpu-kv-gb-with-disk 8
+step profile 100 python3 benchmarks/profile_steps.py decode --shape llama-3.1-8b --batch 1 --context 128
 mv "$LOGS/profile.log" "$LOGS/profile-decode.log" 2>/dev/null
 step profile 100 python3 benchmarks/profile_steps.py workload --shape qwen3-0.6b
 if want diagnose; then
