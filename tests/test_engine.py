@@ -368,3 +368,32 @@ def test_kernel_warm_up_probes_fit_a_pool_of_one_token_blocks(model_factory):
               max_num_seqs=8, max_num_batched_tokens=16, max_model_len=4)
     llm.engine._compile_kernels(llm.engine.kv.num_blocks)
     assert len(llm.generate([[5, 6]], greedy(2), use_tqdm=False)[0].token_ids) == 2
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_failure_after_the_step_fails_that_request_alone(async_scheduling):
+    """If one request's output handling raises (here its detokenizer), it ends with an error and
+    the others finish normally, their tokens intact."""
+    from mempath.assets import default_model_path
+    llm = LLM(default_model_path(), device="cpu", dtype="float32", show_progress=False,
+              async_scheduling=async_scheduling)
+    engine = llm.engine
+    expected = llm.generate(["def f(x):"], greedy(6), use_tqdm=False)[0].token_ids
+    engine.add_request("def f(x):", greedy(6), "ok")
+    engine.add_request("import os", greedy(6), "broken")
+    calls = [0]
+    real_delta = engine.detokenizers["broken"].delta
+
+    def delta(token_ids):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad byte")
+        return real_delta(token_ids)
+
+    engine.detokenizers["broken"].delta = delta
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done["broken"].finish_reason == "error" and "UnicodeDecodeError" in done["broken"].error
+    assert done["ok"].finish_reason == "length" and done["ok"].token_ids == expected
+    assert engine.stats()["kv_blocks_used"] == 0

@@ -409,7 +409,13 @@ class LLMEngine:
         for request, token_id, row_logprobs in zip(sampling, token_ids, logprobs):
             if request.is_finished:
                 continue  # finished or aborted while its step ran: the token is surplus
-            output = self._append_token(request, token_id, row_logprobs, now)
+            try:
+                output = self._append_token(request, token_id, row_logprobs, now)
+            except Exception as error:  # one request's bookkeeping failed: fail it alone
+                log.exception("request %s failed after its step", request.request_id)
+                request.error = f"{type(error).__name__}: {error}"
+                self.scheduler.finish(request, "error")
+                output = self._output(request, "", [], finished=True)
             if output is not None:
                 outputs.append(output)
         return outputs
