@@ -67,6 +67,11 @@ def load_generation_eos(model_dir: str) -> list[int]:
     return [eos] if isinstance(eos, int) else list(eos)
 
 
+def probe_lengths(num_tokens: int, num_seqs: int) -> list[int]:
+    """num_tokens split over num_seqs sequences that differ by at most one token."""
+    return [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, show_progress: bool = True):
         self.config = config
@@ -182,7 +187,7 @@ class LLMEngine:
         self.runner.allocate_kv_cache(probe_blocks)
         probe_kv = self.runner.kv_cache.numel() * self.runner.kv_cache.element_size()
         torch.cuda.reset_peak_memory_stats(device)
-        self._run_probe_step(num_tokens, num_seqs, probe_blocks)
+        self._run_probe_step(num_tokens, num_seqs)
         torch.cuda.synchronize(device)
         activation_peak = torch.cuda.max_memory_allocated(device) - weights_end - probe_kv
         self.runner.allocate_kv_cache(0)
@@ -226,28 +231,35 @@ class LLMEngine:
         start = time.perf_counter()
         many = max(1, min(self.config.max_num_seqs, num_blocks, self.runner.max_tokens - 1))
         for tokens, seqs in ((1, 1), (2, 1), (3, 2), (many, many), (many + 1, many)):
-            per_seq = [tokens // seqs + (i < tokens % seqs) for i in range(seqs)]
+            per_seq = probe_lengths(tokens, seqs)
             fits = (seqs <= many and tokens <= self.runner.max_tokens and max(per_seq) <= self.max_model_len
                     and sum(self.kv_blocks_for(n) for n in per_seq) <= num_blocks)
             if fits:
-                self._run_probe_step(tokens, seqs, num_blocks)
+                self._run_probe_step(tokens, seqs)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         log.info("attention kernels compiled and warmed up in %.1f s", time.perf_counter() - start)
 
-    def _run_probe_step(self, num_tokens: int, num_seqs: int, num_blocks: int) -> None:
-        per_seq = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
-        batch = ScheduledBatch()
-        # Top-p without top-k sorts the logits: the sampler's costliest path in memory.
-        probe = SamplingParams(temperature=1.0, top_p=0.9, logprobs=self.config.max_logprobs)
-        next_block = 0
-        for i, n in enumerate(per_seq):
-            request = Request(f"probe-{i}", None, [0] * n, probe)
-            blocks = -(-n // self.config.block_size)
+    def probe_batch(self, num_tokens: int, num_seqs: int, token_ids=None) -> ScheduledBatch:
+        """A prefill of num_tokens over num_seqs sequences laid on the first KV blocks.
+
+        Its requests sample with the sampler's costliest settings in memory (top-p
+        without top-k sorts the logits) and logprobs: what the profile step and
+        `mempath diagnose` measure. ``token_ids(n)`` gives a prompt (default: zeros).
+        """
+        batch, next_block = ScheduledBatch(), 0
+        params = SamplingParams(temperature=1.0, top_p=0.9, logprobs=self.config.max_logprobs)
+        for i, n in enumerate(probe_lengths(num_tokens, num_seqs)):
+            request = Request(f"probe-{i}", None, token_ids(n) if token_ids else [0] * n, params)
+            blocks = self.kv_blocks_for(n)
             request.block_table = list(range(next_block, next_block + blocks))
             next_block += blocks
             batch.requests.append(request)
             batch.num_new_tokens.append(n)
+        return batch
+
+    def _run_probe_step(self, num_tokens: int, num_seqs: int) -> None:
+        batch = self.probe_batch(num_tokens, num_seqs)
         self.runner.execute(batch, batch.requests)
 
     def _attach_tiers(self) -> None:
@@ -293,7 +305,7 @@ class LLMEngine:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             start = time.perf_counter()
-            self._run_probe_step(n, 1, self.kv.num_blocks)
+            self._run_probe_step(n, 1)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             seconds = time.perf_counter() - start
@@ -452,9 +464,9 @@ class LLMEngine:
             except BaseException:
                 # The in-flight tokens are computed and counted as such: hand them to their
                 # requests before the error leaves, or the next schedule finds nothing to run.
-                self._emit(previous.sampling, previous.token_ids(), [None] * len(previous.sampling))
+                self._emit_pending(previous)
                 raise
-        outputs = self._emit(previous.sampling, previous.token_ids(), [None] * len(previous.sampling))
+        outputs = self._emit_pending(previous)
         if failed is not None:
             # After the emit: a request that stopped on its in-flight token is not the victim.
             victim = self._fail_newest(*failed)
@@ -462,6 +474,9 @@ class LLMEngine:
                 outputs.append(victim)
         self.in_flight = launched
         return outputs
+
+    def _emit_pending(self, pending: PendingTokens) -> list[RequestOutput]:
+        return self._emit(pending.sampling, pending.token_ids(), [None] * len(pending.sampling))
 
     def _schedule_ahead(self, previous: PendingTokens) -> tuple[ScheduledBatch, list[int]] | None:
         """The next decode step of the in-flight requests, or None when the ordinary schedule is needed."""

@@ -55,7 +55,7 @@ class Sampler:
     def sample_tokens(self, logits: torch.Tensor, params: list[SamplingParams],
                       generators: list[torch.Generator | None]) -> torch.Tensor:
         """The sampled token ids as a device tensor, without waiting for them (no logprobs)."""
-        return self._tokens(self._scores(logits), params, generators)
+        return self._tokens(logits, params, generators)
 
     @staticmethod
     def _scores(logits: torch.Tensor) -> torch.Tensor:
@@ -64,24 +64,26 @@ class Sampler:
             scores = scores.clone()  # float32 logits: work on a copy, the caller's stay intact
         return scores
 
-    def _tokens(self, scores, params, generators) -> torch.Tensor:
-        greedy_tokens = scores.argmax(dim=-1)
+    def _tokens(self, logits, params, generators, scores=None) -> torch.Tensor:
+        """``scores``: the float32 copy, when the caller already made one."""
         if all(p.greedy for p in params):
-            return greedy_tokens
-        return self._sample(scores, params, generators, greedy_tokens)
+            # The model-dtype logits convert to float32 exactly: same argmax, no [rows, V] copy.
+            return (logits if scores is None else scores).argmax(dim=-1)
+        scores = self._scores(logits) if scores is None else scores
+        return self._sample(scores, params, generators, scores.argmax(dim=-1))
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> SamplerOutput:
-        scores = self._scores(logits)
         want_logprobs = [p.logprobs for p in params]
-        top = None
+        scores = top = None
         if any(n is not None for n in want_logprobs):
+            scores = self._scores(logits)
             # log p = logit - logsumexp: keep the row constants and the top-n, not a [rows, V] tensor.
             log_z = torch.logsumexp(scores, dim=-1)
             max_n = max(n or 0 for n in want_logprobs)
             top = scores.topk(max(max_n, 1), dim=-1)
-        tokens = self._tokens(scores, params, generators)
+        tokens = self._tokens(logits, params, generators, scores)
         token_list = tokens.tolist()
         logprobs: list[dict[int, float] | None] = [None] * len(params)
         if top is not None:

@@ -355,25 +355,10 @@ def _weight_group(name: str) -> str:
 # ---------------------------------------------------------------- probe workload
 
 def _probe_batch(engine, num_tokens: int, num_seqs: int):
-    """A prefill batch of num_seqs sequences laid on the first KV blocks (nothing else runs)."""
-    from mempath.engine.request import Request
-    from mempath.engine.scheduler import ScheduledBatch
-    from mempath.sampling import SamplingParams
-    block_size = engine.config.block_size
+    """The engine's probe prefill (its profile step's sampling settings), on random tokens."""
     generator = torch.Generator().manual_seed(0)
-    batch, next_block = ScheduledBatch(), 0
-    for i in range(num_seqs):
-        n = num_tokens // num_seqs + (i < num_tokens % num_seqs)
-        ids = torch.randint(0, engine.spec.vocab_size, (n,), generator=generator).tolist()
-        # The sampler's costliest settings, as in the engine's profile step (what the plan counts).
-        params = SamplingParams(temperature=1.0, top_p=0.9, logprobs=engine.config.max_logprobs)
-        request = Request(f"diagnose-probe-{i}", None, ids, params)
-        blocks = -(-n // block_size)
-        request.block_table = list(range(next_block, next_block + blocks))
-        next_block += blocks
-        batch.requests.append(request)
-        batch.num_new_tokens.append(n)
-    return batch
+    return engine.probe_batch(num_tokens, num_seqs, lambda n: torch.randint(
+        0, engine.spec.vocab_size, (n,), generator=generator).tolist())
 
 
 def probe_capacity(engine) -> int:
