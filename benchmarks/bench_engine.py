@@ -76,15 +76,35 @@ def print_table(rows: list[tuple]) -> None:
 
 
 # --------------------------------------------------------------------------- latency
-def bench_latency(args) -> dict:
-    bandwidth = copy_bandwidth()
+def _set_linear(on: bool):
+    from mempath.model import small_batch_linear
+    small_batch_linear.ENABLED = on
+    if not on:
+        small_batch_linear.CHOSEN.clear()
+
+
+def _set_rope_store(on: bool):
+    from mempath.model import ops
+    ops.FUSE_ROPE_AND_STORE = on
+
+
+def _set_merge(on: bool):
+    from mempath.kv import triton_attention
+    triton_attention.MERGE_IN_SPLIT_KERNEL = on
+
+
+# --without NAME: the same measurement with one fast-path choice turned off, in the same run.
+ABLATIONS = {"small-batch-linear": _set_linear, "fused-rope-store": _set_rope_store,
+             "merge-in-split": _set_merge}
+
+
+def measure_latency(args, prompts) -> dict:
     path = model_dir(args.shape)
     llm = LLM(path, load_format="dummy", dtype="bfloat16", max_num_seqs=args.batch,
               max_model_len=args.prompt_len + args.new_tokens + 32, show_progress=False,
               enforce_eager=args.enforce_eager)
+    from mempath.model import small_batch_linear
     weight_bytes = llm.engine.ledger.get("weights")
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, llm.engine.spec.vocab_size, args.prompt_len).tolist() for _ in range(args.batch)]
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
     runs = []
@@ -93,28 +113,56 @@ def bench_latency(args) -> dict:
         outs = llm.generate(prompts, params, use_tqdm=False)
         decode = max(o.total_time - o.time_to_first_token for o in outs) / (args.new_tokens - 1)
         runs.append((decode, max(o.time_to_first_token for o in outs)))
-    ms_token = 1e3 * float(np.median([r[0] for r in runs]))
-    ttft_ms = 1e3 * float(np.median([r[1] for r in runs]))
-    limit_ms = 1e3 * weight_bytes / bandwidth
+    tokens = [o.token_ids for o in outs]
+    linear = {f"{n}x{k}": list(c) for (n, k, _), c in small_batch_linear.CHOSEN.items()}
     del llm
     torch.cuda.empty_cache()
+    return {"ms_per_token": 1e3 * float(np.median([r[0] for r in runs])),
+            "ttft_ms": 1e3 * float(np.median([r[1] for r in runs])),
+            "weight_bytes": weight_bytes, "tokens": tokens, "triton_linear": linear}
 
-    hf_ms = None
+
+def bench_latency(args) -> dict:
+    bandwidth = copy_bandwidth()
+    rng = np.random.default_rng(0)
+    vocab = json.loads((SHAPES / f"{args.shape}.json").read_text())["vocab_size"]
+    prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(args.batch)]
+    main = measure_latency(args, prompts)
+    ms_token, ttft_ms, weight_bytes = main["ms_per_token"], main["ttft_ms"], main["weight_bytes"]
+    limit_ms = 1e3 * weight_bytes / bandwidth
+    ablations = {}
+    for name in args.without:
+        ABLATIONS[name](False)
+        try:
+            result = measure_latency(args, prompts)
+        finally:
+            ABLATIONS[name](True)
+        ablations[name] = {"ms_per_token": result["ms_per_token"],
+                           "same_tokens": result["tokens"] == main["tokens"]}
+
+    hf_ms = same_as_hf = None
     if args.hf_tokens > 0:
         model = hf_model(args.shape)
         ids = torch.tensor(prompts, device="cuda")
         mask = torch.ones_like(ids)
 
+        hf_tokens = []
+
         def timed(n):
             torch.cuda.synchronize()
             t = time.perf_counter()
-            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                           pad_token_id=0)
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                 pad_token_id=0)
             torch.cuda.synchronize()
+            hf_tokens[:] = out[:, ids.shape[1]:].tolist()
             return time.perf_counter() - t
 
         timed(4)
         hf_ms = 1e3 * (timed(args.hf_tokens) - timed(1)) / (args.hf_tokens - 1)
+        timed(args.hf_tokens)
+        n = args.hf_tokens
+        same_as_hf = all(a[:n] == b[:n] for a, b in zip(main["tokens"], hf_tokens))
+        print(f"first {n} greedy tokens identical to transformers: {same_as_hf}")
         del model
         torch.cuda.empty_cache()
 
@@ -123,12 +171,17 @@ def bench_latency(args) -> dict:
             ("mempath", f"{ms_token:.2f}", f"{1e3 / ms_token:.1f}", f"{100 * limit_ms / ms_token:.1f}%")]
     if hf_ms:
         rows.append(("transformers generate", f"{hf_ms:.2f}", f"{1e3 / hf_ms:.1f}", f"{100 * limit_ms / hf_ms:.1f}%"))
+    for name, result in ablations.items():
+        ms = result["ms_per_token"]
+        rows.append((f"mempath without {name}" + ("" if result["same_tokens"] else " (tokens differ)"),
+                     f"{ms:.2f}", f"{1e3 / ms:.1f}", f"{100 * limit_ms / ms:.1f}%"))
     print(f"\nlatency: {args.shape}, batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
           f"weights {weight_bytes / 1e9:.2f} GB, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     print_table(rows)
     return {"bench": "latency", "shape": args.shape, "batch": args.batch, "ms_per_token": ms_token,
             "ttft_ms": ttft_ms, "limit_ms_per_token": limit_ms, "fraction_of_limit": limit_ms / ms_token,
-            "hf_ms_per_token": hf_ms, "copy_bandwidth": bandwidth, "weight_bytes": weight_bytes}
+            "hf_ms_per_token": hf_ms, "copy_bandwidth": bandwidth, "weight_bytes": weight_bytes,
+            "triton_linear": main["triton_linear"], "without": ablations, "same_tokens_as_hf": same_as_hf}
 
 
 # --------------------------------------------------------------------------- throughput
@@ -245,6 +298,8 @@ def main() -> None:
     lat.add_argument("--prompt-len", type=int, default=128)
     lat.add_argument("--new-tokens", type=int, default=256)
     lat.add_argument("--hf-tokens", type=int, default=32, help="tokens for the transformers run (0: skip)")
+    lat.add_argument("--without", type=lambda s: s.split(","), default=[],
+                     help=f"also measure with these turned off, comma-separated: {', '.join(ABLATIONS)}")
     for p in (sub.add_parser("throughput"), sub.add_parser("block-size")):
         p.add_argument("--shape", default="qwen3-0.6b")
         p.add_argument("--num-requests", type=int, default=256)

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks; logs under $OUT.
 # STEPS picks what runs, e.g. STEPS="tests latency". Steps and their rough H200 cost:
-#   tests (~3 min)  latency (~1 min)  tput-qwen3, tput-llama (~1.5 min each with HF_TIMEOUT=40)
+#   tests (~3 min)  linear (~0.5 min)  latency (~1 min, +0.5 per --without ablation)  tput-qwen3, tput-llama (~1.5 min each with HF_TIMEOUT=40)
 #   blocks (~3 min)  multiturn (~5 min)  diagnose (~2 min, three shapes)  serve (needs .whl, below)
-#   profile (~2 min: kernel table at batch 1, host/device split of the throughput workload)
+#   profile (~1 min: kernel table at batch 1)  profile-workload (~1 min: host/device split of the throughput run)
 # For `serve`, carry fastapi/uvicorn/starlette/pydantic(+core)/anyio/h11/sniffio/annotated-types/
 # typing-inspection/prometheus-client as wheels in .whl (see ../.library/device/README.md).
 set -u
@@ -23,7 +23,9 @@ step() {
 }
 step tests 260 python3 -m pytest -q -p no:cacheprovider tests/test_fused_ops.py tests/test_gpu_engine.py tests/test_triton_kernels.py tests/test_tiers.py
 step gpu-tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_fused_ops.py tests/test_gpu_engine.py
-step latency 150 python3 benchmarks/bench_engine.py latency --shape llama-3.1-8b --hf-tokens 32
+step linear 120 python3 benchmarks/bench_kernels.py --linear-only
+step latency 330 python3 benchmarks/bench_engine.py latency --shape llama-3.1-8b --hf-tokens 32 \
+  --without "${WITHOUT:-small-batch-linear,fused-rope-store,merge-in-split}"
 step tput-qwen3 150 python3 benchmarks/bench_engine.py throughput --shape qwen3-0.6b --hf-timeout "$HF_TIMEOUT"
 step tput-llama 200 python3 benchmarks/bench_engine.py throughput --shape llama-3.1-8b --hf-timeout "$HF_TIMEOUT"
 step blocks 170 python3 benchmarks/bench_engine.py block-size --shape qwen3-0.6b --num-requests 64 --max-num-seqs 64 \
@@ -32,14 +34,14 @@ step blocks 170 python3 benchmarks/bench_engine.py block-size --shape qwen3-0.6b
 # holds about 16% of what they need at the last turn.
 step multiturn 220 python3 benchmarks/bench_multiturn.py --shape llama-3.1-8b --conversations 24 \
   --user-tokens 1200 --cpu-kv-gb 48 --cpu-kv-gb-with-disk 8
-want decode-profile && # Not run yet: the customer-service shape of the same test. A 6,500-token document in each
+# The customer-service shape of the same test: a 6,500-token document in each
 # conversation's first message, then 64-token questions: histories pass 8k tokens while
 # each turn adds little to prefill, so TTFT shows what restoring the history saves.
 step multiturn-doc 220 python3 benchmarks/bench_multiturn.py --shape llama-3.1-8b --conversations 24 \
   --first-user-tokens 6500 --user-tokens 64 --cpu-kv-gb 48 --cpu-kv-gb-with-disk 8
 step profile 100 python3 benchmarks/profile_steps.py decode --shape llama-3.1-8b --batch 1 --context 128
 mv "$LOGS/profile.log" "$LOGS/profile-decode.log" 2>/dev/null
-step profile 100 python3 benchmarks/profile_steps.py workload --shape qwen3-0.6b
+step profile-workload 100 python3 benchmarks/profile_steps.py workload --shape qwen3-0.6b
 if want diagnose; then
   for shape in qwen3-0.6b llama-3.1-8b phi-3-mini-4k-instruct; do
     d=$(mktemp -d); cp "tests/data/configs/$shape.json" "$d/config.json"

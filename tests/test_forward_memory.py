@@ -2,7 +2,7 @@
 
 The fused kernels' memory behaviour is emulated with their PyTorch twins: a norm
 with a residual writes in place (into ``out`` when given), rotary embedding
-rotates in place, SiLU-and-mul and attention each make one output. The twins'
+rotates in place (and the fused rotary + KV write makes nothing), SiLU-and-mul and attention each make one output. The twins'
 own temporaries are kept out of the count, as the kernels make none. What is
 left is the model code's liveness: which [tokens, width] tensors it holds at once.
 """
@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import _pop_mode_temporarily
 
 from mempath import LLM
-from mempath.kv.attention import attend_torch
+from mempath.kv.attention import attend_torch, write_kv
 from mempath.memory.diagnose import TensorBytesTracker, _probe_batch
 from mempath.memory.plan import decoder_peak_bytes, load_config, read_shape
 from mempath.model import ops, triton_ops
@@ -38,6 +38,12 @@ def fake_rope(positions, q, k, cos, sin):
     k.copy_(k2)
 
 
+def fake_rope_and_store(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
+    q2, k2 = _untracked(ops.apply_rope_torch, positions, q, k, cos, sin)
+    q.copy_(q2)
+    _untracked(write_kv, k2, v, k_cache, v_cache, slot_mapping)
+
+
 def fake_silu_and_mul(x):
     out = torch.empty(*x.shape[:-1], x.shape[-1] // 2, dtype=x.dtype)
     out.copy_(_untracked(ops.silu_and_mul_torch, x))
@@ -57,6 +63,7 @@ def test_fused_forward_peak_equals_the_plan(model_factory, monkeypatch):
     monkeypatch.setattr(ops, "_fused", lambda x: True)
     monkeypatch.setattr(triton_ops, "triton_rms_norm", fake_rms_norm)
     monkeypatch.setattr(triton_ops, "triton_rope", fake_rope)
+    monkeypatch.setattr(triton_ops, "triton_rope_and_store", fake_rope_and_store)
     monkeypatch.setattr(triton_ops, "triton_silu_and_mul", fake_silu_and_mul)
     for attn in engine.model.attention_layers():
         monkeypatch.setattr(attn, "attention_fn", fake_attention)

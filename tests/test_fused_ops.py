@@ -56,6 +56,59 @@ def check_rope(ops, tops, device, dtype, exact):
         compare(k, ref_k, "ulp" if exact else False)
 
 
+def check_rope_and_store(ops, tops, device, dtype, exact):
+    """One kernel for rotary + KV write: the same q, cache contents, and untouched slots."""
+    from mempath.kv.attention import write_kv
+    for tokens, heads, kv_heads, dim, block in ((1, 4, 2, 64, 16), (9, 6, 2, 64, 8), (17, 32, 8, 128, 16)):
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device=device, dtype=dtype)
+        q, k, v = (t.view(tokens, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1))
+        positions = torch.randint(0, 500, (tokens,), device=device)
+        inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, device=device).float() / dim))
+        emb = torch.cat([torch.arange(512, device=device).float()[:, None] * inv[None, :]] * 2, -1)
+        cos, sin = emb.cos(), emb.sin()
+        num_blocks = tokens // block + 3
+        slots = torch.randperm(num_blocks * block, device=device)[:tokens]
+        slots[torch.arange(tokens, device=device) % 4 == 3] = -1  # padding rows are not written
+        caches = [torch.full((num_blocks, block, kv_heads, dim), float("nan"), device=device, dtype=dtype)
+                  for _ in range(4)]
+        ref_q = ops.rope_and_store_torch(positions, q.clone(), k.clone(), v, cos, sin, caches[0], caches[1],
+                                         slots, write_kv)
+        tops.triton_rope_and_store(positions, q, k, v, cos, sin, caches[2], caches[3], slots)
+        compare(q, ref_q, "ulp" if exact else False)
+        for out, ref in ((caches[2], caches[0]), (caches[3], caches[1])):
+            assert torch.equal(out.isnan(), ref.isnan())  # same slots written
+            written = ~ref.isnan()
+            compare(out[written], ref[written], "ulp" if exact else False)
+
+
+def check_small_batch_linear(ops, tops, device, dtype, exact):
+    """The decode-size linear kernel against float64 F.linear, every candidate tile config."""
+    from mempath.model import small_batch_linear as sbl
+    if device == "cuda" and dtype == torch.float32:
+        return  # never used for float32 (its tensor-core products would round to TF32)
+    for rows, n, k, bias in ((1, 64, 512, False), (3, 100, 1000, True), (8, 48, 256, False), (5, 33, 200, True)):
+        x = torch.randn(rows, k, device=device, dtype=dtype)
+        w = torch.randn(n, k, device=device, dtype=dtype) / k ** 0.5
+        b = torch.randn(n, device=device, dtype=dtype) if bias else None
+        ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+        for config in sbl.CANDIDATES:
+            out = sbl.triton_linear(x, w, b, config)
+            assert out.shape == (rows, n) and out.dtype == dtype
+            # Off from the exact product by the output rounding plus the float32 accumulation.
+            magnitude = (x.double().abs() @ w.double().abs().T).max().item()
+            tol = (2 * torch.finfo(dtype).eps * ref.abs().max().item()
+                   + 4 * k ** 0.5 * torch.finfo(torch.float32).eps * magnitude)
+            torch.testing.assert_close(out.double(), ref, rtol=0, atol=tol)
+    x3 = torch.randn(2, 3, 256, device=device, dtype=dtype)  # leading dims are kept
+    w = torch.randn(64, 256, device=device, dtype=dtype)
+    assert sbl.triton_linear(x3, w, None, sbl.CANDIDATES[0]).shape == (2, 3, 64)
+    try:
+        sbl.triton_linear(torch.randn(9, 256, device=device, dtype=dtype), w, None, sbl.CANDIDATES[0])
+        raise AssertionError("9 rows accepted")
+    except ValueError:
+        pass
+
+
 def check_silu_and_mul(ops, tops, device, dtype, exact):
     for rows, cols in ((1, 128), (5, 768), (64, 3000)):
         x = torch.randn(rows, 2 * cols, device=device, dtype=dtype)
@@ -73,7 +126,7 @@ def compare(out, ref, exact):
         torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)
 
 
-CHECKS = [check_rms_norm, check_rope, check_silu_and_mul]
+CHECKS = [check_rms_norm, check_rope, check_rope_and_store, check_small_batch_linear, check_silu_and_mul]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

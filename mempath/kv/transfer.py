@@ -18,13 +18,19 @@ into one would be a CPU memcpy (~10 GB/s) on the step loop's thread, or a
 thread waiting on CUDA events; a scattered host batch costs one copy per block
 instead, and a block-sized copy (≥ 1 MiB for real models) is already large.
 
-On CUDA each direction has its own stream and staging buffer, so the step loop
+On CUDA each direction has its own staging buffer and two streams of its own,
+one for the PCIe copies and one for the gather/scatter kernels, so the step loop
 only launches work and polls events; nothing here blocks the host unless
-``wait()`` is called. On the CPU (CI) the same code runs synchronously.
-Batches larger than the staging buffer are moved in chunks, in stream order.
+``wait()`` is called. A batch larger than half the staging buffer moves in
+half-buffer chunks that alternate between the halves: chunk i+1's PCIe copy runs
+while chunk i is scattered (or gathered), so the copy engine never waits for a
+kernel, which may itself wait for SMs busy with a prefill. Both streams have the
+high priority, so those kernels take the next free SMs. On the CPU (CI) the same
+chunks run synchronously.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -129,7 +135,9 @@ class TransferEngine:
         self._cuda = self.device.type == "cuda"
         self._staging = {d: torch.empty((self.staging_blocks, *block_shape), dtype=cache.dtype, device=self.device)
                          for d in (D2H, H2D)}
-        self._streams = {d: torch.cuda.Stream(self.device) for d in (D2H, H2D)} if self._cuda else {}
+        # Per direction: (PCIe copy stream, gather/scatter kernel stream).
+        self._streams = ({d: (torch.cuda.Stream(self.device, priority=-1), torch.cuda.Stream(self.device, priority=-1))
+                          for d in (D2H, H2D)} if self._cuda else {})
         self._stats = {d: {"transfers": 0, "blocks": 0, "bytes": 0, "seconds": 0.0} for d in (D2H, H2D)}
         self._in_flight = 0
 
@@ -160,16 +168,19 @@ class TransferEngine:
             self._copy_chunks(direction, gpu_ids, cpu_ids, transfer)
             transfer.done()
             return transfer
-        stream = self._streams[direction]
-        # The copy stream starts after the work queued so far on the current
-        # stream: a D2H then sees the step's K/V writes; an H2D does not
-        # overwrite blocks that queued kernels still read.
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        copy_stream, kernel_stream = self._streams[direction]
+        # Both streams start after the work queued so far on the current stream:
+        # a D2H then sees the step's K/V writes; an H2D does not overwrite blocks
+        # that queued kernels still read.
+        current = torch.cuda.current_stream(self.device)
+        copy_stream.wait_stream(current)
+        kernel_stream.wait_stream(current)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(stream):
-            start.record(stream)
-            release = self._copy_chunks(direction, gpu_ids, cpu_ids, transfer)
-            end.record(stream)
+        # The first work of a transfer is a PCIe copy (H2D) or a gather (D2H).
+        start.record(copy_stream if direction == H2D else kernel_stream)
+        release = self._copy_chunks(direction, gpu_ids, cpu_ids, transfer)
+        # The last work is a scatter (H2D) or a PCIe copy (D2H).
+        end.record(kernel_stream if direction == H2D else copy_stream)
         transfer._timing = (start, end)
         transfer._done_event = end
         transfer._release_event = release if direction == D2H else end
@@ -184,29 +195,48 @@ class TransferEngine:
             raise IndexError(f"host block id out of range [0, {self.host.num_blocks})")
 
     def _copy_chunks(self, direction: str, gpu_ids: list[int], cpu_ids: list[int], transfer: Transfer):
-        """Queue the chunks on the current stream; return an event after the last device gather (CUDA)."""
+        """Queue the chunks (on the direction's two streams on CUDA); return an event after
+        the last device gather (CUDA D2H), after which the source blocks may be overwritten."""
         staging = self._staging[direction]
         storage = self.host.storage
-        gpu = torch.as_tensor(gpu_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        copy_stream, kernel_stream = self._streams.get(direction, (None, None))
+        with _on(kernel_stream):
+            gpu = torch.as_tensor(gpu_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         transfer._keep.append(gpu)
+        halves = 2 if self._cuda and self.staging_blocks >= 2 else 1
+        chunk = self.staging_blocks // halves
+        half_free = [None, None]  # per staging half: the event after which it may be refilled
         last_gather = None
-        for lo in range(0, len(gpu_ids), self.staging_blocks):
-            hi = min(lo + self.staging_blocks, len(gpu_ids))
+        for i, lo in enumerate(range(0, len(gpu_ids), chunk)):
+            hi = min(lo + chunk, len(gpu_ids))
             k = hi - lo
-            rows = (gpu[lo:hi, None] + self._slice_offsets[None, :]).view(-1)
-            staged_rows = staging[:k].view(k * self._slices_per_block, -1)
+            half = i % halves
+            buffer = staging[half * chunk:half * chunk + k]
+            with _on(kernel_stream):
+                rows = (gpu[lo:hi, None] + self._slice_offsets[None, :]).view(-1)
+            staged_rows = buffer.view(k * self._slices_per_block, -1)
             runs = contiguous_runs(cpu_ids[lo:hi])
             if direction == D2H:
-                torch.index_select(self._cache_rows, 0, rows, out=staged_rows)
-                if self._cuda and hi == len(gpu_ids):
-                    last_gather = torch.cuda.Event()
-                    last_gather.record()
-                for pos, first, n in runs:
-                    storage[first:first + n].copy_(staging[pos:pos + n], non_blocking=True)
+                with _on(kernel_stream):
+                    _wait(kernel_stream, half_free[half])
+                    torch.index_select(self._cache_rows, 0, rows, out=staged_rows)
+                    gathered = _record(kernel_stream)
+                with _on(copy_stream):
+                    _wait(copy_stream, gathered)
+                    for pos, first, n in runs:
+                        storage[first:first + n].copy_(buffer[pos:pos + n], non_blocking=True)
+                    half_free[half] = _record(copy_stream)
+                last_gather = gathered
             else:
-                for pos, first, n in runs:
-                    staging[pos:pos + n].copy_(storage[first:first + n], non_blocking=True)
-                self._cache_rows.index_copy_(0, rows, staged_rows)
+                with _on(copy_stream):
+                    _wait(copy_stream, half_free[half])
+                    for pos, first, n in runs:
+                        buffer[pos:pos + n].copy_(storage[first:first + n], non_blocking=True)
+                    copied = _record(copy_stream)
+                with _on(kernel_stream):
+                    _wait(kernel_stream, copied)
+                    self._cache_rows.index_copy_(0, rows, staged_rows)
+                    half_free[half] = _record(kernel_stream)
         return last_gather
 
     def _complete(self, transfer: Transfer) -> None:
@@ -278,6 +308,24 @@ class TransferEngine:
             return {}
         finally:
             disk.remove(hashes)
+
+
+def _on(stream):
+    """``torch.cuda.stream(stream)`` on CUDA; nothing on the CPU (stream None)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def _record(stream):
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def _wait(stream, event) -> None:
+    if stream is not None and event is not None:
+        stream.wait_event(event)
 
 
 def _rate(nbytes: int, fn) -> float:

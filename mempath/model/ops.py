@@ -12,6 +12,8 @@ import torch.nn.functional as F
 
 # Set to False to run the PyTorch bodies on CUDA too (debugging, A/B measurements).
 USE_TRITON = True
+# Rotary and the KV write as one kernel (False: two; for A/B measurements).
+FUSE_ROPE_AND_STORE = True
 
 
 def _fused(x: torch.Tensor) -> bool:
@@ -63,6 +65,25 @@ def apply_rope_torch(positions, q, k, cos, sin):
     c = cos[positions].unsqueeze(1).to(q.dtype)
     s = sin[positions].unsqueeze(1).to(q.dtype)
     return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+
+
+def rope_and_store(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, write_kv_fn):
+    """Rotate q and k, then store k and v into their cache slots; returns the rotated q.
+
+    On CUDA one fused kernel does all of it; otherwise the rotary twin, then
+    ``write_kv_fn`` (the PyTorch or the Triton KV write).
+    """
+    if _fused(q) and FUSE_ROPE_AND_STORE:
+        from mempath.model.triton_ops import triton_rope_and_store
+        triton_rope_and_store(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+        return q
+    return rope_and_store_torch(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, write_kv_fn)
+
+
+def rope_and_store_torch(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, write_kv_fn):
+    q, k = apply_rope(positions, q, k, cos, sin)
+    write_kv_fn(k, v, k_cache, v_cache, slot_mapping)
+    return q
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

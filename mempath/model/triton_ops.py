@@ -59,6 +59,41 @@ if HAS_TRITON:
         tl.store(ptr + HALF, (a2 + b2).to(dtype), mask=mask)
 
     @triton.jit
+    def _rope_store_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+                           stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
+                           stride_slot, num_q_heads, num_kv_heads,
+                           HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr,
+                           KV_HEADS_PAD: tl.constexpr):
+        # One program per token: rotate its q heads in place, rotate its k heads into
+        # the k cache and copy its v heads into the v cache (the rotated k is never
+        # written back to the qkv buffer: only the cache reads it).
+        t = tl.program_id(0).to(tl.int64)
+        pos = tl.load(pos_ptr + t)
+        d = tl.arange(0, HALF_PAD)
+        dmask = d < HALF
+        dtype = q_ptr.dtype.element_ty
+        c = tl.load(cos_ptr + pos * stride_cos + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)
+        s = tl.load(sin_ptr + pos * stride_cos + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)
+        _rotate_heads(q_ptr, t, stride_qt, stride_qh, num_q_heads, c, s, HALF, HALF_PAD, HEADS_PAD)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            heads = tl.arange(0, KV_HEADS_PAD)
+            mask = (heads[:, None] < num_kv_heads) & dmask[None, :]
+            src = k_ptr + t * stride_kt + heads[:, None] * stride_kh + d[None, :]
+            x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+            y1 = ((x1 * c[None, :]).to(dtype).to(tl.float32) + (-x2 * s[None, :]).to(dtype).to(tl.float32)).to(dtype)
+            y2 = ((x2 * c[None, :]).to(dtype).to(tl.float32) + (x1 * s[None, :]).to(dtype).to(tl.float32)).to(dtype)
+            cache_dtype = k_cache_ptr.dtype.element_ty
+            dst = k_cache_ptr + slot * stride_slot + heads[:, None] * (2 * HALF) + d[None, :]
+            tl.store(dst, y1.to(cache_dtype), mask=mask)
+            tl.store(dst + HALF, y2.to(cache_dtype), mask=mask)
+            vsrc = v_ptr + t * stride_vt + heads[:, None] * stride_vh + d[None, :]
+            vdst = v_cache_ptr + slot * stride_slot + heads[:, None] * (2 * HALF) + d[None, :]
+            tl.store(vdst, tl.load(vsrc, mask=mask).to(cache_dtype), mask=mask)
+            tl.store(vdst + HALF, tl.load(vsrc + HALF, mask=mask).to(cache_dtype), mask=mask)
+
+    @triton.jit
     def _rope_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
                      stride_cos, num_q_heads, num_k_heads,
                      HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr):
@@ -120,6 +155,29 @@ def triton_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: 
         positions, q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
         num_q_heads, k.shape[1], HALF=half, HALF_PAD=_next_pow2(half),
         HEADS_PAD=_next_pow2(max(num_q_heads, k.shape[1])), num_warps=4)
+
+
+def triton_rope_and_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor) -> None:
+    """Fused twin of ``ops.rope_and_store_torch``: q rotated in place, rotated k and v in their slots.
+
+    One launch where rotary + KV write took two: at batch 1 these kernels last a
+    few microseconds each, so the launch, not the bytes, is the cost.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    if num_tokens == 0:
+        return
+    num_kv_heads = k.shape[1]
+    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and cos.stride(1) == 1
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[-2:] == (num_kv_heads, head_dim)
+    half = head_dim // 2
+    _rope_store_kernel[(num_tokens,)](
+        positions, q, k, v, cos, sin, slot_mapping, k_cache, v_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+        num_kv_heads * head_dim, num_q_heads, num_kv_heads,
+        HALF=half, HALF_PAD=_next_pow2(half), HEADS_PAD=_next_pow2(num_q_heads),
+        KV_HEADS_PAD=_next_pow2(num_kv_heads), num_warps=4)
 
 
 def triton_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
