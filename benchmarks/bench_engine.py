@@ -76,26 +76,18 @@ def print_table(rows: list[tuple]) -> None:
 
 
 # --------------------------------------------------------------------------- latency
-def _set_linear(on: bool):
-    from mempath.model import small_batch_linear
-    small_batch_linear.ENABLED = on
-    if not on:
-        small_batch_linear.CHOSEN.clear()
-
-
 def _set_rope_store(on: bool):
     from mempath.model import ops
     ops.FUSE_ROPE_AND_STORE = on
 
 
-def _set_merge(on: bool):
-    from mempath.kv import triton_attention
-    triton_attention.MERGE_IN_SPLIT_KERNEL = on
+def _set_cublas(default: bool):
+    torch.backends.cuda.preferred_blas_library("cublas" if default else "cublaslt")
 
 
-# --without NAME: the same measurement with one fast-path choice turned off, in the same run.
-ABLATIONS = {"small-batch-linear": _set_linear, "fused-rope-store": _set_rope_store,
-             "merge-in-split": _set_merge}
+# --variants NAME: the same measurement with one choice flipped, in the same run:
+# a fast-path piece turned off, or an alternative we did not adopt.
+VARIANTS = {"no-fused-rope-store": _set_rope_store, "cublaslt": _set_cublas}
 
 
 def measure_latency(args, prompts) -> dict:
@@ -103,7 +95,6 @@ def measure_latency(args, prompts) -> dict:
     llm = LLM(path, load_format="dummy", dtype="bfloat16", max_num_seqs=args.batch,
               max_model_len=args.prompt_len + args.new_tokens + 32, show_progress=False,
               enforce_eager=args.enforce_eager)
-    from mempath.model import small_batch_linear
     weight_bytes = llm.engine.ledger.get("weights")
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
@@ -114,12 +105,11 @@ def measure_latency(args, prompts) -> dict:
         decode = max(o.total_time - o.time_to_first_token for o in outs) / (args.new_tokens - 1)
         runs.append((decode, max(o.time_to_first_token for o in outs)))
     tokens = [o.token_ids for o in outs]
-    linear = {f"{n}x{k}": list(c) for (n, k, _), c in small_batch_linear.CHOSEN.items()}
     del llm
     torch.cuda.empty_cache()
     return {"ms_per_token": 1e3 * float(np.median([r[0] for r in runs])),
             "ttft_ms": 1e3 * float(np.median([r[1] for r in runs])),
-            "weight_bytes": weight_bytes, "tokens": tokens, "triton_linear": linear}
+            "weight_bytes": weight_bytes, "tokens": tokens}
 
 
 def bench_latency(args) -> dict:
@@ -130,14 +120,14 @@ def bench_latency(args) -> dict:
     main = measure_latency(args, prompts)
     ms_token, ttft_ms, weight_bytes = main["ms_per_token"], main["ttft_ms"], main["weight_bytes"]
     limit_ms = 1e3 * weight_bytes / bandwidth
-    ablations = {}
-    for name in args.without:
-        ABLATIONS[name](False)
+    variants = {}
+    for name in args.variants:
+        VARIANTS[name](False)
         try:
             result = measure_latency(args, prompts)
         finally:
-            ABLATIONS[name](True)
-        ablations[name] = {"ms_per_token": result["ms_per_token"],
+            VARIANTS[name](True)
+        variants[name] = {"ms_per_token": result["ms_per_token"],
                            "same_tokens": result["tokens"] == main["tokens"]}
 
     hf_ms = same_as_hf = None
@@ -171,9 +161,9 @@ def bench_latency(args) -> dict:
             ("mempath", f"{ms_token:.2f}", f"{1e3 / ms_token:.1f}", f"{100 * limit_ms / ms_token:.1f}%")]
     if hf_ms:
         rows.append(("transformers generate", f"{hf_ms:.2f}", f"{1e3 / hf_ms:.1f}", f"{100 * limit_ms / hf_ms:.1f}%"))
-    for name, result in ablations.items():
+    for name, result in variants.items():
         ms = result["ms_per_token"]
-        rows.append((f"mempath without {name}" + ("" if result["same_tokens"] else " (tokens differ)"),
+        rows.append((f"mempath, {name}" + ("" if result["same_tokens"] else " (tokens differ)"),
                      f"{ms:.2f}", f"{1e3 / ms:.1f}", f"{100 * limit_ms / ms:.1f}%"))
     print(f"\nlatency: {args.shape}, batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
           f"weights {weight_bytes / 1e9:.2f} GB, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
@@ -181,7 +171,7 @@ def bench_latency(args) -> dict:
     return {"bench": "latency", "shape": args.shape, "batch": args.batch, "ms_per_token": ms_token,
             "ttft_ms": ttft_ms, "limit_ms_per_token": limit_ms, "fraction_of_limit": limit_ms / ms_token,
             "hf_ms_per_token": hf_ms, "copy_bandwidth": bandwidth, "weight_bytes": weight_bytes,
-            "triton_linear": main["triton_linear"], "without": ablations, "same_tokens_as_hf": same_as_hf}
+            "variants": variants, "same_tokens_as_hf": same_as_hf}
 
 
 # --------------------------------------------------------------------------- throughput
@@ -298,8 +288,8 @@ def main() -> None:
     lat.add_argument("--prompt-len", type=int, default=128)
     lat.add_argument("--new-tokens", type=int, default=256)
     lat.add_argument("--hf-tokens", type=int, default=32, help="tokens for the transformers run (0: skip)")
-    lat.add_argument("--without", type=lambda s: s.split(","), default=[],
-                     help=f"also measure with these turned off, comma-separated: {', '.join(ABLATIONS)}")
+    lat.add_argument("--variants", type=lambda s: s.split(","), default=[],
+                     help=f"also measure these variants, comma-separated: {', '.join(VARIANTS)}")
     for p in (sub.add_parser("throughput"), sub.add_parser("block-size")):
         p.add_argument("--shape", default="qwen3-0.6b")
         p.add_argument("--num-requests", type=int, default=256)

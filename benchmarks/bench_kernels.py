@@ -148,38 +148,9 @@ def row(cells, widths):
     return "  ".join(str(c).rjust(w) for c, w in zip(cells, widths))
 
 
-# Llama-3.1-8B's linear layers (N, K): qkv, o_proj, gate_up, down, lm_head.
-LINEAR_SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
-                 "down": (4096, 14336), "lm_head": (128256, 4096)}
-
-
-def bench_linear(report: dict) -> None:
-    """Decode-size products: cuBLAS (F.linear) against each small-batch Triton tile config."""
-    from mempath.model import small_batch_linear as sbl
-    widths = (8, 5, 11, 9, 22, 11, 9)
-    print("linear at decode batch sizes (bf16); TB/s = weight bytes / time")
-    print(row(("matrix", "rows", "cuBLAS us", "TB/s", "best Triton config", "Triton us", "TB/s"), widths))
-    report["linear"] = []
-    for name, (n, k) in LINEAR_SHAPES.items():
-        w = torch.randn(n, k, dtype=DTYPE, device=DEVICE) / k ** 0.5
-        for rows in (1, sbl.MAX_ROWS):
-            x = torch.randn(rows, k, dtype=DTYPE, device=DEVICE)
-            t_ref = bench(lambda: torch.nn.functional.linear(x, w))
-            times = {c: bench(lambda c=c: sbl.triton_linear(x, w, None, c)) for c in sbl.CANDIDATES}
-            best = min(times, key=times.get)
-            gb = n * k * 2 / 1e9
-            report["linear"].append({"matrix": name, "rows": rows, "cublas_us": t_ref * 1e3,
-                                     "triton_us": {str(tuple(c)): t * 1e3 for c, t in times.items()}})
-            print(row((name, rows, f"{t_ref * 1e3:.1f}", f"{gb / t_ref:.2f}", str(tuple(best)),
-                       f"{times[best] * 1e3:.1f}", f"{gb / times[best]:.2f}"), widths))
-        del w
-        torch.cuda.empty_cache()
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="skip the largest decode batches")
-    parser.add_argument("--linear-only", action="store_true", help="only the decode-size linear layers")
     args = parser.parse_args()
     if not torch.cuda.is_available() or not ta.HAS_TRITON:
         sys.exit("needs CUDA and Triton")
@@ -188,10 +159,6 @@ def main():
 
     report["copy_tbps"] = copy_bandwidth()
     print(f"device: {report['device']}   d2d copy: {report['copy_tbps']:.2f} TB/s (read+write)\n")
-    bench_linear(report)
-    if args.linear_only:
-        print("\nJSON " + json.dumps(report))
-        return
 
     # -- write_kv --------------------------------------------------------------
     widths = (10, 12, 12, 10)

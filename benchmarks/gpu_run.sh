@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session: GPU tests, then the benchmarks; logs under $OUT.
 # STEPS picks what runs, e.g. STEPS="tests latency". Steps and their rough H200 cost:
-#   tests (~3 min)  linear (~0.5 min)  latency (~1 min, +0.5 per --without ablation)  tput-qwen3, tput-llama (~1.5 min each with HF_TIMEOUT=40)
+#   tests (~3 min)  latency (~1 min, +0.5 per --variants entry)  tput-qwen3, tput-llama (~1.5 min each with HF_TIMEOUT=40)
 #   blocks (~3 min)  multiturn (~5 min)  diagnose (~2 min, three shapes)  serve (needs .whl, below)
 #   profile (~1 min: kernel table at batch 1)  profile-workload (~1 min: host/device split of the throughput run)
 # For `serve`, carry fastapi/uvicorn/starlette/pydantic(+core)/anyio/h11/sniffio/annotated-types/
@@ -23,9 +23,8 @@ step() {
 }
 step tests 260 python3 -m pytest -q -p no:cacheprovider tests/test_fused_ops.py tests/test_gpu_engine.py tests/test_triton_kernels.py tests/test_tiers.py
 step gpu-tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_fused_ops.py tests/test_gpu_engine.py
-step linear 120 python3 benchmarks/bench_kernels.py --linear-only
 step latency 330 python3 benchmarks/bench_engine.py latency --shape llama-3.1-8b --hf-tokens 32 \
-  --without "${WITHOUT:-small-batch-linear,fused-rope-store,merge-in-split}"
+  --variants "${VARIANTS:-no-fused-rope-store,cublaslt}"
 step tput-qwen3 150 python3 benchmarks/bench_engine.py throughput --shape qwen3-0.6b --hf-timeout "$HF_TIMEOUT"
 step tput-llama 200 python3 benchmarks/bench_engine.py throughput --shape llama-3.1-8b --hf-timeout "$HF_TIMEOUT"
 step blocks 170 python3 benchmarks/bench_engine.py block-size --shape qwen3-0.6b --num-requests 64 --max-num-seqs 64 \

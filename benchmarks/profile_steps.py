@@ -46,9 +46,9 @@ class StepTimer:
         self.start.record()
         return out
 
-    def __call__(self, batch, sampling):
+    def __call__(self, batch, sampling, **kwargs):
         end = torch.cuda.Event(enable_timing=True)
-        out = self.inner_execute(batch, sampling)
+        out = self.inner_execute(batch, sampling, **kwargs)
         end.record()
         start = self.start
         kind = "decode" if max(batch.num_new_tokens) == 1 else "mixed"

@@ -41,18 +41,9 @@ def check_write_kv_same_dtype(ta):
 def check_decode(ta, group, dtype):
     lens = [1, 7, 8, 9, 63, 64, 65, 200]
     case = Case([(1, n) for n in lens], 2 * group, 2, 32, 8, dtype, DEVICE, seed=group)
-    rows = len(lens) * 2 * group * 8  # sequences x heads x the most splits below
-    ws = ta.DecodeWorkspace(torch.empty(rows * 32), torch.empty(rows), torch.zeros(len(lens) * 2, dtype=torch.int32))
-    for merge_in_split in (True, False):
-        ta.MERGE_IN_SPLIT_KERNEL = merge_in_split
-        try:
-            for splits in (1, 2, 8):
-                check_attention(ta, case, dtype, "decode", num_splits=splits)
-                check_attention(ta, case, dtype, "decode", num_splits=splits, workspace=ws)
-                assert int(ws.arrivals.abs().sum()) == 0  # the merging split resets its counter
-            check_attention(ta, case, dtype, "auto")
-        finally:
-            ta.MERGE_IN_SPLIT_KERNEL = True
+    for splits in (1, 2, 8):
+        check_attention(ta, case, dtype, "decode", num_splits=splits)
+    check_attention(ta, case, dtype, "auto")
 
 
 def check_decode_padding_and_workspace(ta):

@@ -159,9 +159,7 @@ def test_write_kv(ta, head_dim, block_size, cache_dtype):
 @cuda
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("merge_in_split", [True, False])
-def test_decode_block_boundaries(ta, group, head_dim, merge_in_split, monkeypatch):
-    monkeypatch.setattr(ta, "MERGE_IN_SPLIT_KERNEL", merge_in_split)
+def test_decode_block_boundaries(ta, group, head_dim):
     block_size = 16
     lens = [1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 511, 512, 513, 1000]
     case = Case([(1, n) for n in lens], 4 * group, 4, head_dim, block_size, torch.bfloat16, DEVICE,
@@ -210,27 +208,6 @@ def test_decode_workspace_and_padding(ta):
                                      num_splits=4)
     assert torch.all(out[1] == 0)
     assert not torch.isnan(out[0]).any()
-
-
-@cuda
-def test_merge_in_split_is_race_free(ta):
-    """The last-arriving split merges: many calls over one workspace give the same bits
-    as the first and as the separate merge kernel's result, and leave the counters at 0."""
-    ws = ta.alloc_decode_workspace(64, 32, 8, 128, DEVICE)
-    seqs = [(1, 64 * (1 + i % 40) + i) for i in range(64)]
-    case = Case(seqs, 32, 8, 128, 16, torch.bfloat16, DEVICE, seed=21)
-    args = (case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale)
-    first = ta.triton_decode_attention(*args, workspace=ws, num_splits=64)
-    assert_close(first, case.reference(), torch.bfloat16)
-    for _ in range(200):
-        assert torch.equal(ta.triton_decode_attention(*args, workspace=ws, num_splits=64), first)
-    assert int(ws.arrivals.abs().sum()) == 0
-    try:
-        ta.MERGE_IN_SPLIT_KERNEL = False
-        separate = ta.triton_decode_attention(*args, workspace=ws, num_splits=64)
-    finally:
-        ta.MERGE_IN_SPLIT_KERNEL = True
-    torch.testing.assert_close(first, separate, rtol=0, atol=1e-2)
 
 
 @cuda

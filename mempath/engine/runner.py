@@ -18,7 +18,6 @@ from mempath.engine.request import Request
 from mempath.engine.sampler import Sampler, SamplerOutput
 from mempath.engine.scheduler import ScheduledBatch
 from mempath.memory.plan import MAX_GRAPH_BATCH
-from mempath.model import small_batch_linear
 from mempath.model.llama import AttentionMetadata, CausalLM, ModelSpec
 
 log = logging.getLogger(__name__)
@@ -143,7 +142,6 @@ class ModelRunner:
         for attn in self.model.attention_layers():
             attn.attention_fn = attend
             attn.write_kv_fn = ta.triton_write_kv
-        small_batch_linear.choose_kernels(self.model)
         return True
 
     def kv_bytes_per_block(self) -> int:

@@ -10,8 +10,7 @@ Kernels
 - :func:`triton_decode_attention` — one query row per sequence. A program owns
   one (sequence, KV head, split): it handles every query head of its KV head so
   each KV block is read once per KV head, and a long context is cut into splits
-  (flash-decoding); the last split of each (sequence, KV head) to finish merges
-  the partial results (or, with ``MERGE_IN_SPLIT_KERNEL`` off, a second kernel).
+  (flash-decoding) whose partial results a second small kernel merges.
 - :func:`triton_prefill_attention` — variable-length query chunks on top of a
   cached prefix, flash-attention tiling (query tile x KV tile) with the KV read
   through the block table. Also correct for decode rows, so a mixed batch can
@@ -59,25 +58,18 @@ DECODE_TILE = 64
 MAX_DECODE_SPLITS = 64
 # Target number of decode programs per SM: enough to hide memory latency.
 DECODE_PROGRAMS_PER_SM = 4
-# The last split of each (sequence, KV head) to finish merges the partials itself,
-# instead of a second kernel: one launch less per layer, which at batch 1 is most
-# of the merge's cost (False: the separate merge kernel; for A/B measurements).
-MERGE_IN_SPLIT_KERNEL = True
 
 
 class DecodeWorkspace(NamedTuple):
-    """Flat buffers for the decode splits' partial results.
+    """Flat float32 buffers for the decode splits' partial results.
 
     ``partial_out`` holds the per-split normalised outputs and ``partial_lse``
-    their log2-sum-exp2 (float32); each call views a prefix of them as
-    ``[num_seqs, num_heads, num_splits(, head_dim)]``. ``arrivals`` (int32, one
-    per (sequence, KV head), zero between calls) counts the splits that have
-    finished, so that the last one merges (``MERGE_IN_SPLIT_KERNEL``).
+    their log2-sum-exp2; each call views a prefix of them as
+    ``[num_seqs, num_heads, num_splits(, head_dim)]``.
     """
 
     partial_out: torch.Tensor
     partial_lse: torch.Tensor
-    arrivals: torch.Tensor
 
 
 def _next_pow2(n: int) -> int:
@@ -138,7 +130,6 @@ def alloc_decode_workspace(
     return DecodeWorkspace(
         partial_out=torch.empty(numel, dtype=torch.float32, device=device),
         partial_lse=torch.empty(numel // head_dim, dtype=torch.float32, device=device),
-        arrivals=torch.zeros(max_num_seqs * num_kv_heads, dtype=torch.int32, device=device),
     )
 
 
@@ -200,7 +191,7 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["num_heads", "num_splits"])
     def _decode_split_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
-        out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr,
+        out_ptr, part_out_ptr, part_lse_ptr,
         qk_scale,
         stride_qt, stride_qh, stride_qd,
         stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
@@ -212,7 +203,6 @@ if HAS_TRITON:
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
         SPLIT: tl.constexpr, PRECISION: tl.constexpr, VARLEN: tl.constexpr,
-        MERGE: tl.constexpr, SPLITS_PAD: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -231,23 +221,15 @@ if HAS_TRITON:
         split_len = ((seq_len + num_splits - 1) // num_splits + TILE - 1) // TILE * TILE
         start = split * split_len
         end = tl.minimum(start + split_len, seq_len)
+        if SPLIT:
+            if start >= seq_len:
+                return
+
         g = tl.arange(0, GROUP_PAD)
         dims = tl.arange(0, D_PAD)
         heads = kv_head * GROUP + g
         head_mask = g < GROUP
         dim_mask = dims < HEAD_DIM
-        out_mask = head_mask[:, None] & dim_mask[None, :]
-        out_ptrs = (out_ptr + q_row.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
-                    + dims[None, :] * stride_od)
-        if SPLIT:
-            if start >= seq_len:
-                if MERGE:
-                    # No merge runs for an empty sequence (padding in a captured batch):
-                    # its first split writes the zeros the merge kernel would.
-                    if seq_len == 0 and split == 0:
-                        tl.store(out_ptrs, tl.zeros([GROUP_PAD, D_PAD], dtype=out_ptr.dtype.element_ty),
-                                 mask=out_mask)
-                return
         q = tl.load(q_ptr + q_row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
                     + dims[None, :] * stride_qd,
                     mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
@@ -282,38 +264,15 @@ if HAS_TRITON:
 
         # An empty sequence (padding in a captured batch) yields zeros.
         out = acc / tl.maximum(l_i, 1.0e-30)[:, None]
+        out_mask = head_mask[:, None] & dim_mask[None, :]
         if SPLIT:
             row = (seq * num_heads + heads).to(tl.int64) * num_splits + split
             tl.store(part_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out, mask=out_mask)
             tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=head_mask)
-            if MERGE:
-                # The last split to arrive merges. Every thread's partial stores come
-                # before the barrier, the barrier before the (one-thread) release of the
-                # counter: the pattern of a grid-wide sync. Its acquire, then loads
-                # that bypass L1, give the last split the other splits' partials.
-                tl.debug_barrier()
-                counter = arrivals_ptr + seq * tl.num_programs(1) + kv_head
-                arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-                used = (seq_len + split_len - 1) // split_len
-                if arrived == used - 1:
-                    tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next call
-                    splits = tl.arange(0, SPLITS_PAD)
-                    split_mask = splits < used
-                    for h in tl.static_range(GROUP):
-                        head = kv_head * GROUP + h
-                        rows = (seq * num_heads + head).to(tl.int64) * num_splits + splits
-                        lse = tl.load(part_lse_ptr + rows, mask=split_mask, other=float("-inf"),
-                                      cache_modifier=".cg")
-                        weight = tl.exp2(lse - tl.max(lse, 0))
-                        weight = weight / tl.sum(weight, 0)
-                        part = tl.load(part_out_ptr + rows[:, None] * HEAD_DIM + dims[None, :],
-                                       mask=split_mask[:, None] & dim_mask[None, :], other=0.0,
-                                       cache_modifier=".cg")
-                        merged = tl.sum(part * weight[:, None], 0)
-                        tl.store(out_ptr + q_row.to(tl.int64) * stride_ot + head * stride_oh + dims * stride_od,
-                                 merged.to(out_ptr.dtype.element_ty), mask=dim_mask)
         else:
-            tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.store(out_ptr + q_row.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
+                     + dims[None, :] * stride_od,
+                     out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
     @triton.jit(do_not_specialize=["num_heads", "num_splits"])
     def _decode_merge_kernel(
@@ -545,28 +504,25 @@ def triton_decode_attention(
         num_splits = decode_num_splits(num_seqs, num_kv_heads, query.device, max_seq_len)
     d_pad = _next_pow2(head_dim)
     split = num_splits > 1
-    merge = split and MERGE_IN_SPLIT_KERNEL
     if split:
         need = num_seqs * num_heads * num_splits
         if workspace is None:
             workspace = DecodeWorkspace(
                 torch.empty(need * head_dim, dtype=torch.float32, device=query.device),
                 torch.empty(need, dtype=torch.float32, device=query.device),
-                torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=query.device),
             )
-        elif (workspace.partial_lse.numel() < need or workspace.partial_out.numel() < need * head_dim
-              or workspace.arrivals.numel() < num_seqs * num_kv_heads):
+        elif workspace.partial_lse.numel() < need or workspace.partial_out.numel() < need * head_dim:
             raise ValueError(
                 f"decode workspace too small: need {need} rows for {num_seqs} seqs x {num_splits} splits"
             )
-        part_out, part_lse, arrivals = workspace
+        part_out, part_lse = workspace.partial_out, workspace.partial_lse
     else:
-        part_out = part_lse = arrivals = out  # unused by the kernel
+        part_out = part_lse = out  # unused by the kernel
 
     tile_bytes = 2 * DECODE_TILE * d_pad * k_cache.element_size()
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, query_start,
-        out, part_out, part_lse, arrivals,
+        out, part_out, part_lse,
         scale * LOG2E,
         *query.stride(), *k_cache.stride(), *v_cache.stride(),
         block_tables.stride(0),
@@ -576,10 +532,9 @@ def triton_decode_attention(
         HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, TILE=DECODE_TILE,
         SPLIT=split, PRECISION=_dot_precision(k_cache.dtype), VARLEN=varlen,
-        MERGE=merge, SPLITS_PAD=_next_pow2(MAX_DECODE_SPLITS),
         num_warps=4, num_stages=_pipeline_stages(tile_bytes),
     )
-    if split and not merge:
+    if split:
         _decode_merge_kernel[(num_seqs, num_heads)](
             seq_lens, query_start, part_out, part_lse, out,
             *out.stride(),
