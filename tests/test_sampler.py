@@ -96,3 +96,16 @@ def test_top_k_path_peak_is_the_noise_phase():
     with tracker:
         Sampler(torch.device("cpu"), 0)(logits, [COSTLIEST] * rows, [None] * rows)
     assert tracker.peak <= 8 * rows * vocab * 1.02
+
+
+@pytest.mark.parametrize("vocab", [128256, 151936, 32064, 1000, 257])
+def test_two_pass_argmax_equals_argmax_with_ties(vocab):
+    """Values from a small range tie often: the two-pass argmax must still pick the first maximum."""
+    from mempath.engine.sampler import row_argmax
+    gen = torch.Generator().manual_seed(vocab)
+    for rows in (1, 3, 8):
+        x = torch.randint(0, 50, (rows, vocab), generator=gen).to(torch.bfloat16)
+        assert torch.equal(row_argmax(x, two_pass=True), x.argmax(dim=-1))
+        y = torch.randn(rows, vocab, generator=gen)
+        y[:, -1] = y.max() + 1  # the maximum in the last group
+        assert torch.equal(row_argmax(y, two_pass=True), torch.full((rows,), vocab - 1))

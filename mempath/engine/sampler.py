@@ -40,6 +40,29 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
+def row_argmax(x: torch.Tensor, two_pass: bool | None = None) -> torch.Tensor:
+    """``x.argmax(-1)`` for ``x [rows, V]``, in two passes when there are few rows.
+
+    torch reduces one row with one CUDA block: a 128k vocabulary took 29 µs per
+    decode step on the H200. Cut into G groups, the first pass has G·rows blocks
+    and the second reduces G values. Ties resolve as in torch.argmax (first
+    maximum): max(dim) returns the first maximum of each group, and the second
+    pass the first group that holds the row's maximum. ``two_pass`` None: on CUDA
+    for at most 8 rows.
+    """
+    rows, v = x.shape
+    groups = 1
+    while groups < 256 and v % (2 * groups) == 0 and v // (2 * groups) >= 256:
+        groups *= 2
+    if two_pass is None:
+        two_pass = x.is_cuda and rows <= 8
+    if not two_pass or groups == 1:
+        return x.argmax(dim=-1)
+    values, index = x.reshape(rows, groups, v // groups).max(dim=-1)
+    group = values.argmax(dim=-1, keepdim=True)
+    return (group * (v // groups) + index.gather(1, group)).squeeze(1)
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int):
         self.device = device
@@ -68,7 +91,7 @@ class Sampler:
         """``scores``: the float32 copy, when the caller already made one."""
         if all(p.greedy for p in params):
             # The model-dtype logits convert to float32 exactly: same argmax, no [rows, V] copy.
-            return (logits if scores is None else scores).argmax(dim=-1)
+            return row_argmax(logits if scores is None else scores)
         scores = self._scores(logits) if scores is None else scores
         return self._sample(scores, params, generators, scores.argmax(dim=-1))
 

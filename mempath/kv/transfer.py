@@ -176,8 +176,11 @@ class TransferEngine:
         copy_stream.wait_stream(current)
         kernel_stream.wait_stream(current)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        # The first work of a transfer is a PCIe copy (H2D) or a gather (D2H).
-        start.record(copy_stream if direction == H2D else kernel_stream)
+        # Timed on the copy stream from where this transfer may start: after the work
+        # queued on the current stream and after the previous transfer's copies, so the
+        # windows of back-to-back transfers do not overlap (a D2H's first gather may run
+        # ahead, during the previous transfer's copies; an isolated one's is inside).
+        start.record(copy_stream)
         release = self._copy_chunks(direction, gpu_ids, cpu_ids, transfer)
         # The last work is a scatter (H2D) or a PCIe copy (D2H).
         end.record(kernel_stream if direction == H2D else copy_stream)

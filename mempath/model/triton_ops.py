@@ -27,6 +27,8 @@ if HAS_TRITON:
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
+        # All loads issued up front: at one row per step the kernel is load latency.
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
         if HAS_RESIDUAL:
             r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
@@ -36,7 +38,6 @@ if HAS_TRITON:
         xf = x.to(tl.float32)
         variance = tl.sum(xf * xf, axis=0) / n_cols
         normed = (xf * (1.0 / tl.sqrt(variance + eps))).to(x.dtype)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
         y = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
 
