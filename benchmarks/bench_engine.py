@@ -155,9 +155,11 @@ def bench_latency(args) -> dict:
         timed(4)
         hf_ms = 1e3 * (timed(args.hf_tokens) - timed(1)) / (args.hf_tokens - 1)
         timed(args.hf_tokens)
-        n = args.hf_tokens
-        same_as_hf = all(a[:n] == b[:n] for a, b in zip(main["tokens"], hf_tokens))
-        print(f"first {n} greedy tokens identical to transformers: {same_as_hf}")
+        # Random weights give nearly flat logits, where bf16 rounding differences flip
+        # near-ties: how far the greedy tokens agree, not a pass/fail.
+        same_as_hf = min(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                         for a, b in zip(main["tokens"], hf_tokens))
+        print(f"greedy tokens identical to transformers: the first {same_as_hf} of {args.hf_tokens}")
         del model
         torch.cuda.empty_cache()
 
