@@ -87,12 +87,7 @@ def _set_cublas(default: bool):
 
 # --variants NAME: the same measurement with one choice flipped, in the same run:
 # a fast-path piece turned off, or an alternative we did not adopt.
-def _set_gemm(default: bool):
-    from mempath.model import ops
-    ops.MATVEC_FOR_ONE_ROW = not default
-
-
-VARIANTS = {"no-fused-rope-store": _set_rope_store, "cublaslt": _set_cublas, "matvec": _set_gemm}
+VARIANTS = {"no-fused-rope-store": _set_rope_store, "cublaslt": _set_cublas}
 
 
 def measure_latency(args, prompts) -> dict:

@@ -110,6 +110,37 @@ def test_fused_matches_twin_on_cuda(check, dtype):
     check(ops, tops, "cuda", dtype, exact=dtype != torch.float32)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rope_and_store_equals_the_two_kernels_bit_for_bit():
+    """The fused kernel and triton_rope + triton_write_kv run the same roundings: equal bits.
+    (On the H200 the latency run's greedy tokens differed with and without the fusion;
+    this pins down whether the kernels are the cause.)"""
+    from mempath.kv.triton_attention import triton_write_kv
+    from mempath.model import triton_ops as tops
+    torch.manual_seed(0)
+    tokens, heads, kv_heads, dim, block = 33, 32, 8, 128, 16
+    for dtype in (torch.bfloat16, torch.float16):
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device="cuda", dtype=dtype)
+        positions = torch.randint(0, 4000, (tokens,), device="cuda")
+        inv = 1.0 / (500000 ** (torch.arange(0, dim, 2, device="cuda").float() / dim))
+        emb = torch.cat([torch.arange(4096, device="cuda").float()[:, None] * inv[None, :]] * 2, -1)
+        cos, sin = emb.cos(), emb.sin()
+        slots = torch.randperm(8 * block, device="cuda")[:tokens]
+        outs = []
+        for fused in (True, False):
+            q, k, v = (t.view(tokens, -1, dim) for t in qkv.clone().split(
+                [heads * dim, kv_heads * dim, kv_heads * dim], -1))
+            kc, vc = (torch.zeros(8, block, kv_heads, dim, device="cuda", dtype=dtype) for _ in range(2))
+            if fused:
+                tops.triton_rope_and_store(positions, q, k, v, cos, sin, kc, vc, slots)
+            else:
+                tops.triton_rope(positions, q, k, cos, sin)
+                triton_write_kv(k, v, kc, vc, slots)
+            outs.append((q.clone(), kc, vc))
+        for a, b in zip(*outs):
+            assert torch.equal(a, b)
+
+
 def _run_interpreted() -> dict:
     from triton.runtime import interpreter
     original = interpreter._patch_lang_tensor

@@ -488,6 +488,41 @@ def test_cuda_transfers_follow_the_compute_stream_and_round_trip():
 
 
 @cuda_only
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+def test_cuda_back_to_back_transfers_do_not_share_a_staging_half(direction):
+    """Transfer B is launched while A still uses the staging buffer: a stalled stream of
+    the direction (the copy stream for D2H, the scatter stream for H2D) keeps A's one
+    chunk in staging half 0 while B's first chunk could run at once. B must take the
+    other half first and wait for A before refilling half 0 (when each transfer started
+    at half 0, B's first chunk overwrote A's staged blocks)."""
+    cache = make_cache(80, LAYOUTS[0], torch.bfloat16, device="cuda")
+    host = HostBlockStore.for_cache(cache, 64 * block_of(cache, 0).numel())
+    engine = TransferEngine(cache, host, staging_blocks=8)  # halves of 4 blocks
+    original = cache.clone()
+    copy_stream, kernel_stream = engine._streams[direction]
+    a_gpu, b_gpu = list(range(0, 4)), list(range(40, 46))  # A: one chunk; B: two
+    a_cpu, b_cpu = host.allocate(4), host.allocate(6)
+    if direction == "h2d":
+        for c, g in zip(a_cpu + b_cpu, a_gpu + b_gpu):
+            host.storage[c].copy_(cache[:, :, g + 20].contiguous().view(host.storage[c].shape))
+        with torch.cuda.stream(kernel_stream):
+            torch.cuda._sleep(100_000_000)  # A's scatter waits; B's first copy could run
+        first = engine.host_to_device(a_cpu, a_gpu)
+        second = engine.host_to_device(b_cpu, b_gpu)
+        first.wait(), second.wait()
+        for g in a_gpu + b_gpu:
+            assert same_bytes(cache[:, :, g], original[:, :, g + 20])
+    else:
+        with torch.cuda.stream(copy_stream):
+            torch.cuda._sleep(100_000_000)  # A's copy waits; B's first gather could run
+        first = engine.device_to_host(a_gpu, a_cpu)
+        second = engine.device_to_host(b_gpu, b_cpu)
+        first.wait(), second.wait()
+        for c, g in zip(a_cpu + b_cpu, a_gpu + b_gpu):
+            assert same_bytes(host.storage[c], block_of(original, g))
+
+
+@cuda_only
 def test_cuda_launch_does_not_block_the_host():
     cache = make_cache(128, LLAMA8B, torch.bfloat16, device="cuda")
     host = HostBlockStore.for_cache(cache, 128 * host_block_bytes(cache))

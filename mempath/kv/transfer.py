@@ -138,6 +138,11 @@ class TransferEngine:
         # Per direction: (PCIe copy stream, gather/scatter kernel stream).
         self._streams = ({d: (torch.cuda.Stream(self.device, priority=-1), torch.cuda.Stream(self.device, priority=-1))
                           for d in (D2H, H2D)} if self._cuda else {})
+        # Per direction and staging half: the event after which the half may be refilled,
+        # and which half the next chunk takes. Kept across transfers: a transfer's first
+        # chunk must not overwrite a half the previous one is still copying or scattering.
+        self._half_free = {d: [None, None] for d in (D2H, H2D)}
+        self._next_half = {D2H: 0, H2D: 0}
         self._stats = {d: {"transfers": 0, "blocks": 0, "bytes": 0, "seconds": 0.0} for d in (D2H, H2D)}
         self._in_flight = 0
 
@@ -179,7 +184,7 @@ class TransferEngine:
         # Timed on the copy stream from where this transfer may start: after the work
         # queued on the current stream and after the previous transfer's copies, so the
         # windows of back-to-back transfers do not overlap (a D2H's first gather may run
-        # ahead, during the previous transfer's copies; an isolated one's is inside).
+        # ahead into the half the previous transfer is not using; an isolated one's is inside).
         start.record(copy_stream)
         release = self._copy_chunks(direction, gpu_ids, cpu_ids, transfer)
         # The last work is a scatter (H2D) or a PCIe copy (D2H).
@@ -208,12 +213,13 @@ class TransferEngine:
         transfer._keep.append(gpu)
         halves = 2 if self._cuda and self.staging_blocks >= 2 else 1
         chunk = self.staging_blocks // halves
-        half_free = [None, None]  # per staging half: the event after which it may be refilled
+        half_free = self._half_free[direction]
         last_gather = None
-        for i, lo in enumerate(range(0, len(gpu_ids), chunk)):
+        for lo in range(0, len(gpu_ids), chunk):
             hi = min(lo + chunk, len(gpu_ids))
             k = hi - lo
-            half = i % halves
+            half = self._next_half[direction]
+            self._next_half[direction] = (half + 1) % halves
             buffer = staging[half * chunk:half * chunk + k]
             with _on(kernel_stream):
                 rows = (gpu[lo:hi, None] + self._slice_offsets[None, :]).view(-1)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from mempath.kv.attention import attend_torch, write_kv
-from mempath.model.ops import linear, rms_norm, rope_and_store, silu_and_mul
+from mempath.model.ops import rms_norm, rope_and_store, silu_and_mul
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -119,11 +119,6 @@ class AttentionMetadata:
     decode_workspace: object = None  # preallocated split-K buffers for the Triton decode kernel
 
 
-class Linear(nn.Linear):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -198,8 +193,8 @@ class Attention(nn.Module):
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim ** -0.5
-        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
-        self.o_proj = Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
@@ -231,8 +226,8 @@ class MLP(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.intermediate_size = spec.intermediate_size
-        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
-        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -284,7 +279,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.model = DecoderModel(spec, max_positions)
-        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

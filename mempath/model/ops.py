@@ -14,16 +14,6 @@ import torch.nn.functional as F
 USE_TRITON = True
 # Rotary and the KV write as one kernel (False: two; for A/B measurements).
 FUSE_ROPE_AND_STORE = True
-# One-row products through cuBLAS's matrix-vector kernel rather than its GEMM
-# (cuBLAS's GEMM tiles leave SMs idle on Llama-8B's qkv and o_proj at batch 1).
-MATVEC_FOR_ONE_ROW = False
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if MATVEC_FOR_ONE_ROW and x.is_cuda and x.dim() == 2 and x.shape[0] == 1:
-        out = torch.mv(weight, x[0]) if bias is None else torch.addmv(bias, weight, x[0])
-        return out.unsqueeze(0)
-    return F.linear(x, weight, bias)
 
 
 def _fused(x: torch.Tensor) -> bool:
@@ -80,8 +70,10 @@ def apply_rope_torch(positions, q, k, cos, sin):
 def rope_and_store(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, write_kv_fn):
     """Rotate q and k, then store k and v into their cache slots; returns the rotated q.
 
-    On CUDA one fused kernel does all of it; otherwise the rotary twin, then
-    ``write_kv_fn`` (the PyTorch or the Triton KV write).
+    On CUDA one fused kernel does all of it, with the Triton KV write's layout (the
+    cache ``[num_blocks, block_size, H, D]``, contiguous; negative slots skipped), and
+    ``write_kv_fn`` is not called; otherwise the rotary twin, then ``write_kv_fn``
+    (the PyTorch or the Triton KV write).
     """
     if _fused(q) and FUSE_ROPE_AND_STORE:
         from mempath.model.triton_ops import triton_rope_and_store

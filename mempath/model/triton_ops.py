@@ -171,7 +171,11 @@ def triton_rope_and_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Ten
         return
     num_kv_heads = k.shape[1]
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and cos.stride(1) == 1
+    assert v.shape == k.shape == (num_tokens, num_kv_heads, head_dim)
+    assert positions.shape == slot_mapping.shape == (num_tokens,)
+    assert positions.is_contiguous() and slot_mapping.is_contiguous()
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[-2:] == (num_kv_heads, head_dim)
+    assert v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype
     half = head_dim // 2
     _rope_store_kernel[(num_tokens,)](
         positions, q, k, v, cos, sin, slot_mapping, k_cache, v_cache,
