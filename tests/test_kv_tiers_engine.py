@@ -85,6 +85,7 @@ def assert_no_leak(llm):
         host.check_invariants()
         owned = host.num_blocks - host.num_free - len(host._index)
         assert owned == 0, f"{owned} host blocks owned by nobody"
+        assert not tiers._loading, "hashes still marked as loading with no load in flight"
         if tiers.disk is not None:
             assert tiers.disk.used_bytes <= tiers.disk.capacity_bytes
 
@@ -97,6 +98,28 @@ def test_multi_turn_reuses_the_cpu_tier(tiny, reference):
     assert stats["hits_blocks"]["cpu"] > 0 and stats["demoted_blocks"] > 0
     assert all(c > 0 for c in cached[4:])  # every second turn found its first turn's KV
     assert stats["moved"]["cpu_to_gpu"]["bytes"] == stats["moved"]["cpu_to_gpu"]["blocks"] * BLOCK_NBYTES
+    assert_no_leak(llm)
+
+
+def test_a_prefix_being_loaded_is_loaded_once(tiny):
+    """Two requests arrive together whose shared prefix sits in the host tier: the second
+    waits for the first's load and takes the blocks from the device, not a second copy."""
+    shared = conversations(1, 40)[0]
+    others = conversations(4, 40)[1:]
+    prompts = [shared + [201, 202, 203], shared + [204, 205]]
+    expected = [o.token_ids for o in make_llm(tiny).generate(prompts, greedy(), use_tqdm=False)]
+    llm = make_llm(tiny, cpu_kv_gb=gb(32))
+    llm.generate(shared, greedy(), use_tqdm=False)
+    for other in others:  # the pool's 8 blocks turn over: the shared prefix goes to the host tier
+        llm.generate(other, greedy(), use_tqdm=False)
+    before = tier_stats(llm)
+    outs = llm.generate(prompts, greedy(), use_tqdm=False)
+    after = tier_stats(llm)
+    assert [o.token_ids for o in outs] == expected
+    full_blocks = len(shared) // BLOCK
+    assert after["hits_blocks"]["cpu"] - before["hits_blocks"]["cpu"] == full_blocks
+    assert after["moved"]["cpu_to_gpu"]["blocks"] - before["moved"]["cpu_to_gpu"]["blocks"] == full_blocks
+    assert [o.num_cached_tokens for o in outs] == [full_blocks * BLOCK] * 2
     assert_no_leak(llm)
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from mempath.config import EngineConfig
 from mempath.engine.request import Request, RequestStatus
 from mempath.kv.manager import KVCacheManager
-from mempath.kv.tiered import Load
+from mempath.kv.tiered import GPU, Load
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,9 @@ class Scheduler:
             cached = self.kv.find_cached_prefix(request)
             if self.kv.tiers is not None:
                 found = self.kv.find_in_tiers(request, len(cached))
+                hashes = request.block_hashes[len(cached):len(cached) + len(found)]
+                if self.kv.tiers.being_loaded(h for (tier, _), h in zip(found, hashes) if tier != GPU):
+                    break  # another request is loading this prefix: take it from the device once it lands
                 if found:
                     found = self.kv.tiers.worth_loading(request.request_id, found)
                 if found:
