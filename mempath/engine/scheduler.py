@@ -100,8 +100,7 @@ class Scheduler:
             cached = self.kv.find_cached_prefix(request)
             if self.kv.tiers is not None:
                 found = self.kv.find_in_tiers(request, len(cached))
-                hashes = request.block_hashes[len(cached):len(cached) + len(found)]
-                if self.kv.tiers.being_loaded(h for (tier, _), h in zip(found, hashes) if tier != GPU):
+                if self._being_loaded(request.block_hashes[len(cached):len(cached) + len(found)], found):
                     break  # another request is loading this prefix: take it from the device once it lands
                 if found:
                     found = self.kv.tiers.worth_loading(request.request_id, found)
@@ -123,6 +122,12 @@ class Scheduler:
             batch.requests.append(request)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
+
+    def _being_loaded(self, hashes: list[bytes], found: list) -> bool:
+        """Whether a host or disk block of ``found`` is on its way to the device for another request."""
+        wanted = {h for (tier, _), h in zip(found, hashes) if tier != GPU}
+        return bool(wanted) and any(h in wanted for load in self.loading.values()
+                                    for h, tier in zip(load.hashes, load.sources) if tier != GPU)
 
     def _start_loading(self, request: Request, load: Load) -> None:
         self.waiting.popleft()

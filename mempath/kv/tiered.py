@@ -103,9 +103,6 @@ class TieredKV:
         self.rates: dict = {}
         self.cost = CostModel(block_size, self.block_nbytes, self.rates)
         self.counters: Counter[str] = Counter()
-        # Hashes of host/disk blocks on their way to the device for some request: a
-        # second request needing them waits for that load rather than copying them again.
-        self._loading: Counter[bytes] = Counter()
         # Device → host copies in flight: (transfer, host ids, write through once done).
         self._d2h: list[tuple[Transfer, set[int], list[int]]] = []
 
@@ -253,10 +250,6 @@ class TieredKV:
                 return found[:i]
         return found
 
-    def being_loaded(self, hashes) -> bool:
-        """Whether any of these block hashes is being loaded onto the device for a request."""
-        return any(h in self._loading for h in hashes)
-
     def start_promotion(self, request, cached: list[int], found: list) -> Load | None:
         """Give the request device blocks for ``found`` and start loading them; None if they don't fit.
 
@@ -292,7 +285,6 @@ class TieredKV:
         request.block_table = cached + gpu_ids
         request.num_computed_tokens = len(cached) * self.block_size
         request.num_registered_blocks = len(cached)
-        self._loading.update(h for h, t in zip(load.hashes, load.sources) if t != GPU)
         return load
 
     def _launch_h2d(self, load: Load, host_ids: list[int], gpu_ids: list[int]) -> None:
@@ -336,15 +328,8 @@ class TieredKV:
         for transfer in load.transfers:
             transfer.wait()
 
-    def _done_loading(self, load: Load) -> None:
-        if load.swap_host_ids:
-            return  # a swap-in's blocks are the request's own, never shared
-        self._loading.subtract(h for h, t in zip(load.hashes, load.sources) if t != GPU)
-        self._loading = +self._loading  # drop the zero counts
-
     def land(self, load: Load) -> None:
         """Hand the loaded blocks to the request: computed tokens, prefix-cache entries, counters."""
-        self._done_loading(load)
         request = load.request
         first = len(request.block_table) - len(load.gpu_ids)
         keep = first + load.num_valid
@@ -375,7 +360,6 @@ class TieredKV:
 
         The caller frees the device blocks (they are in the request's block table).
         """
-        self._done_loading(load)
         self.wait(load)
         if load.swap_host_ids:
             self.host.free(load.swap_host_ids)

@@ -42,22 +42,37 @@ if HAS_TRITON:
         tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
 
     @triton.jit
-    def _rotate_heads(base, t, stride_t, stride_h, n_heads, c, s,
-                      HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr):
+    def _cos_sin(pos_ptr, cos_ptr, sin_ptr, t, stride_cos, dtype, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+        """Token t's cos and sin rows, as float32 values of the activation dtype."""
+        pos = tl.load(pos_ptr + t)
         d = tl.arange(0, HALF_PAD)
-        heads = tl.arange(0, HEADS_PAD)
-        dtype = base.dtype.element_ty
-        mask = (heads[:, None] < n_heads) & (d[None, :] < HALF)
-        ptr = base + t * stride_t + heads[:, None] * stride_h + d[None, :]
-        x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
-        # x*cos + rotate_half(x)*sin, each product rounded like the PyTorch expression.
+        dmask = d < HALF
+        # The tables are float32; PyTorch casts them to the activation dtype first.
+        c = tl.load(cos_ptr + pos * stride_cos + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)
+        s = tl.load(sin_ptr + pos * stride_cos + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)
+        return c, s
+
+    @triton.jit
+    def _rotate(x1, x2, c, s, dtype):
+        """x*cos + rotate_half(x)*sin for the two halves, each product rounded like the PyTorch expression."""
         a1 = (x1 * c[None, :]).to(dtype).to(tl.float32)
         b1 = (-x2 * s[None, :]).to(dtype).to(tl.float32)
         a2 = (x2 * c[None, :]).to(dtype).to(tl.float32)
         b2 = (x1 * s[None, :]).to(dtype).to(tl.float32)
-        tl.store(ptr, (a1 + b1).to(dtype), mask=mask)
-        tl.store(ptr + HALF, (a2 + b2).to(dtype), mask=mask)
+        return (a1 + b1).to(dtype), (a2 + b2).to(dtype)
+
+    @triton.jit
+    def _rotate_heads(base, t, stride_t, stride_h, n_heads, c, s,
+                      HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr):
+        d = tl.arange(0, HALF_PAD)
+        heads = tl.arange(0, HEADS_PAD)
+        mask = (heads[:, None] < n_heads) & (d[None, :] < HALF)
+        ptr = base + t * stride_t + heads[:, None] * stride_h + d[None, :]
+        x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
+        y1, y2 = _rotate(x1, x2, c, s, base.dtype.element_ty)
+        tl.store(ptr, y1, mask=mask)
+        tl.store(ptr + HALF, y2, mask=mask)
 
     @triton.jit
     def _rope_store_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
@@ -69,22 +84,18 @@ if HAS_TRITON:
         # the k cache and copy its v heads into the v cache (the rotated k is never
         # written back to the qkv buffer: only the cache reads it).
         t = tl.program_id(0).to(tl.int64)
-        pos = tl.load(pos_ptr + t)
-        d = tl.arange(0, HALF_PAD)
-        dmask = d < HALF
         dtype = q_ptr.dtype.element_ty
-        c = tl.load(cos_ptr + pos * stride_cos + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)
-        s = tl.load(sin_ptr + pos * stride_cos + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)
+        c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, t, stride_cos, dtype, HALF, HALF_PAD)
         _rotate_heads(q_ptr, t, stride_qt, stride_qh, num_q_heads, c, s, HALF, HALF_PAD, HEADS_PAD)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
+            d = tl.arange(0, HALF_PAD)
             heads = tl.arange(0, KV_HEADS_PAD)
-            mask = (heads[:, None] < num_kv_heads) & dmask[None, :]
+            mask = (heads[:, None] < num_kv_heads) & (d[None, :] < HALF)
             src = k_ptr + t * stride_kt + heads[:, None] * stride_kh + d[None, :]
             x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
             x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-            y1 = ((x1 * c[None, :]).to(dtype).to(tl.float32) + (-x2 * s[None, :]).to(dtype).to(tl.float32)).to(dtype)
-            y2 = ((x2 * c[None, :]).to(dtype).to(tl.float32) + (x1 * s[None, :]).to(dtype).to(tl.float32)).to(dtype)
+            y1, y2 = _rotate(x1, x2, c, s, dtype)
             cache_dtype = k_cache_ptr.dtype.element_ty
             dst = k_cache_ptr + slot * stride_slot + heads[:, None] * (2 * HALF) + d[None, :]
             tl.store(dst, y1.to(cache_dtype), mask=mask)
@@ -99,13 +110,7 @@ if HAS_TRITON:
                      stride_cos, num_q_heads, num_k_heads,
                      HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
-        pos = tl.load(pos_ptr + t)
-        d = tl.arange(0, HALF_PAD)
-        dmask = d < HALF
-        dtype = q_ptr.dtype.element_ty
-        # The tables are float32; PyTorch casts them to the activation dtype first.
-        c = tl.load(cos_ptr + pos * stride_cos + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)
-        s = tl.load(sin_ptr + pos * stride_cos + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)
+        c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, t, stride_cos, q_ptr.dtype.element_ty, HALF, HALF_PAD)
         _rotate_heads(q_ptr, t, stride_qt, stride_qh, num_q_heads, c, s, HALF, HALF_PAD, HEADS_PAD)
         _rotate_heads(k_ptr, t, stride_kt, stride_kh, num_k_heads, c, s, HALF, HALF_PAD, HEADS_PAD)
 
