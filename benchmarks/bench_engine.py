@@ -81,20 +81,43 @@ def _set_rope_store(on: bool):
     ops.FUSE_ROPE_AND_STORE = on
 
 
+def _set_pdl(on: bool):
+    from mempath.kv import triton_attention
+    triton_attention.USE_PDL = on
+
+
 def _set_cublas(default: bool):
     torch.backends.cuda.preferred_blas_library("cublas" if default else "cublaslt")
 
 
 # --variants NAME: the same measurement with one choice flipped, in the same run:
 # a fast-path piece turned off, or an alternative we did not adopt.
-VARIANTS = {"no-fused-rope-store": _set_rope_store, "cublaslt": _set_cublas}
+VARIANTS = {"no-fused-rope-store": _set_rope_store, "no-pdl": _set_pdl, "cublaslt": _set_cublas}
 
 
-def measure_latency(args, prompts) -> dict:
+def copy_weights(llm, hf) -> None:
+    """Give mempath the transformers model's (random) weights, so their greedy tokens can be compared."""
+    from mempath.model.loader import checkpoint_target
+    model = llm.engine.runner.model
+    params = dict(model.named_parameters(remove_duplicate=False))
+    copied = set()
+    with torch.no_grad():
+        for name, tensor in hf.state_dict().items():
+            target_name, target = checkpoint_target(params, name, model.spec)
+            if target is not None:
+                target.copy_(tensor)
+                copied.add(target_name)
+    missing = set(params) - copied - ({"lm_head.weight"} if model.spec.tie_word_embeddings else set())
+    assert not missing, f"not copied from transformers: {sorted(missing)[:5]}"
+
+
+def measure_latency(args, prompts, hf=None) -> dict:
     path = model_dir(args.shape)
     llm = LLM(path, load_format="dummy", dtype="bfloat16", max_num_seqs=args.batch,
               max_model_len=args.prompt_len + args.new_tokens + 32, show_progress=False,
               enforce_eager=args.enforce_eager)
+    if hf is not None:
+        copy_weights(llm, hf)
     weight_bytes = llm.engine.ledger.get("weights")
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
@@ -117,22 +140,24 @@ def bench_latency(args) -> dict:
     rng = np.random.default_rng(0)
     vocab = json.loads((SHAPES / f"{args.shape}.json").read_text())["vocab_size"]
     prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(args.batch)]
-    main = measure_latency(args, prompts)
+    # transformers' model is built first and mempath runs on its weights: random weights
+    # drawn separately would make the token comparison meaningless.
+    model = hf_model(args.shape) if args.hf_tokens > 0 else None
+    main = measure_latency(args, prompts, model)
     ms_token, ttft_ms, weight_bytes = main["ms_per_token"], main["ttft_ms"], main["weight_bytes"]
     limit_ms = 1e3 * weight_bytes / bandwidth
     variants = {}
     for name in args.variants:
         VARIANTS[name](False)
         try:
-            result = measure_latency(args, prompts)
+            result = measure_latency(args, prompts, model)
         finally:
             VARIANTS[name](True)
         variants[name] = {"ms_per_token": result["ms_per_token"],
                            "same_tokens": result["tokens"] == main["tokens"]}
 
-    hf_ms = same_as_hf = None
-    if args.hf_tokens > 0:
-        model = hf_model(args.shape)
+    hf_ms = same_as_hf = divergence = None
+    if model is not None:
         ids = torch.tensor(prompts, device="cuda")
         mask = torch.ones_like(ids)
 
@@ -151,10 +176,24 @@ def bench_latency(args) -> dict:
         hf_ms = 1e3 * (timed(args.hf_tokens) - timed(1)) / (args.hf_tokens - 1)
         timed(args.hf_tokens)
         # Random weights give nearly flat logits, where bf16 rounding differences flip
-        # near-ties: how far the greedy tokens agree, not a pass/fail.
+        # near-ties: how far the greedy tokens agree, and at the first difference how far
+        # apart transformers' own logits put the two tokens.
         same_as_hf = min(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
                          for a, b in zip(main["tokens"], hf_tokens))
         print(f"greedy tokens identical to transformers: the first {same_as_hf} of {args.hf_tokens}")
+        if same_as_hf < args.hf_tokens:
+            row = next(r for r, (a, b) in enumerate(zip(main["tokens"], hf_tokens))
+                       if a[same_as_hf] != b[same_as_hf])
+            ours, theirs = main["tokens"][row][same_as_hf], hf_tokens[row][same_as_hf]
+            with torch.no_grad():
+                seq = torch.tensor([prompts[row] + hf_tokens[row][:same_as_hf]], device="cuda")
+                logits = model(seq).logits[0, -1].float()
+            top2 = logits.topk(2).values
+            divergence = {"token": same_as_hf, "hf_logit_gap": (logits[theirs] - logits[ours]).item(),
+                          "hf_top1_top2_gap": (top2[0] - top2[1]).item(), "hf_logit_std": logits.std().item()}
+            print(f"first difference at token {same_as_hf}: transformers' logit for its token exceeds "
+                  f"its logit for mempath's by {divergence['hf_logit_gap']:.4f} "
+                  f"(logits' standard deviation {divergence['hf_logit_std']:.3f})")
         del model
         torch.cuda.empty_cache()
 
@@ -173,7 +212,7 @@ def bench_latency(args) -> dict:
     return {"bench": "latency", "shape": args.shape, "batch": args.batch, "ms_per_token": ms_token,
             "ttft_ms": ttft_ms, "limit_ms_per_token": limit_ms, "fraction_of_limit": limit_ms / ms_token,
             "hf_ms_per_token": hf_ms, "copy_bandwidth": bandwidth, "weight_bytes": weight_bytes,
-            "variants": variants, "same_tokens_as_hf": same_as_hf}
+            "variants": variants, "same_tokens_as_hf": same_as_hf, "first_divergence": divergence}
 
 
 # --------------------------------------------------------------------------- throughput

@@ -24,7 +24,7 @@ step() {
 step tests 260 python3 -m pytest -q -p no:cacheprovider tests/test_fused_ops.py tests/test_gpu_engine.py tests/test_triton_kernels.py tests/test_tiers.py
 step gpu-tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_fused_ops.py tests/test_gpu_engine.py tests/test_tiers.py
 step latency 330 python3 benchmarks/bench_engine.py latency --shape llama-3.1-8b --hf-tokens 32 \
-  --variants "${VARIANTS:-no-fused-rope-store}"
+  --variants "${VARIANTS:-no-pdl}"
 step tput-qwen3 150 python3 benchmarks/bench_engine.py throughput --shape qwen3-0.6b --hf-timeout "$HF_TIMEOUT"
 step tput-llama 200 python3 benchmarks/bench_engine.py throughput --shape llama-3.1-8b --hf-timeout "$HF_TIMEOUT"
 step blocks 170 python3 benchmarks/bench_engine.py block-size --shape qwen3-0.6b --num-requests 64 --max-num-seqs 64 \

@@ -28,6 +28,29 @@ def test_cuda_float32_matches_cpu_path(arch, tmp_path):
         torch.cuda.empty_cache()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs Hopper or later")
+def test_programmatic_dependent_launch_changes_no_token(tmp_path, monkeypatch):
+    """Kernels that start before their predecessor ends must still read its finished output:
+    the same bf16 tokens, graphs and eager, with and without programmatic dependent launch."""
+    from mempath.kv import triton_attention
+    make_model(tmp_path, "llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+               num_attention_heads=8, num_key_value_heads=2)
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    prompts = PROMPTS * 4  # 16 sequences: several decode splits and batch buckets
+    outs = {}
+    for pdl in (True, False):
+        monkeypatch.setattr(triton_attention, "USE_PDL", pdl)
+        assert triton_attention.use_pdl(torch.device("cuda")) == pdl
+        for eager in (True, False):
+            llm = LLM(str(tmp_path), dtype="bfloat16", device="cuda", show_progress=False, enforce_eager=eager,
+                      max_num_seqs=16, max_num_batched_tokens=128)
+            outs[pdl, eager] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            del llm
+            torch.cuda.empty_cache()
+    assert outs[True, False] == outs[False, False] and outs[True, True] == outs[False, True]
+
+
 def test_bf16_matches_transformers_first_32_tokens():
     from transformers import AutoModelForCausalLM
     from mempath.assets import default_model_path

@@ -47,6 +47,12 @@ except ImportError:  # pragma: no cover - depends on the environment
     triton = None
     tl = None
     HAS_TRITON = False
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAS_PDL = True
+except ImportError:  # pragma: no cover - Triton before 3.4
+    HAS_PDL = False
 
 LOG2E = 1.4426950408889634
 
@@ -58,6 +64,31 @@ DECODE_TILE = 64
 MAX_DECODE_SPLITS = 64
 # Target number of decode programs per SM: enough to hide memory latency.
 DECODE_PROGRAMS_PER_SM = 4
+
+
+# Programmatic dependent launch (Hopper and later): a kernel may start while the
+# one before it in the stream is finishing; it waits on the device
+# (griddepcontrol.wait) before reading or writing anything that kernel touches.
+# At batch 1 a decode step is ~400 kernels, most lasting a few microseconds, so
+# their start-up is worth hiding. Set to False for A/B measurements.
+USE_PDL = True
+_PDL_DEVICES = {}
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether kernels launched on ``device`` use programmatic dependent launch.
+
+    Every kernel launched this way calls ``_pdl_wait`` before its first access to
+    activations, the KV cache or the step's inputs; only weights and constant tables
+    may be read before it (a kernel that skips the wait could finish before its
+    predecessor, and the one after it would then not wait for that predecessor).
+    """
+    if not (USE_PDL and HAS_TRITON and HAS_PDL and device.type == "cuda"):
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _PDL_DEVICES:
+        _PDL_DEVICES[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _PDL_DEVICES[index]
 
 
 class DecodeWorkspace(NamedTuple):
@@ -153,6 +184,13 @@ def _pipeline_stages(tile_bytes: int) -> int:
 if HAS_TRITON:
 
     @triton.jit
+    def _pdl_wait(PDL: tl.constexpr):
+        """Wait for the previous kernel's writes, then let the next kernel launch."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+
+    @triton.jit
     def _write_kv_kernel(
         key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
         stride_kt, stride_kh, stride_kd,
@@ -161,8 +199,9 @@ if HAS_TRITON:
         stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d,
         num_kv_heads,
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        HEADS_PER_PROG: tl.constexpr, D_PAD: tl.constexpr,
+        HEADS_PER_PROG: tl.constexpr, D_PAD: tl.constexpr, PDL: tl.constexpr,
     ):
+        _pdl_wait(PDL)
         token = tl.program_id(0)
         slot = tl.load(slot_ptr + token).to(tl.int64)
         if slot < 0:
@@ -202,8 +241,9 @@ if HAS_TRITON:
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-        SPLIT: tl.constexpr, PRECISION: tl.constexpr, VARLEN: tl.constexpr,
+        SPLIT: tl.constexpr, PRECISION: tl.constexpr, VARLEN: tl.constexpr, PDL: tl.constexpr,
     ):
+        _pdl_wait(PDL)
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -280,8 +320,9 @@ if HAS_TRITON:
         stride_ot, stride_oh, stride_od,
         num_heads, num_splits,
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-        SPLITS_PAD: tl.constexpr, TILE: tl.constexpr, VARLEN: tl.constexpr,
+        SPLITS_PAD: tl.constexpr, TILE: tl.constexpr, VARLEN: tl.constexpr, PDL: tl.constexpr,
     ):
+        _pdl_wait(PDL)
         seq = tl.program_id(0)
         head = tl.program_id(1)
         if VARLEN:
@@ -324,8 +365,9 @@ if HAS_TRITON:
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        PRECISION: tl.constexpr, SKIP_DECODE: tl.constexpr,
+        PRECISION: tl.constexpr, SKIP_DECODE: tl.constexpr, PDL: tl.constexpr,
     ):
+        _pdl_wait(PDL)
         # The longest-running tiles (the last queries, which see the most keys)
         # are launched first.
         q_tile = num_q_tiles - 1 - tl.program_id(0)
@@ -449,12 +491,13 @@ def triton_write_kv(
     # ~2K elements per program: one wide vector store per head row.
     heads_per_prog = min(_next_pow2(num_kv_heads), max(1, 2048 // d_pad))
     grid = (num_tokens, triton.cdiv(num_kv_heads, heads_per_prog))
+    pdl = use_pdl(key.device)
     _write_kv_kernel[grid](
         key, value, k_cache, v_cache, slot_mapping,
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
         num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        HEADS_PER_PROG=heads_per_prog, D_PAD=d_pad,
+        HEADS_PER_PROG=heads_per_prog, D_PAD=d_pad, PDL=pdl, launch_pdl=pdl,
         num_warps=4 if heads_per_prog * d_pad >= 1024 else 2,
     )
 
@@ -520,6 +563,7 @@ def triton_decode_attention(
         part_out = part_lse = out  # unused by the kernel
 
     tile_bytes = 2 * DECODE_TILE * d_pad * k_cache.element_size()
+    pdl = use_pdl(query.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, query_start,
         out, part_out, part_lse,
@@ -532,7 +576,7 @@ def triton_decode_attention(
         HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, TILE=DECODE_TILE,
         SPLIT=split, PRECISION=_dot_precision(k_cache.dtype), VARLEN=varlen,
-        num_warps=4, num_stages=_pipeline_stages(tile_bytes),
+        PDL=pdl, launch_pdl=pdl, num_warps=4, num_stages=_pipeline_stages(tile_bytes),
     )
     if split:
         _decode_merge_kernel[(num_seqs, num_heads)](
@@ -542,6 +586,7 @@ def triton_decode_attention(
             HEAD_DIM=head_dim, D_PAD=d_pad,
             # One width for every split count: one compiled variant (unused splits are masked).
             SPLITS_PAD=_next_pow2(MAX_DECODE_SPLITS), TILE=DECODE_TILE, VARLEN=varlen,
+            PDL=pdl, launch_pdl=pdl,
             num_warps=4 if _next_pow2(MAX_DECODE_SPLITS) * d_pad <= 8192 else 8,
         )
     return out
@@ -629,6 +674,7 @@ def triton_prefill_attention(
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=config.block_n,
         PRECISION=_dot_precision(k_cache.dtype), SKIP_DECODE=skip_decode,
+        PDL=use_pdl(query.device), launch_pdl=use_pdl(query.device),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

@@ -104,7 +104,7 @@ def build_model(spec: ModelSpec, max_positions: int, dtype: torch.dtype, device:
     return model.eval().requires_grad_(False)
 
 
-def _target(params: dict[str, torch.Tensor], name: str, spec: ModelSpec):
+def checkpoint_target(params: dict[str, torch.Tensor], name: str, spec: ModelSpec):
     """The parameter (or slice of it) a checkpoint tensor is copied into."""
     base, _, kind = name.rpartition(".")  # kind: weight / bias
     for suffix, (fused_suffix, index) in _FUSED.items():
@@ -150,7 +150,7 @@ def load_weights(model: CausalLM, model_dir: Path, show_progress: bool = True) -
                     continue
                 if tied and name == "lm_head.weight":
                     continue
-                target_name, target = _target(params, name, model.spec)
+                target_name, target = checkpoint_target(params, name, model.spec)
                 if target is None:
                     unexpected.append(name)
                     continue

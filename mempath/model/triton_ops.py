@@ -6,6 +6,8 @@ what is left per layer is mostly these kernels' count and memory traffic.
 """
 import torch
 
+from mempath.kv.triton_attention import use_pdl
+
 try:
     import triton
     import triton.language as tl
@@ -20,15 +22,18 @@ def _next_pow2(n: int) -> int:
 
 
 if HAS_TRITON:
+    from mempath.kv.triton_attention import _pdl_wait
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_res, stride_out, n_cols, eps,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
         # All loads issued up front: at one row per step the kernel is load latency.
+        # The weight is constant, so it is read while the previous kernel finishes.
         w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        _pdl_wait(PDL)
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
         if HAS_RESIDUAL:
             r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
@@ -79,10 +84,11 @@ if HAS_TRITON:
                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
                            stride_slot, num_q_heads, num_kv_heads,
                            HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr,
-                           KV_HEADS_PAD: tl.constexpr):
+                           KV_HEADS_PAD: tl.constexpr, PDL: tl.constexpr):
         # One program per token: rotate its q heads in place, rotate its k heads into
         # the k cache and copy its v heads into the v cache (the rotated k is never
         # written back to the qkv buffer: only the cache reads it).
+        _pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64)
         dtype = q_ptr.dtype.element_ty
         c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, t, stride_cos, dtype, HALF, HALF_PAD)
@@ -108,14 +114,17 @@ if HAS_TRITON:
     @triton.jit
     def _rope_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
                      stride_cos, num_q_heads, num_k_heads,
-                     HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr):
+                     HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr, PDL: tl.constexpr):
+        _pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64)
         c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, t, stride_cos, q_ptr.dtype.element_ty, HALF, HALF_PAD)
         _rotate_heads(q_ptr, t, stride_qt, stride_qh, num_q_heads, c, s, HALF, HALF_PAD, HEADS_PAD)
         _rotate_heads(k_ptr, t, stride_kt, stride_kh, num_k_heads, c, s, HALF, HALF_PAD, HEADS_PAD)
 
     @triton.jit
-    def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr):
+    def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr,
+                             PDL: tl.constexpr):
+        _pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -143,10 +152,17 @@ def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
         res = x
     x2, out2, res2 = x.view(rows, n_cols), out.view(rows, n_cols), res.view(rows, n_cols)
     block = _next_pow2(n_cols)
+    pdl = use_pdl(x.device)
     _rms_norm_kernel[(rows,)](
         x2, res2, weight, out2, x2.stride(0), res2.stride(0), out2.stride(0), n_cols, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+        HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=pdl, launch_pdl=pdl,
+        num_warps=min(16, max(1, block // 256)))
     return out, residual
+
+
+# The rotary kernels round each product to the activation dtype before the sum, as
+# the PyTorch expression does; they are compiled without multiply-add contraction
+# (enable_fp_fusion=False) so that the compiler cannot skip a rounding.
 
 
 def triton_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
@@ -157,10 +173,12 @@ def triton_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: 
         return
     assert q.stride(2) == 1 and k.stride(2) == 1 and cos.stride(1) == 1
     half = head_dim // 2
+    pdl = use_pdl(q.device)
     _rope_kernel[(num_tokens,)](
         positions, q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
         num_q_heads, k.shape[1], HALF=half, HALF_PAD=_next_pow2(half),
-        HEADS_PAD=_next_pow2(max(num_q_heads, k.shape[1])), num_warps=4)
+        HEADS_PAD=_next_pow2(max(num_q_heads, k.shape[1])), PDL=pdl, launch_pdl=pdl, num_warps=4,
+        enable_fp_fusion=False)
 
 
 def triton_rope_and_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -182,12 +200,14 @@ def triton_rope_and_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Ten
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[-2:] == (num_kv_heads, head_dim)
     assert v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype
     half = head_dim // 2
+    pdl = use_pdl(q.device)
     _rope_store_kernel[(num_tokens,)](
         positions, q, k, v, cos, sin, slot_mapping, k_cache, v_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         num_kv_heads * head_dim, num_q_heads, num_kv_heads,
         HALF=half, HALF_PAD=_next_pow2(half), HEADS_PAD=_next_pow2(num_q_heads),
-        KV_HEADS_PAD=_next_pow2(num_kv_heads), num_warps=4)
+        KV_HEADS_PAD=_next_pow2(num_kv_heads), PDL=pdl, launch_pdl=pdl, num_warps=4,
+        enable_fp_fusion=False)
 
 
 def triton_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -199,5 +219,6 @@ def triton_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x2, out2 = x.view(rows, 2 * n_cols), out.view(rows, n_cols)
     block = min(1024, _next_pow2(n_cols))
     _silu_and_mul_kernel[(rows, triton.cdiv(n_cols, block))](
-        x2, out2, x2.stride(0), out2.stride(0), n_cols, BLOCK=block, num_warps=4)
+        x2, out2, x2.stride(0), out2.stride(0), n_cols, BLOCK=block, PDL=use_pdl(x.device),
+        launch_pdl=use_pdl(x.device), num_warps=4)
     return out
