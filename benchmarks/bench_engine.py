@@ -191,9 +191,9 @@ def bench_latency(args) -> dict:
             top2 = logits.topk(2).values
             divergence = {"token": same_as_hf, "hf_logit_gap": (logits[theirs] - logits[ours]).item(),
                           "hf_top1_top2_gap": (top2[0] - top2[1]).item(), "hf_logit_std": logits.std().item()}
-            print(f"first difference at token {same_as_hf}: transformers' logit for its token exceeds "
-                  f"its logit for mempath's by {divergence['hf_logit_gap']:.4f} "
-                  f"(logits' standard deviation {divergence['hf_logit_std']:.3f})")
+            print(f"first difference at token {same_as_hf}: transformers' full forward scores its generate() "
+                  f"token {divergence['hf_logit_gap']:+.4f} against mempath's (top-2 gap "
+                  f"{divergence['hf_top1_top2_gap']:.4f}, logits' standard deviation {divergence['hf_logit_std']:.3f})")
         del model
         torch.cuda.empty_cache()
 
