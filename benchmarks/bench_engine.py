@@ -188,12 +188,18 @@ def bench_latency(args) -> dict:
             with torch.no_grad():
                 seq = torch.tensor([prompts[row] + hf_tokens[row][:same_as_hf]], device="cuda")
                 logits = model(seq).logits[0, -1].float()
+                # The same model in float32: the reference both bf16 engines round away from.
+                exact = model.float()(seq).logits[0, -1]
             top2 = logits.topk(2).values
             divergence = {"token": same_as_hf, "hf_logit_gap": (logits[theirs] - logits[ours]).item(),
-                          "hf_top1_top2_gap": (top2[0] - top2[1]).item(), "hf_logit_std": logits.std().item()}
+                          "hf_top1_top2_gap": (top2[0] - top2[1]).item(), "hf_logit_std": logits.std().item(),
+                          "fp32_logit_gap": (exact[theirs] - exact[ours]).item(),
+                          "hf_bf16_vs_fp32_max_abs": (logits - exact).abs().max().item()}
             print(f"first difference at token {same_as_hf}: transformers' full forward scores its generate() "
                   f"token {divergence['hf_logit_gap']:+.4f} against mempath's (top-2 gap "
-                  f"{divergence['hf_top1_top2_gap']:.4f}, logits' standard deviation {divergence['hf_logit_std']:.3f})")
+                  f"{divergence['hf_top1_top2_gap']:.4f}, logits' standard deviation {divergence['hf_logit_std']:.3f}); "
+                  f"in float32 {divergence['fp32_logit_gap']:+.4f}; transformers' bf16 logits are up to "
+                  f"{divergence['hf_bf16_vs_fp32_max_abs']:.4f} from float32")
         del model
         torch.cuda.empty_cache()
 
