@@ -69,7 +69,7 @@ DECODE_PROGRAMS_PER_SM = 4
 # Programmatic dependent launch (Hopper and later): a kernel may start while the
 # one before it in the stream is finishing; it waits on the device
 # (griddepcontrol.wait) before reading or writing anything that kernel touches.
-# At batch 1 a decode step is ~400 kernels, most lasting a few microseconds, so
+# At batch 1 a decode step is ~390 kernels, most lasting a few microseconds, so
 # their start-up is worth hiding. Set to False for A/B measurements.
 USE_PDL = True
 _PDL_DEVICES = {}
