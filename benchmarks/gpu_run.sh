@@ -21,8 +21,8 @@ step() {
   timeout "$limit" "$@" 2>&1 | tee "$LOGS/$name.log" | grep -vE "^\s*$|Logger|Traceback|^  " | tail -n 14
   tar -czf "$OUT/logs.tgz" -C "$LOGS" .
 }
-step tests 260 python3 -m pytest -q -p no:cacheprovider tests/test_fused_ops.py tests/test_gpu_engine.py tests/test_triton_kernels.py tests/test_tiers.py
-step gpu-tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_fused_ops.py tests/test_gpu_engine.py tests/test_tiers.py
+step tests 260 python3 -m pytest -q -p no:cacheprovider tests/test_fused_ops.py tests/test_gpu_engine.py tests/test_triton_kernels.py tests/test_tiers.py tests/test_pdl.py
+step gpu-tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_fused_ops.py tests/test_gpu_engine.py tests/test_tiers.py tests/test_pdl.py
 step latency 330 python3 benchmarks/bench_engine.py latency --shape llama-3.1-8b --hf-tokens 32 \
   --variants "${VARIANTS:-no-pdl}"
 step tput-qwen3 150 python3 benchmarks/bench_engine.py throughput --shape qwen3-0.6b --hf-timeout "$HF_TIMEOUT"

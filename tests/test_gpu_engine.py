@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from mempath import LLM, SamplingParams
+from mempath.kv import triton_attention
 from tests.conftest import ARCHS, make_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -28,12 +29,12 @@ def test_cuda_float32_matches_cpu_path(arch, tmp_path):
         torch.cuda.empty_cache()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                    reason="programmatic dependent launch needs Hopper or later")
+@pytest.mark.skipif(not torch.cuda.is_available() or not triton_attention.use_pdl(torch.device("cuda")),
+                    reason="programmatic dependent launch needs Hopper or later and Triton >= 3.4")
 def test_programmatic_dependent_launch_changes_no_token(tmp_path, monkeypatch):
     """Kernels that start before their predecessor ends must still read its finished output:
-    the same bf16 tokens, graphs and eager, with and without programmatic dependent launch."""
-    from mempath.kv import triton_attention
+    the same bf16 tokens, graphs and eager, with and without programmatic dependent launch
+    (tests/test_pdl.py checks the rule in every kernel's source and that the overlap is real)."""
     make_model(tmp_path, "llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
                num_attention_heads=8, num_key_value_heads=2)
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)

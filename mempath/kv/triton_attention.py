@@ -34,6 +34,7 @@ device-to-host sync.
 Importing this module never fails: without Triton, ``HAS_TRITON`` is False
 and the launchers raise.
 """
+import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -85,10 +86,18 @@ def use_pdl(device: torch.device) -> bool:
     """
     if not (USE_PDL and HAS_TRITON and HAS_PDL and device.type == "cuda"):
         return False
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False  # the interpreter has no griddepcontrol
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _PDL_DEVICES:
         _PDL_DEVICES[index] = torch.cuda.get_device_capability(index)[0] >= 9
     return _PDL_DEVICES[index]
+
+
+def pdl_options(device: torch.device) -> dict:
+    """Launch arguments for a kernel with a ``PDL`` constexpr. ``launch_pdl`` is passed only
+    when on: Triton versions (and backends) without it reject the keyword."""
+    return {"PDL": True, "launch_pdl": True} if use_pdl(device) else {"PDL": False}
 
 
 class DecodeWorkspace(NamedTuple):
@@ -491,13 +500,12 @@ def triton_write_kv(
     # ~2K elements per program: one wide vector store per head row.
     heads_per_prog = min(_next_pow2(num_kv_heads), max(1, 2048 // d_pad))
     grid = (num_tokens, triton.cdiv(num_kv_heads, heads_per_prog))
-    pdl = use_pdl(key.device)
     _write_kv_kernel[grid](
         key, value, k_cache, v_cache, slot_mapping,
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
         num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        HEADS_PER_PROG=heads_per_prog, D_PAD=d_pad, PDL=pdl, launch_pdl=pdl,
+        HEADS_PER_PROG=heads_per_prog, D_PAD=d_pad, **pdl_options(key.device),
         num_warps=4 if heads_per_prog * d_pad >= 1024 else 2,
     )
 
@@ -563,7 +571,7 @@ def triton_decode_attention(
         part_out = part_lse = out  # unused by the kernel
 
     tile_bytes = 2 * DECODE_TILE * d_pad * k_cache.element_size()
-    pdl = use_pdl(query.device)
+    pdl = pdl_options(query.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, query_start,
         out, part_out, part_lse,
@@ -576,7 +584,7 @@ def triton_decode_attention(
         HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, TILE=DECODE_TILE,
         SPLIT=split, PRECISION=_dot_precision(k_cache.dtype), VARLEN=varlen,
-        PDL=pdl, launch_pdl=pdl, num_warps=4, num_stages=_pipeline_stages(tile_bytes),
+        **pdl, num_warps=4, num_stages=_pipeline_stages(tile_bytes),
     )
     if split:
         _decode_merge_kernel[(num_seqs, num_heads)](
@@ -586,7 +594,7 @@ def triton_decode_attention(
             HEAD_DIM=head_dim, D_PAD=d_pad,
             # One width for every split count: one compiled variant (unused splits are masked).
             SPLITS_PAD=_next_pow2(MAX_DECODE_SPLITS), TILE=DECODE_TILE, VARLEN=varlen,
-            PDL=pdl, launch_pdl=pdl,
+            **pdl,
             num_warps=4 if _next_pow2(MAX_DECODE_SPLITS) * d_pad <= 8192 else 8,
         )
     return out
@@ -674,7 +682,7 @@ def triton_prefill_attention(
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=config.block_n,
         PRECISION=_dot_precision(k_cache.dtype), SKIP_DECODE=skip_decode,
-        PDL=use_pdl(query.device), launch_pdl=use_pdl(query.device),
+        **pdl_options(query.device),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

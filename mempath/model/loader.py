@@ -104,7 +104,7 @@ def build_model(spec: ModelSpec, max_positions: int, dtype: torch.dtype, device:
     return model.eval().requires_grad_(False)
 
 
-def checkpoint_target(params: dict[str, torch.Tensor], name: str, spec: ModelSpec):
+def _target(params: dict[str, torch.Tensor], name: str, spec: ModelSpec):
     """The parameter (or slice of it) a checkpoint tensor is copied into."""
     base, _, kind = name.rpartition(".")  # kind: weight / bias
     for suffix, (fused_suffix, index) in _FUSED.items():
@@ -125,49 +125,43 @@ def checkpoint_target(params: dict[str, torch.Tensor], name: str, spec: ModelSpe
     return (name, param) if param is not None else (None, None)
 
 
-def load_weights(model: CausalLM, model_dir: Path, show_progress: bool = True) -> LoadReport:
-    files = find_weight_files(model_dir)
+def _skipped(name: str, model: CausalLM) -> bool:
+    """Checkpoint tensors not copied: buffers we recompute, a tied model's lm_head."""
+    return name.endswith(_IGNORED_SUFFIXES) or (model.spec.tie_word_embeddings and name == "lm_head.weight")
+
+
+def copy_checkpoint_tensors(model: CausalLM, tensors, source: str) -> int:
+    """Copy ``(where, name, tensor)`` triples, named as in a transformers checkpoint, into the model.
+
+    ``where`` (a file) names the tensor's origin in errors, ``source`` the whole
+    checkpoint. Raises if a tensor's shape does not match config.json or a parameter
+    (or a slice of a fused one) receives nothing. Returns how many tensors were copied.
+    """
     params = dict(model.named_parameters(remove_duplicate=False))
     # Each fused parameter must receive every one of its slices.
-    expected_pieces = {name: 0 for name in params}
-    for name in params:
-        if ".qkv_proj." in name:
-            expected_pieces[name] = 3
-        elif ".gate_up_proj." in name:
-            expected_pieces[name] = 2
-        else:
-            expected_pieces[name] = 1
+    expected_pieces = {name: 3 if ".qkv_proj." in name else 2 if ".gate_up_proj." in name else 1
+                       for name in params}
     received = {name: 0 for name in params}
     tied = model.spec.tie_word_embeddings
     loaded = 0
     unexpected = []
-    bar = tqdm(total=sum(os.path.getsize(f) for f in files), unit="B", unit_scale=True,
-               desc="Loading weights", disable=not show_progress)
-    for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES):
-                    continue
-                if tied and name == "lm_head.weight":
-                    continue
-                target_name, target = checkpoint_target(params, name, model.spec)
-                if target is None:
-                    unexpected.append(name)
-                    continue
-                tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise ValueError(
-                        f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, expected "
-                        f"{tuple(target.shape)} from config.json; the weights and config do not match")
-                with torch.no_grad():
-                    target.copy_(tensor)
-                # A slice counts one piece; a whole (already fused) tensor counts them all.
-                whole = target.shape == params[target_name].shape
-                received[target_name] += expected_pieces[target_name] if whole else 1
-                loaded += 1
-                bar.update(tensor.numel() * tensor.element_size())
-                del tensor
-    bar.close()
+    for where, name, tensor in tensors:
+        if _skipped(name, model):
+            continue
+        target_name, target = _target(params, name, model.spec)
+        if target is None:
+            unexpected.append(name)
+            continue
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(
+                f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, expected "
+                f"{tuple(target.shape)} from config.json; the weights and config do not match")
+        with torch.no_grad():
+            target.copy_(tensor)
+        # A slice counts one piece; a whole (already fused) tensor counts them all.
+        whole = target.shape == params[target_name].shape
+        received[target_name] += expected_pieces[target_name] if whole else 1
+        loaded += 1
     if unexpected:
         log.warning("ignored %d checkpoint tensors mempath does not use, e.g. %s",
                     len(unexpected), unexpected[:3])
@@ -176,9 +170,32 @@ def load_weights(model: CausalLM, model_dir: Path, show_progress: bool = True) -
     missing = [n for n in params if received[n] < expected_pieces[n]]
     if missing:
         raise ValueError(
-            f"{model_dir}: weights missing from the checkpoint: {missing[:5]}"
+            f"{source}: weights missing from the checkpoint: {missing[:5]}"
             f"{' ...' if len(missing) > 5 else ''} ({len(missing)} in all); the checkpoint is "
             f"incomplete or does not match config.json")
+    return loaded
+
+
+def load_weights(model: CausalLM, model_dir: Path, show_progress: bool = True) -> LoadReport:
+    files = find_weight_files(model_dir)
+    bar = tqdm(total=sum(os.path.getsize(f) for f in files), unit="B", unit_scale=True,
+               desc="Loading weights", disable=not show_progress)
+
+    def tensors():
+        for path in files:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if _skipped(name, model):
+                        continue  # not read from disk at all
+                    tensor = f.get_tensor(name)
+                    yield path, name, tensor
+                    bar.update(tensor.numel() * tensor.element_size())
+                    del tensor
+
+    try:
+        loaded = copy_checkpoint_tensors(model, tensors(), str(model_dir))
+    finally:
+        bar.close()
     seen = set()
     weight_bytes = 0
     for p in model.parameters():

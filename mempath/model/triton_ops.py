@@ -6,7 +6,7 @@ what is left per layer is mostly these kernels' count and memory traffic.
 """
 import torch
 
-from mempath.kv.triton_attention import use_pdl
+from mempath.kv.triton_attention import pdl_options
 
 try:
     import triton
@@ -152,10 +152,9 @@ def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
         res = x
     x2, out2, res2 = x.view(rows, n_cols), out.view(rows, n_cols), res.view(rows, n_cols)
     block = _next_pow2(n_cols)
-    pdl = use_pdl(x.device)
     _rms_norm_kernel[(rows,)](
         x2, res2, weight, out2, x2.stride(0), res2.stride(0), out2.stride(0), n_cols, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=pdl, launch_pdl=pdl,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, **pdl_options(x.device),
         num_warps=min(16, max(1, block // 256)))
     return out, residual
 
@@ -173,11 +172,10 @@ def triton_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: 
         return
     assert q.stride(2) == 1 and k.stride(2) == 1 and cos.stride(1) == 1
     half = head_dim // 2
-    pdl = use_pdl(q.device)
     _rope_kernel[(num_tokens,)](
         positions, q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
         num_q_heads, k.shape[1], HALF=half, HALF_PAD=_next_pow2(half),
-        HEADS_PAD=_next_pow2(max(num_q_heads, k.shape[1])), PDL=pdl, launch_pdl=pdl, num_warps=4,
+        HEADS_PAD=_next_pow2(max(num_q_heads, k.shape[1])), **pdl_options(q.device), num_warps=4,
         enable_fp_fusion=False)
 
 
@@ -200,13 +198,12 @@ def triton_rope_and_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Ten
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[-2:] == (num_kv_heads, head_dim)
     assert v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype
     half = head_dim // 2
-    pdl = use_pdl(q.device)
     _rope_store_kernel[(num_tokens,)](
         positions, q, k, v, cos, sin, slot_mapping, k_cache, v_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         num_kv_heads * head_dim, num_q_heads, num_kv_heads,
         HALF=half, HALF_PAD=_next_pow2(half), HEADS_PAD=_next_pow2(num_q_heads),
-        KV_HEADS_PAD=_next_pow2(num_kv_heads), PDL=pdl, launch_pdl=pdl, num_warps=4,
+        KV_HEADS_PAD=_next_pow2(num_kv_heads), **pdl_options(q.device), num_warps=4,
         enable_fp_fusion=False)
 
 
@@ -219,6 +216,6 @@ def triton_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x2, out2 = x.view(rows, 2 * n_cols), out.view(rows, n_cols)
     block = min(1024, _next_pow2(n_cols))
     _silu_and_mul_kernel[(rows, triton.cdiv(n_cols, block))](
-        x2, out2, x2.stride(0), out2.stride(0), n_cols, BLOCK=block, PDL=use_pdl(x.device),
-        launch_pdl=use_pdl(x.device), num_warps=4)
+        x2, out2, x2.stride(0), out2.stride(0), n_cols, BLOCK=block, **pdl_options(x.device),
+        num_warps=4)
     return out
