@@ -200,6 +200,23 @@ if HAS_TRITON:
             gdc_launch_dependents()
 
     @triton.jit
+    def _decode_row(query_start_ptr, seq, VARLEN: tl.constexpr):
+        """Sequence ``seq``'s query row, and whether it is a decode row. VARLEN: a mixed
+        batch, whose single-row sequences the decode kernels take (the prefill kernel the rest)."""
+        if VARLEN:
+            q_row = tl.load(query_start_ptr + seq)
+            is_decode = tl.load(query_start_ptr + seq + 1) - q_row == 1
+        else:
+            q_row = seq
+            is_decode = True
+        return q_row, is_decode
+
+    @triton.jit
+    def _split_len(seq_len, num_splits, TILE: tl.constexpr):
+        """Tokens per decode split: whole tiles, so the count of non-empty splits follows."""
+        return ((seq_len + num_splits - 1) // num_splits + TILE - 1) // TILE * TILE
+
+    @triton.jit
     def _write_kv_kernel(
         key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
         stride_kt, stride_kh, stride_kd,
@@ -256,18 +273,12 @@ if HAS_TRITON:
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
-        # VARLEN: a mixed batch; this kernel takes the single-row sequences and
-        # leaves the others to the prefill kernel.
-        if VARLEN:
-            q_row = tl.load(query_start_ptr + seq)
-            if tl.load(query_start_ptr + seq + 1) - q_row != 1:
-                return
-        else:
-            q_row = seq
+        q_row, is_decode = _decode_row(query_start_ptr, seq, VARLEN)
+        if not is_decode:
+            return
 
         seq_len = tl.load(seq_lens_ptr + seq)
-        # Splits cover whole tiles; the count of non-empty splits follows.
-        split_len = ((seq_len + num_splits - 1) // num_splits + TILE - 1) // TILE * TILE
+        split_len = _split_len(seq_len, num_splits, TILE)
         start = split * split_len
         end = tl.minimum(start + split_len, seq_len)
         if SPLIT:
@@ -334,15 +345,12 @@ if HAS_TRITON:
         _pdl_wait(PDL)
         seq = tl.program_id(0)
         head = tl.program_id(1)
-        if VARLEN:
-            q_row = tl.load(query_start_ptr + seq)
-            if tl.load(query_start_ptr + seq + 1) - q_row != 1:
-                return
-        else:
-            q_row = seq
+        q_row, is_decode = _decode_row(query_start_ptr, seq, VARLEN)
+        if not is_decode:
+            return
         seq_len = tl.load(seq_lens_ptr + seq)
-        # Same split arithmetic as the split kernel: which splits wrote.
-        split_len = ((seq_len + num_splits - 1) // num_splits + TILE - 1) // TILE * TILE
+        # Which splits wrote.
+        split_len = _split_len(seq_len, num_splits, TILE)
         used = (seq_len + split_len - 1) // tl.maximum(split_len, 1)
 
         splits = tl.arange(0, SPLITS_PAD)

@@ -67,17 +67,20 @@ if HAS_TRITON:
         return (a1 + b1).to(dtype), (a2 + b2).to(dtype)
 
     @triton.jit
-    def _rotate_heads(base, t, stride_t, stride_h, n_heads, c, s,
+    def _rotate_heads(src, stride_src, dst, stride_dst, n_heads, c, s, dtype,
                       HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr):
+        """Rotate one token's heads from ``src`` into ``dst`` (may be the same rows), rounded
+        to the activation ``dtype`` and then stored in ``dst``'s dtype."""
         d = tl.arange(0, HALF_PAD)
         heads = tl.arange(0, HEADS_PAD)
         mask = (heads[:, None] < n_heads) & (d[None, :] < HALF)
-        ptr = base + t * stride_t + heads[:, None] * stride_h + d[None, :]
-        x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
-        y1, y2 = _rotate(x1, x2, c, s, base.dtype.element_ty)
-        tl.store(ptr, y1, mask=mask)
-        tl.store(ptr + HALF, y2, mask=mask)
+        src_ptr = src + heads[:, None] * stride_src + d[None, :]
+        x1 = tl.load(src_ptr, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src_ptr + HALF, mask=mask, other=0.0).to(tl.float32)
+        y1, y2 = _rotate(x1, x2, c, s, dtype)
+        dst_ptr = dst + heads[:, None] * stride_dst + d[None, :]
+        tl.store(dst_ptr, y1.to(dst.dtype.element_ty), mask=mask)
+        tl.store(dst_ptr + HALF, y2.to(dst.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _rope_store_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
@@ -92,20 +95,16 @@ if HAS_TRITON:
         t = tl.program_id(0).to(tl.int64)
         dtype = q_ptr.dtype.element_ty
         c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, t, stride_cos, dtype, HALF, HALF_PAD)
-        _rotate_heads(q_ptr, t, stride_qt, stride_qh, num_q_heads, c, s, HALF, HALF_PAD, HEADS_PAD)
+        q = q_ptr + t * stride_qt
+        _rotate_heads(q, stride_qh, q, stride_qh, num_q_heads, c, s, dtype, HALF, HALF_PAD, HEADS_PAD)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
+            _rotate_heads(k_ptr + t * stride_kt, stride_kh, k_cache_ptr + slot * stride_slot, 2 * HALF,
+                          num_kv_heads, c, s, dtype, HALF, HALF_PAD, KV_HEADS_PAD)
             d = tl.arange(0, HALF_PAD)
             heads = tl.arange(0, KV_HEADS_PAD)
             mask = (heads[:, None] < num_kv_heads) & (d[None, :] < HALF)
-            src = k_ptr + t * stride_kt + heads[:, None] * stride_kh + d[None, :]
-            x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-            x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-            y1, y2 = _rotate(x1, x2, c, s, dtype)
-            cache_dtype = k_cache_ptr.dtype.element_ty
-            dst = k_cache_ptr + slot * stride_slot + heads[:, None] * (2 * HALF) + d[None, :]
-            tl.store(dst, y1.to(cache_dtype), mask=mask)
-            tl.store(dst + HALF, y2.to(cache_dtype), mask=mask)
+            cache_dtype = v_cache_ptr.dtype.element_ty
             vsrc = v_ptr + t * stride_vt + heads[:, None] * stride_vh + d[None, :]
             vdst = v_cache_ptr + slot * stride_slot + heads[:, None] * (2 * HALF) + d[None, :]
             tl.store(vdst, tl.load(vsrc, mask=mask).to(cache_dtype), mask=mask)
@@ -117,9 +116,11 @@ if HAS_TRITON:
                      HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr, PDL: tl.constexpr):
         _pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64)
-        c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, t, stride_cos, q_ptr.dtype.element_ty, HALF, HALF_PAD)
-        _rotate_heads(q_ptr, t, stride_qt, stride_qh, num_q_heads, c, s, HALF, HALF_PAD, HEADS_PAD)
-        _rotate_heads(k_ptr, t, stride_kt, stride_kh, num_k_heads, c, s, HALF, HALF_PAD, HEADS_PAD)
+        dtype = q_ptr.dtype.element_ty
+        c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, t, stride_cos, dtype, HALF, HALF_PAD)
+        q, k = q_ptr + t * stride_qt, k_ptr + t * stride_kt
+        _rotate_heads(q, stride_qh, q, stride_qh, num_q_heads, c, s, dtype, HALF, HALF_PAD, HEADS_PAD)
+        _rotate_heads(k, stride_kh, k, stride_kh, num_k_heads, c, s, dtype, HALF, HALF_PAD, HEADS_PAD)
 
     @triton.jit
     def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr,
