@@ -122,6 +122,30 @@ def test_a_prefix_being_loaded_is_loaded_once(tiny):
     assert_no_leak(llm)
 
 
+def test_a_request_waiting_for_room_is_weighed_once(tiny):
+    """A request whose prefix is in the host tier waits at the head of the queue while a
+    long one holds the device pool: its load-or-recompute choice is counted (and logged)
+    once, when it is admitted, not at every step it waits."""
+    shared = conversations(1, 40)[0]
+    long_prompt = conversations(6, 112)[5]  # 7 of the pool's 8 blocks, 8 by its last token
+    prompts = [long_prompt, shared + [201, 202, 203]]  # its 2 host blocks cannot land until then
+    params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), greedy()]
+    expected = [o.token_ids for o in make_llm(tiny).generate(prompts, params, use_tqdm=False)]
+    llm = make_llm(tiny, cpu_kv_gb=gb(32))
+    llm.generate(shared, greedy(), use_tqdm=False)
+    for other in conversations(4, 40)[1:]:  # the shared prefix goes to the host tier
+        llm.generate(other, greedy(), use_tqdm=False)
+    before = tier_stats(llm)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    after = tier_stats(llm)
+    assert [o.token_ids for o in outs] == expected
+    assert outs[1].num_cached_tokens == 2 * BLOCK  # it waited, then loaded its prefix
+    assert llm.engine.scheduler.num_preemptions == 0
+    assert after["decisions"]["load"] - before["decisions"]["load"] == 1  # was 17: once per step waited
+    assert after["decisions"]["recompute"] == before["decisions"]["recompute"]
+    assert_no_leak(llm)
+
+
 def _finished(future):
     future.result()
     return future

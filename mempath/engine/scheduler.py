@@ -98,22 +98,26 @@ class Scheduler:
                 self._start_loading(request, load)
                 continue
             cached = self.kv.find_cached_prefix(request)
+            choices = []
             if self.kv.tiers is not None:
                 found = self.kv.find_in_tiers(request, len(cached))
                 if self._being_loaded(request.block_hashes[len(cached):len(cached) + len(found)], found):
                     break  # another request is loading this prefix: take it from the device once it lands
                 if found:
-                    found = self.kv.tiers.worth_loading(request.request_id, found)
+                    found, choices = self.kv.tiers.worth_loading(found)
                 if found:
                     load = self.kv.tiers.start_promotion(request, cached, found)
                     if load is None:
                         break
+                    self.kv.tiers.record_choices(request.request_id, choices)
                     self._start_loading(request, load)
                     continue
             num_cached = len(cached) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.kv.allocate(request, cached, num_new):
                 break  # first come, first served: nobody overtakes the head of the queue
+            if choices:
+                self.kv.tiers.record_choices(request.request_id, choices)
             self.waiting.popleft()
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_cached

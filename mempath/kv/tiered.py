@@ -187,11 +187,9 @@ class TieredKV:
         return ids if ids is not None else self.host.allocate(self.host.num_free)
 
     def _spill(self, n: int) -> None:
-        if self.disk is not None and not self.disk.write_through:
-            candidates = self.host.evict_candidates(n)
-            written = sum(self.host.hash_of(i) not in self.disk for i in candidates)
-            self.counters["cpu_to_disk_blocks"] += written
-        self.counters["host_evictions"] += len(spill_to_disk(self.host, self.disk, n))
+        victims, written = spill_to_disk(self.host, self.disk, n)
+        self.counters["host_evictions"] += len(victims)
+        self.counters["cpu_to_disk_blocks"] += written
 
     def reap(self) -> None:
         """Retire finished device → host copies; under write-through, send their blocks to disk."""
@@ -225,8 +223,9 @@ class TieredKV:
             return DISK, block_hash
         return None
 
-    def worth_loading(self, request_id: str, found: list) -> list:
-        """The leading part of ``found`` that is faster to load than to recompute; logs the choice.
+    def worth_loading(self, found: list) -> tuple[list, list]:
+        """The leading part of ``found`` that is faster to load than to recompute, and the
+        choices behind it (for :meth:`record_choices` once the request is admitted).
 
         Per block, loading from a tier costs a fixed amount and recomputing costs
         block_size tokens, so the choice is made per tier and the prefix is cut at
@@ -234,21 +233,27 @@ class TieredKV:
         """
         num_host = sum(t == CPU for t, _ in found)
         num_disk = sum(t == DISK for t, _ in found)
-        verdict = {}
+        choices = []
         for tier, n_host, n_disk in ((CPU, num_host, 0), (DISK, 0, num_disk)):
             n = n_host + n_disk
-            if n == 0:
-                continue
-            load, recompute = self.cost.load_s(n_host, n_disk), self.cost.recompute_s(n * self.block_size)
-            verdict[tier] = load < recompute
-            self.counters["decided_load" if verdict[tier] else "decided_recompute"] += 1
-            log.info("request %s: %d blocks (%d tokens, %d bytes) in %s: load %.3f ms, recompute %.3f ms: %s",
-                     request_id, n, n * self.block_size, n * self.block_nbytes, tier, load * 1e3,
-                     recompute * 1e3, "load" if verdict[tier] else "recompute")
+            if n:
+                load, recompute = self.cost.load_s(n_host, n_disk), self.cost.recompute_s(n * self.block_size)
+                choices.append((tier, n, load, recompute))
+        verdict = {tier: load < recompute for tier, _, load, recompute in choices}
         for i, (tier, _) in enumerate(found):
             if tier != GPU and not verdict[tier]:
-                return found[:i]
-        return found
+                return found[:i], choices
+        return found, choices
+
+    def record_choices(self, request_id: str, choices: list) -> None:
+        """Count and log the load-or-recompute choices of an admitted request (once: a
+        request blocked at the head of the queue is weighed again at every step)."""
+        for tier, n, load, recompute in choices:
+            loaded = load < recompute
+            self.counters["decided_load" if loaded else "decided_recompute"] += 1
+            log.info("request %s: %d blocks (%d tokens, %d bytes) in %s: load %.3f ms, recompute %.3f ms: %s",
+                     request_id, n, n * self.block_size, n * self.block_nbytes, tier, load * 1e3,
+                     recompute * 1e3, "load" if loaded else "recompute")
 
     def start_promotion(self, request, cached: list[int], found: list) -> Load | None:
         """Give the request device blocks for ``found`` and start loading them; None if they don't fit.

@@ -621,8 +621,8 @@ def _unlink(file_path: str) -> None:
 
 
 # ---------------------------------------------------------------------------- policies
-def spill_to_disk(host: HostBlockStore, disk: DiskBlockStore | None, n: int) -> list[int]:
-    """Evict up to n warm blocks by the host store's rule; return their ids.
+def spill_to_disk(host: HostBlockStore, disk: DiskBlockStore | None, n: int) -> tuple[list[int], int]:
+    """Evict up to n warm blocks by the host store's rule; return their ids and how many go to disk.
 
     Write-back: a block the disk lacks is written first and its host block is
     freed once the write is done (it is unfindable meanwhile, but
@@ -630,6 +630,7 @@ def spill_to_disk(host: HostBlockStore, disk: DiskBlockStore | None, n: int) -> 
     Write-through, or a block already on disk: freed at once.
     """
     victims = host.evict_candidates(n)
+    written = 0
     for block_id in victims:
         block_hash = host.hash_of(block_id)
         host.uncache(block_id)
@@ -637,7 +638,8 @@ def spill_to_disk(host: HostBlockStore, disk: DiskBlockStore | None, n: int) -> 
             host.free([block_id])
         else:
             host.hold_until(disk.write_async(block_hash, host.storage[block_id]), [block_id], free=True)
-    return victims
+            written += 1
+    return victims, written
 
 
 def write_through_block(host: HostBlockStore, disk: DiskBlockStore, block_id: int) -> Future | None:
