@@ -99,8 +99,8 @@ def copy_weights(llm, hf) -> None:
     """Give mempath the transformers model's (random) weights, so their greedy tokens can be compared."""
     from mempath.model.loader import copy_checkpoint_tensors
     source = "transformers model"
-    copy_checkpoint_tensors(llm.engine.runner.model, ((source, name, tensor) for name, tensor in hf.state_dict().items()),
-                            source)
+    tensors = ((source, name, lambda t=tensor: t) for name, tensor in hf.state_dict().items())
+    copy_checkpoint_tensors(llm.engine.runner.model, tensors, source)
 
 
 def measure_latency(args, prompts, hf=None) -> dict:

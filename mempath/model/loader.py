@@ -131,11 +131,13 @@ def _skipped(name: str, model: CausalLM) -> bool:
 
 
 def copy_checkpoint_tensors(model: CausalLM, tensors, source: str) -> int:
-    """Copy ``(where, name, tensor)`` triples, named as in a transformers checkpoint, into the model.
+    """Copy checkpoint tensors, named as in transformers, into the model.
 
-    ``where`` (a file) names the tensor's origin in errors, ``source`` the whole
-    checkpoint. Raises if a tensor's shape does not match config.json or a parameter
-    (or a slice of a fused one) receives nothing. Returns how many tensors were copied.
+    ``tensors`` yields ``(where, name, read)``: ``read()`` returns the tensor and is
+    called only for tensors the model uses; ``where`` (a file) names its origin in
+    errors, ``source`` the whole checkpoint. Raises if a tensor's shape does not match
+    config.json or a parameter (or a slice of a fused one) receives nothing. Returns
+    how many tensors were copied.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     # Each fused parameter must receive every one of its slices.
@@ -145,19 +147,21 @@ def copy_checkpoint_tensors(model: CausalLM, tensors, source: str) -> int:
     tied = model.spec.tie_word_embeddings
     loaded = 0
     unexpected = []
-    for where, name, tensor in tensors:
+    for where, name, read in tensors:
         if _skipped(name, model):
             continue
         target_name, target = _target(params, name, model.spec)
         if target is None:
             unexpected.append(name)
             continue
+        tensor = read()
         if tuple(tensor.shape) != tuple(target.shape):
             raise ValueError(
                 f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, expected "
                 f"{tuple(target.shape)} from config.json; the weights and config do not match")
         with torch.no_grad():
             target.copy_(tensor)
+        del tensor  # one checkpoint tensor in host memory at a time
         # A slice counts one piece; a whole (already fused) tensor counts them all.
         whole = target.shape == params[target_name].shape
         received[target_name] += expected_pieces[target_name] if whole else 1
@@ -185,12 +189,11 @@ def load_weights(model: CausalLM, model_dir: Path, show_progress: bool = True) -
         for path in files:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    if _skipped(name, model):
-                        continue  # not read from disk at all
-                    tensor = f.get_tensor(name)
-                    yield path, name, tensor
-                    bar.update(tensor.numel() * tensor.element_size())
-                    del tensor
+                    def read(f=f, name=name):
+                        tensor = f.get_tensor(name)
+                        bar.update(tensor.numel() * tensor.element_size())
+                        return tensor
+                    yield path, name, read
 
     try:
         loaded = copy_checkpoint_tensors(model, tensors(), str(model_dir))
