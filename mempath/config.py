@@ -85,6 +85,12 @@ class EngineConfig:
             raise ValueError("disk_kv_gb is set but disk_kv_path is not: name the cold tier's directory")
         if self.preemption_mode == "swap" and self.cpu_kv_gb <= 0:
             raise ValueError("preemption_mode swap needs a host tier to swap to: set cpu_kv_gb > 0")
+        # Without prefix caching no block has a hash: nothing can be found in a lower tier.
+        if self.disk_kv_path and not self.enable_prefix_caching:
+            raise ValueError("the disk KV tier holds prefix-cached blocks: it needs enable_prefix_caching")
+        if self.cpu_kv_gb > 0 and not self.enable_prefix_caching and self.preemption_mode == "recompute":
+            raise ValueError("cpu_kv_gb would never be used: without enable_prefix_caching the host tier only "
+                             "holds swapped requests, and preemption_mode is recompute")
 
     @property
     def tiers_enabled(self) -> bool:

@@ -326,10 +326,18 @@ def test_ledger_and_stats_show_the_tiers(tiny, tmp_path):
     (dict(preemption_mode="sometimes"), "preemption_mode"),
     (dict(cpu_kv_gb=1.0, disk_kv_path="/tmp/x", disk_kv_gb=1.0, disk_write_policy="never"), "write-back"),
     (dict(cpu_kv_gb=-1.0), ">= 0"),
+    (dict(cpu_kv_gb=1.0, disk_kv_path="/tmp/x", disk_kv_gb=1.0, enable_prefix_caching=False),
+     "enable_prefix_caching"),
+    (dict(cpu_kv_gb=1.0, enable_prefix_caching=False, preemption_mode="recompute"), "never be used"),
 ])
 def test_bad_tier_options_are_refused(kw, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(model="m", **kw)
+
+
+def test_a_host_tier_smaller_than_one_block_names_the_flag(tiny):
+    with pytest.raises(ValueError, match=r"--cpu-kv-gb .* holds no KV block: one block is \d+ bytes"):
+        make_llm(tiny, cpu_kv_gb=BLOCK_NBYTES / 2 / GIB)
 
 
 def test_cli_passes_the_tier_flags():

@@ -118,6 +118,9 @@ class HostBlockStore:
         """As many blocks of the device cache's shape as fit in capacity_bytes (``--cpu-kv-gb``)."""
         shape = block_shape_of(kv_cache)
         block_nbytes = math.prod(shape) * kv_cache.element_size()
+        if capacity_bytes < block_nbytes:
+            raise ValueError(f"--cpu-kv-gb {capacity_bytes / (1 << 30):.6g} holds no KV block: one block is "
+                             f"{block_nbytes} bytes ({block_nbytes / (1 << 30):.6g} GiB); raise it or set 0")
         return cls(int(capacity_bytes // block_nbytes), shape, kv_cache.dtype, **kwargs)
 
     # ------------------------------------------------------------ capacity
