@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mempath.kv.blocks import hash_block
-from mempath.kv.tiers import (DiskBlockStore, HostBlockStore, block_shape_of, spill_to_disk,
+from mempath.kv.tiers import (DiskBlockStore, HostBlockStore, block_shape_of, contiguous_runs, spill_to_disk,
                               write_through_block)
-from mempath.kv.transfer import TransferEngine, contiguous_runs
+from mempath.kv.transfer import TransferEngine
 
 # (num_layers, block_size, num_kv_heads, head_dim)
 LAYOUTS = [(2, 4, 2, 8), (3, 2, 1, 16)]

@@ -18,7 +18,7 @@ from mempath.engine.detokenizer import IncrementalDetokenizer, find_stop
 from mempath.engine.request import Request, RequestStatus
 from mempath.engine.runner import ModelRunner, PendingTokens
 from mempath.engine.scheduler import ScheduledBatch, Scheduler
-from mempath.kv.manager import KVCacheManager
+from mempath.kv.manager import KVCacheManager, blocks_for
 from mempath.memory.ledger import Ledger, format_bytes
 from mempath.memory.oom import MempathOutOfMemoryError, oom_guard
 from mempath.model.llama import ModelSpec
@@ -183,7 +183,7 @@ class LLMEngine:
         num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len * self.config.max_num_seqs)
         num_seqs = max(1, min(self.config.max_num_seqs, num_tokens))
         longest = -(-num_tokens // num_seqs)  # the probe's sequences differ by at most one token
-        probe_blocks = num_seqs * self.kv_blocks_for(longest)
+        probe_blocks = num_seqs * blocks_for(longest, self.config.block_size)
         self.runner.allocate_kv_cache(probe_blocks)
         probe_kv = self.runner.kv_cache.numel() * self.runner.kv_cache.element_size()
         torch.cuda.reset_peak_memory_stats(device)
@@ -204,9 +204,6 @@ class LLMEngine:
         self.ledger.record("non_torch", in_use - reserved, "cuda", "derived",
                            "device used - torch reserved (context, other processes)")
         return max(0, budget) // per_block
-
-    def kv_blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.config.block_size)
 
     def _graph_pool_estimate(self) -> int:
         """Room for the decode graphs: memory.plan.cuda_graph_bytes at the largest captured batch.
@@ -233,7 +230,7 @@ class LLMEngine:
         for tokens, seqs in ((1, 1), (2, 1), (3, 2), (many, many), (many + 1, many)):
             per_seq = probe_lengths(tokens, seqs)
             fits = (seqs <= many and tokens <= self.runner.max_tokens and max(per_seq) <= self.max_model_len
-                    and sum(self.kv_blocks_for(n) for n in per_seq) <= num_blocks)
+                    and sum(blocks_for(n, self.config.block_size) for n in per_seq) <= num_blocks)
             if fits:
                 self._run_probe_step(tokens, seqs)
         if self.device.type == "cuda":
@@ -251,7 +248,7 @@ class LLMEngine:
         params = SamplingParams(temperature=1.0, top_p=0.9, logprobs=self.config.max_logprobs)
         for i, n in enumerate(probe_lengths(num_tokens, num_seqs)):
             request = Request(f"probe-{i}", None, token_ids(n) if token_ids else [0] * n, params)
-            blocks = self.kv_blocks_for(n)
+            blocks = blocks_for(n, self.config.block_size)
             request.block_table = list(range(next_block, next_block + blocks))
             next_block += blocks
             batch.requests.append(request)

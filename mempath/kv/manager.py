@@ -2,6 +2,11 @@
 from mempath.kv.blocks import BlockPool
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold num_tokens token slots."""
+    return -(-num_tokens // block_size)
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
@@ -18,7 +23,7 @@ class KVCacheManager:
         return self.pool.num_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     def find_cached_prefix(self, request) -> list[int]:
         """Blocks holding the longest cached prefix of the request's tokens.

@@ -275,11 +275,25 @@ class HostBlockStore:
         assert self.used_bytes <= self.capacity_bytes
 
 
+def _run_bounds(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Start positions and lengths of the runs of consecutive ids in ``ids`` (non-empty)."""
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    return starts, np.diff(np.concatenate((starts, [len(ids)])))
+
+
+def contiguous_runs(ids) -> list[tuple[int, int, int]]:
+    """(position in ids, first id, length) of each run of consecutive ids, in order."""
+    ids = np.asarray(ids, dtype=np.int64)
+    if len(ids) == 0:
+        return []
+    starts, lengths = _run_bounds(ids)
+    return [(int(s), int(ids[s]), int(n)) for s, n in zip(starts, lengths)]
+
+
 def _take_runs(free_ids: np.ndarray, n: int) -> np.ndarray:
     """n ids from a sorted array of free ids, in as few consecutive runs as is cheap to find."""
-    breaks = np.flatnonzero(np.diff(free_ids) != 1) + 1
-    starts = np.concatenate(([0], breaks))
-    lengths = np.diff(np.concatenate((starts, [len(free_ids)])))
+    starts, lengths = _run_bounds(free_ids)
     fitting = np.flatnonzero(lengths >= n)
     if len(fitting):
         s = starts[fitting[0]]

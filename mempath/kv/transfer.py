@@ -39,22 +39,11 @@ import time
 import numpy as np
 import torch
 
-from mempath.kv.tiers import DiskBlockStore, HostBlockStore, block_shape_of
+from mempath.kv.tiers import DiskBlockStore, HostBlockStore, block_shape_of, contiguous_runs
 
 log = logging.getLogger(__name__)
 
 D2H, H2D = "d2h", "h2d"
-
-
-def contiguous_runs(ids) -> list[tuple[int, int, int]]:
-    """(position in ids, first id, length) of each run of consecutive ids, in order."""
-    ids = np.asarray(ids, dtype=np.int64)
-    if len(ids) == 0:
-        return []
-    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
-    starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [len(ids)]))
-    return [(int(s), int(ids[s]), int(e - s)) for s, e in zip(starts, ends)]
 
 
 class Transfer:

@@ -666,7 +666,7 @@ def diagnose(model_dir: str, *, device: str = "auto", dtype: str = "auto", train
         with meter.active():
             with observe_engine_stages(recorder):
                 engine = LLMEngine(config, show_progress=show_progress)
-            dtype_name = str(engine.dtype).removeprefix("torch.")
+            dtype_name = engine.dtype_name
             gpu_mem = detect_gpu_mem() if torch_device.type == "cuda" else None
             fused = engine.runner.use_triton  # which elementwise path the forward takes
             workspace = 0  # no cuBLAS on the CPU
