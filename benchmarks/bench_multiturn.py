@@ -24,7 +24,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from bench_engine import model_dir  # noqa: E402
 from mempath import LLM, SamplingParams  # noqa: E402
 
 
@@ -59,8 +61,8 @@ def swap_versus_recompute(engine, num_tokens: int) -> dict:
     tiers = engine.kv.tiers
     num_blocks = engine.kv.blocks_for(num_tokens)
     gpu_ids = list(range(num_blocks))
-    host_ids = tiers.host.allocate(num_blocks)
-    if host_ids is None or num_blocks > engine.kv.num_blocks:
+    host_ids = tiers.host.allocate(num_blocks) if num_blocks <= engine.kv.num_blocks else None
+    if host_ids is None:
         return {"skipped": f"needs {num_blocks} free blocks in each tier"}
     timings = {}
     for name, run in (("swap_out", lambda: tiers.transfer.device_to_host(gpu_ids, host_ids).wait()),
@@ -180,8 +182,7 @@ def main() -> None:
                             ("disk_kv_gb", 0.05)):
             setattr(args, name, value)
     else:
-        model = tempfile.mkdtemp(prefix=f"mempath-{args.shape}-")
-        shutil.copy(ROOT / "tests" / "data" / "configs" / f"{args.shape}.json", Path(model) / "config.json")
+        model = model_dir(args.shape)
         engine_options = dict(load_format="dummy", dtype="bfloat16", num_gpu_blocks_override=args.gpu_kv_blocks,
                               max_model_len=args.system_tokens + max(0, args.first_user_tokens - args.user_tokens)
                               + args.turns * (args.user_tokens + args.output_tokens))
