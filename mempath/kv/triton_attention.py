@@ -86,11 +86,10 @@ def use_pdl(device: torch.device) -> bool:
     """
     if not (USE_PDL and HAS_TRITON and HAS_PDL and device.type == "cuda"):
         return False
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return False  # the interpreter has no griddepcontrol
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _PDL_DEVICES:
-        _PDL_DEVICES[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    if index not in _PDL_DEVICES:  # once per device: this runs at every kernel launch
+        interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # no griddepcontrol there
+        _PDL_DEVICES[index] = not interpreted and torch.cuda.get_device_capability(index)[0] >= 9
     return _PDL_DEVICES[index]
 
 
