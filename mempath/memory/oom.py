@@ -200,52 +200,76 @@ def _activation_fixes(plan, config, requested, free) -> list[str]:
     The step needs at least the planner's figure and at least the failing allocation;
     activations grow with the step's tokens (linearly in the planner's model, faster with a
     non-flash attention), so the planner's figures are spent from free x planned / need.
+    Each setting offered is the largest whose planned step fits in that budget: fewer
+    tokens per step while every sequence still gets one, else fewer sequences too.
     """
     from mempath.memory.plan import decoder_peak_bytes_per_token
     per_token = decoder_peak_bytes_per_token(plan)
     planned = plan.activation_peak_bytes + plan.logits_bytes
     need = max(planned, requested or 0)
-    tokens_now = plan.max_num_batched_tokens
+    tokens_now, rows_now = plan.max_num_batched_tokens, plan.logits_rows
     fixes = [f"a step of max-num-batched-tokens {tokens_now} needs {format_bytes(planned)} of "
              f"activations and logits by the planner ({format_bytes(per_token)} per token + "
-             f"{plan.logits_rows} rows of logits and sampling)"
+             f"{rows_now} rows of logits and sampling)"
              + (f"; the failing allocation alone asked for {format_bytes(requested)}"
                 if requested and requested > planned else "")]
     if free is None:
         return fixes
-    # In the planner's units, so that its per-token and logits figures can be spent.
-    budget = free * planned // need if need else 0
-    row_bytes = -(-plan.logits_bytes // plan.logits_rows)  # one row's logits and sampler share, as planned
-    tokens = (budget - plan.logits_rows * row_bytes) // per_token if per_token else 0
     if free >= need:
         fixes.append(f"{format_bytes(free)} is free, more than the step needs: the memory was held "
                      f"elsewhere when it failed (see the ledger); lower --gpu-memory-utilization to "
                      f"leave more room outside the KV cache")
-    elif tokens >= 1:
+        return fixes
+    # In the planner's units, so that its figures can be spent.
+    budget = free * planned // need
+
+    def fits(seqs: int, tokens: int) -> bool:
+        return _step_bytes(plan, seqs, tokens) <= budget
+
+    tokens = _largest(lambda t: fits(rows_now, t), rows_now, tokens_now - 1)
+    if tokens is not None:
         fixes.append(f"{format_bytes(free)} is free: use --max-num-batched-tokens {tokens} "
-                     f"({format_bytes(tokens * per_token + plan.logits_bytes)} by the planner"
+                     f"({format_bytes(_step_bytes(plan, rows_now, tokens))} by the planner"
                      + (f", scaled by the {format_bytes(requested)} the failing allocation asked for)"
                         if need > planned else ")"))
-    elif budget // (row_bytes + per_token) >= 1:
-        # The logits rows alone overflow: fewer sequences per step, each with at least one token.
-        seqs = min(plan.logits_rows - 1, budget // (row_bytes + per_token))
-        tokens = (budget - seqs * row_bytes) // per_token
-        fixes.append(f"{format_bytes(free)} is free and {plan.logits_rows} logit rows alone take "
-                     f"{format_bytes(plan.logits_bytes)}: use --max-num-seqs {seqs} "
-                     f"--max-num-batched-tokens {tokens}")
+        seqs = _largest(lambda s: fits(s, tokens_now), 1, rows_now - 1)
+        if seqs is not None:
+            fixes.append(f"or --max-num-seqs {seqs}: {seqs} logit rows take "
+                         f"{format_bytes(_logits_bytes(plan, seqs))} instead of {format_bytes(plan.logits_bytes)}")
         return fixes
-    else:
+    seqs = _largest(lambda s: fits(s, s), 1, rows_now - 1)
+    if seqs is None:
         fixes.append(f"not even one token's activations and logits row "
-                     f"({format_bytes(per_token + row_bytes)}) fit in the {format_bytes(free)} that "
-                     f"is free: lower --gpu-memory-utilization so the KV cache leaves room, or use "
-                     f"--dtype bfloat16")
+                     f"({format_bytes(_step_bytes(plan, 1, 1))}) fit in the {format_bytes(free)} that "
+                     f"is free: lower --gpu-memory-utilization so the KV cache leaves room"
+                     + (", or use --dtype bfloat16" if plan.dtype_bytes == 4 else ""))
         return fixes
-    deficit = need - free
-    if 0 < deficit < (plan.logits_rows - 1) * row_bytes:
-        seqs = plan.logits_rows - -(-deficit // row_bytes)
-        fixes.append(f"or --max-num-seqs {seqs}: {seqs} logit rows take "
-                     f"{format_bytes(seqs * row_bytes)} instead of {format_bytes(plan.logits_bytes)}")
+    tokens = _largest(lambda t: fits(seqs, t), seqs, tokens_now)
+    fixes.append(f"{format_bytes(free)} is free and {rows_now} logit rows alone take "
+                 f"{format_bytes(plan.logits_bytes)}: use --max-num-seqs {seqs} "
+                 f"--max-num-batched-tokens {tokens}")
     return fixes
+
+
+def _logits_bytes(plan, rows: int) -> int:
+    from mempath.memory.plan import logits_bytes
+    return logits_bytes(plan, rows, plan.dtype_bytes)  # reads only the vocabulary size
+
+
+def _step_bytes(plan, seqs: int, tokens: int) -> int:
+    """The planner's activations and logits for a step of `tokens` tokens over at most `seqs` sequences."""
+    from mempath.memory.plan import decoder_peak_bytes_per_token
+    return tokens * decoder_peak_bytes_per_token(plan) + _logits_bytes(plan, min(seqs, tokens))
+
+
+def _largest(fits, lo: int, hi: int) -> int | None:
+    """The largest n in [lo, hi] with fits(n), where fits holds up to some n and not after; None if not at lo."""
+    if lo > hi or not fits(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
 
 
 def _offload_hint(config, deficit: int) -> str:
