@@ -109,3 +109,23 @@ def test_two_pass_argmax_equals_argmax_with_ties(vocab):
         y = torch.randn(rows, vocab, generator=gen)
         y[:, -1] = y.max() + 1  # the maximum in the last group
         assert torch.equal(row_argmax(y, two_pass=True), torch.full((rows,), vocab - 1))
+
+
+@pytest.mark.parametrize("top_k", [0, 4], ids=["sorted", "top-k"])
+def test_top_p_boundary_drops_a_token_once_the_mass_before_it_reaches_p(top_k):
+    """Probabilities that are powers of two make the cumulative mass exact in float32: a token
+    whose higher-ranked tokens already cover exactly p is dropped (the nucleus is the smallest
+    set reaching p; which of the two tied last tokens stays is either's)."""
+    logits = torch.tensor([[0.5, 0.25, 0.125, 0.125]]).log()
+    for p, kept in ((0.5, 1), (0.6, 2), (0.75, 2), (0.8, 3), (0.875, 3), (0.9, 4)):
+        out = apply_top_k_top_p(logits.clone(), [top_k], [p])[0]
+        assert out[torch.isfinite(out)].sort(descending=True).values.tolist() == logits[0, :kept].tolist(), p
+
+
+def test_top_p_at_the_boundary_samples_only_the_top_token():
+    """[0.5, 0.25, 0.25] with p = 0.5: the top token alone covers p, so it is the only draw."""
+    rows = 2000
+    logits = torch.tensor([[0.5, 0.25, 0.25]]).log().repeat(rows, 1)
+    params = SamplingParams(temperature=1.0, top_p=0.5)
+    tokens = Sampler(torch.device("cpu"), 0)(logits, [params] * rows, [None] * rows).token_ids
+    assert set(tokens) == {0}
