@@ -27,6 +27,11 @@ from mempath.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
+# Device memory outside PyTorch that grows after start-up (kernel modules loaded on
+# first use): a few MiB over 1,000 serving steps on the H200 (BENCHMARKS.md, "The
+# budget is a promise"); the budget keeps this much spare for it.
+OUTSIDE_TORCH_GROWTH = 32 << 20
+
 
 @dataclass
 class RequestOutput:
@@ -85,6 +90,8 @@ class LLMEngine:
 
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            # The whole budget until start-up has measured what it may leave PyTorch (_cap_device_memory).
+            torch.cuda.set_per_process_memory_fraction(config.gpu_memory_utilization, self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         dtype_name = str(self.dtype).removeprefix("torch.")
@@ -125,6 +132,8 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         if config.tiers_enabled:
             self._attach_tiers()
+        if self.device.type == "cuda":
+            self._cap_device_memory()
         self.scheduler = Scheduler(config, self.kv)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -176,7 +185,13 @@ class LLMEngine:
         return num_blocks
 
     def _profile_cuda_kv_blocks(self, per_block: int) -> int:
-        """Run the largest step once, measure its peak, give the rest of the budget to KV."""
+        """Run the largest step once, measure its peak, give the rest of the budget to KV.
+
+        Everything that takes device memory after the KV cache is allocated is reserved
+        here: the step's activations, the graph pool and the driver memory of the
+        captured graphs (measured on trial captures), the tiers' staging buffers, and
+        room for what grows outside PyTorch while serving.
+        """
         device = self.device
         torch.cuda.synchronize(device)
         weights_end = torch.cuda.memory_allocated(device)
@@ -186,10 +201,15 @@ class LLMEngine:
         probe_blocks = num_seqs * blocks_for(longest, self.config.block_size)
         self.runner.allocate_kv_cache(probe_blocks)
         probe_kv = self.runner.kv_cache.numel() * self.runner.kv_cache.element_size()
+        torch.cuda.synchronize(device)
+        reserved_before_step = torch.cuda.memory_reserved(device)
         torch.cuda.reset_peak_memory_stats(device)
         self._run_probe_step(num_tokens, num_seqs)
         torch.cuda.synchronize(device)
-        activation_peak = torch.cuda.max_memory_allocated(device) - weights_end - probe_kv
+        # The allocator rounds and splits blocks: what the step reserved counts when it exceeds what it used.
+        activation_peak = max(torch.cuda.max_memory_allocated(device) - weights_end - probe_kv,
+                              torch.cuda.max_memory_reserved(device) - reserved_before_step)
+        graph_driver_bytes = self.runner.graph_overhead_per_graph() * len(self.runner.graph_sizes())
         self.runner.allocate_kv_cache(0)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
@@ -198,12 +218,49 @@ class LLMEngine:
         # CUDA graphs are captured after the KV cache exists; keep room for their pool
         # (its size is measured then and shows in the ledger).
         graph_reserve = 0 if self.config.enforce_eager else self._graph_pool_estimate()
-        budget = int(total * self.config.gpu_memory_utilization) - in_use - activation_peak - graph_reserve
+        staging = self._tier_staging_bytes(per_block)
+        budget = (self.budget_bytes() - in_use - activation_peak - graph_reserve - graph_driver_bytes
+                  - staging - OUTSIDE_TORCH_GROWTH)
         self.ledger.record("activation_peak", activation_peak, "cuda", "measured",
                            f"profile step of {num_tokens} tokens in {num_seqs} sequences")
         self.ledger.record("non_torch", in_use - reserved, "cuda", "derived",
                            "device used - torch reserved (context, other processes)")
+        if graph_driver_bytes:
+            self.ledger.record("cuda_graphs_driver", graph_driver_bytes, "cuda", "derived",
+                               f"{len(self.runner.graph_sizes())} graphs x driver memory of one trial capture")
         return max(0, budget) // per_block
+
+    def budget_bytes(self) -> int:
+        """gpu_memory_utilization x the device's memory: what this process may use, all of it."""
+        return int(torch.cuda.mem_get_info(self.device)[1] * self.config.gpu_memory_utilization)
+
+    def _tier_staging_bytes(self, per_block: int) -> int:
+        if not self.config.tiers_enabled:
+            return 0
+        from mempath.kv.tiered import STAGING_BLOCKS
+        return 2 * STAGING_BLOCKS * per_block  # one staging buffer per direction
+
+    def _cap_device_memory(self) -> None:
+        """Hold PyTorch's allocator to what the budget leaves it once start-up is done.
+
+        Serving steps of other shapes than the profile step's make the caching
+        allocator reserve more than they allocate (split and cached blocks); capped,
+        it hands cached blocks back to the device before it would pass the limit, so
+        device use stays within gpu_memory_utilization x total.
+        """
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        reserved = torch.cuda.memory_reserved(self.device)
+        outside = total - free - reserved
+        cap = self.budget_bytes() - outside - OUTSIDE_TORCH_GROWTH
+        torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, cap / total)), self.device)
+        self.ledger.record("non_torch", outside, "cuda", "measured",
+                           "device used - torch reserved after start-up (context, kernels, graphs, other processes)")
+        if reserved > cap:
+            log.warning("after start-up PyTorch holds %s, more than the %s the budget leaves it "
+                        "(gpu_memory_utilization %.2f): lower --max-num-batched-tokens or --max-num-seqs, "
+                        "or raise --gpu-memory-utilization",
+                        format_bytes(reserved), format_bytes(cap), self.config.gpu_memory_utilization)
 
     def _graph_pool_estimate(self) -> int:
         """Room for the decode graphs: memory.plan.cuda_graph_bytes at the largest captured batch.

@@ -321,20 +321,64 @@ class ModelRunner:
         return None
 
     @torch.inference_mode()
+    def graph_sizes(self) -> list[int]:
+        """The decode batch sizes that get a CUDA graph (none when eager or on the CPU)."""
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return []
+        return graph_batch_sizes(min(self.max_num_seqs, MAX_GRAPH_BATCH))
+
     def capture_cuda_graphs(self) -> int:
         """Capture decode steps for each bucket size; return the graph pool's bytes."""
-        if self.device.type != "cuda" or self.config.enforce_eager:
+        sizes = self.graph_sizes()
+        if not sizes:
             return 0
         torch.cuda.synchronize(self.device)
         # Capture empties the allocator's cache first; do it before measuring, or blocks
         # cached by earlier steps (the kernel warm-up) count as negative graph bytes.
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(self.device)
-        sizes = graph_batch_sizes(min(self.max_num_seqs, MAX_GRAPH_BATCH))
+        self._prepare_graph_inputs(sizes[-1])
+        pool = None
+        graphs = {}
+        for size in reversed(sizes):
+            graphs[size] = self._capture_decode(size, pool)
+            if pool is None:
+                pool = graphs[size].pool()
+        self.graphs = dict(sorted(graphs.items()))
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.memory_reserved(self.device) - before
+
+    def graph_overhead_per_graph(self, copies: int = 4) -> int:
+        """Device bytes outside PyTorch that one captured decode graph holds, measured.
+
+        An instantiated graph keeps its kernels' parameters in driver memory that
+        PyTorch does not see, and every bucket has the same kernels. Capturing a few
+        batch-1 graphs (on whatever cache is allocated) and dividing the growth of
+        device use outside PyTorch gives the per-graph figure the KV budget reserves.
+        """
+        if not self.graph_sizes():
+            return 0
+        device = self.device
+        self._prepare_graph_inputs(1)
+        torch.cuda.synchronize(device)
+        free, total = torch.cuda.mem_get_info(device)
+        outside_before = total - free - torch.cuda.memory_reserved(device)
+        pool, graphs = None, []
+        for _ in range(copies):
+            graphs.append(self._capture_decode(1, pool))
+            pool = graphs[0].pool()
+        torch.cuda.synchronize(device)
+        free, total = torch.cuda.mem_get_info(device)
+        outside_after = total - free - torch.cuda.memory_reserved(device)
+        del graphs
+        self.graph_logits = None
+        torch.cuda.empty_cache()
+        return max(0, outside_after - outside_before) // copies
+
+    def _prepare_graph_inputs(self, max_size: int) -> None:
+        """Static graph inputs: decode rows of one token each at position 0, writing nowhere."""
         buf = self.buffers
         buf.wait_until_reusable()
-        max_size = sizes[-1]
-        # Static graph inputs: decode rows of one token each at position 0, writing nowhere.
         buf.input_ids[:max_size] = 0
         buf.positions[:max_size] = 0
         buf.slots[:max_size] = -1
@@ -345,21 +389,16 @@ class ModelRunner:
         buf.rows[:max_size] = np.arange(max_size)
         buf.upload(max_size, max_size, max_size)
         self.graph_logits = torch.empty(max_size, self.spec.vocab_size, dtype=self.dtype, device=self.device)
-        pool = None
-        graphs = {}
-        for size in reversed(sizes):
-            meta = AttentionMetadata(
-                slot_mapping=buf.slots_d[:size], block_tables=buf.tables_d[:size],
-                query_start_loc=buf.qsl_d[:size + 1], seq_lens=buf.seq_lens_d[:size],
-                max_query_len=1, max_seq_len=None, decode_workspace=self.decode_workspace)
-            ids, pos = buf.input_ids_d[:size], buf.positions_d[:size]
-            self.graph_logits[:size] = self.model.compute_logits(self.model(ids, pos, meta))  # warm-up
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
-                self.graph_logits[:size] = self.model.compute_logits(self.model(ids, pos, meta))
-            if pool is None:
-                pool = graph.pool()
-            graphs[size] = graph
-        self.graphs = dict(sorted(graphs.items()))
-        torch.cuda.synchronize(self.device)
-        return torch.cuda.memory_reserved(self.device) - before
+
+    def _capture_decode(self, size: int, pool) -> "torch.cuda.CUDAGraph":
+        buf = self.buffers
+        meta = AttentionMetadata(
+            slot_mapping=buf.slots_d[:size], block_tables=buf.tables_d[:size],
+            query_start_loc=buf.qsl_d[:size + 1], seq_lens=buf.seq_lens_d[:size],
+            max_query_len=1, max_seq_len=None, decode_workspace=self.decode_workspace)
+        ids, pos = buf.input_ids_d[:size], buf.positions_d[:size]
+        self.graph_logits[:size] = self.model.compute_logits(self.model(ids, pos, meta))  # warm-up
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool):
+            self.graph_logits[:size] = self.model.compute_logits(self.model(ids, pos, meta))
+        return graph

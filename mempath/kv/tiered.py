@@ -38,6 +38,11 @@ GPU, CPU, DISK = "gpu", "cpu", "disk"  # tier names; "gpu" is the device tier (t
 ASSUMED_DISK_BYTES_PER_S = 0.5e9
 
 
+# Blocks per direction in the device staging buffers of tier transfers (the engine
+# reserves them in its KV budget).
+STAGING_BLOCKS = 64
+
+
 @dataclass
 class Load:
     """Blocks on their way to the device for one request (a promotion or a swap-in).
@@ -99,7 +104,7 @@ class TieredKV:
             self.disk = DiskBlockStore(disk_path, disk_bytes, self.block_nbytes, write_through,
                                        fingerprint=fingerprint, block_shape=self.host.block_shape,
                                        dtype=self.host.dtype)
-        self.transfer = TransferEngine(kv_cache, self.host, staging_blocks=min(64, pool.num_blocks))
+        self.transfer = TransferEngine(kv_cache, self.host, staging_blocks=min(STAGING_BLOCKS, pool.num_blocks))
         self.rates: dict = {}
         self.cost = CostModel(block_size, self.block_nbytes, self.rates)
         self.counters: Counter[str] = Counter()

@@ -1,0 +1,151 @@
+"""The CUDA KV-budget arithmetic, on the CPU: torch.cuda's memory calls replaced by a
+scripted device, the engine's own methods run against it.
+
+What the budget must leave out of the KV cache: device use already taken (weights,
+context, other processes), the profile step's peak as the allocator reserved it (not
+only as it allocated it), the graph pool and the driver memory of captured graphs,
+the tiers' staging buffers, and room for growth outside PyTorch; after start-up the
+allocator is capped so the total stays within gpu_memory_utilization x total.
+"""
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mempath.engine import engine as engine_module
+from mempath.engine.engine import OUTSIDE_TORCH_GROWTH, LLMEngine
+from mempath.kv.tiered import STAGING_BLOCKS
+from mempath.memory.ledger import Ledger
+
+GiB, MiB = 1 << 30, 1 << 20
+TOTAL = 100 * GiB
+PER_BLOCK = 2 * MiB
+
+
+class ScriptedDevice:
+    """Allocator and driver figures the engine reads, changed by the fake runner's calls."""
+
+    def __init__(self):
+        self.allocated = 10 * GiB  # weights
+        self.reserved = 10 * GiB + 512 * MiB
+        self.outside = 700 * MiB  # context, kernel modules
+        self.max_allocated = self.allocated
+        self.max_reserved = self.reserved
+        self.fraction = None
+
+    def install(self, monkeypatch):
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "synchronize", lambda *a: None)
+        monkeypatch.setattr(cuda, "empty_cache", self.empty_cache)
+        monkeypatch.setattr(cuda, "memory_allocated", lambda *a: self.allocated)
+        monkeypatch.setattr(cuda, "memory_reserved", lambda *a: self.reserved)
+        monkeypatch.setattr(cuda, "max_memory_allocated", lambda *a: self.max_allocated)
+        monkeypatch.setattr(cuda, "max_memory_reserved", lambda *a: self.max_reserved)
+        monkeypatch.setattr(cuda, "reset_peak_memory_stats", self.reset_peak)
+        monkeypatch.setattr(cuda, "mem_get_info", lambda *a: (TOTAL - self.reserved - self.outside, TOTAL))
+        monkeypatch.setattr(cuda, "set_per_process_memory_fraction",
+                            lambda fraction, *a: setattr(self, "fraction", fraction))
+
+    def empty_cache(self):
+        self.reserved = self.allocated
+
+    def reset_peak(self, *a):
+        self.max_allocated, self.max_reserved = self.allocated, self.reserved
+
+    def allocate(self, nbytes):
+        self.allocated += nbytes
+        self.reserved = max(self.reserved, self.allocated)
+        self.max_allocated = max(self.max_allocated, self.allocated)
+        self.max_reserved = max(self.max_reserved, self.reserved)
+
+
+class FakeRunner:
+    def __init__(self, device: ScriptedDevice, graph_sizes):
+        self.device = device
+        self.kv_blocks = 0
+        self._graph_sizes = graph_sizes
+        self.kv_cache = torch.empty(0)
+
+    def allocate_kv_cache(self, num_blocks):
+        self.device.allocated -= self.kv_blocks * PER_BLOCK
+        self.kv_blocks = num_blocks
+        self.device.allocate(num_blocks * PER_BLOCK)
+        self.kv_cache = torch.empty(num_blocks * PER_BLOCK, dtype=torch.uint8, device="meta")
+
+    def graph_sizes(self):
+        return self._graph_sizes
+
+    def graph_overhead_per_graph(self):
+        return 3 * MiB if self._graph_sizes else 0
+
+
+def fake_engine(monkeypatch, *, tiers: bool, eager: bool = False, activation_alloc=2 * GiB,
+                activation_reserved=3 * GiB):
+    device = ScriptedDevice()
+    device.install(monkeypatch)
+    config = SimpleNamespace(max_num_batched_tokens=8192, max_num_seqs=256, block_size=16, enforce_eager=eager,
+                             tiers_enabled=tiers, gpu_memory_utilization=0.5)
+    engine = SimpleNamespace(config=config, device=torch.device("cpu"), ledger=Ledger(), max_model_len=4096,
+                             runner=FakeRunner(device, [] if eager else list(range(1, 11))))
+
+    def probe_step(num_tokens, num_seqs):
+        # The step allocates activation_alloc at its peak while the allocator reserves activation_reserved.
+        device.allocate(activation_alloc)
+        device.max_reserved = device.reserved + (activation_reserved - activation_alloc)
+        device.allocated -= activation_alloc
+        device.reserved = device.max_reserved
+
+    engine._run_probe_step = probe_step
+    engine._graph_pool_estimate = lambda: 200 * MiB
+    engine._tier_staging_bytes = lambda per_block: LLMEngine._tier_staging_bytes(engine, per_block)
+    engine.budget_bytes = lambda: LLMEngine.budget_bytes(engine)
+    return engine, device
+
+
+@pytest.mark.parametrize("tiers", [False, True])
+def test_kv_blocks_leave_room_for_everything_allocated_after_them(monkeypatch, tiers):
+    engine, device = fake_engine(monkeypatch, tiers=tiers)
+    blocks = LLMEngine._profile_cuda_kv_blocks(engine, PER_BLOCK)
+    in_use = 10 * GiB + 700 * MiB  # weights + outside torch, once the probe's cache is emptied
+    staging = 2 * STAGING_BLOCKS * PER_BLOCK if tiers else 0
+    expected = (TOTAL // 2 - in_use - 3 * GiB - 200 * MiB - 10 * 3 * MiB - staging - OUTSIDE_TORCH_GROWTH)
+    assert blocks == expected // PER_BLOCK
+    ledger = engine.ledger
+    assert ledger.get("activation_peak") == 3 * GiB  # as reserved: more than the 2 GiB it allocated
+    assert ledger.get("cuda_graphs_driver") == 30 * MiB
+    assert ledger.get("non_torch") == 700 * MiB
+
+
+def test_allocated_peak_counts_when_it_is_the_larger(monkeypatch):
+    engine, _ = fake_engine(monkeypatch, tiers=False, activation_alloc=3 * GiB, activation_reserved=1 * GiB)
+    LLMEngine._profile_cuda_kv_blocks(engine, PER_BLOCK)
+    assert engine.ledger.get("activation_peak") == 3 * GiB
+
+
+def test_eager_engines_reserve_no_graph_memory(monkeypatch):
+    engine, _ = fake_engine(monkeypatch, tiers=False, eager=True)
+    blocks = LLMEngine._profile_cuda_kv_blocks(engine, PER_BLOCK)
+    expected = TOTAL // 2 - (10 * GiB + 700 * MiB) - 3 * GiB - OUTSIDE_TORCH_GROWTH
+    assert blocks == expected // PER_BLOCK
+    assert "cuda_graphs_driver" not in engine.ledger.entries
+
+
+def test_nothing_left_gives_zero_blocks(monkeypatch):
+    engine, device = fake_engine(monkeypatch, tiers=False)
+    device.outside = TOTAL // 2  # another process holds half the device
+    assert LLMEngine._profile_cuda_kv_blocks(engine, PER_BLOCK) == 0
+
+
+def test_the_allocator_is_capped_at_what_the_budget_leaves_it(monkeypatch, caplog):
+    engine, device = fake_engine(monkeypatch, tiers=False)
+    device.outside = 900 * MiB  # graphs captured after the profile added driver memory
+    LLMEngine._cap_device_memory(engine)
+    assert device.fraction * TOTAL == pytest.approx(TOTAL // 2 - 900 * MiB - OUTSIDE_TORCH_GROWTH)
+    assert engine.ledger.get("non_torch") == 900 * MiB
+    assert not caplog.records
+
+    device.reserved = TOTAL // 2  # start-up already holds more than the cap: say so
+    with caplog.at_level(logging.WARNING, logger=engine_module.__name__):
+        LLMEngine._cap_device_memory(engine)
+    assert any("--gpu-memory-utilization" in r.getMessage() for r in caplog.records)
