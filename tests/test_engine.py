@@ -53,6 +53,83 @@ def test_seeded_sampling_is_independent_of_batch(llm):
     assert other_seed.token_ids != alone
 
 
+def _seeded(seed, n=24):
+    return SamplingParams(max_tokens=n, temperature=1.0, top_p=0.95, seed=seed, ignore_eos=True)
+
+
+SEEDED_PROMPTS = {"s1": [5, 6, 7], "s2": list(range(30, 50))}
+
+
+@pytest.fixture(scope="module")
+def seeded_alone(model_factory):
+    """Each seeded request's tokens when it runs alone: sync, a pool with room to spare."""
+    path, _ = model_factory("llama")
+    alone = LLM(path, dtype="float32", show_progress=False, async_scheduling=False)
+    return {rid: alone.generate(prompt, _seeded(seed))[0].token_ids
+            for (rid, prompt), seed in zip(SEEDED_PROMPTS.items(), (1, 2))}
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("num_blocks", [None, 6], ids=["room", "preempted"])
+def test_seeded_requests_are_independent_of_batch_preemption_and_async(model_factory, seeded_alone,
+                                                                       async_scheduling, num_blocks):
+    """Two seeded requests in one batch with an unseeded one give the tokens each gives alone,
+    with steps launched ahead or not, and when the pool is too small for all three: the newest
+    are preempted, recompute their prompt and generated tokens, and draw on from their own
+    generator."""
+    path, _ = model_factory("llama")
+    llm = LLM(path, dtype="float32", show_progress=False, async_scheduling=async_scheduling,
+              num_gpu_blocks_override=num_blocks)
+    engine = llm.engine
+    engine.add_request(list(range(60, 100)), SamplingParams(max_tokens=40, temperature=1.0, ignore_eos=True), "u")
+    requests = {}
+    for (rid, prompt), seed in zip(SEEDED_PROMPTS.items(), (1, 2)):
+        engine.add_request(prompt, _seeded(seed), rid)
+        requests[rid] = engine.requests[rid]
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert {rid: done[rid].token_ids for rid in SEEDED_PROMPTS} == seeded_alone
+    assert done["u"].finish_reason == "length" and len(done["u"].token_ids) == 40
+    if num_blocks is not None:
+        assert requests["s2"].num_preemptions > 0  # the newest: preempted and recomputed
+    if async_scheduling:
+        assert engine.stats()["steps_launched_ahead"] > 0
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_two_requests_with_the_same_seed_in_one_batch_draw_the_same_tokens(llm):
+    outs = llm.generate([[5, 6, 7], [5, 6, 7]], [_seeded(3), _seeded(3)], use_tqdm=False)
+    assert outs[0].token_ids == outs[1].token_ids
+    assert len(set(outs[0].token_ids)) > 1  # really sampled, not a constant
+
+
+@pytest.mark.parametrize("chunk", [512, 32], ids=["whole prompt", "chunked"])
+def test_a_waiting_request_that_can_never_fit_fails_alone(model_factory, chunk):
+    """A request bigger than the whole pool (admission checks this; here it is queued past
+    the check, as if the pool had shrunk) ends with an error once nothing else runs, and the
+    request behind it runs normally: no endless loop, no block left behind."""
+    from mempath.engine.request import Request
+    path, _ = model_factory("llama")
+    llm = LLM(path, dtype="float32", show_progress=False, num_gpu_blocks_override=8,
+              max_num_batched_tokens=chunk)
+    expected = llm.generate([5, 6, 7], greedy(4))[0].token_ids
+    engine = llm.engine
+    big = Request("big", None, [5 + i % 50 for i in range(200)], greedy(4))  # 13 blocks of 8
+    engine.requests["big"] = big
+    engine.scheduler.add(big)
+    engine.add_request([5, 6, 7], greedy(4), "ok")
+    done = {}
+    for _ in range(50):
+        if not engine.has_unfinished_requests():
+            break
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert not engine.has_unfinished_requests()
+    assert done["big"].finish_reason == "error" and "does not fit in the KV pool" in done["big"].error
+    assert done["ok"].finish_reason == "length" and done["ok"].token_ids == expected
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
 @pytest.mark.parametrize("kw", [dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)])
 def test_truncation_to_one_token_equals_greedy(llm, kw):
     ref = llm.generate([3, 1, 4, 1, 5], greedy(10))[0].token_ids
@@ -61,12 +138,14 @@ def test_truncation_to_one_token_equals_greedy(llm, kw):
 
 
 def test_top_k_restricts_support(llm):
+    """At a high temperature, 48 seeded draws with top-k 3 land on exactly the top 3: none
+    outside, and not fewer (a top-k that kept one token would draw one)."""
     prompt = [11, 12, 13]
     lp = llm.generate(prompt, greedy(1, logprobs=3))[0].logprobs[0]
     top3 = set(sorted(lp, key=lp.get, reverse=True)[:3])
-    for seed in range(12):
-        out = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=5.0, top_k=3, seed=seed))[0]
-        assert out.token_ids[0] in top3
+    params = [SamplingParams(max_tokens=1, temperature=5.0, top_k=3, seed=seed) for seed in range(48)]
+    drawn = {o.token_ids[0] for o in llm.generate([prompt] * 48, params, use_tqdm=False)}
+    assert drawn == top3
 
 
 def test_logprobs_match_model_distribution(model_factory, llm):
