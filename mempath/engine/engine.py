@@ -201,7 +201,11 @@ class LLMEngine:
         probe_blocks = num_seqs * blocks_for(longest, self.config.block_size)
         self.runner.allocate_kv_cache(probe_blocks)
         probe_kv = self.runner.kv_cache.numel() * self.runner.kv_cache.element_size()
+        # From an empty cache, as serving steps start once the KV cache and the graphs have
+        # taken the rest: the step must reserve its own segments, and the allocator's
+        # segment sizes (2 MiB at the least) count, not only the bytes it hands out.
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
         reserved_before_step = torch.cuda.memory_reserved(device)
         torch.cuda.reset_peak_memory_stats(device)
         self._run_probe_step(num_tokens, num_seqs)
