@@ -46,8 +46,14 @@ def test_json_has_every_pathway_with_predicted_measured_error(report):
                   "train.gradients", "train.optimizer_state"):
         assert rows[exact]["error_pct"] == 0.0, (exact, rows[exact])
     assert rows["weights.lm_head"]["predicted"] == 0  # tied: shares the embedding
-    # Activations are an estimate; the CPU reference attention is not flash-style.
-    assert abs(rows["decoder forward peak"]["error_pct"]) < 100
+    # Activations are an estimate, and never above what was measured: the planner counts tensors
+    # the forward must hold, and the CPU reference attention (not flash-style) adds per-sequence
+    # K/V copies and scores. On this attention-heavy shape (q heads twice the hidden size) that
+    # reads +14% in a layer and +29% over the forward; the fused-kernel formula, which is not the
+    # CPU's path, would read +33% and +50%.
+    assert 0 <= rows["decoder layer peak"]["error_pct"] < 20, rows["decoder layer peak"]
+    assert 0 <= rows["decoder forward peak"]["error_pct"] < 40, rows["decoder forward peak"]
+    assert abs(rows["logits"]["error_pct"]) < 5, rows["logits"]
 
 
 def test_json_side_figures(report):
