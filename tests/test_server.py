@@ -11,6 +11,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from mempath.sampling import SamplingParams
 from mempath.server.cli import build_server_app
 
 API_KEY = "test-key"
@@ -25,6 +26,8 @@ LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 4  # several ful
 class RunningServer:
     def __init__(self, app, name: str):
         self.name = name
+        self.app = app
+        self.engine = app.state.engine_client.engine  # touch only from the engine thread
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
@@ -60,27 +63,78 @@ class RunningServer:
         deadline = time.time() + timeout
         while True:
             m = self.metrics()
-            idle = (m[("mempath:kv_blocks", (("state", "used"),))] == 0
-                    and m[("mempath:num_requests_running", ())] == 0
-                    and m[("mempath:num_requests_waiting", ())] == 0)
-            if idle or time.time() > deadline:
+            busy = {key: m[key] for key in IDLE_GAUGES if m[key] != 0}
+            if not busy:
                 return m
+            assert time.time() < deadline, f"the server is not idle after {timeout} s: {busy}"
             time.sleep(0.05)
 
 
+IDLE_GAUGES = (("mempath:kv_blocks", (("state", "used"),)), ("mempath:num_requests_running", ()),
+               ("mempath:num_requests_waiting", ()))
+
+
+class StepGate:
+    """Holds the engine between steps while ``hold(engine)`` is true.
+
+    A held engine still runs its inbox (adds, aborts) but computes nothing, so a
+    test can make sure something happens before generation moves on. A hold gives
+    up after ``timeout`` seconds and says so in ``timed_out``: a condition that
+    never comes fails the test instead of hanging it. Install it as
+    ``monkeypatch.setattr(engine, "step", gate.step)``.
+    """
+
+    POLL_SECONDS = 0.002  # how often a held engine looks at its inbox again
+
+    def __init__(self, engine, hold, timeout: float = 10.0):
+        self.engine = engine
+        self.hold = hold
+        self.timeout = timeout
+        self.real_step = engine.step
+        self.reached = threading.Event()  # set once the engine has been held
+        self.timed_out = False
+        self._held_since = None
+
+    def step(self):
+        if not self.timed_out and self.hold(self.engine):
+            self.reached.set()
+            now = time.monotonic()
+            self._held_since = self._held_since or now
+            self.timed_out = now - self._held_since > self.timeout
+            time.sleep(self.POLL_SECONDS)
+            return []
+        self._held_since = None
+        return self.real_step()
+
+
+ENGINE_OPTIONS = dict(device="cpu", max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=256,
+                      block_size=BLOCK_SIZE)
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def model_path(tmp_path_factory) -> str:
     from tests.conftest import make_model
     path = tmp_path_factory.mktemp("served-model")
     make_model(path, "llama")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def server(model_path):
     app, name = build_server_app(
-        str(path), dict(device="cpu", max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=256,
-                        block_size=BLOCK_SIZE),
-        served_model_name="tiny", api_key=API_KEY, max_body_bytes=MAX_BODY_BYTES,
-        max_tokens_limit=MAX_TOKENS_LIMIT, max_n=MAX_N, show_progress=False)
+        model_path, ENGINE_OPTIONS, served_model_name="tiny", api_key=API_KEY,
+        max_body_bytes=MAX_BODY_BYTES, max_tokens_limit=MAX_TOKENS_LIMIT, max_n=MAX_N,
+        show_progress=False)
     running = RunningServer(app, name)
     yield running
     running.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(model_path):
+    """The same model in an engine of its own: what the server should have answered."""
+    from mempath import LLM
+    return LLM(model_path, show_progress=False, **ENGINE_OPTIONS)
 
 
 @pytest.fixture(scope="module")
@@ -113,9 +167,9 @@ def test_completion_returns_text_and_usage(client):
     assert out.usage.prompt_tokens_details.cached_tokens == 0
 
 
-def test_chat_uses_the_chat_template(client):
-    out = client.chat.completions.create(model="tiny", messages=[
-        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}],
+def test_chat_uses_the_chat_template(client, reference):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    out = client.chat.completions.create(model="tiny", messages=messages,
         max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
     assert out.object == "chat.completion"
     assert out.choices[0].message.role == "assistant"
@@ -123,6 +177,16 @@ def test_chat_uses_the_chat_template(client):
     assert out.usage.completion_tokens == 5
     # "<s>system: Be brief.\n<s>user: Hello\n<s>assistant:" is far longer than "Hello".
     assert out.usage.prompt_tokens > 8
+    # The prompt is the template's rendering, encoded without extra special tokens: the same
+    # length, and the same greedy answer as the engine gives for exactly those tokens.
+    tokenizer = reference.tokenizer
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered.startswith("<s>system: Be brief.")
+    prompt_ids = tokenizer.encode(rendered, add_special_tokens=False)
+    assert out.usage.prompt_tokens == len(prompt_ids)
+    expected = reference.generate(prompt_ids, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+                                  use_tqdm=False)[0]
+    assert out.choices[0].message.content == expected.text
 
 
 def test_completion_stream_equals_non_stream_for_a_seed(client):
@@ -217,17 +281,45 @@ def test_repeated_prefix_reports_cached_tokens(client):
     assert cached == (second.usage.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE and cached >= 32
 
 
-def test_logprobs_come_back_per_token(client):
-    out = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, logprobs=2,
+def engine_logprobs(reference, prompt, num_tokens: int, top: int, seed: int):
+    """(token ids, per-token {id: logprob}) of the engine's own run of the same request."""
+    params = SamplingParams(max_tokens=num_tokens, seed=seed, logprobs=top, ignore_eos=True)
+    out = reference.generate(prompt, params, use_tqdm=False)[0]
+    return out.token_ids, out.logprobs
+
+
+def assert_logprobs_match(tokenizer, token_ids, engine_entries, tokens, logprobs, tops, top: int):
+    assert tokens == [tokenizer.decode([t]) for t in token_ids]
+    for token_id, entry, value, top_entry in zip(token_ids, engine_entries, logprobs, tops):
+        assert value == pytest.approx(entry[token_id], abs=1e-5)
+        best = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:top]
+        assert top_entry == pytest.approx({tokenizer.decode([t]): v for t, v in best}, abs=1e-5)
+
+
+def test_logprobs_come_back_per_token(client, reference):
+    out = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, logprobs=2, seed=21,
                                     extra_body={"ignore_eos": True})
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert all(v <= 0 for v in lp.token_logprobs)
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+    tokenizer = reference.tokenizer
+    token_ids, entries = engine_logprobs(reference, "Hello", 4, 2, seed=21)
+    assert_logprobs_match(tokenizer, token_ids, entries, lp.tokens, lp.token_logprobs, lp.top_logprobs, 2)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
+
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, seed=22,
                                           max_tokens=3, logprobs=True, top_logprobs=2,
                                           extra_body={"ignore_eos": True})
     content = chat.choices[0].logprobs.content
     assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    token_ids, entries = engine_logprobs(reference, tokenizer.encode(rendered, add_special_tokens=False),
+                                         3, 2, seed=22)
+    assert_logprobs_match(tokenizer, token_ids, entries, [t.token for t in content],
+                          [t.logprob for t in content],
+                          [{e.token: e.logprob for e in t.top_logprobs} for t in content], 2)
+    assert [t.bytes for t in content] == [list(t.token.encode()) for t in content]
 
 
 # ----------------------------------------------------------------- bad requests
@@ -296,6 +388,60 @@ def test_a_body_over_the_limit_is_a_413(server):
     assert error["code"] == "request_too_large"
 
 
+def test_a_chunked_body_over_the_limit_is_a_413(server):
+    """A body sent without Content-Length is counted as it arrives, against the same limit."""
+    body = json.dumps({"model": "tiny", "prompt": "x" * MAX_BODY_BYTES, "max_tokens": 1}).encode()
+    assert MAX_BODY_BYTES < len(body) < 2 * MAX_BODY_BYTES
+
+    def chunks():  # a generator: httpx sends it with Transfer-Encoding: chunked
+        for start in range(0, len(body), 4096):
+            yield body[start:start + 4096]
+
+    response = httpx.post(f"{server.url}/v1/completions", content=chunks(), timeout=30,
+                          headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    assert response.request.headers.get("transfer-encoding") == "chunked"
+    assert "content-length" not in response.request.headers
+    error = assert_error(response, 413, None, "--max-body-bytes")
+    assert error["code"] == "request_too_large"
+    small = json.dumps({"model": "tiny", "prompt": "chunked", "max_tokens": 2}).encode()
+    response = httpx.post(f"{server.url}/v1/completions", content=iter([small[:5], small[5:]]),
+                          timeout=30, headers={"Authorization": f"Bearer {API_KEY}",
+                                               "Content-Type": "application/json"})
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("prompt", [
+    ["one", "two", "three"],             # 3 prompts x n=3 = 9 choices
+    [[5, 6, 7], [8, 9], [10, 11, 12]],   # the same, as token ids
+])
+def test_the_n_limit_counts_every_prompt(server, prompt):
+    body = {"model": "tiny", "prompt": prompt, "n": 3, "max_tokens": 2}
+    assert len(prompt) * 3 > MAX_N >= 3
+    response = raw_post(server, "/v1/completions", json.dumps(body).encode())
+    assert_error(response, 400, "n", "3 prompts x n=3 asks for 9 choices")
+
+
+def test_several_prompts_and_token_id_prompts_over_http(client, reference):
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    out = client.completions.create(model="tiny", prompt=["one", "two"], n=2, max_tokens=3,
+                                    temperature=0, extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    expected = [o.text for o in reference.generate(["one", "two"], params, use_tqdm=False)]
+    assert [c.text for c in out.choices] == [expected[0], expected[0], expected[1], expected[1]]
+    assert out.usage.completion_tokens == 4 * 3
+    # Each prompt counted once in the usage, whatever n is.
+    assert out.usage.prompt_tokens == sum(len(reference.tokenizer.encode(p)) for p in ("one", "two"))
+
+    ids = [[5, 6, 7], [8, 9, 10, 11]]
+    expected = [o.text for o in reference.generate(ids, params, use_tqdm=False)]
+    one = client.completions.create(model="tiny", prompt=ids[0], max_tokens=3, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert [c.text for c in one.choices] == expected[:1] and one.usage.prompt_tokens == 3
+    both = client.completions.create(model="tiny", prompt=ids, max_tokens=3, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert [c.text for c in both.choices] == expected and both.usage.prompt_tokens == 7
+
+
 def test_unknown_route_is_an_openai_style_404(server):
     assert_error(httpx.get(f"{server.url}/v1/nothing-here",
                            headers={"Authorization": f"Bearer {API_KEY}"}), 404)
@@ -318,13 +464,29 @@ def test_the_server_keeps_serving_after_bad_requests(server, client):
 
 
 # ----------------------------------------------------------------- load and disconnects
-def test_a_non_streaming_client_that_hangs_up_is_aborted(server):
+def raw_request(path: str, body: dict, key: str = API_KEY) -> bytes:
+    """One HTTP/1.1 request as bytes, for a client that hangs up when the test says so."""
+    content = json.dumps(body).encode()
+    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(content)}\r\n\r\n").encode() + content
+
+
+def test_a_non_streaming_client_that_hangs_up_is_aborted(server, monkeypatch):
     before = counter(server.metrics(), "mempath:request_success_total", finished_reason="abort")
+    # Once the request has its first token the engine holds it: it cannot finish before the
+    # client hangs up, however fast the machine.
+    gate = StepGate(server.engine, lambda engine: any(r.num_output_tokens >= 1
+                                                      for r in engine.requests.values()))
+    monkeypatch.setattr(server.engine, "step", gate.step)
     body = {"model": "tiny", "prompt": "Hi", "max_tokens": MAX_TOKENS_LIMIT, "ignore_eos": True}
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.15,
-                   headers={"Authorization": f"Bearer {API_KEY}"})
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(raw_request("/v1/completions", body))
+        assert gate.reached.wait(30), "the request never produced a token"
+        sock.setblocking(False)
+        with pytest.raises(BlockingIOError):  # no answer before the hang-up
+            sock.recv(1)
     m = server.wait_until_idle()
+    assert not gate.timed_out, "the server did not notice the hang-up"
     assert m[("mempath:kv_blocks", (("state", "used"),))] == 0
     assert counter(m, "mempath:request_success_total", finished_reason="abort") == before + 1
 
@@ -348,11 +510,26 @@ async def stream_one(http: httpx.AsyncClient, url: str, prompt: str, hang_up: bo
     raise AssertionError("the stream ended without [DONE]")
 
 
-def test_64_streams_with_a_third_hanging_up_leak_nothing(server, client):
+HANG_UP = "Hang up: "  # the prompts of the streams that hang up start with this
+
+
+def test_64_streams_with_a_third_hanging_up_leak_nothing(server, client, monkeypatch):
     prompts = [f"The quick brown fox {i}" for i in range(4)]
     expected = {p: client.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0,
                                              extra_body={"ignore_eos": True}).choices[0].text
                 for p in prompts}
+    # A hanging-up stream reads two chunks of text, which these prompts give within the 12
+    # tokens after which the engine holds it until its hang-up is noticed: every hang-up
+    # really cuts a generation short, however fast the machine.
+    for p in prompts:
+        chunks = list(client.completions.create(model="tiny", prompt=HANG_UP + p, max_tokens=12,
+                                                temperature=0, stream=True,
+                                                extra_body={"ignore_eos": True}))
+        assert sum(1 for c in chunks[:-1] if c.choices[0].text) >= 2, p
+    gate = StepGate(server.engine, lambda engine: any(
+        (r.prompt or "").startswith(HANG_UP) and r.num_output_tokens >= 12
+        for r in engine.requests.values()))
+    monkeypatch.setattr(server.engine, "step", gate.step)
     rng = random.Random(0)
     hang_ups = set(rng.sample(range(64), 64 // 3))
     before = server.metrics()
@@ -362,7 +539,8 @@ def test_64_streams_with_a_third_hanging_up_leak_nothing(server, client):
         async with httpx.AsyncClient(timeout=60, limits=limits,
                                      headers={"Authorization": f"Bearer {API_KEY}"}) as http:
             return await asyncio.gather(*[
-                stream_one(http, f"{server.url}/v1/completions", prompts[i % 4], i in hang_ups)
+                stream_one(http, f"{server.url}/v1/completions",
+                           (HANG_UP if i in hang_ups else "") + prompts[i % 4], i in hang_ups)
                 for i in range(64)])
 
     results = asyncio.run(run_all())
@@ -379,4 +557,6 @@ def test_64_streams_with_a_third_hanging_up_leak_nothing(server, client):
     assert sum(finished.values()) == 64
     assert finished["length"] >= 64 - len(hang_ups)
     assert finished["abort"] > 0  # the hang-ups really cut generations short
+    assert finished["abort"] == len(hang_ups) and finished["length"] == 64 - len(hang_ups)
+    assert not gate.timed_out
     assert after[("mempath:generation_tokens_total", ())] > before[("mempath:generation_tokens_total", ())]

@@ -59,6 +59,7 @@ def build_app(engine_client: AsyncEngine, served_model_name: str, api_key: str |
 
     app = FastAPI(title="mempath", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
+    app.state.engine_client = engine_client  # for tests and benchmarks that look behind the API
     install_error_handlers(app)
 
     @app.get("/health")
