@@ -76,10 +76,17 @@ def test_chat_template_renders(llm):
     assert "<|user|>" in out.prompt and out.prompt.rstrip().endswith("<|assistant|>")
 
 
-def test_cli_generate_uses_the_built_in_model(capsys):
-    assert cli_main(["generate", "def read_config(path):", "--max-tokens", "12", "--quiet"]) == 0
-    printed = capsys.readouterr().out
-    assert printed.startswith("def read_config(path):") and len(printed) > len("def read_config(path):") + 5
+def test_cli_generate_uses_the_built_in_model(llm, capsys):
+    """No model argument: the CLI prints the prompt and the built-in model's own greedy
+    continuation of exactly --max-tokens tokens (not the draft model's, not the default length)."""
+    prompt = "def read_config(path):"
+    expected = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0))[0]
+    assert len(expected.token_ids) == 12 and expected.text.strip()
+    assert cli_main(["generate", prompt, "--max-tokens", "12", "--quiet"]) == 0
+    assert capsys.readouterr().out == prompt + expected.text + "\n"
+    draft = LLM(str(ASSETS / DRAFT_MODEL), show_progress=False).generate(
+        prompt, SamplingParams(max_tokens=12, temperature=0))[0]
+    assert draft.text != expected.text  # the comparison tells the two shipped models apart
 
 
 def test_default_model_path_exists():
