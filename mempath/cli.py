@@ -5,6 +5,7 @@ import logging
 import sys
 
 from mempath.config import EngineConfig
+from mempath.memory.oom import MempathOutOfMemoryError
 
 
 def block_size_arg(text: str) -> int | str:
@@ -147,9 +148,12 @@ def main(argv: list[str] | None = None) -> int:
             return run_plan(args)
         if args.command == "diagnose":
             return run_diagnose(args)
-    except ValueError as error:
+    except ValueError as error:  # bad input, a broken config or checkpoint (CheckpointError): one line
         print(f"mempath: error: {error}", file=sys.stderr)
         return 2
+    except MempathOutOfMemoryError as error:  # the explanation, its ledger and fixes; as diagnose exits
+        print(f"mempath: {error}", file=sys.stderr)
+        return 3
     return 1
 
 

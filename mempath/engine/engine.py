@@ -21,8 +21,9 @@ from mempath.engine.scheduler import ScheduledBatch, Scheduler
 from mempath.kv.manager import KVCacheManager, blocks_for
 from mempath.memory.ledger import Ledger, format_bytes
 from mempath.memory.oom import MempathOutOfMemoryError, oom_guard
-from mempath.model.llama import ModelSpec
-from mempath.model.loader import checkpoint_dtype, load_model, read_config
+from mempath.model.llama import ConfigFields, ModelSpec
+from mempath.model.loader import (WEIGHT_DIGESTS_FILE, checkpoint_dtype, load_model, read_config,
+                                  read_json_object, weights_digest)
 from mempath.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -66,10 +67,8 @@ def load_generation_eos(model_dir: str) -> list[int]:
     path = Path(model_dir) / "generation_config.json"
     if not path.exists():
         return []
-    eos = json.loads(path.read_text()).get("eos_token_id")
-    if eos is None:
-        return []
-    return [eos] if isinstance(eos, int) else list(eos)
+    fields = ConfigFields(read_json_object(path, "a JSON object of generation settings"), str(path))
+    return fields.token_ids("eos_token_id")
 
 
 def probe_lengths(num_tokens: int, num_seqs: int) -> list[int]:
@@ -323,7 +322,12 @@ class LLMEngine:
     def _attach_tiers(self) -> None:
         """Reserve the host tier, open the disk tier, calibrate the cost model (docs/tiers.md)."""
         from mempath.kv.tiered import TieredKV
+        from mempath.kv.tiers import open_disk_root
         c = self.config
+        if c.disk_kv_path:
+            # Before the fingerprint, which caches weight digests in this directory: the tier
+            # must own it (manifest, mode 0o700) before anything is written there.
+            open_disk_root(c.disk_kv_path)
         tiers = TieredKV(self.kv.pool, self.runner.kv_cache, c.block_size, int(c.cpu_kv_gb * (1 << 30)),
                          c.disk_kv_path, int(c.disk_kv_gb * (1 << 30)), c.disk_write_policy == "write-through",
                          self._kv_fingerprint(), c.preemption_mode)
@@ -339,19 +343,22 @@ class LLMEngine:
         self.kv.tiers = tiers
 
     def _kv_fingerprint(self) -> str:
-        """What makes a block's bytes this model's: the checkpoint's identity and the KV dtype.
+        """What makes a block's bytes this model's: the weights' and config's content, the KV dtype.
 
-        Files are named by size and modification time rather than hashed: hashing
-        tens of GB at every start-up would cost more than the cache saves.
+        Only the disk tier's blocks outlive the process, so without one nothing is hashed.
+        Each weights file is hashed once: its digest is cached in the disk tier's own
+        directory under the file's identity (device, inode, size, mtime, ctime, header
+        hash), never in the model directory (docs/tiers.md).
         """
-        root = Path(self.config.model).resolve()
-        parts = [str(root), self.dtype_name, self.config.load_format]
-        if self.config.load_format == "dummy":
-            parts.append(f"seed={self.config.seed}")
-        for path in sorted(root.glob("*")):
-            if path.suffix in (".safetensors", ".bin", ".json") and path.is_file():
-                st = path.stat()
-                parts.append(f"{path.name}:{st.st_size}:{st.st_mtime_ns}")
+        c = self.config
+        parts = [self.dtype_name, c.load_format]
+        if c.disk_kv_path:
+            parts.append(json.dumps(self.hf_config, sort_keys=True))
+            if c.load_format == "dummy":
+                parts.append(f"seed={c.seed}")
+            else:
+                parts.append(weights_digest(self.load_report.file_identities,
+                                            Path(c.disk_kv_path) / WEIGHT_DIGESTS_FILE))
         return hashlib.blake2b("|".join(parts).encode(), digest_size=16).hexdigest()
 
     def _measure_prefill_rate(self) -> float:

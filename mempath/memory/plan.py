@@ -32,14 +32,6 @@ DTYPE_ALIASES = {
     "fp16": "float16", "float16": "float16", "half": "float16",
     "fp32": "float32", "float32": "float32", "float": "float32",
 }
-MODEL_TYPES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "phi3": "Phi3ForCausalLM",
-}
-ARCHITECTURES = tuple(MODEL_TYPES.values())
 
 # Bytes per *trainable* parameter: (weights, grads, fp32 master copy, optimizer moments).
 # None means "the model dtype": 8-bit AdamW is normally paired with 16-bit weights and
@@ -171,25 +163,29 @@ class MemoryPlan:
 # ---------------------------------------------------------------- config and sizes
 
 
+def config_path(model: str | os.PathLike) -> Path:
+    """Where a model's config.json is: in a model directory, the path itself, or the hub cache."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path / "config.json"
+    if not path.exists():
+        return _cached_hub_config(str(model)) or path
+    return path
+
+
 def load_config(model: str | os.PathLike | dict) -> dict:
     """The config as a dict, from a dict, a model directory, a config.json path, or a
     Hugging Face hub id already in the local cache (no network)."""
     if isinstance(model, dict):
         return dict(model)
-    path = Path(model).expanduser()
-    if path.is_dir():
-        path = path / "config.json"
-    elif not path.exists():
-        path = _cached_hub_config(str(model)) or path
-    if not path.is_file():
+    path = config_path(model)
+    if not path.exists():
         raise ValueError(
             f"no config.json at {path}: pass a model directory, a path to its config.json, "
             f"or a hub id that is already downloaded"
         )
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e}): pass the model's config.json") from e
+    from mempath.model.loader import read_json_object
+    return read_json_object(path, "a JSON object of model settings")
 
 
 def _cached_hub_config(repo_id: str) -> Path | None:
@@ -202,47 +198,28 @@ def _cached_hub_config(repo_id: str) -> Path | None:
     return found[-1] if found else None
 
 
-def read_shape(config: dict) -> ModelShape:
-    archs = config.get("architectures") or []
-    arch = archs[0] if archs else MODEL_TYPES.get(config.get("model_type", ""), "")
-    if arch not in ARCHITECTURES:
-        raise ValueError(
-            f"unsupported architecture {arch or config.get('model_type')!r}: "
-            f"mempath plans {', '.join(ARCHITECTURES)}"
-        )
+def read_shape(config: dict, source: str = "config.json") -> ModelShape:
+    """The planner's view of a config, read and validated by the engine's own reader
+    (ModelSpec.from_hf_config), so the two agree on every field and refuse the same configs."""
+    from mempath.model.llama import ModelSpec
+    return shape_from_spec(ModelSpec.from_hf_config(config, source=source))
 
-    def positive(key, default=None):
-        value = config.get(key, default)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"config.json: {key} must be a positive integer, got {value!r}")
-        return value
 
-    hidden = positive("hidden_size")
-    heads = positive("num_attention_heads")
-    kv_heads = positive("num_key_value_heads", heads)  # absent means plain multi-head
-    head_dim = config.get("head_dim") or hidden // heads  # Mistral v0.3 writes null
-    # Qwen2 always biases q/k/v; the others follow their config flag (Mistral and Phi-3
-    # have none in transformers, whatever the config says).
-    if arch == "Qwen2ForCausalLM":
-        attention_bias = True
-    elif arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
-        attention_bias = bool(config.get("attention_bias", False))
-    else:
-        attention_bias = False
+def shape_from_spec(spec) -> ModelShape:
     return ModelShape(
-        architecture=arch,
-        num_layers=positive("num_hidden_layers"),
-        hidden_size=hidden,
-        intermediate_size=positive("intermediate_size"),
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=int(head_dim),
-        vocab_size=positive("vocab_size"),
-        max_position_embeddings=positive("max_position_embeddings"),
-        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-        attention_bias=attention_bias,
-        mlp_bias=arch == "LlamaForCausalLM" and bool(config.get("mlp_bias", False)),
-        config_dtype=config.get("torch_dtype") or config.get("dtype"),
+        architecture=spec.architecture,
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        vocab_size=spec.vocab_size,
+        max_position_embeddings=spec.max_position_embeddings,
+        tied_embeddings=spec.tie_word_embeddings,
+        attention_bias=spec.qkv_bias,
+        mlp_bias=spec.mlp_bias,
+        config_dtype=spec.torch_dtype,
     )
 
 
@@ -361,6 +338,40 @@ def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> int:
 
 
 # ---------------------------------------------------------------- inference workspace
+
+
+# nn.Module objects of one decoder layer in host memory (about 24 KiB measured in
+# CPython 3.11 for the Llama layer), rounded up.
+MODULE_BYTES_PER_LAYER = 32 << 10
+
+
+def rotary_bytes_per_position(head_dim: int) -> int:
+    """float32 bytes per position the rotary tables cost while built (RotaryEmbedding.build):
+    kept cos and sin (2·4·d), and the positions (4), angles (4·d/2) and doubled angles
+    (4·d) alive while they are computed."""
+    return 8 * head_dim + 4 + 2 * head_dim + 4 * head_dim
+
+
+def load_bytes(shape: ModelShape, dtype_bytes: int, positions: int,
+               checkpoint_dtype_bytes: int | None = None) -> dict[str, int]:
+    """What loading a model allocates, by part, before any KV cache or step buffer.
+
+    weights: every parameter in the model dtype; rotary_tables: cos and sin kept for
+    ``positions`` positions (float32); rotary_build: the temporaries of their build;
+    modules: the Python module objects (host); largest_tensor: the one checkpoint tensor
+    the streaming loader holds in host memory at a time, in the checkpoint's dtype.
+    """
+    h, d = shape.hidden_size, shape.head_dim
+    fused_rows = max(shape.num_heads * d + 2 * shape.num_kv_heads * d, 2 * shape.intermediate_size,
+                     shape.vocab_size)
+    kept = 8 * positions * d
+    return {
+        "weights": count_params(shape)["total"] * dtype_bytes,
+        "rotary_tables": kept,
+        "rotary_build": positions * rotary_bytes_per_position(d) - kept,
+        "modules": shape.num_layers * MODULE_BYTES_PER_LAYER,
+        "largest_tensor": fused_rows * h * (checkpoint_dtype_bytes or dtype_bytes),
+    }
 
 
 def decoder_peak_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, fused: bool = True) -> int:
@@ -592,7 +603,8 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
     it for a compute capability; the default is Hopper's; 0 for the CPU): one for the
     serving stream, counted in the step peak, and one for the graph-capture stream.
     """
-    shape = read_shape(load_config(model))
+    source = "config.json" if isinstance(model, dict) else str(config_path(model))
+    shape = read_shape(load_config(model), source)
     dtype_name, b = resolve_dtype(dtype, shape)
     max_model_len = shape.max_position_embeddings if max_model_len is None else max_model_len
     _check_settings(shape, gpu_mem_bytes, gpu_memory_utilization, max_model_len, max_num_seqs,

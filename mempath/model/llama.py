@@ -7,6 +7,7 @@ separate or the fused checkpoint tensors. The model works on a flat batch of
 tokens: ``input_ids [T]``, ``positions [T]`` and an :class:`AttentionMetadata`
 that says which rows belong to which sequence and where their KV lives.
 """
+import json
 import math
 from dataclasses import dataclass
 
@@ -16,13 +17,111 @@ from torch import nn
 from mempath.kv.attention import attend_torch, write_kv
 from mempath.model.ops import rms_norm, rope_and_store, silu_and_mul
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Phi3ForCausalLM",
-)
+# config.json's model_type -> architecture, for configs that name no architectures.
+MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
+SUPPORTED_ARCHITECTURES = tuple(MODEL_TYPES.values())
+CHECKPOINT_DTYPES = ("float32", "float16", "bfloat16")
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint (config.json or weights) that mempath cannot load.
+
+    The message is one line: the file, the field or tensor, what it holds, what is
+    expected, and the fix.
+    """
+
+
+def json_kind(value) -> str:
+    """What kind of JSON value this is, as a message says it: "a string", "a list"."""
+    kinds = ((bool, "true/false"), (str, "a string"), ((int, float), "a number"),
+             (list, "a list"), (dict, "an object"))
+    return next((name for types, name in kinds if isinstance(value, types)), "null")
+
+
+def describe(value) -> str:
+    """A JSON value as config.json writes it, with its kind: '"6" (a string)'."""
+    text = json.dumps(value, default=str)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return text if value is None else f"{text} ({json_kind(value)})"
+
+
+_REQUIRED = object()
+
+
+class ConfigFields:
+    """Typed reads of config.json fields; a bad field raises CheckpointError naming it."""
+
+    def __init__(self, fields: dict, source: str, prefix: str = ""):
+        self.fields, self.source, self.prefix = fields, source, prefix
+
+    def fail(self, key: str, expected: str, fix: str | None = None):
+        if key in self.fields:
+            state, fix = f"holds {describe(self.fields[key])}", fix or "correct it in config.json"
+        else:
+            state, fix = "is missing", fix or "add it to config.json (the model's original config has it)"
+        raise CheckpointError(f"{self.source}: field '{self.prefix}{key}' {state}, expected {expected}; {fix}")
+
+    def integer(self, key: str, default=_REQUIRED, minimum: int = 1, expected: str = "a positive integer"):
+        """An int >= minimum; null or absent gives ``default`` (when there is one)."""
+        value = self.fields.get(key)
+        if value is None and default is not _REQUIRED:
+            return default
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            self.fail(key, expected)
+        return value
+
+    def number(self, key: str, default=_REQUIRED) -> float:
+        """A positive int or float; null or absent gives ``default`` (when there is one)."""
+        value = self.fields.get(key)
+        if value is None and default is not _REQUIRED:
+            return default
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+            self.fail(key, "a positive number")
+        return float(value)
+
+    def flag(self, key: str, default: bool = False) -> bool:
+        value = self.fields.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            self.fail(key, "true or false")
+        return value
+
+    def choice(self, key: str, options, default=None, fix: str | None = None):
+        value = self.fields.get(key)
+        if value is None:
+            return default
+        if value not in options:
+            self.fail(key, " or ".join((", ".join(options[:-1]), options[-1])) if len(options) > 1
+                      else options[0], fix)
+        return value
+
+    def mapping(self, key: str) -> dict:
+        """An object; null or absent gives {}."""
+        value = self.fields.get(key)
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            self.fail(key, "an object")
+        return value
+
+    def token_ids(self, key: str) -> list[int]:
+        """A token id or a list of them; null or absent gives []."""
+        value = self.fields.get(key)
+        if value is None:
+            return []
+        ids = [value] if not isinstance(value, list) else value
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            self.fail(key, "a token id (an integer >= 0) or a list of them")
+        return list(ids)
 
 
 @dataclass
@@ -50,60 +149,121 @@ class ModelSpec:
     hidden_act: str
     bos_token_id: int | None
     eos_token_ids: list[int]
+    torch_dtype: str | None = None  # the checkpoint's dtype as config.json names it
 
     @classmethod
     def from_hf_config(cls, cfg: dict, source: str = "config.json") -> "ModelSpec":
-        archs = cfg.get("architectures") or []
-        arch = archs[0] if archs else None
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"{source}: architecture {arch!r} is not supported; mempath runs "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-        heads = cfg["num_attention_heads"]
-        hidden = cfg["hidden_size"]
-        act = cfg.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"{source}: hidden_act {act!r} is not supported; only silu is")
-        rope_params = cfg.get("rope_parameters") or {}
-        if cfg.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise ValueError(f"{source}: partial_rotary_factor != 1 is not supported")
-        eos = cfg.get("eos_token_id")
-        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        # Qwen2 keeps a sliding_window value but only applies it with use_sliding_window.
-        window = cfg.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+        """Read and validate config.json; anything mempath cannot run raises CheckpointError."""
+        if not isinstance(cfg, dict):
+            raise CheckpointError(f"{source}: holds {json_kind(cfg)}, expected a JSON object of model "
+                                  f"settings; pass the model's config.json")
+        f = ConfigFields(cfg, source)
+        arch = _architecture(f)
+        if cfg.get("quantization_config") is not None:
+            f.fail("quantization_config", "none", "quantized checkpoints are not supported: use the model's "
+                   "float16 or bfloat16 checkpoint")
+        hidden, heads, kv_heads, head_dim = _attention_shape(f)
+        act = f.choice("hidden_act", ("silu", "swish"), "silu", "mempath's MLP is SiLU-gated")
+        rope_theta, rope_scaling = _rope(f)
+        # Qwen2 and Qwen3 keep a sliding_window value but only apply it with use_sliding_window.
+        window = f.integer("sliding_window", default=None)
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not f.flag("use_sliding_window"):
             window = None
-        if arch == "Qwen3ForCausalLM" and not cfg.get("use_sliding_window", False):
-            window = None
-        rope_scaling = cfg.get("rope_scaling") or None
-        rope_theta = cfg.get("rope_theta")
-        if rope_params:  # transformers 5 nests the rope settings here
-            rope_theta = rope_params.get("rope_theta", rope_theta)
-            if rope_params.get("rope_type", "default") != "default":
-                rope_scaling = rope_params
+        # Biases as transformers builds them: Qwen2 always biases q/k/v (not o); Llama and
+        # Qwen3 follow attention_bias; Mistral and Phi-3 have none whatever the config says.
+        attention_bias = f.flag("attention_bias") and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM")
+        dtype_key = "torch_dtype" if cfg.get("torch_dtype") is not None else "dtype"
         return cls(
             architecture=arch,
-            vocab_size=cfg["vocab_size"],
+            vocab_size=f.integer("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
+            intermediate_size=f.integer("intermediate_size"),
+            num_layers=f.integer("num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or hidden // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=f.number("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            qkv_bias=arch == "Qwen2ForCausalLM" or cfg.get("attention_bias", False),
-            o_bias=arch != "Qwen2ForCausalLM" and cfg.get("attention_bias", False),
-            mlp_bias=cfg.get("mlp_bias", False),
+            max_position_embeddings=f.integer("max_position_embeddings", 2048),
+            tie_word_embeddings=f.flag("tie_word_embeddings"),
+            qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=arch == "LlamaForCausalLM" and f.flag("mlp_bias"),
             qk_norm=arch == "Qwen3ForCausalLM",
             sliding_window=window,
             hidden_act=act,
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            bos_token_id=f.integer("bos_token_id", default=None, minimum=0, expected="a token id (an integer >= 0)"),
+            eos_token_ids=f.token_ids("eos_token_id"),
+            torch_dtype=f.choice(dtype_key, CHECKPOINT_DTYPES,
+                                 fix="mempath loads float checkpoints; quantized ones are not supported"),
         )
+
+
+def _architecture(f: ConfigFields) -> str:
+    archs = f.fields.get("architectures")
+    if archs is None and f.fields.get("model_type") in MODEL_TYPES:
+        return MODEL_TYPES[f.fields["model_type"]]
+    if not isinstance(archs, list) or not archs or not all(isinstance(a, str) for a in archs):
+        f.fail("architectures", 'a list of architecture names such as ["LlamaForCausalLM"]')
+    if archs[0] not in SUPPORTED_ARCHITECTURES:
+        f.fail("architectures", f"one of {', '.join(SUPPORTED_ARCHITECTURES)}",
+               f"unsupported architecture: {archs[0]} is not supported by mempath")
+    return archs[0]
+
+
+def _attention_shape(f: ConfigFields) -> tuple[int, int, int, int]:
+    """(hidden_size, heads, kv heads, head_dim), checked against each other."""
+    hidden = f.integer("hidden_size")
+    heads = f.integer("num_attention_heads")
+    head_dim = f.integer("head_dim", default=None)  # Mistral v0.3 writes null
+    if head_dim is None:
+        if hidden % heads:
+            f.fail("num_attention_heads", f"a number of heads that divides hidden_size ({hidden})",
+                   "correct it, or give head_dim")
+        head_dim = hidden // heads
+        if head_dim % 2:
+            f.fail("num_attention_heads", f"one that gives an even head_dim (hidden_size {hidden} / {heads} "
+                   f"is {head_dim}; rotary embeddings rotate pairs)")
+    elif head_dim % 2:
+        f.fail("head_dim", "an even positive integer (rotary embeddings rotate pairs)")
+    kv_heads = f.integer("num_key_value_heads", default=heads)
+    if heads % kv_heads:
+        f.fail("num_key_value_heads", f"a number of key-value heads that divides num_attention_heads ({heads})")
+    return hidden, heads, kv_heads, head_dim
+
+
+def _rope(f: ConfigFields) -> tuple[float, dict | None]:
+    """(rope_theta, rope scaling or None); transformers 5 nests both in rope_parameters."""
+    params = f.mapping("rope_parameters")
+    nested = ConfigFields(params, f.source, "rope_parameters.")
+    for where in (f, nested):
+        if where.fields.get("partial_rotary_factor", 1.0) != 1.0:
+            where.fail("partial_rotary_factor", "1.0", "partial rotary embeddings are not supported")
+    theta = nested.number("rope_theta", None) if params else None
+    if theta is None:
+        theta = f.number("rope_theta", 10000.0)
+    if params.get("rope_type", "default") != "default":
+        return theta, _rope_scaling(nested)
+    scaling = ConfigFields(f.mapping("rope_scaling"), f.source, "rope_scaling.")
+    return theta, _rope_scaling(scaling) if scaling.fields else None
+
+
+def _rope_scaling(f: ConfigFields) -> dict | None:
+    """The scaling settings, checked for the rope types mempath implements."""
+    kind_key = "rope_type" if "rope_type" in f.fields else "type"
+    kind = f.choice(kind_key, ROPE_TYPES, "default",
+                    f"rope type {f.fields.get(kind_key)!r} is not supported: use a checkpoint without it")
+    if kind == "default":
+        return None
+    f.number("factor")
+    if kind == "llama3":
+        f.integer("original_max_position_embeddings")
+        low = f.number("low_freq_factor", 1.0)
+        high = f.number("high_freq_factor", 4.0)
+        if high <= low:
+            f.fail("high_freq_factor", f"a number above low_freq_factor ({low})")
+    return f.fields
 
 
 @dataclass

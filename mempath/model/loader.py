@@ -6,17 +6,22 @@ memory-mapped safetensors file and copied into its slice of the preallocated
 parameter. Host memory holds one tensor at a time, never the whole state dict:
 that second full copy is what kills loads of large models on small hosts.
 """
+import hashlib
 import json
 import logging
 import os
-from dataclasses import dataclass
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
-from mempath.model.llama import CausalLM, ModelSpec
+from mempath.model.llama import CausalLM, CheckpointError, ModelSpec, describe, json_kind
+
+__all__ = ["CheckpointError", "load_model", "read_config", "weights_digest"]
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +36,13 @@ _FUSED = {
 }
 # Buffers some checkpoints carry that we recompute instead.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Checkpoint dtypes converted to the model dtype on copy; any other (integers, float8)
+# is a quantized or damaged tensor, which a cast would silently turn into garbage.
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# safetensors refuses headers above 100 MB; the identity reads no further.
+_MAX_HEADER_BYTES = 100_000_000
+# Where the disk tier's directory keeps each weights file's content digest (docs/tiers.md).
+WEIGHT_DIGESTS_FILE = "mempath-weight-digests.json"
 
 
 @dataclass
@@ -39,20 +51,42 @@ class LoadReport:
     tensors_loaded: int
     weight_bytes: int  # bytes of the materialised parameters
     checkpoint_dtype: torch.dtype
+    # file_identity() of each weights file, taken before it was read (see weights_digest)
+    file_identities: dict[str, str] = field(default_factory=dict)
+
+
+def read_json_object(path: Path, expected: str) -> dict:
+    """The JSON object in ``path``; anything else raises CheckpointError naming the file."""
+    if path.is_dir():
+        raise CheckpointError(f"{path}: is a directory, expected a file holding {expected}; "
+                              f"replace it with the model's file")
+    try:
+        value = json.loads(path.read_bytes())
+    except OSError as error:
+        raise CheckpointError(f"{path}: cannot be read ({error.strerror}); check that it exists and "
+                              f"that its permissions let you read it") from None
+    except ValueError as error:  # also bytes that are not UTF-8
+        raise CheckpointError(f"{path}: is not valid JSON ({error}); restore the model's original "
+                              f"file or download it again") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: holds {json_kind(value)}, expected {expected}; restore the "
+                              f"model's original file or download it again")
+    return value
+
+
+def config_path(model_dir: str | Path) -> Path:
+    path = Path(model_dir)
+    return path if path.is_file() and path.name.endswith(".json") else path / "config.json"
 
 
 def read_config(model_dir: str | Path) -> dict:
-    path = Path(model_dir)
-    if path.is_file() and path.name.endswith(".json"):
-        config_path = path
-    else:
-        config_path = path / "config.json"
-    if not config_path.exists():
-        raise ValueError(
-            f"{config_path}: no config.json found; pass a Hugging Face model directory "
+    """config.json as a dict (a JSON object; its fields are checked by ModelSpec.from_hf_config)."""
+    path = config_path(model_dir)
+    if not path.exists():
+        raise CheckpointError(
+            f"{path}: no config.json found; pass a Hugging Face model directory "
             f"(config.json + *.safetensors + tokenizer files)")
-    with open(config_path) as f:
-        return json.load(f)
+    return read_json_object(path, "a JSON object of model settings")
 
 
 def checkpoint_dtype(cfg: dict) -> torch.dtype:
@@ -61,28 +95,110 @@ def checkpoint_dtype(cfg: dict) -> torch.dtype:
         name, torch.float32)
 
 
+def _leaves_directory(shard: str) -> bool:
+    """Whether an index's shard name points outside the model directory, judged by the name.
+
+    Symlinks are not resolved: the Hugging Face cache links every snapshot file to a blob
+    outside the snapshot directory, and those are the files the index means.
+    """
+    normal = os.path.normpath(shard)
+    return os.path.isabs(shard) or normal == os.pardir or normal.startswith(os.pardir + os.sep)
+
+
+def _weights_file(path: Path) -> Path:
+    if path.is_dir():
+        raise CheckpointError(f"{path}: is a directory, expected a safetensors weights file; "
+                              f"replace it with the checkpoint's file (download it again)")
+    return path
+
+
+def _index_shards(index: Path, model_dir: Path) -> list[Path]:
+    data = read_json_object(index, "a JSON object with a weight_map (tensor name -> shard file)")
+    weight_map = data.get("weight_map")
+    if weight_map is None:
+        raise CheckpointError(f"{index}: has no 'weight_map' (tensor name -> shard file); download the "
+                              f"checkpoint's index again")
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: 'weight_map' holds {json_kind(weight_map)}, expected an object "
+                              f"(tensor name -> shard file); download the checkpoint's index again")
+    shards = set()
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard:
+            raise CheckpointError(f"{index}: tensor {name!r} names shard {describe(shard)}, expected a file "
+                                  f"name in {model_dir}; download the checkpoint's index again")
+        if _leaves_directory(shard):
+            raise CheckpointError(f"{index}: tensor {name!r} names shard {shard!r}, outside {model_dir}; "
+                                  f"shards must be files inside the model directory: download the index again")
+        shards.add(shard)
+    missing = sorted(s for s in shards if not (model_dir / s).exists())
+    if missing:
+        raise CheckpointError(
+            f"{index}: names shard(s) {missing} that are not in {model_dir}; "
+            f"download the complete checkpoint")
+    return [_weights_file(model_dir / s) for s in sorted(shards)]
+
+
 def find_weight_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        missing = [s for s in shards if not (model_dir / s).exists()]
-        if missing:
-            raise ValueError(
-                f"{index}: names shard(s) {missing} that are not in {model_dir}; "
-                f"download the complete checkpoint")
-        return [model_dir / s for s in shards]
+        return _index_shards(index, model_dir)
     single = model_dir / "model.safetensors"
     if single.exists():
-        return [single]
+        return [_weights_file(single)]
     files = sorted(model_dir.glob("*.safetensors"))
     if files:
-        return files
+        return [_weights_file(f) for f in files]
     if list(model_dir.glob("*.bin")) or list(model_dir.glob("*.pt")):
-        raise ValueError(
+        raise CheckpointError(
             f"{model_dir}: only PyTorch pickle weights (*.bin) found; mempath loads safetensors. "
             f"Convert with transformers: model.save_pretrained(dir, safe_serialization=True)")
-    raise ValueError(f"{model_dir}: no model.safetensors or *.safetensors weights file found")
+    raise CheckpointError(f"{model_dir}: no model.safetensors or *.safetensors weights file found; "
+                          f"download the checkpoint's weights")
+
+
+def check_load_fits(spec: ModelSpec, max_positions: int, dtype: torch.dtype, device: torch.device, *,
+                    dummy: bool, checkpoint_dtype: torch.dtype, source: str) -> None:
+    """Refuse, before anything is allocated, a load that the device or the host has no room for.
+
+    The figures are the planner's (memory.plan.load_bytes): weights, rotary tables and
+    their build, module objects, and on the host the one checkpoint tensor read at a time.
+    """
+    import psutil
+
+    from mempath.memory.plan import load_bytes, shape_from_spec
+    need = load_bytes(shape_from_spec(spec), dtype.itemsize, max_positions, checkpoint_dtype.itemsize)
+    on_device = need["weights"] + need["rotary_tables"] + need["rotary_build"]
+    on_host = need["modules"] + (0 if dummy else need["largest_tensor"])
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        if on_device > free:
+            raise CheckpointError(_load_refusal(spec, need, on_device, free, "the GPU has {} free",
+                                                max_positions, dtype, source))
+    else:
+        on_host += on_device
+    available = psutil.virtual_memory().available
+    if on_host > available:
+        raise CheckpointError(_load_refusal(spec, need, on_host, available, "the host has {} available",
+                                            max_positions, dtype, source))
+
+
+def _load_refusal(spec, need, total, free, where, positions, dtype, source) -> str:
+    from mempath.memory.plan import human, rotary_bytes_per_position
+    fixes = []
+    per_position = rotary_bytes_per_position(spec.head_dim)
+    fitting = (free - (total - per_position * positions)) // per_position
+    if 0 < fitting < positions:
+        fixes.append(f"pass --max-model-len {fitting} or less (the rotary tables hold every position up "
+                     f"to max_model_len; config.json's max_position_embeddings is {spec.max_position_embeddings})")
+    if dtype.itemsize > 2 and total - need["weights"] // 2 <= free:
+        fixes.append("pass --dtype bfloat16 (half the weight bytes)")
+    fixes.append(f"check config.json's sizes (num_hidden_layers {spec.num_layers}, hidden_size "
+                 f"{spec.hidden_size}, intermediate_size {spec.intermediate_size}, vocab_size "
+                 f"{spec.vocab_size}) against the model's original config")
+    fixes.append("or load it where more memory is free")
+    return (f"{source}: loading needs {human(total)} ({human(need['weights'])} of {dtype} weights, "
+            f"{human(need['rotary_tables'] + need['rotary_build'])} to build the rotary tables for {positions} "
+            f"positions) but {where.format(human(free))}; " + "; ".join(fixes)).replace("torch.", "")
 
 
 def build_model(spec: ModelSpec, max_positions: int, dtype: torch.dtype, device: torch.device) -> CausalLM:
@@ -155,8 +271,13 @@ def copy_checkpoint_tensors(model: CausalLM, tensors, source: str) -> int:
             unexpected.append(name)
             continue
         tensor = read()
+        if tensor.dtype not in _FLOAT_DTYPES:
+            raise CheckpointError(
+                f"{where}: tensor {name!r} is {str(tensor.dtype).removeprefix('torch.')}, expected a "
+                f"floating-point weight (float32, float16 or bfloat16); the checkpoint is quantized or "
+                f"damaged: use the model's unquantized checkpoint")
         if tuple(tensor.shape) != tuple(target.shape):
-            raise ValueError(
+            raise CheckpointError(
                 f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, expected "
                 f"{tuple(target.shape)} from config.json; the weights and config do not match")
         with torch.no_grad():
@@ -173,24 +294,37 @@ def copy_checkpoint_tensors(model: CausalLM, tensors, source: str) -> int:
         received["lm_head.weight"] = expected_pieces["lm_head.weight"]
     missing = [n for n in params if received[n] < expected_pieces[n]]
     if missing:
-        raise ValueError(
+        raise CheckpointError(
             f"{source}: weights missing from the checkpoint: {missing[:5]}"
             f"{' ...' if len(missing) > 5 else ''} ({len(missing)} in all); the checkpoint is "
             f"incomplete or does not match config.json")
     return loaded
 
 
+def _damaged(path: Path, error: Exception) -> CheckpointError:
+    return CheckpointError(f"{path}: not a complete safetensors file ({error}); the file is truncated or "
+                           f"damaged: download it again")
+
+
 def load_weights(model: CausalLM, model_dir: Path, show_progress: bool = True) -> LoadReport:
     files = find_weight_files(model_dir)
+    identities = {str(f): file_identity(f) for f in files}  # before reading: what was loaded
     bar = tqdm(total=sum(os.path.getsize(f) for f in files), unit="B", unit_scale=True,
                desc="Loading weights", disable=not show_progress)
 
     def tensors():
         for path in files:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
+            try:
+                handle = safe_open(str(path), framework="pt", device="cpu")
+            except (SafetensorError, OSError) as error:
+                raise _damaged(path, error) from None
+            with handle as f:
                 for name in f.keys():
-                    def read(f=f, name=name):
-                        tensor = f.get_tensor(name)
+                    def read(f=f, name=name, path=path):
+                        try:
+                            tensor = f.get_tensor(name)
+                        except (SafetensorError, OSError) as error:
+                            raise _damaged(path, error) from None
                         bar.update(tensor.numel() * tensor.element_size())
                         return tensor
                     yield path, name, read
@@ -205,7 +339,7 @@ def load_weights(model: CausalLM, model_dir: Path, show_progress: bool = True) -
         if id(p) not in seen:
             seen.add(id(p))
             weight_bytes += p.numel() * p.element_size()
-    return LoadReport([str(f) for f in files], loaded, weight_bytes, torch.float32)
+    return LoadReport([str(f) for f in files], loaded, weight_bytes, torch.float32, identities)
 
 
 def fill_dummy_weights(model: CausalLM, seed: int = 0) -> LoadReport:
@@ -229,13 +363,92 @@ def fill_dummy_weights(model: CausalLM, seed: int = 0) -> LoadReport:
 
 def load_model(model_dir: str | Path, dtype: torch.dtype | None, device: torch.device,
                max_positions: int | None = None, show_progress: bool = True, dummy: bool = False):
-    """Read config.json, build the model on `device` and stream the weights into it."""
+    """Read config.json, build the model on `device` and stream the weights into it.
+
+    Raises CheckpointError (a ValueError) for a config, a checkpoint or a size it cannot load.
+    """
     model_dir = Path(model_dir)
     cfg = read_config(model_dir)
-    spec = ModelSpec.from_hf_config(cfg, source=str(model_dir / "config.json"))
+    source = str(config_path(model_dir))
+    spec = ModelSpec.from_hf_config(cfg, source=source)
     ckpt_dtype = checkpoint_dtype(cfg)
     dtype = dtype or ckpt_dtype
-    model = build_model(spec, max_positions or spec.max_position_embeddings, dtype, device)
+    positions = max_positions or spec.max_position_embeddings
+    check_load_fits(spec, positions, dtype, device, dummy=dummy, checkpoint_dtype=ckpt_dtype, source=source)
+    model = build_model(spec, positions, dtype, device)
     report = fill_dummy_weights(model) if dummy else load_weights(model, model_dir, show_progress)
     report.checkpoint_dtype = ckpt_dtype
     return model, spec, report
+
+
+# ---------------------------------------------------------------- content digest (disk KV fingerprint)
+
+def file_identity(path: str | Path) -> str:
+    """What changes whenever a file's bytes may have: device, inode, size, mtime, ctime, header.
+
+    ctime cannot be set from user space and moves on every write, so a copy over the
+    file (cp -p included, which restores the mtime) changes the identity; the safetensors
+    header hash also catches a re-export restored onto the same inode and times.
+    """
+    st = os.stat(path)  # follows symlinks: the bytes read are the target's
+    with open(path, "rb") as f:
+        head = f.read(8)
+        header = f.read(min(int.from_bytes(head, "little"), _MAX_HEADER_BYTES)) if len(head) == 8 else b""
+    header_hash = hashlib.blake2b(head + header, digest_size=16).hexdigest()
+    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{header_hash}"
+
+
+def hash_file(path: str | Path) -> str:
+    """sha256 of the file's bytes (OpenSSL's, with the CPU's SHA instructions where it has them)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(16 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _read_digests(cache_file: Path) -> dict[str, str]:
+    """identity -> digest, or nothing when the cache is missing or damaged (it is only a cache)."""
+    try:
+        cached = json.loads(cache_file.read_bytes())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(cached, dict):
+        return {}
+    return {k: v for k, v in cached.items() if isinstance(k, str) and isinstance(v, str)}
+
+
+def _write_digests(cache_file: Path, digests: dict[str, str]) -> None:
+    try:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        # Whole or not at all: a crash leaves a .tmp, which the disk tier deletes at start-up.
+        with tempfile.NamedTemporaryFile("w", dir=cache_file.parent, suffix=".tmp", delete=False) as f:
+            json.dump(digests, f)
+        os.replace(f.name, cache_file)
+    except OSError as error:
+        log.warning("could not cache the weights' digests in %s (%s); they are hashed again at the next "
+                    "start-up", cache_file, error)
+
+
+def weights_digest(identities: dict[str, str], cache_file: Path) -> str:
+    """One digest of the weights' content; ``identities`` maps each file to file_identity() at load.
+
+    A file whose identity is in ``cache_file`` is not read again; the others are hashed
+    (in parallel, one thread per file) and the cache is rewritten with exactly the
+    current files. Raises CheckpointError if a file changed after it was loaded.
+    """
+    cached = _read_digests(cache_file)
+    misses = [path for path, identity in identities.items() if identity not in cached]
+    if misses:
+        log.info("hashing %d weights file(s) for the disk KV tier's fingerprint", len(misses))
+        with ThreadPoolExecutor(max_workers=min(len(misses), os.cpu_count() or 1)) as pool:
+            for path, digest in zip(misses, pool.map(hash_file, misses)):
+                if file_identity(path) != identities[path]:
+                    raise CheckpointError(f"{path}: changed on disk after mempath loaded it; restart mempath "
+                                          f"once the new checkpoint is complete")
+                cached[identities[path]] = digest
+    current = {identity: cached[identity] for identity in identities.values()}
+    if misses or len(current) != len(cached):
+        _write_digests(cache_file, current)
+    return hashlib.blake2b("|".join(current[identities[p]] for p in sorted(identities)).encode(),
+                           digest_size=16).hexdigest()
