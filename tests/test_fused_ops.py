@@ -170,7 +170,9 @@ def _run_interpreted() -> dict:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present: the compiled test runs")
 def test_fused_matches_twin_interpreted():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    # Extend the caller's PYTHONPATH: whatever it makes importable (triton itself, say) the child needs too.
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
     proc = subprocess.run([sys.executable, __file__, "--child"], env=env, capture_output=True, text=True,
                           timeout=300)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]

@@ -145,8 +145,9 @@ def outcomes():
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         pytest.skip("CUDA present: test_triton_kernels.py tests the compiled kernels")
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    # Extended, not replaced; no empty entry when it was unset (that would put the working directory first).
+    path = os.pathsep.join(p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child"], env=env,
                           capture_output=True, text=True, timeout=300)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
