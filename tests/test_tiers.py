@@ -525,54 +525,79 @@ def test_cuda_back_to_back_transfers_do_not_share_a_staging_half(direction):
 
 @cuda_only
 def test_cuda_launch_does_not_block_the_host():
+    """A D2H launched behind a busy compute stream returns while that stream is still busy
+    (an order of events, not a wall-clock bound) and makes no synchronising CUDA call (torch's
+    sync debug mode raises on one)."""
     cache = make_cache(128, LLAMA8B, torch.bfloat16, device="cuda")
     host = HostBlockStore.for_cache(cache, 128 * host_block_bytes(cache))
     engine = TransferEngine(cache, host, staging_blocks=64)
     ids = host.allocate(128)
+    engine.device_to_host([0], ids[:1]).wait()  # first-call set-up outside the check
     torch.cuda.synchronize()
-    torch.cuda._sleep(200_000_000)  # keep the compute stream busy
-    start = time.perf_counter()
-    transfer = engine.device_to_host(list(range(128)), ids)
-    launch = time.perf_counter() - start
+    torch.cuda._sleep(1_000_000_000)  # keep the compute stream busy, far longer than a launch
+    busy = torch.cuda.Event()
+    busy.record()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        transfer = engine.device_to_host(list(range(128)), ids)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert not busy.query(), "the launch returned only after the compute stream's work ended"
     assert not transfer.done()
     transfer.wait()
-    print(f"\nlaunching a 128-block D2H took {launch * 1e3:.2f} ms of host time")
-    assert launch < 0.05
+    assert engine.stats()["d2h_blocks"] == 129
 
 
 def host_block_bytes(cache) -> int:
     return math.prod(block_shape_of(cache)) * cache.element_size()
 
 
-@cuda_only
-@pytest.mark.parametrize("num_blocks", [256])
-def test_cuda_batched_beats_one_copy_per_slice(num_blocks):
-    cache = make_cache(num_blocks + 8, LLAMA8B, torch.bfloat16, device="cuda")
-    host = HostBlockStore.for_cache(cache, num_blocks * host_block_bytes(cache))
+class _HostCopies(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts copy_ calls that write into (or read from) the host store's storage."""
+
+    def __init__(self, host_storage: torch.Tensor):
+        super().__init__()
+        self.host_ptr = host_storage.untyped_storage().data_ptr()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.copy_.default:
+            self.count += self.host_ptr in (args[0].untyped_storage().data_ptr(),
+                                            args[1].untyped_storage().data_ptr())
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda_only)])
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+def test_batched_transfer_makes_one_host_copy_per_chunk(device, direction):
+    """256 scattered device blocks to or from consecutive host blocks: at most one host copy
+    per half-staging-buffer chunk (one per block, layer and K/V would be 256 x 4 here), and
+    every block arrives intact. How much faster that is than one copy per slice is measured
+    by benchmarks/bench_transfer.py ("per slice" against "engine"), not asserted here."""
+    num_blocks = 256
+    cache = make_cache(num_blocks + 8, LAYOUTS[0], device=device)
+    host = HostBlockStore.for_cache(cache, num_blocks * block_of(cache, 0).numel())
     engine = TransferEngine(cache, host, staging_blocks=64)
-    gpu_ids = list(np.random.default_rng(0).permutation(num_blocks + 8)[:num_blocks])
+    gpu_ids = [int(g) for g in np.random.default_rng(0).permutation(num_blocks + 8)[:num_blocks]]
     cpu_ids = host.allocate(num_blocks)
-    nbytes = num_blocks * host.block_nbytes
-
-    def batched():
-        engine.device_to_host(gpu_ids, cpu_ids).wait()
-
-    def naive():
-        for g, c in zip(gpu_ids, cpu_ids):
-            for layer in range(cache.shape[0]):
-                for kv in range(2):
-                    host.storage[c, layer, kv].copy_(cache[layer, kv, g], non_blocking=True)
-        torch.cuda.synchronize()
-
-    rates = {}
-    for name, fn in (("batched", batched), ("naive", naive)):
-        fn()
-        start = time.perf_counter()
-        fn()
-        rates[name] = nbytes / (time.perf_counter() - start) / 1e9
-    print(f"\nD2H {num_blocks} blocks of 2 MiB: batched {rates['batched']:.1f} GB/s, "
-          f"one copy per slice {rates['naive']:.1f} GB/s")
-    assert rates["batched"] > rates["naive"]
+    assert len(contiguous_runs(cpu_ids)) == 1
+    original = cache.clone()
+    if direction == "h2d":
+        for c, g in zip(cpu_ids, gpu_ids):
+            host.storage[c].copy_(original[:, :, (g + 1) % (num_blocks + 8)].contiguous()
+                                  .view(host.storage[c].shape))
+    counter = _HostCopies(host.storage)
+    with counter:
+        if direction == "d2h":
+            engine.device_to_host(gpu_ids, cpu_ids).wait()
+        else:
+            engine.host_to_device(cpu_ids, gpu_ids).wait()
+    assert 0 < counter.count <= -(-num_blocks // (engine.staging_blocks // 2))
+    for c, g in zip(cpu_ids, gpu_ids):
+        if direction == "d2h":
+            assert same_bytes(host.storage[c], block_of(original, g))
+        else:
+            assert same_bytes(block_of(cache, g), block_of(original, (g + 1) % (num_blocks + 8)))
 
 
 def test_host_tier_short_of_room_spills_once_while_writes_are_pending(tmp_path):
