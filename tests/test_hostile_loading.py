@@ -417,11 +417,20 @@ def test_weights_replaced_with_same_size_and_mtime_do_not_reuse_the_old_kv(tmp_p
     assert out.num_cached_tokens == 0 and out.token_ids == reference[0].token_ids
 
 
+@pytest.fixture(autouse=True)
+def _own_cache_dir(tmp_path, monkeypatch):
+    """Digests are cached under $XDG_CACHE_HOME/mempath: here, not in the real home."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
+
+
 def test_a_restart_on_unchanged_weights_hashes_nothing_and_writes_nothing_in_the_model_dir(
         tmp_path, two_models, monkeypatch):
     model, _ = two_models
-    fill_disk_tier(model, tmp_path / "disk")
     listing = sorted(os.listdir(model))
+    fill_disk_tier(model, tmp_path / "disk")
+    assert sorted(os.listdir(model)) == listing
+    assert loader.digest_cache_file() == tmp_path / "xdg-cache" / "mempath" / "weight-digests.json"
+    assert loader.digest_cache_file().is_file()
     monkeypatch.setattr(loader, "hash_file", lambda path: pytest.fail(f"{path} hashed again"))
     llm = tiered(model, tmp_path / "disk")
     out = llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0]
@@ -461,3 +470,15 @@ def test_a_damaged_digest_cache_is_rebuilt(tmp_path):
     cache.write_text(json.dumps([1, 2]))
     assert loader.weights_digest(identities, cache) == digest
     assert json.loads(cache.read_text())  # rewritten whole
+
+
+def test_the_digest_cache_keeps_the_newest_entries(tmp_path, monkeypatch):
+    monkeypatch.setattr(loader, "_MAX_CACHED_DIGESTS", 2)
+    cache = tmp_path / "digests.json"
+    files = []
+    for i in range(3):
+        files.append(tmp_path / f"w{i}.safetensors")
+        save_file({"w": torch.full((4,), float(i))}, files[-1])
+        loader.weights_digest({str(files[-1]): loader.file_identity(files[-1])}, cache)
+    kept = json.loads(cache.read_text())
+    assert list(kept) == [loader.file_identity(f) for f in files[1:]]

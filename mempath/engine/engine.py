@@ -22,7 +22,7 @@ from mempath.kv.manager import KVCacheManager, blocks_for
 from mempath.memory.ledger import Ledger, format_bytes
 from mempath.memory.oom import MempathOutOfMemoryError, oom_guard
 from mempath.model.llama import ConfigFields, ModelSpec
-from mempath.model.loader import (WEIGHT_DIGESTS_FILE, checkpoint_dtype, load_model, read_config,
+from mempath.model.loader import (checkpoint_dtype, digest_cache_file, load_model, read_config,
                                   read_json_object, weights_digest)
 from mempath.sampling import SamplingParams
 
@@ -322,7 +322,7 @@ class LLMEngine:
     def _attach_tiers(self) -> None:
         """Reserve the host tier, open the disk tier, calibrate the cost model (docs/tiers.md)."""
         from mempath.kv.tiered import TieredKV
-        from mempath.kv.tiers import open_disk_root
+        from mempath.kv.disk_dir import open_disk_root
         c = self.config
         if c.disk_kv_path:
             # Before the fingerprint, which caches weight digests in this directory: the tier
@@ -346,9 +346,9 @@ class LLMEngine:
         """What makes a block's bytes this model's: the weights' and config's content, the KV dtype.
 
         Only the disk tier's blocks outlive the process, so without one nothing is hashed.
-        Each weights file is hashed once: its digest is cached in the disk tier's own
-        directory under the file's identity (device, inode, size, mtime, ctime, header
-        hash), never in the model directory (docs/tiers.md).
+        Each weights file is hashed once: its digest is cached in mempath's cache directory
+        under the file's identity (device, inode, size, mtime, ctime, header hash), never
+        in the model directory (docs/tiers.md).
         """
         c = self.config
         parts = [self.dtype_name, c.load_format]
@@ -357,8 +357,7 @@ class LLMEngine:
             if c.load_format == "dummy":
                 parts.append(f"seed={c.seed}")
             else:
-                parts.append(weights_digest(self.load_report.file_identities,
-                                            Path(c.disk_kv_path) / WEIGHT_DIGESTS_FILE))
+                parts.append(weights_digest(self.load_report.file_identities, digest_cache_file()))
         return hashlib.blake2b("|".join(parts).encode(), digest_size=16).hexdigest()
 
     def _measure_prefill_rate(self) -> float:

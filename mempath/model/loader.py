@@ -10,7 +10,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +20,7 @@ from tqdm.auto import tqdm
 
 from mempath.model.llama import CausalLM, CheckpointError, ModelSpec, describe, json_kind
 
-__all__ = ["CheckpointError", "load_model", "read_config", "weights_digest"]
+__all__ = ["CheckpointError", "digest_cache_file", "load_model", "read_config", "weights_digest"]
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +40,9 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # safetensors refuses headers above 100 MB; the identity reads no further.
 _MAX_HEADER_BYTES = 100_000_000
-# Where the disk tier's directory keeps each weights file's content digest (docs/tiers.md).
-WEIGHT_DIGESTS_FILE = "mempath-weight-digests.json"
+# The cache of weights files' content digests (docs/tiers.md) and how many it keeps.
+WEIGHT_DIGESTS_FILE = "weight-digests.json"
+_MAX_CACHED_DIGESTS = 1024
 
 
 @dataclass
@@ -418,13 +418,19 @@ def _read_digests(cache_file: Path) -> dict[str, str]:
     return {k: v for k, v in cached.items() if isinstance(k, str) and isinstance(v, str)}
 
 
+def digest_cache_file() -> Path:
+    """mempath's own cache, never the model directory: $XDG_CACHE_HOME/mempath (~/.cache/mempath)."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "mempath" / WEIGHT_DIGESTS_FILE
+
+
 def _write_digests(cache_file: Path, digests: dict[str, str]) -> None:
+    """Replace the cache whole; an engine writing at the same time may lose an entry (hashed again)."""
+    tmp = cache_file.with_name(cache_file.name + ".tmp")  # a crash's leftover is overwritten next time
     try:
         cache_file.parent.mkdir(parents=True, exist_ok=True)
-        # Whole or not at all: a crash leaves a .tmp, which the disk tier deletes at start-up.
-        with tempfile.NamedTemporaryFile("w", dir=cache_file.parent, suffix=".tmp", delete=False) as f:
-            json.dump(digests, f)
-        os.replace(f.name, cache_file)
+        tmp.write_text(json.dumps(digests))
+        os.replace(tmp, cache_file)
     except OSError as error:
         log.warning("could not cache the weights' digests in %s (%s); they are hashed again at the next "
                     "start-up", cache_file, error)
@@ -434,8 +440,8 @@ def weights_digest(identities: dict[str, str], cache_file: Path) -> str:
     """One digest of the weights' content; ``identities`` maps each file to file_identity() at load.
 
     A file whose identity is in ``cache_file`` is not read again; the others are hashed
-    (in parallel, one thread per file) and the cache is rewritten with exactly the
-    current files. Raises CheckpointError if a file changed after it was loaded.
+    (in parallel, one thread per file) and added to the cache, which keeps the newest
+    _MAX_CACHED_DIGESTS. Raises CheckpointError if a file changed after it was loaded.
     """
     cached = _read_digests(cache_file)
     misses = [path for path, identity in identities.items() if identity not in cached]
@@ -447,8 +453,7 @@ def weights_digest(identities: dict[str, str], cache_file: Path) -> str:
                     raise CheckpointError(f"{path}: changed on disk after mempath loaded it; restart mempath "
                                           f"once the new checkpoint is complete")
                 cached[identities[path]] = digest
-    current = {identity: cached[identity] for identity in identities.values()}
-    if misses or len(current) != len(cached):
-        _write_digests(cache_file, current)
-    return hashlib.blake2b("|".join(current[identities[p]] for p in sorted(identities)).encode(),
+        newest = list(cached.items())[-_MAX_CACHED_DIGESTS:]  # JSON objects keep their order
+        _write_digests(cache_file, dict(newest))
+    return hashlib.blake2b("|".join(cached[identities[p]] for p in sorted(identities)).encode(),
                            digest_size=16).hexdigest()
