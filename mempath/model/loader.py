@@ -20,8 +20,6 @@ from tqdm.auto import tqdm
 
 from mempath.model.llama import CausalLM, CheckpointError, ModelSpec, describe, json_kind
 
-__all__ = ["CheckpointError", "digest_cache_file", "load_model", "read_config", "weights_digest"]
-
 log = logging.getLogger(__name__)
 
 # Checkpoint names that map onto a slice of one of our fused parameters:
