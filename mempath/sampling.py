@@ -1,5 +1,10 @@
 """SamplingParams: how one request turns logits into tokens, and when it stops."""
+import math
 from dataclasses import dataclass, field
+
+# Below this temperature a request is greedy, as in vLLM (_SAMPLING_EPS): dividing the logits
+# by a tiny temperature overflows to inf - inf = nan, and its limit is the argmax anyway.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -28,6 +33,10 @@ class SamplingParams:
         """Raise ValueError naming the bad field and the allowed range."""
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -45,4 +54,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE

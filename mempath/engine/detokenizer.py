@@ -35,11 +35,65 @@ class IncrementalDetokenizer:
 
 
 def find_stop(text: str, stops: list[str], new_chars: int) -> tuple[int, str] | None:
-    """The earliest stop string that ends in the last `new_chars` characters of text."""
+    """The earliest stop string that ends in the last `new_chars` characters of text.
+
+    Only the places where a stop string could end are compared (one comparison per
+    new character and stop string), so the work per token is bounded by the stop
+    strings and the token's text, however long the text before them.
+    """
     best = None
     for stop in stops:
-        start = max(0, len(text) - new_chars - len(stop) + 1)
-        index = text.find(stop, start)
-        if index != -1 and (best is None or index < best[0]):
-            best = (index, stop)
+        first_end = max(len(stop), len(text) - new_chars + 1)
+        for end in range(first_end, len(text) + 1):
+            start = end - len(stop)
+            if best is not None and start >= best[0]:
+                break
+            if text.startswith(stop, start):
+                best = (start, stop)
+                break
     return best
+
+
+class StopPrefixes:
+    """How much of a growing text's tail could be the start of a stop string.
+
+    One Knuth-Morris-Pratt state per stop string: the length of the longest tail
+    of the text so far that is a prefix of that stop. Each new character moves
+    every state in amortised constant time, so a token costs work in proportion
+    to its characters and the number of stop strings, never to the text's length
+    or to a stop string's length squared.
+    """
+
+    def __init__(self, stops: list[str]):
+        self.stops = list(stops)
+        self.fallbacks = [_prefix_function(stop) for stop in self.stops]
+        self.states = [0] * len(self.stops)
+
+    def feed(self, chars: str) -> int:
+        """Take the text's next characters; the length of the tail that must be held back."""
+        for i, stop in enumerate(self.stops):
+            fallback, k = self.fallbacks[i], self.states[i]
+            for char in chars:
+                if k == len(stop):  # a whole stop string: keep matching past it
+                    k = fallback[k - 1]
+                while k and stop[k] != char:
+                    k = fallback[k - 1]
+                if stop[k] == char:
+                    k += 1
+            self.states[i] = k
+        # A whole stop string is the engine's to cut; only a proper prefix can still grow into one.
+        return max((fallback[k - 1] if k == len(stop) else k
+                    for stop, fallback, k in zip(self.stops, self.fallbacks, self.states)), default=0)
+
+
+def _prefix_function(pattern: str) -> list[int]:
+    """pi[i]: the longest proper prefix of pattern[:i + 1] that is also its suffix."""
+    pi = [0] * len(pattern)
+    k = 0
+    for i in range(1, len(pattern)):
+        while k and pattern[i] != pattern[k]:
+            k = pi[k - 1]
+        if pattern[i] == pattern[k]:
+            k += 1
+        pi[i] = k
+    return pi

@@ -125,7 +125,8 @@ class Sampler:
     def _sample(self, scores, params, generators, greedy_tokens):
         """Overwrites ``scores`` (float32, [rows, V])."""
         device = scores.device
-        temperature = to_device([p.temperature if p.temperature > 0 else 1.0 for p in params],
+        # Greedy rows (a tiny temperature included) take greedy_tokens below: divide them by 1.
+        temperature = to_device([1.0 if p.greedy else p.temperature for p in params],
                                 torch.float32, device)
         scores.div_(temperature[:, None])
         top_k = [p.top_k for p in params]

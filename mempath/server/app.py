@@ -20,7 +20,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
+from mempath.engine.detokenizer import StopPrefixes
 from mempath.sampling import SamplingParams
 from mempath.server.async_engine import AsyncEngine, EngineDeadError, Update
 from mempath.server.cli import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N
@@ -136,6 +138,16 @@ def install_error_handlers(app: FastAPI) -> None:
     async def engine_dead(_request, error: EngineDeadError):
         return JSONResponse(error_body(str(error), "server_error", None, "engine_unavailable"), 503)
 
+    @app.exception_handler(ClientDisconnect)
+    async def client_hung_up(request: Request, _error: ClientDisconnect):
+        # Nobody is left to read an answer, and a traceback per hang-up floods the log: one
+        # debug line, and the count in /metrics.
+        metrics = request.app.state.engine_client.metrics
+        count = metrics.record_disconnect("upload") if metrics is not None else "?"
+        log.debug("a client hung up during the upload of its %s %s body (%s so far)",
+                  request.method, request.url.path, count)
+        return Response(status_code=400)
+
     @app.exception_handler(Exception)
     async def unexpected(_request, error: Exception):
         log.exception("unhandled error")
@@ -157,7 +169,16 @@ def api_key_checker(api_key: str | None):
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing anything over `limit` bytes before reading it all."""
+    """The JSON request body, refusing anything over `limit` bytes before reading it all.
+
+    Any other content type is refused: a web page may POST text/plain, form or multipart
+    bodies to any address, this server's included, without asking first (no CORS preflight).
+    """
+    content_type = request.headers.get("content-type")
+    if (content_type or "").partition(";")[0].strip().lower() != "application/json":
+        got = f"got {content_type!r}" if content_type else "got none"
+        raise APIError(415, f"send the body as JSON with 'Content-Type: application/json' ({got})",
+                       None, "unsupported_media_type")
     too_large = APIError(413, f"the request body is larger than this server's limit of {limit} "
                               f"bytes (--max-body-bytes)", None, "request_too_large")
     declared = request.headers.get("content-length", "")
@@ -329,28 +350,29 @@ class ChoiceText:
 
     The engine cuts a stop string out of the text only once it is complete, so
     text that may turn out to be the start of one must wait; otherwise the stream
-    would show characters the final text does not have.
+    would show characters the final text does not have. Each update's new
+    characters are read once (StopPrefixes), so this work on the event loop does
+    not grow with the text.
     """
 
     def __init__(self, stops: list[str]):
-        self.stops = stops
+        self.stop_prefixes = StopPrefixes(stops)
+        self.held = 0  # characters at the end of the text read so far that may start a stop
+        self.read = 0
         self.sent = 0
 
     def take(self, update: Update) -> str:
         text = update.text
-        end = len(text) if update.finished else len(text) - self._partial_stop(text)
+        if update.finished:
+            end = len(text)
+        else:
+            if len(text) > self.read:
+                self.held = self.stop_prefixes.feed(text[self.read:])
+                self.read = len(text)
+            end = len(text) - self.held
         end = max(end, self.sent)
         delta, self.sent = text[self.sent:end], end
         return delta
-
-    def _partial_stop(self, text: str) -> int:
-        longest = 0
-        for stop in self.stops:
-            for k in range(min(len(stop) - 1, len(text)), longest, -1):
-                if text.endswith(stop[:k]):
-                    longest = k
-                    break
-        return longest
 
 
 def openai_finish_reason(update: Update) -> str:

@@ -29,6 +29,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
+DISCONNECT_STAGES = ("upload",)  # upload: while sending the request body
 
 
 class ServerMetrics:
@@ -56,11 +57,17 @@ class ServerMetrics:
                              "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
         self.e2e = histogram("mempath:e2e_request_latency_seconds",
                              "Histogram of e2e request latency in seconds.", E2E_BUCKETS)
+        self.client_disconnects = counter("mempath:client_disconnects",
+                                          "Clients that hung up before their request was read, by stage.",
+                                          ["stage"])
         # Zero series exist from the start, so rate() works before the first request ends.
         self.prompt_tokens.labels(model_name)
         self.generation_tokens.labels(model_name)
         for reason in FINISH_REASONS:
             self.request_success.labels(model_name, reason)
+        for stage in DISCONNECT_STAGES:
+            self.client_disconnects.labels(model_name, stage)
+        self.num_disconnects: dict[str, int] = {}  # the counter's values, for the log line
         self.registry.register(_SnapshotCollector(self))
 
     # ----------------------------------------------------------------- events (engine thread)
@@ -79,6 +86,12 @@ class ServerMetrics:
         self.request_success.labels(self.model_name, reason or "abort").inc()
         if e2e is not None:
             self.e2e.labels(self.model_name).observe(e2e)
+
+    def record_disconnect(self, stage: str) -> int:
+        """Count a client hang-up; the count so far at that stage."""
+        self.client_disconnects.labels(self.model_name, stage).inc()
+        self.num_disconnects[stage] = self.num_disconnects.get(stage, 0) + 1
+        return self.num_disconnects[stage]
 
     # ----------------------------------------------------------------- scrape
     def render(self, stats: dict) -> bytes:

@@ -1,17 +1,48 @@
 """OpenAI request shapes, response builders, and the one error body every failure uses.
 
 Requests are parsed in strict mode straight from the JSON bytes: ``"max_tokens": "5"``
-is a wrong type, not a number, and the error names the field. Unknown fields are
-ignored (clients send fields they don't expect us to use); known fields that we
-cannot honour are rejected rather than silently dropped.
+is a wrong type, not a number, and ``Infinity``, ``NaN`` or ``1e999`` are not finite
+numbers; the error names the field. Unknown fields are ignored (clients send fields
+they don't expect us to use, such as ``user`` or ``metadata``); the fields of
+OpenAI's API and vLLM's extensions that would change the answer and that we cannot
+honour are refused, naming the field, unless they hold the value that asks for
+nothing (``NOT_HONOURED``).
 """
+import json
+import math
 import time
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+# Matching stop strings costs work per token for each of them, in proportion to their
+# length on some paths: bound both (docs/server.md compares these with OpenAI and vLLM).
 MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256  # characters
 MAX_SEED = 2**63 - 1
+
+# Field -> the values that ask for nothing beyond what the server does (None: absent).
+NOT_HONOURED_SAMPLING = {
+    "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
+    "repetition_penalty": (1,), "min_tokens": (0,), "use_beam_search": (False,), "length_penalty": (1,),
+    "stop_token_ids": ([],), "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,), "bad_words": ([],), "allowed_token_ids": (),
+    "prompt_logprobs": (), "truncate_prompt_tokens": (), "response_format": ({"type": "text"},),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "guided_decoding_backend": (), "guided_whitespace_pattern": (), "structured_outputs": (),
+    "logits_processors": (), "priority": (0,), "return_tokens_as_token_ids": (False,),
+    "cache_salt": (), "prediction": (), "tools": ([],), "tool_choice": ("none", "auto"),
+}
+NOT_HONOURED_CHAT = {
+    **NOT_HONOURED_SAMPLING, "functions": ([],),
+    "function_call": ("none", "auto"), "add_generation_prompt": (True,),
+    "continue_final_message": (False,), "chat_template": (), "chat_template_kwargs": ({},),
+    "documents": (), "echo": (False,), "add_special_tokens": (False,), "audio": (),
+    "modalities": (["text"],), "reasoning_effort": (), "web_search_options": (),
+    "mm_processor_kwargs": (),
+}
+NOT_HONOURED_COMPLETION = {**NOT_HONOURED_SAMPLING, "add_special_tokens": (True,)}
+NOT_HONOURED_MESSAGE = {"tool_calls": ([],), "function_call": (), "audio": (), "refusal": ()}
 
 
 class APIError(Exception):
@@ -37,11 +68,44 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 
 # ----------------------------------------------------------------- requests
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+def _same(value, neutral) -> bool:
+    """Equal and of the same JSON type (True is not 1 here, but 1 is 1.0)."""
+    if isinstance(neutral, bool) or isinstance(value, bool):
+        return value is neutral
+    if isinstance(neutral, (int, float)):
+        return isinstance(value, (int, float)) and value == neutral
+    return type(value) is type(neutral) and value == neutral
+
+
+def refuse_not_honoured(data, fields: dict, where: str = "") -> None:
+    """APIError(400) for the first field that asks for something this server does not do."""
+    if not isinstance(data, dict):
+        return
+    for name, neutral in fields.items():
+        value = data.get(name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise APIError(400, f"invalid value for '{where}{name}': Input should be a finite number "
+                                f"(got {value!r})", f"{where}{name}", "invalid_value")
+        if value is None or any(_same(value, n) for n in neutral):
+            continue
+        allowed = " or ".join(json.dumps(n) for n in neutral)
+        hint = f"leave it out or at {allowed}" if neutral else "leave it out"
+        raise APIError(400, f"{where}{name} is not supported by this server; {hint}", f"{where}{name}")
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk
+
+    @model_validator(mode="after")
+    def _check_supported(self):
+        if self.continuous_usage_stats:
+            raise APIError(400, "stream_options.continuous_usage_stats is not supported by this "
+                                "server; leave it out or at false", "stream_options")
+        return self
 
 
 class _SamplingRequest(_Strict):
@@ -58,20 +122,20 @@ class _SamplingRequest(_Strict):
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Typed so that a wrong type or a non-finite number names the field; NOT_HONOURED refuses
+    # any value but the neutral one.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = None
+    length_penalty: float | None = None
     user: str | None = None
 
     @model_validator(mode="after")
     def _check_supported(self):
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0.0:
-                raise APIError(400, f"{name} is not supported by this server; leave it at 0", name)
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported by this server", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
+        self.stop_list()
         return self
 
     def stop_list(self) -> list[str]:
@@ -81,6 +145,10 @@ class _SamplingRequest(_Strict):
                            "stop")
         if any(not s for s in stops):
             raise APIError(400, "stop strings must be non-empty", "stop")
+        longest = max(stops, key=len, default="")
+        if len(longest) > MAX_STOP_LENGTH:
+            raise APIError(400, f"stop strings may have at most {MAX_STOP_LENGTH} characters, got one "
+                                f"of {len(longest)}", "stop")
         return stops
 
     @property
@@ -94,6 +162,12 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_not_honoured(cls, data):
+        refuse_not_honoured(data, NOT_HONOURED_COMPLETION)
+        return data
 
     @model_validator(mode="after")
     def _check_completion_fields(self):
@@ -127,14 +201,16 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None  # a tool's answer: the template may show which call it answers
 
     def as_template_input(self) -> dict:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         message = {"role": self.role, "content": content or ""}
-        if self.name is not None:
-            message["name"] = self.name
+        for key in ("name", "tool_call_id"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
         return message
 
 
@@ -143,6 +219,15 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_not_honoured(cls, data):
+        refuse_not_honoured(data, NOT_HONOURED_CHAT)
+        messages = data.get("messages") if isinstance(data, dict) else None
+        for i, message in enumerate(messages if isinstance(messages, list) else []):
+            refuse_not_honoured(message, NOT_HONOURED_MESSAGE, f"messages.{i}.")
+        return data
 
     @model_validator(mode="after")
     def _check_chat_fields(self):
