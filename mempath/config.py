@@ -91,6 +91,10 @@ class EngineConfig:
         if self.cpu_kv_gb > 0 and not self.enable_prefix_caching and self.preemption_mode == "recompute":
             raise ValueError("cpu_kv_gb would never be used: without enable_prefix_caching the host tier only "
                              "holds swapped requests, and preemption_mode is recompute")
+        if self.disk_kv_path:
+            # Here, before the weights load: a path the tier would refuse fails in a second, not minutes.
+            from mempath.kv.disk_dir import check_disk_kv_path
+            check_disk_kv_path(self.disk_kv_path)
 
     @property
     def tiers_enabled(self) -> bool:

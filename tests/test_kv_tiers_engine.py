@@ -214,7 +214,7 @@ def test_corrupted_disk_block_is_recomputed_with_identical_output(tiny, referenc
     llm = make_llm(tiny, cpu_kv_gb=gb(4), disk_kv_path=str(tmp_path), disk_kv_gb=gb(64))
     # Damage every file after start-up, so the index still lists them and the reads must notice.
     for root, _, names in os.walk(tmp_path):
-        for name in names:
+        for name in (n for n in names if n.endswith(".kv")):  # block files, not the manifest
             file_path = os.path.join(root, name)
             size = os.path.getsize(file_path)
             with open(file_path, "r+b") as f:

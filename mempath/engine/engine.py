@@ -322,12 +322,7 @@ class LLMEngine:
     def _attach_tiers(self) -> None:
         """Reserve the host tier, open the disk tier, calibrate the cost model (docs/tiers.md)."""
         from mempath.kv.tiered import TieredKV
-        from mempath.kv.disk_dir import open_disk_root
         c = self.config
-        if c.disk_kv_path:
-            # Before the fingerprint, which caches weight digests in this directory: the tier
-            # must own it (manifest, mode 0o700) before anything is written there.
-            open_disk_root(c.disk_kv_path)
         tiers = TieredKV(self.kv.pool, self.runner.kv_cache, c.block_size, int(c.cpu_kv_gb * (1 << 30)),
                          c.disk_kv_path, int(c.disk_kv_gb * (1 << 30)), c.disk_write_policy == "write-through",
                          self._kv_fingerprint(), c.preemption_mode)

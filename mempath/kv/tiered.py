@@ -19,6 +19,7 @@ and every transfer completes at once, but the same code and states run.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections import Counter
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mempath.kv.blocks import BlockPool
+from mempath.kv.disk_dir import FAILURE_KINDS
 from mempath.kv.tiers import DiskBlockStore, HostBlockStore, spill_to_disk, write_through_block
 from mempath.kv.transfer import Transfer, TransferEngine
 
@@ -36,6 +38,10 @@ log = logging.getLogger(__name__)
 GPU, CPU, DISK = "gpu", "cpu", "disk"  # tier names; "gpu" is the device tier (the CPU in CI)
 # Used when the disk tier is too full at start-up to hold the calibration probe.
 ASSUMED_DISK_BYTES_PER_S = 0.5e9
+# A load's disk reads are abandoned (its blocks recomputed) this long after it started,
+# plus four times the cost model's estimate for them: generous for a busy disk, and
+# the most a hung one (a dead NFS server, a failing drive) can hold a request back.
+DISK_READ_DEADLINE_S = 10.0
 
 
 # Blocks per direction in the device staging buffers of tier transfers (the engine
@@ -60,6 +66,7 @@ class Load:
     swap_host_ids: list[int] = field(default_factory=list)  # freed once landed
     num_valid: int = 0  # positions [0, num_valid) hold good KV; the rest are dropped at landing
     started: float = field(default_factory=time.perf_counter)
+    deadline: float = float("inf")  # perf_counter time after which unfinished disk reads are abandoned
 
 
 class CostModel:
@@ -108,8 +115,12 @@ class TieredKV:
         self.rates: dict = {}
         self.cost = CostModel(block_size, self.block_nbytes, self.rates)
         self.counters: Counter[str] = Counter()
+        self.read_deadline_s = DISK_READ_DEADLINE_S
         # Device → host copies in flight: (transfer, host ids, write through once done).
         self._d2h: list[tuple[Transfer, set[int], list[int]]] = []
+        # Reads abandoned at their deadline and still running: while any is, the disk is
+        # not asked for more (they would queue behind it and time out in turn).
+        self._overdue_reads: list[Future] = []
 
     # ------------------------------------------------------------ start-up
     def calibrate(self, measure_prefill) -> dict:
@@ -224,9 +235,14 @@ class TieredKV:
         host_id = self.host.lookup(block_hash)
         if host_id is not None:
             return CPU, host_id
-        if self.disk is not None and block_hash in self.disk:
+        if self.disk is not None and not self._disk_stalled() and block_hash in self.disk:
             return DISK, block_hash
         return None
+
+    def _disk_stalled(self) -> bool:
+        if self._overdue_reads:
+            self._overdue_reads = [f for f in self._overdue_reads if not f.done()]
+        return bool(self._overdue_reads)
 
     def worth_loading(self, found: list) -> tuple[list, list]:
         """The leading part of ``found`` that is faster to load than to recompute, and the
@@ -292,6 +308,8 @@ class TieredKV:
             load.num_valid = disk_hits[len(read_ids)][0]
         for (pos, block_hash), host_id in zip(disk_hits, read_ids):
             load.reads.append((self.disk.read_async(block_hash, self.host.block(host_id)), host_id, pos))
+        if load.reads:
+            load.deadline = load.started + self.read_deadline_s + 4 * self.cost.load_s(0, len(load.reads))
         request.block_table = cached + gpu_ids
         request.num_computed_tokens = len(cached) * self.block_size
         request.num_registered_blocks = len(cached)
@@ -301,10 +319,24 @@ class TieredKV:
         self._wait_for_d2h(host_ids)
         load.transfers.append(self.transfer.host_to_device(host_ids, gpu_ids))
 
-    def _finish_reads(self, load: Load) -> None:
-        """Disk reads are over: cut the prefix at the first bad block, send the good ones up."""
-        results = [(future.result(), host_id, pos) for future, host_id, pos in load.reads]
+    def _settle_reads(self, load: Load, abandon: bool) -> int | None:
+        """Finish the load's disk reads that are over and, if ``abandon``, give up on the rest;
+        None while some are still running (and not abandoned), else how many were given up."""
+        states = [(read, read[0].done()) for read in load.reads]
+        if not abandon and not all(done for _, done in states):
+            return None
         load.reads = []
+        late = [read for read, done in states if not done]
+        for future, host_id, pos in late:
+            load.num_valid = min(load.num_valid, pos)
+            # The worker still writes into the host block: it is freed when the read ends.
+            self.host.hold_until(future, [host_id], free=True)
+        self._finish_reads(load, [read for read, done in states if done])
+        return len(late)
+
+    def _finish_reads(self, load: Load, reads: list) -> None:
+        """Reads are over: cut the prefix at the first bad block, send the good ones up."""
+        results = [(future.exception() is None and future.result(), host_id, pos) for future, host_id, pos in reads]
         for ok, _, pos in results:
             if ok:
                 self.counters["disk_to_cpu_blocks"] += 1
@@ -324,19 +356,30 @@ class TieredKV:
                 self.host.free([host_id])
 
     def poll(self, load: Load) -> bool:
-        """True once every block of the load has landed on the device."""
+        """True once every block of the load has landed on the device (or its reads were abandoned)."""
         if load.reads:
-            if not all(future.done() for future, _, _ in load.reads):
+            expired = time.perf_counter() >= load.deadline
+            overdue = [future for future, _, _ in load.reads if not future.done()] if expired else []
+            abandoned = self._settle_reads(load, abandon=expired)
+            if abandoned is None:
                 return False
-            self._finish_reads(load)
+            if abandoned:
+                self._overdue_reads += overdue
+                self.counters["disk_read_failures"] += abandoned
+                self.disk.record_failure(
+                    "read_timeout", "%d block reads for request %s were not done %.1f s after they started; "
+                    "abandoned, their tokens are recomputed", abandoned, load.request.request_id,
+                    load.deadline - load.started)
         return all(t.done() for t in load.transfers)
 
     def wait(self, load: Load) -> None:
-        for future, _, _ in load.reads:
-            future.exception()
-        self.poll(load)
-        for transfer in load.transfers:
-            transfer.wait()
+        """Block until the load lands, or until its deadline abandons its disk reads."""
+        pending = [future for future, _, _ in load.reads if not future.done()]
+        if pending:
+            concurrent.futures.wait(pending, timeout=max(0.0, load.deadline - time.perf_counter()))
+        if self.poll(load):
+            for transfer in load.transfers:
+                transfer.wait()
 
     def land(self, load: Load) -> None:
         """Hand the loaded blocks to the request: computed tokens, prefix-cache entries, counters."""
@@ -366,11 +409,14 @@ class TieredKV:
                   (time.perf_counter() - load.started) * 1e3)
 
     def cancel(self, load: Load) -> None:
-        """The request went away mid-load: let the copies finish, give back the host blocks.
+        """The request went away mid-load: let the copies finish, give back the host blocks
+        (those of unfinished disk reads once the reads end).
 
         The caller frees the device blocks (they are in the request's block table).
         """
-        self.wait(load)
+        self._settle_reads(load, abandon=True)  # an abort does not wait for the disk
+        for transfer in load.transfers:
+            transfer.wait()
         if load.swap_host_ids:
             self.host.free(load.swap_host_ids)
 
@@ -450,6 +496,7 @@ class TieredKV:
             "recompute_preemptions": c["recompute_preemptions"],
             "decisions": {"load": c["decided_load"], "recompute": c["decided_recompute"]},
             "disk_read_failures": c["disk_read_failures"],
+            "disk_failures": {} if disk is None else {kind: disk.failures[kind] for kind in FAILURE_KINDS},
             "recomputed_after_failed_load_blocks": c["recomputed_after_failed_load_blocks"],
             "rates": dict(self.rates),
         }

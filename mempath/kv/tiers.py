@@ -18,18 +18,22 @@ Write policy (``DiskBlockStore.write_through``):
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
+import stat
 import struct
 import threading
-import uuid
 import zlib
 from collections import Counter, OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
+
+from mempath.kv.disk_dir import (BLOCK_NAME, SHARD_NAME, TMP_NAME, NotOurFile, layout_namespace, make_private_dir,
+                                 open_disk_root, open_regular, read_failure_kind, write_failure_kind, write_new_file)
 
 log = logging.getLogger(__name__)
 
@@ -315,31 +319,42 @@ _VERSION = 1
 _HEADER = struct.Struct("<4sHHQHH")
 _TRAILER = struct.Struct("<I")  # crc32 of the payload
 _SUFFIX = ".kv"
-_TMP_SUFFIX = ".tmp"
 
 
 class DiskBlockStore:
-    """The cold tier: one file per block, named by its hash, under ``path``.
+    """The cold tier: one file per block, named by its hash, in this layout's namespace.
+
+    ``path`` (``--disk-kv-path``) is shared with engines of other layouts, each in its
+    own namespace (``mempath.kv.disk_dir``: the manifest, who may write it, how files
+    are opened). The store lists, reads, evicts and deletes only inside its own
+    namespace and only the names it writes (``SHARD_NAME``, ``BLOCK_NAME``,
+    ``TMP_NAME``); anything else found there is left alone.
 
     File: header (magic, version, payload length, block hash, layout string)
     + payload (the block's bytes) + crc32 of the payload. crc32 rather than a
     cryptographic hash because it guards against torn writes and bit rot, not
-    against an attacker, and it runs at ~3.5 GB/s on one core where blake2b runs
-    at ~0.75 GB/s: faster than the disk (~1.5 GB/s), so checking is not the
-    bottleneck of a read. Any mismatch (header, length, checksum) makes a read
-    return False and deletes the file; the caller recomputes the block.
+    against an attacker (anyone who can write the file can re-sign it: the
+    permissions keep others out), and it runs at ~3.5 GB/s on one core where
+    blake2b runs at ~0.75 GB/s: faster than the disk (~1.5 GB/s), so checking is
+    not the bottleneck of a read. Any mismatch (header, length, checksum) makes a
+    read return False and deletes the file; the caller recomputes the block.
+
+    Only regular files of this user are opened, never waiting (``open_regular``):
+    a FIFO, directory or link where a block should be is a failed read and is left
+    where it is. Every failure is counted by kind (``failures``, ``FAILURE_KINDS``);
+    the first of each kind is one WARNING line, the rest and all tracebacks DEBUG.
 
     A file is written whole to a temporary name, then renamed over its final
-    name, so a crash leaves either nothing or a complete file (or a ``.tmp``
-    leftover, deleted at the next start). No fsync: the page cache coalesces the
-    writes, and a file torn by a power cut fails its checksum.
+    name, so a crash leaves either nothing or a complete file (or a temporary,
+    removed at the next start). No fsync: the page cache coalesces the writes,
+    and a file torn by a power cut fails its checksum.
 
     The index (hash -> file size, least recently used first) lives in memory and
-    is rebuilt at start-up from the directory: headers only, no payloads; the
+    is rebuilt at start-up from the namespace: headers only, no payloads; the
     access order comes from the files' mtimes, which reads refresh.
 
     ``used_bytes`` counts whole files (header and checksum too) and room is made
-    before a write is queued, so the directory never holds more than
+    before a write is queued, so the namespace never holds more than
     ``capacity_bytes`` of block files. Files being written or read are never
     evicted.
 
@@ -354,25 +369,26 @@ class DiskBlockStore:
             expected = math.prod(block_shape) * dtype.itemsize
             if expected != block_nbytes:
                 raise ValueError(f"block_nbytes {block_nbytes} != {expected} for shape {block_shape} {dtype}")
-        self.path = os.fspath(path)
         self.capacity_bytes = int(capacity_bytes)
         self.block_nbytes = int(block_nbytes)
         self.write_through = write_through
         self.layout = block_layout(fingerprint, block_shape or (block_nbytes,), dtype or torch.uint8)
         self._layout_bytes = self.layout.encode()
+        self.path = open_disk_root(path, self.layout)
+        self.namespace_path = os.path.join(self.path, layout_namespace(self.layout))
+        self.failures: Counter[str] = Counter()  # kind -> count (FAILURE_KINDS)
         self._lock = threading.RLock()
         self._index: OrderedDict[bytes, int] = OrderedDict()  # hash -> file bytes, LRU first
         self._busy: Counter[bytes] = Counter()  # hash -> reads/writes in flight
         self._writing: dict[bytes, Future] = {}
         self._used = 0
         self._pool = ThreadPoolExecutor(max_workers=max(1, num_workers), thread_name_prefix="mempath-disk-kv")
-        os.makedirs(self.path, exist_ok=True)
         self._rebuild_index()
 
     # ------------------------------------------------------------ layout of a file
     def path_for(self, block_hash: bytes) -> str:
         name = block_hash.hex()
-        return os.path.join(self.path, name[:2], name + _SUFFIX)
+        return os.path.join(self.namespace_path, name[:2], name + _SUFFIX)
 
     def file_nbytes(self, block_hash: bytes) -> int:
         return self._header_nbytes(block_hash) + self.block_nbytes + _TRAILER.size
@@ -388,48 +404,85 @@ class DiskBlockStore:
         expected = self._header(block_hash)
         return f.read(len(expected)) == expected
 
+    # ------------------------------------------------------------ failures
+    def record_failure(self, kind: str, message: str, *args, error: BaseException | None = None) -> None:
+        """Count a failure of ``kind``; its first is one WARNING line, the rest (and every traceback) DEBUG."""
+        with self._lock:
+            self.failures[kind] += 1
+            first = self.failures[kind] == 1
+        text = message % args
+        if first:
+            log.warning("disk KV tier: %s (counted in stats()['tiers']['disk_failures']['%s']; further ones "
+                        "are logged at DEBUG)", text, kind)
+        log.debug("disk KV tier: %s [%s]", text, kind, exc_info=error)
+
     # ------------------------------------------------------------ start-up
     def _rebuild_index(self) -> None:
-        """Index the valid block files of this layout; delete leftovers and foreign blocks."""
-        found = []
-        removed = 0
-        for root, _, names in os.walk(self.path):
-            for name in names:
-                file_path = os.path.join(root, name)
-                if name.endswith(_TMP_SUFFIX):
-                    _unlink(file_path)
-                    continue
-                if not name.endswith(_SUFFIX):
-                    continue  # not ours: leave it alone
-                entry = self._check_file(file_path, name[:-len(_SUFFIX)])
-                if entry is None:
-                    _unlink(file_path)
-                    removed += 1
+        """Index this layout's valid block files; remove only its own leftovers and torn blocks."""
+        found, outcomes = [], Counter()
+        for shard in self._list(self.namespace_path):
+            if not (SHARD_NAME.fullmatch(shard.name) and shard.is_dir(follow_symlinks=False)):
+                outcomes["left alone"] += 1
+                continue
+            for entry in self._list(shard.path):
+                ours = entry.name.startswith(shard.name)
+                if ours and TMP_NAME.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+                    self._discard(entry.path)  # a write cut short by a crash
+                    outcomes["temporaries removed"] += 1
+                elif ours and BLOCK_NAME.fullmatch(entry.name):
+                    outcome, block = self._check_file(entry.path, entry.name[:-len(_SUFFIX)])
+                    outcomes[outcome] += 1
+                    if block is not None:
+                        found.append(block)
                 else:
-                    found.append(entry)
+                    outcomes["left alone"] += 1
         found.sort()  # by mtime: least recently used first
         for _, block_hash, size in found:
             self._index[block_hash] = size
             self._used += size
         evicted = self._evict_lru(self._used - self.capacity_bytes, nbytes=True)
-        if found or removed:
-            log.info("disk KV tier %s: %d blocks (%.2f GB) kept, %d invalid or foreign removed, "
-                     "%d evicted to fit %.2f GB", self.path, len(self._index), self._used / 1e9,
-                     removed, len(evicted), self.capacity_bytes / 1e9)
+        if found or outcomes:
+            log.info("disk KV tier %s: %d blocks (%.2f GB) kept, %d evicted to fit %.2f GB%s", self.namespace_path,
+                     len(self._index), self._used / 1e9, len(evicted), self.capacity_bytes / 1e9,
+                     "".join(f", {n} {what}" for what, n in sorted(outcomes.items()) if what != "kept"))
+
+    def _list(self, directory: str) -> list:
+        try:
+            with os.scandir(directory) as entries:
+                return list(entries)
+        except OSError as error:
+            self.record_failure("read_error", "listing %s failed: %s", directory, error.strerror, error=error)
+            return []
 
     def _check_file(self, file_path: str, hex_name: str):
-        """(mtime, hash, size) of a valid-looking block file, else None. Reads the header only."""
+        """(outcome, (mtime, hash, size) or None) for a file of a block's name. Reads the header only."""
+        block_hash = bytes.fromhex(hex_name)
         try:
-            block_hash = bytes.fromhex(hex_name)
-            st = os.stat(file_path)
-            if st.st_size != self.file_nbytes(block_hash):
-                return None
-            with open(file_path, "rb") as f:
-                if not self._header_matches(f, block_hash):
-                    return None
-            return st.st_mtime_ns, block_hash, st.st_size
-        except (ValueError, OSError):
-            return None
+            f, st = open_regular(file_path)
+            with f:
+                valid = st.st_size == self.file_nbytes(block_hash) and self._header_matches(f, block_hash)
+        except NotOurFile:
+            return "left alone", None
+        except OSError as error:
+            self.record_failure(read_failure_kind(error), "reading %s failed: %s", file_path, error.strerror,
+                                error=error)
+            return "unreadable, left alone", None
+        if not valid:
+            self._discard(file_path)
+            return "invalid removed", None
+        return "kept", (st.st_mtime_ns, block_hash, st.st_size)
+
+    def _discard(self, file_path: str) -> None:
+        """Delete a file of the tier's naming in its namespace if it is a regular file of this user,
+        as every file the tier writes is; anything else found there is left alone."""
+        try:
+            st = os.lstat(file_path)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+                os.unlink(file_path)
+        except FileNotFoundError:
+            pass
+        except OSError as error:
+            self.record_failure("cleanup_error", "removing %s failed: %s", file_path, error.strerror, error=error)
 
     # ------------------------------------------------------------ queries
     def contains(self, block_hash: bytes) -> bool:
@@ -479,12 +532,12 @@ class DiskBlockStore:
         size = self._index.pop(block_hash)
         self._used -= size
         self._busy.pop(block_hash, None)
-        _unlink(self.path_for(block_hash))
+        self._discard(self.path_for(block_hash))
         return size
 
     # ------------------------------------------------------------ writes
     def write_async(self, block_hash: bytes, cpu_tensor: torch.Tensor) -> Future:
-        """Queue a block write. The future gives True once the file is in place, False if skipped.
+        """Queue a block write. The future gives True once the file is in place, False if skipped or failed.
 
         The tensor must not change until the future is done (pin the host block:
         ``HostBlockStore.hold_until``). A block already on disk is not rewritten:
@@ -527,19 +580,15 @@ class DiskBlockStore:
 
     def _write_file(self, block_hash: bytes, payload: np.ndarray) -> bool:
         final = self.path_for(block_hash)
-        tmp = f"{final}.{uuid.uuid4().hex[:8]}{_TMP_SUFFIX}"
-        os.makedirs(os.path.dirname(final), exist_ok=True)
         try:
+            make_private_dir(os.path.dirname(final))
             # One header, one large payload write, one trailer: sequential, no seeks.
-            with open(tmp, "wb") as f:
-                f.write(self._header(block_hash))
-                f.write(payload.data)
-                f.write(_TRAILER.pack(zlib.crc32(payload.data)))
-            os.replace(tmp, final)
+            write_new_file(final, (self._header(block_hash), payload.data,
+                                    _TRAILER.pack(zlib.crc32(payload.data))))
             return True
-        except OSError:
-            log.exception("disk KV tier: writing %s failed", final)
-            _unlink(tmp)
+        except OSError as error:
+            self.record_failure(write_failure_kind(error), "writing %s failed: %s; the block stays off disk",
+                                final, error.strerror or error, error=error)
             return False
 
     def _release(self, block_hash: bytes) -> None:
@@ -551,8 +600,9 @@ class DiskBlockStore:
     def read_async(self, block_hash: bytes, out_cpu_tensor: torch.Tensor) -> Future:
         """Queue a block read into ``out_cpu_tensor``. The future gives True if the block was read intact.
 
-        False if the block is not here or its file is corrupted or truncated;
-        a bad file is deleted. On False the tensor's contents are undefined.
+        False if the block is not here, its file is corrupted or truncated (then
+        deleted), or what is in its place cannot be read (then left alone). On
+        False the tensor's contents are undefined.
         """
         out = _byte_view(out_cpu_tensor)
         if out.nbytes != self.block_nbytes:
@@ -583,24 +633,30 @@ class DiskBlockStore:
             pending_write.exception()  # a failed write leaves no file: the open below fails
         file_path = self.path_for(block_hash)
         try:
-            with open(file_path, "rb") as f:
-                intact = (self._header_matches(f, block_hash)
+            f, st = open_regular(file_path)
+            with f:
+                intact = (st.st_size == self.file_nbytes(block_hash)
+                          and self._header_matches(f, block_hash)
                           and f.readinto(out.data) == out.nbytes
                           and _read_crc(f) == zlib.crc32(out.data)
                           and f.read(1) == b"")
-            if intact:
-                os.utime(file_path)  # the access order survives a restart
-        except OSError:
-            intact = False
+                if intact:
+                    with contextlib.suppress(OSError):  # a read-only mount still serves reads
+                        os.utime(f.fileno())  # the access order survives a restart
+        except OSError as error:
+            self.record_failure(read_failure_kind(error), "reading %s failed: %s; its tokens are recomputed",
+                                file_path, error.strerror or error, error=error)
+            return False
         if not intact:
-            log.warning("disk KV tier: %s is corrupted or truncated; dropped", file_path)
+            self.record_failure("read_corrupt", "%s is corrupted or truncated; removed, its tokens are recomputed",
+                                file_path)
         return intact
 
     # ------------------------------------------------------------ calibration help
     def drop_page_cache(self, block_hashes) -> None:
         """Flush blocks to the device and drop them from the page cache, so the next read is cold."""
         for block_hash in block_hashes:
-            fd = os.open(self.path_for(block_hash), os.O_RDONLY)
+            fd = os.open(self.path_for(block_hash), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
                 os.fsync(fd)
                 if hasattr(os, "posix_fadvise"):
@@ -628,13 +684,6 @@ class DiskBlockStore:
 def _read_crc(f) -> int | None:
     raw = f.read(_TRAILER.size)
     return _TRAILER.unpack(raw)[0] if len(raw) == _TRAILER.size else None
-
-
-def _unlink(file_path: str) -> None:
-    try:
-        os.unlink(file_path)
-    except FileNotFoundError:
-        pass
 
 
 # ---------------------------------------------------------------------------- policies
