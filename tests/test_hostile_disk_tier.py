@@ -219,6 +219,15 @@ def test_an_unusable_path_is_a_start_up_error_naming_the_flag(tmp_path, monkeypa
         store(tmp_path / "ro" / "kv")
 
 
+def test_the_cli_names_the_flag_in_one_line(tiny, tmp_path, capsys):
+    from mempath.cli import main as cli_main
+    (tmp_path / "file").write_text("x")
+    rc = cli_main(["generate", tiny, "hi", "--quiet", "--cpu-kv-gb", "1", "--disk-kv-path", str(tmp_path / "file"),
+                   "--disk-kv-gb", "1"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "--disk-kv-path" in err and "Traceback" not in err
+
+
 @not_root
 def test_a_read_only_parent_is_refused_by_the_config(tmp_path):
     parent = tmp_path / "ro"
