@@ -126,6 +126,7 @@ def test_a_waiting_request_that_can_never_fit_fails_alone(model_factory, chunk):
         done.update({o.request_id: o for o in engine.step() if o.finished})
     assert not engine.has_unfinished_requests()
     assert done["big"].finish_reason == "error" and "does not fit in the KV pool" in done["big"].error
+    assert "needs 13 blocks (200 tokens), the pool has 8" in done["big"].error  # and the fix follows
     assert done["ok"].finish_reason == "length" and done["ok"].token_ids == expected
     assert engine.stats()["kv_blocks_used"] == 0
 

@@ -451,7 +451,11 @@ class LLMEngine:
                 # Nothing runs and the head cannot be admitted: only possible if the pool is
                 # pinned by nothing, i.e. the request can never fit. Fail it, keep the rest.
                 request = self.scheduler.waiting[0]
-                request.error = "the request does not fit in the KV pool"
+                need = blocks_for(request.num_tokens, self.config.block_size)
+                request.error = (f"the request does not fit in the KV pool: it needs {need} blocks "
+                                 f"({request.num_tokens} tokens), the pool has {self.kv.num_blocks}; shorten the "
+                                 f"prompt or max_tokens, or give the KV cache more memory "
+                                 f"(--gpu-memory-utilization, --num-gpu-blocks-override)")
                 self.scheduler.finish(request, "error")
                 return [self._output(request, "", [], finished=True)]
             return []
