@@ -27,6 +27,8 @@ from tests.test_server import (API_KEY, ENGINE_OPTIONS, RunningServer, StepGate,
                                counter, raw_post, raw_request)
 
 MAX_N = 4
+MAX_HEADER_BYTES = 4096
+MAX_HEADERS = 30
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +41,11 @@ def model_path(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def server(model_path):
+    """Served as `mempath serve --host 127.0.0.1` serves it: Host check and header limits on."""
     app, name = build_server_app(model_path, ENGINE_OPTIONS, served_model_name="tiny", api_key=API_KEY,
-                                 max_n=MAX_N, show_progress=False)
-    running = RunningServer(app, name)
+                                 max_n=MAX_N, show_progress=False, bind_host="127.0.0.1",
+                                 max_header_bytes=MAX_HEADER_BYTES, max_headers=MAX_HEADERS)
+    running = RunningServer(app, name, max_header_bytes=MAX_HEADER_BYTES)
     yield running
     running.stop()
 
@@ -91,6 +95,153 @@ def test_json_with_a_charset_is_json(server):
     response = post(server, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2},
                     **{"Content-Type": "Application/JSON; charset=utf-8"})
     assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:8000", "127.0.0.1.nip.io",
+                                  "localhost.evil.example", "[::2]:80", "10.0.0.1", "0.0.0.0"])
+def test_a_loopback_server_refuses_other_host_names(server, host):
+    """DNS rebinding: a page whose name resolves to 127.0.0.1 sends its own name as Host."""
+    before = server.metrics()[("mempath:generation_tokens_total", ())]
+    for path in ("/health", "/metrics", "/v1/models"):
+        response = httpx.get(f"{server.url}{path}", headers={"Host": host,
+                                                              "Authorization": f"Bearer {API_KEY}"})
+        error = assert_error(response, 400, None, "Host")
+        assert error["code"] == "invalid_host" and "--host" in error["message"]
+    assert_error(post(server, "/v1/completions", completion(), Host=host), 400, None, "Host")
+    assert server.metrics()[("mempath:generation_tokens_total", ())] == before
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.1:{port}", "localhost:{port}", "LOCALHOST.",
+                                  "[::1]:{port}", "app.localhost:{port}", "127.0.0.2"])
+def test_a_loopback_server_answers_loopback_host_names(server, host):
+    response = post(server, "/v1/completions", completion(), Host=host.format(port=server.port))
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("bind_host", [None, "0.0.0.0", "192.168.1.10"])
+def test_a_server_bound_elsewhere_takes_any_host(server, bind_host):
+    app = build_app(server.app.state.engine_client, "tiny", bind_host=bind_host)
+    assert TestClient(app, base_url="http://models.example.com").get("/health").status_code == 200
+
+
+def test_cors_is_off_by_default(server):
+    origin = {"Origin": "https://evil.example"}
+    response = httpx.get(f"{server.url}/v1/models", headers={**origin, "Authorization": f"Bearer {API_KEY}"})
+    assert response.status_code == 200 and "access-control-allow-origin" not in response.headers
+    preflight = httpx.options(f"{server.url}/v1/completions", headers={
+        **origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert not any(h.startswith("access-control-") for h in preflight.headers)
+
+
+def test_allowed_origins_open_cors_to_those_origins_only(server):
+    app = build_app(server.app.state.engine_client, "tiny", api_key=API_KEY,
+                    allowed_origins=["https://app.example", "http://localhost:3000"])
+    http = TestClient(app)
+    ask = {"Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization,content-type"}
+    allowed = http.options("/v1/completions", headers={"Origin": "https://app.example", **ask})
+    assert allowed.status_code == 200
+    assert allowed.headers["access-control-allow-origin"] == "https://app.example"
+    assert "authorization" in allowed.headers["access-control-allow-headers"].lower()
+    refused = http.options("/v1/completions", headers={"Origin": "https://evil.example", **ask})
+    assert refused.status_code == 400 and "access-control-allow-origin" not in refused.headers
+    answer = http.post("/v1/completions", json=completion(), headers={
+        "Origin": "http://localhost:3000", "Authorization": f"Bearer {API_KEY}"})
+    assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "http://localhost:3000"
+    other = http.get("/v1/models", headers={"Origin": "https://evil.example",
+                                            "Authorization": f"Bearer {API_KEY}"})
+    assert "access-control-allow-origin" not in other.headers
+
+
+# ----------------------------------------------------------------- headers
+def test_huge_headers_are_refused_by_the_real_server(server):
+    auth = [("Authorization", f"Bearer {API_KEY}")]
+    cases = {"one 100 KB header": [("X-Big", "a" * 100_000)],
+             "10,000 headers": [(f"X-H{i}", "v") for i in range(10_000)],
+             "a few too many": [(f"X-H{i}", "v") for i in range(MAX_HEADERS + 1)]}
+    for what, headers in cases.items():
+        response = httpx.get(f"{server.url}/v1/models", headers=auth + headers, timeout=30)
+        # uvicorn's parser answers 400 for a head it cannot buffer; the app 431 for the rest.
+        assert response.status_code in (400, 431), (what, response.status_code)
+    error = assert_error(response, 431, None, "--max-headers")
+    assert error["code"] == "request_header_fields_too_large"
+    assert httpx.get(f"{server.url}/v1/models", headers=auth).status_code == 200
+
+
+def test_huge_headers_are_refused_by_the_app(server):
+    app = build_app(server.app.state.engine_client, "tiny", max_header_bytes=MAX_HEADER_BYTES,
+                    max_headers=MAX_HEADERS)
+    http = TestClient(app)
+    many = http.get("/health", headers=[(f"x-h{i}", "v") for i in range(10_000)])
+    assert_error(many, 431, None, f"at most {MAX_HEADERS} (--max-headers)")
+    big = http.get("/health", headers={"x-big": "a" * 100_000})
+    assert_error(big, 431, None, f"at most {MAX_HEADER_BYTES} bytes (--max-header-bytes)")
+    assert http.get("/health", headers={"x-fine": "a" * (MAX_HEADER_BYTES // 2)}).status_code == 200
+
+
+# ----------------------------------------------------------------- API keys
+@pytest.mark.parametrize("key, says", [("", "empty"), (" key", "whitespace"), ("key\n", "whitespace"),
+                                       ("k\u00e9y", "ASCII"), ("a b", "whitespace"), ("\x7f", "ASCII")])
+def test_api_keys_that_cannot_work_are_refused_at_start_up(server, key, says, capsys, monkeypatch):
+    from mempath.cli import main
+    with pytest.raises(ValueError, match=says):
+        build_app(server.app.state.engine_client, "tiny", api_key=key)
+    assert main(["serve", "--api-key", key]) == 2
+    message = capsys.readouterr().err
+    assert message.startswith("mempath: error: ") and says in message and message.count("\n") == 1
+    monkeypatch.setenv("MEMPATH_API_KEY", key)
+    assert main(["serve"]) == 2
+    assert "MEMPATH_API_KEY" in capsys.readouterr().err
+
+
+def test_a_padded_token_still_matches_a_clean_key(server):
+    response = httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer   {API_KEY}"})
+    assert response.status_code == 200
+
+
+# ----------------------------------------------------------------- the command line
+@pytest.mark.parametrize("flags, says", [
+    (["--max-body-bytes", "0"], "--max-body-bytes"), (["--max-n", "0"], "--max-n"),
+    (["--max-tokens-limit", "0"], "--max-tokens-limit"), (["--port", "70000"], "--port"),
+    (["--max-header-bytes", "100"], "--max-header-bytes"), (["--max-headers", "0"], "--max-headers"),
+    (["--allowed-origins", "ftp://files.example"], "--allowed-origins"),
+    (["--allowed-origins", "http://app.example/path"], "--allowed-origins"),
+    (["--allowed-origins", "[1, 2]"], "--allowed-origins"),
+    (["--model", "a", "b"], "either as --model or as the first argument"),
+])
+def test_serve_flags_that_cannot_work_are_one_line(flags, says, capsys):
+    from mempath.cli import main
+    assert main(["serve", *flags]) == 2
+    message = capsys.readouterr().err
+    assert says in message and message.count("\n") == 1, message
+
+
+def test_serve_passes_its_limits_to_the_app_and_to_uvicorn(monkeypatch, caplog):
+    from mempath.cli import main
+    from mempath.server import app as server_app
+    from mempath.server import cli
+    built, ran = {}, {}
+    monkeypatch.setattr(cli, "build_server_app", lambda *args, **kwargs: built.update(
+        args=args, kwargs=kwargs) or ("app", "served"))
+    import uvicorn
+    for module, name in ((server_app, "serve"), (uvicorn, "run")):  # whichever run_serve calls
+        monkeypatch.setattr(module, name, lambda app, *args, **kwargs: ran.update(app=app, **kwargs),
+                            raising=False)
+    assert main(["serve", "some/model", "--host", "0.0.0.0", "--port", "9999", "--max-headers", "50",
+                 "--max-header-bytes", "8192", "--allowed-origins", "http://a.example, https://b.example:8443"]) == 0
+    assert built["args"][0] == "some/model"
+    assert built["kwargs"]["bind_host"] == "0.0.0.0"
+    assert built["kwargs"]["allowed_origins"] == ["http://a.example", "https://b.example:8443"]
+    assert (built["kwargs"]["max_headers"], built["kwargs"]["max_header_bytes"]) == (50, 8192)
+    assert ran["app"] == "app" and (ran["host"], ran["port"]) == ("0.0.0.0", 9999)
+    assert ran["http"] == "h11" and ran["h11_max_incomplete_event_size"] == 8192
+    assert any("without --api-key" in r.getMessage() for r in caplog.records)
+    built.clear()
+    assert main(["serve", "--allowed-origins", '["*"]']) == 0
+    assert built["kwargs"]["allowed_origins"] == ["*"] and built["kwargs"]["bind_host"] == "127.0.0.1"
+    from mempath.assets import default_model_path
+    assert built["args"][0] == default_model_path()
 
 
 # ----------------------------------------------------------------- numbers

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mempath.sampling import SamplingParams
-from mempath.server.cli import build_server_app
+from mempath.server.cli import DEFAULT_MAX_HEADER_BYTES, build_server_app, uvicorn_options
 
 API_KEY = "test-key"
 MAX_MODEL_LEN = 256
@@ -24,7 +24,9 @@ LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 4  # several ful
 
 
 class RunningServer:
-    def __init__(self, app, name: str):
+    """The app on uvicorn on a free loopback port, configured as `mempath serve` configures it."""
+
+    def __init__(self, app, name: str, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES):
         self.name = name
         self.app = app
         self.engine = app.state.engine_client.engine  # touch only from the engine thread
@@ -33,7 +35,8 @@ class RunningServer:
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         import uvicorn
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
+                                                    **uvicorn_options(max_header_bytes)))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.time() + 30

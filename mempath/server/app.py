@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API over an AsyncEngine.
 
 Every failure answers with OpenAI's error body and a status that says whose fault
-it is (400 bad request, 401 key, 404 model or route, 413 body too large, 503
-engine down). Every engine request that an HTTP request started is aborted when
+it is (400 bad request or foreign Host, 401 key, 404 model or route, 413 body too
+large, 415 not JSON, 431 headers too large, 503 engine down); docs/server.md lists
+the limits. Every engine request that an HTTP request started is aborted when
 that HTTP request ends for any reason, so a client that goes away frees its KV
 blocks at once.
 """
@@ -12,11 +13,13 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -25,7 +28,9 @@ from starlette.requests import ClientDisconnect
 from mempath.engine.detokenizer import StopPrefixes
 from mempath.sampling import SamplingParams
 from mempath.server.async_engine import AsyncEngine, EngineDeadError, Update
-from mempath.server.cli import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N
+from mempath.server.cli import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS,
+                                DEFAULT_MAX_N, check_api_key)
+from mempath.server.guards import HeaderLimits, LoopbackHostOnly, is_loopback_address
 from mempath.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_body,
                                      completion_body, error_body, models_body, parse_request, usage_body)
 
@@ -45,8 +50,17 @@ class Limits:
 
 def build_app(engine_client: AsyncEngine, served_model_name: str, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_tokens_limit: int | None = None,
-              max_n: int = DEFAULT_MAX_N) -> FastAPI:
-    """The FastAPI app; its lifespan starts and stops the engine thread."""
+              max_n: int = DEFAULT_MAX_N, bind_host: str | None = None,
+              allowed_origins: Sequence[str] = (), max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+              max_headers: int = DEFAULT_MAX_HEADERS) -> FastAPI:
+    """The FastAPI app; its lifespan starts and stops the engine thread.
+
+    ``bind_host``: the address the server listens on; a loopback one turns on the
+    Host check (guards.LoopbackHostOnly). None (tests, other servers): no check.
+    ``allowed_origins``: CORS, off when empty.
+    """
+    if api_key is not None:
+        check_api_key(api_key)
     limits = Limits(max_tokens=max_tokens_limit or engine_client.max_model_len, max_n=max_n,
                     max_body_bytes=max_body_bytes)
     created = int(time.time())
@@ -63,6 +77,7 @@ def build_app(engine_client: AsyncEngine, served_model_name: str, api_key: str |
                   openapi_url=None)
     app.state.engine_client = engine_client  # for tests and benchmarks that look behind the API
     install_error_handlers(app)
+    install_guards(app, bind_host, allowed_origins, max_header_bytes, max_headers)
 
     @app.get("/health")
     async def health():
@@ -119,6 +134,18 @@ def build_app(engine_client: AsyncEngine, served_model_name: str, api_key: str |
 
 
 # ----------------------------------------------------------------- errors and checks
+def install_guards(app: FastAPI, bind_host: str | None, allowed_origins: Sequence[str],
+                   max_header_bytes: int, max_headers: int) -> None:
+    """Middleware, outermost first: header limits, the Host check, CORS."""
+    if allowed_origins:
+        # Browsers send credentials here as an Authorization header, not cookies: no credentials mode.
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins),
+                           allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"])
+    if bind_host is not None and is_loopback_address(bind_host):
+        app.add_middleware(LoopbackHostOnly, bind_host=bind_host)
+    app.add_middleware(HeaderLimits, max_bytes=max_header_bytes, max_headers=max_headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_request, error: APIError):

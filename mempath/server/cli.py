@@ -1,13 +1,20 @@
 """`mempath serve [MODEL]`: the OpenAI-compatible server on uvicorn."""
 import argparse
+import json
 import logging
 import os
 from pathlib import Path
+from urllib.parse import urlsplit
 
 # Limits a request cannot exceed by default. Here rather than in protocol.py so that
 # building the CLI's parser does not import pydantic (the other subcommands need none).
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_N = 16  # choices (prompts x n) per request
+# A request's head: uvicorn's own default size (h11), and Apache's default count.
+DEFAULT_MAX_HEADER_BYTES = 16 * 1024
+MIN_MAX_HEADER_BYTES = 1024  # below this, ordinary clients' requests would not fit
+DEFAULT_MAX_HEADERS = 100
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +37,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most tokens one request may generate (default: max_model_len)")
     parser.add_argument("--max-n", type=int, default=DEFAULT_MAX_N,
                         help="most choices (prompts x n) one request may ask for")
+    parser.add_argument("--max-header-bytes", type=int, default=DEFAULT_MAX_HEADER_BYTES,
+                        help="largest request head (request line and headers) accepted (431/400 above)")
+    parser.add_argument("--max-headers", type=int, default=DEFAULT_MAX_HEADERS,
+                        help="most headers one request may carry (431 above)")
+    parser.add_argument("--allowed-origins", default=None,
+                        help="web origins allowed to call the API from a browser (CORS), as "
+                             "'https://a.example,http://localhost:3000' or a JSON list; '*' for any "
+                             "(default: none, CORS off)")
     parser.add_argument("--uvicorn-log-level", default="info")
 
 
@@ -44,20 +59,75 @@ def resolve_model(args) -> str:
 
 
 def check_serve_arguments(args) -> None:
-    for name in ("max_body_bytes", "max_n"):
+    for name in ("max_body_bytes", "max_n", "max_headers"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_header_bytes < MIN_MAX_HEADER_BYTES:
+        raise ValueError(f"--max-header-bytes must be >= {MIN_MAX_HEADER_BYTES}, got {args.max_header_bytes}")
     if args.max_tokens_limit is not None and args.max_tokens_limit < 1:
         raise ValueError("--max-tokens-limit must be >= 1")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.api_key is not None:
+        check_api_key(args.api_key)
+    args.allowed_origins = parse_allowed_origins(args.allowed_origins)
+
+
+def check_api_key(key: str) -> None:
+    """Refuse a key that would turn authentication off or could never match a client's header."""
+    where = "the API key (--api-key or $MEMPATH_API_KEY)"
+    if key == "":
+        raise ValueError(f"{where} is empty, which would turn authentication off: unset it to serve "
+                         f"without a key, or give a key")
+    for position, char in enumerate(key, 1):
+        if char.isspace():
+            raise ValueError(f"{where} has whitespace at character {position}: clients' tokens are "
+                             f"stripped and split at spaces, so it could never match; remove it")
+        if not "!" <= char <= "~":
+            raise ValueError(f"{where} must be printable ASCII (headers carry nothing else reliably); "
+                             f"character {position} is U+{ord(char):04X}")
+
+
+def parse_allowed_origins(text: str | list[str] | None) -> list[str]:
+    """--allowed-origins as a list: comma-separated or a JSON list (vLLM's form)."""
+    if text is None or isinstance(text, list):
+        return list(text or [])
+    if text.strip().startswith("["):
+        try:
+            origins = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--allowed-origins is not a valid JSON list: {error}") from None
+    else:
+        origins = [part.strip() for part in text.split(",") if part.strip()]
+    for origin in origins:
+        if origin == "*":
+            continue
+        parts = urlsplit(origin) if isinstance(origin, str) else None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.netloc \
+                or parts.path or parts.query or parts.fragment:
+            raise ValueError(f"--allowed-origins: {origin!r} is not an origin; give scheme://host[:port] "
+                             f"such as http://localhost:3000, or *")
+    return origins
+
+
+def uvicorn_options(max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> dict:
+    """How uvicorn must parse requests for the header limit to hold.
+
+    h11 refuses (400) a request head it has to buffer beyond ``max_header_bytes``;
+    httptools, which uvicorn prefers when installed, has no such limit. The app
+    checks the headers it is given as well (431), whatever parser delivered them.
+    """
+    return {"http": "h11", "h11_max_incomplete_event_size": max_header_bytes}
 
 
 def build_server_app(model: str, engine_options: dict, served_model_name: str | None = None,
                      api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                      max_tokens_limit: int | None = None, max_n: int = DEFAULT_MAX_N,
-                     show_progress: bool = True):
-    """Load the engine and wrap it in the app; (app, served name). Also used by tests and benchmarks."""
+                     show_progress: bool = True, **http_options):
+    """Load the engine and wrap it in the app; (app, served name). Also used by tests and benchmarks.
+
+    ``http_options``: build_app's bind_host, allowed_origins, max_header_bytes, max_headers.
+    """
     from mempath.config import EngineConfig
     from mempath.engine.engine import LLMEngine
     from mempath.server.app import build_app
@@ -69,7 +139,7 @@ def build_server_app(model: str, engine_options: dict, served_model_name: str | 
     name = served_model_name or Path(model).resolve().name
     client = AsyncEngine(engine, ServerMetrics(name, config.block_size))
     app = build_app(client, name, api_key=api_key, max_body_bytes=max_body_bytes,
-                    max_tokens_limit=max_tokens_limit, max_n=max_n)
+                    max_tokens_limit=max_tokens_limit, max_n=max_n, **http_options)
     return app, name
 
 
@@ -80,11 +150,13 @@ def run_serve(args) -> int:
     check_serve_arguments(args)
     model = resolve_model(args)
     app, name = build_server_app(model, engine_options(args), args.served_model_name, args.api_key,
-                                 args.max_body_bytes, args.max_tokens_limit, args.max_n)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+                                 args.max_body_bytes, args.max_tokens_limit, args.max_n,
+                                 bind_host=args.host, allowed_origins=args.allowed_origins,
+                                 max_header_bytes=args.max_header_bytes, max_headers=args.max_headers)
+    if args.host not in LOOPBACK_HOSTS and not args.api_key:
         log.warning("serving on %s without --api-key: anyone who can reach this port can use it",
                     args.host)
     print(f"mempath: serving '{name}' on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=5, **uvicorn_options(args.max_header_bytes))
     return 0
