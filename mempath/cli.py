@@ -2,7 +2,9 @@
 import argparse
 import json
 import logging
+import os
 import sys
+from pathlib import Path
 
 from mempath.config import EngineConfig
 from mempath.memory.oom import MempathOutOfMemoryError
@@ -77,14 +79,16 @@ def sampling_params(args):
 
 
 def resolve_model_and_prompt(args) -> tuple[str | None, str]:
-    """`generate PROMPT` or `generate MODEL PROMPT` (or --model MODEL PROMPT)."""
-    if len(args.positional) == 2:
+    """`generate PROMPT`, `generate --model DIR PROMPT`, or `generate DIR PROMPT` where DIR exists."""
+    words = args.positional
+    if len(words) == 2 and Path(words[0]).is_dir():
         if args.model:
             raise ValueError("give the model either as --model or as the first argument, not both")
-        return args.positional[0], args.positional[1]
-    if len(args.positional) == 1:
-        return args.model, args.positional[0]
-    raise ValueError("usage: mempath generate [MODEL] PROMPT")
+        return words[0], words[1]
+    if len(words) == 1:
+        return args.model, words[0]
+    raise ValueError(f"generate takes one PROMPT, got {len(words)} arguments, and {words[0]!r} is not a model "
+                     f"directory: quote a prompt that has spaces, and give the model as --model DIR")
 
 
 def run_generate(args) -> int:
@@ -110,13 +114,20 @@ def run_chat(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+GENERATE_USAGE = "mempath generate [--model DIR] [options] PROMPT"
+GENERATE_HELP = ("Complete one PROMPT with the model in --model DIR (default: the built-in mempath-tiny). "
+                 "`mempath generate DIR PROMPT` also works when DIR is an existing directory; otherwise a "
+                 "second argument is an error, never a model name.")
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mempath", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="complete a prompt")
-    gen.add_argument("positional", nargs="+", metavar="[MODEL] PROMPT")
+    gen = sub.add_parser("generate", help="complete a prompt", usage=GENERATE_USAGE, description=GENERATE_HELP)
+    gen.add_argument("positional", nargs="+", metavar="PROMPT",
+                     help="the prompt, quoted (or an existing model DIR, then the prompt)")
     add_engine_arguments(gen)
     add_sampling_arguments(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object")
@@ -128,33 +139,49 @@ def main(argv: list[str] | None = None) -> int:
     add_sampling_arguments(chat)
     chat.add_argument("--quiet", action="store_true")
 
-    from mempath.server.cli import add_serve_arguments, run_serve
+    from mempath.server.cli import add_serve_arguments
     add_serve_arguments(sub.add_parser("serve", help="OpenAI-compatible HTTP server"))
-    from mempath.memory.plan import add_plan_arguments, run_plan
+    from mempath.memory.plan import add_plan_arguments
     add_plan_arguments(sub.add_parser("plan", help="predict memory per pathway (no GPU needed)"))
-    from mempath.memory.diagnose import add_diagnose_arguments, run_diagnose
+    from mempath.memory.diagnose import add_diagnose_arguments
     add_diagnose_arguments(sub.add_parser("diagnose", help="measure memory per pathway against the plan"))
+    return parser
 
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+
+def run_command(args) -> int:
+    from mempath.memory.diagnose import run_diagnose
+    from mempath.memory.plan import run_plan
+    from mempath.server.cli import run_serve
+    commands = {"generate": run_generate, "chat": run_chat, "serve": run_serve, "plan": run_plan,
+                "diagnose": run_diagnose}
     try:
-        if args.command == "generate":
-            return run_generate(args)
-        if args.command == "chat":
-            return run_chat(args)
-        if args.command == "serve":
-            return run_serve(args)
-        if args.command == "plan":
-            return run_plan(args)
-        if args.command == "diagnose":
-            return run_diagnose(args)
+        return commands[args.command](args)
     except ValueError as error:  # bad input, a broken config or checkpoint (CheckpointError): one line
         print(f"mempath: error: {error}", file=sys.stderr)
         return 2
     except MempathOutOfMemoryError as error:  # the explanation, its ledger and fixes; as diagnose exits
         print(f"mempath: {error}", file=sys.stderr)
         return 3
-    return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+        code = run_command(args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not in the interpreter's exit
+        return code
+    except BrokenPipeError:
+        # The reader went away (`mempath plan --json | head`): stop quietly, as Unix tools do.
+        # Point stdout at /dev/null, or the interpreter's final flush raises again.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+        return 141  # 128 + SIGPIPE, what a shell reports for a writer killed by a closed pipe
+    except KeyboardInterrupt:
+        print("mempath: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """EngineConfig: every engine knob in one place, validated once."""
+import os
 from dataclasses import dataclass, fields
 
 import torch
@@ -68,7 +69,32 @@ class EngineConfig:
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        self._check_device()
         self._validate_tiers()
+
+    def _check_device(self) -> None:
+        """Refuse here, with the fix, a device torch would fail on later with a traceback."""
+        if self.device == "auto":
+            return
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            device = None
+        if device is None or device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if device.type == "cpu":
+            return
+        if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+            raise ValueError(f"device {self.device}: this PyTorch ({torch.__version__}) is a CPU build: use "
+                             f"--device cpu, or install a CUDA build (MEMPATH_TORCH=cuda scripts/install.sh "
+                             f"after pip uninstall torch)")
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {self.device}: PyTorch sees no CUDA device (driver, or "
+                             f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): use --device cpu")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"device {self.device}: PyTorch sees {count} CUDA device(s), cuda:0 to "
+                             f"cuda:{count - 1}")
 
     def _validate_tiers(self) -> None:
         if self.cpu_kv_gb < 0 or self.disk_kv_gb < 0:
