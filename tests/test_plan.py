@@ -2,6 +2,8 @@
 
 import argparse
 import json
+import math
+import re
 from pathlib import Path
 
 import pytest
@@ -165,7 +167,7 @@ def test_workspace_figures():
 
 def test_capacity_arithmetic():
     plan = plan_memory(load("llama-3.1-8b"), gpu_mem_bytes=80 * GiB, max_model_len=8192,
-                       max_num_seqs=64)
+                       max_num_seqs=64, host_mem_bytes=512 * GiB)
     assert plan.budget_bytes == int(80 * GiB * 0.9)
     assert plan.kv_budget_bytes == plan.budget_bytes - plan.weight_bytes - plan.workspace_bytes
     assert plan.num_kv_blocks == plan.kv_budget_bytes // plan.kv_bytes_per_block
@@ -173,7 +175,7 @@ def test_capacity_arithmetic():
     assert plan.max_concurrency == plan.kv_capacity_tokens // plan.max_model_len
     assert 0 < plan.max_concurrency < 64 and plan.fits
     advice = " ".join(plan.advice)
-    assert f"use --max-num-seqs {plan.max_concurrency} or --cpu-kv-gb" in advice
+    assert f"use --max-num-seqs {plan.max_concurrency}, or --cpu-kv-gb" in advice
     assert "block size 16 (the default)" in advice and "8 was the slowest" in advice
 
 
@@ -199,10 +201,37 @@ def test_weights_exceed_budget():
 
 
 def test_kv_for_one_sequence_does_not_fit():
-    plan = plan_memory(load("llama-3.1-8b"), gpu_mem_bytes=parse_bytes("18GiB"))
+    plan = plan_memory(load("llama-3.1-8b"), gpu_mem_bytes=parse_bytes("18GiB"), host_mem_bytes=1 << 40)
     assert plan.kv_budget_bytes > 0 and plan.max_concurrency == 0 and not plan.fits
     line = next(line for line in plan.advice if "one max-model-len 131072 sequence" in line)
-    assert f"--max-model-len {plan.kv_capacity_tokens}" in line and "--cpu-kv-gb" in line
+    assert f"--max-model-len {plan.kv_capacity_tokens}" in line
+    # A running sequence's KV must be on the device: the host tier cannot make one fit.
+    assert "--cpu-kv-gb" not in line
+
+
+def test_advice_proposes_no_8bit_kv_cache_or_checkpoint():
+    """Neither exists in mempath (no quantization yet)."""
+    weights_too_big = plan_memory(load("llama-3.1-8b"), gpu_mem_bytes=12 * GiB)
+    kv_too_small = plan_memory(load("llama-3.1-8b"), gpu_mem_bytes=80 * GiB, host_mem_bytes=1 << 44)
+    assert any("does not fit: weights alone" in line for line in weights_too_big.advice)
+    assert any(line.startswith("max-num-seqs 256") for line in kv_too_small.advice)
+    for plan in (weights_too_big, kv_too_small):
+        assert not any("8-bit" in line for line in plan.advice), plan.advice
+
+
+def test_host_tier_advice_is_capped_by_the_host_memory():
+    """256 sequences of 131,072 tokens need ~4 TiB of KV: no --cpu-kv-gb 4040 on a 64 GiB host."""
+    small_host = plan_memory(load("llama-3.1-8b"), gpu_mem_bytes=80 * GiB, host_mem_bytes=64 * GiB)
+    line = next(line for line in small_host.advice if line.startswith("max-num-seqs 256"))
+    proposed = [int(n) for n in re.findall(r"--cpu-kv-gb (\d+)", line)]
+    assert proposed and max(proposed) <= 0.7 * 64, line
+    assert "64.00 GiB" in line, line
+    big_host = plan_memory(load("llama-3.1-8b"), gpu_mem_bytes=80 * GiB, host_mem_bytes=1 << 44)
+    line = next(line for line in big_host.advice if line.startswith("max-num-seqs 256"))
+    needed = math.ceil((big_host.kv_bytes_wanted - big_host.kv_budget_bytes) / GiB)
+    assert f"--cpu-kv-gb {needed}" in line, line
+    unknown_host = plan_memory(load("llama-3.1-8b"), gpu_mem_bytes=80 * GiB)
+    assert not any("--cpu-kv-gb" in line for line in unknown_host.advice)
 
 
 def test_no_gpu_mem_leaves_capacity_empty():
@@ -349,6 +378,26 @@ def test_cli_json(capsys):
 def test_cli_error(capsys):
     assert cli(CONFIGS / "qwen3-0.6b.json", "--gpu-mem", "lots") == 2
     assert "cannot read 'lots' as a size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--gpu-mem", "--context-mem"])
+def test_cli_refuses_a_size_without_a_unit(capsys, flag):
+    """`--gpu-mem 80` planned for 80 bytes; a size on the command line must say its unit."""
+    assert cli(CONFIGS / "qwen3-0.6b.json", flag, "80") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no unit" in err and "80GiB" in err, err
+    assert cli(CONFIGS / "qwen3-0.6b.json", flag, "80GiB") == 0
+    assert cli(CONFIGS / "qwen3-0.6b.json", flag, "85899345920B") == 0  # bytes, said so
+
+
+def test_cli_passes_the_host_memory_to_the_advice(capsys, monkeypatch):
+    import psutil
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("vm", (), {"total": 64 * GiB})())
+    assert cli(CONFIGS / "llama-3.1-8b.json", "--gpu-mem", "80GiB", "--json") == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["host_mem_bytes"] == 64 * GiB
+    proposed = [int(n) for line in data["advice"] for n in re.findall(r"--cpu-kv-gb (\d+)", line)]
+    assert proposed and max(proposed) <= 0.7 * 64, data["advice"]
 
 
 def test_format_without_gpu_mem():

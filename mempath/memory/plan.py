@@ -58,6 +58,9 @@ CUBLAS_WORKSPACE_BYTES_OLDER = (4096 * 2 + 16 * 8) << 10
 # more coarsely, so 16.
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_TRAIN_SEQ_LEN = 4096
+# The most of the host's memory the advice proposes pinning for the host KV tier: vLLM
+# refuses a --swap-space above 70% of the host's memory.
+HOST_KV_FRACTION = 0.7
 
 
 @dataclass
@@ -135,6 +138,7 @@ class MemoryPlan:
     max_concurrency: int | None = None
     kv_bytes_wanted: int = 0
     fits: bool | None = None  # serving: at least one max-model-len sequence fits
+    host_mem_bytes: int | None = None  # bounds the host KV tier the advice may propose
     # training (zeros unless train=True)
     train: bool = False
     optimizer: str = "adamw-fp32"
@@ -258,6 +262,14 @@ def parse_bytes(text: str | int) -> int:
     if value <= 0:
         raise ValueError(f"size {text!r} must be positive")
     return value
+
+
+def parse_size_flag(flag: str, text: str) -> int:
+    """A size from the command line, which must name its unit: `--gpu-mem 80` meant 80 GiB, not bytes."""
+    if re.fullmatch(r"\s*[0-9]*\.?[0-9]+\s*", str(text)):
+        raise ValueError(f"{flag} {text.strip()} has no unit: write {text.strip()}GiB (or {text.strip()}GB, "
+                         f"or {text.strip()}B for bytes)")
+    return parse_bytes(text)
 
 
 def detect_gpu_mem() -> int | None:
@@ -573,6 +585,7 @@ def plan_training(shape: ModelShape, dtype_bytes: int, *, optimizer: str, micro_
 
 
 def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | None = None,
+                host_mem_bytes: int | None = None,
                 gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                 block_size: int = DEFAULT_BLOCK_SIZE, cuda_graphs: bool = True,
@@ -596,6 +609,9 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
     Training (train=True) is planned for seq_len tokens per sequence, by default
     min(max_model_len, 4096), against the same budget; see plan_training.
 
+    host_mem_bytes (the host's total memory) bounds the --cpu-kv-gb the advice proposes
+    (HOST_KV_FRACTION of it); without it the advice proposes no host tier.
+
     context_bytes is what the caller knows must stay free for non-PyTorch memory (CUDA
     context, cuBLAS workspaces); it cannot be derived from the config, so it defaults
     to 0 and the headroom left by gpu_memory_utilization is expected to hold it.
@@ -607,7 +623,7 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
     shape = read_shape(load_config(model), source)
     dtype_name, b = resolve_dtype(dtype, shape)
     max_model_len = shape.max_position_embeddings if max_model_len is None else max_model_len
-    _check_settings(shape, gpu_mem_bytes, gpu_memory_utilization, max_model_len, max_num_seqs,
+    _check_settings(shape, gpu_mem_bytes, host_mem_bytes, gpu_memory_utilization, max_model_len, max_num_seqs,
                     max_num_batched_tokens, block_size, context_bytes)
 
     params = count_params(shape)
@@ -637,7 +653,7 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
         block_size=block_size, kv_bytes_per_token=per_token, kv_bytes_per_block=per_block,
         blocks_per_seq=blocks_per_seq, kv_bytes_per_seq=blocks_per_seq * per_block,
         max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens, gpu_mem_bytes=gpu_mem_bytes,
+        max_num_batched_tokens=max_num_batched_tokens, gpu_mem_bytes=gpu_mem_bytes, host_mem_bytes=host_mem_bytes,
         gpu_memory_utilization=gpu_memory_utilization, cuda_graphs=cuda_graphs,
         fused_kernels=fused_kernels,
         activation_peak_bytes=activation, logits_rows=rows, logits_bytes=logits, step_peak_bytes=step_peak,
@@ -670,13 +686,15 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
     return plan
 
 
-def _check_settings(shape, gpu_mem, utilization, max_model_len, max_num_seqs,
+def _check_settings(shape, gpu_mem, host_mem, utilization, max_model_len, max_num_seqs,
                     max_num_batched_tokens, block_size, context_bytes):
     for name, value in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
                         ("max_num_batched_tokens", max_num_batched_tokens),
                         ("block_size", block_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if host_mem is not None and (not isinstance(host_mem, int) or host_mem <= 0):
+        raise ValueError(f"host_mem_bytes must be a positive byte count, got {host_mem!r}")
     if gpu_mem is not None and (not isinstance(gpu_mem, int) or gpu_mem <= 0):
         raise ValueError(f"gpu_mem_bytes must be a positive byte count, got {gpu_mem!r} "
                          f"(parse_bytes('80GiB') reads sizes)")
@@ -738,8 +756,7 @@ def _capacity_advice(plan: MemoryPlan) -> list[str]:
     headroom = plan.gpu_mem_bytes - budget
     if plan.weight_bytes > budget:
         fix = (f"use --dtype bfloat16 ({human(plan.weight_bytes // 2)} of weights)" if b == 4 else
-               f"use an 8-bit checkpoint ({human(plan.total_params)} of weights), "
-               f"a GPU with more memory, or a smaller model")
+               "use a GPU with more memory or a smaller model")
         return [f"does not fit: weights alone ({human(plan.weight_bytes)}) exceed the budget "
                 f"({human(budget)} = {human(plan.gpu_mem_bytes)} x {plan.gpu_memory_utilization}): {fix}"]
 
@@ -755,21 +772,18 @@ def _capacity_advice(plan: MemoryPlan) -> list[str]:
                 f"max-model-len sequence ({human(plan.kv_bytes_per_seq)}): use "
                 f"--max-num-batched-tokens {room // per_token_act}")
         fit_len = plan.kv_capacity_tokens
+        # A running sequence's KV is all on the device: a host tier would not make it fit.
         lines.append(
             f"does not fit: one max-model-len {plan.max_model_len} sequence needs "
             f"{human(plan.kv_bytes_per_seq)} of KV; {human(free_for_kv)} is available: use "
-            + (f"--max-model-len {fit_len} or " if fit_len else "")
-            + f"--cpu-kv-gb {_gib_ceil(plan.kv_bytes_per_seq - free_for_kv)}")
+            + (f"--max-model-len {fit_len}" if fit_len else "a GPU with more memory or a smaller model"))
         return lines
 
     if plan.kv_bytes_wanted > free_for_kv:
-        line = (f"max-num-seqs {plan.max_num_seqs} at max-model-len {plan.max_model_len} needs "
-                f"{human(plan.kv_bytes_wanted)} of KV; {human(free_for_kv)} is available: use "
-                f"--max-num-seqs {plan.max_concurrency} or "
-                f"--cpu-kv-gb {_gib_ceil(plan.kv_bytes_wanted - free_for_kv)}")
-        if b > 1:
-            line += f" (an 8-bit KV cache would need {human(plan.kv_bytes_wanted // b)})"
-        lines.append(line)
+        lines.append(
+            f"max-num-seqs {plan.max_num_seqs} at max-model-len {plan.max_model_len} needs "
+            f"{human(plan.kv_bytes_wanted)} of KV; {human(free_for_kv)} is available: use "
+            f"--max-num-seqs {plan.max_concurrency}" + _host_tier_advice(plan, plan.kv_bytes_wanted - free_for_kv))
     else:
         lines.append(
             f"fits: max-num-seqs {plan.max_num_seqs} at max-model-len {plan.max_model_len} needs "
@@ -780,6 +794,22 @@ def _capacity_advice(plan: MemoryPlan) -> list[str]:
         f"outside the budget for the CUDA context and allocator fragmentation, which the config "
         f"cannot tell; measure them with `mempath diagnose`")
     return lines
+
+
+def _host_tier_advice(plan: MemoryPlan, missing: int) -> str:
+    """The --cpu-kv-gb that holds the sequences the device cannot, within what the host may pin."""
+    if plan.host_mem_bytes is None:
+        return ""
+    pinnable = int(plan.host_mem_bytes * HOST_KV_FRACTION)
+    why = "to keep the KV of the sequences that wait or are preempted instead of recomputing it"
+    if _gib_ceil(missing) * GiB <= pinnable:
+        return f", or --cpu-kv-gb {_gib_ceil(missing)} {why}"
+    limit = f"more than {HOST_KV_FRACTION:.0%} of this host's {human(plan.host_mem_bytes)}"
+    most = pinnable // GiB
+    if most * GiB < plan.kv_bytes_per_seq:
+        return f" (a host tier for the rest would need {human(missing)}, {limit})"
+    return (f"; a host tier for the rest would need {human(missing)}, {limit}: --cpu-kv-gb {most} "
+            f"holds {most * GiB // plan.kv_bytes_per_seq:,} of those sequences")
 
 
 def decoder_peak_bytes_per_token(plan: MemoryPlan) -> int:
@@ -927,7 +957,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="model directory, config.json, or a cached hub id")
     parser.add_argument("--dtype", default="auto", help="auto | bfloat16 | float16 | float32")
     parser.add_argument("--gpu-mem", default=None,
-                        help="device memory, e.g. 80GiB, 24GB or bytes (default: the CUDA device's)")
+                        help="device memory with its unit, e.g. 80GiB, 24GB or 85899345920B; a bare "
+                             "number is refused (default: the CUDA device's)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -936,7 +967,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per KV block or auto (16, measured)")
     parser.add_argument("--enforce-eager", action="store_true", help="plan without CUDA graphs")
     parser.add_argument("--context-mem", default="0",
-                        help="non-PyTorch memory to hold back (CUDA context etc.), e.g. 500MiB")
+                        help="non-PyTorch memory to hold back (CUDA context etc.) with its unit, e.g. 500MiB")
     parser.add_argument("--train", action="store_true", help="also plan training memory")
     parser.add_argument("--optimizer", default="adamw-fp32", choices=list(OPTIMIZERS))
     parser.add_argument("--micro-batch", type=int, default=1)
@@ -952,10 +983,12 @@ def run_plan(args: argparse.Namespace) -> int:
     import sys
 
     try:
-        gpu_mem = parse_bytes(args.gpu_mem) if args.gpu_mem else detect_gpu_mem()
-        context = 0 if str(args.context_mem).strip() in ("", "0") else parse_bytes(args.context_mem)
+        gpu_mem = parse_size_flag("--gpu-mem", args.gpu_mem) if args.gpu_mem else detect_gpu_mem()
+        context = 0 if str(args.context_mem).strip() in ("", "0") else parse_size_flag("--context-mem",
+                                                                                       args.context_mem)
+        import psutil
         plan = plan_memory(
-            args.model, dtype=args.dtype, gpu_mem_bytes=gpu_mem,
+            args.model, dtype=args.dtype, gpu_mem_bytes=gpu_mem, host_mem_bytes=psutil.virtual_memory().total,
             gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             block_size=args.block_size, cuda_graphs=not args.enforce_eager, context_bytes=context,
