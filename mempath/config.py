@@ -11,6 +11,8 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
+# vLLM's --kv-cache-dtype names; fp8 means e4m3 (more mantissa; K and V rarely need e5m2's range).
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 @dataclass
@@ -46,6 +48,9 @@ class EngineConfig:
     # How a preempted request gives its blocks back: auto (swap or recompute, whichever
     # the calibrated cost model says is faster), recompute, or swap (needs cpu_kv_gb).
     preemption_mode: str = "auto"
+    # auto: K and V in the model dtype; fp8 (= fp8_e4m3) or fp8_e5m2: one byte per element,
+    # twice the blocks in the same memory (docs/architecture.md, "fp8 KV cache").
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         if self.block_size == "auto":
@@ -69,6 +74,8 @@ class EngineConfig:
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be auto, {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         self._check_device()
         self._validate_tiers()
 
@@ -149,6 +156,10 @@ class EngineConfig:
         if self.torch_device().type == "cpu":
             return torch.float32
         return checkpoint_dtype
+
+    def kv_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """What the KV cache stores: the model dtype unless kv_cache_dtype names an fp8 format."""
+        return KV_CACHE_DTYPES.get(self.kv_cache_dtype, model_dtype)
 
 
 def parse_dtype(name: str | None, default: torch.dtype = torch.float32) -> torch.dtype:

@@ -346,7 +346,7 @@ class LLMEngine:
         in the model directory (docs/tiers.md).
         """
         c = self.config
-        parts = [self.dtype_name, c.load_format]
+        parts = [self.dtype_name, c.load_format] + ([] if c.kv_cache_dtype == "auto" else [str(c.kv_torch_dtype(self.dtype))])
         if c.disk_kv_path:
             parts.append(json.dumps(self.hf_config, sort_keys=True))
             if c.load_format == "dummy":

@@ -146,7 +146,8 @@ class ModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         s = self.spec
-        return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * self.dtype.itemsize
+        itemsize = self.config.kv_torch_dtype(self.dtype).itemsize
+        return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * itemsize
 
     def workspace_bytes(self) -> int:
         """Bytes of the static step buffers and the decode split workspace."""
@@ -160,12 +161,16 @@ class ModelRunner:
         self.graphs.clear()  # graphs captured against an old cache would read freed memory
         self.graph_logits = None
         self.kv_cache = torch.empty(0)
+        kv_dtype = self.config.kv_torch_dtype(self.dtype)
+        # An fp8 cache is kept as bytes and viewed as fp8 by the attention layers: the tiers
+        # move blocks with index_copy_, which PyTorch's CPU build lacks for float8.
+        storage_dtype = torch.uint8 if kv_dtype.itemsize == 1 else kv_dtype
         self.kv_cache = torch.empty(
             s.num_layers, 2, num_blocks, self.block_size, s.num_kv_heads, s.head_dim,
-            dtype=self.dtype, device=self.device)
+            dtype=storage_dtype, device=self.device)
         for i, attn in enumerate(self.model.attention_layers()):
-            attn.k_cache = self.kv_cache[i, 0]
-            attn.v_cache = self.kv_cache[i, 1]
+            attn.k_cache = self.kv_cache[i, 0].view(kv_dtype)
+            attn.v_cache = self.kv_cache[i, 1].view(kv_dtype)
 
     # ----------------------------------------------------------------- inputs
     def prepare(self, batch: ScheduledBatch, sampling: set[int], pad_to: int | None = None,

@@ -13,8 +13,29 @@ every implementation:
   ``b`` sits at position ``seq_lens[b] - q_len_b + i`` and sees keys at positions
   up to and including its own. That one rule covers decode, plain prefill, a
   prefill on top of a cached prefix, and a chunk of a chunked prefill.
+
+An fp8 cache (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``) holds K and V
+with a static scale of 1.0 (docs/architecture.md, "fp8 KV cache", for the
+measurement behind it): written as the value clamped to the format's finite
+range and rounded to nearest even, read back by a plain cast. Every
+implementation does exactly this, so the twins agree bit for bit.
 """
 import torch
+
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_KV_DTYPES
+
+
+def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as the cache stores it. For fp8, saturating: a plain cast turns values past
+    the format's largest into NaN (e4m3) or inf (e5m2), which would poison every score."""
+    if not is_fp8(cache_dtype):
+        return x.to(cache_dtype)
+    limit = torch.finfo(cache_dtype).max
+    return x.float().clamp(-limit, limit).to(cache_dtype)
 
 
 def write_kv(
@@ -27,10 +48,13 @@ def write_kv(
     """Store ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into their slots."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_flat = k_cache.view(-1, k_cache.shape[-2], k_cache.shape[-1])
-    v_flat = v_cache.view(-1, v_cache.shape[-2], v_cache.shape[-1])
-    k_flat.index_copy_(0, slots, key[keep].to(k_cache.dtype))
-    v_flat.index_copy_(0, slots, value[keep].to(v_cache.dtype))
+    for rows, cache in ((key, k_cache), (value, v_cache)):
+        flat = cache.view(-1, cache.shape[-2], cache.shape[-1])
+        stored = quantize_kv(rows[keep], cache.dtype)
+        if is_fp8(cache.dtype):
+            # PyTorch's CPU index_copy_ has no float8 kernel; the bytes are the same.
+            flat, stored = flat.view(torch.uint8), stored.view(torch.uint8)
+        flat.index_copy_(0, slots, stored)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -52,7 +76,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of every query row over its sequence's paged K/V.
 
-    Computed in float32 whatever the cache dtype, so it can serve as the oracle.
+    Computed in float32 whatever the cache dtype, so it can serve as the oracle;
+    an fp8 cache is dequantized by the cast (scale 1.0).
     """
     num_heads = query.shape[1]
     num_kv_heads = k_cache.shape[2]

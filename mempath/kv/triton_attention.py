@@ -6,7 +6,9 @@ are tested against.
 
 Kernels
 -------
-- :func:`triton_write_kv` — scatter new K/V rows into their slots.
+- :func:`triton_write_kv` — scatter new K/V rows into their slots (quantized
+  to an fp8 cache as ``attention.quantize_kv`` does; the attention kernels
+  dequantize such a cache in registers).
 - :func:`triton_decode_attention` — one query row per sequence. A program owns
   one (sequence, KV head, split): it handles every query head of its KV head so
   each KV block is read once per KV head, and a long context is cut into splits
@@ -38,6 +40,8 @@ import os
 from typing import NamedTuple, Optional
 
 import torch
+
+from mempath.kv.attention import is_fp8
 
 try:
     import triton
@@ -216,6 +220,15 @@ if HAS_TRITON:
         return ((seq_len + num_splits - 1) // num_splits + TILE - 1) // TILE * TILE
 
     @triton.jit
+    def _to_cache(x, cache_dtype, KV_FP8_MAX: tl.constexpr):
+        """``x`` as ``quantize_kv`` stores it: for an fp8 cache (KV_FP8_MAX > 0) clamped to the
+        format's finite range, then rounded to nearest even; otherwise a plain cast."""
+        if KV_FP8_MAX > 0:
+            x = tl.minimum(tl.maximum(x.to(tl.float32), -KV_FP8_MAX), KV_FP8_MAX)
+            return x.to(cache_dtype, fp_downcast_rounding="rtne")
+        return x.to(cache_dtype)
+
+    @triton.jit
     def _write_kv_kernel(
         key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
         stride_kt, stride_kh, stride_kd,
@@ -224,7 +237,7 @@ if HAS_TRITON:
         stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d,
         num_kv_heads,
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        HEADS_PER_PROG: tl.constexpr, D_PAD: tl.constexpr, PDL: tl.constexpr,
+        HEADS_PER_PROG: tl.constexpr, D_PAD: tl.constexpr, KV_FP8_MAX: tl.constexpr, PDL: tl.constexpr,
     ):
         _pdl_wait(PDL)
         token = tl.program_id(0)
@@ -246,8 +259,8 @@ if HAS_TRITON:
                  + heads[:, None] * stride_kc_h + dims[None, :] * stride_kc_d)
         v_dst = (v_cache_ptr + block * stride_vc_blk + offset * stride_vc_off
                  + heads[:, None] * stride_vc_h + dims[None, :] * stride_vc_d)
-        tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(k_dst, _to_cache(k, k_cache_ptr.dtype.element_ty, KV_FP8_MAX), mask=mask)
+        tl.store(v_dst, _to_cache(v, v_cache_ptr.dtype.element_ty, KV_FP8_MAX), mask=mask)
 
     # Integers that vary with the batch are not specialised on (Triton would compile a
     # variant for == 1 and for multiples of 16): a new variant mid-serving costs a
@@ -266,7 +279,8 @@ if HAS_TRITON:
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-        SPLIT: tl.constexpr, PRECISION: tl.constexpr, VARLEN: tl.constexpr, PDL: tl.constexpr,
+        SPLIT: tl.constexpr, PRECISION: tl.constexpr, VARLEN: tl.constexpr, KV_FP8: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         _pdl_wait(PDL)
         seq = tl.program_id(0)
@@ -292,7 +306,8 @@ if HAS_TRITON:
         q = tl.load(q_ptr + q_row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
                     + dims[None, :] * stride_qd,
                     mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
-        q = q.to(k_cache_ptr.dtype.element_ty)
+        if not KV_FP8:
+            q = q.to(k_cache_ptr.dtype.element_ty)
 
         bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
         # Finite start value: rows padded past GROUP never produce inf - inf.
@@ -312,6 +327,7 @@ if HAS_TRITON:
             v = tl.load(v_cache_ptr + block[:, None] * stride_vc_blk + offset[:, None] * stride_vc_off
                         + kv_head * stride_vc_h + dims[None, :] * stride_vc_d,
                         mask=kv_mask, other=0.0)
+            k, v = k.to(q.dtype), v.to(q.dtype)  # fp8: dequantized here (scale 1.0); else no-op
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -381,7 +397,7 @@ if HAS_TRITON:
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        PRECISION: tl.constexpr, SKIP_DECODE: tl.constexpr, PDL: tl.constexpr,
+        PRECISION: tl.constexpr, SKIP_DECODE: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr,
     ):
         _pdl_wait(PDL)
         # The longest-running tiles (the last queries, which see the most keys)
@@ -415,7 +431,8 @@ if HAS_TRITON:
         q = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh
                     + dims[None, :] * stride_qd,
                     mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
-        q = q.to(k_cache_ptr.dtype.element_ty)
+        if not KV_FP8:
+            q = q.to(k_cache_ptr.dtype.element_ty)
         q_pos = context + tok
 
         bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -438,6 +455,7 @@ if HAS_TRITON:
             v = tl.load(v_cache_ptr + block[:, None] * stride_vc_blk + offset[:, None] * stride_vc_off
                         + kv_head * stride_vc_h + dims[None, :] * stride_vc_d,
                         mask=dim_mask[None, :], other=0.0)
+            k, v = k.to(q.dtype), v.to(q.dtype)  # fp8: dequantized here (scale 1.0); else no-op
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
@@ -460,6 +478,7 @@ if HAS_TRITON:
             v = tl.load(v_cache_ptr + block[:, None] * stride_vc_blk + offset[:, None] * stride_vc_off
                         + kv_head * stride_vc_h + dims[None, :] * stride_vc_d,
                         mask=kv_mask, other=0.0)
+            k, v = k.to(q.dtype), v.to(q.dtype)  # fp8: dequantized here (scale 1.0); else no-op
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
             s = tl.where(visible, s, float("-inf"))
@@ -474,6 +493,17 @@ if HAS_TRITON:
         tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh
                  + dims[None, :] * stride_od,
                  out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
+
+
+def kv_fp8_max(cache_dtype: torch.dtype) -> float:
+    """The ``KV_FP8_MAX`` constexpr of the KV-write kernels: the fp8 format's largest finite
+    value, 0.0 for a cache that is not fp8."""
+    return float(torch.finfo(cache_dtype).max) if is_fp8(cache_dtype) else 0.0
+
+
+def _compute_dtype(query: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
+    """What the attention kernels multiply in: the cache dtype, or the query's over an fp8 cache."""
+    return query.dtype if is_fp8(k_cache.dtype) else k_cache.dtype
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -512,7 +542,8 @@ def triton_write_kv(
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
         num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        HEADS_PER_PROG=heads_per_prog, D_PAD=d_pad, **pdl_options(key.device),
+        HEADS_PER_PROG=heads_per_prog, D_PAD=d_pad, KV_FP8_MAX=kv_fp8_max(k_cache.dtype),
+        **pdl_options(key.device),
         num_warps=4 if heads_per_prog * d_pad >= 1024 else 2,
     )
 
@@ -590,7 +621,8 @@ def triton_decode_attention(
         GROUP=group, GROUP_PAD=max(16, _next_pow2(group)),
         HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, TILE=DECODE_TILE,
-        SPLIT=split, PRECISION=_dot_precision(k_cache.dtype), VARLEN=varlen,
+        SPLIT=split, PRECISION=_dot_precision(_compute_dtype(query, k_cache)), VARLEN=varlen,
+        KV_FP8=is_fp8(k_cache.dtype),
         **pdl, num_warps=4, num_stages=_pipeline_stages(tile_bytes),
     )
     if split:
@@ -672,7 +704,7 @@ def triton_prefill_attention(
         return out
     group = num_heads // num_kv_heads
     group_pad = _next_pow2(group)
-    config = config or prefill_config(head_dim, k_cache.dtype)
+    config = config or prefill_config(head_dim, _compute_dtype(query, k_cache))
     # At least one query token per tile, whatever the group size.
     block_m = max(config.block_m, group_pad)
     num_q_tiles = triton.cdiv(max_query_len, block_m // group_pad)
@@ -688,7 +720,8 @@ def triton_prefill_attention(
         HEAD_DIM=head_dim, D_PAD=_next_pow2(head_dim),
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=config.block_n,
-        PRECISION=_dot_precision(k_cache.dtype), SKIP_DECODE=skip_decode,
+        PRECISION=_dot_precision(_compute_dtype(query, k_cache)), SKIP_DECODE=skip_decode,
+        KV_FP8=is_fp8(k_cache.dtype),
         **pdl_options(query.device),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -6,7 +6,7 @@ what is left per layer is mostly these kernels' count and memory traffic.
 """
 import torch
 
-from mempath.kv.triton_attention import pdl_options
+from mempath.kv.triton_attention import kv_fp8_max, pdl_options
 
 try:
     import triton
@@ -22,7 +22,7 @@ def _next_pow2(n: int) -> int:
 
 
 if HAS_TRITON:
-    from mempath.kv.triton_attention import _pdl_wait
+    from mempath.kv.triton_attention import _pdl_wait, _to_cache
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_res, stride_out, n_cols, eps,
@@ -68,9 +68,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _rotate_heads(src, stride_src, dst, stride_dst, n_heads, c, s, dtype,
-                      HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr):
+                      HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr,
+                      DST_FP8_MAX: tl.constexpr):
         """Rotate one token's heads from ``src`` into ``dst`` (may be the same rows), rounded
-        to the activation ``dtype`` and then stored in ``dst``'s dtype."""
+        to the activation ``dtype`` and then stored in ``dst``'s dtype (quantized as the KV
+        write does when ``dst`` is an fp8 cache)."""
         d = tl.arange(0, HALF_PAD)
         heads = tl.arange(0, HEADS_PAD)
         mask = (heads[:, None] < n_heads) & (d[None, :] < HALF)
@@ -79,15 +81,15 @@ if HAS_TRITON:
         x2 = tl.load(src_ptr + HALF, mask=mask, other=0.0).to(tl.float32)
         y1, y2 = _rotate(x1, x2, c, s, dtype)
         dst_ptr = dst + heads[:, None] * stride_dst + d[None, :]
-        tl.store(dst_ptr, y1.to(dst.dtype.element_ty), mask=mask)
-        tl.store(dst_ptr + HALF, y2.to(dst.dtype.element_ty), mask=mask)
+        tl.store(dst_ptr, _to_cache(y1, dst.dtype.element_ty, DST_FP8_MAX), mask=mask)
+        tl.store(dst_ptr + HALF, _to_cache(y2, dst.dtype.element_ty, DST_FP8_MAX), mask=mask)
 
     @triton.jit
     def _rope_store_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
                            stride_slot, num_q_heads, num_kv_heads,
                            HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr,
-                           KV_HEADS_PAD: tl.constexpr, PDL: tl.constexpr):
+                           KV_HEADS_PAD: tl.constexpr, KV_FP8_MAX: tl.constexpr, PDL: tl.constexpr):
         # One program per token: rotate its q heads in place, rotate its k heads into
         # the k cache and copy its v heads into the v cache (the rotated k is never
         # written back to the qkv buffer: only the cache reads it).
@@ -96,19 +98,19 @@ if HAS_TRITON:
         dtype = q_ptr.dtype.element_ty
         c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, t, stride_cos, dtype, HALF, HALF_PAD)
         q = q_ptr + t * stride_qt
-        _rotate_heads(q, stride_qh, q, stride_qh, num_q_heads, c, s, dtype, HALF, HALF_PAD, HEADS_PAD)
+        _rotate_heads(q, stride_qh, q, stride_qh, num_q_heads, c, s, dtype, HALF, HALF_PAD, HEADS_PAD, 0.0)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
             _rotate_heads(k_ptr + t * stride_kt, stride_kh, k_cache_ptr + slot * stride_slot, 2 * HALF,
-                          num_kv_heads, c, s, dtype, HALF, HALF_PAD, KV_HEADS_PAD)
+                          num_kv_heads, c, s, dtype, HALF, HALF_PAD, KV_HEADS_PAD, KV_FP8_MAX)
             d = tl.arange(0, HALF_PAD)
             heads = tl.arange(0, KV_HEADS_PAD)
             mask = (heads[:, None] < num_kv_heads) & (d[None, :] < HALF)
             cache_dtype = v_cache_ptr.dtype.element_ty
             vsrc = v_ptr + t * stride_vt + heads[:, None] * stride_vh + d[None, :]
             vdst = v_cache_ptr + slot * stride_slot + heads[:, None] * (2 * HALF) + d[None, :]
-            tl.store(vdst, tl.load(vsrc, mask=mask).to(cache_dtype), mask=mask)
-            tl.store(vdst + HALF, tl.load(vsrc + HALF, mask=mask).to(cache_dtype), mask=mask)
+            tl.store(vdst, _to_cache(tl.load(vsrc, mask=mask), cache_dtype, KV_FP8_MAX), mask=mask)
+            tl.store(vdst + HALF, _to_cache(tl.load(vsrc + HALF, mask=mask), cache_dtype, KV_FP8_MAX), mask=mask)
 
     @triton.jit
     def _rope_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
@@ -119,8 +121,8 @@ if HAS_TRITON:
         dtype = q_ptr.dtype.element_ty
         c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, t, stride_cos, dtype, HALF, HALF_PAD)
         q, k = q_ptr + t * stride_qt, k_ptr + t * stride_kt
-        _rotate_heads(q, stride_qh, q, stride_qh, num_q_heads, c, s, dtype, HALF, HALF_PAD, HEADS_PAD)
-        _rotate_heads(k, stride_kh, k, stride_kh, num_k_heads, c, s, dtype, HALF, HALF_PAD, HEADS_PAD)
+        _rotate_heads(q, stride_qh, q, stride_qh, num_q_heads, c, s, dtype, HALF, HALF_PAD, HEADS_PAD, 0.0)
+        _rotate_heads(k, stride_kh, k, stride_kh, num_k_heads, c, s, dtype, HALF, HALF_PAD, HEADS_PAD, 0.0)
 
     @triton.jit
     def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr,
@@ -183,7 +185,8 @@ def triton_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: 
 def triton_rope_and_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           slot_mapping: torch.Tensor) -> None:
-    """Fused twin of ``ops.rope_and_store_torch``: q rotated in place, rotated k and v in their slots.
+    """Fused twin of ``ops.rope_and_store_torch``: q rotated in place, rotated k and v in their slots
+    (quantized as ``attention.quantize_kv`` does for an fp8 cache).
 
     One launch where rotary + KV write took two: at batch 1 these kernels last a
     few microseconds each, so the launch, not the bytes, is the cost.
@@ -204,7 +207,8 @@ def triton_rope_and_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Ten
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         num_kv_heads * head_dim, num_q_heads, num_kv_heads,
         HALF=half, HALF_PAD=_next_pow2(half), HEADS_PAD=_next_pow2(num_q_heads),
-        KV_HEADS_PAD=_next_pow2(num_kv_heads), **pdl_options(q.device), num_warps=4,
+        KV_HEADS_PAD=_next_pow2(num_kv_heads), KV_FP8_MAX=kv_fp8_max(k_cache.dtype),
+        **pdl_options(q.device), num_warps=4,
         enable_fp_fusion=False)
 
 
