@@ -591,7 +591,7 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
                 block_size: int = DEFAULT_BLOCK_SIZE, cuda_graphs: bool = True,
                 fused_kernels: bool = True, context_bytes: int = 0,
                 cublas_workspace: int = CUBLAS_WORKSPACE_BYTES_SM90, train: bool = False,
-                optimizer: str = "adamw-fp32",
+                optimizer: str = "adamw-fp32", kv_cache_dtype: str = "auto",
                 micro_batch: int = 1, seq_len: int | None = None, checkpointing: str = "none",
                 checkpoint_layers=(), lora_rank: int = 0,
                 lora_targets=("q_proj", "v_proj")) -> MemoryPlan:
@@ -627,7 +627,10 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
                     max_num_batched_tokens, block_size, context_bytes)
 
     params = count_params(shape)
-    per_token = kv_bytes_per_token(shape, b)
+    if kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
+        raise ValueError(f"kv_cache_dtype must be auto, fp8, fp8_e4m3 or fp8_e5m2, got {kv_cache_dtype!r}")
+    # EngineConfig.kv_cache_dtype: an fp8 cache holds one byte per element whatever the model dtype.
+    per_token = kv_bytes_per_token(shape, b if kv_cache_dtype == "auto" else 1)
     per_block = per_token * block_size
     blocks_per_seq = -(-max_model_len // block_size)
     rows = min(max_num_seqs, max_num_batched_tokens)
