@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from mempath.config import EngineConfig
+from mempath.config import KV_CACHE_DTYPES, EngineConfig
 from mempath.memory.oom import MempathOutOfMemoryError
 
 
@@ -50,13 +50,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser, model_flag: bool = Tru
     parser.add_argument("--preemption-mode", default=d.preemption_mode, choices=("auto", "recompute", "swap"))
     parser.add_argument("--cpu-kv-cache-bytes", type=int, default=d.cpu_kv_cache_bytes,
                         help="KV cache bytes when the device is the CPU")
+    parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=("auto", *KV_CACHE_DTYPES),
+                        help="auto: the model dtype; fp8 (= fp8_e4m3) or fp8_e5m2: one byte per element")
 
 
 def engine_options(args) -> dict:
     keys = ("dtype", "device", "seed", "block_size", "max_model_len", "max_num_seqs",
             "max_num_batched_tokens", "gpu_memory_utilization", "num_gpu_blocks_override",
             "enable_prefix_caching", "enforce_eager", "cpu_kv_gb", "disk_kv_path", "disk_kv_gb",
-            "disk_write_policy", "preemption_mode", "cpu_kv_cache_bytes", "load_format", "async_scheduling")
+            "disk_write_policy", "preemption_mode", "cpu_kv_cache_bytes", "load_format", "async_scheduling",
+            "kv_cache_dtype")
     return {k: getattr(args, k) for k in keys}
 
 

@@ -274,6 +274,17 @@ def greedy(n):
 PROMPTS = [[1 + (11 * p + 5 * i) % 300 for i in range(8 + 5 * p)] for p in range(6)]
 
 
+def test_cli_passes_kv_cache_dtype_and_refuses_others(capsys):
+    from mempath.cli import build_parser, engine_options
+    args = build_parser().parse_args(["generate", "hello", "--kv-cache-dtype", "fp8_e5m2"])
+    assert engine_options(args)["kv_cache_dtype"] == "fp8_e5m2"
+    assert engine_options(build_parser().parse_args(["generate", "hello"]))["kv_cache_dtype"] == "auto"
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["generate", "hello", "--kv-cache-dtype", "int8"])
+    assert exit_info.value.code == 2
+    assert "--kv-cache-dtype: invalid choice: 'int8'" in capsys.readouterr().err
+
+
 def test_bad_kv_cache_dtype_is_one_line():
     with pytest.raises(ValueError, match=r"kv_cache_dtype must be auto, fp8, fp8_e4m3, fp8_e5m2, got 'int8'"):
         EngineConfig(model="x", kv_cache_dtype="int8")
