@@ -118,6 +118,16 @@ def test_a_loopback_server_answers_loopback_host_names(server, host):
     assert response.status_code == 200, response.text
 
 
+@pytest.mark.parametrize("host, loopback", [
+    ("localhost", True), ("a.b.localhost:1", True), ("127.9.9.9", True), ("[::1]", True),
+    (None, False), ("", False), ("[::1", False), (":8000", False), ("localhost.example", False),
+    ("[::ffff:127.0.0.1]", False),  # an IPv4-mapped address: not what a loopback bind listens on
+])
+def test_loopback_names(host, loopback):
+    from mempath.server.guards import is_loopback_name
+    assert is_loopback_name(host) is loopback
+
+
 @pytest.mark.parametrize("bind_host", [None, "0.0.0.0", "192.168.1.10"])
 def test_a_server_bound_elsewhere_takes_any_host(server, bind_host):
     app = build_app(server.app.state.engine_client, "tiny", bind_host=bind_host)
@@ -208,6 +218,7 @@ def test_a_padded_token_still_matches_a_clean_key(server):
     (["--allowed-origins", "ftp://files.example"], "--allowed-origins"),
     (["--allowed-origins", "http://app.example/path"], "--allowed-origins"),
     (["--allowed-origins", "[1, 2]"], "--allowed-origins"),
+    (["--allowed-origins", "[nope"], "not a valid JSON list"),
     (["--model", "a", "b"], "either as --model or as the first argument"),
 ])
 def test_serve_flags_that_cannot_work_are_one_line(flags, says, capsys):
