@@ -351,13 +351,17 @@ def test_disk_tier_never_serves_blocks_of_another_kv_dtype(model_factory, tmp_pa
         for filler in fillers:  # push the prompt's blocks out of the 8 device blocks, to the tiers
             llm.generate(filler, greedy(4), use_tqdm=False)
         llm.engine.kv.tiers.close()  # its writes land before the next engine opens the directory
+        tokens[kv].append(out.token_ids)
         return out.num_cached_tokens, hits
 
+    tokens = {kv: [] for kv in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")}
     assert run("auto") == (0, 0)
     assert run("fp8") == (0, 0)  # the float32 blocks on disk are not this cache's
     assert run("fp8_e5m2") == (0, 0)  # nor the e4m3 ones
     assert run("fp8_e4m3") == (32, 2)  # fp8 is e4m3: its blocks are found
     assert run("auto") == (32, 2)
+    # The fp8 bytes came back through the host tier unchanged: the same continuation.
+    assert tokens["fp8_e4m3"] == tokens["fp8"] and tokens["auto"][0] == tokens["auto"][1]
 
 
 @cuda
