@@ -18,15 +18,20 @@ CONFIGS = Path(__file__).parent / "data" / "configs"
 GiB = 1 << 30
 
 
+PROGRESS: list[str] = []
+
+
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
+    pytest.importorskip("matplotlib", reason="the HTML report plots with matplotlib (a dependency)")
     from tests.conftest import make_model
     model_dir = tmp_path_factory.mktemp("diag-model")
     make_model(model_dir, "qwen3")  # tied embeddings and q/k norms: the awkward weight groups
     out = tmp_path_factory.mktemp("diag-out")
     torch.set_num_threads(2)
     return diagnose(str(model_dir), device="cpu", train=True, probe_tokens=64, probe_seqs=4,
-                    leak_requests=4, out_dir=out, cpu_kv_cache_bytes=4 << 20, max_model_len=256)
+                    leak_requests=4, out_dir=out, cpu_kv_cache_bytes=4 << 20, max_model_len=256,
+                    progress=PROGRESS.append)
 
 
 def test_json_has_every_pathway_with_predicted_measured_error(report):
@@ -69,12 +74,92 @@ def test_json_side_figures(report):
     assert {"load weights", "decoder forward", "kv growth (generation)"} <= stages
 
 
+def chart_texts(html_text: str, chart: str) -> list[str]:
+    """The text elements (ticks, axis labels, legend) of one chart of the report."""
+    figure = re.search(rf'<figure class="chart" id="{chart}">(.*?)</figure>', html_text, re.S)
+    assert figure, chart
+    return [t.strip() for t in re.findall(r"<text[^>]*>([^<]+)</text>", figure.group(1))]
+
+
 def test_html_has_the_plots(report):
     text = Path(report["files"]["html"]).read_text()
     assert text.startswith("<!doctype html>")
-    assert '<svg class="timeline"' in text and '<svg class="bars"' in text
-    assert "http://" not in text.replace("http://www.w3.org/2000/svg", "")  # nothing fetched
+    assert "<script" not in text and not re.search(r"(src|href)=\"https?:", text)  # nothing fetched
     assert "decoder forward peak" in text
+
+
+@pytest.mark.parametrize("chart, axis_labels", [
+    ("pathways", ["bytes (log scale", "error (% of predicted"]),
+    ("timeline", ["time (s)", "live tensor bytes ("]),
+    ("kv-growth", ["engine step", "KV cache in use ("]),
+    ("leak", ["request", "allocated − request 2 ("]),
+])
+def test_each_chart_has_one_scale_with_ticks_and_units(report, chart, axis_labels):
+    texts = chart_texts(Path(report["files"]["html"]).read_text(), chart)
+    for label in axis_labels:
+        assert any(label in t for t in texts), (label, texts)
+    numbers = [t for t in texts if re.fullmatch(r"[\u2212-]?[0-9.]+( ?[KMGT]?i?B)?", t)]
+    assert len(numbers) >= 4, texts  # ticks on both axes
+
+
+def test_leak_chart_is_scaled_to_the_change_after_warm_up():
+    """A 4 KiB-per-request leak on 1 GiB must not be drawn as a flat line at 1 GiB."""
+    from mempath.memory.report import leak_svg
+    base = 1 << 30
+    leak = {"allocated_after_each": [base - (5 << 20), base, base + 4096, base + 8192, base + 12288],
+            "slope_bytes_per_request": 4096.0, "verdict": "leak"}
+    texts = [t.strip() for t in re.findall(r"<text[^>]*>([^<]+)</text>", leak_svg(leak))]
+    assert any("KiB" in t and "allocated" in t for t in texts), texts
+    assert not any("GiB" in t for t in texts), texts
+    assert any("warm-up" in t for t in texts), texts  # request 1, off the scale, is labelled
+
+
+def test_negative_figures_are_explained(report):
+    from mempath.memory.report import summary_lines
+    negative = {**report, "outside_torch": {**report["outside_torch"], "outside_torch": -707 << 20}}
+    line = next(line for line in summary_lines(negative) if line.startswith("outside PyTorch"))
+    assert "-707.00 MiB" in line and "negative" in line and "not resident" in line, line
+    rows = {r["pathway"]: r for r in report["pathways"]}
+    assert "estimate" in rows["train.activations"]["detail"], rows["train.activations"]
+    text = Path(report["files"]["html"]).read_text()
+    assert "negative: less was measured than planned" in text
+    assert "negative: the stage freed more than it kept" in text
+
+
+def test_progress_is_reported_stage_by_stage(report):
+    stages = [s["name"] for s in report["stages"]]
+    for name in stages:
+        assert any(name in line for line in PROGRESS), (name, PROGRESS)
+    order = [next(i for i, line in enumerate(PROGRESS) if name in line) for name in stages]
+    assert order == sorted(order)
+
+
+def test_the_command_prints_progress_to_stderr(report, capsys, monkeypatch):
+    """`mempath diagnose` hands diagnose() a progress printer (the run itself is the fixture's)."""
+    import mempath.memory.diagnose as diagnose_module
+    from mempath.cli import main
+
+    def replay(model_dir, progress=None, **kwargs):
+        for line in PROGRESS:
+            progress(line)
+        return report
+
+    monkeypatch.setattr(diagnose_module, "diagnose", replay)
+    assert main(["diagnose", "some-model", "--device", "cpu"]) == 0
+    captured = capsys.readouterr()
+    for stage in ("load weights", "decoder forward", "kv growth (generation)", "leak check"):
+        assert re.search(rf"^mempath diagnose: +[0-9.]+ s +{re.escape(stage)}$", captured.err, re.M), captured.err
+    assert not re.search(r"^mempath diagnose: +[0-9.]+ s ", captured.out, re.M)  # stdout: the table only
+
+
+def test_without_matplotlib_diagnose_says_how_to_get_it_before_measuring(tmp_path, monkeypatch, model_factory):
+    import sys
+    path, _ = model_factory("llama")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(ValueError, match="pip install matplotlib"):
+        diagnose(path, device="cpu", out_dir=tmp_path / "r", cpu_kv_cache_bytes=1 << 20, max_model_len=128)
+    assert not (tmp_path / "r").exists()
 
 
 def test_terminal_table(report):

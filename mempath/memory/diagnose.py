@@ -34,6 +34,7 @@ import weakref
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -190,11 +191,16 @@ class StageRecord:
 
 
 class Recorder:
-    """Stage deltas plus a timeline sampled by a background thread."""
+    """Stage deltas plus a timeline sampled by a background thread.
 
-    def __init__(self, meter, interval: float = 0.002):
+    progress, if given, receives one line as each stage starts: a run takes minutes on
+    a CPU, and a silent one looks hung.
+    """
+
+    def __init__(self, meter, interval: float = 0.002, progress: Callable[[str], None] | None = None):
         self.meter = meter
         self.interval = interval
+        self.progress = progress
         self.stages: list[StageRecord] = []
         self.samples: list[tuple[float, int, int, str]] = []  # (t, device bytes, host rss_anon, stage)
         self.current: str = "idle"
@@ -231,6 +237,8 @@ class Recorder:
             yield
             return
         self._stage_open = True
+        if self.progress is not None:
+            self.progress(f"mempath diagnose: {self.now():6.1f} s  {name}")
         self.meter.sync()
         start, host_start, t_start = self.meter.allocated(), read_host_memory()["rss_anon"], self.now()
         self.meter.reset_peak()
@@ -641,11 +649,12 @@ def diagnose(model_dir: str, *, device: str = "auto", dtype: str = "auto", train
              probe_tokens: int = 2048, probe_seqs: int = 8, leak_requests: int = 8,
              growth_requests: int = 4, out_dir: str | os.PathLike | None = "mempath-diagnose",
              snapshot: bool = False, bandwidth_bytes: int = 256 * MiB, show_progress: bool = False,
-             **engine_options) -> dict:
+             progress: Callable[[str], None] | None = None, **engine_options) -> dict:
     """Build the engine on `device`, run the probe workload, and return the report dict.
 
     With out_dir, diagnose.json and diagnose.html (and memory_snapshot.pickle with
     snapshot=True on CUDA) are written there and their paths recorded under "files".
+    progress receives one line per stage as it starts.
     """
     from mempath.config import EngineConfig
     from mempath.engine.engine import LLMEngine
@@ -654,9 +663,11 @@ def diagnose(model_dir: str, *, device: str = "auto", dtype: str = "auto", train
     config = EngineConfig.from_kwargs(model_dir, device=_indexed(device), dtype=dtype, **engine_options)
     torch_device = config.torch_device()
     meter = CudaMeter(torch_device) if torch_device.type == "cuda" else CpuMeter()
-    recorder = Recorder(meter)
+    recorder = Recorder(meter, progress=progress)
     # The link is measured first, alone: measured at the end, inside the memory-history
     # recording, the H200's pinned host->device rate read 29.6 GB/s instead of ~54.
+    if progress is not None and torch_device.type == "cuda":
+        progress(f"mempath diagnose: {recorder.now():6.1f} s  host<->device bandwidth")
     bandwidth = measure_bandwidth(torch_device, bandwidth_bytes)
     if snapshot and torch_device.type == "cuda":
         torch.cuda.memory._record_memory_history(max_entries=200_000)
@@ -666,6 +677,9 @@ def diagnose(model_dir: str, *, device: str = "auto", dtype: str = "auto", train
         with meter.active():
             with observe_engine_stages(recorder):
                 engine = LLMEngine(config, show_progress=show_progress)
+            if out_dir is not None:  # after the load (a broken model is refused first), before measuring
+                from mempath.memory.report import require_plotting
+                require_plotting()
             dtype_name = engine.dtype_name
             gpu_mem = detect_gpu_mem() if torch_device.type == "cuda" else None
             fused = engine.runner.use_triton  # which elementwise path the forward takes
@@ -736,6 +750,8 @@ def diagnose(model_dir: str, *, device: str = "auto", dtype: str = "auto", train
         "files": {},
     }
     if out_dir is not None:
+        if progress is not None:
+            progress(f"mempath diagnose: {recorder.now():6.1f} s  writing the report to {out_dir}")
         _write_outputs(report, Path(out_dir), snapshot and torch_device.type == "cuda")
     return report
 
@@ -821,7 +837,10 @@ def _train_rows(plan, training: dict, meter) -> list[Row]:
             f"tensor bytes of the state: {format_bytes(training['optimizer_state_tensor_bytes'])}"),
         Row("train.activations", plan.train_activation_bytes + plan.train_logits_bytes,
             training["activations"], f"plan: train_activation_bytes + train_logits_bytes at "
-            f"seq-len {plan.seq_len}", f"{meter.source} across the forward (kept for the backward)"),
+            f"seq-len {plan.seq_len}", f"{meter.source} across the forward (kept for the backward)",
+            "the plan's figure is an estimate: Korthikanti et al.'s bytes for a 16-bit GPT layer with "
+            "dropout masks and the attention score matrix, not a count of this model's saved tensors; "
+            "negative: the model kept less than that"),
     ]
 
 
@@ -913,7 +932,8 @@ def run_diagnose(args: argparse.Namespace) -> int:
         report = diagnose(args.model, device=device, dtype=dtype, train=args.train,
                           probe_tokens=args.probe_tokens, probe_seqs=args.probe_seqs,
                           leak_requests=args.leak_requests, out_dir=args.out_dir,
-                          snapshot=args.snapshot, show_progress=True, **options)
+                          snapshot=args.snapshot, show_progress=True,
+                          progress=lambda line: print(line, file=sys.stderr, flush=True), **options)
     except MempathOutOfMemoryError as error:
         print(f"mempath diagnose: {error}", file=sys.stderr)
         return 3

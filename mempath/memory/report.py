@@ -1,8 +1,10 @@
 """Rendering a `mempath diagnose` report: terminal table, JSON file, self-contained HTML.
 
-The HTML has no scripts and loads nothing from the network: its plots are inline
-SVG drawn here (a memory timeline coloured by stage, predicted-vs-measured bars,
-KV growth per step, allocated bytes per leak-check request).
+The HTML has no scripts and loads nothing from the network: its charts are inline SVG
+drawn with matplotlib (imported only here, when a report is written), each with one
+scale, ticks and units: predicted-vs-measured bytes and error per pathway, a memory
+timeline coloured by stage, KV growth per step, and allocated bytes per leak-check
+request scaled to their change.
 """
 from __future__ import annotations
 
@@ -67,7 +69,12 @@ def summary_lines(report: dict) -> list[str]:
     else:
         lines.append(f"fragmentation: {frag['reason']}")
     out = report["outside_torch"]
-    lines.append(f"outside PyTorch: {_size(out['outside_torch'])} ({out['source']})")
+    line = f"outside PyTorch: {_size(out['outside_torch'])} ({out['source']})"
+    if out["outside_torch"] < 0:
+        line += ("; negative: tensors allocated but never written (most of a fresh KV cache) are counted as "
+                 "tensor bytes but are not resident, so they are not in RssAnon" if report["device"]["type"] == "cpu"
+                 else "; negative: the driver reports less in use than PyTorch has reserved")
+    lines.append(line)
     leak = report["leak"]
     lines.append(f"leak check ({leak['requests']} identical requests): {leak['verdict']}; slope "
                  f"{leak['slope_bytes_per_request']:+.0f} B/request, KV blocks in use after: "
@@ -101,39 +108,114 @@ def write_json(report: dict, path: str | Path) -> None:
     Path(path).write_text(json.dumps(report, indent=2, default=str) + "\n")
 
 
-# ---------------------------------------------------------------- SVG plots
+# ---------------------------------------------------------------- charts
+
+def _figure_class():
+    """matplotlib's Figure, imported on first use: only the HTML report draws."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as error:
+        raise ValueError(f"the HTML report plots with matplotlib, which cannot be imported ({error}): "
+                         f"pip install matplotlib") from None
+    return Figure
+
+
+def require_plotting() -> None:
+    """Raise the one-line ValueError now if the charts could not be drawn later."""
+    _figure_class()
+
+
+_UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
+
+
+def byte_unit(largest: float) -> tuple[str, int]:
+    """The binary unit that keeps `largest` at 1 or more: one unit per axis."""
+    for name, size in _UNITS:
+        if abs(largest) >= size:
+            return name, size
+    return "B", 1
+
 
 def _axis_bytes(value: float) -> str:
-    return format_bytes(value).replace(".00 ", " ")
+    name, size = byte_unit(value)
+    return f"{value / size:g} {name}"
 
 
-def timeline_svg(samples: list[list], stage_pathways: dict[str, str], width: int = 900,
-                 height: int = 260) -> str:
-    """Device bytes over time; each segment and background band coloured by its stage's pathway."""
+def _svg(figure) -> str:
+    """The figure as an inline <svg> element: text kept as text, no file header or metadata."""
+    import io
+
+    import matplotlib
+    buffer = io.StringIO()
+    with matplotlib.rc_context({"svg.fonttype": "none", "font.size": 9}):
+        figure.savefig(buffer, format="svg", bbox_inches="tight",  # labels are never clipped
+                       metadata={"Creator": None, "Date": None, "Format": None, "Type": None})
+    text = buffer.getvalue()
+    return text[text.index("<svg"):]
+
+
+def _chart(name: str, svg: str, caption: str) -> str:
+    return f'<figure class="chart" id="{name}">{svg}<figcaption>{caption}</figcaption></figure>'
+
+
+def pathways_svg(rows: list[dict]) -> str:
+    """Predicted and measured bytes per pathway on one log axis, and the error on one % axis."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+    rows = [r for r in rows if r["predicted"] is not None or r["measured"] is not None]
+    figure = _figure_class()(figsize=(9.5, 0.3 * len(rows) + 1.0))
+    sizes, errors = figure.subplots(1, 2, sharey=True, gridspec_kw={"width_ratios": [3, 1.3], "wspace": 0.04})
+    positive = [v for r in rows for v in (r["predicted"], r["measured"]) if v is not None and v > 0] or [1]
+    for i, r in enumerate(rows):
+        for offset, key, fill in ((-0.2, "predicted", "#bab0ac"), (0.2, "measured", colour(_row_pathway(r["pathway"])))):
+            if r[key] is not None and r[key] > 0:
+                sizes.barh(i + offset, r[key], height=0.38, color=fill)
+        if r["error_pct"] is not None:
+            shade = "#b00" if abs(r["error_pct"]) > 10 else "#666"
+            errors.barh(i, r["error_pct"], height=0.6, color=shade, alpha=0.6)
+            errors.plot([r["error_pct"]], [i], marker="|", ms=9, mew=2, color=shade)  # 0% shows too
+        else:
+            errors.text(0, i, "no prediction" if r["predicted"] is None else "predicted 0", va="center",
+                        ha="center", fontsize=7, color="#666")
+    low, high = max(1, min(positive) // 2), max(positive) * 2
+    sizes.set_xscale("log", base=2)
+    sizes.set_xlim(low, high)
+    # Ticks at powers of 32 (1 B, 32 B, 1 KiB, 32 KiB, ...): each is a whole number in its unit.
+    ticks = [2 ** k for k in range(0, 64, 5) if low <= 2 ** k <= high]
+    sizes.xaxis.set_major_locator(FixedLocator(ticks))
+    sizes.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _axis_bytes(v)))
+    sizes.xaxis.set_minor_formatter(NullFormatter())
+    sizes.set_xlabel("bytes (log scale): grey predicted, coloured measured")
+    sizes.set_yticks(range(len(rows)), [r["pathway"] for r in rows])
+    sizes.invert_yaxis()
+    sizes.grid(axis="x", alpha=0.3)
+    worst = max([abs(r["error_pct"]) for r in rows if r["error_pct"] is not None] + [5.0])
+    errors.set_xlim(-worst * 1.15, worst * 1.15)
+    errors.axvline(0, color="#333", lw=0.8)
+    errors.set_xlabel("error (% of predicted)")
+    errors.grid(axis="x", alpha=0.3)
+    return _svg(figure)
+
+
+def timeline_svg(samples: list[list], stage_pathways: dict[str, str]) -> str:
+    """Device bytes over time; the background of each stage takes its pathway's colour."""
+    from matplotlib.patches import Patch
     if len(samples) < 2:
         return "<p>(too few samples for a timeline)</p>"
-    left, right, top, bottom = 70, 10, 10, 30
-    t_max = max(s[0] for s in samples) or 1.0
-    y_max = max(s[1] for s in samples) or 1
-    x = lambda t: left + (width - left - right) * t / t_max  # noqa: E731
-    y = lambda v: top + (height - top - bottom) * (1 - v / y_max)  # noqa: E731
-    parts = [f'<svg class="timeline" xmlns="http://www.w3.org/2000/svg" width="{width}" '
-             f'height="{height}" viewBox="0 0 {width} {height}">']
+    unit, size = byte_unit(max(s[1] for s in samples))
+    figure = _figure_class()(figsize=(9.5, 3.0))
+    axes = figure.subplots()
     for start, end, stage in _stage_spans(samples):
-        parts.append(f'<rect x="{x(start):.1f}" y="{top}" width="{max(1.0, x(end) - x(start)):.1f}" '
-                     f'height="{height - top - bottom}" fill="{colour(stage_pathways.get(stage, "idle"))}" '
-                     f'opacity="0.15"><title>{html.escape(stage)}</title></rect>')
-    for a, b in zip(samples, samples[1:]):
-        parts.append(f'<line x1="{x(a[0]):.1f}" y1="{y(a[1]):.1f}" x2="{x(b[0]):.1f}" y2="{y(b[1]):.1f}" '
-                     f'stroke="{colour(stage_pathways.get(b[3], "idle"))}" stroke-width="2"/>')
-    for frac in (0, 0.5, 1):
-        parts.append(f'<text x="{left - 4}" y="{y(y_max * frac) + 4:.1f}" text-anchor="end" '
-                     f'font-size="10">{_axis_bytes(y_max * frac)}</text>')
-    parts.append(f'<text x="{left}" y="{height - 8}" font-size="10">0 s</text>')
-    parts.append(f'<text x="{width - right}" y="{height - 8}" font-size="10" text-anchor="end">'
-                 f'{t_max:.2f} s</text>')
-    parts.append("</svg>")
-    return "".join(parts)
+        axes.axvspan(start, end, color=colour(stage_pathways.get(stage, "idle")), alpha=0.25, lw=0)
+    axes.plot([s[0] for s in samples], [s[1] / size for s in samples], color="#333", lw=1.2)
+    axes.set_xlim(0, samples[-1][0])
+    axes.set_ylim(bottom=0)
+    axes.set_xlabel("time (s)")
+    axes.set_ylabel(f"live tensor bytes ({unit})")
+    axes.grid(alpha=0.3)
+    pathways = dict.fromkeys(stage_pathways.get(s[2], "idle") for s in _stage_spans(samples))
+    axes.legend(handles=[Patch(color=colour(p), alpha=0.4, label=p) for p in pathways], fontsize=8,
+                loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    return _svg(figure)
 
 
 def _stage_spans(samples):
@@ -146,34 +228,59 @@ def _stage_spans(samples):
     return [span for span in spans if span[2] != "idle"]
 
 
-def bars_svg(rows: list[dict], width: int = 900) -> str:
-    """Predicted (grey) and measured (coloured) bars per pathway, each row on its own scale.
+def kv_growth_svg(growth: list[dict]) -> str:
+    """KV bytes in use after every engine step: the blocks the tokens need against the blocks held."""
+    unit, size = byte_unit(max(max(s["measured_bytes"], s["predicted_bytes"]) for s in growth))
+    figure = _figure_class()(figsize=(9.5, 2.6))
+    axes = figure.subplots()
+    steps = [s["step"] for s in growth]
+    axes.plot(steps, [s["measured_bytes"] / size for s in growth], color=colour("kv_cache"), lw=3,
+              label="measured: blocks in use")
+    axes.plot(steps, [s["predicted_bytes"] / size for s in growth], color="#333", lw=1, ls="--",
+              label="predicted: blocks the tokens need")
+    axes.set_ylim(bottom=0)
+    axes.set_xlabel("engine step")
+    axes.set_ylabel(f"KV cache in use ({unit})")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    return _svg(figure)
 
-    Pathways span bytes to gigabytes, so one shared axis would flatten most rows; the
-    numbers and the error are printed beside each pair instead.
+
+def leak_svg(leak: dict) -> str:
+    """Allocated bytes after each request relative to the first after warm-up, scaled to the change.
+
+    Drawn from 0 a leak of kilobytes on gigabytes is a flat line; relative to request 2 and
+    scaled by requests 2.. (the ones the slope is fitted on) it is a visible ramp.
     """
-    rows = [r for r in rows if r["predicted"] is not None or r["measured"] is not None]
-    label_w, bar_w, row_h = 260, 380, 34
-    height = row_h * len(rows) + 10
-    parts = [f'<svg class="bars" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-             f'viewBox="0 0 {width} {height}">']
-    for i, r in enumerate(rows):
-        top = 5 + i * row_h
-        scale = max(r["predicted"] or 0, r["measured"] or 0, 1)
-        pathway = _row_pathway(r["pathway"])
-        parts.append(f'<text x="{label_w - 6}" y="{top + 18}" text-anchor="end" font-size="12">'
-                     f'{html.escape(r["pathway"])}</text>')
-        for j, (key, fill) in enumerate((("predicted", "#bab0ac"), ("measured", colour(pathway)))):
-            value = r[key]
-            w = 0 if value is None else bar_w * max(value, 0) / scale
-            parts.append(f'<rect x="{label_w}" y="{top + 2 + j * 14}" width="{w:.1f}" height="12" '
-                         f'fill="{fill}"><title>{key}: {_size(value)}</title></rect>')
-        parts.append(f'<text x="{label_w + bar_w + 8}" y="{top + 12}" font-size="11">predicted '
-                     f'{_size(r["predicted"])}</text>')
-        parts.append(f'<text x="{label_w + bar_w + 8}" y="{top + 26}" font-size="11">measured '
-                     f'{_size(r["measured"])} ({_error(r["error_pct"])})</text>')
-    parts.append("</svg>")
-    return "".join(parts)
+    after = leak["allocated_after_each"]
+    if len(after) < 2:
+        return "<p>(one request: nothing to compare)</p>"
+    base = after[1]
+    change = [a - base for a in after]
+    fitted = change[1:]
+    unit, size = byte_unit(max([abs(c) for c in fitted] + [1024]))
+    limit = max(max(abs(c) for c in fitted) * 1.3, 1024) / size
+    figure = _figure_class()(figsize=(9.5, 3.0))
+    axes = figure.subplots()
+    requests = list(range(1, len(after) + 1))
+    axes.plot(requests[1:], [c / size for c in fitted], color=colour("leak"), marker="o", lw=1.5,
+              label="after warm-up (slope fitted)")
+    warm_up = change[0] / size
+    if abs(warm_up) <= limit:
+        axes.plot([1], [warm_up], marker="o", mfc="none", color=colour("leak"), ls="none", label="warm-up")
+    else:  # off the scale: say where it is instead of flattening the rest
+        axes.annotate(f"request 1 (warm-up): {'+' if change[0] > 0 else ''}{format_bytes(change[0])}, off the scale",
+                      xy=(1, limit if warm_up > 0 else -limit),
+                      xytext=(4, -12 if warm_up > 0 else 4), textcoords="offset points", fontsize=8)
+    axes.axhline(0, color="#333", lw=0.8)
+    axes.set_ylim(-limit, limit)
+    axes.set_xlim(0.5, len(after) + 0.5)
+    axes.set_xticks(requests)
+    axes.set_xlabel("request")
+    axes.set_ylabel(f"allocated − request 2 ({unit})")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    return _svg(figure)
 
 
 def _row_pathway(name: str) -> str:
@@ -191,35 +298,6 @@ def _row_pathway(name: str) -> str:
     return "activation_peak"
 
 
-def lines_svg(series: dict[str, list[tuple[float, float]]], colours: dict[str, str], x_label: str,
-              width: int = 900, height: int = 220) -> str:
-    """A small line chart of byte series against a step count."""
-    points = [p for values in series.values() for p in values]
-    if not points:
-        return "<p>(no data)</p>"
-    left, right, top, bottom = 70, 130, 10, 30
-    x_max = max(p[0] for p in points) or 1
-    y_max = max(p[1] for p in points) or 1
-    y_min = min(0, min(p[1] for p in points))
-    x = lambda v: left + (width - left - right) * v / x_max  # noqa: E731
-    y = lambda v: top + (height - top - bottom) * (1 - (v - y_min) / ((y_max - y_min) or 1))  # noqa: E731
-    parts = [f'<svg class="lines" xmlns="http://www.w3.org/2000/svg" width="{width}" '
-             f'height="{height}" viewBox="0 0 {width} {height}">']
-    for k, (name, values) in enumerate(series.items()):
-        path = " ".join(f"{x(a):.1f},{y(b):.1f}" for a, b in values)
-        dash = ' stroke-dasharray="5,3"' if k else ""
-        parts.append(f'<polyline points="{path}" fill="none" stroke="{colours[name]}" '
-                     f'stroke-width="2"{dash}/>')
-        parts.append(f'<text x="{width - right + 8}" y="{top + 14 + 16 * k}" font-size="11" '
-                     f'fill="{colours[name]}">{html.escape(name)}</text>')
-    for value in (y_min, y_max):
-        parts.append(f'<text x="{left - 4}" y="{y(value) + 4:.1f}" text-anchor="end" '
-                     f'font-size="10">{_axis_bytes(value)}</text>')
-    parts.append(f'<text x="{(width - right) // 2}" y="{height - 8}" font-size="10">{x_label}</text>')
-    parts.append("</svg>")
-    return "".join(parts)
-
-
 # ---------------------------------------------------------------- HTML
 
 _STYLE = """
@@ -228,8 +306,8 @@ table { border-collapse: collapse; font-size: 13px; }
 td, th { border-bottom: 1px solid #ddd; padding: 3px 8px; text-align: left; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
 .bad { color: #b00; } .ok { color: #060; }
-.legend span { display: inline-block; margin-right: 12px; font-size: 12px; }
-.legend i { display: inline-block; width: 10px; height: 10px; margin-right: 4px; }
+figure.chart { margin: 1em 0; } figure.chart svg { max-width: 100%; height: auto; }
+figcaption, p.note { font-size: 12px; color: #555; }
 """
 
 
@@ -246,29 +324,42 @@ def render_html(report: dict) -> str:
         f"({e(str(device.get('name', '')))}), {e(report['dtype'])}. Device bytes: "
         f"{e(report['measurement']['device_bytes'])}.</p>",
         "<h2>Predicted vs measured</h2>", _pathway_table(report["pathways"]),
-        bars_svg(report["pathways"]),
-        "<h2>Memory timeline</h2><p>Device bytes (live tensors) over the run; colour = the "
-        "pathway of the stage running.</p>",
-        timeline_svg(report["timeline"]["samples"], stage_pathways), _legend(stage_pathways),
-        "<h2>Stages</h2>", _stage_table(report["stages"]),
+        f"<p class=note>{ERROR_NOTE}</p>",
+        _chart("pathways", pathways_svg(report["pathways"]),
+               "Left: bytes per pathway on one log scale (grey: the plan, coloured: measured). Right: the "
+               "error in % of the plan; red beyond ±10%."),
+        "<h2>Memory timeline</h2>",
+        _chart("timeline", timeline_svg(report["timeline"]["samples"], stage_pathways),
+               "Live tensor bytes over the run; the background is the pathway of the stage running "
+               "(start times in the table below)."),
+        "<h2>Stages</h2>", _stage_table(report["stages"]), f"<p class=note>{STAGE_NOTE}</p>",
     ]
     growth = report.get("kv_growth") or []
     if growth:
-        body += ["<h2>KV growth while generating</h2>", lines_svg(
-            {"predicted": [(s["step"], s["predicted_bytes"]) for s in growth],
-             "measured": [(s["step"], s["measured_bytes"]) for s in growth]},
-            {"predicted": "#bab0ac", "measured": colour("kv_cache")}, "engine step")]
+        body += ["<h2>KV growth while generating</h2>", _chart(
+            "kv-growth", kv_growth_svg(growth),
+            "KV bytes held after each engine step against the bytes the live tokens need; the lines coincide "
+            "unless blocks are miscounted.")]
     leak = report["leak"]
     body += ["<h2>Leak check</h2>",
              f"<p class=\"{'ok' if leak['ok'] else 'bad'}\">{e(leak['verdict'])}; slope "
              f"{leak['slope_bytes_per_request']:+.0f} B/request ({e(leak['source'])}).</p>",
-             lines_svg({"allocated after request": list(enumerate(leak["allocated_after_each"], 1))},
-                       {"allocated after request": colour("leak")}, "request")]
+             _chart("leak", leak_svg(leak),
+                    "Allocated bytes after each identical request, relative to request 2 and scaled to the "
+                    "change: a flat line at 0 is no leak. Request 1 warms up lazily built state.")]
     body += ["<h2>What the plan cannot know</h2><ul>"]
     body += [f"<li>{e(line)}</li>" for line in summary_lines(report)] + ["</ul>"]
     body += ["<h2>Engine ledger</h2>", _ledger_table(report["ledger"])]
     return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>mempath diagnose</title>"
             f"<style>{_STYLE}</style></head><body>{''.join(body)}</body></html>\n")
+
+
+ERROR_NOTE = ("error = (measured − predicted) / predicted; negative: less was measured than planned. "
+              "Rows sized by a formula over tensor shapes must read 0%; activation rows are estimates "
+              "(their detail says of what).")
+STAGE_NOTE = ("delta: live bytes after the stage minus before; negative: the stage freed more than it kept "
+              "(the backward frees the activations the forward kept). peak over start: the stage's highest "
+              "live bytes minus those at its start.")
 
 
 def _pathway_table(rows: list[dict]) -> str:
@@ -284,10 +375,11 @@ def _pathway_table(rows: list[dict]) -> str:
 
 
 def _stage_table(stages: list[dict]) -> str:
-    out = ["<table><tr><th>stage</th><th>pathway</th><th>seconds</th><th>delta</th>"
+    out = ["<table><tr><th>stage</th><th>pathway</th><th>start (s)</th><th>seconds</th><th>delta</th>"
            "<th>peak over start</th><th>host RssAnon peak</th></tr>"]
     for s in stages:
         out.append(f"<tr><td>{html.escape(s['name'])}</td><td>{html.escape(s['pathway'])}</td>"
+                   f"<td class=num>{s['t_start']:.2f}</td>"
                    f"<td class=num>{s['t_end'] - s['t_start']:.3f}</td><td class=num>{_size(s['delta'])}</td>"
                    f"<td class=num>{_size(s['peak_delta'])}</td><td class=num>{_size(s['host_peak'])}</td></tr>")
     return "".join(out) + "</table>"
@@ -300,9 +392,3 @@ def _ledger_table(ledger: dict) -> str:
                    f"<td class=num>{_size(entry['bytes'])}</td><td>{html.escape(entry['source'])}</td>"
                    f"<td>{html.escape(entry['detail'])}</td></tr>")
     return "".join(out) + "</table>"
-
-
-def _legend(stage_pathways: dict[str, str]) -> str:
-    pathways = dict.fromkeys(stage_pathways.values())
-    return '<p class="legend">' + "".join(
-        f'<span><i style="background:{colour(p)}"></i>{html.escape(p)}</span>' for p in pathways) + "</p>"
