@@ -16,6 +16,21 @@ ARCH_CONFIGS = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0, "eos_token_id": 2}),
 }
 ARCHS = list(ARCH_CONFIGS)
+# Mixture-of-experts models (mempath.model.moe), kept out of ARCHS: their decode steps cannot be
+# captured in CUDA graphs yet, which tests over ARCHS (test_gpu_engine) require. 8 experts,
+# 2 active; Qwen3-MoE with a dense middle layer (mlp_only_layers) and renormalised top-k,
+# OLMoE with clip_qkv.
+MOE_ARCH_CONFIGS = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "head_dim": 32, "num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 48, "norm_topk_prob": True, "mlp_only_layers": [1]}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {
+        "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 48}),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {
+        "num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 48, "clip_qkv": 4.0,
+        "pad_token_id": 0}),
+}
+MOE_ARCHS = list(MOE_ARCH_CONFIGS)
 
 TRAIN_TEXT = (
     "def read_config(path):\n    with open(path) as f:\n        return json.load(f)\n"
@@ -43,7 +58,7 @@ def build_tokenizer(vocab_size: int):
 def make_model(path, arch: str = "llama", dtype=torch.float32, seed: int = 0, tokenizer: bool = True,
                shard_size=None, **overrides):
     import transformers
-    config_name, model_name, arch_overrides = ARCH_CONFIGS[arch]
+    config_name, model_name, arch_overrides = {**ARCH_CONFIGS, **MOE_ARCH_CONFIGS}[arch]
     kwargs = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   bos_token_id=1, eos_token_id=2)

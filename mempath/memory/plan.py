@@ -10,8 +10,10 @@ element of the model dtype, T tokens in one forward pass.
 
 Supported architectures: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 (q/k/v bias), Qwen3ForCausalLM (q/k RMSNorm), Phi3ForCausalLM (fused qkv_proj and
-gate_up_proj). Parameter counts are exact: the tests compare them with the
-transformers models instantiated on the meta device.
+gate_up_proj), and the mixture-of-experts Qwen3MoeForCausalLM, MixtralForCausalLM and
+OlmoeForCausalLM (E experts of I_e intermediate size, k active per token). Parameter
+counts are exact: the tests compare them with the transformers models instantiated
+on the meta device.
 """
 
 from __future__ import annotations
@@ -78,6 +80,11 @@ class ModelShape:
     attention_bias: bool
     mlp_bias: bool
     config_dtype: str | None
+    qk_norm: str | None = None  # "head": one d-wide norm each for q and k (Qwen3); "full": over all heads (OLMoE)
+    num_experts: int = 0  # routed experts per MoE layer (0: dense)
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    num_moe_layers: int = 0  # the other layers have a dense MLP of intermediate_size
 
 
 @dataclass
@@ -139,6 +146,16 @@ class MemoryPlan:
     kv_bytes_wanted: int = 0
     fits: bool | None = None  # serving: at least one max-model-len sequence fits
     host_mem_bytes: int | None = None  # bounds the host KV tier the advice may propose
+    # mixture of experts (zeros for a dense model); the routed experts are not in mlp_*
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    expert_cache_size: int = 0  # experts per layer resident on the device
+    expert_params: int = 0
+    expert_bytes: int = 0  # every routed expert
+    resident_expert_bytes: int = 0
+    resident_weight_bytes: int = 0  # what the device holds: weight_bytes less the experts not resident
+    host_expert_bytes: int = 0  # with fewer resident, host memory holds every expert (slots copy from it)
+    active_params: int = 0  # parameters one token reads: all but the routed experts, plus k of them per layer
     # training (zeros unless train=True)
     train: bool = False
     optimizer: str = "adamw-fp32"
@@ -224,6 +241,11 @@ def shape_from_spec(spec) -> ModelShape:
         attention_bias=spec.qkv_bias,
         mlp_bias=spec.mlp_bias,
         config_dtype=spec.torch_dtype,
+        qk_norm=("head" if spec.qk_norm_per_head else "full") if spec.qk_norm else None,
+        num_experts=spec.num_experts,
+        num_experts_per_tok=spec.num_experts_per_tok,
+        moe_intermediate_size=spec.moe_intermediate_size,
+        num_moe_layers=len(spec.moe_layers),
     )
 
 
@@ -313,12 +335,14 @@ def linear_shapes(shape: ModelShape) -> dict[str, tuple[int, int, bool]]:
 
 
 def count_params(shape: ModelShape) -> dict[str, int]:
-    """Parameters per pathway: embedding, attention, mlp, norms, lm_head.
+    """Parameters per pathway: embedding, attention, mlp, experts, norms, lm_head.
 
-    embedding V·h; attention L·(h·(n_q+2·n_kv)·d + n_q·d·h + biases); mlp L·(3·h·I +
-    biases); norms L·2·h + h for the final norm, plus L·2·d for Qwen3's q/k norms
-    (counted as norms, not attention, because they are RMSNorm weights); lm_head V·h,
-    or 0 when tied, because a tied head reads the embedding's storage.
+    embedding V·h; attention L·(h·(n_q+2·n_kv)·d + n_q·d·h + biases); mlp (L−M)·(3·h·I +
+    biases) over the L−M dense layers, plus M·E·h for the M MoE layers' routers;
+    experts M·E·3·h·I_e; norms L·2·h + h for the final norm, plus L·2·d for Qwen3's q/k
+    norms or L·(n_q+n_kv)·d for OLMoE's (counted as norms, not attention, because they
+    are RMSNorm weights); lm_head V·h, or 0 when tied, because a tied head reads the
+    embedding's storage.
     """
     attention = mlp = 0
     for name, (fan_in, fan_out, bias) in linear_shapes(shape).items():
@@ -329,18 +353,33 @@ def count_params(shape: ModelShape) -> dict[str, int]:
             mlp += params
     L, h, d = shape.num_layers, shape.hidden_size, shape.head_dim
     norms = L * 2 * h + h
-    if shape.architecture == "Qwen3ForCausalLM":
+    if shape.qk_norm == "head":
         norms += L * 2 * d
+    elif shape.qk_norm == "full":
+        norms += L * (shape.num_heads + shape.num_kv_heads) * d
     embedding = shape.vocab_size * h
+    moe_layers, experts = shape.num_moe_layers, shape.num_experts
     counts = {
         "embedding": embedding,
         "attention": L * attention,
-        "mlp": L * mlp,
+        "mlp": (L - moe_layers) * mlp + moe_layers * experts * h,
+        "experts": moe_layers * experts * 3 * h * shape.moe_intermediate_size,
         "norms": norms,
         "lm_head": 0 if shape.tied_embeddings else embedding,
     }
     counts["total"] = sum(counts.values())
     return counts
+
+
+def expert_bytes(shape: ModelShape, dtype_bytes: int, cache_size: int | None = None) -> tuple[int, int]:
+    """(bytes of every routed expert, bytes of those resident on the device): with
+    ``cache_size`` experts per layer resident (None: all), the device holds
+    M·cache_size·3·h·I_e·b and host memory the rest."""
+    total = count_params(shape)["experts"] * dtype_bytes
+    if not shape.num_experts:
+        return 0, 0
+    resident = shape.num_experts if cache_size is None else cache_size
+    return total, total // shape.num_experts * resident
 
 
 def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> int:
@@ -365,20 +404,26 @@ def rotary_bytes_per_position(head_dim: int) -> int:
 
 
 def load_bytes(shape: ModelShape, dtype_bytes: int, positions: int,
-               checkpoint_dtype_bytes: int | None = None) -> dict[str, int]:
+               checkpoint_dtype_bytes: int | None = None, expert_cache_size: int | None = None) -> dict[str, int]:
     """What loading a model allocates, by part, before any KV cache or step buffer.
 
-    weights: every parameter in the model dtype; rotary_tables: cos and sin kept for
-    ``positions`` positions (float32); rotary_build: the temporaries of their build;
-    modules: the Python module objects (host); largest_tensor: the one checkpoint tensor
-    the streaming loader holds in host memory at a time, in the checkpoint's dtype.
+    weights: every parameter on the device in the model dtype (with ``expert_cache_size``,
+    only the resident experts); host_experts: every expert, when fewer are resident (the
+    device slots are filled from them);
+    rotary_tables: cos and sin kept for ``positions`` positions (float32); rotary_build:
+    the temporaries of their build; modules: the Python module objects (host);
+    largest_tensor: the one checkpoint tensor the streaming loader holds in host memory
+    at a time, in the checkpoint's dtype (a layer's stacked experts, E·2·I_e rows, in
+    checkpoints saved that way).
     """
     h, d = shape.hidden_size, shape.head_dim
     fused_rows = max(shape.num_heads * d + 2 * shape.num_kv_heads * d, 2 * shape.intermediate_size,
-                     shape.vocab_size)
+                     shape.vocab_size, shape.num_experts * 2 * shape.moe_intermediate_size)
     kept = 8 * positions * d
+    experts, resident = expert_bytes(shape, dtype_bytes, expert_cache_size)
     return {
-        "weights": count_params(shape)["total"] * dtype_bytes,
+        "weights": count_params(shape)["total"] * dtype_bytes - experts + resident,
+        "host_experts": experts if resident < experts else 0,
         "rotary_tables": kept,
         "rotary_build": positions * rotary_bytes_per_position(d) - kept,
         "modules": shape.num_layers * MODULE_BYTES_PER_LAYER,
@@ -594,7 +639,7 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
                 optimizer: str = "adamw-fp32", kv_cache_dtype: str = "auto",
                 micro_batch: int = 1, seq_len: int | None = None, checkpointing: str = "none",
                 checkpoint_layers=(), lora_rank: int = 0,
-                lora_targets=("q_proj", "v_proj")) -> MemoryPlan:
+                lora_targets=("q_proj", "v_proj"), moe_expert_cache_size: int | None = None) -> MemoryPlan:
     """Plan every pathway's bytes for serving (and, with train=True, training) a model.
 
     Capacity, when gpu_mem_bytes is given (no device is probed here; `run_plan` does
@@ -618,6 +663,10 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
     cublas_workspace is the bytes of one cuBLAS workspace (cublas_workspace_bytes gives
     it for a compute capability; the default is Hopper's; 0 for the CPU): one for the
     serving stream, counted in the step peak, and one for the graph-capture stream.
+
+    Mixture-of-experts models: moe_expert_cache_size experts per layer stay on the
+    device (None: all) and the KV budget is taken after the resident weights only
+    (resident_weight_bytes); the others' bytes are in host memory.
     """
     source = "config.json" if isinstance(model, dict) else str(config_path(model))
     shape = read_shape(load_config(model), source)
@@ -627,6 +676,7 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
                     max_num_batched_tokens, block_size, context_bytes)
 
     params = count_params(shape)
+    experts = _plan_experts(shape, b, params, moe_expert_cache_size)
     if kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
         raise ValueError(f"kv_cache_dtype must be auto, fp8, fp8_e4m3 or fp8_e5m2, got {kv_cache_dtype!r}")
     # EngineConfig.kv_cache_dtype: an fp8 cache holds one byte per element whatever the model dtype.
@@ -662,11 +712,11 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
         activation_peak_bytes=activation, logits_rows=rows, logits_bytes=logits, step_peak_bytes=step_peak,
         cuda_graph_batch=graph_batch, cuda_graph_bytes=graphs, context_bytes=context_bytes,
         workspace_bytes=step_peak + graphs + context_bytes,
-        kv_bytes_wanted=max_num_seqs * blocks_per_seq * per_block,
+        kv_bytes_wanted=max_num_seqs * blocks_per_seq * per_block, **experts,
     )
     if gpu_mem_bytes is not None:
         plan.budget_bytes = int(gpu_mem_bytes * gpu_memory_utilization)
-        plan.kv_budget_bytes = plan.budget_bytes - plan.weight_bytes - plan.workspace_bytes
+        plan.kv_budget_bytes = plan.budget_bytes - plan.resident_weight_bytes - plan.workspace_bytes
         plan.num_kv_blocks = max(0, plan.kv_budget_bytes) // per_block
         plan.kv_capacity_tokens = plan.num_kv_blocks * block_size
         plan.max_concurrency = plan.num_kv_blocks // blocks_per_seq
@@ -687,6 +737,30 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
 
     plan.advice = advise(plan, shape)
     return plan
+
+
+def _plan_experts(shape: ModelShape, b: int, params: dict[str, int], cache_size: int | None) -> dict:
+    """The plan's mixture-of-experts fields; resident_weight_bytes and active_params for any model."""
+    if cache_size is not None and not shape.num_experts:
+        raise ValueError(f"moe_expert_cache_size is {cache_size} but {shape.architecture} is a dense model "
+                         f"(no experts): leave it unset")
+    if cache_size is not None and (isinstance(cache_size, bool) or not isinstance(cache_size, int)
+                                   or not 1 <= cache_size <= shape.num_experts):
+        raise ValueError(f"moe_expert_cache_size must be an integer from 1 to {shape.num_experts} (experts "
+                         f"per layer), got {cache_size!r}")
+    total, resident = expert_bytes(shape, b, cache_size)
+    active = params["experts"] // shape.num_experts * shape.num_experts_per_tok if shape.num_experts else 0
+    return {
+        "num_experts": shape.num_experts,
+        "num_experts_per_tok": shape.num_experts_per_tok,
+        "expert_cache_size": shape.num_experts if cache_size is None else cache_size,
+        "expert_params": params["experts"],
+        "expert_bytes": total,
+        "resident_expert_bytes": resident,
+        "resident_weight_bytes": params["total"] * b - total + resident,
+        "host_expert_bytes": total if resident < total else 0,
+        "active_params": params["total"] - params["experts"] + active,
+    }
 
 
 def _check_settings(shape, gpu_mem, host_mem, utilization, max_model_len, max_num_seqs,
@@ -733,7 +807,7 @@ def advise(plan: MemoryPlan, shape: ModelShape) -> list[str]:
     if plan.budget_bytes is None:
         lines.append(
             f"capacity needs --gpu-mem (no CUDA device visible): weights + workspace need "
-            f"{human(plan.weight_bytes + plan.workspace_bytes)} before any KV, and one "
+            f"{human(plan.resident_weight_bytes + plan.workspace_bytes)} before any KV, and one "
             f"max-model-len {plan.max_model_len} sequence needs {human(plan.kv_bytes_per_seq)} of KV")
     else:
         lines += _capacity_advice(plan)
@@ -757,15 +831,17 @@ def _capacity_advice(plan: MemoryPlan) -> list[str]:
     lines = []
     budget, b = plan.budget_bytes, plan.dtype_bytes
     headroom = plan.gpu_mem_bytes - budget
-    if plan.weight_bytes > budget:
-        fix = (f"use --dtype bfloat16 ({human(plan.weight_bytes // 2)} of weights)" if b == 4 else
+    if plan.resident_weight_bytes > budget:
+        fix = (f"use --dtype bfloat16 ({human(plan.resident_weight_bytes // 2)} of weights)" if b == 4 else
                "use a GPU with more memory or a smaller model")
-        return [f"does not fit: weights alone ({human(plan.weight_bytes)}) exceed the budget "
+        if plan.num_experts:
+            fix += f", or keep fewer of the {plan.num_experts} experts per layer resident (moe_expert_cache_size)"
+        return [f"does not fit: weights alone ({human(plan.resident_weight_bytes)}) exceed the budget "
                 f"({human(budget)} = {human(plan.gpu_mem_bytes)} x {plan.gpu_memory_utilization}): {fix}"]
 
     free_for_kv = max(0, plan.kv_budget_bytes)
     if plan.max_concurrency == 0:
-        fixed = plan.weight_bytes + plan.logits_bytes + plan.cuda_graph_bytes + plan.context_bytes
+        fixed = plan.resident_weight_bytes + plan.logits_bytes + plan.cuda_graph_bytes + plan.context_bytes
         per_token_act = decoder_peak_bytes_per_token(plan)
         room = budget - fixed - plan.kv_bytes_per_seq
         if room >= per_token_act:
@@ -870,11 +946,17 @@ def format_plan(plan: MemoryPlan) -> str:
         f"{'weights':<36}{'params':>16}  {'size':>12}  {'bytes':>21}",
         _row("embedding", p.embedding_bytes, p.embedding_params),
         _row("attention", p.attention_bytes, p.attention_params),
-        _row("mlp", p.mlp_bytes, p.mlp_params),
+        _row("mlp" + (" (dense layers, routers)" if p.num_experts else ""), p.mlp_bytes, p.mlp_params),
+        *([_row(f"experts ({p.num_experts}/layer, {p.num_experts_per_tok} active)",
+                p.expert_bytes, p.expert_params)] if p.num_experts else []),
         _row("norms", p.norm_bytes, p.norm_params),
         _row("lm head" + (" (tied: no extra bytes)" if p.tied_embeddings else ""),
              p.lm_head_bytes, p.lm_head_params),
         _row("total", p.weight_bytes, p.total_params),
+        *([_row(f"on the device ({p.expert_cache_size} experts/layer)", p.resident_weight_bytes),
+           _row("in host memory (every expert)", p.host_expert_bytes),
+           _row("read per token (k experts/layer)", p.active_params * p.dtype_bytes, p.active_params)]
+          if p.num_experts else []),
         "",
         "KV cache",
         _row("per token", p.kv_bytes_per_token),
@@ -898,7 +980,7 @@ def format_plan(plan: MemoryPlan) -> str:
         out += [
             f"capacity (gpu-mem {human(p.gpu_mem_bytes)} x {p.gpu_memory_utilization})",
             _row("budget", p.budget_bytes),
-            _row("- weights", p.weight_bytes),
+            _row("- weights" + (" (resident)" if p.num_experts else ""), p.resident_weight_bytes),
             _row("- workspace", p.workspace_bytes),
             _row("= KV budget", p.kv_budget_bytes),
             f"  {'KV blocks':<34}{p.num_kv_blocks:>16,}",

@@ -1,5 +1,7 @@
 """One decoder for the Llama family: Llama (incl. Llama-3.1 rope scaling), Mistral,
-Qwen2 (qkv bias), Qwen3 (q/k RMSNorm) and Phi-3 (fused checkpoints).
+Qwen2 (qkv bias), Qwen3 (q/k RMSNorm) and Phi-3 (fused checkpoints), and the
+mixture-of-experts ones: Qwen3-MoE, Mixtral and OLMoE (q/k RMSNorm over all heads,
+clip_qkv), whose MLP is mempath.model.moe.MoEBlock in their sparse layers.
 
 Plain PyTorch, read top to bottom. q/k/v and gate/up are always fused into one
 matrix each (fewer, larger matmuls); the loader fills the slices from either the
@@ -15,6 +17,7 @@ import torch
 from torch import nn
 
 from mempath.kv.attention import attend_torch, write_kv
+from mempath.model.moe import MoEBlock
 from mempath.model.ops import rms_norm, rope_and_store, silu_and_mul
 
 # config.json's model_type -> architecture, for configs that name no architectures.
@@ -24,7 +27,11 @@ MODEL_TYPES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM")
 SUPPORTED_ARCHITECTURES = tuple(MODEL_TYPES.values())
 CHECKPOINT_DTYPES = ("float32", "float16", "bfloat16")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -150,6 +157,17 @@ class ModelSpec:
     bos_token_id: int | None
     eos_token_ids: list[int]
     torch_dtype: str | None = None  # the checkpoint's dtype as config.json names it
+    qk_norm_per_head: bool = True  # OLMoE normalises q and k over all heads at once
+    clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv]
+    # Mixture of experts (num_experts 0: a dense model). See mempath.model.moe.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] = ()  # the layers whose MLP is routed; the others are dense
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    # Qwen3-MoE and OLMoE round the routing weights to the activation dtype before they
+    # scale the experts' outputs; Mixtral keeps them in float32.
+    routing_weights_float32: bool = False
 
     @classmethod
     def from_hf_config(cls, cfg: dict, source: str = "config.json") -> "ModelSpec":
@@ -165,20 +183,24 @@ class ModelSpec:
         hidden, heads, kv_heads, head_dim = _attention_shape(f)
         act = f.choice("hidden_act", ("silu", "swish"), "silu", "mempath's MLP is SiLU-gated")
         rope_theta, rope_scaling = _rope(f)
-        # Qwen2 and Qwen3 keep a sliding_window value but only apply it with use_sliding_window.
+        # Qwen2 and Qwen3(-MoE) keep a sliding_window value but only apply it with use_sliding_window.
         window = f.integer("sliding_window", default=None)
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not f.flag("use_sliding_window"):
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and not f.flag(
+                "use_sliding_window"):
             window = None
-        # Biases as transformers builds them: Qwen2 always biases q/k/v (not o); Llama and
-        # Qwen3 follow attention_bias; Mistral and Phi-3 have none whatever the config says.
-        attention_bias = f.flag("attention_bias") and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM")
+        # Biases as transformers builds them: Qwen2 always biases q/k/v (not o); Llama,
+        # Qwen3, Qwen3-MoE and OLMoE follow attention_bias; Mistral, Mixtral and Phi-3 have
+        # none whatever the config says.
+        attention_bias = f.flag("attention_bias") and arch in (
+            "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
         dtype_key = "torch_dtype" if cfg.get("torch_dtype") is not None else "dtype"
+        num_layers = f.integer("num_hidden_layers")
         return cls(
             architecture=arch,
             vocab_size=f.integer("vocab_size"),
             hidden_size=hidden,
             intermediate_size=f.integer("intermediate_size"),
-            num_layers=f.integer("num_hidden_layers"),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
@@ -190,14 +212,64 @@ class ModelSpec:
             qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
             o_bias=attention_bias,
             mlp_bias=arch == "LlamaForCausalLM" and f.flag("mlp_bias"),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"),
             sliding_window=window,
             hidden_act=act,
             bos_token_id=f.integer("bos_token_id", default=None, minimum=0, expected="a token id (an integer >= 0)"),
             eos_token_ids=f.token_ids("eos_token_id"),
             torch_dtype=f.choice(dtype_key, CHECKPOINT_DTYPES,
                                  fix="mempath loads float checkpoints; quantized ones are not supported"),
+            **_olmoe_attention(f, arch, hidden, heads, head_dim),
+            **_moe_fields(f, arch, num_layers),
         )
+
+
+def _olmoe_attention(f: ConfigFields, arch: str, hidden: int, heads: int, head_dim: int) -> dict:
+    """OLMoE's q/k norms span all heads, sized from hidden_size: head_dim must agree with it."""
+    if arch != "OlmoeForCausalLM":
+        return {}
+    if head_dim * heads != hidden:
+        f.fail("head_dim", f"hidden_size / num_attention_heads ({hidden} / {heads}): OLMoE sizes its q/k "
+               f"norms from hidden_size", "remove head_dim or correct it")
+    return {"qk_norm_per_head": False, "clip_qkv": f.number("clip_qkv", None)}
+
+
+def _moe_fields(f: ConfigFields, arch: str, num_layers: int) -> dict:
+    """The router and experts of a mixture-of-experts config, as transformers reads them."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts; either is read.
+    experts_key = "num_local_experts" if arch == "MixtralForCausalLM" or (
+        f.fields.get("num_experts") is None and "num_local_experts" in f.fields) else "num_experts"
+    qwen = arch == "Qwen3MoeForCausalLM"
+    num_experts = f.integer(experts_key, minimum=0 if qwen else 1,
+                            expected="an integer >= 0" if qwen else "a positive integer")
+    top_k = f.integer("num_experts_per_tok")
+    if num_experts and top_k > num_experts:
+        f.fail("num_experts_per_tok", f"at most {experts_key} ({num_experts})")
+    layers = range(num_layers)
+    if qwen:  # transformers' Qwen3MoeDecoderLayer: sparse unless listed, every decoder_sparse_step-th
+        step = f.integer("decoder_sparse_step", default=1)
+        dense = _layer_list(f, "mlp_only_layers", num_layers)
+        layers = [i for i in layers if num_experts and i not in dense and (i + 1) % step == 0]
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": f.integer("moe_intermediate_size" if qwen else "intermediate_size"),
+        "moe_layers": tuple(layers),
+        "norm_topk_prob": arch == "MixtralForCausalLM" or f.flag("norm_topk_prob"),
+        "routing_weights_float32": arch == "MixtralForCausalLM",
+    }
+
+
+def _layer_list(f: ConfigFields, key: str, num_layers: int) -> set[int]:
+    value = f.fields.get(key)
+    if value is None:
+        return set()
+    if not isinstance(value, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in value):
+        f.fail(key, f"a list of layer indices from 0 to {num_layers - 1} (num_hidden_layers {num_layers})")
+    return set(value)
 
 
 def _architecture(f: ConfigFields) -> str:
@@ -355,11 +427,15 @@ class Attention(nn.Module):
         self.scale = spec.head_dim ** -0.5
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.qk_norm_per_head = spec.qk_norm_per_head
         if spec.qk_norm:
-            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
-            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+            q_width, k_width = (spec.head_dim, spec.head_dim) if spec.qk_norm_per_head else (
+                self.q_size, self.kv_size)
+            self.q_norm = RMSNorm(q_width, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(k_width, spec.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.clip_qkv = spec.clip_qkv
         self.rotary = rotary
         # Set by the runner once the KV cache is allocated.
         self.k_cache = torch.empty(0)
@@ -370,12 +446,15 @@ class Attention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            width = self.head_dim if self.qk_norm_per_head else None
+            q = self.q_norm(q.reshape(-1, width or self.q_size))
+            k = self.k_norm(k.reshape(-1, width or self.kv_size))
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(-1, self.num_heads, self.head_dim)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(-1, self.num_kv_heads, self.head_dim)
         q = rope_and_store(positions, q, k, v, self.rotary.cos, self.rotary.sin, self.k_cache, self.v_cache,
                            meta.slot_mapping, self.write_kv_fn)
         out = self.attention_fn(q, self.k_cache, self.v_cache, meta, self.scale)
@@ -394,12 +473,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding):
+    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = Attention(spec, rotary)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.mlp = MoEBlock(spec) if index in spec.moe_layers else MLP(spec)
 
     def forward(self, positions, hidden, residual, meta):
         """Returns (sublayer output, residual stream); the next norm adds them."""
@@ -423,7 +502,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.rotary = RotaryEmbedding(spec, max_positions)
-        self.layers = nn.ModuleList(DecoderLayer(spec, self.rotary) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, self.rotary, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
@@ -451,3 +530,7 @@ class CausalLM(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]
+
+    def moe_blocks(self) -> list[MoEBlock]:
+        """The routed MLPs, in layer order (none in a dense model)."""
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoEBlock)]

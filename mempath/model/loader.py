@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from mempath.model.llama import CausalLM, CheckpointError, ModelSpec, describe, json_kind
+from mempath.model.moe import offloaded_weights, set_expert_cache_size
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +33,14 @@ _FUSED = {
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
+# One expert's projection in a checkpoint, as Qwen3-MoE / OLMoE (gate/up/down_proj) and
+# Mixtral (w1/w3/w2 under block_sparse_moe) name them; each is one slice of the layer's
+# stacked experts.gate_up_proj [experts, 2I, h] or experts.down_proj [experts, h, I].
+_EXPERT_TENSOR = re.compile(r"^(?P<layer>.+)\.(?:mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\."
+                            r"(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT_SLICES = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0),
+                  "up_proj": ("gate_up_proj", 1), "w3": ("gate_up_proj", 1),
+                  "down_proj": ("down_proj", None), "w2": ("down_proj", None)}
 # Buffers some checkpoints carry that we recompute instead.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # Checkpoint dtypes converted to the model dtype on copy; any other (integers, float8)
@@ -51,6 +61,7 @@ class LoadReport:
     checkpoint_dtype: torch.dtype
     # file_identity() of each weights file, taken before it was read (see weights_digest)
     file_identities: dict[str, str] = field(default_factory=dict)
+    host_weight_bytes: int = 0  # experts kept in host memory (moe_expert_cache_size)
 
 
 def read_json_object(path: Path, expected: str) -> dict:
@@ -155,18 +166,21 @@ def find_weight_files(model_dir: Path) -> list[Path]:
 
 
 def check_load_fits(spec: ModelSpec, max_positions: int, dtype: torch.dtype, device: torch.device, *,
-                    dummy: bool, checkpoint_dtype: torch.dtype, source: str) -> None:
+                    dummy: bool, checkpoint_dtype: torch.dtype, source: str,
+                    expert_cache_size: int | None = None) -> None:
     """Refuse, before anything is allocated, a load that the device or the host has no room for.
 
-    The figures are the planner's (memory.plan.load_bytes): weights, rotary tables and
-    their build, module objects, and on the host the one checkpoint tensor read at a time.
+    The figures are the planner's (memory.plan.load_bytes): weights (the resident
+    ones), rotary tables and their build, module objects, and on the host the experts
+    kept there and the one checkpoint tensor read at a time.
     """
     import psutil
 
     from mempath.memory.plan import load_bytes, shape_from_spec
-    need = load_bytes(shape_from_spec(spec), dtype.itemsize, max_positions, checkpoint_dtype.itemsize)
+    need = load_bytes(shape_from_spec(spec), dtype.itemsize, max_positions, checkpoint_dtype.itemsize,
+                      expert_cache_size)
     on_device = need["weights"] + need["rotary_tables"] + need["rotary_build"]
-    on_host = need["modules"] + (0 if dummy else need["largest_tensor"])
+    on_host = need["modules"] + need["host_experts"] + (0 if dummy else need["largest_tensor"])
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
         if on_device > free:
@@ -199,8 +213,13 @@ def _load_refusal(spec, need, total, free, where, positions, dtype, source) -> s
             f"positions) but {where.format(human(free))}; " + "; ".join(fixes)).replace("torch.", "")
 
 
-def build_model(spec: ModelSpec, max_positions: int, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    """Allocate the model's parameters once, uninitialised, on the target device."""
+def build_model(spec: ModelSpec, max_positions: int, dtype: torch.dtype, device: torch.device,
+                expert_cache_size: int | None = None) -> CausalLM:
+    """Allocate the model's parameters once, uninitialised, on the target device.
+
+    ``expert_cache_size``: experts per MoE layer kept on the device (None: all); the
+    others' weights go to host memory, pinned on CUDA (mempath.model.moe).
+    """
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # so each parameter is born in its final dtype
     try:
@@ -208,6 +227,8 @@ def build_model(spec: ModelSpec, max_positions: int, dtype: torch.dtype, device:
             model = CausalLM(spec, max_positions)
     finally:
         torch.set_default_dtype(previous)
+    if expert_cache_size is not None:
+        set_expert_cache_size(model, expert_cache_size, pin_memory=device.type == "cuda")
     if spec.tie_word_embeddings:
         # to_empty would give the tied head its own storage; share it instead.
         del model.lm_head.weight
@@ -218,8 +239,24 @@ def build_model(spec: ModelSpec, max_positions: int, dtype: torch.dtype, device:
     return model.eval().requires_grad_(False)
 
 
+def _expert_target(params: dict[str, torch.Tensor], match: re.Match, spec: ModelSpec):
+    """The slice of a layer's stacked experts that one expert's projection fills."""
+    stacked, half = _EXPERT_SLICES[match["proj"]]
+    name = f"{match['layer']}.mlp.experts.{stacked}"
+    expert = int(match["expert"])
+    param = params.get(name)
+    if param is None or expert >= param.shape[0]:
+        return None, None
+    size = spec.moe_intermediate_size
+    return name, param[expert] if half is None else param[expert].narrow(0, half * size, size)
+
+
 def _target(params: dict[str, torch.Tensor], name: str, spec: ModelSpec):
     """The parameter (or slice of it) a checkpoint tensor is copied into."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for its MoE block
+    expert = _EXPERT_TENSOR.match(name)
+    if expert:
+        return _expert_target(params, expert, spec)
     base, _, kind = name.rpartition(".")  # kind: weight / bias
     for suffix, (fused_suffix, index) in _FUSED.items():
         if base.endswith(suffix):
@@ -239,6 +276,15 @@ def _target(params: dict[str, torch.Tensor], name: str, spec: ModelSpec):
     return (name, param) if param is not None else (None, None)
 
 
+def _pieces(name: str, spec: ModelSpec) -> int:
+    """How many checkpoint tensors fill a parameter: its slices, or 1 when it is one tensor."""
+    if name.endswith(".experts.gate_up_proj"):
+        return 2 * spec.num_experts
+    if name.endswith(".experts.down_proj"):
+        return spec.num_experts
+    return 3 if ".qkv_proj." in name else 2 if ".gate_up_proj." in name else 1
+
+
 def _skipped(name: str, model: CausalLM) -> bool:
     """Checkpoint tensors not copied: buffers we recompute, a tied model's lm_head."""
     return name.endswith(_IGNORED_SUFFIXES) or (model.spec.tie_word_embeddings and name == "lm_head.weight")
@@ -254,9 +300,8 @@ def copy_checkpoint_tensors(model: CausalLM, tensors, source: str) -> int:
     how many tensors were copied.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
-    # Each fused parameter must receive every one of its slices.
-    expected_pieces = {name: 3 if ".qkv_proj." in name else 2 if ".gate_up_proj." in name else 1
-                       for name in params}
+    params.update(offloaded_weights(model))  # experts kept in host memory: their store, not the slots
+    expected_pieces = {name: _pieces(name, model.spec) for name in params}
     received = {name: 0 for name in params}
     tied = model.spec.tie_word_embeddings
     loaded = 0
@@ -331,52 +376,79 @@ def load_weights(model: CausalLM, model_dir: Path, show_progress: bool = True) -
         loaded = copy_checkpoint_tensors(model, tensors(), str(model_dir))
     finally:
         bar.close()
-    seen = set()
-    weight_bytes = 0
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            weight_bytes += p.numel() * p.element_size()
-    return LoadReport([str(f) for f in files], loaded, weight_bytes, torch.float32, identities)
+    device_bytes, host_bytes = _weight_bytes(model)
+    return LoadReport([str(f) for f in files], loaded, device_bytes, torch.float32, identities, host_bytes)
+
+
+def _weight_bytes(model: CausalLM) -> tuple[int, int]:
+    """(bytes of the parameters, bytes of the experts kept in host memory); tied weights once."""
+    unique = {id(p): p for p in model.parameters()}.values()
+    host = offloaded_weights(model).values()
+    return sum(p.numel() * p.element_size() for p in unique), sum(t.numel() * t.element_size() for t in host)
 
 
 def fill_dummy_weights(model: CausalLM, seed: int = 0) -> LoadReport:
-    """Random weights of the right shapes, drawn on the device (no checkpoint read)."""
-    generator = torch.Generator(device=model.lm_head.weight.device)
+    """Random weights of the right shapes, drawn on the device (no checkpoint read).
+
+    Stacked experts are drawn one expert at a time, wherever they are kept, so every
+    moe_expert_cache_size gets the same weights (and the same outputs).
+    """
+    device = model.lm_head.weight.device
+    generator = torch.Generator(device=device)
     generator.manual_seed(seed)
-    weight_bytes = 0
+    offloaded = offloaded_weights(model)
     seen = set()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if id(p) in seen:
                 continue
             seen.add(id(p))
+            p = offloaded.get(name, p)  # an offloaded expert stack: its host store, not the slots
             if "norm" in name:
                 p.fill_(1.0)
+            elif ".experts." in name:
+                for expert in p:
+                    expert.copy_(torch.empty(expert.shape, dtype=expert.dtype, device=device).normal_(
+                        0.0, 0.02, generator=generator))
             else:
                 p.normal_(0.0, 0.02, generator=generator)
-            weight_bytes += p.numel() * p.element_size()
-    return LoadReport([], 0, weight_bytes, model.lm_head.weight.dtype)
+    device_bytes, host_bytes = _weight_bytes(model)
+    return LoadReport([], 0, device_bytes, model.lm_head.weight.dtype, host_weight_bytes=host_bytes)
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype | None, device: torch.device,
-               max_positions: int | None = None, show_progress: bool = True, dummy: bool = False):
+               max_positions: int | None = None, show_progress: bool = True, dummy: bool = False,
+               expert_cache_size: int | None = None):
     """Read config.json, build the model on `device` and stream the weights into it.
 
+    ``expert_cache_size``: experts per MoE layer resident on `device` (None: all).
     Raises CheckpointError (a ValueError) for a config, a checkpoint or a size it cannot load.
     """
     model_dir = Path(model_dir)
     cfg = read_config(model_dir)
     source = str(config_path(model_dir))
     spec = ModelSpec.from_hf_config(cfg, source=source)
+    _check_expert_cache_size(spec, expert_cache_size, source)
     ckpt_dtype = checkpoint_dtype(cfg)
     dtype = dtype or ckpt_dtype
     positions = max_positions or spec.max_position_embeddings
-    check_load_fits(spec, positions, dtype, device, dummy=dummy, checkpoint_dtype=ckpt_dtype, source=source)
-    model = build_model(spec, positions, dtype, device)
+    check_load_fits(spec, positions, dtype, device, dummy=dummy, checkpoint_dtype=ckpt_dtype, source=source,
+                    expert_cache_size=expert_cache_size)
+    model = build_model(spec, positions, dtype, device, expert_cache_size)
     report = fill_dummy_weights(model) if dummy else load_weights(model, model_dir, show_progress)
     report.checkpoint_dtype = ckpt_dtype
     return model, spec, report
+
+
+def _check_expert_cache_size(spec: ModelSpec, size: int | None, source: str) -> None:
+    if size is None:
+        return
+    if not spec.num_experts:
+        raise ValueError(f"moe_expert_cache_size is {size} but {source} describes a dense model "
+                         f"({spec.architecture}, no experts): leave it unset")
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= spec.num_experts:
+        raise ValueError(f"moe_expert_cache_size must be an integer from 1 to {spec.num_experts} (the experts "
+                         f"per layer in {source}), got {size!r}")
 
 
 # ---------------------------------------------------------------- content digest (disk KV fingerprint)

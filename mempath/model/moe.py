@@ -1,0 +1,392 @@
+"""Mixture-of-experts MLP: router -> top-k -> dispatch -> experts -> combine.
+
+The PyTorch twin of the fused MoE path, read top to bottom in ``MoEBlock.forward``:
+the router scores every expert, each token keeps its top k, the (token, expert)
+pairs are sorted by expert so each expert's tokens are one contiguous group, each
+group runs one matmul per projection (gate/up, then down) with that expert's
+weights, and the outputs are weighted, put back in token order and summed over k.
+A grouped-GEMM kernel computes the same groups in one launch per projection; this
+is its oracle.
+
+Arithmetic follows transformers' default (``grouped_mm``) experts path, so float32
+outputs are token-identical: float32 softmax over all experts before top-k, the
+family's renormalisation, the weights' dtype (Qwen3-MoE and OLMoE round them to
+the activation dtype, Mixtral keeps float32), weighting in sorted order and the
+sum over the k slots in slot order.
+
+Experts as a pathway: every layer's ``ExpertCache`` keeps ``num_slots`` experts in
+*slots* on the compute device and the full set in host memory (pinned on CUDA).
+``num_slots == num_experts`` (the default) is the degenerate cache: slot e holds
+expert e, nothing is in host memory and nothing is ever copied. With fewer slots a
+step's active experts run in *waves* of at most ``num_slots``: the resident ones
+first (hits), then the misses, each copied into a slot whose expert the wave does
+not need, the one that scores lowest on routing recency and frequency
+(``last_use + frequency_weight * log2(1 + routed_tokens)``, the KV host tier's
+rule). A group's matmuls read the same weights from a slot as from the full
+tensor, so outputs are bit-identical for every cache size.
+"""
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mempath.model.ops import silu_and_mul
+
+
+def dispatch(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort the flat (token, slot) pairs by expert: (order, tokens per expert).
+
+    ``order[j]`` is the pair (token ``order[j] // k``, slot ``order[j] % k``) in sorted
+    position j. The sort is transformers' (not stable): a row's matmul result can depend
+    on its position in the group when the CPU splits the rows over threads, so the same
+    order is what makes the output bit-identical to theirs.
+    """
+    flat = expert_ids.reshape(-1)
+    order = torch.sort(flat).indices
+    return order, torch.bincount(flat, minlength=num_experts)
+
+
+def combine(sorted_out: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, top_k: int,
+            dtype: torch.dtype) -> torch.Tensor:
+    """Weight each pair's output, put the pairs back in (token, slot) order, sum over slots."""
+    weighted = sorted_out * weights.reshape(-1)[order].unsqueeze(-1)
+    unsorted = torch.empty_like(weighted)
+    unsorted[order] = weighted
+    return unsorted.view(-1, top_k, sorted_out.shape[-1]).sum(dim=1).to(dtype)
+
+
+class MoEBlock(nn.Module):
+    """A routed MLP: ``gate`` (the router) and ``experts``; checkpoint names as transformers'."""
+
+    def __init__(self, spec):
+        super().__init__()
+        self.num_experts = spec.num_experts
+        self.top_k = spec.num_experts_per_tok
+        self.norm_topk_prob = spec.norm_topk_prob
+        self.routing_weights_float32 = spec.routing_weights_float32
+        self.gate = nn.Linear(spec.hidden_size, spec.num_experts, bias=False)
+        self.experts = Experts(spec.num_experts, spec.hidden_size, spec.moe_intermediate_size)
+        self.router_bias: SyntheticRouterBias | None = None  # benchmarks only; see synthetic_router_bias
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(top-k weights [T, k], top-k expert ids [T, k]) of each token."""
+        logits = self.gate(x)
+        if self.router_bias is not None:
+            logits = self.router_bias(logits)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        if not self.routing_weights_float32:
+            weights = weights.to(logits.dtype)
+        return weights, expert_ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            # The groups' sizes are read on the host; a captured graph would replay stale ones.
+            raise RuntimeError("MoE layers cannot run inside a CUDA graph until the grouped-GEMM kernel "
+                               "lands: run the model with enforce_eager=True (--enforce-eager)")
+        weights, expert_ids = self.route(x)
+        order, counts = dispatch(expert_ids, self.num_experts)
+        sorted_out = self.experts(x[order // self.top_k], counts)
+        return combine(sorted_out, weights, order, self.top_k, x.dtype)
+
+    def stats(self) -> dict:
+        return {**self.experts.cache.stats(),
+                "router": "model" if self.router_bias is None else self.router_bias.describe()}
+
+
+class Experts(nn.Module):
+    """Every expert's SiLU-gated MLP, stacked: gate_up_proj [slots, 2I, h], down_proj [slots, h, I].
+
+    With all experts resident the slots are the experts (transformers 5 stores them the
+    same way). With fewer (``set_resident``), the full set lives in ``cache``'s host
+    store and the parameters are only the slots.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.cache = ExpertCache(num_experts, num_experts)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Each expert's group of rows through its MLP; ``x`` is sorted by expert, ``counts`` sizes the groups."""
+        sizes = counts.tolist()  # the one host sync: where each group starts
+        starts = [0]
+        for size in sizes:
+            starts.append(starts[-1] + size)
+        out = x.new_empty(x.shape[0], self.down_proj.shape[1])
+        cache = self.cache
+        cache.record_routing(sizes)
+        for wave in cache.waves([e for e, size in enumerate(sizes) if size]):
+            slots = cache.acquire(wave, self.load_into_slot)
+            try:
+                for expert, slot in zip(wave, slots):
+                    rows = slice(starts[expert], starts[expert + 1])
+                    gate_up = F.linear(x[rows], self.gate_up_proj[slot])
+                    out[rows] = F.linear(silu_and_mul(gate_up), self.down_proj[slot])
+            finally:
+                cache.release(slots)
+        return out
+
+    def load_into_slot(self, expert: int, slot: int) -> int:
+        """Copy one expert from the host store into a device slot; returns the bytes copied."""
+        host = self.cache.host
+        with torch.no_grad():
+            self.gate_up_proj[slot].copy_(host["gate_up_proj"][expert], non_blocking=True)
+            self.down_proj[slot].copy_(host["down_proj"][expert], non_blocking=True)
+        return self.expert_bytes()
+
+    def expert_bytes(self) -> int:
+        return (self.gate_up_proj[0].numel() + self.down_proj[0].numel()) * self.gate_up_proj.element_size()
+
+    def set_resident(self, num_slots: int | None, pin_memory: bool = False) -> None:
+        """Keep ``num_slots`` experts on the parameters' device (None: all) and the rest in host memory.
+
+        On a meta model (before loading) this only shapes the slots and allocates the
+        host store the loader fills; on a loaded one it moves the weights.
+        """
+        num_slots = self.num_experts if num_slots is None else num_slots
+        if not 1 <= num_slots <= self.num_experts:
+            raise ValueError(f"moe_expert_cache_size must be from 1 to the number of experts per layer "
+                             f"({self.num_experts}), got {num_slots}")
+        full = self._full_weights()
+        device = self.gate_up_proj.device
+        if num_slots == self.num_experts:
+            host = {}
+            self.gate_up_proj = nn.Parameter(full["gate_up_proj"].to(device), requires_grad=False)
+            self.down_proj = nn.Parameter(full["down_proj"].to(device), requires_grad=False)
+        else:
+            pin = pin_memory and torch.cuda.is_available()
+            host = {name: torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+                    for name, t in full.items()}
+            if device.type != "meta":
+                for name, t in full.items():
+                    host[name].copy_(t)
+            for name, t in full.items():
+                slots = torch.empty((num_slots, *t.shape[1:]), dtype=t.dtype, device=device)
+                setattr(self, name, nn.Parameter(slots, requires_grad=False))
+        self.cache = ExpertCache(self.num_experts, num_slots, host)
+
+    def _full_weights(self) -> dict[str, torch.Tensor]:
+        """Every expert's weights: the parameters when all are resident, else the host store."""
+        if self.cache.host:
+            return dict(self.cache.host)
+        return {"gate_up_proj": self.gate_up_proj.data, "down_proj": self.down_proj.data}
+
+
+@dataclass(eq=False)
+class ExpertCache:
+    """Which expert each device slot of one layer holds, and how routing has used them.
+
+    Slots are handed out per wave (``waves``, ``acquire``) and given back after it
+    (``release``); an acquired slot is never evicted, so a wave's experts stay put
+    while its groups run. Counters: a *hit* is an active expert found in a slot, a
+    *miss* one that had to be copied in (``bytes_loaded``), an *eviction* a miss that
+    displaced another expert.
+    """
+
+    num_experts: int
+    num_slots: int
+    host: dict = field(default_factory=dict)  # gate_up_proj / down_proj of every expert, when offloaded
+    frequency_weight: float | None = None  # None: num_slots / 4, as the KV host tier
+
+    def __post_init__(self):
+        identity = self.num_slots == self.num_experts
+        if identity == bool(self.host):
+            raise ValueError("an expert cache holds either every expert (no host store) or fewer slots "
+                             "backed by a host store")
+        if self.frequency_weight is None:
+            self.frequency_weight = self.num_slots / 4
+        self.slot_of = list(range(self.num_experts)) if identity else [-1] * self.num_experts
+        self.expert_in = list(range(self.num_slots)) if identity else [-1] * self.num_slots
+        self.in_use: set[int] = set()
+        self.clock = 0  # forward passes of this layer
+        self.last_use = [0] * self.num_experts
+        self.routed_tokens = [0] * self.num_experts
+        self.hits = self.misses = self.evictions = self.bytes_loaded = 0
+
+    def record_routing(self, tokens_per_expert: list[int]) -> None:
+        """One forward's routing: its active experts become the most recent, and more frequent."""
+        self.clock += 1
+        for expert, tokens in enumerate(tokens_per_expert):
+            if tokens:
+                self.last_use[expert] = self.clock
+                self.routed_tokens[expert] += tokens
+
+    def score(self, expert: int) -> float:
+        return self.last_use[expert] + self.frequency_weight * math.log2(1 + self.routed_tokens[expert])
+
+    def waves(self, active: list[int]) -> list[list[int]]:
+        """The active experts in waves of at most num_slots, resident ones first (so they count as hits)."""
+        resident = [e for e in active if self.slot_of[e] >= 0]
+        ordered = resident + [e for e in active if self.slot_of[e] < 0]
+        return [ordered[i:i + self.num_slots] for i in range(0, len(ordered), self.num_slots)]
+
+    def acquire(self, wave: list[int], load) -> list[int]:
+        """Slots holding ``wave``'s experts, copying misses in with ``load(expert, slot)``."""
+        if len(wave) > self.num_slots - len(self.in_use):
+            raise RuntimeError(f"expert cache: a wave of {len(wave)} experts with {len(self.in_use)} of "
+                               f"{self.num_slots} slots still in use")
+        wanted = set(wave)
+        slots = []
+        try:
+            for expert in wave:
+                slot = self.slot_of[expert]
+                if slot >= 0:
+                    self.hits += 1
+                else:
+                    self.misses += 1
+                    slot = self._victim(wanted)
+                    self._evict(slot)
+                    # Booked only once copied: a copy that fails leaves the slot free, not
+                    # holding half of one expert under another's name.
+                    self.bytes_loaded += load(expert, slot)
+                    self.expert_in[slot], self.slot_of[expert] = expert, slot
+                self.in_use.add(slot)
+                slots.append(slot)
+        except BaseException:
+            self.release(slots)
+            raise
+        return slots
+
+    def _evict(self, slot: int) -> None:
+        old = self.expert_in[slot]
+        if old >= 0:
+            self.slot_of[old] = self.expert_in[slot] = -1
+            self.evictions += 1
+
+    def _victim(self, wanted: set[int]) -> int:
+        """A free slot, else the one whose expert (not in this wave) scores lowest."""
+        candidates = [s for s in range(self.num_slots) if s not in self.in_use and self.expert_in[s] not in wanted]
+        free = [s for s in candidates if self.expert_in[s] < 0]
+        if free:
+            return free[0]
+        return min(candidates, key=lambda s: (self.score(self.expert_in[s]), s))
+
+    def release(self, slots: list[int]) -> None:
+        self.in_use.difference_update(slots)
+
+    def resident_experts(self) -> list[int]:
+        return [e for e in self.expert_in if e >= 0]
+
+    def check(self) -> None:
+        """Raise if the slot bookkeeping is inconsistent (a leak or a double booking)."""
+        held = [(s, e) for s, e in enumerate(self.expert_in) if e >= 0]
+        if any(self.slot_of[e] != s for s, e in held):
+            raise AssertionError(f"expert cache: slot table {self.expert_in} disagrees with {self.slot_of}")
+        if sum(s >= 0 for s in self.slot_of) != len(held):
+            raise AssertionError(f"expert cache: experts {self.slot_of} point at slots no expert holds")
+        if self.in_use:
+            raise AssertionError(f"expert cache: slots {sorted(self.in_use)} still in use between waves")
+
+    def stats(self) -> dict:
+        lookups = self.hits + self.misses
+        return {
+            "num_experts": self.num_experts,
+            "num_slots": self.num_slots,
+            "resident": len(self.resident_experts()),
+            "hits": self.hits,
+            "misses": self.misses,
+            "hit_rate": self.hits / lookups if lookups else None,
+            "evictions": self.evictions,
+            "bytes_loaded": self.bytes_loaded,
+            "host_bytes": sum(t.numel() * t.element_size() for t in self.host.values()),
+        }
+
+
+# ---------------------------------------------------------------- the model's experts
+
+
+def set_expert_cache_size(model, num_slots: int | None, pin_memory: bool = True) -> None:
+    """Keep ``num_slots`` experts per layer resident (None: all), the rest in host memory.
+
+    Works on a model still on the meta device (the loader's build, before the weights
+    are read) and on a loaded one. Not on CUDA after decode graphs were captured: they
+    would keep reading the old weights.
+    """
+    for block in model.moe_blocks():
+        block.experts.set_resident(num_slots, pin_memory)
+
+
+def offloaded_weights(model) -> dict[str, torch.Tensor]:
+    """Parameter name -> host store, for the experts kept in host memory (what the loader fills)."""
+    stores = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Experts):
+            for key, tensor in module.cache.host.items():
+                stores[f"{name}.{key}"] = tensor
+    return stores
+
+
+def expert_cache_stats(model) -> dict:
+    """Every MoE layer's cache counters, summed, and per layer; {"enabled": False} for a dense model.
+
+    ``router`` says which router produced the figures: "model", or the synthetic bias.
+    """
+    layers = [block.stats() for block in model.moe_blocks()]
+    if not layers:
+        return {"enabled": False}
+    totals = {key: sum(layer[key] for layer in layers)
+              for key in ("hits", "misses", "evictions", "bytes_loaded", "host_bytes")}
+    totals["resident_experts"] = sum(layer["resident"] for layer in layers)
+    lookups = totals["hits"] + totals["misses"]
+    return {"enabled": True, "num_experts": layers[0]["num_experts"], "num_slots": layers[0]["num_slots"],
+            **totals, "hit_rate": totals["hits"] / lookups if lookups else None,
+            "router": layers[0]["router"], "layers": layers}
+
+
+# ---------------------------------------------------------------- synthetic routing (benchmarks only)
+
+
+class SyntheticRouterBias:
+    """SYNTHETIC: a bias on one layer's router logits that makes routing skewed and reused over time.
+
+    Random weights route almost uniformly, so an expert cache hits about as often as
+    its resident fraction; real models reuse a few experts far more. This bias stands
+    in for that locality in benchmarks and tests of the cache, never in serving: it
+    changes the model's outputs. Expert of rank r gets ``-skew * ln(1 + r)`` added to
+    its logit (Zipf-like popularity); every ``drift_every`` forward passes one of the
+    ``hot`` top-ranked experts swaps rank with a random colder one, so the popular set
+    stays for a while and then changes. Seeded: the same calls give the same biases.
+    """
+
+    def __init__(self, num_experts: int, skew: float, hot: int, drift_every: int, seed: int):
+        if skew <= 0 or drift_every < 1 or not 1 <= hot < num_experts:
+            raise ValueError(f"synthetic router bias: skew must be > 0 (got {skew}), drift_every >= 1 (got "
+                             f"{drift_every}), hot from 1 to {num_experts - 1} (got {hot})")
+        self.skew, self.hot, self.drift_every = skew, hot, drift_every
+        self.generator = torch.Generator().manual_seed(seed)
+        self.rank_of = torch.randperm(num_experts, generator=self.generator)
+        self.calls = 0
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls % self.drift_every == 0:
+            hot_rank = int(torch.randint(self.hot, (1,), generator=self.generator))
+            cold_rank = int(torch.randint(self.hot, len(self.rank_of), (1,), generator=self.generator))
+            hot_expert = int((self.rank_of == hot_rank).nonzero())
+            cold_expert = int((self.rank_of == cold_rank).nonzero())
+            self.rank_of[hot_expert], self.rank_of[cold_expert] = cold_rank, hot_rank
+        bias = -self.skew * torch.log1p(self.rank_of.to(torch.float32))
+        return logits + bias.to(device=logits.device, dtype=logits.dtype)
+
+    def describe(self) -> str:
+        return f"synthetic (skew {self.skew}, {self.hot} hot, drift every {self.drift_every})"
+
+
+def synthetic_router_bias(model, skew: float | None = 1.0, hot: int | None = None, drift_every: int = 32,
+                          seed: int = 0) -> None:
+    """SYNTHETIC, for benchmarks: give every MoE layer a SyntheticRouterBias (see there).
+
+    ``hot`` defaults to a quarter of the experts. ``skew=None`` removes the biases
+    again. Off unless this is called; stats() then names it as the router.
+    """
+    for index, block in enumerate(model.moe_blocks()):
+        block.router_bias = None if skew is None else SyntheticRouterBias(
+            block.num_experts, skew, hot or max(1, block.num_experts // 4), drift_every, seed + index)
