@@ -172,7 +172,8 @@ def test_absurd_sizes_are_refused_before_allocating(tmp_path, monkeypatch, host_
     monkeypatch.setattr(loader, "build_model", never_build)
     host_with(GiB)
     write_config(tmp_path, edited(**{field: value}))
-    message = refusal(lambda: LLM(str(tmp_path), load_format="dummy", show_progress=False))
+    # On the CPU, where the host's memory (pretended 1 GiB) is what the load must fit in.
+    message = refusal(lambda: LLM(str(tmp_path), load_format="dummy", device="cpu", show_progress=False))
     assert re.search(r"loading needs [\d.]+ [GT]iB .* but the host has 1.00 GiB available", message), message
     assert re.search(fix, message), message
 
