@@ -6,8 +6,10 @@ import os
 import sys
 from pathlib import Path
 
-from mempath.config import KV_CACHE_DTYPES, EngineConfig
+from mempath.config import KV_CACHE_DTYPES, EngineConfig, choose_cpu_threads
 from mempath.memory.oom import MempathOutOfMemoryError
+
+log = logging.getLogger(__name__)
 
 
 def block_size_arg(text: str) -> int | str:
@@ -151,6 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def runs_on_the_cpu(device: str) -> bool:
+    import torch
+    return device == "cpu" or device.startswith("cpu:") or (device == "auto" and not torch.cuda.is_available())
+
+
 def run_command(args) -> int:
     from mempath.memory.diagnose import run_diagnose
     from mempath.memory.plan import run_plan
@@ -158,6 +165,8 @@ def run_command(args) -> int:
     commands = {"generate": run_generate, "chat": run_chat, "serve": run_serve, "plan": run_plan,
                 "diagnose": run_diagnose}
     try:
+        if args.command != "plan" and runs_on_the_cpu(args.device):
+            log.info(choose_cpu_threads())
         return commands[args.command](args)
     except ValueError as error:  # bad input, a broken config or checkpoint (CheckpointError): one line
         print(f"mempath: error: {error}", file=sys.stderr)

@@ -1,6 +1,7 @@
 """EngineConfig: every engine knob in one place, validated once."""
 import os
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 import torch
 
@@ -168,3 +169,109 @@ def parse_dtype(name: str | None, default: torch.dtype = torch.float32) -> torch
     if name not in _DTYPES:
         raise ValueError(f"unknown dtype {name!r}; use one of {sorted(set(_DTYPES))}")
     return _DTYPES[name]
+
+
+# ---------------------------------------------------------------- CPU threads
+
+_THREADS_CHOSEN: int | None = None  # what choose_cpu_threads set, so a second call leaves it alone
+
+
+def cgroup_cpu_quota(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> float | None:
+    """Cores' worth of CPU time this process's cgroup may use (cpu.max, or cfs quota in v1), or None."""
+    path = ""
+    try:
+        for line in Path(proc_cgroup).read_text().splitlines():
+            if line.startswith("0::"):
+                path = line[3:].strip().rstrip("/")
+    except OSError:
+        pass
+    candidates = [(f"{root}{path}/cpu.max", None), (f"{root}/cpu.max", None),
+                  (f"{root}/cpu/cpu.cfs_quota_us", f"{root}/cpu/cpu.cfs_period_us"),
+                  (f"{root}/cpu,cpuacct/cpu.cfs_quota_us", f"{root}/cpu,cpuacct/cpu.cfs_period_us")]
+    for quota_file, period_file in candidates:
+        try:
+            fields = Path(quota_file).read_text().split()
+            if period_file is not None:
+                fields.append(Path(period_file).read_text().strip())
+        except OSError:
+            continue
+        if len(fields) < 2 or fields[0] in ("max", "-1"):
+            return None
+        return int(fields[0]) / int(fields[1])
+    return None
+
+
+def _proc_stat_cpus(text: str) -> dict[int, tuple[int, int]]:
+    """cpu index -> (idle + iowait jiffies, all jiffies) from /proc/stat's text."""
+    cpus = {}
+    for line in text.splitlines():
+        name, *values = line.split()
+        if name.startswith("cpu") and name[3:].isdigit():
+            counts = [int(v) for v in values[:8]]  # user .. steal; guest time is inside user
+            cpus[int(name[3:])] = (counts[3] + counts[4], sum(counts))
+    return cpus
+
+
+def busy_cores(before: str, after: str, cpus) -> float:
+    """Cores of `cpus` kept busy between two /proc/stat readings."""
+    start, end = _proc_stat_cpus(before), _proc_stat_cpus(after)
+    busy = 0.0
+    for cpu in cpus:
+        if cpu in start and cpu in end and end[cpu][1] > start[cpu][1]:
+            busy += 1 - (end[cpu][0] - start[cpu][0]) / (end[cpu][1] - start[cpu][1])
+    return busy
+
+
+def measure_cpu_use(interval: float = 0.1) -> dict:
+    """The cores this process may use and how many of them other work keeps busy right now."""
+    import math
+    import time
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    quota = cgroup_cpu_quota()
+    figures = {"affinity": len(cpus), "quota": quota, "busy": None}
+    figures["cores"] = len(cpus) if quota is None else max(1, min(len(cpus), math.floor(quota)))
+    try:
+        before = Path("/proc/stat").read_text()
+        time.sleep(interval)  # this thread sleeps: what stays busy is other work
+        figures["busy"] = busy_cores(before, Path("/proc/stat").read_text(), cpus)
+    except OSError:
+        pass
+    return figures
+
+
+def pick_cpu_threads(cores: int, affinity: int, busy: float | None, torch_default: int) -> int:
+    """Threads for the CPUs other work leaves idle, never more than the cores allowed or torch's default.
+
+    OpenMP threads wait for each other at every operator, so one that shares its core with
+    other work holds all of them up: on a busy machine fewer threads than cores run faster.
+    """
+    idle = affinity if busy is None else round(max(0.0, affinity - busy))
+    return max(1, min(cores, idle, torch_default))
+
+
+def choose_cpu_threads() -> str:
+    """Set torch's CPU thread count from the cores actually available; returns the log line.
+
+    The user's choice wins: OMP_NUM_THREADS or MKL_NUM_THREADS in the environment, or a
+    torch.set_num_threads that changed torch's default.
+    """
+    global _THREADS_CHOSEN
+    current = torch.get_num_threads()
+    for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        if os.environ.get(variable):
+            return f"CPU threads: {current}, as {variable}={os.environ[variable]} says"
+    if _THREADS_CHOSEN is not None:
+        return f"CPU threads: {current}" + ("" if current == _THREADS_CHOSEN else ", as torch.set_num_threads chose")
+    import psutil
+    torch_default = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    if current != torch_default:
+        return f"CPU threads: {current}, as torch.set_num_threads chose"
+    use = measure_cpu_use()
+    threads = pick_cpu_threads(use["cores"], use["affinity"], use["busy"], torch_default)
+    torch.set_num_threads(threads)
+    _THREADS_CHOSEN = threads
+    quota = "none" if use["quota"] is None else f"{use['quota']:g} cores"
+    busy = "unknown" if use["busy"] is None else f"{use['busy']:.1f}"
+    return (f"CPU threads: {threads} (torch's default {torch_default}; this process may use {use['cores']} "
+            f"cores: affinity {use['affinity']}, cgroup quota {quota}; {busy} of them busy with other work "
+            f"at start-up). OMP_NUM_THREADS or torch.set_num_threads overrides")

@@ -101,3 +101,76 @@ def test_generate_help_names_one_prompt_and_how_to_give_the_model(capsys):
     out = capsys.readouterr().out
     assert "[[MODEL] PROMPT" not in out
     assert "--model" in out and "PROMPT" in out and "existing directory" in out, out
+
+
+# ---------------------------------------------------------------- CPU threads
+
+def test_cgroup_cpu_quota_v2_and_v1(tmp_path):
+    from mempath.config import cgroup_cpu_quota
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/job\n")
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "cpu.max").write_text("150000 100000\n")
+    assert cgroup_cpu_quota(str(tmp_path), str(proc)) == 1.5
+    (tmp_path / "job" / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_quota(str(tmp_path), str(proc)) is None
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("200000\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert cgroup_cpu_quota(str(v1), str(tmp_path / "missing")) == 2.0
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cgroup_cpu_quota(str(v1), str(tmp_path / "missing")) is None
+
+
+def test_busy_cores_counts_only_this_process_cpus():
+    from mempath.config import busy_cores
+    before = "cpu  0 0 0 0 0 0 0 0\ncpu0 100 0 0 100 0 0 0 0\ncpu1 100 0 0 100 0 0 0 0\ncpu2 0 0 0 0 0 0 0 0\n"
+    # cpu0 fully busy, cpu1 a quarter busy (iowait counts as idle), cpu2 outside the affinity
+    after = "cpu  0 0 0 0 0 0 0 0\ncpu0 120 0 0 100 0 0 0 0\ncpu1 103 0 2 110 5 0 0 0\ncpu2 0 0 0 0 0 0 0 0\n"
+    assert busy_cores(before, after, {0, 1}) == pytest.approx(1.25)
+
+
+@pytest.mark.parametrize("cores, affinity, busy, torch_default, threads", [
+    (2, 2, 1.9, 2, 1),    # a busy 2-core machine: one thread
+    (2, 2, 0.1, 2, 2),    # an idle one: torch's default
+    (2, 64, 10.0, 32, 2),  # a cgroup quota of 2 cores on a big host
+    (8, 8, None, 4, 4),   # no /proc/stat: never above torch's default
+    (4, 4, 6.0, 4, 1),    # oversubscribed: still one
+])
+def test_threads_follow_the_idle_cores(cores, affinity, busy, torch_default, threads):
+    from mempath.config import pick_cpu_threads
+    assert pick_cpu_threads(cores, affinity, busy, torch_default) == threads
+
+
+@pytest.fixture
+def fresh_thread_choice(monkeypatch):
+    import psutil
+
+    import mempath.config as config
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    monkeypatch.setattr(config, "_THREADS_CHOSEN", None)
+    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 2)  # torch's default: 2 threads
+    monkeypatch.setattr(config, "measure_cpu_use",
+                        lambda: {"affinity": 2, "quota": None, "cores": 2, "busy": 1.9})
+    torch.set_num_threads(2)
+    return config
+
+
+def test_generate_on_a_busy_machine_runs_one_thread_and_says_so(fresh_thread_choice, caplog, capsys):
+    import logging
+    with caplog.at_level(logging.INFO):
+        assert main(["generate", "hi", "--max-tokens", "1", "--quiet", "--device", "cpu"]) == 0
+    assert torch.get_num_threads() == 1
+    assert "CPU threads: 1 (torch's default 2" in caplog.text and "1.9 of them busy" in caplog.text
+
+
+def test_the_users_thread_count_wins(fresh_thread_choice, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert "OMP_NUM_THREADS=2" in fresh_thread_choice.choose_cpu_threads()
+    assert torch.get_num_threads() == 2
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    torch.set_num_threads(1)  # not torch's default: the user chose it
+    assert "torch.set_num_threads chose" in fresh_thread_choice.choose_cpu_threads()
+    assert torch.get_num_threads() == 1
