@@ -12,7 +12,9 @@ import torch
 from safetensors.torch import save_file
 
 from mempath import LLM, SamplingParams
-from mempath.memory.plan import plan_memory
+from mempath.memory.diagnose import TensorBytesTracker, _probe_batch
+from mempath.memory.plan import decoder_peak_bytes, moe_phase_bytes, plan_memory, read_shape
+from mempath.model import ops, triton_ops
 from mempath.model.llama import CheckpointError, ModelSpec
 from mempath.model.loader import load_model
 from mempath.model.moe import (
@@ -363,6 +365,53 @@ def test_tiny_moe_counts_match_transformers(arch, model_factory):
     path, hf = model_factory(arch)
     plan = plan_memory(path, dtype="float32")
     assert plan_counts(plan) == moe_meta_counts(hf)
+
+
+# Proportions of Qwen3-30B-A3B's layers (k·h well above I_e), small: the MoE phase sets the peak.
+WIDE_MOE = dict(hidden_size=256, moe_intermediate_size=96, num_experts=16, num_experts_per_tok=4,
+                num_attention_heads=4, head_dim=64, mlp_only_layers=[], num_hidden_layers=2)
+
+
+@pytest.fixture(scope="module")
+def wide_moe(tmp_path_factory):
+    path = tmp_path_factory.mktemp("wide-moe")
+    make_model(path, "qwen3_moe", tokenizer=False, **WIDE_MOE)
+    return str(path)
+
+
+def test_moe_block_peak_equals_the_plan(wide_moe):
+    """The PyTorch path's live tensors in one MoE block, counted by the diagnose tracker."""
+    llm = LLM(wide_moe, dtype="float32", show_progress=False)
+    shape = read_shape(json.loads((Path(wide_moe) / "config.json").read_text()))
+    block = llm.engine.model.moe_blocks()[0]
+    for tokens in (7, 96, 512):
+        x = torch.randn(tokens, shape.hidden_size)
+        tracker = TensorBytesTracker()
+        with torch.inference_mode(), tracker:
+            block(x)
+        assert tracker.peak == moe_phase_bytes(shape, tokens, 4, fused=False)
+
+
+def test_fused_forward_peak_equals_the_plan(wide_moe, monkeypatch):
+    """The whole forward with the fused kernels' memory behaviour (tests/test_forward_memory.py's twins)."""
+    from tests import test_forward_memory as fakes
+    llm = LLM(wide_moe, dtype="float32", show_progress=False)
+    engine = llm.engine
+    monkeypatch.setattr(ops, "_fused", lambda x: True)
+    for name in ("rms_norm", "rope", "rope_and_store", "silu_and_mul"):
+        monkeypatch.setattr(triton_ops, f"triton_{name}", getattr(fakes, f"fake_{name}"))
+    for attn in engine.model.attention_layers():
+        monkeypatch.setattr(attn, "attention_fn", fakes.fake_attention)
+    shape = read_shape(json.loads((Path(wide_moe) / "config.json").read_text()))
+    batch = _probe_batch(engine, 96, 1)
+    with torch.inference_mode():
+        input_ids, positions, meta, _ = engine.runner.prepare(batch, {id(r) for r in batch.requests})
+        tracker = TensorBytesTracker()
+        with tracker:
+            engine.model(input_ids, positions, meta)
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    assert moe_phase_bytes(shape, 96, 4) > 96 * 4 * ((q + 2 * kv) + (q + kv) + q + shape.hidden_size)  # the peak
+    assert tracker.peak == decoder_peak_bytes(shape, 96, 4, fused=True)
 
 
 # ---------------------------------------------------------------- synthetic routing

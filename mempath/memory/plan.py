@@ -457,12 +457,36 @@ def decoder_peak_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, fused: 
     Not modelled: the PyTorch RMSNorm's float32 temporaries on 16-bit input. They
     matter only for Qwen3's wide q/k norms on the PyTorch path (measured on the CPU,
     Qwen3-0.6B shape in bf16: +50%); the fused CUDA kernels make none.
+    Mixture-of-experts layers replace the MLP phase with moe_phase_bytes.
     """
     h, i, d = shape.hidden_size, shape.intermediate_size, shape.head_dim
     q, kv = shape.num_heads * d, shape.num_kv_heads * d
     attention = (q + 2 * kv) + (q + kv) + q + h
     streams, mlp = (2 * h, 3 * i) if fused else (4 * h, 4 * i)
-    return tokens * dtype_bytes * (streams + max(attention, mlp))
+    if not shape.num_moe_layers:
+        return tokens * dtype_bytes * (streams + max(attention, mlp))
+    dense = tokens * dtype_bytes * mlp if shape.num_moe_layers < shape.num_layers else 0
+    phase = max(tokens * dtype_bytes * attention, dense, moe_phase_bytes(shape, tokens, dtype_bytes, fused))
+    return tokens * dtype_bytes * streams + phase
+
+
+def moe_phase_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, fused: bool = True) -> int:
+    """Bytes a MoE block (mempath.model.moe) holds at its peak over `tokens` tokens, beside the streams.
+
+    With k experts per token, b bytes per element: the tokens per expert (E·8 B), per
+    token the pairs' expert ids, sort order and float32 weights (k·20 B), and the larger of
+        experts:   the inputs gathered in expert order k·h and the outputs k·h, plus one
+                   group's work, up to T rows (all of a batch's tokens may pick one
+                   expert): gate/up 2·I_e and activated I_e (+ silu(gate) I_e on the
+                   PyTorch path) or, at the down projection, gate/up, activated and its h
+        combining: the outputs k·h, weighted k·h, back in token order k·h, summed h
+        routing:   logits E·b and their float32 softmax E·4
+    """
+    h, i, k, experts = shape.hidden_size, shape.moe_intermediate_size, shape.num_experts_per_tok, shape.num_experts
+    group = 3 * i + h if fused else max(4 * i, 3 * i + h)
+    per_token = k * 20 + max(dtype_bytes * (2 * k * h + group), dtype_bytes * (3 * k * h + h),
+                             experts * (dtype_bytes + 4))
+    return experts * 8 + tokens * per_token
 
 
 # Rows the sampler sorts at a time for top-k/top-p (mempath.engine.sampler uses this).
