@@ -175,7 +175,8 @@ def test_capacity_arithmetic():
     assert plan.max_concurrency == plan.kv_capacity_tokens // plan.max_model_len
     assert 0 < plan.max_concurrency < 64 and plan.fits
     advice = " ".join(plan.advice)
-    assert f"use --max-num-seqs {plan.max_concurrency}, or --cpu-kv-gb" in advice
+    assert f"use --max-num-seqs {plan.max_concurrency}, or --kv-cache-dtype fp8" in advice
+    assert "or --cpu-kv-gb 8 to keep the KV" in advice
     assert "block size 16 (the default)" in advice and "8 was the slowest" in advice
 
 
@@ -209,14 +210,28 @@ def test_kv_for_one_sequence_does_not_fit():
     assert "--cpu-kv-gb" not in line
 
 
-def test_advice_proposes_no_8bit_kv_cache_or_checkpoint():
-    """Neither exists in mempath (no quantization yet)."""
-    weights_too_big = plan_memory(load("llama-3.1-8b"), gpu_mem_bytes=12 * GiB)
-    kv_too_small = plan_memory(load("llama-3.1-8b"), gpu_mem_bytes=80 * GiB, host_mem_bytes=1 << 44)
-    assert any("does not fit: weights alone" in line for line in weights_too_big.advice)
-    assert any(line.startswith("max-num-seqs 256") for line in kv_too_small.advice)
-    for plan in (weights_too_big, kv_too_small):
-        assert not any("8-bit" in line for line in plan.advice), plan.advice
+def test_advice_proposes_no_8bit_checkpoint():
+    """mempath loads no 8-bit checkpoints (no weight quantization yet)."""
+    plan = plan_memory(load("llama-3.1-8b"), gpu_mem_bytes=12 * GiB)
+    assert any("does not fit: weights alone" in line for line in plan.advice)
+    assert not any("8-bit" in line for line in plan.advice), plan.advice
+
+
+def test_advice_proposes_the_fp8_kv_cache_only_where_it_helps():
+    """--kv-cache-dtype fp8 exists: one byte per element, half of bf16's KV."""
+    short = plan_memory(load("llama-3.1-8b"), gpu_mem_bytes=80 * GiB, max_model_len=8192, max_num_seqs=64)
+    line = next(line for line in short.advice if line.startswith("max-num-seqs 64"))
+    assert "--kv-cache-dtype fp8" in line and "32.00 GiB" in line, line
+    already = plan_memory(load("llama-3.1-8b"), gpu_mem_bytes=80 * GiB, max_model_len=8192, max_num_seqs=128,
+                          kv_cache_dtype="fp8")
+    assert already.kv_cache_dtype == "fp8"
+    assert not any("--kv-cache-dtype" in line for line in already.advice), already.advice
+    one_fits_in_fp8 = plan_memory(load("llama-3.1-8b"), gpu_mem_bytes=30 * GiB)
+    line = next(line for line in one_fits_in_fp8.advice if "one max-model-len 131072 sequence" in line)
+    assert "--kv-cache-dtype fp8" in line, line
+    none_fits = plan_memory(load("llama-3.1-8b"), gpu_mem_bytes=18 * GiB)
+    line = next(line for line in none_fits.advice if "one max-model-len 131072 sequence" in line)
+    assert "--kv-cache-dtype" not in line, line  # 8 GiB in fp8 still does not fit in 258 MiB
 
 
 def test_host_tier_advice_is_capped_by_the_host_memory():
@@ -388,6 +403,14 @@ def test_cli_refuses_a_size_without_a_unit(capsys, flag):
     assert len(err.splitlines()) == 1 and "no unit" in err and "80GiB" in err, err
     assert cli(CONFIGS / "qwen3-0.6b.json", flag, "80GiB") == 0
     assert cli(CONFIGS / "qwen3-0.6b.json", flag, "85899345920B") == 0  # bytes, said so
+
+
+def test_cli_kv_cache_dtype(capsys):
+    assert cli(CONFIGS / "qwen3-0.6b.json", "--gpu-mem", "24GB", "--json") == 0
+    bf16 = json.loads(capsys.readouterr().out)
+    assert cli(CONFIGS / "qwen3-0.6b.json", "--gpu-mem", "24GB", "--kv-cache-dtype", "fp8", "--json") == 0
+    fp8 = json.loads(capsys.readouterr().out)
+    assert fp8["kv_cache_dtype"] == "fp8" and 2 * fp8["kv_bytes_per_token"] == bf16["kv_bytes_per_token"]
 
 
 def test_cli_passes_the_host_memory_to_the_advice(capsys, monkeypatch):

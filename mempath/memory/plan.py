@@ -146,6 +146,7 @@ class MemoryPlan:
     kv_bytes_wanted: int = 0
     fits: bool | None = None  # serving: at least one max-model-len sequence fits
     host_mem_bytes: int | None = None  # bounds the host KV tier the advice may propose
+    kv_cache_dtype: str = "auto"  # auto: the model dtype; fp8*: one byte per element
     # mixture of experts (zeros for a dense model); the routed experts are not in mlp_*
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -731,6 +732,7 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
         blocks_per_seq=blocks_per_seq, kv_bytes_per_seq=blocks_per_seq * per_block,
         max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, gpu_mem_bytes=gpu_mem_bytes, host_mem_bytes=host_mem_bytes,
+        kv_cache_dtype=kv_cache_dtype,
         gpu_memory_utilization=gpu_memory_utilization, cuda_graphs=cuda_graphs,
         fused_kernels=fused_kernels,
         activation_peak_bytes=activation, logits_rows=rows, logits_bytes=logits, step_peak_bytes=step_peak,
@@ -876,17 +878,19 @@ def _capacity_advice(plan: MemoryPlan) -> list[str]:
                 f"--max-num-batched-tokens {room // per_token_act}")
         fit_len = plan.kv_capacity_tokens
         # A running sequence's KV is all on the device: a host tier would not make it fit.
+        fp8 = _fp8_kv_advice(plan, plan.kv_bytes_per_seq) if plan.kv_bytes_per_seq // b <= free_for_kv else ""
         lines.append(
             f"does not fit: one max-model-len {plan.max_model_len} sequence needs "
             f"{human(plan.kv_bytes_per_seq)} of KV; {human(free_for_kv)} is available: use "
-            + (f"--max-model-len {fit_len}" if fit_len else "a GPU with more memory or a smaller model"))
+            + (f"--max-model-len {fit_len}" if fit_len else "a GPU with more memory or a smaller model") + fp8)
         return lines
 
     if plan.kv_bytes_wanted > free_for_kv:
         lines.append(
             f"max-num-seqs {plan.max_num_seqs} at max-model-len {plan.max_model_len} needs "
             f"{human(plan.kv_bytes_wanted)} of KV; {human(free_for_kv)} is available: use "
-            f"--max-num-seqs {plan.max_concurrency}" + _host_tier_advice(plan, plan.kv_bytes_wanted - free_for_kv))
+            f"--max-num-seqs {plan.max_concurrency}" + _fp8_kv_advice(plan, plan.kv_bytes_wanted)
+            + _host_tier_advice(plan, plan.kv_bytes_wanted - free_for_kv))
     else:
         lines.append(
             f"fits: max-num-seqs {plan.max_num_seqs} at max-model-len {plan.max_model_len} needs "
@@ -897,6 +901,14 @@ def _capacity_advice(plan: MemoryPlan) -> list[str]:
         f"outside the budget for the CUDA context and allocator fragmentation, which the config "
         f"cannot tell; measure them with `mempath diagnose`")
     return lines
+
+
+def _fp8_kv_advice(plan: MemoryPlan, kv_bytes: int) -> str:
+    """--kv-cache-dtype fp8 where the cache is in the model dtype: one byte per element instead of b."""
+    if plan.kv_cache_dtype != "auto" or plan.dtype_bytes == 1:
+        return ""
+    return (f", or --kv-cache-dtype fp8 ({human(kv_bytes // plan.dtype_bytes)} of KV for the same tokens; "
+            f"its accuracy: docs/architecture.md)")
 
 
 def _host_tier_advice(plan: MemoryPlan, missing: int) -> str:
@@ -1075,6 +1087,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=_block_size, default=DEFAULT_BLOCK_SIZE,
                         help="tokens per KV block or auto (16, measured)")
     parser.add_argument("--enforce-eager", action="store_true", help="plan without CUDA graphs")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+                        help="auto: the model dtype; fp8: K and V in one byte (as the engine's flag)")
     parser.add_argument("--context-mem", default="0",
                         help="non-PyTorch memory to hold back (CUDA context etc.) with its unit, e.g. 500MiB")
     parser.add_argument("--train", action="store_true", help="also plan training memory")
@@ -1101,6 +1115,7 @@ def run_plan(args: argparse.Namespace) -> int:
             gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             block_size=args.block_size, cuda_graphs=not args.enforce_eager, context_bytes=context,
+            kv_cache_dtype=args.kv_cache_dtype,
             train=args.train, optimizer=args.optimizer, micro_batch=args.micro_batch,
             seq_len=args.seq_len, checkpointing=args.checkpointing,
             checkpoint_layers=parse_layers(args.checkpoint_layers), lora_rank=args.lora_rank,
