@@ -304,7 +304,7 @@ _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 1000px; }
 table { border-collapse: collapse; font-size: 13px; }
 td, th { border-bottom: 1px solid #ddd; padding: 3px 8px; text-align: left; }
-td.num { text-align: right; font-variant-numeric: tabular-nums; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 .bad { color: #b00; } .ok { color: #060; }
 figure.chart { margin: 1em 0; } figure.chart svg { max-width: 100%; height: auto; }
 figcaption, p.note { font-size: 12px; color: #555; }
