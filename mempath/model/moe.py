@@ -12,7 +12,7 @@ Arithmetic follows transformers' default (``grouped_mm``) experts path, so float
 outputs are token-identical: float32 softmax over all experts before top-k, the
 family's renormalisation, the weights' dtype (Qwen3-MoE and OLMoE round them to
 the activation dtype, Mixtral keeps float32), weighting in sorted order and the
-sum over the k slots in slot order.
+sum over each token's k choices in their order.
 
 Experts as a pathway: every layer's ``ExpertCache`` keeps ``num_slots`` experts in
 *slots* on the compute device and the full set in host memory (pinned on CUDA).
@@ -36,9 +36,9 @@ from mempath.model.ops import silu_and_mul
 
 
 def dispatch(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sort the flat (token, slot) pairs by expert: (order, tokens per expert).
+    """Sort the flat (token, choice) pairs by expert: (order, tokens per expert).
 
-    ``order[j]`` is the pair (token ``order[j] // k``, slot ``order[j] % k``) in sorted
+    ``order[j]`` is the pair (token ``order[j] // k``, choice ``order[j] % k``) in sorted
     position j. The sort is transformers' (not stable): a row's matmul result can depend
     on its position in the group when the CPU splits the rows over threads, so the same
     order is what makes the output bit-identical to theirs.
@@ -50,7 +50,7 @@ def dispatch(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
 
 def combine(sorted_out: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, top_k: int,
             dtype: torch.dtype) -> torch.Tensor:
-    """Weight each pair's output, put the pairs back in (token, slot) order, sum over slots."""
+    """Weight each pair's output, put the pairs back in (token, choice) order, sum over the k choices."""
     weighted = sorted_out * weights.reshape(-1)[order].unsqueeze(-1)
     unsorted = torch.empty_like(weighted)
     unsorted[order] = weighted
@@ -84,7 +84,7 @@ class MoEBlock(nn.Module):
         return weights, expert_ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
             # The groups' sizes are read on the host; a captured graph would replay stale ones.
             raise RuntimeError("MoE layers cannot run inside a CUDA graph until the grouped-GEMM kernel "
                                "lands: run the model with enforce_eager=True (--enforce-eager)")
@@ -146,10 +146,11 @@ class Experts(nn.Module):
         return (self.gate_up_proj[0].numel() + self.down_proj[0].numel()) * self.gate_up_proj.element_size()
 
     def set_resident(self, num_slots: int | None, pin_memory: bool = False) -> None:
-        """Keep ``num_slots`` experts on the parameters' device (None: all) and the rest in host memory.
+        """Keep ``num_slots`` experts on the parameters' device (None: all), every expert in host memory.
 
         On a meta model (before loading) this only shapes the slots and allocates the
-        host store the loader fills; on a loaded one it moves the weights.
+        host store the loader fills; on a loaded one it moves the weights. The slots
+        start empty and the counters at zero.
         """
         num_slots = self.num_experts if num_slots is None else num_slots
         if not 1 <= num_slots <= self.num_experts:
