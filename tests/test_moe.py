@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from mempath import LLM, SamplingParams
 from mempath.memory.diagnose import TensorBytesTracker, _probe_batch
-from mempath.memory.plan import decoder_peak_bytes, moe_phase_bytes, plan_memory, read_shape
+from mempath.memory.plan import decoder_peak_bytes, load_bytes, moe_phase_bytes, plan_memory, read_shape
 from mempath.model import ops, triton_ops
 from mempath.model.llama import CheckpointError, ModelSpec
 from mempath.model.loader import load_model
@@ -349,6 +349,8 @@ def test_planner_counts_experts_as_transformers_does(name, cache_size):
     assert plan.host_expert_bytes == plan.expert_bytes
     assert plan.active_params == plan.total_params - experts + per_expert * plan.num_experts_per_tok
     assert plan.kv_budget_bytes == plan.budget_bytes - plan.resident_weight_bytes - plan.workspace_bytes
+    loading = load_bytes(read_shape(config), 2, 4096, expert_cache_size=cache_size)  # what loading checks
+    assert (loading["weights"], loading["host_experts"]) == (plan.resident_weight_bytes, plan.expert_bytes)
 
 
 def test_planner_reference_figures():
@@ -457,3 +459,22 @@ def test_cuda_eager_matches_cpu_for_every_cache_size(arch, model_factory, refere
     assert host.is_pinned() and llm.engine.model.moe_blocks()[0].experts.gate_up_proj.is_cuda
     assert generate(llm) == references[arch]
     check_caches(llm.engine.model)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_load_allocates_only_the_resident_experts(model_factory):
+    """On the device: the planner's resident weights and the rotary tables; every expert pinned on the host."""
+    path, _ = model_factory("mixtral")
+    device = torch.device("cuda")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(device)
+    model, _, report = load_model(path, torch.bfloat16, device, max_positions=512, show_progress=False,
+                                  expert_cache_size=2)
+    torch.cuda.synchronize()
+    planned = load_bytes(read_shape(json.loads((Path(path) / "config.json").read_text())), 2, 512,
+                         expert_cache_size=2)
+    rounding = 512 * (len(list(model.parameters())) + 8)  # the allocator rounds each block up to 512 bytes
+    kept = planned["weights"] + planned["rotary_tables"]
+    assert kept <= torch.cuda.memory_allocated(device) - before <= kept + rounding
+    assert report.host_weight_bytes == planned["host_experts"]
+    assert all(t.is_pinned() for block in model.moe_blocks() for t in block.experts.cache.host.values())
