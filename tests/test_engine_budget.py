@@ -153,3 +153,13 @@ def test_the_allocator_is_capped_at_what_the_budget_leaves_it(monkeypatch, caplo
     with caplog.at_level(logging.WARNING, logger=engine_module.__name__):
         LLMEngine._cap_device_memory(engine)
     assert any("--gpu-memory-utilization" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_graphs_are_planned_only_where_they_can_be_captured(moe):
+    """A MoE layer reads its expert groups on the host: no decode graphs, no graph memory reserved."""
+    from mempath.engine.runner import ModelRunner
+    runner = SimpleNamespace(device=torch.device("cuda"), config=SimpleNamespace(enforce_eager=False),
+                             max_num_seqs=16, model=SimpleNamespace(moe_blocks=lambda: [object()] if moe else []))
+    sizes = ModelRunner.graph_sizes(runner)
+    assert sizes == ([] if moe else [1, 2, 4, 8, 16])

@@ -220,7 +220,7 @@ class LLMEngine:
         reserved = torch.cuda.memory_reserved(device)
         # CUDA graphs are captured after the KV cache exists; keep room for their pool
         # (its size is measured then and shows in the ledger).
-        graph_reserve = 0 if self.config.enforce_eager else self._graph_pool_estimate()
+        graph_reserve = self._graph_pool_estimate() if self.runner.graph_sizes() else 0
         staging = self._tier_staging_bytes(per_block)
         budget = (self.budget_bytes() - in_use - activation_peak - graph_reserve - graph_driver_bytes
                   - staging - OUTSIDE_TORCH_GROWTH)

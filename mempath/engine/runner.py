@@ -327,8 +327,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def graph_sizes(self) -> list[int]:
-        """The decode batch sizes that get a CUDA graph (none when eager or on the CPU)."""
-        if self.device.type != "cuda" or self.config.enforce_eager:
+        """The decode batch sizes that get a CUDA graph (none when eager, on the CPU, or for MoE).
+
+        A MoE layer reads its expert group sizes on the host, which a graph cannot capture.
+        """
+        if self.device.type != "cuda" or self.config.enforce_eager or self.model.moe_blocks():
             return []
         return graph_batch_sizes(min(self.max_num_seqs, MAX_GRAPH_BATCH))
 
