@@ -457,3 +457,8 @@ def test_failed_disk_writes_do_not_flood_the_log(tiny, reference, tmp_path, monk
     assert len(lines) == 1 and "write_no_space" in lines[0].getMessage() and lines[0].exc_info is None
     assert not block_files(tmp_path)
     assert_no_leak(llm)
+    pytest.importorskip("prometheus_client")
+    from mempath.server.metrics import ServerMetrics
+    text = ServerMetrics("tiny", llm.engine.config.block_size).render(llm.engine.stats()).decode()
+    line = next(x for x in text.splitlines() if x.startswith("mempath:disk_kv_failures_total") and "write_no_space" in x)
+    assert float(line.split()[-1]) == failures["write_no_space"]  # the counter is in /metrics

@@ -161,3 +161,13 @@ class _SnapshotCollector:
         for pathway, entry in stats["ledger"].items():
             memory.add_metric([name, pathway, entry["device"], entry["source"]], entry["bytes"])
         yield memory
+
+        # Every kind at zero from the start when there is a disk tier (kv.tiers: disk_failures).
+        failures = stats.get("tiers", {}).get("disk_failures") or {}
+        if failures:
+            family = CounterMetricFamily("mempath:disk_kv_failures",
+                                         "Disk KV tier failures by kind (each one recomputed, never served).",
+                                         labels=["model_name", "kind"])
+            for kind, count in sorted(failures.items()):
+                family.add_metric([name, kind], count)
+            yield family
