@@ -140,6 +140,9 @@ class LLMEngine:
         # step() reports every token (streaming callers); offline callers that only
         # want finished requests turn this off and save an output object per token.
         self.emit_progress = True
+        # Finished outputs carry every token's logprobs; a caller that takes them from each
+        # step's output (the server) turns this off, and the engine keeps none of them.
+        self.keep_all_logprobs = True
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         # A decode step launched but not read back yet (async scheduling).
@@ -438,6 +441,37 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self.in_flight is not None
 
+    def has_runnable_requests(self) -> bool:
+        """Whether step() has work: unfinished requests other than paused ones."""
+        return self.scheduler.has_runnable() or self.in_flight is not None
+
+    def pause_request(self, request_id: str) -> None:
+        """Stop scheduling a request (its reader is behind) until resume_request; it keeps its
+        blocks unless another request needs them. A no-op once it is done."""
+        request = self.requests.get(request_id)
+        if request is not None and not request.is_finished:
+            self.scheduler.pause(request)
+
+    def resume_request(self, request_id: str) -> None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.scheduler.resume(request)
+
+    def commit_host_kv(self) -> None:
+        """Write a CPU KV pool once, so that all its pages are resident from now on.
+
+        The pool is allocated empty and the OS backs a page only once it is written, so a
+        long-running server's RSS would otherwise climb by the whole pool (1 GiB by
+        default) as the free queue reaches blocks never used before.
+        """
+        if self.device.type == "cpu":
+            self.runner.kv_cache.zero_()
+
+    def close(self) -> None:
+        """Let the disk tier finish the writes it has queued, then stop its threads."""
+        if self.kv.tiers is not None:
+            self.kv.tiers.close()
+
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
         if self.in_flight is not None:
@@ -544,10 +578,12 @@ class LLMEngine:
     def _schedule_ahead(self, previous: PendingTokens) -> tuple[ScheduledBatch, list[int]] | None:
         """The next decode step of the in-flight requests, or None when the ordinary schedule is needed."""
         s = self.scheduler
-        if s.loading or (s.waiting and len(s.running) < self.config.max_num_seqs):
+        num_active = s.num_active()
+        if s.loading or (s.waiting and num_active < self.config.max_num_seqs):
             return None
-        rows = [i for i, r in enumerate(previous.sampling) if r.status == RequestStatus.RUNNING]
-        if len(rows) != len(s.running) or len(rows) > self.config.max_num_batched_tokens:
+        rows = [i for i, r in enumerate(previous.sampling)
+                if r.status == RequestStatus.RUNNING and r not in s.paused]
+        if len(rows) != num_active or len(rows) > self.config.max_num_batched_tokens:
             return None  # someone runs that the in-flight step did not cover
         batch, src = ScheduledBatch(), []
         for i in rows:
@@ -626,13 +662,16 @@ class LLMEngine:
             self.detokenizers.pop(request.request_id, None)
         ttft = None if request.first_token_time is None else request.first_token_time - request.arrival_time
         total = None if request.finish_time is None else request.finish_time - request.arrival_time
+        logprobs = request.logprobs
+        if logprobs is not None and not self.keep_all_logprobs:
+            request.logprobs = []  # this output hands them over
         return RequestOutput(
             request_id=request.request_id, prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
             token_ids=request.output_token_ids if finished else [],
             text=request.output_text, finished=finished, finish_reason=request.finish_reason,
             stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens or 0,
-            logprobs=request.logprobs, error=request.error, time_to_first_token=ttft,
+            logprobs=logprobs, error=request.error, time_to_first_token=ttft,
             total_time=total, new_text=new_text, new_token_ids=new_token_ids,
             num_output_tokens=request.num_output_tokens)
 
@@ -642,6 +681,7 @@ class LLMEngine:
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            "num_paused": len(self.scheduler.paused),
             "kv_blocks_total": pool.num_blocks,
             "kv_blocks_used": pool.num_used,
             "kv_blocks_free": pool.num_free,

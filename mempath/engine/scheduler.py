@@ -13,6 +13,11 @@ in the host and disk tiers: if loading them beats recomputing them, the request
 gets device blocks and waits in ``loading`` (other requests keep running) until
 they land, then runs with those tokens computed. A preempted request may be
 swapped to host memory instead of recomputed (``TieredKV.should_swap``).
+
+A request can be paused (the server does so while its client is not reading): it is
+not scheduled and keeps its blocks, but it is the first to be preempted when a
+running or waiting request needs room; preempted, it is parked outside the queue
+until resumed, so it never holds up the head of the queue.
 """
 import logging
 from collections import deque
@@ -53,13 +58,41 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.loading: dict[Request, Load] = {}  # admitted, KV blocks still on their way
+        self.paused: set[Request] = set()  # not scheduled until resumed (running, loading or parked)
+        self.parked: list[Request] = []  # paused and without blocks: back to the queue's front on resume
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.loading)
+        return bool(self.waiting or self.running or self.loading or self.parked)
+
+    def has_runnable(self) -> bool:
+        """Whether a step has anything to do: unfinished requests besides paused ones."""
+        return bool(self.waiting or self.loading) or self.num_active() > 0
+
+    def num_active(self) -> int:
+        """Running requests that are not paused."""
+        return len(self.running) - sum(1 for r in self.paused if r.status == RequestStatus.RUNNING)
+
+    def pause(self, request: Request) -> None:
+        if request.status == RequestStatus.WAITING and request not in self.parked:
+            self.waiting.remove(request)
+            self.parked.append(request)
+        self.paused.add(request)
+
+    def resume(self, request: Request) -> None:
+        if request not in self.paused:
+            return
+        self.paused.discard(request)
+        if request in self.parked:
+            self.parked.remove(request)
+            self.waiting.appendleft(request)
+        elif request.status == RequestStatus.RUNNING and self.num_active() > self.max_num_seqs:
+            # Others were admitted while it was paused and a step has no row for it now.
+            self.running.remove(request)
+            self.preempt(request)
 
     def schedule(self) -> ScheduledBatch:
         if self.kv.tiers is not None:
@@ -76,9 +109,15 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request in self.paused:
+                i += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv.append_slots(request, num_new):
-                victim = self.running.pop()
+                j = self._victim_index()
+                victim = self.running.pop(j)
+                if j < i:
+                    i -= 1  # a paused request, skipped above: the current one moved down
                 self.preempt(victim)
                 batch.preempted.append(victim)
                 if victim is request:
@@ -89,7 +128,7 @@ class Scheduler:
             i += 1
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.max_num_seqs:
+        while self.waiting and budget > 0 and self.num_active() + len(self.loading) < self.max_num_seqs:
             request = self.waiting[0]
             if request.swapped is not None:
                 load = self.kv.tiers.start_swap_in(request)
@@ -115,6 +154,8 @@ class Scheduler:
             num_cached = len(cached) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.kv.allocate(request, cached, num_new):
+                if self._preempt_paused():
+                    continue  # with a paused request's blocks it may fit now
                 break  # first come, first served: nobody overtakes the head of the queue
             if choices:
                 self.kv.tiers.record_choices(request.request_id, choices)
@@ -126,6 +167,23 @@ class Scheduler:
             batch.requests.append(request)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
+
+    def _victim_index(self) -> int:
+        """Who is preempted for room: the newest paused running request, else the newest."""
+        for j in range(len(self.running) - 1, -1, -1):
+            if self.running[j] in self.paused:
+                return j
+        return len(self.running) - 1
+
+    def _preempt_paused(self) -> bool:
+        """Preempt the newest paused running request; False if none runs."""
+        if not self.running:
+            return False
+        j = self._victim_index()
+        if self.running[j] not in self.paused:
+            return False
+        self.preempt(self.running.pop(j))
+        return True
 
     def _being_loaded(self, hashes: list[bytes], found: list) -> bool:
         """Whether a host or disk block of ``found`` is on its way to the device for another request."""
@@ -172,7 +230,10 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        if request in self.paused:
+            self.parked.append(request)
+        else:
+            self.waiting.appendleft(request)
         log.debug("preempted %s by %s (%d tokens)", request.request_id,
                   "swap" if swapped else "recompute", request.num_tokens)
 
@@ -184,13 +245,17 @@ class Scheduler:
 
     def finish(self, request: Request, reason: str) -> None:
         """Take a request out of the queues and give its blocks back."""
+        self.paused.discard(request)
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status == RequestStatus.WAITING:
-            try:
-                self.waiting.remove(request)
-            except ValueError:
-                pass
+            if request in self.parked:
+                self.parked.remove(request)
+            else:
+                try:
+                    self.waiting.remove(request)
+                except ValueError:
+                    pass
             if request.swapped is not None:
                 self.kv.tiers.release_swap(request)
         elif request.status == RequestStatus.LOADING:

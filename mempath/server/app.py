@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 
+import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
@@ -27,7 +28,7 @@ from starlette.requests import ClientDisconnect
 
 from mempath.engine.detokenizer import StopPrefixes
 from mempath.sampling import SamplingParams
-from mempath.server.async_engine import AsyncEngine, EngineDeadError, Update
+from mempath.server.async_engine import AsyncEngine, EngineDeadError, Update, UpdateQueue
 from mempath.server.cli import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS,
                                 DEFAULT_MAX_N, check_api_key)
 from mempath.server.guards import HeaderLimits, LoopbackHostOnly, is_loopback_address
@@ -131,6 +132,46 @@ def build_app(engine_client: AsyncEngine, served_model_name: str, api_key: str |
 
     app.include_router(api)
     return app
+
+
+# ----------------------------------------------------------------- running under uvicorn
+RESPONSE_FLUSH_TIMEOUT = 5.0  # seconds, after the drain, for the last events to reach the clients
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn that drains the engine on SIGINT / SIGTERM before it closes connections.
+
+    uvicorn alone waits for open responses, cancels them (a stream just stops, with no
+    error event), and then re-raises the signal, so the exit status is the signal's.
+    Here: stop accepting connections, stop admitting requests, give running ones
+    ``shutdown_timeout`` seconds, end the rest with an error event and [DONE], let uvicorn
+    close the connections, stop the engine (which flushes the disk tier), exit 0.
+    """
+
+    def __init__(self, config: uvicorn.Config, engine_client: AsyncEngine, shutdown_timeout: float):
+        super().__init__(config)
+        self.engine_client = engine_client
+        self.shutdown_timeout = shutdown_timeout
+
+    async def shutdown(self, sockets=None) -> None:
+        for server in getattr(self, "servers", []):
+            server.close()
+        log.info("shutting down: running requests get %g s to finish (--shutdown-timeout)",
+                 self.shutdown_timeout)
+        drained = self.engine_client.drain(self.shutdown_timeout)
+        while not (drained.done() or self.force_exit):  # a second Ctrl+C skips the wait
+            await asyncio.wait({drained}, timeout=0.1)
+        await super().shutdown(sockets)
+        self._captured_signals.clear()  # handled: the process exits normally instead of by the signal
+
+
+def serve(app: FastAPI, shutdown_timeout: float, **uvicorn_options) -> None:
+    """Serve `app` (from build_app) until SIGINT / SIGTERM, then shut down gracefully."""
+    config = uvicorn.Config(app, timeout_graceful_shutdown=RESPONSE_FLUSH_TIMEOUT, **uvicorn_options)
+    server = GracefulServer(config, app.state.engine_client, shutdown_timeout)
+    server.run()
+    if not server.started:
+        raise SystemExit(uvicorn.config.STARTUP_FAILURE)  # uvicorn has logged why
 
 
 # ----------------------------------------------------------------- errors and checks
@@ -295,7 +336,7 @@ class Call:
         self.n = n
         self.num_logprobs = num_logprobs
         self.created = int(time.time())
-        self.queue: asyncio.Queue[Update] = asyncio.Queue()
+        self.queue = UpdateQueue()
         self.choice_of: dict[str, int] = {}
         self.num_choices = 0
         self._open: set[str] = set()
@@ -540,17 +581,18 @@ async def stream_sse(call: Call, include_usage: bool, chunk, choice, logprobs_fo
         async for index, update in call.updates():
             if update.finished:
                 finals[index] = update
-            if update.finish_reason == "error":
-                yield sse(error_body(update.error or "generation failed", "server_error"))
-                continue
+            failed = update.finish_reason == "error"
             delta = texts[index].take(update)
             logprobs = None
             if call.num_logprobs is not None and update.new_token_ids:
                 logprobs = logprobs_for(index, update)
-            if not (delta or update.finished or logprobs):
-                continue
-            finish = openai_finish_reason(update) if update.finished else None
-            yield chunk([choice(index, delta, logprobs, finish)])
+            # Undelivered updates arrive merged, so one can hold tokens and then an error:
+            # the tokens go out first.
+            if delta or logprobs or (update.finished and not failed):
+                finish = openai_finish_reason(update) if update.finished and not failed else None
+                yield chunk([choice(index, delta, logprobs, finish)])
+            if failed:
+                yield sse(error_body(update.error or "generation failed", "server_error"))
         if include_usage:
             yield chunk([], call.usage(finals))
         yield SSE_DONE

@@ -1,14 +1,21 @@
 """AsyncEngine: the LLMEngine on a thread of its own, driven from asyncio.
 
 The engine is not thread-safe, so exactly one thread owns it. That thread runs
-commands from an inbox (add, abort, stats) between steps, steps while anything is
-unfinished, and sleeps on a condition variable when there is nothing to do. Each
-request's outputs reach the event loop through ``loop.call_soon_threadsafe`` into
-an asyncio.Queue the HTTP side gave when adding it; the event loop never touches
-the engine.
+commands from an inbox (add, abort, stats, resume, drain) between steps, steps while
+anything can run, and sleeps on a condition variable when there is nothing to do.
+Each request's outputs reach the event loop through the UpdateQueue the HTTP side
+gave when adding it; the event loop never touches the engine.
+
+Backpressure: a request's undelivered updates are merged into one (deltas appended),
+so a stream nobody reads holds its new tokens once, not a copy of its whole text per
+token. When a request has ``backlog_tokens`` undelivered tokens the engine stops
+scheduling it (it keeps its KV blocks unless another request needs them) until the
+reader takes the backlog, and aborts it, freeing its blocks, if that takes longer
+than ``stream_stall_timeout`` seconds.
 """
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -18,18 +25,24 @@ from typing import Callable
 
 from mempath.engine.engine import LLMEngine, RequestOutput
 from mempath.sampling import SamplingParams
+from mempath.server.cli import DEFAULT_STREAM_STALL_TIMEOUT
 
 log = logging.getLogger(__name__)
+
+# Undelivered tokens after which a request stops being scheduled: with 20 logprobs a
+# token's update holds ~2 KB, so a stalled request holds ~130 KB at most.
+STREAM_BACKLOG_TOKENS = 64
+SHUTTING_DOWN = "the server is shutting down"
 
 
 @dataclass(frozen=True)
 class Update:
-    """What one engine step produced for one request, safe to hand to another thread."""
+    """What one or more engine steps produced for one request, safe to hand to another thread."""
     request_id: str
     new_text: str
     new_token_ids: list[int]
     new_logprobs: list[dict[int, float]] | None  # one entry per new token
-    text: str  # the whole output so far (stop strings already cut off)
+    text: str  # the whole output so far (stop strings already cut off): the engine's own string
     finished: bool
     finish_reason: str | None
     num_prompt_tokens: int
@@ -38,11 +51,93 @@ class Update:
     error: str | None = None
 
 
+class _Backlog:
+    """One request's undelivered updates: deltas appended, everything else from the latest."""
+    __slots__ = ("latest", "texts", "token_ids", "logprobs", "on_taken")
+
+    def __init__(self, update: Update):
+        self.latest = update
+        self.texts = [update.new_text]
+        self.token_ids = list(update.new_token_ids)
+        self.logprobs = None if update.new_logprobs is None else list(update.new_logprobs)
+        self.on_taken: Callable[[], None] | None = None
+
+    def add(self, update: Update) -> None:
+        self.latest = update
+        self.texts.append(update.new_text)
+        self.token_ids.extend(update.new_token_ids)
+        if update.new_logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(update.new_logprobs)
+
+    def merged(self) -> Update:
+        if len(self.texts) == 1:
+            return self.latest
+        return dataclasses.replace(self.latest, new_text="".join(self.texts), new_token_ids=self.token_ids,
+                                   new_logprobs=self.logprobs)
+
+
+class UpdateQueue:
+    """The updates of one API call's requests, each request's undelivered ones merged into one.
+
+    The engine thread offers updates; the event loop awaits get(), which hands out one
+    request's whole backlog at a time, in the order the backlogs began.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._backlogs: dict[str, _Backlog] = {}
+        self._ready: asyncio.Queue[str] = asyncio.Queue()  # one entry per backlog
+        # Set once a request of this call is in: the call's later ones (the n samples after
+        # the first) are still admitted while the server drains, so an admitted call completes.
+        self.admitted = False
+
+    def offer(self, update: Update) -> tuple[bool, int]:
+        """Add an update from any thread.
+
+        Returns whether it began a backlog (then wake() is due) and the undelivered tokens.
+        """
+        with self._lock:
+            backlog = self._backlogs.get(update.request_id)
+            if backlog is None:
+                backlog = self._backlogs[update.request_id] = _Backlog(update)
+                return True, len(backlog.token_ids)
+            backlog.add(update)
+            return False, len(backlog.token_ids)
+
+    def wake(self, request_id: str) -> None:
+        """Event loop only: the backlog that offer() began can be taken."""
+        self._ready.put_nowait(request_id)
+
+    def put_nowait(self, update: Update) -> None:
+        """Event loop only: offer and wake in one."""
+        if self.offer(update)[0]:
+            self.wake(update.request_id)
+
+    def call_when_taken(self, request_id: str, callback: Callable[[], None]) -> bool:
+        """Run `callback` on the event loop once the request's backlog is taken; False if it already was."""
+        with self._lock:
+            backlog = self._backlogs.get(request_id)
+            if backlog is None:
+                return False
+            backlog.on_taken = callback
+            return True
+
+    async def get(self) -> Update:
+        request_id = await self._ready.get()
+        with self._lock:
+            backlog = self._backlogs.pop(request_id)
+        if backlog.on_taken is not None:
+            backlog.on_taken()
+        return backlog.merged()
+
+
 @dataclass
 class _Route:
     """Where a request's updates go, and the timing its metrics need."""
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    queue: UpdateQueue
     last_token_time: float | None = None
 
 
@@ -51,15 +146,25 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics=None):
+    def __init__(self, engine: LLMEngine, metrics=None,
+                 stream_stall_timeout: float = DEFAULT_STREAM_STALL_TIMEOUT,
+                 backlog_tokens: int = STREAM_BACKLOG_TOKENS):
         self.engine = engine
+        # Every update carries its own logprobs: the engine need not keep a request's history.
+        engine.keep_all_logprobs = False
+        engine.commit_host_kv()  # RSS stays flat over the server's life instead of creeping up
         self.metrics = metrics
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.stream_stall_timeout = stream_stall_timeout
+        self.backlog_tokens = backlog_tokens
         self._routes: dict[str, _Route] = {}  # engine thread only
+        self._stalls: dict[str, float] = {}  # paused request -> when it is aborted; engine thread only
+        self._drain: tuple[float, concurrent.futures.Future] | None = None  # deadline, done; engine thread
         self._inbox: deque[tuple[Callable, concurrent.futures.Future | None]] = deque()
         self._wake = threading.Condition()
         self._stopping = False
+        self._admitting = True
         self._thread: threading.Thread | None = None
         self.num_step_errors = 0
 
@@ -70,7 +175,20 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="mempath-engine", daemon=True)
         self._thread.start()
 
+    def drain(self, timeout: float) -> asyncio.Future:
+        """Stop admitting requests now; the result completes once every request has finished,
+        or after `timeout` seconds, when those left are ended with an error."""
+        with self._wake:
+            self._admitting = False
+        done = concurrent.futures.Future()
+        try:
+            self._submit(lambda: self._begin_drain(time.monotonic() + timeout, done), wait=False)
+        except EngineDeadError:
+            done.set_result(None)  # a stopped engine runs nothing
+        return asyncio.wrap_future(done)
+
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; requests still running end with an error, the disk tier is flushed."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
@@ -83,10 +201,12 @@ class AsyncEngine:
 
     # ----------------------------------------------------------------- event-loop side
     async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                          queue: asyncio.Queue) -> None:
+                          queue: UpdateQueue) -> None:
         """Queue a request; its Updates will be put on `queue`. Raises the engine's ValueError."""
         route = _Route(asyncio.get_running_loop(), queue)
-        await asyncio.wrap_future(self._submit(lambda: self._add(prompt, params, request_id, route)))
+        command = lambda: self._add(prompt, params, request_id, route)  # noqa: E731
+        await asyncio.wrap_future(self._submit(command, admit=not queue.admitted))
+        queue.admitted = True
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks; safe from any thread, a no-op once it is done."""
@@ -99,32 +219,81 @@ class AsyncEngine:
         """The engine's stats, read between steps so the figures agree with each other."""
         return await asyncio.wrap_future(self._submit(self.engine.stats))
 
-    def _submit(self, command: Callable, wait: bool = True) -> concurrent.futures.Future | None:
+    def _submit(self, command: Callable, wait: bool = True,
+                admit: bool = False) -> concurrent.futures.Future | None:
         if not self.is_alive:
             raise EngineDeadError("the engine thread is not running")
         future = concurrent.futures.Future() if wait else None
         with self._wake:
-            if self._stopping:
-                raise EngineDeadError("the server is shutting down")
+            if self._stopping or (admit and not self._admitting):
+                raise EngineDeadError(SHUTTING_DOWN)
             self._inbox.append((command, future))
             self._wake.notify()
         return future
+
+    def _resume_soon(self, request_id: str) -> None:
+        """Event loop: the reader took the backlog of a paused request."""
+        try:
+            self._submit(lambda: self._resume(request_id), wait=False)
+        except EngineDeadError:
+            pass  # stopping: the request is being ended anyway
 
     # ----------------------------------------------------------------- engine thread
     def _run(self) -> None:
         while True:
             with self._wake:
-                while not (self._inbox or self._stopping or self.engine.has_unfinished_requests()):
-                    self._wake.wait()
+                while not (self._inbox or self._stopping or self.engine.has_runnable_requests()):
+                    wait = self._next_deadline()
+                    if wait is not None and wait <= 0:
+                        break
+                    self._wake.wait(wait)
                 if self._stopping:
                     break
                 commands = list(self._inbox)
                 self._inbox.clear()
             self._run_commands(commands)
-            if self.engine.has_unfinished_requests():
+            if self.engine.has_runnable_requests():
                 self._step()
-        self._fail_all("the server is shutting down")
+            self._enforce_deadlines()
+        self._fail_all(SHUTTING_DOWN)
         self._refuse_pending()
+        self._finish_drain()
+        try:
+            self.engine.close()
+        except Exception:  # noqa: BLE001 - nothing is left to tell but the log
+            log.exception("closing the engine failed")
+
+    def _next_deadline(self) -> float | None:
+        """Seconds until a stalled stream or the drain must be dealt with; None if nothing waits."""
+        deadlines = list(self._stalls.values())
+        if self._drain is not None:
+            deadlines.append(self._drain[0])
+        return min(deadlines) - time.monotonic() if deadlines else None
+
+    def _enforce_deadlines(self) -> None:
+        now = time.monotonic()
+        for request_id, deadline in list(self._stalls.items()):
+            if deadline <= now:
+                log.info("request %s: its client read nothing for %.0f s; aborted", request_id,
+                         self.stream_stall_timeout)
+                message = (f"the client did not read this stream for {self.stream_stall_timeout:g} s "
+                           f"(--stream-stall-timeout); it was stopped")
+                self._end(request_id, message, "abort")
+        if self._drain is not None:
+            if self._routes and now >= self._drain[0]:
+                log.info("shutdown: ending %d request(s) still running", len(self._routes))
+                self._fail_all(SHUTTING_DOWN)
+            if not self._routes:
+                self._finish_drain()
+
+    def _begin_drain(self, deadline: float, done: concurrent.futures.Future) -> None:
+        self._finish_drain()  # a second drain replaces the first
+        self._drain = (deadline, done)
+
+    def _finish_drain(self) -> None:
+        if self._drain is not None:
+            self._drain[1].set_result(None)
+            self._drain = None
 
     def _refuse_pending(self) -> None:
         with self._wake:
@@ -132,7 +301,7 @@ class AsyncEngine:
             self._inbox.clear()
         for _, future in pending:
             if future is not None:
-                future.set_exception(EngineDeadError("the server is shutting down"))
+                future.set_exception(EngineDeadError(SHUTTING_DOWN))
 
     def _run_commands(self, commands) -> None:
         for command, future in commands:
@@ -151,13 +320,21 @@ class AsyncEngine:
         self.engine.add_request(prompt, params, request_id)
         self._routes[request_id] = route
 
+    def _close_route(self, request_id: str) -> _Route | None:
+        self._stalls.pop(request_id, None)
+        return self._routes.pop(request_id, None)
+
     def _abort(self, request_id: str) -> None:
-        route = self._routes.pop(request_id, None)
+        route = self._close_route(request_id)
         output = self.engine.abort_request(request_id)
         if output is not None and self.metrics is not None:
             self.metrics.record_finish(output.finish_reason, output.total_time)
         if output is not None and route is not None:
             self._deliver(route, self._update(output))
+
+    def _resume(self, request_id: str) -> None:
+        if self._stalls.pop(request_id, None) is not None:
+            self.engine.resume_request(request_id)
 
     def _step(self) -> None:
         try:
@@ -172,7 +349,7 @@ class AsyncEngine:
             route = self._routes.get(output.request_id)
             self._record(output, route, now)
             if output.finished:
-                self._routes.pop(output.request_id, None)
+                self._close_route(output.request_id)
             if route is not None:
                 self._deliver(route, self._update(output))
 
@@ -193,23 +370,32 @@ class AsyncEngine:
 
     def _fail_all(self, message: str) -> None:
         """Finish every routed request with an error and free its blocks."""
-        for request_id, route in list(self._routes.items()):
-            self._routes.pop(request_id, None)
-            output = None
-            try:
-                output = self.engine.abort_request(request_id)
-            except Exception:  # noqa: BLE001 - the engine is already in trouble
-                log.exception("could not abort %s", request_id)
-            if self.metrics is not None:
-                self.metrics.record_finish("error", output.total_time if output else None)
-            self._deliver(route, Update(request_id, "", [], None, output.text if output else "", True,
-                                        "error", 0, 0, 0, message))
+        for request_id in list(self._routes):
+            self._end(request_id, message, "error")
+
+    def _end(self, request_id: str, message: str, metric_reason: str) -> None:
+        """Finish a routed request with an error update carrying `message`, and free its blocks."""
+        route = self._close_route(request_id)
+        output = None
+        try:
+            output = self.engine.abort_request(request_id)
+        except Exception:  # noqa: BLE001 - the engine is already in trouble
+            log.exception("could not abort %s", request_id)
+        if self.metrics is not None:
+            self.metrics.record_finish(metric_reason, output.total_time if output else None)
+        if route is None:
+            return
+        if output is not None:
+            update = dataclasses.replace(self._update(output), finish_reason="error", error=message)
+        else:
+            update = Update(request_id, "", [], None, "", True, "error", 0, 0, 0, message)
+        self._deliver(route, update)
 
     def _update(self, output: RequestOutput) -> Update:
         num_new = len(output.new_token_ids)
         new_logprobs = None
         if output.logprobs is not None:
-            # The engine keeps appending to this list: copy the new entries out now.
+            # The engine may go on appending to this list: copy the new entries out now.
             new_logprobs = list(output.logprobs[len(output.logprobs) - num_new:]) if num_new else []
         return Update(
             request_id=output.request_id, new_text=output.new_text,
@@ -219,9 +405,20 @@ class AsyncEngine:
             num_output_tokens=output.num_output_tokens, error=output.error)
 
     def _deliver(self, route: _Route, update: Update) -> None:
-        try:
-            route.loop.call_soon_threadsafe(route.queue.put_nowait, update)
-        except RuntimeError:
-            # The caller's event loop is gone; nobody can read this request any more.
-            if not update.finished:
-                self._abort(update.request_id)
+        began, backlog = route.queue.offer(update)
+        if began:
+            try:
+                route.loop.call_soon_threadsafe(route.queue.wake, update.request_id)
+            except RuntimeError:
+                # The caller's event loop is gone; nobody can read this request any more.
+                if not update.finished:
+                    self._abort(update.request_id)
+                return
+        if not update.finished and backlog >= self.backlog_tokens and update.request_id not in self._stalls:
+            self._pause(update.request_id, route)
+
+    def _pause(self, request_id: str, route: _Route) -> None:
+        """Stop scheduling a request whose reader is behind, until the reader takes its backlog."""
+        if route.queue.call_when_taken(request_id, lambda: self._resume_soon(request_id)):
+            self.engine.pause_request(request_id)
+            self._stalls[request_id] = time.monotonic() + self.stream_stall_timeout

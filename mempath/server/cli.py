@@ -10,6 +10,10 @@ from urllib.parse import urlsplit
 # building the CLI's parser does not import pydantic (the other subcommands need none).
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_N = 16  # choices (prompts x n) per request
+# Seconds a stream's client may read nothing before the request is stopped (its KV freed),
+# and seconds running requests get to finish after SIGINT / SIGTERM.
+DEFAULT_STREAM_STALL_TIMEOUT = 60.0
+DEFAULT_SHUTDOWN_TIMEOUT = 20.0
 # A request's head: uvicorn's own default size (h11), and Apache's default count.
 DEFAULT_MAX_HEADER_BYTES = 16 * 1024
 MIN_MAX_HEADER_BYTES = 1024  # below this, ordinary clients' requests would not fit
@@ -45,6 +49,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="web origins allowed to call the API from a browser (CORS), as "
                              "'https://a.example,http://localhost:3000' or a JSON list; '*' for any "
                              "(default: none, CORS off)")
+    parser.add_argument("--stream-stall-timeout", type=float, default=DEFAULT_STREAM_STALL_TIMEOUT,
+                        help="seconds a streaming client may read nothing before its request is "
+                             "stopped and its KV blocks freed (meanwhile it is not scheduled)")
+    parser.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT,
+                        help="on SIGINT/SIGTERM, seconds running requests get to finish before the "
+                             "rest end with an error event")
     parser.add_argument("--uvicorn-log-level", default="info")
 
 
@@ -68,6 +78,9 @@ def check_serve_arguments(args) -> None:
         raise ValueError("--max-tokens-limit must be >= 1")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    for name in ("stream_stall_timeout", "shutdown_timeout"):
+        if not getattr(args, name) >= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0 seconds, got {getattr(args, name)}")
     if args.api_key is not None:
         check_api_key(args.api_key)
     args.allowed_origins = parse_allowed_origins(args.allowed_origins)
@@ -123,7 +136,8 @@ def uvicorn_options(max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> dict:
 def build_server_app(model: str, engine_options: dict, served_model_name: str | None = None,
                      api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                      max_tokens_limit: int | None = None, max_n: int = DEFAULT_MAX_N,
-                     show_progress: bool = True, **http_options):
+                     show_progress: bool = True,
+                     stream_stall_timeout: float = DEFAULT_STREAM_STALL_TIMEOUT, **http_options):
     """Load the engine and wrap it in the app; (app, served name). Also used by tests and benchmarks.
 
     ``http_options``: build_app's bind_host, allowed_origins, max_header_bytes, max_headers.
@@ -137,14 +151,15 @@ def build_server_app(model: str, engine_options: dict, served_model_name: str | 
     config = EngineConfig.from_kwargs(model, **engine_options)
     engine = LLMEngine(config, show_progress=show_progress)
     name = served_model_name or Path(model).resolve().name
-    client = AsyncEngine(engine, ServerMetrics(name, config.block_size))
+    client = AsyncEngine(engine, ServerMetrics(name, config.block_size),
+                         stream_stall_timeout=stream_stall_timeout)
     app = build_app(client, name, api_key=api_key, max_body_bytes=max_body_bytes,
                     max_tokens_limit=max_tokens_limit, max_n=max_n, **http_options)
     return app, name
 
 
 def run_serve(args) -> int:
-    import uvicorn
+    from mempath.server.app import serve
 
     from mempath.cli import engine_options
     check_serve_arguments(args)
@@ -152,11 +167,12 @@ def run_serve(args) -> int:
     app, name = build_server_app(model, engine_options(args), args.served_model_name, args.api_key,
                                  args.max_body_bytes, args.max_tokens_limit, args.max_n,
                                  bind_host=args.host, allowed_origins=args.allowed_origins,
-                                 max_header_bytes=args.max_header_bytes, max_headers=args.max_headers)
+                                 max_header_bytes=args.max_header_bytes, max_headers=args.max_headers,
+                                 stream_stall_timeout=args.stream_stall_timeout)
     if args.host not in LOOPBACK_HOSTS and not args.api_key:
         log.warning("serving on %s without --api-key: anyone who can reach this port can use it",
                     args.host)
     print(f"mempath: serving '{name}' on http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                timeout_graceful_shutdown=5, **uvicorn_options(args.max_header_bytes))
+    serve(app, args.shutdown_timeout, host=args.host, port=args.port,
+          log_level=args.uvicorn_log_level, **uvicorn_options(args.max_header_bytes))
     return 0
