@@ -182,7 +182,7 @@ def test_sizes_beyond_any_machine_are_refused_before_allocating(tmp_path, monkey
     monkeypatch.setattr(loader, "build_model", never_build)
     write_config(tmp_path, edited(num_hidden_layers=10**9, hidden_size=8192, num_attention_heads=64,
                                   num_key_value_heads=8, intermediate_size=28672))
-    message = refusal(lambda: LLM(str(tmp_path), load_format="dummy", show_progress=False))
+    message = refusal(lambda: LLM(str(tmp_path), load_format="dummy", device="cpu", show_progress=False))
     assert "loading needs" in message and "available" in message
 
 
@@ -349,6 +349,8 @@ def broken_checkpoint(path: Path, kind: str) -> Path:
     ["diagnose", "{model}", "--out", "{out}"],
 ])
 def test_every_command_refuses_a_broken_config_with_exit_2_and_one_line(tmp_path, capsys, argv):
+    if argv[0] == "serve":
+        pytest.importorskip("uvicorn")  # the serve extra
     model = broken_checkpoint(tmp_path / "model", "no-heads")
     capsys.readouterr()  # make_model's progress bar
     rc = cli_main([a.format(model=model, out=tmp_path / "report") for a in argv])

@@ -660,7 +660,12 @@ def diagnose(model_dir: str, *, device: str = "auto", dtype: str = "auto", train
     from mempath.engine.engine import LLMEngine
     from mempath.memory.plan import cublas_workspace_bytes, detect_gpu_mem, plan_memory
 
+    from mempath.model.llama import ModelSpec
+    from mempath.model.loader import read_config
+
     config = EngineConfig.from_kwargs(model_dir, device=_indexed(device), dtype=dtype, **engine_options)
+    # A broken config.json is refused before anything is measured.
+    ModelSpec.from_hf_config(read_config(config.model), source=str(Path(config.model) / "config.json"))
     torch_device = config.torch_device()
     meter = CudaMeter(torch_device) if torch_device.type == "cuda" else CpuMeter()
     recorder = Recorder(meter, progress=progress)
