@@ -149,10 +149,11 @@ def test_the_allocator_is_capped_at_what_the_budget_leaves_it(monkeypatch, caplo
     assert engine.ledger.get("non_torch") == 900 * MiB
     assert not caplog.records
 
-    device.reserved = TOTAL // 2  # start-up already holds more than the cap: say so
-    with caplog.at_level(logging.WARNING, logger=engine_module.__name__):
+    device.allocated = device.reserved = TOTAL // 2  # start-up already holds more than the cap: say so,
+    with caplog.at_level(logging.WARNING, logger=engine_module.__name__):  # and leave room for a step
         LLMEngine._cap_device_memory(engine)
     assert any("--gpu-memory-utilization" in r.getMessage() for r in caplog.records)
+    assert device.fraction * TOTAL == pytest.approx(TOTAL // 2 + engine_module.ALLOCATOR_SEGMENTS)
 
 
 @pytest.mark.parametrize("moe", [False, True])

@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 # first use): a few MiB over 1,000 serving steps on the H200 (BENCHMARKS.md, "The
 # budget is a promise"); the budget keeps this much spare for it.
 OUTSIDE_TORCH_GROWTH = 32 << 20
+# One fresh segment of each of PyTorch's caching-allocator pools (2 MiB small, 20 MiB
+# large): the least a step reserves when it finds no cached block that fits.
+ALLOCATOR_SEGMENTS = 22 << 20
 
 
 @dataclass
@@ -214,7 +217,8 @@ class LLMEngine:
         torch.cuda.synchronize(device)
         # The allocator rounds and splits blocks: what the step reserved counts when it exceeds what it used.
         activation_peak = max(torch.cuda.max_memory_allocated(device) - weights_end - probe_kv,
-                              torch.cuda.max_memory_reserved(device) - reserved_before_step)
+                              torch.cuda.max_memory_reserved(device) - reserved_before_step,
+                              ALLOCATOR_SEGMENTS)
         graph_driver_bytes = self.runner.graph_overhead_per_graph() * len(self.runner.graph_sizes())
         self.runner.allocate_kv_cache(0)
         torch.cuda.empty_cache()
@@ -255,11 +259,15 @@ class LLMEngine:
         device use stays within gpu_memory_utilization x total.
         """
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # the warm-ups' cached blocks: serving reserves its own
         free, total = torch.cuda.mem_get_info(self.device)
         reserved = torch.cuda.memory_reserved(self.device)
         outside = total - free - reserved
         cap = self.budget_bytes() - outside - OUTSIDE_TORCH_GROWTH
-        torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, cap / total)), self.device)
+        # Never below what start-up holds plus room for fresh segments: a budget start-up
+        # already passed is reported below, and serving must still be able to run a step.
+        allowed = max(cap, reserved + ALLOCATOR_SEGMENTS)
+        torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, allowed / total)), self.device)
         self.ledger.record("non_torch", outside, "cuda", "measured",
                            "device used - torch reserved after start-up (context, kernels, graphs, other processes)")
         if reserved > cap:
