@@ -59,7 +59,7 @@ def check_caches(model) -> None:
 def test_greedy_matches_transformers(arch, model_factory, references):
     """Four prompts batched together (prefill and decode rows mixed), 32 tokens each."""
     path, _ = model_factory(arch)
-    llm = LLM(path, dtype="float32", show_progress=False)
+    llm = LLM(path, dtype="float32", device="cpu", show_progress=False)
     assert generate(llm) == references[arch]
     stats = expert_cache_stats(llm.engine.model)
     assert stats["hit_rate"] == 1.0 and stats["misses"] == 0 and stats["router"] == "model"
@@ -68,7 +68,7 @@ def test_greedy_matches_transformers(arch, model_factory, references):
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_chunked_prefill_and_preemption_match(arch, model_factory, references):
     path, _ = model_factory(arch)
-    llm = LLM(path, dtype="float32", show_progress=False, block_size=8, max_num_batched_tokens=8,
+    llm = LLM(path, dtype="float32", device="cpu", show_progress=False, block_size=8, max_num_batched_tokens=8,
               num_gpu_blocks_override=14)
     assert generate(llm) == references[arch]
     assert llm.stats()["num_preemptions"] > 0
@@ -78,7 +78,7 @@ def test_chunked_prefill_and_preemption_match(arch, model_factory, references):
 def test_moe_block_is_bitwise_transformers_block(arch, model_factory):
     """Router, top-k, normalisation, weights' dtype and the sum over k as transformers does them."""
     path, hf = model_factory(arch)
-    llm = LLM(path, dtype="float32", show_progress=False)
+    llm = LLM(path, dtype="float32", device="cpu", show_progress=False)
     ours = llm.engine.model.moe_blocks()[0]
     torch.manual_seed(1)
     x = torch.randn(37, hf.config.hidden_size)
@@ -113,7 +113,7 @@ def test_unnormalised_top_k_and_sparse_step_match_transformers(tmp_path):
 def test_every_cache_size_gives_the_same_tokens(arch, sizes, model_factory, references):
     """Fewer experts resident than a prefill step uses (waves, misses, evictions), down to 1."""
     path, _ = model_factory(arch)
-    llm = LLM(path, dtype="float32", show_progress=False, enable_prefix_caching=False)
+    llm = LLM(path, dtype="float32", device="cpu", show_progress=False, enable_prefix_caching=False)
     for size in sizes:
         set_expert_cache_size(llm.engine.model, size)  # new cache, counters from zero
         assert generate(llm) == references[arch], f"{size} experts resident"
@@ -135,7 +135,7 @@ def test_every_cache_size_gives_the_same_tokens(arch, sizes, model_factory, refe
 def test_uniform_router_hits_about_its_resident_fraction(model_factory):
     """Random weights route almost uniformly: 2 of 8 resident hits far less than half the time."""
     path, _ = model_factory("mixtral")
-    llm = LLM(path, dtype="float32", show_progress=False, enable_prefix_caching=False)
+    llm = LLM(path, dtype="float32", device="cpu", show_progress=False, enable_prefix_caching=False)
     set_expert_cache_size(llm.engine.model, 2)
     generate(llm)
     assert expert_cache_stats(llm.engine.model)["hit_rate"] < 0.4
@@ -168,7 +168,7 @@ def test_a_failed_copy_leaves_no_slot_in_use_and_no_stale_expert(model_factory, 
     """A host-to-device copy that fails mid-wave must not leave a slot booked, nor an expert
     recorded as resident in a slot it was never (completely) copied into."""
     path, _ = model_factory("mixtral")
-    llm = LLM(path, dtype="float32", show_progress=False)
+    llm = LLM(path, dtype="float32", device="cpu", show_progress=False)
     block = llm.engine.model.moe_blocks()[0]
     torch.manual_seed(2)
     x = torch.randn(40, block.gate.in_features)
@@ -197,7 +197,7 @@ def test_a_failed_copy_leaves_no_slot_in_use_and_no_stale_expert(model_factory, 
 
 def test_expert_cache_size_is_validated(model_factory, tmp_path):
     path, _ = model_factory("mixtral")
-    llm = LLM(path, dtype="float32", show_progress=False)
+    llm = LLM(path, dtype="float32", device="cpu", show_progress=False)
     for bad in (0, 9):
         with pytest.raises(ValueError, match="from 1 to the number of experts per layer"):
             set_expert_cache_size(llm.engine.model, bad)
@@ -383,7 +383,7 @@ def wide_moe(tmp_path_factory):
 
 def test_moe_block_peak_equals_the_plan(wide_moe):
     """The PyTorch path's live tensors in one MoE block, counted by the diagnose tracker."""
-    llm = LLM(wide_moe, dtype="float32", show_progress=False)
+    llm = LLM(wide_moe, dtype="float32", device="cpu", show_progress=False)
     shape = read_shape(json.loads((Path(wide_moe) / "config.json").read_text()))
     block = llm.engine.model.moe_blocks()[0]
     for tokens in (7, 96, 512):
@@ -397,7 +397,7 @@ def test_moe_block_peak_equals_the_plan(wide_moe):
 def test_fused_forward_peak_equals_the_plan(wide_moe, monkeypatch):
     """The whole forward with the fused kernels' memory behaviour (tests/test_forward_memory.py's twins)."""
     from tests import test_forward_memory as fakes
-    llm = LLM(wide_moe, dtype="float32", show_progress=False)
+    llm = LLM(wide_moe, dtype="float32", device="cpu", show_progress=False)
     engine = llm.engine
     monkeypatch.setattr(ops, "_fused", lambda x: True)
     for name in ("rms_norm", "rope", "rope_and_store", "silu_and_mul"):
@@ -421,7 +421,7 @@ def test_fused_forward_peak_equals_the_plan(wide_moe, monkeypatch):
 
 def test_synthetic_router_bias_is_off_by_default_and_labelled(model_factory):
     path, _ = model_factory("mixtral")
-    llm = LLM(path, dtype="float32", show_progress=False, enable_prefix_caching=False)
+    llm = LLM(path, dtype="float32", device="cpu", show_progress=False, enable_prefix_caching=False)
     assert all(block.router_bias is None for block in llm.engine.model.moe_blocks())
     synthetic_router_bias(llm.engine.model)
     assert expert_cache_stats(llm.engine.model)["router"].startswith("synthetic")
@@ -433,7 +433,7 @@ def test_synthetic_router_bias_gives_locality_and_the_same_tokens_for_every_cach
     path, _ = model_factory("mixtral")
     outputs, hit_rates = [], []
     for size in (8, 2):
-        llm = LLM(path, dtype="float32", show_progress=False, enable_prefix_caching=False)
+        llm = LLM(path, dtype="float32", device="cpu", show_progress=False, enable_prefix_caching=False)
         set_expert_cache_size(llm.engine.model, size)
         synthetic_router_bias(llm.engine.model, skew=1.0, seed=5)
         outputs.append(generate(llm))
