@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -24,9 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_engine import SHAPES, model_dir  # noqa: E402
-from mempath import LLM, SamplingParams  # noqa: E402
+from mempath import EngineConfig, SamplingParams  # noqa: E402
 from mempath.engine.engine import LLMEngine  # noqa: E402
-from mempath.engine.runner import ModelRunner  # noqa: E402
 
 MiB = 1 << 20
 
@@ -55,48 +55,30 @@ def sampling_mix(rng: np.random.Generator, seed: int, max_tokens: int) -> Sampli
     return SamplingParams(temperature=1.2, **common)
 
 
-def record_stages(stages: list):
-    """Record device use before and after each start-up stage; returns a function that undoes it."""
-    originals = []
-
-    def wrap(cls, name):
-        inner = getattr(cls, name)
-
-        def recorded(self, *a, **k):
-            device = torch.device("cuda")
-            torch.cuda.synchronize(device)
-            before = device_use(device)
-            result = inner(self, *a, **k)
-            torch.cuda.synchronize(device)
-            after = device_use(device)
-            stages.append({"stage": name, "outside_torch_delta": (after[0] - after[2]) - (before[0] - before[2]),
-                           "reserved_delta": after[2] - before[2]})
-            return result
-        originals.append((cls, name, inner))
-        setattr(cls, name, recorded)
-    for cls, name in ((LLMEngine, "_profile_cuda_kv_blocks"), (LLMEngine, "_compile_kernels"),
-                      (ModelRunner, "capture_cuda_graphs"), (LLMEngine, "_attach_tiers")):
-        wrap(cls, name)
-
-    def restore():
-        for cls, name, inner in originals:
-            setattr(cls, name, inner)
-    return restore
+def stage_recorder(stages: list):
+    """An engine start-up observer that records device use before and after each stage."""
+    @contextmanager
+    def observe(name: str, pathway: str | None):
+        device = torch.device("cuda")
+        torch.cuda.synchronize(device)
+        before = device_use(device)
+        yield
+        torch.cuda.synchronize(device)
+        after = device_use(device)
+        stages.append({"stage": name, "outside_torch_delta": (after[0] - after[2]) - (before[0] - before[2]),
+                       "reserved_delta": after[2] - before[2]})
+    return observe
 
 
 def run(args) -> dict:
     vocab = json.loads((SHAPES / f"{args.shape}.json").read_text())["vocab_size"]
     device = torch.device("cuda")
     stages = []
-    restore = record_stages(stages)
     start = time.perf_counter()
-    try:
-        llm = LLM(model_dir(args.shape), load_format="dummy", dtype="bfloat16", show_progress=False,
-                  gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
-                  enable_prefix_caching=True)
-    finally:
-        restore()
-    engine = llm.engine
+    config = EngineConfig.from_kwargs(model_dir(args.shape), load_format="dummy", dtype="bfloat16",
+                                      gpu_memory_utilization=args.gpu_memory_utilization,
+                                      max_model_len=args.max_model_len, enable_prefix_caching=True)
+    engine = LLMEngine(config, show_progress=False, stage=stage_recorder(stages))
     startup_s = time.perf_counter() - start
     used, total, reserved = device_use(device)
     limit = int(total * args.gpu_memory_utilization)

@@ -3,6 +3,7 @@
 One step: schedule → run the model on the scheduled tokens → sample → append
 tokens, check stop conditions, free finished requests' blocks → outputs.
 """
+import contextlib
 import hashlib
 import itertools
 import json
@@ -10,6 +11,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, ContextManager
 
 import torch
 
@@ -79,9 +81,19 @@ def probe_lengths(num_tokens: int, num_seqs: int) -> list[int]:
     return [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
 
 
+# Start-up stages an observer can wrap (`mempath diagnose` measures each one): the name and
+# the ledger pathway the stage fills, None for one that only warms up.
+StageObserver = Callable[[str, "str | None"], ContextManager]
+
+
+def no_observer(name: str, pathway: str | None) -> ContextManager:
+    return contextlib.nullcontext()
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig, show_progress: bool = True):
+    def __init__(self, config: EngineConfig, show_progress: bool = True, stage: StageObserver = no_observer):
         self.config = config
+        self.stage = stage
         self.device = config.torch_device()
         self.ledger = Ledger()
         cfg = self.hf_config = read_config(config.model)
@@ -98,7 +110,7 @@ class LLMEngine:
         before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         dtype_name = str(self.dtype).removeprefix("torch.")
         self.dtype_name = dtype_name
-        with oom_guard("load", self.ledger, config, dtype=dtype_name):
+        with oom_guard("load", self.ledger, config, dtype=dtype_name), stage("load weights", "weights"):
             self.model, self.spec, self.load_report = load_model(
                 config.model, self.dtype, self.device, self.max_model_len, show_progress,
                 dummy=config.load_format == "dummy")
@@ -119,21 +131,24 @@ class LLMEngine:
                            "static inputs and decode split workspace")
         num_blocks = self._plan_kv_blocks()
         with oom_guard("kv_allocation", self.ledger, config, dtype=dtype_name,
-                       requested_bytes=num_blocks * self.runner.kv_bytes_per_block()):
+                       requested_bytes=num_blocks * self.runner.kv_bytes_per_block()), \
+                stage("kv allocation", "kv_cache"):
             self.runner.allocate_kv_cache(num_blocks)
         self.ledger.record("kv_cache", self.runner.kv_cache.numel() * self.runner.kv_cache.element_size(),
                            self.device.type, "measured",
                            f"{num_blocks} blocks x {config.block_size} tokens")
         if self.runner.use_triton:
-            self._compile_kernels(num_blocks)
-        with oom_guard("cuda_graphs", self.ledger, config, dtype=dtype_name):
+            with stage("compile kernels", None):
+                self._compile_kernels(num_blocks)
+        with oom_guard("cuda_graphs", self.ledger, config, dtype=dtype_name), stage("cuda graph capture", "cuda_graphs"):
             graph_bytes = self.runner.capture_cuda_graphs()
         if self.runner.graphs:
             self.ledger.record("cuda_graphs", graph_bytes, "cuda", "measured",
                                f"{len(self.runner.graphs)} decode graphs, batch 1..{config.max_num_seqs}")
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         if config.tiers_enabled:
-            self._attach_tiers()
+            with stage("attach tiers", None):
+                self._attach_tiers()
         if self.device.type == "cuda":
             self._cap_device_memory()
         self.scheduler = Scheduler(config, self.kv)
@@ -177,7 +192,8 @@ class LLMEngine:
         if self.device.type != "cuda":
             num_blocks = self.config.cpu_kv_cache_bytes // per_block
         else:
-            with oom_guard("profile", self.ledger, self.config, dtype=self.dtype_name):
+            with oom_guard("profile", self.ledger, self.config, dtype=self.dtype_name), \
+                    self.stage("profile step", "activation_peak"):
                 num_blocks = self._profile_cuda_kv_blocks(per_block)
         if num_blocks < 1:
             raise ValueError(

@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -261,49 +261,11 @@ class Recorder:
         return matches[-1] if matches else None
 
 
-@contextmanager
-def observe_engine_stages(recorder: Recorder):
-    """Wrap the engine's load, profile, KV-allocation and graph-capture steps in stages.
-
-    The engine builds itself in one constructor; wrapping its three memory-taking
-    calls for the duration of that constructor measures the real code path. (An
-    observer hook in LLMEngine would make this wrapping unnecessary.)
-    """
-    import mempath.engine.engine as engine_module
-    from mempath.engine.runner import ModelRunner
-
-    original_load = engine_module.load_model
-    original_allocate = ModelRunner.allocate_kv_cache
-    original_profile = engine_module.LLMEngine._profile_cuda_kv_blocks
-    original_capture = ModelRunner.capture_cuda_graphs
-
-    def load_model(*args, **kwargs):
-        with recorder.stage("load weights", "weights"):
-            return original_load(*args, **kwargs)
-
-    def allocate_kv_cache(runner, num_blocks):
-        with recorder.stage("kv allocation", "kv_cache"):
-            return original_allocate(runner, num_blocks)
-
-    def profile(engine, per_block):
-        with recorder.stage("profile step", "activation_peak"):
-            return original_profile(engine, per_block)
-
-    def capture_cuda_graphs(runner):
-        with recorder.stage("cuda graph capture", "cuda_graphs"):
-            return original_capture(runner)
-
-    engine_module.load_model = load_model
-    ModelRunner.capture_cuda_graphs = capture_cuda_graphs
-    ModelRunner.allocate_kv_cache = allocate_kv_cache
-    engine_module.LLMEngine._profile_cuda_kv_blocks = profile
-    try:
-        yield
-    finally:
-        engine_module.load_model = original_load
-        ModelRunner.allocate_kv_cache = original_allocate
-        engine_module.LLMEngine._profile_cuda_kv_blocks = original_profile
-        ModelRunner.capture_cuda_graphs = original_capture
+def engine_stage_observer(recorder: Recorder):
+    """The engine's start-up observer: each stage that fills a pathway becomes a measured stage."""
+    def observe(name: str, pathway: str | None):
+        return recorder.stage(name, pathway) if pathway is not None else nullcontext()
+    return observe
 
 
 # ---------------------------------------------------------------- comparison rows
@@ -680,8 +642,7 @@ def diagnose(model_dir: str, *, device: str = "auto", dtype: str = "auto", train
     recorder.start()
     try:
         with meter.active():
-            with observe_engine_stages(recorder):
-                engine = LLMEngine(config, show_progress=show_progress)
+            engine = LLMEngine(config, show_progress=show_progress, stage=engine_stage_observer(recorder))
             if out_dir is not None:  # after the load (a broken model is refused first), before measuring
                 from mempath.memory.report import require_plotting
                 require_plotting()
