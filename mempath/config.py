@@ -5,15 +5,11 @@ from pathlib import Path
 
 import torch
 
-from mempath.memory.plan import DEFAULT_BLOCK_SIZE as AUTO_BLOCK_SIZE  # what --block-size auto picks
+from mempath import constants
+from mempath.constants import DEFAULT_BLOCK_SIZE as AUTO_BLOCK_SIZE  # what --block-size auto picks
 
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-}
-# vLLM's --kv-cache-dtype names; fp8 means e4m3 (more mantissa; K and V rarely need e5m2's range).
-KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+_DTYPES = {alias: getattr(torch, name) for alias, name in constants.DTYPE_ALIASES.items()}
+KV_CACHE_DTYPES = {alias: getattr(torch, name) for alias, name in constants.KV_CACHE_DTYPES.items()}
 
 
 @dataclass

@@ -17,7 +17,7 @@ from mempath.config import EngineConfig
 from mempath.engine.request import Request
 from mempath.engine.sampler import Sampler, SamplerOutput
 from mempath.engine.scheduler import ScheduledBatch
-from mempath.memory.plan import MAX_GRAPH_BATCH
+from mempath.constants import MAX_GRAPH_BATCH
 from mempath.model.llama import AttentionMetadata, CausalLM, ModelSpec
 
 log = logging.getLogger(__name__)

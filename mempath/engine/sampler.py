@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mempath.memory.plan import SAMPLER_SORT_ROWS as SORT_ROWS  # the planner counts it
+from mempath.constants import SAMPLER_SORT_ROWS as SORT_ROWS  # the planner counts it
 from mempath.sampling import SamplingParams
 
 

@@ -26,14 +26,10 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from mempath.constants import DEFAULT_BLOCK_SIZE, DTYPE_ALIASES, DTYPE_BYTES, MAX_GRAPH_BATCH, SAMPLER_SORT_ROWS
+
 GiB = 1 << 30
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-DTYPE_ALIASES = {
-    "bf16": "bfloat16", "bfloat16": "bfloat16",
-    "fp16": "float16", "float16": "float16", "half": "float16",
-    "fp32": "float32", "float32": "float32", "float": "float32",
-}
 
 # Bytes per *trainable* parameter: (weights, grads, fp32 master copy, optimizer moments).
 # None means "the model dtype": 8-bit AdamW is normally paired with 16-bit weights and
@@ -45,20 +41,11 @@ OPTIMIZERS = {
 }
 CHECKPOINTING = ("none", "full", "selective")
 
-# Decode graphs are captured for batch sizes up to 512 (larger batches run eagerly:
-# launch overhead is amortised there), all sharing one memory pool.
-MAX_GRAPH_BATCH = 512
 # cuBLAS takes a workspace per (handle, stream) through PyTorch's allocator; capture
 # runs on its own stream, so the graph pool gets one. PyTorch's default size:
 # 32 MiB on compute capability 9.x and later, 4096·2 + 16·8 KiB before.
 CUBLAS_WORKSPACE_BYTES_SM90 = 32 << 20
 CUBLAS_WORKSPACE_BYTES_OLDER = (4096 * 2 + 16 * 8) << 10
-# The default and what --block-size auto picks. Measured on an H200 (BENCHMARKS.md, "Block
-# size"): output tok/s for 8..256-token blocks, short [16, 128] and long [100, 1024]
-# requests. 8 was the slowest in both; 16..256 were within noise of each other, and
-# larger blocks waste more of each sequence's last block and match cached prefixes
-# more coarsely, so 16.
-DEFAULT_BLOCK_SIZE = 16
 DEFAULT_TRAIN_SEQ_LEN = 4096
 # The most of the host's memory the advice proposes pinning for the host KV tier: vLLM
 # refuses a --swap-space above 70% of the host's memory.
@@ -489,9 +476,6 @@ def moe_phase_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, fused: boo
                              experts * (dtype_bytes + 4))
     return experts * 8 + tokens * per_token
 
-
-# Rows the sampler sorts at a time for top-k/top-p (mempath.engine.sampler uses this).
-SAMPLER_SORT_ROWS = 16
 
 
 def sampler_peak_bytes(vocab_size: int, rows: int) -> int:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mempath.constants import CHECKPOINT_DTYPES
 from mempath.kv.attention import attend_torch, write_kv
 from mempath.model.moe import MoEBlock
 from mempath.model.ops import rms_norm, rope_and_store, silu_and_mul
@@ -33,7 +34,6 @@ MODEL_TYPES = {
 }
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM")
 SUPPORTED_ARCHITECTURES = tuple(MODEL_TYPES.values())
-CHECKPOINT_DTYPES = ("float32", "float16", "bfloat16")
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
