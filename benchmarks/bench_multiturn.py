@@ -67,7 +67,7 @@ def swap_versus_recompute(engine, num_tokens: int) -> dict:
     timings = {}
     for name, run in (("swap_out", lambda: tiers.transfer.device_to_host(gpu_ids, host_ids).wait()),
                       ("swap_in", lambda: tiers.transfer.host_to_device(host_ids, gpu_ids).wait()),
-                      ("recompute", lambda: engine._run_probe_step(num_tokens, 1))):
+                      ("recompute", lambda: engine.probes.run(num_tokens, 1))):
         best = float("inf")
         for _ in range(3):
             torch.cuda.synchronize()

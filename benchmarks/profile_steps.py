@@ -71,7 +71,7 @@ def bench_decode(args) -> dict:
               max_model_len=args.context + args.steps * 3 + 64, show_progress=False,
               enforce_eager=args.enforce_eager)
     engine = llm.engine
-    engine.emit_progress = False
+    engine.outputs.emit_progress = False
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=args.steps * 3, temperature=0.0, ignore_eos=True)
     for _ in range(args.batch):
@@ -114,7 +114,7 @@ def bench_workload(args) -> dict:
     llm = LLM(path, load_format="dummy", dtype="bfloat16", show_progress=False, max_model_len=2048 + 64,
               max_num_seqs=256, max_num_batched_tokens=8192, enforce_eager=args.enforce_eager)
     engine = llm.engine
-    engine.emit_progress = False
+    engine.outputs.emit_progress = False
     llm.generate(prompts[:8], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)
     engine.kv.pool.reset_prefix_cache()
     timer = StepTimer(engine.runner)
@@ -179,7 +179,7 @@ def profile_workload_steps(engine, prompts, output_lens, top: int) -> dict:
         engine.step()
     engine.step()
     profiled(f"decode steps at batch {len(engine.scheduler.running)}", 3)
-    for request_id in list(engine.requests):
+    for request_id in list(engine.outputs.requests):
         engine.abort_request(request_id)
     return tables
 

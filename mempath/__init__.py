@@ -1,7 +1,7 @@
 """mempath: an LLM inference engine that plans, places, moves and reports every
 consumer of GPU memory together."""
 from mempath.config import EngineConfig
-from mempath.engine.engine import RequestOutput
+from mempath.outputs import RequestOutput
 from mempath.llm import LLM
 from mempath.sampling import SamplingParams
 

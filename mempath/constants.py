@@ -12,7 +12,7 @@ DTYPE_ALIASES = {
 }
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # The dtypes a checkpoint's config.json may name (torch_dtype / dtype).
-CHECKPOINT_DTYPES = tuple(DTYPE_BYTES)
+CHECKPOINT_DTYPES = ("float32", "float16", "bfloat16")
 # vLLM's --kv-cache-dtype names, to torch's name of the format; fp8 means e4m3 (more
 # mantissa; K and V rarely need e5m2's range).
 KV_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}

@@ -5,7 +5,8 @@ import logging
 from tqdm.auto import tqdm
 
 from mempath.config import EngineConfig
-from mempath.engine.engine import LLMEngine, RequestOutput
+from mempath.engine.engine import LLMEngine
+from mempath.outputs import RequestOutput
 from mempath.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -20,7 +21,7 @@ class LLM:
             model = default_model_path()
         self.config = EngineConfig.from_kwargs(model, **engine_options)
         self.engine = LLMEngine(self.config, show_progress=show_progress)
-        self.engine.emit_progress = False  # generate() only collects finished requests
+        self.engine.outputs.emit_progress = False  # generate() only collects finished requests
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

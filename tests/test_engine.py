@@ -85,7 +85,7 @@ def test_seeded_requests_are_independent_of_batch_preemption_and_async(model_fac
     requests = {}
     for (rid, prompt), seed in zip(SEEDED_PROMPTS.items(), (1, 2)):
         engine.add_request(prompt, _seeded(seed), rid)
-        requests[rid] = engine.requests[rid]
+        requests[rid] = engine.outputs.requests[rid]
     done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
@@ -116,7 +116,7 @@ def test_a_waiting_request_that_can_never_fit_fails_alone(model_factory, chunk):
     expected = llm.generate([5, 6, 7], greedy(4))[0].token_ids
     engine = llm.engine
     big = Request("big", None, [5 + i % 50 for i in range(200)], greedy(4))  # 13 blocks of 8
-    engine.requests["big"] = big
+    engine.outputs.requests["big"] = big
     engine.scheduler.add(big)
     engine.add_request([5, 6, 7], greedy(4), "ok")
     done = {}
@@ -182,7 +182,7 @@ def test_eos_stops_unless_ignored(model_factory):
     path, _ = model_factory("llama")
     llm = LLM(path, dtype="float32", show_progress=False)
     free = llm.generate([9, 8, 7], greedy(8))[0].token_ids
-    llm.engine.eos_token_ids = {free[2]}
+    llm.engine.outputs.eos_token_ids = {free[2]}
     stopped = llm.generate([9, 8, 7], SamplingParams(max_tokens=8, temperature=0))[0]
     assert stopped.token_ids == free[:free.index(free[2]) + 1] and stopped.finish_reason == "stop"
     ignored = llm.generate([9, 8, 7], greedy(8))[0]
@@ -362,7 +362,7 @@ def test_async_scheduling_yields_to_new_requests(model_factory):
     engine.add_request(list(range(10)), greedy(4), "second")
     engine.step()  # reads the in-flight tokens; the waiting request must not be held back by another step ahead
     engine.step()
-    assert engine.requests["second"].num_computed_tokens > 0
+    assert engine.outputs.requests["second"].num_computed_tokens > 0
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.stats()["kv_blocks_used"] == 0
@@ -375,7 +375,7 @@ def test_kernel_warm_up_probes_stay_inside_the_step_buffers(model_factory, max_n
     llm = LLM(path, dtype="float32", show_progress=False, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max_tokens, max_model_len=64)
     engine = llm.engine
-    engine._compile_kernels(engine.kv.num_blocks)
+    engine.probes.compile_kernels(engine.kv.num_blocks)
     out = llm.generate([[5, 6, 7]], greedy(4), use_tqdm=False)[0]
     assert len(out.token_ids) == 4 and engine.stats()["kv_blocks_used"] == 0
 
@@ -446,7 +446,7 @@ def test_kernel_warm_up_probes_fit_a_pool_of_one_token_blocks(model_factory):
     path, _ = model_factory("llama")
     llm = LLM(path, dtype="float32", show_progress=False, block_size=1, num_gpu_blocks_override=4,
               max_num_seqs=8, max_num_batched_tokens=16, max_model_len=4)
-    llm.engine._compile_kernels(llm.engine.kv.num_blocks)
+    llm.engine.probes.compile_kernels(llm.engine.kv.num_blocks)
     assert len(llm.generate([[5, 6]], greedy(2), use_tqdm=False)[0].token_ids) == 2
 
 
@@ -462,7 +462,7 @@ def test_a_failure_after_the_step_fails_that_request_alone(async_scheduling):
     engine.add_request("def f(x):", greedy(6), "ok")
     engine.add_request("import os", greedy(6), "broken")
     calls = [0]
-    real_delta = engine.detokenizers["broken"].delta
+    real_delta = engine.outputs.detokenizers["broken"].delta
 
     def delta(token_ids):
         calls[0] += 1
@@ -470,7 +470,7 @@ def test_a_failure_after_the_step_fails_that_request_alone(async_scheduling):
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad byte")
         return real_delta(token_ids)
 
-    engine.detokenizers["broken"].delta = delta
+    engine.outputs.detokenizers["broken"].delta = delta
     done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})

@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mempath.engine import engine as engine_module
-from mempath.engine.engine import OUTSIDE_TORCH_GROWTH, LLMEngine
+from mempath.engine import startup as startup_module
+from mempath.engine.startup import OUTSIDE_TORCH_GROWTH, Startup
 from mempath.kv.tiered import STAGING_BLOCKS
-from mempath.memory.ledger import Ledger
+from mempath.memory.budget import DeviceBudget
 
 GiB, MiB = 1 << 30, 1 << 20
 TOTAL = 100 * GiB
@@ -87,7 +87,9 @@ def fake_engine(monkeypatch, *, tiers: bool, eager: bool = False, activation_all
     device.install(monkeypatch)
     config = SimpleNamespace(max_num_batched_tokens=8192, max_num_seqs=256, block_size=16, enforce_eager=eager,
                              tiers_enabled=tiers, gpu_memory_utilization=0.5)
-    engine = SimpleNamespace(config=config, device=torch.device("cpu"), ledger=Ledger(), max_model_len=4096,
+    budget = DeviceBudget("cuda", int(TOTAL * config.gpu_memory_utilization))
+    engine = SimpleNamespace(config=config, device=torch.device("cpu"), budget=budget, tenant="model",
+                             ledger=budget.ledger("model"), max_model_len=4096,
                              runner=FakeRunner(device, [] if eager else list(range(1, 11))))
 
     def probe_step(num_tokens, num_seqs):
@@ -98,17 +100,17 @@ def fake_engine(monkeypatch, *, tiers: bool, eager: bool = False, activation_all
         device.reserved += max(0, activation_reserved - cached)
         device.max_reserved = max(device.max_reserved, device.reserved)
 
-    engine._run_probe_step = probe_step
-    engine._graph_pool_estimate = lambda: 200 * MiB
-    engine._tier_staging_bytes = lambda per_block: LLMEngine._tier_staging_bytes(engine, per_block)
-    engine.budget_bytes = lambda: LLMEngine.budget_bytes(engine)
+    engine.probes = SimpleNamespace(run=probe_step)
+    engine.graph_pool_estimate = lambda: 200 * MiB
+    engine.tier_staging_bytes = lambda per_block: Startup.tier_staging_bytes(engine, per_block)
+    engine.measure_step_peak = lambda: Startup.measure_step_peak(engine)
     return engine, device
 
 
 @pytest.mark.parametrize("tiers", [False, True])
 def test_kv_blocks_leave_room_for_everything_allocated_after_them(monkeypatch, tiers):
     engine, device = fake_engine(monkeypatch, tiers=tiers)
-    blocks = LLMEngine._profile_cuda_kv_blocks(engine, PER_BLOCK)
+    blocks = Startup.profile_kv_blocks(engine, PER_BLOCK)
     in_use = 10 * GiB + 700 * MiB  # weights + outside torch, once the probe's cache is emptied
     staging = 2 * STAGING_BLOCKS * PER_BLOCK if tiers else 0
     expected = (TOTAL // 2 - in_use - 3 * GiB - 200 * MiB - 10 * 3 * MiB - staging - OUTSIDE_TORCH_GROWTH)
@@ -123,13 +125,13 @@ def test_kv_blocks_leave_room_for_everything_allocated_after_them(monkeypatch, t
 
 def test_allocated_peak_counts_when_it_is_the_larger(monkeypatch):
     engine, _ = fake_engine(monkeypatch, tiers=False, activation_alloc=3 * GiB, activation_reserved=1 * GiB)
-    LLMEngine._profile_cuda_kv_blocks(engine, PER_BLOCK)
+    Startup.profile_kv_blocks(engine, PER_BLOCK)
     assert engine.ledger.get("activation_peak") == 3 * GiB
 
 
 def test_eager_engines_reserve_no_graph_memory(monkeypatch):
     engine, _ = fake_engine(monkeypatch, tiers=False, eager=True)
-    blocks = LLMEngine._profile_cuda_kv_blocks(engine, PER_BLOCK)
+    blocks = Startup.profile_kv_blocks(engine, PER_BLOCK)
     expected = TOTAL // 2 - (10 * GiB + 700 * MiB) - 3 * GiB - OUTSIDE_TORCH_GROWTH
     assert blocks == expected // PER_BLOCK
     assert "cuda_graphs_driver" not in engine.ledger.entries
@@ -138,22 +140,22 @@ def test_eager_engines_reserve_no_graph_memory(monkeypatch):
 def test_nothing_left_gives_zero_blocks(monkeypatch):
     engine, device = fake_engine(monkeypatch, tiers=False)
     device.outside = TOTAL // 2  # another process holds half the device
-    assert LLMEngine._profile_cuda_kv_blocks(engine, PER_BLOCK) == 0
+    assert Startup.profile_kv_blocks(engine, PER_BLOCK) == 0
 
 
 def test_the_allocator_is_capped_at_what_the_budget_leaves_it(monkeypatch, caplog):
     engine, device = fake_engine(monkeypatch, tiers=False)
     device.outside = 900 * MiB  # graphs captured after the profile added driver memory
-    LLMEngine._cap_device_memory(engine)
+    Startup.cap_device_memory(engine)
     assert device.fraction * TOTAL == pytest.approx(TOTAL // 2 - 900 * MiB - OUTSIDE_TORCH_GROWTH)
     assert engine.ledger.get("non_torch") == 900 * MiB
     assert not caplog.records
 
     device.allocated = device.reserved = TOTAL // 2  # start-up already holds more than the cap: say so,
-    with caplog.at_level(logging.WARNING, logger=engine_module.__name__):  # and leave room for a step
-        LLMEngine._cap_device_memory(engine)
+    with caplog.at_level(logging.WARNING, logger=startup_module.__name__):  # and leave room for a step
+        Startup.cap_device_memory(engine)
     assert any("--gpu-memory-utilization" in r.getMessage() for r in caplog.records)
-    assert device.fraction * TOTAL == pytest.approx(TOTAL // 2 + engine_module.ALLOCATOR_SEGMENTS)
+    assert device.fraction * TOTAL == pytest.approx(TOTAL // 2 + startup_module.ALLOCATOR_SEGMENTS)
 
 
 @pytest.mark.parametrize("moe", [False, True])

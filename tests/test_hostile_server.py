@@ -517,7 +517,7 @@ def test_a_failing_engine_step_fails_every_request_in_flight_cleanly(server, mon
     admitted = []
 
     def until_all_four_arrive(e) -> bool:  # all four in flight before any of them steps
-        if len(e.requests) == 4:
+        if len(e.outputs.requests) == 4:
             admitted.append(True)
         return not admitted
 
@@ -528,8 +528,8 @@ def test_a_failing_engine_step_fails_every_request_in_flight_cleanly(server, mon
 
     def execute(*args, **kwargs):
         # After the scheduler gave this step its blocks: the failure must free them too.
-        if not fired and len(engine.requests) == 4 and all(r.num_output_tokens >= 1
-                                                          for r in engine.requests.values()):
+        if not fired and len(engine.outputs.requests) == 4 and all(r.num_output_tokens >= 1
+                                                          for r in engine.outputs.requests.values()):
             fired.append(True)
             raise RuntimeError("injected step failure")
         return real_execute(*args, **kwargs)

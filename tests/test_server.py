@@ -479,7 +479,7 @@ def test_a_non_streaming_client_that_hangs_up_is_aborted(server, monkeypatch):
     # Once the request has its first token the engine holds it: it cannot finish before the
     # client hangs up, however fast the machine.
     gate = StepGate(server.engine, lambda engine: any(r.num_output_tokens >= 1
-                                                      for r in engine.requests.values()))
+                                                      for r in engine.outputs.requests.values()))
     monkeypatch.setattr(server.engine, "step", gate.step)
     body = {"model": "tiny", "prompt": "Hi", "max_tokens": MAX_TOKENS_LIMIT, "ignore_eos": True}
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
@@ -531,7 +531,7 @@ def test_64_streams_with_a_third_hanging_up_leak_nothing(server, client, monkeyp
         assert sum(1 for c in chunks[:-1] if c.choices[0].text) >= 2, p
     gate = StepGate(server.engine, lambda engine: any(
         (r.prompt or "").startswith(HANG_UP) and r.num_output_tokens >= 12
-        for r in engine.requests.values()))
+        for r in engine.outputs.requests.values()))
     monkeypatch.setattr(server.engine, "step", gate.step)
     rng = random.Random(0)
     hang_ups = set(rng.sample(range(64), 64 // 3))

@@ -16,7 +16,7 @@ import torch
 from mempath.config import EngineConfig
 from mempath.engine.request import Request
 from mempath.engine.sampler import Sampler, SamplerOutput
-from mempath.engine.scheduler import ScheduledBatch
+from mempath.engine.batch import ScheduledBatch
 from mempath.constants import MAX_GRAPH_BATCH
 from mempath.model.llama import AttentionMetadata, CausalLM, ModelSpec
 

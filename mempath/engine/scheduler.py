@@ -19,41 +19,30 @@ not scheduled and keeps its blocks, but it is the first to be preempted when a
 running or waiting request needs room; preempted, it is parked outside the queue
 until resumed, so it never holds up the head of the queue.
 """
+from __future__ import annotations
+
 import logging
 from collections import deque
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mempath.config import EngineConfig
+from mempath.engine.batch import ScheduledBatch, StepPlan
 from mempath.engine.request import Request, RequestStatus
 from mempath.kv.manager import KVCacheManager
 from mempath.kv.tiered import GPU, Load
 
+if TYPE_CHECKING:
+    from mempath.engine.runner import PendingTokens
+
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class ScheduledBatch:
-    requests: list[Request] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    def __len__(self) -> int:
-        return len(self.requests)
-
-    def sampling_requests(self) -> list[Request]:
-        """Requests whose every token will have been computed after this step: they sample."""
-        return [r for r, n in zip(self.requests, self.num_new_tokens)
-                if r.num_computed_tokens + n == r.num_tokens]
-
-
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager):
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.async_scheduling = config.async_scheduling
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -93,6 +82,83 @@ class Scheduler:
             # Others were admitted while it was paused and a step has no row for it now.
             self.running.remove(request)
             self.preempt(request)
+
+    def schedule_step(self, in_flight: PendingTokens | None) -> StepPlan:
+        """This step: the next decode step ahead of one in flight, else the ordinary schedule."""
+        if in_flight is not None:
+            ahead = self._schedule_ahead(in_flight)
+            batch, feed = ahead if ahead is not None else (ScheduledBatch(), None)
+            return StepPlan(batch, batch.requests, defer=True, previous=in_flight, feed=feed)
+        batch = self.schedule()
+        if batch.requests:
+            sampling = batch.sampling_requests()
+            return StepPlan(batch, sampling, defer=self._can_defer(batch, sampling))
+        if self.loading:
+            self.wait_for_loads()
+        elif self.waiting and not self.running:
+            # Nothing runs and the head cannot be admitted: only possible if the pool is
+            # pinned by nothing, i.e. the request can never fit. Fail it, keep the rest.
+            return StepPlan(batch, failed=[self._fail_head()])
+        return StepPlan(batch)
+
+    def _fail_head(self) -> Request:
+        request = self.waiting[0]
+        need = self.kv.blocks_for(request.num_tokens)
+        request.error = (f"the request does not fit in the KV pool: it needs {need} blocks "
+                         f"({request.num_tokens} tokens), the pool has {self.kv.num_blocks}; shorten the "
+                         f"prompt or max_tokens, or give the KV cache more memory "
+                         f"(--gpu-memory-utilization, --num-gpu-blocks-override)")
+        self.finish(request, "error")
+        return request
+
+    def fail_newest(self, batch: ScheduledBatch, explanation: str) -> Request | None:
+        """A step ran out of memory: fail its newest unfinished request, keep the rest.
+
+        The others did not advance (num_computed_tokens is unchanged), so the next
+        step recomputes their tokens into the blocks they already hold.
+        """
+        victim = next((r for r in reversed(batch.requests) if not r.is_finished), None)
+        if victim is not None:
+            victim.error = explanation
+            self.finish(victim, "error")
+        return victim
+
+    # A decode step whose tokens nobody needs on the host before the next step can
+    # launch (no logprobs, every row samples) is left in flight: the next step is
+    # launched first, fed those tokens on the device, and only then are they read
+    # back, stops checked and finished requests freed, while the device computes. A
+    # request that stopped (EOS, stop string) thus runs one surplus row whose token is
+    # dropped; requests that end by length are known in advance and not scheduled.
+    # Anything else (new requests to admit, loads landing, a block shortage that may
+    # preempt) goes through the ordinary schedule once the in-flight tokens are read.
+
+    def _can_defer(self, batch: ScheduledBatch, sampling: list[Request]) -> bool:
+        return (self.async_scheduling and len(sampling) == len(batch.requests)
+                and all(n == 1 for n in batch.num_new_tokens)
+                and all(r.params.logprobs is None for r in sampling))
+
+    def _schedule_ahead(self, previous: PendingTokens) -> tuple[ScheduledBatch, list[int]] | None:
+        """The next decode step of the in-flight requests, or None when the ordinary schedule is needed."""
+        num_active = self.num_active()
+        if self.loading or (self.waiting and num_active < self.max_num_seqs):
+            return None
+        rows = [i for i, r in enumerate(previous.sampling)
+                if r.status == RequestStatus.RUNNING and r not in self.paused]
+        if len(rows) != num_active or len(rows) > self.max_num_batched_tokens:
+            return None  # someone runs that the in-flight step did not cover
+        batch, feed = ScheduledBatch(), []
+        for i in rows:
+            request = previous.sampling[i]
+            # With its in-flight token, does it end by length? Then it is not scheduled.
+            if (request.num_output_tokens + 1 >= request.params.max_tokens
+                    or request.num_tokens + 1 >= self.max_model_len):
+                continue
+            if not self.kv.append_slots(request, 1):
+                return None  # room must come from preemption: the ordinary schedule decides
+            batch.requests.append(request)
+            batch.num_new_tokens.append(1)
+            feed.append(i)
+        return (batch, feed) if batch.requests else None
 
     def schedule(self) -> ScheduledBatch:
         if self.kv.tiers is not None:

@@ -327,7 +327,7 @@ def _weight_group(name: str) -> str:
 def _probe_batch(engine, num_tokens: int, num_seqs: int):
     """The engine's probe prefill (its profile step's sampling settings), on random tokens."""
     generator = torch.Generator().manual_seed(0)
-    return engine.probe_batch(num_tokens, num_seqs, lambda n: torch.randint(
+    return engine.probes.batch(num_tokens, num_seqs, lambda n: torch.randint(
         0, engine.spec.vocab_size, (n,), generator=generator).tolist())
 
 
@@ -383,7 +383,7 @@ def measure_kv_growth(engine, recorder: Recorder, plan, num_requests: int, promp
     with recorder.stage("kv growth (generation)", "kv_cache"):
         while engine.has_unfinished_requests():
             engine.step()
-            live = [r for r in engine.requests.values() if r.block_table]
+            live = [r for r in engine.outputs.requests.values() if r.block_table]
             blocks_needed = sum(engine.kv.blocks_for(r.num_computed_tokens) for r in live)
             steps.append({
                 "step": len(steps) + 1,

@@ -4,7 +4,27 @@ Every figure carries how it was obtained: ``measured`` (allocation deltas or
 tensor sizes read at run time) or ``derived`` (computed from measured figures).
 The start-up log, ``mempath diagnose`` and ``/metrics`` all read from here.
 """
+import enum
 from dataclasses import dataclass, field
+
+
+class Pathway(str, enum.Enum):
+    """Every consumer of memory the engine accounts for."""
+    WEIGHTS = "weights"
+    STEP_BUFFERS = "step_buffers"  # static step inputs and the decode split workspace
+    TORCH_OTHER = "torch_other"  # PyTorch's other start-up holdings: model buffers, allocator rounding
+    ACTIVATION_PEAK = "activation_peak"  # the largest step's temporaries, as the allocator reserves them
+    KV_CACHE = "kv_cache"
+    CUDA_GRAPHS = "cuda_graphs"  # the captured decode graphs' memory pool
+    CUDA_GRAPHS_DRIVER = "cuda_graphs_driver"  # the driver memory each captured graph holds
+    NON_TORCH = "non_torch"  # device memory outside PyTorch: context, kernel modules, other processes
+    OUTSIDE_TORCH_GROWTH = "outside_torch_growth"  # room kept for what grows outside PyTorch while serving
+    KV_CPU = "kv_cpu"  # the host KV tier
+    KV_DISK = "kv_disk"  # the disk KV tier
+    KV_TRANSFER_STAGING = "kv_transfer_staging"  # the tiers' device staging buffers
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass
@@ -20,12 +40,16 @@ class Entry:
 class Ledger:
     entries: dict[str, Entry] = field(default_factory=dict)
 
-    def record(self, pathway: str, nbytes: int, device: str, source: str = "measured",
+    def record(self, pathway: Pathway | str, nbytes: int, device: str, source: str = "measured",
                detail: str = "") -> None:
-        self.entries[pathway] = Entry(pathway, int(nbytes), device, source, detail)
+        name = Pathway(pathway).value  # a name that is no pathway is a bug here, not a new row
+        self.entries[name] = Entry(name, int(nbytes), device, source, detail)
 
-    def get(self, pathway: str) -> int:
-        entry = self.entries.get(pathway)
+    def discard(self, pathway: Pathway | str) -> None:
+        self.entries.pop(Pathway(pathway).value, None)
+
+    def get(self, pathway: Pathway | str) -> int:
+        entry = self.entries.get(Pathway(pathway).value)
         return entry.bytes if entry else 0
 
     def total(self, device: str | None = None) -> int:

@@ -23,7 +23,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from mempath.engine.engine import LLMEngine, RequestOutput
+from mempath.engine.engine import LLMEngine
+from mempath.outputs import RequestOutput
 from mempath.sampling import SamplingParams
 from mempath.server.cli import DEFAULT_STREAM_STALL_TIMEOUT
 
@@ -151,7 +152,7 @@ class AsyncEngine:
                  backlog_tokens: int = STREAM_BACKLOG_TOKENS):
         self.engine = engine
         # Every update carries its own logprobs: the engine need not keep a request's history.
-        engine.keep_all_logprobs = False
+        engine.outputs.keep_all_logprobs = False
         engine.commit_host_kv()  # RSS stays flat over the server's life instead of creeping up
         self.metrics = metrics
         self.tokenizer = engine.tokenizer

@@ -1,0 +1,80 @@
+"""Input processing: a prompt and its sampling parameters become a validated Request.
+
+Every refusal is a ValueError that names the problem and the fix; nothing is
+allocated or scheduled before a request passes.
+"""
+import itertools
+from collections.abc import Callable, Container
+
+import torch
+
+from mempath.engine.request import Request
+from mempath.kv.manager import blocks_for
+from mempath.sampling import SamplingParams
+
+
+class InputProcessor:
+    def __init__(self, model: str, tokenizer, vocab_size: int, max_model_len: int, max_logprobs: int,
+                 block_size: int, num_kv_blocks: int, make_generator: Callable[[int], torch.Generator]):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_logprobs = max_logprobs
+        self.block_size = block_size
+        self.num_kv_blocks = num_kv_blocks
+        self.make_generator = make_generator  # the sampler's: seeded draws on the device that samples
+        self._ids = itertools.count()
+
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(
+                f"{self.model} has no tokenizer files (tokenizer.json / tokenizer.model); "
+                f"pass prompts as lists of token ids")
+        return self.tokenizer.encode(prompt)
+
+    def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None,
+                     live: Container[str]) -> Request:
+        """Validate and build a request; ``live`` holds the ids of requests not finished yet."""
+        params.validate(self.max_logprobs)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none: use stop_token_ids")
+        if params.n != 1:
+            raise ValueError("the engine runs one sample per request; LLM.generate expands n > 1")
+        text, token_ids = self._prompt_tokens(prompt)
+        self._check_fits(token_ids, params)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in live:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = Request(request_id, text, token_ids, params)
+        if params.seed is not None:
+            request.generator = self.make_generator(params.seed)
+        return request
+
+    def _prompt_tokens(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty; give at least one token of text")
+            text, token_ids = prompt, self.tokenize(prompt)
+        else:
+            text, token_ids = None, [int(t) for t in prompt]
+        if not token_ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id(s) {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        return text, token_ids
+
+    def _check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, more than max_model_len "
+                f"{self.max_model_len}; shorten it or raise --max-model-len")
+        kv_tokens = min(len(token_ids) + params.max_tokens - 1, self.max_model_len)
+        needed = blocks_for(kv_tokens, self.block_size)
+        if needed > self.num_kv_blocks:
+            raise ValueError(
+                f"the prompt plus max_tokens needs {needed} KV blocks ({kv_tokens} tokens) but the "
+                f"whole KV pool has {self.num_kv_blocks} ({self.num_kv_blocks * self.block_size} "
+                f"tokens); lower max_tokens, shorten the prompt, or give the KV cache more memory "
+                f"(--gpu-memory-utilization, num_gpu_blocks_override)")

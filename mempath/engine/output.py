@@ -1,0 +1,123 @@
+"""Output processing: a sampled token joins its request, stops are checked, outputs are built.
+
+The processor owns the registry of live requests and their detokenizers: a request
+enters it when it is added and leaves it with its finished output.
+"""
+import logging
+import time
+from typing import Callable
+
+from mempath.engine.detokenizer import IncrementalDetokenizer, find_stop
+from mempath.engine.request import Request
+from mempath.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int,
+                 finish: Callable[[Request, str], None]):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.finish = finish  # the scheduler's: frees the request's blocks
+        self.requests: dict[str, Request] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        # Every token is reported (streaming callers); offline callers that only want
+        # finished requests turn this off and save an output object per token.
+        self.emit_progress = True
+        # Finished outputs carry every token's logprobs; a caller that takes them from each
+        # step's output (the server) turns this off, and none of them are kept.
+        self.keep_all_logprobs = True
+        self.num_generation_tokens = 0
+
+    def add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        if self.tokenizer is not None:
+            self.detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer)
+
+    def emit(self, sampling: list[Request], token_ids: list[int], logprobs: list) -> list[RequestOutput]:
+        """One step's tokens, a row per sampling request; a request whose bookkeeping fails fails alone."""
+        outputs = []
+        now = time.perf_counter()
+        for request, token_id, row_logprobs in zip(sampling, token_ids, logprobs):
+            if request.is_finished:
+                continue  # finished or aborted while its step ran: the token is surplus
+            try:
+                output = self._append_token(request, token_id, row_logprobs, now)
+            except Exception as error:
+                log.exception("request %s failed after its step", request.request_id)
+                request.error = f"{type(error).__name__}: {error}"
+                self.finish(request, "error")
+                output = self.finished(request)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _append_token(self, request: Request, token_id: int, logprobs, now: float) -> RequestOutput | None:
+        request.token_ids.append(token_id)
+        self.num_generation_tokens += 1
+        if request.first_token_time is None:
+            request.first_token_time = now
+        if request.logprobs is not None:
+            request.logprobs.append(logprobs)
+        new_text = ""
+        detok = self.detokenizers.get(request.request_id)
+        if detok is not None:
+            new_text = detok.delta(request.token_ids[request.num_prompt_tokens:])
+            request.output_text += new_text
+        reason, new_text = self._stop_reason(request, token_id, new_text)
+        if reason is not None:
+            if detok is not None and reason != "stop":
+                tail = detok.flush(request.token_ids[request.num_prompt_tokens:])
+                request.output_text += tail
+                new_text += tail
+            self.finish(request, reason)
+        elif not self.emit_progress:
+            return None
+        return self.output(request, new_text, [token_id], finished=reason is not None)
+
+    def _stop_reason(self, request: Request, token_id: int, new_text: str) -> tuple[str | None, str]:
+        """Why the request ends with this token, if it does, and its new text cut at a stop string."""
+        params = request.params
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return "stop", new_text
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return "stop", new_text
+        if params.stop and new_text:
+            hit = find_stop(request.output_text, params.stop, len(new_text))
+            if hit is not None:
+                index, stop = hit
+                kept = len(request.output_text) - len(new_text)
+                request.output_text = request.output_text[:index]
+                request.stop_reason = stop
+                return "stop", request.output_text[kept:] if index > kept else ""
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return "length", new_text
+        return None, new_text
+
+    def finished(self, request: Request) -> RequestOutput:
+        """The output of a request the scheduler has just finished (error, abort)."""
+        return self.output(request, "", [], finished=True)
+
+    def output(self, request: Request, new_text: str, new_token_ids: list[int],
+               finished: bool) -> RequestOutput:
+        if finished:
+            request.finish_time = time.perf_counter()
+            self.requests.pop(request.request_id, None)
+            self.detokenizers.pop(request.request_id, None)
+        ttft = None if request.first_token_time is None else request.first_token_time - request.arrival_time
+        total = None if request.finish_time is None else request.finish_time - request.arrival_time
+        logprobs = request.logprobs
+        if logprobs is not None and not self.keep_all_logprobs:
+            request.logprobs = []  # this output hands them over
+        return RequestOutput(
+            request_id=request.request_id, prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=request.output_token_ids if finished else [],
+            text=request.output_text, finished=finished, finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens or 0,
+            logprobs=logprobs, error=request.error, time_to_first_token=ttft,
+            total_time=total, new_text=new_text, new_token_ids=new_token_ids,
+            num_output_tokens=request.num_output_tokens)

@@ -1,0 +1,315 @@
+"""Start-up: an engine's parts built stage by stage, each stage's memory granted by the budget.
+
+Stages, in order: read and validate the config; load the weights; build the runner
+(static step buffers); size the KV cache (on CUDA: run the largest step once and give
+the rest of the budget to KV); allocate it; compile the attention kernels; capture the
+decode graphs; attach the KV tiers; cap PyTorch's allocator at what the budget leaves
+it. An observer (``stage``) can wrap each stage: `mempath diagnose` measures them so.
+"""
+import contextlib
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Callable, ContextManager
+
+import torch
+
+from mempath.config import EngineConfig
+from mempath.engine.probes import Probes
+from mempath.engine.runner import ModelRunner
+from mempath.kv.manager import KVCacheManager, blocks_for
+from mempath.memory.budget import DeviceBudget
+from mempath.memory.ledger import Pathway, format_bytes
+from mempath.memory.oom import oom_guard
+from mempath.model.llama import ConfigFields, ModelSpec
+from mempath.model.loader import (checkpoint_dtype, digest_cache_file, load_model, read_config,
+                                  read_json_object, weights_digest)
+
+log = logging.getLogger(__name__)
+
+# Device memory outside PyTorch that grows after start-up (kernel modules loaded on
+# first use): a few MiB over 1,000 serving steps on the H200 (BENCHMARKS.md, "The
+# budget is a promise"); the budget keeps this much spare for it.
+OUTSIDE_TORCH_GROWTH = 32 << 20
+# One fresh segment of each of PyTorch's caching-allocator pools (2 MiB small, 20 MiB
+# large): the least a step reserves when it finds no cached block that fits.
+ALLOCATOR_SEGMENTS = 22 << 20
+
+# Start-up stages an observer can wrap: the name and the ledger pathway the stage
+# fills, None for one that only warms up.
+StageObserver = Callable[[str, "str | None"], ContextManager]
+
+
+def no_observer(name: str, pathway: str | None) -> ContextManager:
+    return contextlib.nullcontext()
+
+
+def load_tokenizer(model_dir: str):
+    """The checkpoint's tokenizer, or None when the directory has none."""
+    path = Path(model_dir)
+    if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def load_generation_eos(model_dir: str) -> list[int]:
+    path = Path(model_dir) / "generation_config.json"
+    if not path.exists():
+        return []
+    fields = ConfigFields(read_json_object(path, "a JSON object of generation settings"), str(path))
+    return fields.token_ids("eos_token_id")
+
+
+def resolve_max_model_len(wanted: int | None, spec: ModelSpec) -> int:
+    limit = spec.max_position_embeddings
+    if spec.sliding_window is not None:
+        # The attention path has no sliding-window mask: stay where it makes no difference.
+        limit = min(limit, spec.sliding_window)
+    if wanted is None:
+        return limit
+    if wanted > limit:
+        raise ValueError(
+            f"max_model_len {wanted} exceeds what this model supports ({limit}: "
+            f"max_position_embeddings{' / sliding_window' if spec.sliding_window else ''}); "
+            f"use --max-model-len {limit} or less")
+    return wanted
+
+
+class Startup:
+    """The parts under construction; ``run`` builds them, LLMEngine takes them."""
+
+    def __init__(self, config: EngineConfig, stage: StageObserver = no_observer):
+        self.config = config
+        self.stage = stage
+        self.device = config.torch_device()
+        self.hf_config = read_config(config.model)
+        # Validate the architecture and lengths before anything is allocated.
+        spec = ModelSpec.from_hf_config(self.hf_config, source=str(Path(config.model) / "config.json"))
+        self.max_model_len = resolve_max_model_len(config.max_model_len, spec)
+        self.dtype = config.torch_dtype(checkpoint_dtype(self.hf_config))
+        self.dtype_name = str(self.dtype).removeprefix("torch.")
+        self.tenant = Path(config.model).name or config.model
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            # The whole budget until start-up has measured what it may leave PyTorch (cap_device_memory).
+            torch.cuda.set_per_process_memory_fraction(config.gpu_memory_utilization, self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.budget = DeviceBudget.of_cuda(self.device, config.gpu_memory_utilization)
+        else:
+            self.budget = DeviceBudget(self.device.type, None)
+        self.ledger = self.budget.ledger(self.tenant)
+
+    def _guard(self, stage: str, **kwargs):
+        return oom_guard(stage, self.ledger, self.config, dtype=self.dtype_name, **kwargs)
+
+    def run(self, show_progress: bool) -> "Startup":
+        config, stage = self.config, self.stage
+        self.load_weights(show_progress)
+        self.tokenizer = load_tokenizer(config.model)
+        self.eos_token_ids = set(self.spec.eos_token_ids) | set(load_generation_eos(config.model))
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.runner = ModelRunner(config, self.model, self.spec, self.device, self.dtype, self.max_model_len)
+        self.probes = Probes(config, self.runner, self.max_model_len)
+        self.budget.grant(self.tenant, Pathway.STEP_BUFFERS, self.runner.workspace_bytes(), "measured",
+                          "static inputs and decode split workspace")
+        num_blocks = self.size_kv_cache()
+        with self._guard("kv_allocation", requested_bytes=num_blocks * self.runner.kv_bytes_per_block()), \
+                stage("kv allocation", Pathway.KV_CACHE.value):
+            self.runner.allocate_kv_cache(num_blocks)
+        self.budget.grant(self.tenant, Pathway.KV_CACHE, self.runner.kv_cache.numel() * self.runner.kv_cache.element_size(),
+                          "measured", f"{num_blocks} blocks x {config.block_size} tokens")
+        if self.runner.use_triton:
+            with stage("compile kernels", None):
+                self.probes.compile_kernels(num_blocks)
+        self.capture_graphs()
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        if config.tiers_enabled:
+            with stage("attach tiers", None):
+                self.attach_tiers()
+        if self.device.type == "cuda":
+            self.cap_device_memory()
+        log.info("memory by pathway:\n%s", self.ledger.table())
+        return self
+
+    def load_weights(self, show_progress: bool) -> None:
+        config, device = self.config, self.device
+        before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        with self._guard("load"), self.stage("load weights", Pathway.WEIGHTS.value):
+            self.model, self.spec, self.load_report = load_model(
+                config.model, self.dtype, device, self.max_model_len, show_progress,
+                dummy=config.load_format == "dummy")
+        self.budget.grant(self.tenant, Pathway.WEIGHTS, self.load_report.weight_bytes, "measured",
+                          f"{self.load_report.tensors_loaded} tensors, {self.dtype_name}")
+        if device.type == "cuda":
+            measured = torch.cuda.memory_allocated(device) - before
+            log.info("weights: %s of parameters, %s allocated on the device",
+                     format_bytes(self.load_report.weight_bytes), format_bytes(measured))
+
+    # ----------------------------------------------------------------- KV sizing
+    def size_kv_cache(self) -> int:
+        """How many KV blocks fit: fixed by override, by the CPU budget, or measured on CUDA."""
+        per_block = self.runner.kv_bytes_per_block()
+        if self.config.num_gpu_blocks_override is not None:
+            return self.config.num_gpu_blocks_override
+        if self.device.type != "cuda":
+            num_blocks = self.config.cpu_kv_cache_bytes // per_block
+        else:
+            with self._guard("profile"), self.stage("profile step", Pathway.ACTIVATION_PEAK.value):
+                num_blocks = self.profile_kv_blocks(per_block)
+        if num_blocks < 1:
+            raise ValueError(
+                f"no memory is left for the KV cache (one block needs {format_bytes(per_block)}); "
+                f"raise --gpu-memory-utilization, lower --max-num-batched-tokens, or use a smaller --dtype")
+        tokens = num_blocks * self.config.block_size
+        if tokens < self.max_model_len:
+            log.warning("the KV cache holds %d tokens, less than max_model_len %d: long requests "
+                        "will be rejected", tokens, self.max_model_len)
+        return num_blocks
+
+    def profile_kv_blocks(self, per_block: int) -> int:
+        """Run the largest step once, measure its peak, grant every other pathway, give KV the rest.
+
+        Everything that takes device memory after the KV cache is allocated is granted
+        here: the step's activations, the graph pool and the driver memory of the
+        captured graphs (measured on trial captures), the tiers' staging buffers, and
+        room for what grows outside PyTorch while serving.
+        """
+        activation_peak = self.measure_step_peak()
+        self.runner.allocate_kv_cache(0)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        in_use = total - free  # our weights, context and allocator, plus other processes
+        reserved = torch.cuda.memory_reserved(self.device)
+        grant, tenant = self.budget.grant, self.tenant
+        grant(tenant, Pathway.NON_TORCH, in_use - reserved, "derived",
+              "device used - torch reserved (context, other processes)")
+        grant(tenant, Pathway.TORCH_OTHER, reserved - self.ledger.get(Pathway.WEIGHTS) - self.ledger.get(Pathway.STEP_BUFFERS),
+              "derived", "torch reserved at the profile - weights - step buffers (model buffers, allocator rounding)")
+        grant(tenant, Pathway.ACTIVATION_PEAK, activation_peak, "measured",
+              "the profile step's peak as the allocator reserved it")
+        num_graphs = len(self.runner.graph_sizes())
+        if num_graphs:
+            # Captured after the KV cache exists; the measured pool replaces this then.
+            grant(tenant, Pathway.CUDA_GRAPHS, self.graph_pool_estimate(), "derived",
+                  "memory.plan.cuda_graph_bytes at the largest captured batch, until captured")
+        graph_driver_bytes = self.runner.graph_overhead_per_graph() * num_graphs
+        if graph_driver_bytes:
+            grant(tenant, Pathway.CUDA_GRAPHS_DRIVER, graph_driver_bytes, "derived",
+                  f"{num_graphs} graphs x driver memory of one trial capture")
+        if self.config.tiers_enabled:
+            grant(tenant, Pathway.KV_TRANSFER_STAGING, self.tier_staging_bytes(per_block), "derived",
+                  "one staging buffer per direction, until the tiers are attached")
+        grant(tenant, Pathway.OUTSIDE_TORCH_GROWTH, OUTSIDE_TORCH_GROWTH, "derived",
+              "room for kernel modules loaded while serving (BENCHMARKS.md)")
+        return self.budget.grant_blocks(tenant, Pathway.KV_CACHE, per_block, "what the budget leaves, in whole blocks")
+
+    def measure_step_peak(self) -> int:
+        """The largest step's peak over the weights, as allocated or as reserved, whichever is more."""
+        device, config = self.device, self.config
+        torch.cuda.synchronize(device)
+        weights_end = torch.cuda.memory_allocated(device)
+        num_tokens = min(config.max_num_batched_tokens, self.max_model_len * config.max_num_seqs)
+        num_seqs = max(1, min(config.max_num_seqs, num_tokens))
+        longest = -(-num_tokens // num_seqs)  # the probe's sequences differ by at most one token
+        self.runner.allocate_kv_cache(num_seqs * blocks_for(longest, config.block_size))
+        probe_kv = self.runner.kv_cache.numel() * self.runner.kv_cache.element_size()
+        # From an empty cache, as serving steps start once the KV cache and the graphs have
+        # taken the rest: the step must reserve its own segments, and the allocator's
+        # segment sizes (2 MiB at the least) count, not only the bytes it hands out.
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        reserved_before_step = torch.cuda.memory_reserved(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        self.probes.run(num_tokens, num_seqs)
+        torch.cuda.synchronize(device)
+        # The allocator rounds and splits blocks: what the step reserved counts when it exceeds what it used.
+        return max(torch.cuda.max_memory_allocated(device) - weights_end - probe_kv,
+                   torch.cuda.max_memory_reserved(device) - reserved_before_step,
+                   ALLOCATOR_SEGMENTS)
+
+    def tier_staging_bytes(self, per_block: int) -> int:
+        from mempath.kv.tiered import STAGING_BLOCKS
+        return 2 * STAGING_BLOCKS * per_block  # one staging buffer per direction
+
+    def graph_pool_estimate(self) -> int:
+        """Room for the decode graphs: memory.plan.cuda_graph_bytes at the largest captured batch."""
+        from mempath.constants import MAX_GRAPH_BATCH
+        from mempath.memory.plan import cublas_workspace_bytes, cuda_graph_bytes, read_shape
+        major, _ = torch.cuda.get_device_capability(self.device)
+        return cuda_graph_bytes(read_shape(self.hf_config), min(self.config.max_num_seqs, MAX_GRAPH_BATCH),
+                                self.dtype.itemsize, cublas_workspace_bytes(major))
+
+    # ----------------------------------------------------------------- after the KV cache
+    def capture_graphs(self) -> None:
+        with self._guard("cuda_graphs"), self.stage("cuda graph capture", Pathway.CUDA_GRAPHS.value):
+            graph_bytes = self.runner.capture_cuda_graphs()
+        if self.runner.graphs:
+            self.budget.grant(self.tenant, Pathway.CUDA_GRAPHS, graph_bytes, "measured",
+                              f"{len(self.runner.graphs)} decode graphs, batch 1..{self.config.max_num_seqs}")
+        else:
+            self.ledger.discard(Pathway.CUDA_GRAPHS)
+
+    def attach_tiers(self) -> None:
+        """Reserve the host tier, open the disk tier, calibrate the cost model (docs/tiers.md)."""
+        from mempath.kv.tiered import TieredKV
+        c = self.config
+        tiers = TieredKV(self.kv.pool, self.runner.kv_cache, c.block_size, int(c.cpu_kv_gb * (1 << 30)),
+                         c.disk_kv_path, int(c.disk_kv_gb * (1 << 30)), c.disk_write_policy == "write-through",
+                         self.kv_fingerprint(), c.preemption_mode)
+        host = tiers.host
+        self.ledger.record(Pathway.KV_CPU, host.capacity_bytes, "cpu", "measured",
+                           f"{host.num_blocks} blocks, {'pinned' if host.storage.is_pinned() else 'pageable'}")
+        if tiers.disk is not None:
+            self.ledger.record(Pathway.KV_DISK, tiers.disk.capacity_bytes, "disk", "derived",
+                               f"capacity at {tiers.disk.path}, {c.disk_write_policy}")
+        self.ledger.record(Pathway.KV_TRANSFER_STAGING, tiers.transfer.staging_nbytes, self.device.type, "measured",
+                           f"{tiers.transfer.staging_blocks} blocks per direction")
+        tiers.calibrate(lambda: self.probes.prefill_rate(self.kv.num_blocks))
+        self.kv.tiers = tiers
+
+    def kv_fingerprint(self) -> str:
+        """What makes a block's bytes this model's: the weights' and config's content, the KV dtype.
+
+        Only the disk tier's blocks outlive the process, so without one nothing is hashed.
+        Each weights file is hashed once: its digest is cached in mempath's cache directory
+        under the file's identity (device, inode, size, mtime, ctime, header hash), never
+        in the model directory (docs/tiers.md).
+        """
+        c = self.config
+        parts = [self.dtype_name, c.load_format] + ([] if c.kv_cache_dtype == "auto" else [str(c.kv_torch_dtype(self.dtype))])
+        if c.disk_kv_path:
+            parts.append(json.dumps(self.hf_config, sort_keys=True))
+            if c.load_format == "dummy":
+                parts.append(f"seed={c.seed}")
+            else:
+                parts.append(weights_digest(self.load_report.file_identities, digest_cache_file()))
+        return hashlib.blake2b("|".join(parts).encode(), digest_size=16).hexdigest()
+
+    def cap_device_memory(self) -> None:
+        """Hold PyTorch's allocator to what the budget leaves it once start-up is done.
+
+        Serving steps of other shapes than the profile step's make the caching
+        allocator reserve more than they allocate (split and cached blocks); capped,
+        it hands cached blocks back to the device before it would pass the limit, so
+        device use stays within gpu_memory_utilization x total.
+        """
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # the warm-ups' cached blocks: serving reserves its own
+        free, total = torch.cuda.mem_get_info(self.device)
+        reserved = torch.cuda.memory_reserved(self.device)
+        outside = total - free - reserved
+        cap = self.budget.limit - outside - OUTSIDE_TORCH_GROWTH
+        # Never below what start-up holds plus room for fresh segments: a budget start-up
+        # already passed is reported below, and serving must still be able to run a step.
+        allowed = max(cap, reserved + ALLOCATOR_SEGMENTS)
+        torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, allowed / total)), self.device)
+        self.budget.grant(self.tenant, Pathway.NON_TORCH, outside, "measured",
+                          "device used - torch reserved after start-up (context, kernels, graphs, other processes)")
+        if reserved > cap:
+            log.warning("after start-up PyTorch holds %s, more than the %s the budget leaves it "
+                        "(gpu_memory_utilization %.2f): lower --max-num-batched-tokens or --max-num-seqs, "
+                        "or raise --gpu-memory-utilization",
+                        format_bytes(reserved), format_bytes(cap), self.config.gpu_memory_utilization)
