@@ -91,6 +91,13 @@ def build_app(engine_client: AsyncEngine, served_model_name: str, api_key: str |
         stats = await engine_stats(engine_client)
         return Response(engine_client.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
 
+    app.include_router(openai_router(engine_client, served_model_name, api_key, limits, created))
+    return app
+
+
+def openai_router(engine_client: AsyncEngine, served_model_name: str, api_key: str | None,
+                  limits: Limits, created: int) -> APIRouter:
+    """/v1: models, completions, chat completions, behind the API key when one is set."""
     api = APIRouter(prefix="/v1", dependencies=[Depends(api_key_checker(api_key))])
 
     @api.get("/models")
@@ -130,8 +137,7 @@ def build_app(engine_client: AsyncEngine, served_model_name: str, api_key: str |
             return SSEResponse(stream_chat(call, req.include_usage), on_close=call.abort)
         return JSONResponse(await until_disconnect(request, finish_chat(call)))
 
-    app.include_router(api)
-    return app
+    return api
 
 
 # ----------------------------------------------------------------- running under uvicorn

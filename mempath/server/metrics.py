@@ -148,6 +148,10 @@ class _SnapshotCollector:
         preemptions.add_metric([name, "swap"], swaps)
         yield preemptions
 
+        yield from self._memory_families(stats, name, gauge)
+
+    def _memory_families(self, stats: dict, name: str, gauge):
+        """KV blocks, every pathway's bytes, and the disk tier's failures."""
         blocks = GaugeMetricFamily("mempath:kv_blocks", "KV cache blocks by state.",
                                    labels=["model_name", "state"])
         for state in ("used", "free", "cached"):
