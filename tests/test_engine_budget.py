@@ -78,6 +78,9 @@ class FakeRunner:
         return self._graph_sizes
 
     def graph_overhead_per_graph(self):
+        # Its trial captures replay a decode step: they read the probe's KV cache (on the
+        # H200 an empty one was an illegal memory access).
+        assert self.kv_blocks > 0, "trial capture without a KV cache"
         return 3 * MiB if self._graph_sizes else 0
 
 

@@ -178,6 +178,9 @@ class Startup:
         room for what grows outside PyTorch while serving.
         """
         activation_peak = self.measure_step_peak()
+        num_graphs = len(self.runner.graph_sizes())
+        # Trial captures replay a decode step over the probe's KV cache: before it is freed.
+        graph_driver_bytes = self.runner.graph_overhead_per_graph() * num_graphs
         self.runner.allocate_kv_cache(0)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
@@ -190,12 +193,10 @@ class Startup:
               "derived", "torch reserved at the profile - weights - step buffers (model buffers, allocator rounding)")
         grant(tenant, Pathway.ACTIVATION_PEAK, activation_peak, "measured",
               "the profile step's peak as the allocator reserved it")
-        num_graphs = len(self.runner.graph_sizes())
         if num_graphs:
             # Captured after the KV cache exists; the measured pool replaces this then.
             grant(tenant, Pathway.CUDA_GRAPHS, self.graph_pool_estimate(), "derived",
                   "memory.plan.cuda_graph_bytes at the largest captured batch, until captured")
-        graph_driver_bytes = self.runner.graph_overhead_per_graph() * num_graphs
         if graph_driver_bytes:
             grant(tenant, Pathway.CUDA_GRAPHS_DRIVER, graph_driver_bytes, "derived",
                   f"{num_graphs} graphs x driver memory of one trial capture")
