@@ -25,7 +25,7 @@ from typing import Callable
 
 from mempath.engine.engine import LLMEngine, RequestOutput
 from mempath.sampling import SamplingParams
-from mempath.server.cli import DEFAULT_STREAM_STALL_TIMEOUT
+from mempath.server.settings import DEFAULT_STREAM_STALL_TIMEOUT
 
 log = logging.getLogger(__name__)
 
