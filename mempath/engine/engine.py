@@ -293,11 +293,12 @@ class LLMEngine:
                         format_bytes(reserved), format_bytes(cap), self.config.gpu_memory_utilization)
 
     def _graph_pool_estimate(self) -> int:
-        """Room for the decode graphs: memory.plan.cuda_graph_bytes at the largest captured batch.
+        """Room for the decode graphs: memory.formulas.cuda_graph_bytes at the largest captured batch.
 
         The measured size, once captured, is what the ledger reports.
         """
-        from mempath.memory.plan import MAX_GRAPH_BATCH, cublas_workspace_bytes, cuda_graph_bytes, read_shape
+        from mempath.constants import MAX_GRAPH_BATCH
+        from mempath.memory.formulas import cublas_workspace_bytes, cuda_graph_bytes, read_shape
         major, _ = torch.cuda.get_device_capability(self.device)
         return cuda_graph_bytes(read_shape(self.hf_config), min(self.config.max_num_seqs, MAX_GRAPH_BATCH),
                                 self.dtype.itemsize, cublas_workspace_bytes(major))
