@@ -271,28 +271,33 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
         **asdict(serving), **experts,
     )
     if gpu_mem_bytes is not None:
-        plan.budget_bytes = int(gpu_mem_bytes * gpu_memory_utilization)
-        plan.kv_budget_bytes = plan.budget_bytes - plan.resident_weight_bytes - plan.workspace_bytes
-        plan.num_kv_blocks = max(0, plan.kv_budget_bytes) // plan.kv_bytes_per_block
-        plan.kv_capacity_tokens = plan.num_kv_blocks * block_size
-        plan.max_concurrency = plan.num_kv_blocks // plan.blocks_per_seq
-        plan.fits = plan.max_concurrency >= 1
-
+        _plan_capacity(plan)
     if train:
-        if seq_len is None:
-            seq_len = min(max_model_len, DEFAULT_TRAIN_SEQ_LEN)
-        figures = plan_training(
-            shape, b, optimizer=optimizer, micro_batch=micro_batch, seq_len=seq_len,
-            checkpointing=checkpointing, checkpoint_layers=checkpoint_layers,
-            lora_rank=lora_rank, lora_targets=lora_targets)
-        plan.train = True
-        for key, value in figures.items():
-            setattr(plan, key, value)
-        if plan.budget_bytes is not None:
-            plan.train_fits = plan.train_total_bytes <= plan.budget_bytes
-
+        _plan_training(plan, shape, optimizer=optimizer, micro_batch=micro_batch,
+                       seq_len=min(max_model_len, DEFAULT_TRAIN_SEQ_LEN) if seq_len is None else seq_len,
+                       checkpointing=checkpointing, checkpoint_layers=checkpoint_layers,
+                       lora_rank=lora_rank, lora_targets=lora_targets)
     plan.advice = advise(plan, shape)
     return plan
+
+
+def _plan_capacity(plan: MemoryPlan) -> None:
+    """The budget, the KV cache it leaves and how many sequences that holds."""
+    plan.budget_bytes = int(plan.gpu_mem_bytes * plan.gpu_memory_utilization)
+    plan.kv_budget_bytes = plan.budget_bytes - plan.resident_weight_bytes - plan.workspace_bytes
+    plan.num_kv_blocks = max(0, plan.kv_budget_bytes) // plan.kv_bytes_per_block
+    plan.kv_capacity_tokens = plan.num_kv_blocks * plan.block_size
+    plan.max_concurrency = plan.num_kv_blocks // plan.blocks_per_seq
+    plan.fits = plan.max_concurrency >= 1
+
+
+def _plan_training(plan: MemoryPlan, shape: ModelShape, **settings) -> None:
+    figures = plan_training(shape, plan.dtype_bytes, **settings)
+    plan.train = True
+    for key, value in figures.items():
+        setattr(plan, key, value)
+    if plan.budget_bytes is not None:
+        plan.train_fits = plan.train_total_bytes <= plan.budget_bytes
 
 
 def _plan_experts(shape: ModelShape, b: int, params: dict[str, int], cache_size: int | None) -> dict:

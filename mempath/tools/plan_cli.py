@@ -57,42 +57,47 @@ def format_plan(plan: MemoryPlan) -> str:
         _row("total", p.workspace_bytes),
         "",
     ]
-    if p.budget_bytes is None:
-        out += ["capacity: needs --gpu-mem (no CUDA device visible)", ""]
-    else:
-        out += [
-            f"capacity (gpu-mem {format_bytes(p.gpu_mem_bytes)} x {p.gpu_memory_utilization})",
-            _row("budget", p.budget_bytes),
-            _row("- weights" + (" (resident)" if p.num_experts else ""), p.resident_weight_bytes),
-            _row("- workspace", p.workspace_bytes),
-            _row("= KV budget", p.kv_budget_bytes),
-            f"  {'KV blocks':<34}{p.num_kv_blocks:>16,}",
-            f"  {'KV tokens':<34}{p.kv_capacity_tokens:>16,}",
-            f"  {f'max concurrency at {p.max_model_len}':<34}{p.max_concurrency:>16,}",
-            "",
-        ]
-    if p.train:
-        setup = f"{p.optimizer}, micro-batch {p.micro_batch}, seq-len {p.seq_len}, checkpointing {p.checkpointing}"
-        if p.checkpoint_layers:
-            setup += f" (layers {_layer_ranges(p.checkpoint_layers)})"
-        if p.lora_rank:
-            setup += f", LoRA r={p.lora_rank} on {','.join(p.lora_targets)}"
-        out += [
-            f"training ({setup})",
-            f"  {'trainable params':<34}{p.trainable_params:>16,}",
-            _row("weights", p.train_weight_bytes),
-            _row("gradients", p.grad_bytes),
-            _row("fp32 master weights", p.master_weight_bytes),
-            _row("optimizer moments", p.optimizer_bytes),
-            _row("activations per layer", p.activation_bytes_per_layer),
-            _row("activations", p.train_activation_bytes),
-            _row("logits (16-bit + fp32 for the loss)", p.train_logits_bytes),
-            _row("total", p.train_total_bytes),
-            "",
-        ]
+    out += _capacity_lines(p) + (_training_lines(p) if p.train else [])
     out.append("advice")
     out += [f"  - {line}" for line in p.advice]
     return "\n".join(out)
+
+
+def _capacity_lines(p: MemoryPlan) -> list[str]:
+    if p.budget_bytes is None:
+        return ["capacity: needs --gpu-mem (no CUDA device visible)", ""]
+    return [
+        f"capacity (gpu-mem {format_bytes(p.gpu_mem_bytes)} x {p.gpu_memory_utilization})",
+        _row("budget", p.budget_bytes),
+        _row("- weights" + (" (resident)" if p.num_experts else ""), p.resident_weight_bytes),
+        _row("- workspace", p.workspace_bytes),
+        _row("= KV budget", p.kv_budget_bytes),
+        f"  {'KV blocks':<34}{p.num_kv_blocks:>16,}",
+        f"  {'KV tokens':<34}{p.kv_capacity_tokens:>16,}",
+        f"  {f'max concurrency at {p.max_model_len}':<34}{p.max_concurrency:>16,}",
+        "",
+    ]
+
+
+def _training_lines(p: MemoryPlan) -> list[str]:
+    setup = f"{p.optimizer}, micro-batch {p.micro_batch}, seq-len {p.seq_len}, checkpointing {p.checkpointing}"
+    if p.checkpoint_layers:
+        setup += f" (layers {_layer_ranges(p.checkpoint_layers)})"
+    if p.lora_rank:
+        setup += f", LoRA r={p.lora_rank} on {','.join(p.lora_targets)}"
+    return [
+        f"training ({setup})",
+        f"  {'trainable params':<34}{p.trainable_params:>16,}",
+        _row("weights", p.train_weight_bytes),
+        _row("gradients", p.grad_bytes),
+        _row("fp32 master weights", p.master_weight_bytes),
+        _row("optimizer moments", p.optimizer_bytes),
+        _row("activations per layer", p.activation_bytes_per_layer),
+        _row("activations", p.train_activation_bytes),
+        _row("logits (16-bit + fp32 for the loss)", p.train_logits_bytes),
+        _row("total", p.train_total_bytes),
+        "",
+    ]
 
 
 def _layer_ranges(layers) -> str:

@@ -66,27 +66,9 @@ def plan_training(shape: ModelShape, dtype_bytes: int, *, optimizer: str, micro_
         selective:  C checkpointed layers: C·2·s·b·h + (L−C)·A + A
     Logits: s·b·V·(2 + 4), the 16-bit LM-head output and its fp32 copy for the loss.
     """
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {optimizer!r}: use {', '.join(OPTIMIZERS)}")
-    if checkpointing not in CHECKPOINTING:
-        raise ValueError(f"unknown checkpointing {checkpointing!r}: use {', '.join(CHECKPOINTING)}")
-    for name, value in (("micro_batch", micro_batch), ("seq_len", seq_len)):
-        if not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if not isinstance(lora_rank, int) or lora_rank < 0:
-        raise ValueError(f"lora_rank must be 0 (full fine-tune) or a positive integer, got {lora_rank!r}")
-
+    _check_training(optimizer, micro_batch, seq_len, checkpointing, lora_rank)
     L = shape.num_layers
-    layers = sorted(set(checkpoint_layers))
-    bad = [i for i in layers if not 0 <= i < L]
-    if bad:
-        raise ValueError(f"checkpoint layers {bad} out of range: the model has layers 0..{L - 1}")
-    if checkpointing == "selective" and not layers:
-        raise ValueError("checkpointing='selective' needs checkpoint_layers (e.g. 0,2,4 or 0-15)")
-    if checkpointing != "selective" and layers:
-        raise ValueError(f"checkpoint_layers given with checkpointing={checkpointing!r}: use 'selective'")
-    if checkpointing == "full":
-        layers = list(range(L))
+    layers = _checkpointed_layers(L, checkpointing, checkpoint_layers)
 
     total_params = count_params(shape)["total"]
     targets = resolve_lora_targets(shape, lora_targets) if lora_rank else []
@@ -124,3 +106,29 @@ def plan_training(shape: ModelShape, dtype_bytes: int, *, optimizer: str, micro_
         "train_activation_bytes", "train_logits_bytes"))
     return figures
 
+
+def _check_training(optimizer, micro_batch, seq_len, checkpointing, lora_rank) -> None:
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}: use {', '.join(OPTIMIZERS)}")
+    if checkpointing not in CHECKPOINTING:
+        raise ValueError(f"unknown checkpointing {checkpointing!r}: use {', '.join(CHECKPOINTING)}")
+    for name, value in (("micro_batch", micro_batch), ("seq_len", seq_len)):
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if not isinstance(lora_rank, int) or lora_rank < 0:
+        raise ValueError(f"lora_rank must be 0 (full fine-tune) or a positive integer, got {lora_rank!r}")
+
+
+def _checkpointed_layers(L: int, checkpointing: str, checkpoint_layers) -> list[int]:
+    """The layers whose inputs are kept (all with full checkpointing), checked against the model's L."""
+    layers = sorted(set(checkpoint_layers))
+    bad = [i for i in layers if not 0 <= i < L]
+    if bad:
+        raise ValueError(f"checkpoint layers {bad} out of range: the model has layers 0..{L - 1}")
+    if checkpointing == "selective" and not layers:
+        raise ValueError("checkpointing='selective' needs checkpoint_layers (e.g. 0,2,4 or 0-15)")
+    if checkpointing != "selective" and layers:
+        raise ValueError(f"checkpoint_layers given with checkpointing={checkpointing!r}: use 'selective'")
+    if checkpointing == "full":
+        layers = list(range(L))
+    return layers

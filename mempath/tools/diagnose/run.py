@@ -48,10 +48,8 @@ def diagnose(model_dir: str, *, device: str = "auto", dtype: str = "auto", train
     """
     from mempath.config import EngineConfig
     from mempath.engine.engine import LLMEngine
-    from mempath.memory.formulas import cublas_workspace_bytes
     from mempath.model.llama import ModelSpec
     from mempath.model.loader import read_config
-    from mempath.tools.plan import detect_gpu_mem, plan_memory
 
     config = EngineConfig.from_kwargs(model_dir, device=_indexed(device), dtype=dtype, **engine_options)
     # A broken config.json is refused before anything is measured.
@@ -74,80 +72,100 @@ def diagnose(model_dir: str, *, device: str = "auto", dtype: str = "auto", train
             if out_dir is not None:  # after the load (a broken model is refused first), before measuring
                 from mempath.tools.diagnose.report import require_plotting
                 require_plotting()
-            dtype_name = engine.dtype_name
-            gpu_mem = detect_gpu_mem() if torch_device.type == "cuda" else None
-            fused = engine.runner.use_triton  # which elementwise path the forward takes
-            workspace = 0  # no cuBLAS on the CPU
-            if torch_device.type == "cuda":
-                workspace = cublas_workspace_bytes(torch.cuda.get_device_capability(torch_device)[0])
-            serving_plan = plan_memory(
-                model_dir, dtype=dtype_name, gpu_mem_bytes=gpu_mem, cublas_workspace=workspace,
-                gpu_memory_utilization=config.gpu_memory_utilization,
-                max_model_len=engine.max_model_len, max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens, block_size=config.block_size,
-                cuda_graphs=not config.enforce_eager, fused_kernels=fused)
-            seqs = max(1, min(probe_seqs, config.max_num_seqs, probe_tokens))
-            # The step buffers hold max-num-batched-tokens tokens and max-model-len per sequence.
-            tokens = max(seqs, min(probe_tokens, config.max_num_batched_tokens, probe_capacity(engine),
-                                   seqs * engine.max_model_len))
-            probe_plan = plan_memory(model_dir, dtype=dtype_name, max_model_len=engine.max_model_len,
-                                     cublas_workspace=0,  # the probe's rows are deltas: the workspace exists
-                                     max_num_seqs=seqs, max_num_batched_tokens=tokens,
-                                     block_size=config.block_size, cuda_graphs=False, fused_kernels=fused)
-            forward = measure_forward(engine, recorder, tokens, seqs)
-            growth = _run_growth(engine, recorder, serving_plan, growth_requests)
-            leak = measure_leak(engine, recorder, leak_requests,
-                                prompt_len=min(3 * config.block_size + 1, engine.max_model_len - 8))
-            fragmentation = measure_fragmentation(torch_device)
-            outside = measure_outside_torch(torch_device, meter)
-            rows = comparison_rows(engine, serving_plan, probe_plan, recorder, forward, growth)
-            ledger = engine.ledger.as_dict()
-            stats = engine.stats()
+            measured = _measure_serving(engine, model_dir, recorder, torch_device, probe_tokens, probe_seqs,
+                                        leak_requests, growth_requests)
             del engine
             gc.collect()
             if torch_device.type == "cuda":
                 torch.cuda.empty_cache()
-            training = None
             if train:
-                train_len = max(1, min(probe_tokens, serving_plan.max_model_len))
-                train_plan = plan_memory(model_dir, dtype="float32", max_model_len=serving_plan.max_model_len,
-                                         train=True, optimizer="adamw-fp32", seq_len=train_len)
-                training = measure_training(model_dir, recorder, torch_device, train_len)
-                rows += train_rows(train_plan, training, meter)
+                _measure_training(measured, model_dir, recorder, torch_device, probe_tokens)
     finally:
         recorder.stop()
-    report = {
-        "mempath_diagnose": 1,
-        "model": str(model_dir),
-        "device": _describe_device(torch_device),
-        "dtype": dtype_name,
-        "settings": {k: v for k, v in asdict(config).items() if k != "model"},
-        "measurement": {"device_bytes": meter.source, "peaks": meter.peak_source,
-                        "host": "RssAnon from /proc/self/status (psutil rss without /proc)"},
-        "pathways": [asdict(r) for r in rows],
-        "stages": [{**asdict(s), "delta": s.delta, "peak_delta": s.peak_delta} for s in recorder.stages],
-        "timeline": {"columns": ["t_seconds", "device_bytes", "host_rss_anon", "stage"],
-                     "samples": downsample(recorder.samples, 4000)},
-        "probe": forward,
-        "kv_growth": growth,
-        "leak": leak,
-        "fragmentation": fragmentation,
-        "outside_torch": outside,
-        "host": _host_figures(recorder, host_before),
-        "bandwidth": bandwidth,
-        "pcie": read_pcie_link(torch_device),
-        "training": training,
-        "engine_stats": stats,
-        "ledger": ledger,
-        "plan": serving_plan.to_dict(),
-        "snapshot": "n/a: no CUDA" if torch_device.type != "cuda" else None,
-        "files": {},
-    }
+    report = _report(model_dir, config, torch_device, recorder, host_before, bandwidth, measured)
     if out_dir is not None:
         if progress is not None:
             progress(f"mempath diagnose: {recorder.now():6.1f} s  writing the report to {out_dir}")
         _write_outputs(report, Path(out_dir), snapshot and torch_device.type == "cuda")
     return report
+
+
+def _report(model_dir, config, torch_device: torch.device, recorder: Recorder, host_before: dict,
+            bandwidth: dict, measured: dict) -> dict:
+    return {
+        "mempath_diagnose": 1,
+        "model": str(model_dir),
+        "device": _describe_device(torch_device),
+        "dtype": measured["dtype"],
+        "settings": {k: v for k, v in asdict(config).items() if k != "model"},
+        "measurement": {"device_bytes": recorder.meter.source, "peaks": recorder.meter.peak_source,
+                        "host": "RssAnon from /proc/self/status (psutil rss without /proc)"},
+        "pathways": [asdict(r) for r in measured["rows"]],
+        "stages": [{**asdict(s), "delta": s.delta, "peak_delta": s.peak_delta} for s in recorder.stages],
+        "timeline": {"columns": ["t_seconds", "device_bytes", "host_rss_anon", "stage"],
+                     "samples": downsample(recorder.samples, 4000)},
+        **{key: measured[key] for key in ("probe", "kv_growth", "leak", "fragmentation", "outside_torch")},
+        "host": _host_figures(recorder, host_before),
+        "bandwidth": bandwidth,
+        "pcie": read_pcie_link(torch_device),
+        **{key: measured[key] for key in ("training", "engine_stats", "ledger")},
+        "plan": measured["plan"].to_dict(),
+        "snapshot": "n/a: no CUDA" if torch_device.type != "cuda" else None,
+        "files": {},
+    }
+
+
+def _measure_serving(engine, model_dir, recorder: Recorder, torch_device: torch.device, probe_tokens: int,
+                     probe_seqs: int, leak_requests: int, growth_requests: int) -> dict:
+    """The probe forward, KV growth, the leak check and the device-level figures, with the plans they
+    are compared with; the engine's ledger and stats."""
+    from mempath.memory.formulas import cublas_workspace_bytes
+    from mempath.tools.plan import detect_gpu_mem, plan_memory
+
+    config, meter = engine.config, recorder.meter
+    dtype_name = engine.dtype_name
+    gpu_mem = detect_gpu_mem() if torch_device.type == "cuda" else None
+    fused = engine.runner.use_triton  # which elementwise path the forward takes
+    workspace = 0  # no cuBLAS on the CPU
+    if torch_device.type == "cuda":
+        workspace = cublas_workspace_bytes(torch.cuda.get_device_capability(torch_device)[0])
+    serving_plan = plan_memory(
+        model_dir, dtype=dtype_name, gpu_mem_bytes=gpu_mem, cublas_workspace=workspace,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        max_model_len=engine.max_model_len, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens, block_size=config.block_size,
+        cuda_graphs=not config.enforce_eager, fused_kernels=fused)
+    seqs = max(1, min(probe_seqs, config.max_num_seqs, probe_tokens))
+    # The step buffers hold max-num-batched-tokens tokens and max-model-len per sequence.
+    tokens = max(seqs, min(probe_tokens, config.max_num_batched_tokens, probe_capacity(engine),
+                           seqs * engine.max_model_len))
+    probe_plan = plan_memory(model_dir, dtype=dtype_name, max_model_len=engine.max_model_len,
+                             cublas_workspace=0,  # the probe's rows are deltas: the workspace exists
+                             max_num_seqs=seqs, max_num_batched_tokens=tokens,
+                             block_size=config.block_size, cuda_graphs=False, fused_kernels=fused)
+    forward = measure_forward(engine, recorder, tokens, seqs)
+    growth = _run_growth(engine, recorder, serving_plan, growth_requests)
+    leak = measure_leak(engine, recorder, leak_requests,
+                        prompt_len=min(3 * config.block_size + 1, engine.max_model_len - 8))
+    fragmentation = measure_fragmentation(torch_device)
+    outside = measure_outside_torch(torch_device, meter)
+    return {"dtype": dtype_name, "plan": serving_plan, "probe": forward, "kv_growth": growth, "leak": leak,
+            "fragmentation": fragmentation, "outside_torch": outside,
+            "rows": comparison_rows(engine, serving_plan, probe_plan, recorder, forward, growth),
+            "ledger": engine.ledger.as_dict(), "engine_stats": engine.stats(), "training": None}
+
+
+def _measure_training(measured: dict, model_dir, recorder: Recorder, torch_device: torch.device,
+                      probe_tokens: int) -> None:
+    """--train: gradients and AdamW state of the transformers model, beside the float32 training plan."""
+    from mempath.tools.plan import plan_memory
+
+    max_model_len = measured["plan"].max_model_len
+    train_len = max(1, min(probe_tokens, max_model_len))
+    train_plan = plan_memory(model_dir, dtype="float32", max_model_len=max_model_len,
+                             train=True, optimizer="adamw-fp32", seq_len=train_len)
+    measured["training"] = measure_training(model_dir, recorder, torch_device, train_len)
+    measured["rows"] += train_rows(train_plan, measured["training"], recorder.meter)
 
 
 def _indexed(device: str) -> str:
