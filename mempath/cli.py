@@ -6,63 +6,11 @@ import os
 import sys
 from pathlib import Path
 
-from mempath.config import KV_CACHE_DTYPES, EngineConfig, choose_cpu_threads
+from mempath.config import choose_cpu_threads
+from mempath.engine_flags import add_engine_arguments, engine_options
 from mempath.memory.oom import MempathOutOfMemoryError
 
 log = logging.getLogger(__name__)
-
-
-def block_size_arg(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a power of two or 'auto', got {text!r}") from None
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser, model_flag: bool = True) -> None:
-    """Engine knobs, named as in vLLM (model_flag=False where MODEL is positional)."""
-    d = EngineConfig(model="")
-    if model_flag:
-        parser.add_argument("--model", default=None,
-                            help="model directory (default: the built-in mempath-tiny)")
-    parser.add_argument("--dtype", default=d.dtype, help="auto | float32 | float16 | bfloat16")
-    parser.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
-    parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--block-size", type=block_size_arg, default=d.block_size,
-                        help="tokens per KV block (power of two) or auto (16: measured, see BENCHMARKS.md)")
-    parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
-    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
-    parser.add_argument("--num-gpu-blocks-override", type=int, default=d.num_gpu_blocks_override)
-    parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
-                        help="read each decode step's tokens before launching the next")
-    parser.add_argument("--load-format", default=d.load_format, choices=("auto", "dummy"),
-                        help="dummy: random weights of the config's shapes (benchmarks)")
-    parser.add_argument("--cpu-kv-gb", type=float, default=d.cpu_kv_gb,
-                        help="GiB of pinned host memory for the warm KV tier (0: none)")
-    parser.add_argument("--disk-kv-path", default=d.disk_kv_path, help="directory of the cold KV tier")
-    parser.add_argument("--disk-kv-gb", type=float, default=d.disk_kv_gb, help="GiB of the cold KV tier")
-    parser.add_argument("--disk-write-policy", default=d.disk_write_policy,
-                        choices=("write-back", "write-through"))
-    parser.add_argument("--preemption-mode", default=d.preemption_mode, choices=("auto", "recompute", "swap"))
-    parser.add_argument("--cpu-kv-cache-bytes", type=int, default=d.cpu_kv_cache_bytes,
-                        help="KV cache bytes when the device is the CPU")
-    parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=("auto", *KV_CACHE_DTYPES),
-                        help="auto: the model dtype; fp8 (= fp8_e4m3) or fp8_e5m2: one byte per element")
-
-
-def engine_options(args) -> dict:
-    keys = ("dtype", "device", "seed", "block_size", "max_model_len", "max_num_seqs",
-            "max_num_batched_tokens", "gpu_memory_utilization", "num_gpu_blocks_override",
-            "enable_prefix_caching", "enforce_eager", "cpu_kv_gb", "disk_kv_path", "disk_kv_gb",
-            "disk_write_policy", "preemption_mode", "cpu_kv_cache_bytes", "load_format", "async_scheduling",
-            "kv_cache_dtype")
-    return {k: getattr(args, k) for k in keys}
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -146,9 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from mempath.server.cli import add_serve_arguments
     add_serve_arguments(sub.add_parser("serve", help="OpenAI-compatible HTTP server"))
-    from mempath.memory.plan import add_plan_arguments
+    from mempath.tools.plan_cli import add_plan_arguments
     add_plan_arguments(sub.add_parser("plan", help="predict memory per pathway (no GPU needed)"))
-    from mempath.memory.diagnose import add_diagnose_arguments
+    from mempath.tools.diagnose.run import add_diagnose_arguments
     add_diagnose_arguments(sub.add_parser("diagnose", help="measure memory per pathway against the plan"))
     return parser
 
@@ -159,8 +107,8 @@ def runs_on_the_cpu(device: str) -> bool:
 
 
 def run_command(args) -> int:
-    from mempath.memory.diagnose import run_diagnose
-    from mempath.memory.plan import run_plan
+    from mempath.tools.diagnose.run import run_diagnose
+    from mempath.tools.plan_cli import run_plan
     from mempath.server.cli import run_serve
     commands = {"generate": run_generate, "chat": run_chat, "serve": run_serve, "plan": run_plan,
                 "diagnose": run_diagnose}

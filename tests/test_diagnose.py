@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from mempath.config import EngineConfig
-from mempath.memory.diagnose import TensorBytesTracker, diagnose
 from mempath.memory.ledger import Ledger
 from mempath.memory.oom import (MempathOutOfMemoryError, explain_oom, oom_guard,
                                 parse_oom_message)
-from mempath.memory.plan import plan_memory
-from mempath.memory.report import format_table
+from mempath.tools.diagnose.meters import TensorBytesTracker
+from mempath.tools.diagnose.report import format_table
+from mempath.tools.diagnose.run import diagnose
+from mempath.tools.plan import plan_memory
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 GiB = 1 << 30
@@ -104,7 +105,7 @@ def test_each_chart_has_one_scale_with_ticks_and_units(report, chart, axis_label
 
 def test_leak_chart_is_scaled_to_the_change_after_warm_up():
     """A 4 KiB-per-request leak on 1 GiB must not be drawn as a flat line at 1 GiB."""
-    from mempath.memory.report import leak_svg
+    from mempath.tools.diagnose.report import leak_svg
     base = 1 << 30
     leak = {"allocated_after_each": [base - (5 << 20), base, base + 4096, base + 8192, base + 12288],
             "slope_bytes_per_request": 4096.0, "verdict": "leak"}
@@ -115,7 +116,7 @@ def test_leak_chart_is_scaled_to_the_change_after_warm_up():
 
 
 def test_negative_figures_are_explained(report):
-    from mempath.memory.report import summary_lines
+    from mempath.tools.diagnose.report import summary_lines
     negative = {**report, "outside_torch": {**report["outside_torch"], "outside_torch": -707 << 20}}
     line = next(line for line in summary_lines(negative) if line.startswith("outside PyTorch"))
     assert "-707.00 MiB" in line and "negative" in line and "not resident" in line, line
@@ -136,7 +137,7 @@ def test_progress_is_reported_stage_by_stage(report):
 
 def test_the_command_prints_progress_to_stderr(report, capsys, monkeypatch):
     """`mempath diagnose` hands diagnose() a progress printer (the run itself is the fixture's)."""
-    import mempath.memory.diagnose as diagnose_module
+    import mempath.tools.diagnose.run as diagnose_module
     from mempath.cli import main
 
     def replay(model_dir, progress=None, **kwargs):

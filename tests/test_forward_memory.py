@@ -11,9 +11,11 @@ from torch.utils._python_dispatch import _pop_mode_temporarily
 
 from mempath import LLM
 from mempath.kv.attention import attend_torch, write_kv
-from mempath.memory.diagnose import TensorBytesTracker, _probe_batch
-from mempath.memory.plan import decoder_peak_bytes, load_config, read_shape
+from mempath.memory.formulas import decoder_peak_bytes, read_shape
 from mempath.model import ops, triton_ops
+from mempath.tools.diagnose.meters import TensorBytesTracker
+from mempath.tools.diagnose.probes import _probe_batch
+from mempath.tools.plan import load_config
 
 
 def _untracked(fn, *args):

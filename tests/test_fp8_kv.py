@@ -275,7 +275,8 @@ PROMPTS = [[1 + (11 * p + 5 * i) % 300 for i in range(8 + 5 * p)] for p in range
 
 
 def test_cli_passes_kv_cache_dtype_and_refuses_others(capsys):
-    from mempath.cli import build_parser, engine_options
+    from mempath.cli import build_parser
+    from mempath.engine_flags import engine_options
     args = build_parser().parse_args(["generate", "hello", "--kv-cache-dtype", "fp8_e5m2"])
     assert engine_options(args)["kv_cache_dtype"] == "fp8_e5m2"
     assert engine_options(build_parser().parse_args(["generate", "hello"]))["kv_cache_dtype"] == "auto"
@@ -292,7 +293,7 @@ def test_bad_kv_cache_dtype_is_one_line():
 
 @pytest.mark.parametrize("kv", ["fp8", "fp8_e4m3", "fp8_e5m2"])
 def test_plan_counts_fp8_blocks(kv):
-    from mempath.memory.plan import plan_memory
+    from mempath.tools.plan import plan_memory
     model = "mempath/assets/mempath-tiny"
     root = Path(__file__).resolve().parents[1]
     full = plan_memory(str(root / model), dtype="bfloat16", gpu_mem_bytes=1 << 30)

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from mempath import LLM, SamplingParams
 from mempath.cli import main as cli_main
-from mempath.memory.plan import plan_memory
+from mempath.tools.plan import plan_memory
 from mempath.model import loader
 from mempath.model.loader import load_model
 from tests.conftest import make_model
@@ -140,7 +140,7 @@ def test_a_config_with_only_model_type_reads_as_the_planner_read_it(tmp_path):
     ("LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True}, True),
 ])
 def test_engine_and_planner_agree_on_biases(arch, bias_fields, expect_qkv_bias):
-    from mempath.memory.plan import read_shape
+    from mempath.memory.formulas import read_shape
     config = {**CONFIG, "architectures": [arch], **bias_fields}
     spec = loader.ModelSpec.from_hf_config(config)
     shape = read_shape(config)
@@ -196,7 +196,7 @@ def test_a_huge_context_loads_with_the_max_model_len_the_refusal_names(tmp_path,
 
 
 def test_planned_load_bytes_are_what_the_loader_allocates(tmp_path):
-    from mempath.memory.plan import load_bytes, read_shape
+    from mempath.memory.formulas import load_bytes, read_shape
     make_model(tmp_path, "qwen3", tokenizer=False)
     model, spec, report = load_model(tmp_path, torch.float32, CPU, max_positions=300, show_progress=False)
     planned = load_bytes(read_shape(json.loads((tmp_path / "config.json").read_text())), 4, 300)
@@ -208,7 +208,7 @@ def test_planned_load_bytes_are_what_the_loader_allocates(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_planned_load_bytes_bound_what_the_gpu_allocates(tmp_path):
     """Allocated after the load: weights + rotary tables; the peak: also the rotary build."""
-    from mempath.memory.plan import load_bytes, read_shape
+    from mempath.memory.formulas import load_bytes, read_shape
     make_model(tmp_path, "llama", tokenizer=False, hidden_size=256, intermediate_size=512, vocab_size=1024)
     device = torch.device("cuda")
     torch.cuda.synchronize()

@@ -343,7 +343,7 @@ def test_a_host_tier_smaller_than_one_block_names_the_flag(tiny):
 def test_cli_passes_the_tier_flags():
     import argparse
 
-    from mempath.cli import add_engine_arguments, engine_options
+    from mempath.engine_flags import add_engine_arguments, engine_options
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
     args = parser.parse_args(["--cpu-kv-gb", "4", "--disk-kv-path", "/d", "--disk-kv-gb", "100",

@@ -12,8 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from mempath import LLM, SamplingParams
-from mempath.memory.diagnose import TensorBytesTracker, _probe_batch
-from mempath.memory.plan import decoder_peak_bytes, load_bytes, moe_phase_bytes, plan_memory, read_shape
+from mempath.memory.formulas import decoder_peak_bytes, load_bytes, moe_phase_bytes, read_shape
 from mempath.model import ops, triton_ops
 from mempath.model.llama import CheckpointError, ModelSpec
 from mempath.model.loader import load_model
@@ -24,6 +23,9 @@ from mempath.model.moe import (
     set_expert_cache_size,
     synthetic_router_bias,
 )
+from mempath.tools.diagnose.meters import TensorBytesTracker
+from mempath.tools.diagnose.probes import _probe_batch
+from mempath.tools.plan import plan_memory
 from tests.conftest import MOE_ARCH_CONFIGS, MOE_ARCHS, hf_greedy, make_model
 from tests.test_plan import CONFIGS, load, meta_model
 

@@ -13,7 +13,7 @@ import pytest
 from mempath.config import EngineConfig
 from mempath.memory.ledger import Ledger
 from mempath.memory.oom import explain_oom
-from mempath.memory.plan import plan_memory
+from mempath.tools.plan import plan_memory
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 MiB = 1 << 20

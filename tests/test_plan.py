@@ -10,15 +10,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from mempath.memory.plan import (
-    MemoryPlan,
-    add_plan_arguments,
-    format_plan,
-    parse_bytes,
-    parse_layers,
-    plan_memory,
-    run_plan,
-)
+from mempath.tools.plan import MemoryPlan, parse_bytes, plan_memory
+from mempath.tools.plan_cli import add_plan_arguments, format_plan, parse_layers, run_plan
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 REAL = ["llama-3.1-8b", "qwen2.5-7b-instruct", "qwen3-0.6b", "mistral-7b-v0.1", "phi-3-mini-4k-instruct"]

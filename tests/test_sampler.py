@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from mempath.engine.sampler import Sampler, apply_top_k_top_p
-from mempath.memory.diagnose import TensorBytesTracker
-from mempath.memory.plan import sampler_peak_bytes
+from mempath.memory.formulas import sampler_peak_bytes
+from mempath.tools.diagnose.meters import TensorBytesTracker
 from mempath.sampling import SamplingParams
 
 COSTLIEST = SamplingParams(temperature=0.9, top_k=50, top_p=0.9, logprobs=5)

@@ -12,7 +12,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mempath.sampling import SamplingParams
-from mempath.server.cli import DEFAULT_MAX_HEADER_BYTES, build_server_app, uvicorn_options
+from mempath.server.cli import build_server_app, uvicorn_options
+from mempath.server.settings import DEFAULT_MAX_HEADER_BYTES
 
 API_KEY = "test-key"
 MAX_MODEL_LEN = 256

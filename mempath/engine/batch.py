@@ -1,13 +1,11 @@
-"""What the scheduler hands the runner: one step's requests and their new tokens."""
+"""What passes between scheduler, runner and engine: one step's requests, its plan, tokens in flight."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+
+import torch
 
 from mempath.engine.request import Request
-
-if TYPE_CHECKING:
-    from mempath.engine.runner import PendingTokens
 
 
 @dataclass
@@ -27,6 +25,24 @@ class ScheduledBatch:
         """Requests whose every token will have been computed after this step: they sample."""
         return [r for r, n in zip(self.requests, self.num_new_tokens)
                 if r.num_computed_tokens + n == r.num_tokens]
+
+
+@dataclass
+class PendingTokens:
+    """A launched step's sampled tokens, still on their way to the host.
+
+    ``tokens`` stays on the device so that the next step can read its inputs from it;
+    ``host`` is the pinned buffer the copy lands in, ``ready`` marks its arrival.
+    """
+    sampling: list[Request]
+    tokens: torch.Tensor
+    host: torch.Tensor
+    ready: "torch.cuda.Event | None"
+
+    def token_ids(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
 
 
 @dataclass

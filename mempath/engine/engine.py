@@ -9,11 +9,10 @@ import logging
 import torch
 
 from mempath.config import EngineConfig
-from mempath.engine.batch import StepPlan
+from mempath.engine.batch import PendingTokens, StepPlan
 from mempath.engine.input import InputProcessor
 from mempath.engine.output import OutputProcessor
 from mempath.engine.request import Request
-from mempath.engine.runner import PendingTokens
 from mempath.engine.sampler import SamplerOutput
 from mempath.engine.scheduler import Scheduler
 from mempath.engine.startup import StageObserver, Startup, no_observer

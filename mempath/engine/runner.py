@@ -8,16 +8,15 @@ pinned so the copies are asynchronous, the device side is what the model and
 the CUDA graphs read. A step writes into them; it allocates none.
 """
 import logging
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from mempath.config import EngineConfig
+from mempath.constants import MAX_GRAPH_BATCH
+from mempath.engine.batch import PendingTokens, ScheduledBatch
 from mempath.engine.request import Request
 from mempath.engine.sampler import Sampler, SamplerOutput
-from mempath.engine.batch import ScheduledBatch
-from mempath.constants import MAX_GRAPH_BATCH
 from mempath.model.llama import AttentionMetadata, CausalLM, ModelSpec
 
 log = logging.getLogger(__name__)
@@ -29,24 +28,6 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     if not sizes or sizes[-1] != max_num_seqs:
         sizes.append(max_num_seqs)
     return sizes
-
-
-@dataclass
-class PendingTokens:
-    """A launched step's sampled tokens, still on their way to the host.
-
-    ``tokens`` stays on the device so that the next step can read its inputs from it;
-    ``host`` is the pinned buffer the copy lands in, ``ready`` marks its arrival.
-    """
-    sampling: list[Request]
-    tokens: torch.Tensor
-    host: torch.Tensor
-    ready: "torch.cuda.Event | None"
-
-    def token_ids(self) -> list[int]:
-        if self.ready is not None:
-            self.ready.synchronize()
-        return self.host.tolist()
 
 
 class StepBuffers:

@@ -11,7 +11,7 @@ biggest temporaries of a step (Qwen3's V = 151,936 at 256 rows: 156 MB each).
 The work happens in place on one float32 copy of the logits, plus the noise
 tensor; top-k takes only each row's top k, top-p without top-k sorts a bounded
 slice of rows at a time. The peak is
-``sampler_peak_bytes`` in mempath.memory.plan (measured in tests/test_sampler.py).
+``sampler_peak_bytes`` in mempath.memory.formulas (measured in tests/test_sampler.py).
 """
 from dataclasses import dataclass
 

@@ -23,16 +23,11 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import TYPE_CHECKING
-
 from mempath.config import EngineConfig
-from mempath.engine.batch import ScheduledBatch, StepPlan
+from mempath.engine.batch import PendingTokens, ScheduledBatch, StepPlan
 from mempath.engine.request import Request, RequestStatus
 from mempath.kv.manager import KVCacheManager
 from mempath.kv.tiered import GPU, Load
-
-if TYPE_CHECKING:
-    from mempath.engine.runner import PendingTokens
 
 log = logging.getLogger(__name__)
 

@@ -196,7 +196,7 @@ class Startup:
         if num_graphs:
             # Captured after the KV cache exists; the measured pool replaces this then.
             grant(tenant, Pathway.CUDA_GRAPHS, self.graph_pool_estimate(), "derived",
-                  "memory.plan.cuda_graph_bytes at the largest captured batch, until captured")
+                  "memory.formulas.cuda_graph_bytes at the largest captured batch, until captured")
         if graph_driver_bytes:
             grant(tenant, Pathway.CUDA_GRAPHS_DRIVER, graph_driver_bytes, "derived",
                   f"{num_graphs} graphs x driver memory of one trial capture")
@@ -236,9 +236,9 @@ class Startup:
         return 2 * STAGING_BLOCKS * per_block  # one staging buffer per direction
 
     def graph_pool_estimate(self) -> int:
-        """Room for the decode graphs: memory.plan.cuda_graph_bytes at the largest captured batch."""
+        """Room for the decode graphs: memory.formulas.cuda_graph_bytes at the largest captured batch."""
         from mempath.constants import MAX_GRAPH_BATCH
-        from mempath.memory.plan import cublas_workspace_bytes, cuda_graph_bytes, read_shape
+        from mempath.memory.formulas import cublas_workspace_bytes, cuda_graph_bytes, read_shape
         major, _ = torch.cuda.get_device_capability(self.device)
         return cuda_graph_bytes(read_shape(self.hf_config), min(self.config.max_num_seqs, MAX_GRAPH_BATCH),
                                 self.dtype.itemsize, cublas_workspace_bytes(major))

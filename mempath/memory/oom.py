@@ -4,7 +4,7 @@ A bare ``torch.OutOfMemoryError`` says how many bytes one allocation wanted; it 
 not say which consumer of memory was over its budget or what setting would have
 fitted. ``oom_guard(stage, ledger, config)`` turns that error into a
 ``MempathOutOfMemoryError`` whose message names the pathway, shows the ledger
-table and gives flags with numbers computed from the planner's formulas and the
+table and gives flags with numbers computed from the planner's formulas (memory/formulas.py) and the
 figures at hand (bytes asked for, bytes free).
 
 Stages and the pathway each one feeds:
@@ -21,6 +21,8 @@ import math
 import re
 from contextlib import contextmanager
 
+from mempath.memory.formulas import (ServingFigures, decoder_peak_bytes_per_token, logits_bytes, read_shape,
+                                     resolve_dtype, serving_figures)
 from mempath.memory.ledger import Ledger, format_bytes
 
 GiB = 1 << 30
@@ -111,13 +113,16 @@ def explain_oom(stage: str, ledger: Ledger, requested_bytes: int | None, free_by
     return "\n".join(lines)
 
 
-def _plan_for(config, dtype: str | None):
+def _plan_for(config, dtype: str | None) -> ServingFigures | None:
     """The planner's figures for the engine's settings, or None if the config cannot be read."""
-    from mempath.memory.plan import plan_memory
+    from mempath.model.loader import read_config
     try:
-        return plan_memory(
-            config.model, dtype=dtype or _engine_dtype(config),
-            max_model_len=getattr(config, "max_model_len", None),
+        shape = read_shape(read_config(config.model))
+        _, dtype_bytes = resolve_dtype(dtype or _engine_dtype(config), shape)
+        max_model_len = getattr(config, "max_model_len", None)
+        return serving_figures(
+            shape, dtype_bytes,
+            max_model_len=shape.max_position_embeddings if max_model_len is None else max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             block_size=config.block_size, cuda_graphs=not getattr(config, "enforce_eager", True))
     except (ValueError, OSError):
@@ -203,7 +208,6 @@ def _activation_fixes(plan, config, requested, free) -> list[str]:
     Each setting offered is the largest whose planned step fits in that budget: fewer
     tokens per step while every sequence still gets one, else fewer sequences too.
     """
-    from mempath.memory.plan import decoder_peak_bytes_per_token
     per_token = decoder_peak_bytes_per_token(plan)
     planned = plan.activation_peak_bytes + plan.logits_bytes
     need = max(planned, requested or 0)
@@ -252,13 +256,11 @@ def _activation_fixes(plan, config, requested, free) -> list[str]:
 
 
 def _logits_bytes(plan, rows: int) -> int:
-    from mempath.memory.plan import logits_bytes
     return logits_bytes(plan, rows, plan.dtype_bytes)  # reads only the vocabulary size
 
 
 def _step_bytes(plan, seqs: int, tokens: int) -> int:
     """The planner's activations and logits for a step of `tokens` tokens over at most `seqs` sequences."""
-    from mempath.memory.plan import decoder_peak_bytes_per_token
     return tokens * decoder_peak_bytes_per_token(plan) + _logits_bytes(plan, min(seqs, tokens))
 
 

@@ -170,13 +170,13 @@ def check_load_fits(spec: ModelSpec, max_positions: int, dtype: torch.dtype, dev
                     expert_cache_size: int | None = None) -> None:
     """Refuse, before anything is allocated, a load that the device or the host has no room for.
 
-    The figures are the planner's (memory.plan.load_bytes): weights (the resident
+    The figures are the planner's (memory.formulas.load_bytes): weights (the resident
     ones), rotary tables and their build, module objects, and on the host the experts
     kept there and the one checkpoint tensor read at a time.
     """
     import psutil
 
-    from mempath.memory.plan import load_bytes, shape_from_spec
+    from mempath.memory.formulas import load_bytes, shape_from_spec
     need = load_bytes(shape_from_spec(spec), dtype.itemsize, max_positions, checkpoint_dtype.itemsize,
                       expert_cache_size)
     on_device = need["weights"] + need["rotary_tables"] + need["rotary_build"]
@@ -195,7 +195,8 @@ def check_load_fits(spec: ModelSpec, max_positions: int, dtype: torch.dtype, dev
 
 
 def _load_refusal(spec, need, total, free, where, positions, dtype, source) -> str:
-    from mempath.memory.plan import human, rotary_bytes_per_position
+    from mempath.memory.formulas import rotary_bytes_per_position
+    from mempath.memory.ledger import format_bytes
     fixes = []
     per_position = rotary_bytes_per_position(spec.head_dim)
     fitting = (free - (total - per_position * positions)) // per_position
@@ -208,9 +209,10 @@ def _load_refusal(spec, need, total, free, where, positions, dtype, source) -> s
                  f"{spec.hidden_size}, intermediate_size {spec.intermediate_size}, vocab_size "
                  f"{spec.vocab_size}) against the model's original config")
     fixes.append("or load it where more memory is free")
-    return (f"{source}: loading needs {human(total)} ({human(need['weights'])} of {dtype} weights, "
-            f"{human(need['rotary_tables'] + need['rotary_build'])} to build the rotary tables for {positions} "
-            f"positions) but {where.format(human(free))}; " + "; ".join(fixes)).replace("torch.", "")
+    rotary = need["rotary_tables"] + need["rotary_build"]
+    return (f"{source}: loading needs {format_bytes(total)} ({format_bytes(need['weights'])} of {dtype} weights, "
+            f"{format_bytes(rotary)} to build the rotary tables for {positions} positions) but "
+            f"{where.format(format_bytes(free))}; " + "; ".join(fixes)).replace("torch.", "")
 
 
 def build_model(spec: ModelSpec, max_positions: int, dtype: torch.dtype, device: torch.device,

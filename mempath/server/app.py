@@ -29,11 +29,11 @@ from starlette.requests import ClientDisconnect
 from mempath.engine.detokenizer import StopPrefixes
 from mempath.sampling import SamplingParams
 from mempath.server.async_engine import AsyncEngine, EngineDeadError, Update, UpdateQueue
-from mempath.server.cli import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS,
-                                DEFAULT_MAX_N, check_api_key)
 from mempath.server.guards import HeaderLimits, LoopbackHostOnly, is_loopback_address
 from mempath.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_body,
                                      completion_body, error_body, models_body, parse_request, usage_body)
+from mempath.server.settings import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS,
+                                     DEFAULT_MAX_N, check_api_key)
 
 log = logging.getLogger(__name__)
 

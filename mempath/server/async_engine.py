@@ -26,7 +26,7 @@ from typing import Callable
 from mempath.engine.engine import LLMEngine
 from mempath.outputs import RequestOutput
 from mempath.sampling import SamplingParams
-from mempath.server.cli import DEFAULT_STREAM_STALL_TIMEOUT
+from mempath.server.settings import DEFAULT_STREAM_STALL_TIMEOUT
 
 log = logging.getLogger(__name__)
 

@@ -6,25 +6,17 @@ import os
 from pathlib import Path
 from urllib.parse import urlsplit
 
-# Limits a request cannot exceed by default. Here rather than in protocol.py so that
-# building the CLI's parser does not import pydantic (the other subcommands need none).
-DEFAULT_MAX_BODY_BYTES = 1 << 20
-DEFAULT_MAX_N = 16  # choices (prompts x n) per request
-# Seconds a stream's client may read nothing before the request is stopped (its KV freed),
-# and seconds running requests get to finish after SIGINT / SIGTERM.
-DEFAULT_STREAM_STALL_TIMEOUT = 60.0
-DEFAULT_SHUTDOWN_TIMEOUT = 20.0
-# A request's head: uvicorn's own default size (h11), and Apache's default count.
-DEFAULT_MAX_HEADER_BYTES = 16 * 1024
-MIN_MAX_HEADER_BYTES = 1024  # below this, ordinary clients' requests would not fit
-DEFAULT_MAX_HEADERS = 100
+from mempath.server.settings import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS,
+                                     DEFAULT_MAX_N, DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_STREAM_STALL_TIMEOUT,
+                                     MIN_MAX_HEADER_BYTES, check_api_key)
+
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 log = logging.getLogger(__name__)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    from mempath.cli import add_engine_arguments
+    from mempath.engine_flags import add_engine_arguments
     parser.add_argument("positional", nargs="?", default=None, metavar="MODEL",
                         help="model directory (default: the built-in mempath-tiny)")
     add_engine_arguments(parser)
@@ -86,21 +78,6 @@ def check_serve_arguments(args) -> None:
     args.allowed_origins = parse_allowed_origins(args.allowed_origins)
 
 
-def check_api_key(key: str) -> None:
-    """Refuse a key that would turn authentication off or could never match a client's header."""
-    where = "the API key (--api-key or $MEMPATH_API_KEY)"
-    if key == "":
-        raise ValueError(f"{where} is empty, which would turn authentication off: unset it to serve "
-                         f"without a key, or give a key")
-    for position, char in enumerate(key, 1):
-        if char.isspace():
-            raise ValueError(f"{where} has whitespace at character {position}: clients' tokens are "
-                             f"stripped and split at spaces, so it could never match; remove it")
-        if not "!" <= char <= "~":
-            raise ValueError(f"{where} must be printable ASCII (headers carry nothing else reliably); "
-                             f"character {position} is U+{ord(char):04X}")
-
-
 def parse_allowed_origins(text: str | list[str] | None) -> list[str]:
     """--allowed-origins as a list: comma-separated or a JSON list (vLLM's form)."""
     if text is None or isinstance(text, list):
@@ -159,9 +136,8 @@ def build_server_app(model: str, engine_options: dict, served_model_name: str | 
 
 
 def run_serve(args) -> int:
+    from mempath.engine_flags import engine_options
     from mempath.server.app import serve
-
-    from mempath.cli import engine_options
     check_serve_arguments(args)
     model = resolve_model(args)
     app, name = build_server_app(model, engine_options(args), args.served_model_name, args.api_key,

@@ -1,0 +1,410 @@
+"""Byte formulas: every pathway's bytes from a model's shape, with no GPU needed.
+
+The runtime sizes and checks its memory with these (the engine's graph-pool room, the
+loader's refusal of a load that cannot fit, the out-of-memory advice), and the planner
+(mempath.tools.plan) reports them; so the two cannot disagree.
+
+Notation used in the docstrings below: L layers, h hidden size, I intermediate (MLP)
+size, n_q / n_kv attention / key-value heads, d head dim, V vocabulary, b bytes per
+element of the model dtype, T tokens in one forward pass.
+
+Supported architectures: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+(q/k/v bias), Qwen3ForCausalLM (q/k RMSNorm), Phi3ForCausalLM (fused qkv_proj and
+gate_up_proj), and the mixture-of-experts Qwen3MoeForCausalLM, MixtralForCausalLM and
+OlmoeForCausalLM (E experts of I_e intermediate size, k active per token). Parameter
+counts are exact: the tests compare them with the transformers models instantiated
+on the meta device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mempath.constants import DTYPE_ALIASES, DTYPE_BYTES, MAX_GRAPH_BATCH, SAMPLER_SORT_ROWS
+
+
+# cuBLAS takes a workspace per (handle, stream) through PyTorch's allocator; capture
+# runs on its own stream, so the graph pool gets one. PyTorch's default size:
+# 32 MiB on compute capability 9.x and later, 4096·2 + 16·8 KiB before.
+CUBLAS_WORKSPACE_BYTES_SM90 = 32 << 20
+CUBLAS_WORKSPACE_BYTES_OLDER = (4096 * 2 + 16 * 8) << 10
+
+
+@dataclass
+class ModelShape:
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    tied_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    config_dtype: str | None
+    qk_norm: str | None = None  # "head": one d-wide norm each for q and k (Qwen3); "full": over all heads (OLMoE)
+    num_experts: int = 0  # routed experts per MoE layer (0: dense)
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    num_moe_layers: int = 0  # the other layers have a dense MLP of intermediate_size
+
+
+
+def read_shape(config: dict, source: str = "config.json") -> ModelShape:
+    """The planner's view of a config, read and validated by the engine's own reader
+    (ModelSpec.from_hf_config), so the two agree on every field and refuse the same configs."""
+    from mempath.model.llama import ModelSpec
+    return shape_from_spec(ModelSpec.from_hf_config(config, source=source))
+
+
+def shape_from_spec(spec) -> ModelShape:
+    return ModelShape(
+        architecture=spec.architecture,
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        vocab_size=spec.vocab_size,
+        max_position_embeddings=spec.max_position_embeddings,
+        tied_embeddings=spec.tie_word_embeddings,
+        attention_bias=spec.qkv_bias,
+        mlp_bias=spec.mlp_bias,
+        config_dtype=spec.torch_dtype,
+        qk_norm=("head" if spec.qk_norm_per_head else "full") if spec.qk_norm else None,
+        num_experts=spec.num_experts,
+        num_experts_per_tok=spec.num_experts_per_tok,
+        moe_intermediate_size=spec.moe_intermediate_size,
+        num_moe_layers=len(spec.moe_layers),
+    )
+
+
+def resolve_dtype(dtype: str, shape: ModelShape) -> tuple[str, int]:
+    """(name, bytes); "auto" takes the checkpoint's dtype, bfloat16 if it names none."""
+    if dtype == "auto":
+        # A checkpoint that names no dtype we know is served in bfloat16, like vLLM's auto.
+        name = DTYPE_ALIASES.get(str(shape.config_dtype).lower().removeprefix("torch."), "bfloat16")
+        return name, DTYPE_BYTES[name]
+    name = DTYPE_ALIASES.get(str(dtype).lower().removeprefix("torch."))
+    if name is None:
+        raise ValueError(f"unknown dtype {dtype!r}: use auto, bfloat16, float16 or float32")
+    return name, DTYPE_BYTES[name]
+
+
+
+# ---------------------------------------------------------------- weights and KV
+
+
+def linear_shapes(shape: ModelShape) -> dict[str, tuple[int, int, bool]]:
+    """One decoder layer's linear layers: name -> (in_features, out_features, has_bias).
+
+    The names are the checkpoint's, so they double as LoRA target names.
+    """
+    h, i, d = shape.hidden_size, shape.intermediate_size, shape.head_dim
+    q, kv = shape.num_heads * d, shape.num_kv_heads * d
+    if shape.architecture == "Phi3ForCausalLM":
+        return {
+            "qkv_proj": (h, q + 2 * kv, False),
+            "o_proj": (q, h, False),
+            "gate_up_proj": (h, 2 * i, False),
+            "down_proj": (i, h, False),
+        }
+    o_bias = shape.attention_bias and shape.architecture != "Qwen2ForCausalLM"
+    return {
+        "q_proj": (h, q, shape.attention_bias),
+        "k_proj": (h, kv, shape.attention_bias),
+        "v_proj": (h, kv, shape.attention_bias),
+        "o_proj": (q, h, o_bias),
+        "gate_proj": (h, i, shape.mlp_bias),
+        "up_proj": (h, i, shape.mlp_bias),
+        "down_proj": (i, h, shape.mlp_bias),
+    }
+
+
+def count_params(shape: ModelShape) -> dict[str, int]:
+    """Parameters per pathway: embedding, attention, mlp, experts, norms, lm_head.
+
+    embedding V·h; attention L·(h·(n_q+2·n_kv)·d + n_q·d·h + biases); mlp (L−M)·(3·h·I +
+    biases) over the L−M dense layers, plus M·E·h for the M MoE layers' routers;
+    experts M·E·3·h·I_e; norms L·2·h + h for the final norm, plus L·2·d for Qwen3's q/k
+    norms or L·(n_q+n_kv)·d for OLMoE's (counted as norms, not attention, because they
+    are RMSNorm weights); lm_head V·h, or 0 when tied, because a tied head reads the
+    embedding's storage.
+    """
+    attention = mlp = 0
+    for name, (fan_in, fan_out, bias) in linear_shapes(shape).items():
+        params = fan_in * fan_out + (fan_out if bias else 0)
+        if name.endswith(("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")):
+            attention += params
+        else:
+            mlp += params
+    L, h, d = shape.num_layers, shape.hidden_size, shape.head_dim
+    norms = L * 2 * h + h
+    if shape.qk_norm == "head":
+        norms += L * 2 * d
+    elif shape.qk_norm == "full":
+        norms += L * (shape.num_heads + shape.num_kv_heads) * d
+    embedding = shape.vocab_size * h
+    moe_layers, experts = shape.num_moe_layers, shape.num_experts
+    counts = {
+        "embedding": embedding,
+        "attention": L * attention,
+        "mlp": (L - moe_layers) * mlp + moe_layers * experts * h,
+        "experts": moe_layers * experts * 3 * h * shape.moe_intermediate_size,
+        "norms": norms,
+        "lm_head": 0 if shape.tied_embeddings else embedding,
+    }
+    counts["total"] = sum(counts.values())
+    return counts
+
+
+def expert_bytes(shape: ModelShape, dtype_bytes: int, cache_size: int | None = None) -> tuple[int, int]:
+    """(bytes of every routed expert, bytes of those resident on the device): with
+    ``cache_size`` experts per layer resident (None: all), the device holds
+    M·cache_size·3·h·I_e·b and host memory the rest."""
+    total = count_params(shape)["experts"] * dtype_bytes
+    if not shape.num_experts:
+        return 0, 0
+    resident = shape.num_experts if cache_size is None else cache_size
+    return total, total // shape.num_experts * resident
+
+
+def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> int:
+    """2 (K and V) · L · n_kv · d · b. Every layer keeps full KV: Mistral's sliding
+    window is not used to trim the cache, so this is an upper bound for Mistral."""
+    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * dtype_bytes
+
+
+# ---------------------------------------------------------------- inference workspace
+
+
+# nn.Module objects of one decoder layer in host memory (about 24 KiB measured in
+# CPython 3.11 for the Llama layer), rounded up.
+MODULE_BYTES_PER_LAYER = 32 << 10
+
+
+def rotary_bytes_per_position(head_dim: int) -> int:
+    """float32 bytes per position the rotary tables cost while built (RotaryEmbedding.build):
+    kept cos and sin (2·4·d), and the positions (4), angles (4·d/2) and doubled angles
+    (4·d) alive while they are computed."""
+    return 8 * head_dim + 4 + 2 * head_dim + 4 * head_dim
+
+
+def load_bytes(shape: ModelShape, dtype_bytes: int, positions: int,
+               checkpoint_dtype_bytes: int | None = None, expert_cache_size: int | None = None) -> dict[str, int]:
+    """What loading a model allocates, by part, before any KV cache or step buffer.
+
+    weights: every parameter on the device in the model dtype (with ``expert_cache_size``,
+    only the resident experts); host_experts: every expert, when fewer are resident (the
+    device slots are filled from them);
+    rotary_tables: cos and sin kept for ``positions`` positions (float32); rotary_build:
+    the temporaries of their build; modules: the Python module objects (host);
+    largest_tensor: the one checkpoint tensor the streaming loader holds in host memory
+    at a time, in the checkpoint's dtype (a layer's stacked experts, E·2·I_e rows, in
+    checkpoints saved that way).
+    """
+    h, d = shape.hidden_size, shape.head_dim
+    fused_rows = max(shape.num_heads * d + 2 * shape.num_kv_heads * d, 2 * shape.intermediate_size,
+                     shape.vocab_size, shape.num_experts * 2 * shape.moe_intermediate_size)
+    kept = 8 * positions * d
+    experts, resident = expert_bytes(shape, dtype_bytes, expert_cache_size)
+    return {
+        "weights": count_params(shape)["total"] * dtype_bytes - experts + resident,
+        "host_experts": experts if resident < experts else 0,
+        "rotary_tables": kept,
+        "rotary_build": positions * rotary_bytes_per_position(d) - kept,
+        "modules": shape.num_layers * MODULE_BYTES_PER_LAYER,
+        "largest_tensor": fused_rows * h * (checkpoint_dtype_bytes or dtype_bytes),
+    }
+
+
+def decoder_peak_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, fused: bool = True) -> int:
+    """Peak bytes of one forward pass over `tokens` tokens, excluding the logits.
+
+    Layers run one after another and free their temporaries before the next starts, so
+    the pass peaks inside one layer, on top of the streams that cross layer boundaries.
+    Two code paths (mempath.model.ops):
+
+    fused (CUDA with Triton): RMSNorm adds the residual and normalises in place, and
+    SiLU-and-mul writes one I-wide output:
+        streams:   residual T·h + normed input T·h
+        MLP phase: gate/up T·2·I + activated T·I
+    PyTorch (the CPU path): each op makes a new tensor while the caller still holds
+    the previous sublayer output and residual, and silu(gate) and its product with
+    up are alive together:
+        streams:   old residual, new residual, sublayer output, normed input: 4·T·h
+        MLP phase: gate/up T·2·I + silu(gate) T·I + product T·I
+    Both:
+        attention phase: qkv T·(n_q+2·n_kv)·d + rotated q, k T·(n_q+n_kv)·d
+                         + attention output T·n_q·d + o_proj output T·h
+        peak = b · (streams + max(attention phase, MLP phase))
+
+    Attention is taken as flash-style (no T×T score matrix), as in paged attention
+    kernels; the PyTorch reference attention adds one sequence's scores on top.
+    Not modelled: the PyTorch RMSNorm's float32 temporaries on 16-bit input. They
+    matter only for Qwen3's wide q/k norms on the PyTorch path (measured on the CPU,
+    Qwen3-0.6B shape in bf16: +50%); the fused CUDA kernels make none.
+    Mixture-of-experts layers replace the MLP phase with moe_phase_bytes.
+    """
+    h, i, d = shape.hidden_size, shape.intermediate_size, shape.head_dim
+    q, kv = shape.num_heads * d, shape.num_kv_heads * d
+    attention = (q + 2 * kv) + (q + kv) + q + h
+    streams, mlp = (2 * h, 3 * i) if fused else (4 * h, 4 * i)
+    if not shape.num_moe_layers:
+        return tokens * dtype_bytes * (streams + max(attention, mlp))
+    dense = tokens * dtype_bytes * mlp if shape.num_moe_layers < shape.num_layers else 0
+    phase = max(tokens * dtype_bytes * attention, dense, moe_phase_bytes(shape, tokens, dtype_bytes, fused))
+    return tokens * dtype_bytes * streams + phase
+
+
+def moe_phase_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, fused: bool = True) -> int:
+    """Bytes a MoE block (mempath.model.moe) holds at its peak over `tokens` tokens, beside the streams.
+
+    With k experts per token, b bytes per element: the tokens per expert (E·8 B), per
+    token the pairs' expert ids, sort order and float32 weights (k·20 B), and the larger of
+        experts:   the inputs gathered in expert order k·h and the outputs k·h, plus one
+                   group's work, up to T rows (all of a batch's tokens may pick one
+                   expert): gate/up 2·I_e and activated I_e (+ silu(gate) I_e on the
+                   PyTorch path) or, at the down projection, gate/up, activated and its h
+        combining: the outputs k·h, weighted k·h, back in token order k·h, summed h
+        routing:   logits E·b and their float32 softmax E·4
+    """
+    h, i, k, experts = shape.hidden_size, shape.moe_intermediate_size, shape.num_experts_per_tok, shape.num_experts
+    group = 3 * i + h if fused else max(4 * i, 3 * i + h)
+    per_token = k * 20 + max(dtype_bytes * (2 * k * h + group), dtype_bytes * (3 * k * h + h),
+                             experts * (dtype_bytes + 4))
+    return experts * 8 + tokens * per_token
+
+
+
+def sampler_peak_bytes(vocab_size: int, rows: int) -> int:
+    """The sampler's peak at its costliest settings (temperature, top-k/top-p, logprobs).
+
+    It works in place on one float32 copy of the logits (4 B per entry), and then
+    needs either the exponential noise (4 B per entry) or, when top-p rows without
+    top-k are sorted SAMPLER_SORT_ROWS at a time, a slice's values (4), indices (8),
+    mask (1), probabilities (4) and cumulative sums (4): 21 B per entry of the slice.
+    (With a top-k on every row only the top k are taken: the noise phase is the
+    peak.) Logprobs keep only per-row constants and the top-n. Measured on the CPU by
+    tests/test_sampler.py; on CUDA the sort's own temporaries come on top.
+    """
+    return vocab_size * max(8 * rows, 4 * rows + 21 * min(rows, SAMPLER_SORT_ROWS))
+
+
+def logits_bytes(shape: ModelShape, rows: int, dtype_bytes: int = 4) -> int:
+    """Logits only for the rows that are sampled (the last token of each sequence), so
+    at most max_num_seqs rows: the lm_head output in the model dtype (rows · V · b),
+    alive while the sampler runs, plus the sampler's peak (sampler_peak_bytes)."""
+    return rows * shape.vocab_size * dtype_bytes + sampler_peak_bytes(shape.vocab_size, rows)
+
+
+def step_peak_bytes(shape: ModelShape, tokens: int, rows: int, dtype_bytes: int, fused: bool = True) -> int:
+    """Peak of one whole step over its weights and KV: the decoder forward, or the
+    sampling phase after it (the final hidden states T·h·b, the sampled rows'
+    hidden states, and the logits with the sampler), whichever is larger."""
+    sampling = (tokens + rows) * shape.hidden_size * dtype_bytes + logits_bytes(shape, rows, dtype_bytes)
+    return max(decoder_peak_bytes(shape, tokens, dtype_bytes, fused), sampling)
+
+
+def cublas_workspace_bytes(capability_major: int) -> int:
+    return CUBLAS_WORKSPACE_BYTES_SM90 if capability_major >= 9 else CUBLAS_WORKSPACE_BYTES_OLDER
+
+
+def cuda_graph_bytes(shape: ModelShape, batch: int, dtype_bytes: int,
+                     cublas_workspace: int = CUBLAS_WORKSPACE_BYTES_SM90) -> int:
+    """What capturing the decode CUDA graphs adds: the graphs' output buffer and their pool.
+
+    Graphs are captured largest batch first and share one pool, so the pool holds one
+    decode step at the largest batch (one token per sequence): the forward's
+    intermediates decoder_peak(batch), the lm_head output batch·V·b, and the cuBLAS
+    workspace of the capture stream. The graphs copy their logits into one static
+    output buffer, batch·V·b more. (The step's input buffers exist before capture and
+    are counted with them.)
+    """
+    logits = batch * shape.vocab_size * dtype_bytes
+    return decoder_peak_bytes(shape, batch, dtype_bytes) + 2 * logits + cublas_workspace
+
+
+
+# ---------------------------------------------------------------- one serving configuration
+
+
+@dataclass
+class ServingFigures:
+    """The bytes of serving a model with one set of engine settings, before any device
+    budget: what the planner reports and the out-of-memory advice spends."""
+    dtype_bytes: int
+    vocab_size: int
+    total_params: int
+    weight_bytes: int  # every parameter in the model dtype (resident or not)
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    kv_bytes_per_token: int
+    kv_bytes_per_block: int
+    blocks_per_seq: int
+    kv_bytes_per_seq: int
+    kv_bytes_wanted: int  # max_num_seqs sequences at max_model_len
+    logits_rows: int
+    activation_peak_bytes: int
+    logits_bytes: int
+    step_peak_bytes: int  # max(activation peak, sampling phase) + the serving stream's cuBLAS workspace
+    cuda_graph_batch: int
+    cuda_graph_bytes: int
+
+
+def serving_figures(shape: ModelShape, dtype_bytes: int, *, max_model_len: int, max_num_seqs: int,
+                    max_num_batched_tokens: int, block_size: int, cuda_graphs: bool = True,
+                    fused_kernels: bool = True, cublas_workspace: int = CUBLAS_WORKSPACE_BYTES_SM90,
+                    kv_cache_dtype: str = "auto") -> ServingFigures:
+    """Weights, KV per token / block / sequence, the step's activations and logits, and the
+    decode graphs for these settings; raises ValueError for settings no engine accepts."""
+    check_serving_settings(shape, max_model_len, max_num_seqs, max_num_batched_tokens, block_size)
+    if kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
+        raise ValueError(f"kv_cache_dtype must be auto, fp8, fp8_e4m3 or fp8_e5m2, got {kv_cache_dtype!r}")
+    b = dtype_bytes
+    # EngineConfig.kv_cache_dtype: an fp8 cache holds one byte per element whatever the model dtype.
+    per_token = kv_bytes_per_token(shape, b if kv_cache_dtype == "auto" else 1)
+    per_block = per_token * block_size
+    blocks_per_seq = -(-max_model_len // block_size)
+    rows = min(max_num_seqs, max_num_batched_tokens)
+    graph_batch = min(max_num_seqs, MAX_GRAPH_BATCH) if cuda_graphs else 0
+    total_params = count_params(shape)["total"]
+    return ServingFigures(
+        dtype_bytes=b, vocab_size=shape.vocab_size, total_params=total_params, weight_bytes=total_params * b,
+        block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        kv_bytes_per_token=per_token, kv_bytes_per_block=per_block, blocks_per_seq=blocks_per_seq,
+        kv_bytes_per_seq=blocks_per_seq * per_block, kv_bytes_wanted=max_num_seqs * blocks_per_seq * per_block,
+        logits_rows=rows,
+        activation_peak_bytes=decoder_peak_bytes(shape, max_num_batched_tokens, b, fused_kernels),
+        logits_bytes=logits_bytes(shape, rows, b),
+        # The first matmul on the serving stream allocates cuBLAS's workspace; it stays.
+        step_peak_bytes=step_peak_bytes(shape, max_num_batched_tokens, rows, b, fused_kernels) + cublas_workspace,
+        cuda_graph_batch=graph_batch,
+        cuda_graph_bytes=cuda_graph_bytes(shape, graph_batch, b, cublas_workspace) if cuda_graphs else 0,
+    )
+
+
+def check_serving_settings(shape: ModelShape, max_model_len, max_num_seqs, max_num_batched_tokens,
+                           block_size) -> None:
+    for name, value in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
+                        ("max_num_batched_tokens", max_num_batched_tokens),
+                        ("block_size", block_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if max_model_len > shape.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+            f"{shape.max_position_embeddings}: pass --max-model-len {shape.max_position_embeddings} or less"
+        )
+
+
+def decoder_peak_bytes_per_token(figures: ServingFigures) -> int:
+    # The activation peak is linear in the token count, so one token's share is exact.
+    return figures.activation_peak_bytes // figures.max_num_batched_tokens

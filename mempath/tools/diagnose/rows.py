@@ -1,0 +1,132 @@
+"""The comparison rows of diagnose's report: each measured figure beside the plan's, with its source."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mempath.memory.ledger import format_bytes
+from mempath.tools.diagnose.meters import StageRecord
+
+
+# ---------------------------------------------------------------- comparison rows
+
+@dataclass
+class Row:
+    pathway: str
+    predicted: int | None
+    measured: int | None
+    predicted_source: str
+    measured_source: str
+    detail: str = ""
+    error_pct: float | None = field(default=None)
+
+    def __post_init__(self):
+        if self.predicted and self.measured is not None:
+            self.error_pct = round(100.0 * (self.measured - self.predicted) / self.predicted, 2)
+
+
+def weight_rows(plan, model, meter, load: StageRecord | None) -> list[Row]:
+    """Each weight pathway of the plan against the bytes of the loaded parameters."""
+    groups = {"embedding": 0, "attention": 0, "mlp": 0, "norms": 0, "lm_head": 0}
+    seen = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            continue  # a tied head shares the embedding's storage
+        seen.add(id(p))
+        groups[_weight_group(name)] += p.numel() * p.element_size()
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    rows = [Row(f"weights.{group}", getattr(plan, f"{'norm' if group == 'norms' else group}_bytes"),
+                nbytes, f"plan: {'norm' if group == 'norms' else group}_bytes", "parameter tensor bytes")
+            for group, nbytes in groups.items()]
+    if load is not None:
+        rows.append(Row("weights", plan.weight_bytes, load.delta - buffers, "plan: weight_bytes",
+                        f"{meter.source} of the load stage minus buffers",
+                        f"load delta {format_bytes(load.delta)}, buffers {format_bytes(buffers)}"))
+    spec = model.spec
+    positions = model.model.rotary.max_positions
+    rows.append(Row("rotary tables", 2 * positions * spec.head_dim * 4, buffers,
+                    f"derived: cos+sin, {positions} positions x head_dim {spec.head_dim} x fp32 "
+                    f"(not in the plan)", "buffer tensor bytes"))
+    return rows
+
+
+def _weight_group(name: str) -> str:
+    if "embed_tokens" in name:
+        return "embedding"
+    if name.startswith("lm_head"):
+        return "lm_head"
+    if "norm" in name:
+        return "norms"
+    if ".self_attn." in name:
+        return "attention"
+    return "mlp"
+
+
+def comparison_rows(engine, plan, probe_plan, recorder, forward, growth) -> list[Row]:
+    meter = recorder.meter
+    rows = weight_rows(plan, engine.model, meter, recorder.last("load weights"))
+    kv = recorder.last("kv allocation")
+    num_blocks = engine.kv.num_blocks
+    rows.append(Row("kv_cache", plan.kv_bytes_per_block * num_blocks, kv.delta if kv else None,
+                    f"plan: kv_bytes_per_block x {num_blocks:,} engine blocks",
+                    f"{meter.source} of the KV allocation"))
+    if plan.num_kv_blocks is not None:
+        rows.append(Row("kv_cache capacity", plan.num_kv_blocks * plan.kv_bytes_per_block,
+                        num_blocks * plan.kv_bytes_per_block,
+                        f"plan: {plan.num_kv_blocks:,} blocks (device memory x utilization - weights - workspace)",
+                        f"engine: {num_blocks:,} blocks after its profile step"))
+    graphs = engine.ledger.entries.get("cuda_graphs")
+    if graphs is not None:
+        rows.append(Row("cuda_graphs", plan.cuda_graph_bytes, graphs.bytes,
+                        f"plan: cuda_graph_bytes (batch <= {plan.cuda_graph_batch})",
+                        f"engine ledger: {graphs.detail}"))
+    for name in ("step_buffers", "non_torch"):  # figures the plan has no formula for
+        entry = engine.ledger.entries.get(name)
+        if entry is not None:
+            rows.append(Row(name, None, entry.bytes, "not in the plan", f"engine ledger ({entry.source})",
+                            entry.detail))
+    if "activation_peak" in engine.ledger.entries:
+        rows.append(Row("activation_peak (engine profile step)",
+                        plan.step_peak_bytes, engine.ledger.get("activation_peak"),
+                        f"plan: step_peak_bytes at {plan.max_num_batched_tokens} tokens, "
+                        f"{plan.logits_rows} sampled rows",
+                        "engine ledger (peak allocation of its profile step)"))
+    tokens, h, b = forward["tokens"], probe_plan.hidden_size, probe_plan.dtype_bytes
+    rows += [
+        Row("embedding (forward output)", tokens * h * b, forward["embedding"],
+            f"derived from plan: {tokens} tokens x hidden {h} x {b} B", meter.source),
+        Row("decoder layer peak", probe_plan.activation_peak_bytes, forward["layer_peak"],
+            f"plan: activation_peak_bytes at {tokens} tokens",
+            f"{meter.peak_source} over layer 0, from before the embedding"),
+        Row("decoder forward peak", probe_plan.activation_peak_bytes, forward["forward_peak"],
+            f"plan: activation_peak_bytes at {tokens} tokens", f"{meter.peak_source} over the forward"),
+        Row("logits", probe_plan.logits_bytes, forward["logits_peak"],
+            f"plan: logits_bytes ({probe_plan.logits_rows} rows: lm_head output + sampler peak)",
+            f"{meter.peak_source} over lm_head + sampler"),
+    ]
+    if growth:
+        top = max(growth, key=lambda s: s["measured_bytes"])
+        rows.append(Row("kv growth (peak during generation)", top["predicted_bytes"], top["measured_bytes"],
+                        "plan: kv_bytes_per_block x blocks the live tokens need",
+                        "engine: kv_blocks_used x KV tensor bytes per block",
+                        f"step {top['step']}, {top['tokens']} tokens in the cache"))
+    return rows
+
+
+def train_rows(plan, training: dict, meter) -> list[Row]:
+    return [
+        Row("train.weights", plan.train_weight_bytes, training["weights_tensor_bytes"],
+            "plan: train_weight_bytes (adamw-fp32)", "parameter tensor bytes"),
+        Row("train.gradients", plan.grad_bytes, training["gradients"], "plan: grad_bytes (adamw-fp32)",
+            f"{meter.source} from before the forward to after the backward",
+            f"tensor bytes of .grad: {format_bytes(training['gradients_tensor_bytes'])}"),
+        Row("train.optimizer_state", plan.optimizer_bytes, training["optimizer_state"],
+            "plan: optimizer_bytes (adamw-fp32, 8 B/param)", f"{meter.source} of the first AdamW step",
+            f"tensor bytes of the state: {format_bytes(training['optimizer_state_tensor_bytes'])}"),
+        Row("train.activations", plan.train_activation_bytes + plan.train_logits_bytes,
+            training["activations"], f"plan: train_activation_bytes + train_logits_bytes at "
+            f"seq-len {plan.seq_len}", f"{meter.source} across the forward (kept for the backward)",
+            "the plan's figure is an estimate: Korthikanti et al.'s bytes for a 16-bit GPT layer with "
+            "dropout masks and the attention score matrix, not a count of this model's saved tensors; "
+            "negative: the model kept less than that"),
+    ]
+

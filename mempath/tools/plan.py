@@ -1,0 +1,338 @@
+"""Memory planner: every pathway's bytes from a model's config.json, with no GPU needed.
+
+`plan_memory` turns (config, dtype, device size, engine settings) into a `MemoryPlan`:
+the byte formulas of mempath.memory.formulas, the device budget they leave for the KV
+cache, the training figures (mempath.tools.training) and the advice
+(mempath.tools.advice). `mempath plan` is mempath.tools.plan_cli.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from mempath.constants import DEFAULT_BLOCK_SIZE
+from mempath.memory.formulas import (CUBLAS_WORKSPACE_BYTES_SM90, ModelShape, check_serving_settings,
+                                     count_params, expert_bytes, read_shape, resolve_dtype, serving_figures)
+from mempath.tools.advice import advise
+from mempath.tools.training import plan_training
+
+DEFAULT_TRAIN_SEQ_LEN = 4096
+
+
+@dataclass
+class MemoryPlan:
+    # model
+    architecture: str
+    dtype: str
+    dtype_bytes: int
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tied_embeddings: bool
+    # weights, per pathway (parameters, then bytes in `dtype`)
+    embedding_params: int
+    attention_params: int
+    mlp_params: int
+    norm_params: int
+    lm_head_params: int
+    total_params: int
+    embedding_bytes: int
+    attention_bytes: int
+    mlp_bytes: int
+    norm_bytes: int
+    lm_head_bytes: int
+    weight_bytes: int
+    # KV cache
+    block_size: int
+    kv_bytes_per_token: int
+    kv_bytes_per_block: int
+    blocks_per_seq: int
+    kv_bytes_per_seq: int
+    # settings
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    gpu_mem_bytes: int | None
+    gpu_memory_utilization: float
+    cuda_graphs: bool
+    fused_kernels: bool  # the activation peak assumes the fused CUDA path (else the PyTorch one)
+    # workspace
+    activation_peak_bytes: int
+    logits_rows: int
+    logits_bytes: int
+    step_peak_bytes: int  # max(activation peak, sampling phase): what the engine's profile step measures
+    cuda_graph_batch: int
+    cuda_graph_bytes: int
+    context_bytes: int
+    workspace_bytes: int
+    # capacity (None without gpu_mem_bytes)
+    budget_bytes: int | None = None
+    kv_budget_bytes: int | None = None
+    num_kv_blocks: int | None = None
+    kv_capacity_tokens: int | None = None
+    max_concurrency: int | None = None
+    kv_bytes_wanted: int = 0
+    fits: bool | None = None  # serving: at least one max-model-len sequence fits
+    host_mem_bytes: int | None = None  # bounds the host KV tier the advice may propose
+    kv_cache_dtype: str = "auto"  # auto: the model dtype; fp8*: one byte per element
+    # mixture of experts (zeros for a dense model); the routed experts are not in mlp_*
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    expert_cache_size: int = 0  # experts per layer resident on the device
+    expert_params: int = 0
+    expert_bytes: int = 0  # every routed expert
+    resident_expert_bytes: int = 0
+    resident_weight_bytes: int = 0  # what the device holds: weight_bytes less the experts not resident
+    host_expert_bytes: int = 0  # with fewer resident, host memory holds every expert (slots copy from it)
+    active_params: int = 0  # parameters one token reads: all but the routed experts, plus k of them per layer
+    # training (zeros unless train=True)
+    train: bool = False
+    optimizer: str = "adamw-fp32"
+    micro_batch: int = 1
+    seq_len: int = 0
+    checkpointing: str = "none"
+    checkpoint_layers: list[int] = field(default_factory=list)
+    lora_rank: int = 0
+    lora_targets: list[str] = field(default_factory=list)
+    trainable_params: int = 0
+    train_weight_bytes: int = 0
+    grad_bytes: int = 0
+    master_weight_bytes: int = 0
+    optimizer_bytes: int = 0
+    activation_bytes_per_layer: int = 0
+    train_activation_bytes: int = 0
+    train_logits_bytes: int = 0
+    train_total_bytes: int = 0
+    train_fits: bool | None = None
+    advice: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------- config and sizes
+
+
+def config_path(model: str | os.PathLike) -> Path:
+    """Where a model's config.json is: in a model directory, the path itself, or the hub cache."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path / "config.json"
+    if not path.exists():
+        return _cached_hub_config(str(model)) or path
+    return path
+
+
+def load_config(model: str | os.PathLike | dict) -> dict:
+    """The config as a dict, from a dict, a model directory, a config.json path, or a
+    Hugging Face hub id already in the local cache (no network)."""
+    if isinstance(model, dict):
+        return dict(model)
+    path = config_path(model)
+    if not path.exists():
+        raise ValueError(
+            f"no config.json at {path}: pass a model directory, a path to its config.json, "
+            f"or a hub id that is already downloaded"
+        )
+    from mempath.model.loader import read_json_object
+    return read_json_object(path, "a JSON object of model settings")
+
+
+def _cached_hub_config(repo_id: str) -> Path | None:
+    if repo_id.count("/") != 1:
+        return None
+    hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME", os.path.expanduser("~/.cache/huggingface")), "hub")
+    snapshots = Path(hub) / ("models--" + repo_id.replace("/", "--")) / "snapshots"
+    found = sorted(snapshots.glob("*/config.json"), key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else None
+
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str | int) -> int:
+    """"80GiB" -> 85899345920, "24GB" -> 24000000000, "1.5T" -> 1.5e12, "123" -> 123.
+
+    KiB/MiB/GiB/TiB (and Ki, Mi, ...) are powers of 1024; KB/MB/GB/TB and bare K/M/G/T
+    are powers of 1000, as on GPU spec sheets.
+    """
+    if isinstance(text, int):
+        value = text
+    else:
+        match = _SIZE.match(str(text))
+        if not match:
+            raise ValueError(f"cannot read {text!r} as a size: write e.g. 80GiB, 24GB or a byte count")
+        number, unit = match.groups()
+        unit = unit.lower().rstrip("b")
+        base = 1024 if unit.endswith("i") else 1000
+        power = "kmgt".find(unit[:1]) + 1 if unit else 0
+        value = int(float(number) * base**power)
+    if value <= 0:
+        raise ValueError(f"size {text!r} must be positive")
+    return value
+
+
+def parse_size_flag(flag: str, text: str) -> int:
+    """A size from the command line, which must name its unit: `--gpu-mem 80` meant 80 GiB, not bytes."""
+    if re.fullmatch(r"\s*[0-9]*\.?[0-9]+\s*", str(text)):
+        raise ValueError(f"{flag} {text.strip()} has no unit: write {text.strip()}GiB (or {text.strip()}GB, "
+                         f"or {text.strip()}B for bytes)")
+    return parse_bytes(text)
+
+
+def detect_gpu_mem() -> int | None:
+    """Total memory of the current CUDA device, or None when there is none."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+
+# ---------------------------------------------------------------- the plan
+
+
+def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | None = None,
+                host_mem_bytes: int | None = None,
+                gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
+                max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                block_size: int = DEFAULT_BLOCK_SIZE, cuda_graphs: bool = True,
+                fused_kernels: bool = True, context_bytes: int = 0,
+                cublas_workspace: int = CUBLAS_WORKSPACE_BYTES_SM90, train: bool = False,
+                optimizer: str = "adamw-fp32", kv_cache_dtype: str = "auto",
+                micro_batch: int = 1, seq_len: int | None = None, checkpointing: str = "none",
+                checkpoint_layers=(), lora_rank: int = 0,
+                lora_targets=("q_proj", "v_proj"), moe_expert_cache_size: int | None = None) -> MemoryPlan:
+    """Plan every pathway's bytes for serving (and, with train=True, training) a model.
+
+    Capacity, when gpu_mem_bytes is given (no device is probed here; `run_plan` does
+    that for the CLI):
+        budget    = floor(gpu_mem · gpu_memory_utilization)
+        kv budget = budget − weights − step peak − CUDA graphs − context
+        step peak = max(activation peak, final hidden states + logits + sampler)
+        blocks    = floor(kv budget / block bytes); tokens = blocks · block_size
+        max concurrency = blocks // ceil(max_model_len / block_size), which equals
+                          tokens // max_model_len when max_model_len is a multiple of
+                          block_size (a sequence holds whole blocks).
+    Training (train=True) is planned for seq_len tokens per sequence, by default
+    min(max_model_len, 4096), against the same budget; see plan_training.
+
+    host_mem_bytes (the host's total memory) bounds the --cpu-kv-gb the advice proposes
+    (HOST_KV_FRACTION of it); without it the advice proposes no host tier.
+
+    context_bytes is what the caller knows must stay free for non-PyTorch memory (CUDA
+    context, cuBLAS workspaces); it cannot be derived from the config, so it defaults
+    to 0 and the headroom left by gpu_memory_utilization is expected to hold it.
+    cublas_workspace is the bytes of one cuBLAS workspace (cublas_workspace_bytes gives
+    it for a compute capability; the default is Hopper's; 0 for the CPU): one for the
+    serving stream, counted in the step peak, and one for the graph-capture stream.
+
+    Mixture-of-experts models: moe_expert_cache_size experts per layer stay on the
+    device (None: all) and the KV budget is taken after the resident weights only
+    (resident_weight_bytes); the others' bytes are in host memory.
+    """
+    source = "config.json" if isinstance(model, dict) else str(config_path(model))
+    shape = read_shape(load_config(model), source)
+    dtype_name, b = resolve_dtype(dtype, shape)
+    max_model_len = shape.max_position_embeddings if max_model_len is None else max_model_len
+    _check_settings(shape, gpu_mem_bytes, host_mem_bytes, gpu_memory_utilization, max_model_len, max_num_seqs,
+                    max_num_batched_tokens, block_size, context_bytes)
+
+    params = count_params(shape)
+    experts = _plan_experts(shape, b, params, moe_expert_cache_size)
+    serving = serving_figures(shape, b, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+                              cuda_graphs=cuda_graphs, fused_kernels=fused_kernels,
+                              cublas_workspace=cublas_workspace, kv_cache_dtype=kv_cache_dtype)
+
+    plan = MemoryPlan(
+        architecture=shape.architecture, dtype=dtype_name,
+        num_layers=shape.num_layers, hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size, num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, tied_embeddings=shape.tied_embeddings,
+        embedding_params=params["embedding"], attention_params=params["attention"],
+        mlp_params=params["mlp"], norm_params=params["norms"], lm_head_params=params["lm_head"],
+        embedding_bytes=params["embedding"] * b, attention_bytes=params["attention"] * b,
+        mlp_bytes=params["mlp"] * b, norm_bytes=params["norms"] * b, lm_head_bytes=params["lm_head"] * b,
+        gpu_mem_bytes=gpu_mem_bytes, host_mem_bytes=host_mem_bytes, kv_cache_dtype=kv_cache_dtype,
+        gpu_memory_utilization=gpu_memory_utilization, cuda_graphs=cuda_graphs, fused_kernels=fused_kernels,
+        context_bytes=context_bytes,
+        workspace_bytes=serving.step_peak_bytes + serving.cuda_graph_bytes + context_bytes,
+        **asdict(serving), **experts,
+    )
+    if gpu_mem_bytes is not None:
+        _plan_capacity(plan)
+    if train:
+        _plan_training(plan, shape, optimizer=optimizer, micro_batch=micro_batch,
+                       seq_len=min(max_model_len, DEFAULT_TRAIN_SEQ_LEN) if seq_len is None else seq_len,
+                       checkpointing=checkpointing, checkpoint_layers=checkpoint_layers,
+                       lora_rank=lora_rank, lora_targets=lora_targets)
+    plan.advice = advise(plan, shape)
+    return plan
+
+
+def _plan_capacity(plan: MemoryPlan) -> None:
+    """The budget, the KV cache it leaves and how many sequences that holds."""
+    plan.budget_bytes = int(plan.gpu_mem_bytes * plan.gpu_memory_utilization)
+    plan.kv_budget_bytes = plan.budget_bytes - plan.resident_weight_bytes - plan.workspace_bytes
+    plan.num_kv_blocks = max(0, plan.kv_budget_bytes) // plan.kv_bytes_per_block
+    plan.kv_capacity_tokens = plan.num_kv_blocks * plan.block_size
+    plan.max_concurrency = plan.num_kv_blocks // plan.blocks_per_seq
+    plan.fits = plan.max_concurrency >= 1
+
+
+def _plan_training(plan: MemoryPlan, shape: ModelShape, **settings) -> None:
+    figures = plan_training(shape, plan.dtype_bytes, **settings)
+    plan.train = True
+    for key, value in figures.items():
+        setattr(plan, key, value)
+    if plan.budget_bytes is not None:
+        plan.train_fits = plan.train_total_bytes <= plan.budget_bytes
+
+
+def _plan_experts(shape: ModelShape, b: int, params: dict[str, int], cache_size: int | None) -> dict:
+    """The plan's mixture-of-experts fields; resident_weight_bytes and active_params for any model."""
+    if cache_size is not None and not shape.num_experts:
+        raise ValueError(f"moe_expert_cache_size is {cache_size} but {shape.architecture} is a dense model "
+                         f"(no experts): leave it unset")
+    if cache_size is not None and (isinstance(cache_size, bool) or not isinstance(cache_size, int)
+                                   or not 1 <= cache_size <= shape.num_experts):
+        raise ValueError(f"moe_expert_cache_size must be an integer from 1 to {shape.num_experts} (experts "
+                         f"per layer), got {cache_size!r}")
+    total, resident = expert_bytes(shape, b, cache_size)
+    active = params["experts"] // shape.num_experts * shape.num_experts_per_tok if shape.num_experts else 0
+    return {
+        "num_experts": shape.num_experts,
+        "num_experts_per_tok": shape.num_experts_per_tok,
+        "expert_cache_size": shape.num_experts if cache_size is None else cache_size,
+        "expert_params": params["experts"],
+        "expert_bytes": total,
+        "resident_expert_bytes": resident,
+        "resident_weight_bytes": params["total"] * b - total + resident,
+        "host_expert_bytes": total if resident < total else 0,
+        "active_params": params["total"] - params["experts"] + active,
+    }
+
+
+def _check_settings(shape, gpu_mem, host_mem, utilization, max_model_len, max_num_seqs,
+                    max_num_batched_tokens, block_size, context_bytes):
+    check_serving_settings(shape, max_model_len, max_num_seqs, max_num_batched_tokens, block_size)
+    if host_mem is not None and (not isinstance(host_mem, int) or host_mem <= 0):
+        raise ValueError(f"host_mem_bytes must be a positive byte count, got {host_mem!r}")
+    if gpu_mem is not None and (not isinstance(gpu_mem, int) or gpu_mem <= 0):
+        raise ValueError(f"gpu_mem_bytes must be a positive byte count, got {gpu_mem!r} "
+                         f"(parse_bytes('80GiB') reads sizes)")
+    if not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
+    if not isinstance(context_bytes, int) or context_bytes < 0:
+        raise ValueError(f"context_bytes must be a byte count >= 0, got {context_bytes!r}")

@@ -1,0 +1,169 @@
+"""`mempath plan MODEL ...`: the plan as a terminal table (or JSON), and its flags."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from mempath.constants import DEFAULT_BLOCK_SIZE
+from mempath.engine_flags import add_memory_arguments
+from mempath.memory.ledger import format_bytes
+from mempath.tools.plan import MemoryPlan, detect_gpu_mem, parse_size_flag, plan_memory
+from mempath.tools.training import CHECKPOINTING, OPTIMIZERS
+
+
+def _row(label: str, n: int, params: int | None = None) -> str:
+    count = f"{params:>16,}" if params is not None else " " * 16
+    return f"  {label:<34}{count}  {format_bytes(n):>12}  {n:>19,} B"
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    p = plan
+    out = [
+        f"mempath plan: {p.architecture}, {p.dtype} ({p.dtype_bytes} B/element)",
+        f"  {p.num_layers} layers, hidden {p.hidden_size}, {p.num_heads} heads "
+        f"({p.num_kv_heads} KV, head dim {p.head_dim}), intermediate {p.intermediate_size}, "
+        f"vocab {p.vocab_size}, embeddings {'tied' if p.tied_embeddings else 'untied'}",
+        "",
+        f"{'weights':<36}{'params':>16}  {'size':>12}  {'bytes':>21}",
+        _row("embedding", p.embedding_bytes, p.embedding_params),
+        _row("attention", p.attention_bytes, p.attention_params),
+        _row("mlp" + (" (dense layers, routers)" if p.num_experts else ""), p.mlp_bytes, p.mlp_params),
+        *([_row(f"experts ({p.num_experts}/layer, {p.num_experts_per_tok} active)",
+                p.expert_bytes, p.expert_params)] if p.num_experts else []),
+        _row("norms", p.norm_bytes, p.norm_params),
+        _row("lm head" + (" (tied: no extra bytes)" if p.tied_embeddings else ""),
+             p.lm_head_bytes, p.lm_head_params),
+        _row("total", p.weight_bytes, p.total_params),
+        *([_row(f"on the device ({p.expert_cache_size} experts/layer)", p.resident_weight_bytes),
+           _row("in host memory (every expert)", p.host_expert_bytes),
+           _row("read per token (k experts/layer)", p.active_params * p.dtype_bytes, p.active_params)]
+          if p.num_experts else []),
+        "",
+        "KV cache",
+        _row("per token", p.kv_bytes_per_token),
+        _row(f"per block ({p.block_size} tokens)", p.kv_bytes_per_block),
+        _row(f"per sequence ({p.max_model_len} tokens)", p.kv_bytes_per_seq),
+        _row(f"max-num-seqs {p.max_num_seqs} at full length", p.kv_bytes_wanted),
+        "",
+        f"workspace (max-num-batched-tokens {p.max_num_batched_tokens}, max-num-seqs {p.max_num_seqs})",
+        _row("activation peak (one layer)", p.activation_peak_bytes),
+        _row(f"logits + sampler ({p.logits_rows} rows)", p.logits_bytes),
+        _row("step peak (+ cuBLAS workspace)", p.step_peak_bytes),
+        _row(f"CUDA graphs (batch <= {p.cuda_graph_batch})" if p.cuda_graphs else "CUDA graphs (off)",
+             p.cuda_graph_bytes),
+        _row("context (given; not derivable)", p.context_bytes),
+        _row("total", p.workspace_bytes),
+        "",
+    ]
+    out += _capacity_lines(p) + (_training_lines(p) if p.train else [])
+    out.append("advice")
+    out += [f"  - {line}" for line in p.advice]
+    return "\n".join(out)
+
+
+def _capacity_lines(p: MemoryPlan) -> list[str]:
+    if p.budget_bytes is None:
+        return ["capacity: needs --gpu-mem (no CUDA device visible)", ""]
+    return [
+        f"capacity (gpu-mem {format_bytes(p.gpu_mem_bytes)} x {p.gpu_memory_utilization})",
+        _row("budget", p.budget_bytes),
+        _row("- weights" + (" (resident)" if p.num_experts else ""), p.resident_weight_bytes),
+        _row("- workspace", p.workspace_bytes),
+        _row("= KV budget", p.kv_budget_bytes),
+        f"  {'KV blocks':<34}{p.num_kv_blocks:>16,}",
+        f"  {'KV tokens':<34}{p.kv_capacity_tokens:>16,}",
+        f"  {f'max concurrency at {p.max_model_len}':<34}{p.max_concurrency:>16,}",
+        "",
+    ]
+
+
+def _training_lines(p: MemoryPlan) -> list[str]:
+    setup = f"{p.optimizer}, micro-batch {p.micro_batch}, seq-len {p.seq_len}, checkpointing {p.checkpointing}"
+    if p.checkpoint_layers:
+        setup += f" (layers {_layer_ranges(p.checkpoint_layers)})"
+    if p.lora_rank:
+        setup += f", LoRA r={p.lora_rank} on {','.join(p.lora_targets)}"
+    return [
+        f"training ({setup})",
+        f"  {'trainable params':<34}{p.trainable_params:>16,}",
+        _row("weights", p.train_weight_bytes),
+        _row("gradients", p.grad_bytes),
+        _row("fp32 master weights", p.master_weight_bytes),
+        _row("optimizer moments", p.optimizer_bytes),
+        _row("activations per layer", p.activation_bytes_per_layer),
+        _row("activations", p.train_activation_bytes),
+        _row("logits (16-bit + fp32 for the loss)", p.train_logits_bytes),
+        _row("total", p.train_total_bytes),
+        "",
+    ]
+
+
+def _layer_ranges(layers) -> str:
+    runs, start = [], None
+    for i, layer in enumerate(layers):
+        if start is None:
+            start = layer
+        if i + 1 == len(layers) or layers[i + 1] != layer + 1:
+            runs.append(str(start) if start == layer else f"{start}-{layer}")
+            start = None
+    return ",".join(runs)
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def parse_layers(text: str) -> list[int]:
+    """"0,2,4" or "0-15,20" -> layer indices."""
+    layers = []
+    for part in filter(None, (s.strip() for s in text.split(","))):
+        try:
+            lo, _, hi = part.partition("-")
+            layers += range(int(lo), int(hi or lo) + 1)
+        except ValueError:
+            raise ValueError(f"cannot read layer list {text!r}: write e.g. 0,2,4 or 0-15") from None
+    return layers
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="model directory, config.json, or a cached hub id")
+    add_memory_arguments(parser)
+    parser.add_argument("--gpu-mem", default=None,
+                        help="device memory with its unit, e.g. 80GiB, 24GB or 85899345920B; a bare "
+                             "number is refused (default: the CUDA device's)")
+    parser.add_argument("--context-mem", default="0",
+                        help="non-PyTorch memory to hold back (CUDA context etc.) with its unit, e.g. 500MiB")
+    parser.add_argument("--train", action="store_true", help="also plan training memory")
+    parser.add_argument("--optimizer", default="adamw-fp32", choices=list(OPTIMIZERS))
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=None)
+    parser.add_argument("--checkpointing", default="none", choices=list(CHECKPOINTING))
+    parser.add_argument("--checkpoint-layers", default="", help="e.g. 0,2,4 or 0-15")
+    parser.add_argument("--lora-rank", type=int, default=0)
+    parser.add_argument("--lora-targets", default="q_proj,v_proj", help="comma list or all-linear")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    try:
+        gpu_mem = parse_size_flag("--gpu-mem", args.gpu_mem) if args.gpu_mem else detect_gpu_mem()
+        context = 0 if str(args.context_mem).strip() in ("", "0") else parse_size_flag("--context-mem",
+                                                                                       args.context_mem)
+        import psutil
+        plan = plan_memory(
+            args.model, dtype=args.dtype, gpu_mem_bytes=gpu_mem, host_mem_bytes=psutil.virtual_memory().total,
+            gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            block_size=DEFAULT_BLOCK_SIZE if args.block_size == "auto" else args.block_size,
+            cuda_graphs=not args.enforce_eager, context_bytes=context,
+            kv_cache_dtype=args.kv_cache_dtype,
+            train=args.train, optimizer=args.optimizer, micro_batch=args.micro_batch,
+            seq_len=args.seq_len, checkpointing=args.checkpointing,
+            checkpoint_layers=parse_layers(args.checkpoint_layers), lora_rank=args.lora_rank,
+            lora_targets=args.lora_targets)
+    except ValueError as e:
+        print(f"mempath plan: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    return 0

@@ -1,0 +1,134 @@
+"""Training memory for one micro-batch: weights, gradients, optimizer state, activations, logits.
+
+Notation as in mempath.memory.formulas; s tokens per sequence, b sequences per micro-batch.
+"""
+
+from __future__ import annotations
+
+from mempath.memory.formulas import ModelShape, count_params, linear_shapes
+
+
+# Bytes per *trainable* parameter: (weights, grads, fp32 master copy, optimizer moments).
+# None means "the model dtype": 8-bit AdamW is normally paired with 16-bit weights and
+# grads and no master copy, so its only saving over `mixed` is in the moments.
+OPTIMIZERS = {
+    "adamw-fp32": (4, 4, 0, 8),
+    "mixed": (2, 2, 4, 8),
+    "adamw-8bit": (None, None, 0, 2),
+}
+CHECKPOINTING = ("none", "full", "selective")
+
+
+def lora_trainable_params(shape: ModelShape, rank: int, targets) -> int:
+    """r·(in + out) per adapted matrix per layer (A is r×in, B is out×r)."""
+    shapes = linear_shapes(shape)
+    return shape.num_layers * sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets)
+
+
+def resolve_lora_targets(shape: ModelShape, targets) -> list[str]:
+    if isinstance(targets, str):
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
+    names = list(linear_shapes(shape))
+    if list(targets) == ["all-linear"]:
+        return names
+    unknown = [t for t in targets if t not in names]
+    if unknown or not targets:
+        raise ValueError(
+            f"LoRA targets {list(unknown) or list(targets)} are not linear layers of "
+            f"{shape.architecture}: choose from {', '.join(names)} or all-linear"
+        )
+    return list(dict.fromkeys(targets))
+
+
+def layer_activation_bytes(seq_len: int, micro_batch: int, shape: ModelShape) -> int:
+    """Korthikanti et al. (2022): s·b·h·(34 + 5·a·s/h) bytes per layer, 16-bit, no
+    tensor or sequence parallelism; written as s·b·(34·h + 5·a·s) so it stays exact.
+    The 5·a·s² term is the attention score matrix, softmax and dropout mask."""
+    s, b = seq_len, micro_batch
+    return s * b * (34 * shape.hidden_size + 5 * shape.num_heads * s)
+
+
+def plan_training(shape: ModelShape, dtype_bytes: int, *, optimizer: str, micro_batch: int,
+                  seq_len: int, checkpointing: str, checkpoint_layers, lora_rank: int,
+                  lora_targets) -> dict:
+    """Training memory for one micro-batch.
+
+    State, per trainable parameter (OPTIMIZERS): adamw-fp32 4+4+8; mixed 2 (16-bit
+    weights) + 2 (grads) + 4 (fp32 master) + 8 (moments); adamw-8bit model-dtype
+    weights and grads + 2 (two 8-bit moments; the block-wise scales, ~0.2%, are left
+    out). With LoRA the base is frozen in the model dtype with no grads or optimizer
+    state, and only the adapters carry the optimizer's state.
+
+    Activations with A = layer_activation_bytes (+ 2·s·b·r per adapted matrix for the
+    LoRA intermediate):
+        none:       L·A
+        full:       L·2·s·b·h (each layer's input) + A (one layer recomputed at a time)
+        selective:  C checkpointed layers: C·2·s·b·h + (L−C)·A + A
+    Logits: s·b·V·(2 + 4), the 16-bit LM-head output and its fp32 copy for the loss.
+    """
+    _check_training(optimizer, micro_batch, seq_len, checkpointing, lora_rank)
+    L = shape.num_layers
+    layers = _checkpointed_layers(L, checkpointing, checkpoint_layers)
+
+    total_params = count_params(shape)["total"]
+    targets = resolve_lora_targets(shape, lora_targets) if lora_rank else []
+    trainable = lora_trainable_params(shape, lora_rank, targets) if lora_rank else total_params
+    frozen = total_params if lora_rank else 0
+
+    w, g, master, moments = OPTIMIZERS[optimizer]
+    w = dtype_bytes if w is None else w
+    g = dtype_bytes if g is None else g
+
+    s, b, h = seq_len, micro_batch, shape.hidden_size
+    per_layer = layer_activation_bytes(s, b, shape) + 2 * s * b * lora_rank * len(targets)
+    stored = len(layers) * 2 * s * b * h + (L - len(layers)) * per_layer
+    activations = stored + (per_layer if layers else 0)
+
+    figures = {
+        "optimizer": optimizer,
+        "micro_batch": micro_batch,
+        "seq_len": seq_len,
+        "checkpointing": checkpointing,
+        "checkpoint_layers": layers if checkpointing == "selective" else [],
+        "lora_rank": lora_rank,
+        "lora_targets": targets,
+        "trainable_params": trainable,
+        "train_weight_bytes": frozen * dtype_bytes + trainable * w,
+        "grad_bytes": trainable * g,
+        "master_weight_bytes": trainable * master,
+        "optimizer_bytes": trainable * moments,
+        "activation_bytes_per_layer": per_layer,
+        "train_activation_bytes": activations,
+        "train_logits_bytes": s * b * shape.vocab_size * (2 + 4),
+    }
+    figures["train_total_bytes"] = sum(figures[k] for k in (
+        "train_weight_bytes", "grad_bytes", "master_weight_bytes", "optimizer_bytes",
+        "train_activation_bytes", "train_logits_bytes"))
+    return figures
+
+
+def _check_training(optimizer, micro_batch, seq_len, checkpointing, lora_rank) -> None:
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}: use {', '.join(OPTIMIZERS)}")
+    if checkpointing not in CHECKPOINTING:
+        raise ValueError(f"unknown checkpointing {checkpointing!r}: use {', '.join(CHECKPOINTING)}")
+    for name, value in (("micro_batch", micro_batch), ("seq_len", seq_len)):
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if not isinstance(lora_rank, int) or lora_rank < 0:
+        raise ValueError(f"lora_rank must be 0 (full fine-tune) or a positive integer, got {lora_rank!r}")
+
+
+def _checkpointed_layers(L: int, checkpointing: str, checkpoint_layers) -> list[int]:
+    """The layers whose inputs are kept (all with full checkpointing), checked against the model's L."""
+    layers = sorted(set(checkpoint_layers))
+    bad = [i for i in layers if not 0 <= i < L]
+    if bad:
+        raise ValueError(f"checkpoint layers {bad} out of range: the model has layers 0..{L - 1}")
+    if checkpointing == "selective" and not layers:
+        raise ValueError("checkpointing='selective' needs checkpoint_layers (e.g. 0,2,4 or 0-15)")
+    if checkpointing != "selective" and layers:
+        raise ValueError(f"checkpoint_layers given with checkpointing={checkpointing!r}: use 'selective'")
+    if checkpointing == "full":
+        layers = list(range(L))
+    return layers
