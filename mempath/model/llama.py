@@ -17,9 +17,8 @@ import torch
 from torch import nn
 
 from mempath.constants import CHECKPOINT_DTYPES
-from mempath.kv.attention import attend_torch, write_kv
+from mempath.kernels.dispatch import Kernels
 from mempath.model.moe import MoEBlock
-from mempath.model.ops import rms_norm, rope_and_store, silu_and_mul
 
 # config.json's model_type -> architecture, for configs that name no architectures.
 MODEL_TYPES = {
@@ -340,7 +339,7 @@ def _rope_scaling(f: ConfigFields) -> dict | None:
 
 @dataclass
 class AttentionMetadata:
-    """Where each row of the flat batch reads and writes KV (see mempath.kv.attention)."""
+    """Where each row of the flat batch reads and writes KV (see mempath.kernels.attention_torch)."""
 
     slot_mapping: torch.Tensor  # [T] int64
     block_tables: torch.Tensor  # [B, max_blocks] int32
@@ -352,9 +351,10 @@ class AttentionMetadata:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, kernels: Kernels):
         super().__init__()
         self.eps = eps
+        self.kernels = kernels
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, out: torch.Tensor | None = None):
@@ -362,9 +362,9 @@ class RMSNorm(nn.Module):
 
         float32 statistics, then back to the input dtype before the scale, exactly
         as transformers does, so greedy outputs match it. ``out``: where the fused
-        kernel may write the result (see mempath.model.ops.rms_norm).
+        kernel may write the result (see mempath.kernels.dispatch.Kernels).
         """
-        out, residual_out = rms_norm(x, self.weight, self.eps, residual, out)
+        out, residual_out = self.kernels.rms_norm(x, self.weight, self.eps, residual, out)
         return out if residual is None else (out, residual_out)
 
 
@@ -417,8 +417,9 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding):
+    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, kernels: Kernels):
         super().__init__()
+        self.kernels = kernels
         self.num_heads = spec.num_heads
         self.num_kv_heads = spec.num_kv_heads
         self.head_dim = spec.head_dim
@@ -431,8 +432,8 @@ class Attention(nn.Module):
         if spec.qk_norm:
             q_width, k_width = (spec.head_dim, spec.head_dim) if spec.qk_norm_per_head else (
                 self.q_size, self.kv_size)
-            self.q_norm = RMSNorm(q_width, spec.rms_norm_eps)
-            self.k_norm = RMSNorm(k_width, spec.rms_norm_eps)
+            self.q_norm = RMSNorm(q_width, spec.rms_norm_eps, kernels)
+            self.k_norm = RMSNorm(k_width, spec.rms_norm_eps, kernels)
         else:
             self.q_norm = self.k_norm = None
         self.clip_qkv = spec.clip_qkv
@@ -440,8 +441,6 @@ class Attention(nn.Module):
         # Set by the runner once the KV cache is allocated.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
-        self.attention_fn = attend_torch
-        self.write_kv_fn = write_kv
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -455,30 +454,31 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q = rope_and_store(positions, q, k, v, self.rotary.cos, self.rotary.sin, self.k_cache, self.v_cache,
-                           meta.slot_mapping, self.write_kv_fn)
-        out = self.attention_fn(q, self.k_cache, self.v_cache, meta, self.scale)
+        q = self.kernels.rope_and_store(positions, q, k, v, self.rotary.cos, self.rotary.sin, self.k_cache,
+                                        self.v_cache, meta.slot_mapping)
+        out = self.kernels.attention(q, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, kernels: Kernels):
         super().__init__()
+        self.kernels = kernels
         self.intermediate_size = spec.intermediate_size
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, index: int):
+    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, index: int, kernels: Kernels):
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec, rotary)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MoEBlock(spec) if index in spec.moe_layers else MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
+        self.self_attn = Attention(spec, rotary, kernels)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
+        self.mlp = MoEBlock(spec, kernels) if index in spec.moe_layers else MLP(spec, kernels)
 
     def forward(self, positions, hidden, residual, meta):
         """Returns (sublayer output, residual stream); the next norm adds them."""
@@ -498,12 +498,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, spec: ModelSpec, max_positions: int):
+    def __init__(self, spec: ModelSpec, max_positions: int, kernels: Kernels):
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.rotary = RotaryEmbedding(spec, max_positions)
-        self.layers = nn.ModuleList(DecoderLayer(spec, self.rotary, i) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(spec, self.rotary, i, kernels) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
 
     def forward(self, input_ids, positions, meta):
         hidden = self.embed_tokens(input_ids)
@@ -514,10 +514,14 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, spec: ModelSpec, max_positions: int):
+    """The decoder and its LM head. ``kernels``: the ops every layer runs, one instance shared
+    by all of them (mempath.kernels.dispatch says how it is chosen)."""
+
+    def __init__(self, spec: ModelSpec, max_positions: int, kernels: Kernels):
         super().__init__()
         self.spec = spec
-        self.model = DecoderModel(spec, max_positions)
+        self.kernels = kernels
+        self.model = DecoderModel(spec, max_positions, kernels)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -19,6 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
+from mempath.kernels.dispatch import kernels_for
 from mempath.model.llama import CausalLM, CheckpointError, ModelSpec, describe, json_kind
 from mempath.model.moe import offloaded_weights, set_expert_cache_size
 
@@ -218,13 +219,15 @@ def build_model(spec: ModelSpec, max_positions: int, dtype: torch.dtype, device:
     """Allocate the model's parameters once, uninitialised, on the target device.
 
     ``expert_cache_size``: experts per MoE layer kept on the device (None: all); the
-    others' weights go to host memory, pinned on CUDA (mempath.model.moe).
+    others' weights go to host memory, pinned on CUDA (mempath.model.moe). The model runs
+    the kernels for ``device`` (mempath.kernels.dispatch.kernels_for).
     """
+    kernels = kernels_for(device)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # so each parameter is born in its final dtype
     try:
         with torch.device("meta"):
-            model = CausalLM(spec, max_positions)
+            model = CausalLM(spec, max_positions, kernels)
     finally:
         torch.set_default_dtype(previous)
     if expert_cache_size is not None:
