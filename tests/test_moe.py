@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from mempath import LLM, SamplingParams
 from mempath.memory.diagnose import TensorBytesTracker, _probe_batch
 from mempath.memory.plan import decoder_peak_bytes, load_bytes, moe_phase_bytes, plan_memory, read_shape
-from mempath.model.llama import CheckpointError, ModelSpec
+from mempath.model.spec import CheckpointError, ModelSpec
 from mempath.model.loader import load_model
 from mempath.model.moe import (
     ExpertCache,

@@ -23,7 +23,7 @@ from mempath.engine.scheduler import ScheduledBatch, Scheduler
 from mempath.kv.manager import KVCacheManager, blocks_for
 from mempath.memory.ledger import Ledger, format_bytes
 from mempath.memory.oom import MempathOutOfMemoryError, oom_guard
-from mempath.model.llama import ConfigFields, ModelSpec
+from mempath.model.spec import ConfigFields, ModelSpec
 from mempath.model.loader import (checkpoint_dtype, digest_cache_file, load_model, read_config,
                                   read_json_object, weights_digest)
 from mempath.sampling import SamplingParams
@@ -113,7 +113,7 @@ class LLMEngine:
         with oom_guard("load", self.ledger, config, dtype=dtype_name), stage("load weights", "weights"):
             self.model, self.spec, self.load_report = load_model(
                 config.model, self.dtype, self.device, self.max_model_len, show_progress,
-                dummy=config.load_format == "dummy")
+                dummy=config.load_format == "dummy", spec=spec)
         self.ledger.record("weights", self.load_report.weight_bytes, self.device.type, "measured",
                            f"{self.load_report.tensors_loaded} tensors, {self.dtype}".replace("torch.", ""))
         if self.device.type == "cuda":
@@ -297,9 +297,9 @@ class LLMEngine:
 
         The measured size, once captured, is what the ledger reports.
         """
-        from mempath.memory.plan import MAX_GRAPH_BATCH, cublas_workspace_bytes, cuda_graph_bytes, read_shape
+        from mempath.memory.plan import MAX_GRAPH_BATCH, cublas_workspace_bytes, cuda_graph_bytes, shape_from_spec
         major, _ = torch.cuda.get_device_capability(self.device)
-        return cuda_graph_bytes(read_shape(self.hf_config), min(self.config.max_num_seqs, MAX_GRAPH_BATCH),
+        return cuda_graph_bytes(shape_from_spec(self.spec), min(self.config.max_num_seqs, MAX_GRAPH_BATCH),
                                 self.dtype.itemsize, cublas_workspace_bytes(major))
 
     def _compile_kernels(self, num_blocks: int) -> None:

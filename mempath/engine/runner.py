@@ -17,7 +17,8 @@ from mempath.engine.request import Request
 from mempath.engine.sampler import Sampler, SamplerOutput
 from mempath.engine.scheduler import ScheduledBatch
 from mempath.constants import MAX_GRAPH_BATCH
-from mempath.model.llama import AttentionMetadata, CausalLM, ModelSpec
+from mempath.model.llama import AttentionMetadata, CausalLM
+from mempath.model.spec import ModelSpec
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """Decode batch sizes that get a CUDA graph: 1, 2, 4, 8, then every 8 up to the limit."""
