@@ -77,13 +77,13 @@ def print_table(rows: list[tuple]) -> None:
 
 # --------------------------------------------------------------------------- latency
 def _set_rope_store(on: bool):
-    from mempath.model import ops
-    ops.FUSE_ROPE_AND_STORE = on
+    from mempath.kernels import elementwise_triton
+    elementwise_triton.FUSE_ROPE_AND_STORE = on
 
 
 def _set_pdl(on: bool):
-    from mempath.kv import triton_attention
-    triton_attention.USE_PDL = on
+    from mempath.kernels import common
+    common.USE_PDL = on
 
 
 def _set_cublas(default: bool):

@@ -9,9 +9,12 @@ per-KV-head scales calibrated as amax/448 on the same prompts (an optimistic bou
 per-head scales); last, greedy agreement of LLM(kv_cache_dtype=...) runs. The numbers are
 in docs/architecture.md ("fp8 KV cache").
 """
+from dataclasses import replace
+
 import torch
 from mempath import LLM, SamplingParams
-from mempath.kv.attention import paged_attention, write_kv
+from mempath.kernels.attention_torch import paged_attention, write_kv
+from mempath.kernels.elementwise_torch import apply_rope_torch
 from mempath.model.llama import AttentionMetadata
 
 MODEL = "mempath/assets/mempath-tiny"
@@ -30,13 +33,21 @@ model = base_llm.engine.model
 layers = list(model.attention_layers())
 spec = base_llm.engine.spec
 
+def rope_then(write):
+    """The PyTorch rotary + KV write, with ``write`` as the KV write."""
+    def rope_and_store(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
+        q, k = apply_rope_torch(positions, q, k, cos, sin)
+        write(k, v, k_cache, v_cache, slot_mapping)
+        return q
+    return rope_and_store
+
 def teacher_forced(ids, cache_dtype, scales=None, record=None):
     """log-softmax at every position of one prefill of `ids`, KV through a cache of cache_dtype."""
     T = len(ids); bs = 16; nb = -(-T // bs)
     meta = AttentionMetadata(slot_mapping=torch.arange(T), block_tables=torch.arange(nb, dtype=torch.int32)[None],
                              query_start_loc=torch.tensor([0, T], dtype=torch.int32), seq_lens=torch.tensor([T], dtype=torch.int32),
                              max_query_len=T, max_seq_len=T)
-    saved = [(a.k_cache, a.v_cache, a.write_kv_fn, a.attention_fn) for a in layers]
+    saved = [(a.k_cache, a.v_cache, a.kernels) for a in layers]
     try:
         for i, a in enumerate(layers):
             a.k_cache = torch.zeros(nb, bs, spec.num_kv_heads, spec.head_dim, dtype=cache_dtype)
@@ -45,7 +56,7 @@ def teacher_forced(ids, cache_dtype, scales=None, record=None):
                 def w(k, v, kc, vc, sl, i=i):
                     record[i] = (k.abs().amax(dim=(0, 2)), v.abs().amax(dim=(0, 2)))
                     write_kv(k, v, kc, vc, sl)
-                a.write_kv_fn = w
+                a.kernels = replace(a.kernels, rope_and_store=rope_then(w))
             if scales is not None:
                 sk, sv = scales[i]
                 def w(k, v, kc, vc, sl, sk=sk, sv=sv):
@@ -53,13 +64,13 @@ def teacher_forced(ids, cache_dtype, scales=None, record=None):
                 def att(q, kc, vc, m, scale, sk=sk, sv=sv):
                     return paged_attention(q, kc.float() * sk[None, None, :, None], vc.float() * sv[None, None, :, None],
                                            m.block_tables, m.query_start_loc, m.seq_lens, scale)
-                a.write_kv_fn, a.attention_fn = w, att
+                a.kernels = replace(a.kernels, rope_and_store=rope_then(w), attention=att)
         with torch.inference_mode():
             h = model(torch.tensor(ids), torch.arange(T), meta)
             return torch.log_softmax(model.compute_logits(h).float(), -1)
     finally:
-        for a, (k, v, w, f) in zip(layers, saved):
-            a.k_cache, a.v_cache, a.write_kv_fn, a.attention_fn = k, v, w, f
+        for a, (k, v, kernels) in zip(layers, saved):
+            a.k_cache, a.v_cache, a.kernels = k, v, kernels
 
 # calibration: per-(layer, KV head) amax over the prompts' float32 run
 amax = {}

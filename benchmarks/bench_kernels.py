@@ -25,8 +25,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from mempath.kv import triton_attention as ta
-from mempath.kv.attention import write_kv
+from mempath.kernels import attention_triton as ta
+from mempath.kernels.attention_torch import write_kv
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16

@@ -10,9 +10,9 @@ import torch
 from torch.utils._python_dispatch import _pop_mode_temporarily
 
 from mempath import LLM
-from mempath.kv.attention import attend_torch, write_kv
+from mempath.kernels.attention_torch import attend_torch, write_kv
+from mempath.kernels.elementwise_torch import apply_rope_torch, rms_norm_torch, silu_and_mul_torch
 from mempath.memory.formulas import decoder_peak_bytes, read_shape
-from mempath.model import ops, triton_ops
 from mempath.tools.diagnose.meters import TensorBytesTracker
 from mempath.tools.diagnose.probes import _probe_batch
 from mempath.tools.plan import load_config
@@ -24,7 +24,7 @@ def _untracked(fn, *args):
 
 
 def fake_rms_norm(x, weight, eps, residual=None, out=None):
-    normed, new_residual = _untracked(ops.rms_norm_torch, x, weight, eps, residual)
+    normed, new_residual = _untracked(rms_norm_torch, x, weight, eps, residual)
     if residual is not None:
         residual.copy_(new_residual)
         dest = x if out is None else out
@@ -34,21 +34,16 @@ def fake_rms_norm(x, weight, eps, residual=None, out=None):
     return dest, residual
 
 
-def fake_rope(positions, q, k, cos, sin):
-    q2, k2 = _untracked(ops.apply_rope_torch, positions, q, k, cos, sin)
-    q.copy_(q2)
-    k.copy_(k2)
-
-
 def fake_rope_and_store(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
-    q2, k2 = _untracked(ops.apply_rope_torch, positions, q, k, cos, sin)
+    q2, k2 = _untracked(apply_rope_torch, positions, q, k, cos, sin)
     q.copy_(q2)
     _untracked(write_kv, k2, v, k_cache, v_cache, slot_mapping)
+    return q
 
 
 def fake_silu_and_mul(x):
     out = torch.empty(*x.shape[:-1], x.shape[-1] // 2, dtype=x.dtype)
-    out.copy_(_untracked(ops.silu_and_mul_torch, x))
+    out.copy_(_untracked(silu_and_mul_torch, x))
     return out
 
 
@@ -58,17 +53,17 @@ def fake_attention(q, k_cache, v_cache, meta, scale):
     return out
 
 
+def run_fused_fakes(model, monkeypatch):
+    """Every layer of ``model`` runs the fakes (its layers share one Kernels)."""
+    for name in ("rms_norm", "rope_and_store", "silu_and_mul", "attention"):
+        monkeypatch.setattr(model.kernels, name, globals()[f"fake_{name}"])
+
+
 def test_fused_forward_peak_equals_the_plan(model_factory, monkeypatch):
     path, _ = model_factory("llama")
     llm = LLM(path, dtype="float32", show_progress=False)
     engine = llm.engine
-    monkeypatch.setattr(ops, "_fused", lambda x: True)
-    monkeypatch.setattr(triton_ops, "triton_rms_norm", fake_rms_norm)
-    monkeypatch.setattr(triton_ops, "triton_rope", fake_rope)
-    monkeypatch.setattr(triton_ops, "triton_rope_and_store", fake_rope_and_store)
-    monkeypatch.setattr(triton_ops, "triton_silu_and_mul", fake_silu_and_mul)
-    for attn in engine.model.attention_layers():
-        monkeypatch.setattr(attn, "attention_fn", fake_attention)
+    run_fused_fakes(engine.model, monkeypatch)
     tokens = 96
     batch = _probe_batch(engine, tokens, 1)
     with torch.inference_mode():

@@ -18,8 +18,8 @@ import torch
 
 from mempath import LLM, SamplingParams
 from mempath.config import EngineConfig
-from mempath.kv.attention import paged_attention, quantize_kv, write_kv
-from mempath.model import ops
+from mempath.kernels import elementwise_torch as ops
+from mempath.kernels.attention_torch import paged_attention, quantize_kv, write_kv
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -102,7 +102,7 @@ def test_rope_and_store_twin_quantizes_the_rotated_key(dtype):
     cos, sin = rope_tables(16)
     k_cache = torch.zeros(2, 8, 2, 16, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
-    q_out = ops.rope_and_store_torch(positions, q, k, v, cos, sin, k_cache, v_cache, slots, write_kv)
+    q_out = ops.rope_and_store_torch(positions, q, k, v, cos, sin, k_cache, v_cache, slots)
     ref_q, ref_k = ops.apply_rope_torch(positions, q, k, cos, sin)
     assert torch.equal(q_out, ref_q)
     keep = slots >= 0
@@ -191,7 +191,7 @@ def check_fp8_rope_and_store(tops, dtype, device, act_dtype, on_grid=True, seed=
     slots = slots.to(device)
     caches = [torch.full((4, block, kv_heads, dim), float("nan"), device=device).to(dtype) for _ in range(4)]
     ref_q = ops.rope_and_store_torch(positions, q.clone(), k.clone(), v, cos, sin, caches[0], caches[1],
-                                     slots, write_kv)
+                                     slots)
     tops.triton_rope_and_store(positions, q, k, v, cos, sin, caches[2], caches[3], slots)
     assert torch.equal(q, ref_q)
     assert same_bytes(caches[2], caches[0]) and same_bytes(caches[3], caches[1])
@@ -213,8 +213,7 @@ for _dt in FP8:
 def _run_interpreted() -> dict:
     from test_triton_interpret import _patch_interpreter_for_numpy
     _patch_interpreter_for_numpy()
-    from mempath.kv import triton_attention as ta
-    from mempath.model import triton_ops as tops
+    from mempath.kernels import attention_triton as ta, elementwise_triton as tops
     results = {}
     for name, check in INTERPRETED.items():
         try:
@@ -249,8 +248,7 @@ def test_interpreted_kernel_matches_twin(interpreted, name):
 @pytest.mark.parametrize("dtype", FP8)
 @pytest.mark.parametrize("src", [torch.bfloat16, torch.float16, torch.float32])
 def test_gpu_fp8_write_kernels_match_twin(dtype, src):
-    from mempath.kv import triton_attention as ta
-    from mempath.model import triton_ops as tops
+    from mempath.kernels import attention_triton as ta, elementwise_triton as tops
     for on_grid in (True, False):  # off the grid: the rounding too, bit for bit
         check_fp8_write_kv(ta, dtype, "cuda", src, on_grid)
         check_fp8_rope_and_store(tops, dtype, "cuda", src, on_grid)
@@ -261,7 +259,7 @@ def test_gpu_fp8_write_kernels_match_twin(dtype, src):
 @pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("group", [1, 4, 8])
 def test_gpu_fp8_attention_matches_twin(dtype, query_dtype, group):
-    from mempath.kv import triton_attention as ta
+    from mempath.kernels import attention_triton as ta
     check_fp8_attention(ta, dtype, query_dtype, "cuda", group)
 
 

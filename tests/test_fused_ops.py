@@ -1,4 +1,4 @@
-"""Fused elementwise kernels against their PyTorch twins (mempath.model.ops).
+"""Fused elementwise kernels against their PyTorch twins (mempath.kernels.elementwise_torch).
 
 On CUDA the kernels run compiled. They round where the twins round, and on the
 H200 (2026-11-29) bf16 RMSNorm, SiLU-and-mul and rotary matched their twins bit for
@@ -56,7 +56,6 @@ def check_rope(ops, tops, device, dtype, exact):
 
 def check_rope_and_store(ops, tops, device, dtype, exact):
     """One kernel for rotary + KV write: the same q, cache contents, and untouched slots."""
-    from mempath.kv.attention import write_kv
     for tokens, heads, kv_heads, dim, block in ((1, 4, 2, 64, 16), (9, 6, 2, 64, 8), (17, 32, 8, 128, 16)):
         qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device=device, dtype=dtype)
         q, k, v = (t.view(tokens, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1))
@@ -70,7 +69,7 @@ def check_rope_and_store(ops, tops, device, dtype, exact):
         caches = [torch.full((num_blocks, block, kv_heads, dim), float("nan"), device=device, dtype=dtype)
                   for _ in range(4)]
         ref_q = ops.rope_and_store_torch(positions, q.clone(), k.clone(), v, cos, sin, caches[0], caches[1],
-                                         slots, write_kv)
+                                         slots)
         tops.triton_rope_and_store(positions, q, k, v, cos, sin, caches[2], caches[3], slots)
         compare(q, ref_q, exact)
         for out, ref in ((caches[2], caches[0]), (caches[3], caches[1])):
@@ -103,7 +102,7 @@ CHECKS = [check_rms_norm, check_rope, check_rope_and_store, check_silu_and_mul]
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_fused_matches_twin_on_cuda(check, dtype):
-    from mempath.model import ops, triton_ops as tops
+    from mempath.kernels import elementwise_torch as ops, elementwise_triton as tops
     torch.manual_seed(0)
     check(ops, tops, "cuda", dtype, exact=dtype != torch.float32)
 
@@ -114,9 +113,9 @@ def test_rope_kernels_equal_the_twin_bit_for_bit():
     roundings: equal bits. (On the H200 the fused and two-kernel paths once differed by one
     ulp in q, and the latency run's greedy tokens with them: the compiler had contracted a
     product and a sum into one multiply-add, skipping a rounding.)"""
-    from mempath.kv.attention import write_kv
-    from mempath.kv.triton_attention import triton_write_kv
-    from mempath.model import ops, triton_ops as tops
+    from mempath.kernels import elementwise_torch as ops, elementwise_triton as tops
+    from mempath.kernels.attention_torch import write_kv
+    from mempath.kernels.attention_triton import triton_write_kv
     torch.manual_seed(0)
     tokens, heads, kv_heads, dim, block = 33, 32, 8, 128, 16
     for dtype in (torch.bfloat16, torch.float16):
@@ -154,7 +153,7 @@ def _run_interpreted() -> dict:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
 
     interpreter._patch_lang_tensor = patched
-    from mempath.model import ops, triton_ops as tops
+    from mempath.kernels import elementwise_torch as ops, elementwise_triton as tops
     results = {}
     for check in CHECKS:
         for dtype in (torch.float32, torch.float16):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mempath import LLM, SamplingParams
-from mempath.kv import triton_attention
+from mempath.kernels import common as kernels_common
 from tests.conftest import ARCHS, make_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -29,7 +29,7 @@ def test_cuda_float32_matches_cpu_path(arch, tmp_path):
         torch.cuda.empty_cache()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not triton_attention.use_pdl(torch.device("cuda")),
+@pytest.mark.skipif(not torch.cuda.is_available() or not kernels_common.use_pdl(torch.device("cuda")),
                     reason="programmatic dependent launch needs Hopper or later and Triton >= 3.4")
 def test_programmatic_dependent_launch_changes_no_token(tmp_path, monkeypatch):
     """Kernels that start before their predecessor ends must still read its finished output:
@@ -41,8 +41,8 @@ def test_programmatic_dependent_launch_changes_no_token(tmp_path, monkeypatch):
     prompts = PROMPTS * 4  # 16 sequences: several decode splits and batch buckets
     outs = {}
     for pdl in (True, False):
-        monkeypatch.setattr(triton_attention, "USE_PDL", pdl)
-        assert triton_attention.use_pdl(torch.device("cuda")) == pdl
+        monkeypatch.setattr(kernels_common, "USE_PDL", pdl)
+        assert kernels_common.use_pdl(torch.device("cuda")) == pdl
         for eager in (True, False):
             llm = LLM(str(tmp_path), dtype="bfloat16", device="cuda", show_progress=False, enforce_eager=eager,
                       max_num_seqs=16, max_num_batched_tokens=128)

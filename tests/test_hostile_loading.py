@@ -21,6 +21,7 @@ from mempath import LLM, SamplingParams
 from mempath.cli import main as cli_main
 from mempath.tools.plan import plan_memory
 from mempath.model import loader
+from mempath.model.spec import ModelSpec
 from mempath.model.loader import load_model
 from tests.conftest import make_model
 
@@ -130,7 +131,7 @@ def test_a_config_with_only_model_type_reads_as_the_planner_read_it(tmp_path):
     config = edited(architectures=del_)
     write_config(tmp_path, config)
     assert plan_memory(str(tmp_path)).architecture == "LlamaForCausalLM"
-    spec = loader.ModelSpec.from_hf_config(config)
+    spec = ModelSpec.from_hf_config(config)
     assert spec.architecture == "LlamaForCausalLM"
 
 
@@ -142,7 +143,7 @@ def test_a_config_with_only_model_type_reads_as_the_planner_read_it(tmp_path):
 def test_engine_and_planner_agree_on_biases(arch, bias_fields, expect_qkv_bias):
     from mempath.memory.formulas import read_shape
     config = {**CONFIG, "architectures": [arch], **bias_fields}
-    spec = loader.ModelSpec.from_hf_config(config)
+    spec = ModelSpec.from_hf_config(config)
     shape = read_shape(config)
     assert spec.qkv_bias == shape.attention_bias == expect_qkv_bias
     assert spec.mlp_bias == shape.mlp_bias

@@ -13,8 +13,7 @@ from safetensors.torch import save_file
 
 from mempath import LLM, SamplingParams
 from mempath.memory.formulas import decoder_peak_bytes, load_bytes, moe_phase_bytes, read_shape
-from mempath.model import ops, triton_ops
-from mempath.model.llama import CheckpointError, ModelSpec
+from mempath.model.spec import CheckpointError, ModelSpec
 from mempath.model.loader import load_model
 from mempath.model.moe import (
     ExpertCache,
@@ -401,11 +400,7 @@ def test_fused_forward_peak_equals_the_plan(wide_moe, monkeypatch):
     from tests import test_forward_memory as fakes
     llm = LLM(wide_moe, dtype="float32", device="cpu", show_progress=False)
     engine = llm.engine
-    monkeypatch.setattr(ops, "_fused", lambda x: True)
-    for name in ("rms_norm", "rope", "rope_and_store", "silu_and_mul"):
-        monkeypatch.setattr(triton_ops, f"triton_{name}", getattr(fakes, f"fake_{name}"))
-    for attn in engine.model.attention_layers():
-        monkeypatch.setattr(attn, "attention_fn", fakes.fake_attention)
+    fakes.run_fused_fakes(engine.model, monkeypatch)
     shape = read_shape(json.loads((Path(wide_moe) / "config.json").read_text()))
     batch = _probe_batch(engine, 96, 1)
     with torch.inference_mode():

@@ -1,11 +1,11 @@
 """Programmatic dependent launch: the rule every Triton kernel follows, and the mechanism.
 
 A kernel launched with ``launch_pdl`` may run while the kernel before it is still
-writing. Each of ours calls ``_pdl_wait`` before touching anything but its weights;
+writing. Each of ours calls ``pdl_wait`` before touching anything but its weights;
 the first test checks that in the source of every kernel (CPU, always runs). The
 GPU test shows that the overlap is real, eagerly and inside a CUDA graph (a
 consumer that skips the wait reads the producer's buffer before it is written),
-and that ``_pdl_wait`` orders the consumer after the producer.
+and that ``pdl_wait`` orders the consumer after the producer.
 """
 import ast
 import inspect
@@ -14,8 +14,7 @@ import textwrap
 import pytest
 import torch
 
-from mempath.kv import triton_attention
-from mempath.model import triton_ops
+from mempath.kernels import attention_triton, common, elementwise_triton
 
 # Names of pointers a kernel may read before its wait: weights, never written by a kernel.
 READ_BEFORE_WAIT = {"w_ptr"}
@@ -33,14 +32,14 @@ def _calls(node, name):
             and (getattr(c.func, "attr", None) == name or getattr(c.func, "id", None) == name)]
 
 
-@pytest.mark.parametrize("module", [triton_attention, triton_ops], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [attention_triton, elementwise_triton], ids=lambda m: m.__name__)
 def test_every_kernel_waits_before_touching_activations(module):
     kernels = list(_kernels(module))
     assert kernels, "no kernels found: the check would pass vacuously"
     for kernel in kernels:
         assert "PDL" in [a.arg for a in kernel.args.args], f"{kernel.name} has no PDL parameter"
-        waits = [i for i, stmt in enumerate(kernel.body) if _calls(stmt, "_pdl_wait")]
-        assert waits, f"{kernel.name} never calls _pdl_wait at its top level"
+        waits = [i for i, stmt in enumerate(kernel.body) if _calls(stmt, "pdl_wait")]
+        assert waits, f"{kernel.name} never calls pdl_wait at its top level"
         for stmt in kernel.body[:waits[0]]:
             code = textwrap.shorten(ast.unparse(stmt), 80)
             assert not any(isinstance(n, ast.Return) for n in ast.walk(stmt)), f"{kernel.name}: {code}"
@@ -51,19 +50,19 @@ def test_every_kernel_waits_before_touching_activations(module):
 
 
 def test_pdl_is_off_without_cuda():
-    assert triton_attention.pdl_options(torch.device("cpu")) == {"PDL": False}
+    assert common.pdl_options(torch.device("cpu")) == {"PDL": False}
 
 
 needs_pdl = pytest.mark.skipif(
-    not torch.cuda.is_available() or not triton_attention.use_pdl(torch.device("cuda")),
+    not torch.cuda.is_available() or not common.use_pdl(torch.device("cuda")),
     reason="programmatic dependent launch needs Hopper or later and Triton >= 3.4")
 
-if triton_attention.HAS_TRITON and triton_attention.HAS_PDL:
+if common.HAS_TRITON and common.HAS_PDL:
     import triton
     import triton.language as tl
     from triton.language.extra.cuda import gdc_launch_dependents
 
-    from mempath.kv.triton_attention import _pdl_wait
+    from mempath.kernels.common import pdl_wait
 
     @triton.jit
     def _slow_producer(buf_ptr, spins, BLOCK: tl.constexpr):
@@ -77,7 +76,7 @@ if triton_attention.HAS_TRITON and triton_attention.HAS_PDL:
 
     @triton.jit
     def _consumer(buf_ptr, out_ptr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        _pdl_wait(PDL)
+        pdl_wait(PDL)
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         tl.store(out_ptr + offs, tl.load(buf_ptr + offs))
 

@@ -128,7 +128,7 @@ def _patch_interpreter_for_numpy() -> None:
 def _run_all() -> dict:
     """Child side: every check, name -> None or its traceback."""
     _patch_interpreter_for_numpy()
-    from mempath.kv import triton_attention as ta
+    from mempath.kernels import attention_triton as ta
 
     results = {}
     for name, check in CHECKS.items():

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from mempath.kv.attention import paged_attention, write_kv
+from mempath.kernels.attention_torch import paged_attention, write_kv
 
 # Relative error ||out - ref|| / ||ref|| allowed against the float32 oracle.
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 1e-2}
@@ -141,10 +141,10 @@ DEVICE = "cuda"
 @pytest.fixture(scope="module")
 def ta():
     pytest.importorskip("triton")
-    from mempath.kv import triton_attention
+    from mempath.kernels import attention_triton
 
-    assert triton_attention.HAS_TRITON
-    return triton_attention
+    assert attention_triton.HAS_TRITON
+    return attention_triton
 
 
 @cuda

@@ -7,7 +7,6 @@ limits (max_num_batched_tokens, max_num_seqs, max_model_len): the host side is
 pinned so the copies are asynchronous, the device side is what the model and
 the CUDA graphs read. A step writes into them; it allocates none.
 """
-import logging
 
 import numpy as np
 import torch
@@ -17,9 +16,8 @@ from mempath.constants import MAX_GRAPH_BATCH
 from mempath.engine.batch import PendingTokens, ScheduledBatch
 from mempath.engine.request import Request
 from mempath.engine.sampler import Sampler, SamplerOutput
-from mempath.model.llama import AttentionMetadata, CausalLM, ModelSpec
-
-log = logging.getLogger(__name__)
+from mempath.model.llama import AttentionMetadata, CausalLM
+from mempath.model.spec import ModelSpec
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -103,27 +101,13 @@ class ModelRunner:
         self.decode_workspace = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_logits: torch.Tensor | None = None
-        self.use_triton = device.type == "cuda" and self._select_triton()
-
-    def _select_triton(self) -> bool:
-        from mempath.kv import triton_attention as ta
-        if not ta.HAS_TRITON:
-            log.warning("Triton is not installed: CUDA attention runs on the PyTorch reference path")
-            return False
-        s = self.spec
-        self.decode_workspace = ta.alloc_decode_workspace(
-            self.max_num_seqs, s.num_heads, s.num_kv_heads, s.head_dim, self.device)
-
-        def attend(q, k_cache, v_cache, meta, scale):
-            return ta.paged_attention_triton(
-                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
-                max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
-                workspace=meta.decode_workspace)
-
-        for attn in self.model.attention_layers():
-            attn.attention_fn = attend
-            attn.write_kv_fn = ta.triton_write_kv
-        return True
+        # The model's kernels decide the path (mempath.kernels.dispatch); the Triton decode
+        # kernel's split workspace is allocated once, here.
+        self.use_triton = model.kernels.triton
+        if self.use_triton:
+            from mempath.kernels.attention_triton import alloc_decode_workspace
+            self.decode_workspace = alloc_decode_workspace(
+                self.max_num_seqs, spec.num_heads, spec.num_kv_heads, spec.head_dim, device)
 
     def kv_bytes_per_block(self) -> int:
         s = self.spec

@@ -22,7 +22,7 @@ from mempath.kv.manager import KVCacheManager, blocks_for
 from mempath.memory.budget import DeviceBudget
 from mempath.memory.ledger import Pathway, format_bytes
 from mempath.memory.oom import oom_guard
-from mempath.model.llama import ConfigFields, ModelSpec
+from mempath.model.spec import ConfigFields, ModelSpec
 from mempath.model.loader import (checkpoint_dtype, digest_cache_file, load_model, read_config,
                                   read_json_object, weights_digest)
 
@@ -86,8 +86,8 @@ class Startup:
         self.device = config.torch_device()
         self.hf_config = read_config(config.model)
         # Validate the architecture and lengths before anything is allocated.
-        spec = ModelSpec.from_hf_config(self.hf_config, source=str(Path(config.model) / "config.json"))
-        self.max_model_len = resolve_max_model_len(config.max_model_len, spec)
+        self.spec = ModelSpec.from_hf_config(self.hf_config, source=str(Path(config.model) / "config.json"))
+        self.max_model_len = resolve_max_model_len(config.max_model_len, self.spec)
         self.dtype = config.torch_dtype(checkpoint_dtype(self.hf_config))
         self.dtype_name = str(self.dtype).removeprefix("torch.")
         self.tenant = Path(config.model).name or config.model
@@ -140,7 +140,7 @@ class Startup:
         with self._guard("load"), self.stage("load weights", Pathway.WEIGHTS.value):
             self.model, self.spec, self.load_report = load_model(
                 config.model, self.dtype, device, self.max_model_len, show_progress,
-                dummy=config.load_format == "dummy")
+                dummy=config.load_format == "dummy", spec=self.spec)
         self.budget.grant(self.tenant, Pathway.WEIGHTS, self.load_report.weight_bytes, "measured",
                           f"{self.load_report.tensors_loaded} tensors, {self.dtype_name}")
         if device.type == "cuda":
@@ -238,9 +238,9 @@ class Startup:
     def graph_pool_estimate(self) -> int:
         """Room for the decode graphs: memory.formulas.cuda_graph_bytes at the largest captured batch."""
         from mempath.constants import MAX_GRAPH_BATCH
-        from mempath.memory.formulas import cublas_workspace_bytes, cuda_graph_bytes, read_shape
+        from mempath.memory.formulas import cublas_workspace_bytes, cuda_graph_bytes, shape_from_spec
         major, _ = torch.cuda.get_device_capability(self.device)
-        return cuda_graph_bytes(read_shape(self.hf_config), min(self.config.max_num_seqs, MAX_GRAPH_BATCH),
+        return cuda_graph_bytes(shape_from_spec(self.spec), min(self.config.max_num_seqs, MAX_GRAPH_BATCH),
                                 self.dtype.itemsize, cublas_workspace_bytes(major))
 
     # ----------------------------------------------------------------- after the KV cache

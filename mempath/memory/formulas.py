@@ -56,7 +56,7 @@ class ModelShape:
 def read_shape(config: dict, source: str = "config.json") -> ModelShape:
     """The planner's view of a config, read and validated by the engine's own reader
     (ModelSpec.from_hf_config), so the two agree on every field and refuse the same configs."""
-    from mempath.model.llama import ModelSpec
+    from mempath.model.spec import ModelSpec
     return shape_from_spec(ModelSpec.from_hf_config(config, source=source))
 
 
@@ -227,7 +227,7 @@ def decoder_peak_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, fused: 
 
     Layers run one after another and free their temporaries before the next starts, so
     the pass peaks inside one layer, on top of the streams that cross layer boundaries.
-    Two code paths (mempath.model.ops):
+    Two code paths (mempath.kernels, elementwise_triton and elementwise_torch):
 
     fused (CUDA with Triton): RMSNorm adds the residual and normalises in place, and
     SiLU-and-mul writes one I-wide output:

@@ -19,7 +19,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
-from mempath.model.llama import CausalLM, CheckpointError, ModelSpec, describe, json_kind
+from mempath.constants import CHECKPOINT_DTYPES
+from mempath.kernels.dispatch import kernels_for
+from mempath.model.llama import CausalLM
+from mempath.model.spec import CheckpointError, ModelSpec, describe, json_kind
 from mempath.model.moe import offloaded_weights, set_expert_cache_size
 
 log = logging.getLogger(__name__)
@@ -43,9 +46,10 @@ _EXPERT_SLICES = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0),
                   "down_proj": ("down_proj", None), "w2": ("down_proj", None)}
 # Buffers some checkpoints carry that we recompute instead.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-# Checkpoint dtypes converted to the model dtype on copy; any other (integers, float8)
-# is a quantized or damaged tensor, which a cast would silently turn into garbage.
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# Checkpoint dtypes converted to the model dtype on copy (float64 too: a cast loses nothing
+# mempath keeps); any other (integers, float8) is a quantized or damaged tensor, which a
+# cast would silently turn into garbage.
+_FLOAT_DTYPES = tuple(getattr(torch, name) for name in CHECKPOINT_DTYPES) + (torch.float64,)
 # safetensors refuses headers above 100 MB; the identity reads no further.
 _MAX_HEADER_BYTES = 100_000_000
 # The cache of weights files' content digests (docs/tiers.md) and how many it keeps.
@@ -98,10 +102,18 @@ def read_config(model_dir: str | Path) -> dict:
     return read_json_object(path, "a JSON object of model settings")
 
 
+def read_spec(model_dir: str | Path) -> ModelSpec:
+    """config.json read and validated (ModelSpec.from_hf_config), errors naming its path."""
+    return ModelSpec.from_hf_config(read_config(model_dir), source=str(config_path(model_dir)))
+
+
 def checkpoint_dtype(cfg: dict) -> torch.dtype:
-    name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}.get(
-        name, torch.float32)
+    """The dtype config.json names (torch_dtype, or transformers 5's dtype); float32 when none."""
+    return _torch_dtype(cfg.get("torch_dtype") or cfg.get("dtype"))
+
+
+def _torch_dtype(name: str | None) -> torch.dtype:
+    return getattr(torch, name) if name in CHECKPOINT_DTYPES else torch.float32
 
 
 def _leaves_directory(shard: str) -> bool:
@@ -220,13 +232,15 @@ def build_model(spec: ModelSpec, max_positions: int, dtype: torch.dtype, device:
     """Allocate the model's parameters once, uninitialised, on the target device.
 
     ``expert_cache_size``: experts per MoE layer kept on the device (None: all); the
-    others' weights go to host memory, pinned on CUDA (mempath.model.moe).
+    others' weights go to host memory, pinned on CUDA (mempath.model.moe). The model runs
+    the kernels for ``device`` (mempath.kernels.dispatch.kernels_for).
     """
+    kernels = kernels_for(device)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # so each parameter is born in its final dtype
     try:
         with torch.device("meta"):
-            model = CausalLM(spec, max_positions)
+            model = CausalLM(spec, max_positions, kernels)
     finally:
         torch.set_default_dtype(previous)
     if expert_cache_size is not None:
@@ -420,18 +434,19 @@ def fill_dummy_weights(model: CausalLM, seed: int = 0) -> LoadReport:
 
 def load_model(model_dir: str | Path, dtype: torch.dtype | None, device: torch.device,
                max_positions: int | None = None, show_progress: bool = True, dummy: bool = False,
-               expert_cache_size: int | None = None):
-    """Read config.json, build the model on `device` and stream the weights into it.
+               expert_cache_size: int | None = None, spec: ModelSpec | None = None):
+    """Build the model on `device` and stream the weights into it.
 
-    ``expert_cache_size``: experts per MoE layer resident on `device` (None: all).
-    Raises CheckpointError (a ValueError) for a config, a checkpoint or a size it cannot load.
+    ``spec``: the caller's ModelSpec of this model's config.json (the engine reads it once);
+    None: read here. ``expert_cache_size``: experts per MoE layer resident on `device`
+    (None: all). Raises CheckpointError (a ValueError) for a config, a checkpoint or a size
+    it cannot load.
     """
     model_dir = Path(model_dir)
-    cfg = read_config(model_dir)
     source = str(config_path(model_dir))
-    spec = ModelSpec.from_hf_config(cfg, source=source)
+    spec = spec or read_spec(model_dir)
     _check_expert_cache_size(spec, expert_cache_size, source)
-    ckpt_dtype = checkpoint_dtype(cfg)
+    ckpt_dtype = _torch_dtype(spec.torch_dtype)  # as checkpoint_dtype reads the config it came from
     dtype = dtype or ckpt_dtype
     positions = max_positions or spec.max_position_embeddings
     check_load_fits(spec, positions, dtype, device, dummy=dummy, checkpoint_dtype=ckpt_dtype, source=source,

@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mempath.model.ops import silu_and_mul
+from mempath.kernels.dispatch import Kernels
+
 
 
 def dispatch(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,14 +61,14 @@ def combine(sorted_out: torch.Tensor, weights: torch.Tensor, order: torch.Tensor
 class MoEBlock(nn.Module):
     """A routed MLP: ``gate`` (the router) and ``experts``; checkpoint names as transformers'."""
 
-    def __init__(self, spec):
+    def __init__(self, spec, kernels: Kernels):
         super().__init__()
         self.num_experts = spec.num_experts
         self.top_k = spec.num_experts_per_tok
         self.norm_topk_prob = spec.norm_topk_prob
         self.routing_weights_float32 = spec.routing_weights_float32
         self.gate = nn.Linear(spec.hidden_size, spec.num_experts, bias=False)
-        self.experts = Experts(spec.num_experts, spec.hidden_size, spec.moe_intermediate_size)
+        self.experts = Experts(spec.num_experts, spec.hidden_size, spec.moe_intermediate_size, kernels)
         self.router_bias: SyntheticRouterBias | None = None  # benchmarks only; see synthetic_router_bias
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,8 +107,9 @@ class Experts(nn.Module):
     store and the parameters are only the slots.
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, kernels: Kernels):
         super().__init__()
+        self.kernels = kernels
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
@@ -129,7 +131,7 @@ class Experts(nn.Module):
                 for expert, slot in zip(wave, slots):
                     rows = slice(starts[expert], starts[expert + 1])
                     gate_up = F.linear(x[rows], self.gate_up_proj[slot])
-                    out[rows] = F.linear(silu_and_mul(gate_up), self.down_proj[slot])
+                    out[rows] = F.linear(self.kernels.silu_and_mul(gate_up), self.down_proj[slot])
             finally:
                 cache.release(slots)
         return out

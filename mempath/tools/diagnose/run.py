@@ -48,7 +48,7 @@ def diagnose(model_dir: str, *, device: str = "auto", dtype: str = "auto", train
     """
     from mempath.config import EngineConfig
     from mempath.engine.engine import LLMEngine
-    from mempath.model.llama import ModelSpec
+    from mempath.model.spec import ModelSpec
     from mempath.model.loader import read_config
 
     config = EngineConfig.from_kwargs(model_dir, device=_indexed(device), dtype=dtype, **engine_options)

@@ -1,6 +1,6 @@
-"""Attention over the paged KV cache, in plain PyTorch.
+"""Attention over the paged KV cache and the KV write, in plain PyTorch.
 
-This is the CPU path and the oracle for the Triton kernels. Layout, shared by
+This is the CPU path and the oracle for the Triton kernels (attention_triton.py). Layout, shared by
 every implementation:
 
 - one layer's cache is ``k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]``;

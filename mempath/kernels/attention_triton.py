@@ -1,13 +1,13 @@
-"""Triton kernels for the paged KV cache: the GPU fast path of ``attention.py``.
+"""Triton kernels for the paged KV cache: the GPU fast path of ``attention_torch.py``.
 
-The layout and the position rule are those of :mod:`mempath.kv.attention`, whose
+The layout and the position rule are those of :mod:`mempath.kernels.attention_torch`, whose
 plain-PyTorch ``write_kv`` / ``paged_attention`` are the oracles these kernels
 are tested against.
 
 Kernels
 -------
 - :func:`triton_write_kv` — scatter new K/V rows into their slots (quantized
-  to an fp8 cache as ``attention.quantize_kv`` does; the attention kernels
+  to an fp8 cache as ``attention_torch.quantize_kv`` does; the attention kernels
   dequantize such a cache in registers).
 - :func:`triton_decode_attention` — one query row per sequence. A program owns
   one (sequence, KV head, split): it handles every query head of its KV head so
@@ -19,7 +19,11 @@ Kernels
   use it.
 - :func:`paged_attention_triton` — drop-in for ``paged_attention``; in a mixed
   batch the decode rows go to the decode kernel and the chunks to the prefill
-  kernel (both launched, each skipping the other's sequences on the device).
+  kernel (both launched, each skipping the other's sequences on the device);
+  :func:`attend_triton` calls it with the model's AttentionMetadata.
+
+Every attention kernel reads K and V through one helper, ``_load_kv_tile``: a
+tile of token positions, looked up in the sequence's block-table row.
 
 CUDA graphs
 -----------
@@ -36,28 +40,18 @@ device-to-host sync.
 Importing this module never fails: without Triton, ``HAS_TRITON`` is False
 and the launchers raise.
 """
-import os
 from typing import NamedTuple, Optional
 
 import torch
 
-from mempath.kv.attention import is_fp8
+from mempath.kernels.attention_torch import is_fp8
+from mempath.kernels.common import HAS_TRITON, kv_fp8_max, next_pow2, pdl_options
 
-try:
+if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - depends on the environment
-    triton = None
-    tl = None
-    HAS_TRITON = False
-try:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-    HAS_PDL = True
-except ImportError:  # pragma: no cover - Triton before 3.4
-    HAS_PDL = False
+    from mempath.kernels.common import pdl_wait, to_cache_dtype
 
 LOG2E = 1.4426950408889634
 
@@ -71,38 +65,6 @@ MAX_DECODE_SPLITS = 64
 DECODE_PROGRAMS_PER_SM = 4
 
 
-# Programmatic dependent launch (Hopper and later): a kernel may start while the
-# one before it in the stream is finishing; it waits on the device
-# (griddepcontrol.wait) before reading or writing anything that kernel touches.
-# At batch 1 a decode step is ~390 kernels, most lasting a few microseconds, so
-# their start-up is worth hiding. Set to False for A/B measurements.
-USE_PDL = True
-_PDL_DEVICES = {}
-
-
-def use_pdl(device: torch.device) -> bool:
-    """Whether kernels launched on ``device`` use programmatic dependent launch.
-
-    Every kernel launched this way calls ``_pdl_wait`` before its first access to
-    activations, the KV cache or the step's inputs; only weights and constant tables
-    may be read before it (a kernel that skips the wait could finish before its
-    predecessor, and the one after it would then not wait for that predecessor).
-    """
-    if not (USE_PDL and HAS_TRITON and HAS_PDL and device.type == "cuda"):
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _PDL_DEVICES:  # once per device: this runs at every kernel launch
-        interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # no griddepcontrol there
-        _PDL_DEVICES[index] = not interpreted and torch.cuda.get_device_capability(index)[0] >= 9
-    return _PDL_DEVICES[index]
-
-
-def pdl_options(device: torch.device) -> dict:
-    """Launch arguments for a kernel with a ``PDL`` constexpr. ``launch_pdl`` is passed only
-    when on: Triton versions (and backends) without it reject the keyword."""
-    return {"PDL": True, "launch_pdl": True} if use_pdl(device) else {"PDL": False}
-
-
 class DecodeWorkspace(NamedTuple):
     """Flat float32 buffers for the decode splits' partial results.
 
@@ -113,10 +75,6 @@ class DecodeWorkspace(NamedTuple):
 
     partial_out: torch.Tensor
     partial_lse: torch.Tensor
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 _SM_COUNT = {}
@@ -147,7 +105,7 @@ def decode_num_splits(
     if max_seq_len is not None:
         # A split never covers less than one tile.
         want = min(want, -(-max(1, max_seq_len) // DECODE_TILE))
-    return min(MAX_DECODE_SPLITS, _next_pow2(max(1, want)))
+    return min(MAX_DECODE_SPLITS, next_pow2(max(1, want)))
 
 
 def decode_workspace_numel(
@@ -196,13 +154,6 @@ def _pipeline_stages(tile_bytes: int) -> int:
 if HAS_TRITON:
 
     @triton.jit
-    def _pdl_wait(PDL: tl.constexpr):
-        """Wait for the previous kernel's writes, then let the next kernel launch."""
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
-
-    @triton.jit
     def _decode_row(query_start_ptr, seq, VARLEN: tl.constexpr):
         """Sequence ``seq``'s query row, and whether it is a decode row. VARLEN: a mixed
         batch, whose single-row sequences the decode kernels take (the prefill kernel the rest)."""
@@ -220,13 +171,27 @@ if HAS_TRITON:
         return ((seq_len + num_splits - 1) // num_splits + TILE - 1) // TILE * TILE
 
     @triton.jit
-    def _to_cache(x, cache_dtype, KV_FP8_MAX: tl.constexpr):
-        """``x`` as ``quantize_kv`` stores it: for an fp8 cache (KV_FP8_MAX > 0) clamped to the
-        format's finite range, then rounded to nearest even; otherwise a plain cast."""
-        if KV_FP8_MAX > 0:
-            x = tl.minimum(tl.maximum(x.to(tl.float32), -KV_FP8_MAX), KV_FP8_MAX)
-            return x.to(cache_dtype, fp_downcast_rounding="rtne")
-        return x.to(cache_dtype)
+    def _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, pos, valid, kv_head, dims, dim_mask,
+                      stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
+                      stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d,
+                      compute_dtype, BLOCK_SIZE: tl.constexpr):
+        """K and V of one KV head at token positions ``pos`` of a sequence, found through its
+        block-table row ``bt_row``, in ``compute_dtype`` (an fp8 cache is dequantized here, scale
+        1.0; otherwise a no-op). ``valid`` masks positions past the range; None: every position
+        is in range, and the loads need no mask but the head dimension's."""
+        if valid is None:
+            block = tl.load(bt_row + pos // BLOCK_SIZE).to(tl.int64)
+        else:
+            block = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        offset = pos % BLOCK_SIZE
+        kv_mask = dim_mask[None, :] if valid is None else valid[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + block[:, None] * stride_kc_blk + offset[:, None] * stride_kc_off
+                    + kv_head * stride_kc_h + dims[None, :] * stride_kc_d,
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + block[:, None] * stride_vc_blk + offset[:, None] * stride_vc_off
+                    + kv_head * stride_vc_h + dims[None, :] * stride_vc_d,
+                    mask=kv_mask, other=0.0)
+        return k.to(compute_dtype), v.to(compute_dtype)
 
     @triton.jit
     def _write_kv_kernel(
@@ -239,7 +204,7 @@ if HAS_TRITON:
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         HEADS_PER_PROG: tl.constexpr, D_PAD: tl.constexpr, KV_FP8_MAX: tl.constexpr, PDL: tl.constexpr,
     ):
-        _pdl_wait(PDL)
+        pdl_wait(PDL)
         token = tl.program_id(0)
         slot = tl.load(slot_ptr + token).to(tl.int64)
         if slot < 0:
@@ -259,8 +224,8 @@ if HAS_TRITON:
                  + heads[:, None] * stride_kc_h + dims[None, :] * stride_kc_d)
         v_dst = (v_cache_ptr + block * stride_vc_blk + offset * stride_vc_off
                  + heads[:, None] * stride_vc_h + dims[None, :] * stride_vc_d)
-        tl.store(k_dst, _to_cache(k, k_cache_ptr.dtype.element_ty, KV_FP8_MAX), mask=mask)
-        tl.store(v_dst, _to_cache(v, v_cache_ptr.dtype.element_ty, KV_FP8_MAX), mask=mask)
+        tl.store(k_dst, to_cache_dtype(k, k_cache_ptr.dtype.element_ty, KV_FP8_MAX), mask=mask)
+        tl.store(v_dst, to_cache_dtype(v, v_cache_ptr.dtype.element_ty, KV_FP8_MAX), mask=mask)
 
     # Integers that vary with the batch are not specialised on (Triton would compile a
     # variant for == 1 and for multiples of 16): a new variant mid-serving costs a
@@ -282,7 +247,7 @@ if HAS_TRITON:
         SPLIT: tl.constexpr, PRECISION: tl.constexpr, VARLEN: tl.constexpr, KV_FP8: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        _pdl_wait(PDL)
+        pdl_wait(PDL)
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -318,16 +283,9 @@ if HAS_TRITON:
         for n in range(start, end, TILE):
             pos = n + tok
             valid = pos < end
-            block = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-            offset = pos % BLOCK_SIZE
-            kv_mask = valid[:, None] & dim_mask[None, :]
-            k = tl.load(k_cache_ptr + block[:, None] * stride_kc_blk + offset[:, None] * stride_kc_off
-                        + kv_head * stride_kc_h + dims[None, :] * stride_kc_d,
-                        mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + block[:, None] * stride_vc_blk + offset[:, None] * stride_vc_off
-                        + kv_head * stride_vc_h + dims[None, :] * stride_vc_d,
-                        mask=kv_mask, other=0.0)
-            k, v = k.to(q.dtype), v.to(q.dtype)  # fp8: dequantized here (scale 1.0); else no-op
+            k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, pos, valid, kv_head, dims, dim_mask,
+                                 stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
+                                 stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d, q.dtype, BLOCK_SIZE)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -357,7 +315,7 @@ if HAS_TRITON:
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         SPLITS_PAD: tl.constexpr, TILE: tl.constexpr, VARLEN: tl.constexpr, PDL: tl.constexpr,
     ):
-        _pdl_wait(PDL)
+        pdl_wait(PDL)
         seq = tl.program_id(0)
         head = tl.program_id(1)
         q_row, is_decode = _decode_row(query_start_ptr, seq, VARLEN)
@@ -399,7 +357,7 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         PRECISION: tl.constexpr, SKIP_DECODE: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr,
     ):
-        _pdl_wait(PDL)
+        pdl_wait(PDL)
         # The longest-running tiles (the last queries, which see the most keys)
         # are launched first.
         q_tile = num_q_tiles - 1 - tl.program_id(0)
@@ -447,15 +405,9 @@ if HAS_TRITON:
         full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
         for n in range(0, full_end, BLOCK_N):
             pos = n + cols
-            block = tl.load(bt_row + pos // BLOCK_SIZE).to(tl.int64)
-            offset = pos % BLOCK_SIZE
-            k = tl.load(k_cache_ptr + block[:, None] * stride_kc_blk + offset[:, None] * stride_kc_off
-                        + kv_head * stride_kc_h + dims[None, :] * stride_kc_d,
-                        mask=dim_mask[None, :], other=0.0)
-            v = tl.load(v_cache_ptr + block[:, None] * stride_vc_blk + offset[:, None] * stride_vc_off
-                        + kv_head * stride_vc_h + dims[None, :] * stride_vc_d,
-                        mask=dim_mask[None, :], other=0.0)
-            k, v = k.to(q.dtype), v.to(q.dtype)  # fp8: dequantized here (scale 1.0); else no-op
+            k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, pos, None, kv_head, dims, dim_mask,
+                                 stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
+                                 stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d, q.dtype, BLOCK_SIZE)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
@@ -469,16 +421,9 @@ if HAS_TRITON:
         for n in range(full_end, kv_end, BLOCK_N):
             pos = n + cols
             valid = pos < kv_end
-            block = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-            offset = pos % BLOCK_SIZE
-            kv_mask = valid[:, None] & dim_mask[None, :]
-            k = tl.load(k_cache_ptr + block[:, None] * stride_kc_blk + offset[:, None] * stride_kc_off
-                        + kv_head * stride_kc_h + dims[None, :] * stride_kc_d,
-                        mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + block[:, None] * stride_vc_blk + offset[:, None] * stride_vc_off
-                        + kv_head * stride_vc_h + dims[None, :] * stride_vc_d,
-                        mask=kv_mask, other=0.0)
-            k, v = k.to(q.dtype), v.to(q.dtype)  # fp8: dequantized here (scale 1.0); else no-op
+            k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, pos, valid, kv_head, dims, dim_mask,
+                                 stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
+                                 stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d, q.dtype, BLOCK_SIZE)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
             s = tl.where(visible, s, float("-inf"))
@@ -493,12 +438,6 @@ if HAS_TRITON:
         tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh
                  + dims[None, :] * stride_od,
                  out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
-
-
-def kv_fp8_max(cache_dtype: torch.dtype) -> float:
-    """The ``KV_FP8_MAX`` constexpr of the KV-write kernels: the fp8 format's largest finite
-    value, 0.0 for a cache that is not fp8."""
-    return float(torch.finfo(cache_dtype).max) if is_fp8(cache_dtype) else 0.0
 
 
 def _compute_dtype(query: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
@@ -533,9 +472,9 @@ def triton_write_kv(
     if num_tokens == 0:
         return
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    d_pad = _next_pow2(head_dim)
+    d_pad = next_pow2(head_dim)
     # ~2K elements per program: one wide vector store per head row.
-    heads_per_prog = min(_next_pow2(num_kv_heads), max(1, 2048 // d_pad))
+    heads_per_prog = min(next_pow2(num_kv_heads), max(1, 2048 // d_pad))
     grid = (num_tokens, triton.cdiv(num_kv_heads, heads_per_prog))
     _write_kv_kernel[grid](
         key, value, k_cache, v_cache, slot_mapping,
@@ -591,7 +530,7 @@ def triton_decode_attention(
     group = num_heads // num_kv_heads
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, query.device, max_seq_len)
-    d_pad = _next_pow2(head_dim)
+    d_pad = next_pow2(head_dim)
     split = num_splits > 1
     if split:
         need = num_seqs * num_heads * num_splits
@@ -618,7 +557,7 @@ def triton_decode_attention(
         block_tables.stride(0),
         *out.stride(),
         num_heads, num_splits,
-        GROUP=group, GROUP_PAD=max(16, _next_pow2(group)),
+        GROUP=group, GROUP_PAD=max(16, next_pow2(group)),
         HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, TILE=DECODE_TILE,
         SPLIT=split, PRECISION=_dot_precision(_compute_dtype(query, k_cache)), VARLEN=varlen,
@@ -632,9 +571,9 @@ def triton_decode_attention(
             num_heads, num_splits,
             HEAD_DIM=head_dim, D_PAD=d_pad,
             # One width for every split count: one compiled variant (unused splits are masked).
-            SPLITS_PAD=_next_pow2(MAX_DECODE_SPLITS), TILE=DECODE_TILE, VARLEN=varlen,
+            SPLITS_PAD=next_pow2(MAX_DECODE_SPLITS), TILE=DECODE_TILE, VARLEN=varlen,
             **pdl,
-            num_warps=4 if _next_pow2(MAX_DECODE_SPLITS) * d_pad <= 8192 else 8,
+            num_warps=4 if next_pow2(MAX_DECODE_SPLITS) * d_pad <= 8192 else 8,
         )
     return out
 
@@ -648,7 +587,7 @@ class PrefillConfig(NamedTuple):
 
 def prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
     """Default tiles, sized to keep Q, K and V tiles in shared memory."""
-    d_pad = _next_pow2(head_dim)
+    d_pad = next_pow2(head_dim)
     if dtype == torch.float32:
         # Float32 tiles (and the 3-pass TF32 dots) are twice as large: keep them small.
         block_m, block_n, num_warps = 32, 32, 4
@@ -703,7 +642,7 @@ def triton_prefill_attention(
     if num_seqs == 0 or max_query_len == 0:
         return out
     group = num_heads // num_kv_heads
-    group_pad = _next_pow2(group)
+    group_pad = next_pow2(group)
     config = config or prefill_config(head_dim, _compute_dtype(query, k_cache))
     # At least one query token per tile, whatever the group size.
     block_m = max(config.block_m, group_pad)
@@ -717,7 +656,7 @@ def triton_prefill_attention(
         *out.stride(),
         num_q_tiles,
         GROUP=group, GROUP_PAD=group_pad,
-        HEAD_DIM=head_dim, D_PAD=_next_pow2(head_dim),
+        HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim),
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=config.block_n,
         PRECISION=_dot_precision(_compute_dtype(query, k_cache)), SKIP_DECODE=skip_decode,
@@ -784,3 +723,10 @@ def paged_attention_triton(
         query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
         max_query_len=max_query_len, out=out, skip_decode=split_decodes and max_query_len > 1,
     )
+
+
+def attend_triton(query, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
+    """`paged_attention_triton` called with an AttentionMetadata (the model's calling convention)."""
+    return paged_attention_triton(
+        query, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
+        max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, workspace=meta.decode_workspace)

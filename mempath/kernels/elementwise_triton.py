@@ -1,4 +1,4 @@
-"""Fused Triton kernels for the decoder's elementwise work (twins in mempath.model.ops).
+"""Fused Triton kernels for the decoder's elementwise work (twins in elementwise_torch.py).
 
 Each kernel reads its inputs once and writes once, replacing the 5-15 small
 kernels the PyTorch expressions launch; with CUDA graphs removing launch costs,
@@ -6,23 +6,17 @@ what is left per layer is mostly these kernels' count and memory traffic.
 """
 import torch
 
-from mempath.kv.triton_attention import kv_fp8_max, pdl_options
+from mempath.kernels.attention_triton import triton_write_kv
+from mempath.kernels.common import HAS_TRITON, kv_fp8_max, next_pow2, pdl_options
 
-try:
+# Rotary and the KV write as one kernel (False: two; for A/B measurements).
+FUSE_ROPE_AND_STORE = True
+
+if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - depends on the environment
-    HAS_TRITON = False
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-if HAS_TRITON:
-    from mempath.kv.triton_attention import _pdl_wait, _to_cache
+    from mempath.kernels.common import pdl_wait, to_cache_dtype
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_res, stride_out, n_cols, eps,
@@ -33,7 +27,7 @@ if HAS_TRITON:
         # All loads issued up front: at one row per step the kernel is load latency.
         # The weight is constant, so it is read while the previous kernel finishes.
         w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-        _pdl_wait(PDL)
+        pdl_wait(PDL)
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
         if HAS_RESIDUAL:
             r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
@@ -81,8 +75,8 @@ if HAS_TRITON:
         x2 = tl.load(src_ptr + HALF, mask=mask, other=0.0).to(tl.float32)
         y1, y2 = _rotate(x1, x2, c, s, dtype)
         dst_ptr = dst + heads[:, None] * stride_dst + d[None, :]
-        tl.store(dst_ptr, _to_cache(y1, dst.dtype.element_ty, DST_FP8_MAX), mask=mask)
-        tl.store(dst_ptr + HALF, _to_cache(y2, dst.dtype.element_ty, DST_FP8_MAX), mask=mask)
+        tl.store(dst_ptr, to_cache_dtype(y1, dst.dtype.element_ty, DST_FP8_MAX), mask=mask)
+        tl.store(dst_ptr + HALF, to_cache_dtype(y2, dst.dtype.element_ty, DST_FP8_MAX), mask=mask)
 
     @triton.jit
     def _rope_store_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
@@ -93,7 +87,7 @@ if HAS_TRITON:
         # One program per token: rotate its q heads in place, rotate its k heads into
         # the k cache and copy its v heads into the v cache (the rotated k is never
         # written back to the qkv buffer: only the cache reads it).
-        _pdl_wait(PDL)
+        pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64)
         dtype = q_ptr.dtype.element_ty
         c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, t, stride_cos, dtype, HALF, HALF_PAD)
@@ -109,14 +103,14 @@ if HAS_TRITON:
             cache_dtype = v_cache_ptr.dtype.element_ty
             vsrc = v_ptr + t * stride_vt + heads[:, None] * stride_vh + d[None, :]
             vdst = v_cache_ptr + slot * stride_slot + heads[:, None] * (2 * HALF) + d[None, :]
-            tl.store(vdst, _to_cache(tl.load(vsrc, mask=mask), cache_dtype, KV_FP8_MAX), mask=mask)
-            tl.store(vdst + HALF, _to_cache(tl.load(vsrc + HALF, mask=mask), cache_dtype, KV_FP8_MAX), mask=mask)
+            tl.store(vdst, to_cache_dtype(tl.load(vsrc, mask=mask), cache_dtype, KV_FP8_MAX), mask=mask)
+            tl.store(vdst + HALF, to_cache_dtype(tl.load(vsrc + HALF, mask=mask), cache_dtype, KV_FP8_MAX), mask=mask)
 
     @triton.jit
     def _rope_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
                      stride_cos, num_q_heads, num_k_heads,
                      HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr, PDL: tl.constexpr):
-        _pdl_wait(PDL)
+        pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64)
         dtype = q_ptr.dtype.element_ty
         c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, t, stride_cos, dtype, HALF, HALF_PAD)
@@ -127,7 +121,7 @@ if HAS_TRITON:
     @triton.jit
     def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr,
                              PDL: tl.constexpr):
-        _pdl_wait(PDL)
+        pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -141,7 +135,7 @@ if HAS_TRITON:
 
 def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
                     out: torch.Tensor | None = None):
-    """Fused twin of ``ops.rms_norm_torch``; with a residual, updates it in place and writes
+    """Fused twin of ``elementwise_torch.rms_norm_torch``; with a residual, updates it in place and writes
     the normalised values into ``out`` (default ``x``, dead once added to the residual)."""
     n_cols = x.shape[-1]
     rows = x.numel() // n_cols
@@ -154,7 +148,7 @@ def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
         out = torch.empty_like(x)
         res = x
     x2, out2, res2 = x.view(rows, n_cols), out.view(rows, n_cols), res.view(rows, n_cols)
-    block = _next_pow2(n_cols)
+    block = next_pow2(n_cols)
     _rms_norm_kernel[(rows,)](
         x2, res2, weight, out2, x2.stride(0), res2.stride(0), out2.stride(0), n_cols, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block, **pdl_options(x.device),
@@ -169,7 +163,7 @@ def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
 
 def triton_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> None:
-    """Fused twin of ``ops.apply_rope_torch``, rotating q and k in place."""
+    """Fused twin of ``elementwise_torch.apply_rope_torch``, rotating q and k in place."""
     num_tokens, num_q_heads, head_dim = q.shape
     if num_tokens == 0:
         return
@@ -177,16 +171,16 @@ def triton_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: 
     half = head_dim // 2
     _rope_kernel[(num_tokens,)](
         positions, q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-        num_q_heads, k.shape[1], HALF=half, HALF_PAD=_next_pow2(half),
-        HEADS_PAD=_next_pow2(max(num_q_heads, k.shape[1])), **pdl_options(q.device), num_warps=4,
+        num_q_heads, k.shape[1], HALF=half, HALF_PAD=next_pow2(half),
+        HEADS_PAD=next_pow2(max(num_q_heads, k.shape[1])), **pdl_options(q.device), num_warps=4,
         enable_fp_fusion=False)
 
 
 def triton_rope_and_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           slot_mapping: torch.Tensor) -> None:
-    """Fused twin of ``ops.rope_and_store_torch``: q rotated in place, rotated k and v in their slots
-    (quantized as ``attention.quantize_kv`` does for an fp8 cache).
+    """Fused twin of ``elementwise_torch.rope_and_store_torch``: q rotated in place, rotated k and v in their slots
+    (quantized as ``attention_torch.quantize_kv`` does for an fp8 cache).
 
     One launch where rotary + KV write took two: at batch 1 these kernels last a
     few microseconds each, so the launch, not the bytes, is the cost.
@@ -206,10 +200,21 @@ def triton_rope_and_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Ten
         positions, q, k, v, cos, sin, slot_mapping, k_cache, v_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         num_kv_heads * head_dim, num_q_heads, num_kv_heads,
-        HALF=half, HALF_PAD=_next_pow2(half), HEADS_PAD=_next_pow2(num_q_heads),
-        KV_HEADS_PAD=_next_pow2(num_kv_heads), KV_FP8_MAX=kv_fp8_max(k_cache.dtype),
+        HALF=half, HALF_PAD=next_pow2(half), HEADS_PAD=next_pow2(num_q_heads),
+        KV_HEADS_PAD=next_pow2(num_kv_heads), KV_FP8_MAX=kv_fp8_max(k_cache.dtype),
         **pdl_options(q.device), num_warps=4,
         enable_fp_fusion=False)
+
+
+def rope_and_store_triton(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+    """``triton_rope_and_store``, or with FUSE_ROPE_AND_STORE off ``triton_rope`` then
+    ``triton_write_kv``; returns the rotated q (the Kernels calling convention)."""
+    if FUSE_ROPE_AND_STORE:
+        triton_rope_and_store(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    else:
+        triton_rope(positions, q, k, cos, sin)
+        triton_write_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q
 
 
 def triton_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -219,7 +224,7 @@ def triton_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if rows == 0:
         return out
     x2, out2 = x.view(rows, 2 * n_cols), out.view(rows, n_cols)
-    block = min(1024, _next_pow2(n_cols))
+    block = min(1024, next_pow2(n_cols))
     _silu_and_mul_kernel[(rows, triton.cdiv(n_cols, block))](
         x2, out2, x2.stride(0), out2.stride(0), n_cols, BLOCK=block, **pdl_options(x.device),
         num_warps=4)

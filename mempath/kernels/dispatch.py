@@ -1,0 +1,73 @@
+"""Which kernels a model runs: the Triton ones or their PyTorch twins, chosen once per model.
+
+The rule: a model is built with one :class:`Kernels` (``kernels_for(device)``: Triton on
+CUDA when Triton is installed, else the PyTorch twins), and every op of every layer —
+RMSNorm, rotary + KV write, SiLU-and-mul, paged attention — goes through it. Why one
+object, chosen at build time, rather than a per-call test of each tensor's device:
+
+- one place says which path runs, so the runner (which sizes the decode workspace and
+  compiles the kernels only for the Triton path), the planner's figures and the model
+  cannot disagree about it;
+- a model built for one path keeps it, whatever tensor reaches an op (no silent
+  fallback to the other path inside a step);
+- tests and benchmarks swap a kernel by replacing a field of the model's Kernels (every
+  layer holds the same instance) or of one layer's own copy (``dataclasses.replace``),
+  never by patching module globals that every model shares; the next models on one
+  device (issue #14) can each have their own.
+
+Importing this module imports no Triton code (nor Triton) until a model on CUDA asks for it.
+"""
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from mempath.kernels.attention_torch import attend_torch
+from mempath.kernels.elementwise_torch import rms_norm_torch, rope_and_store_torch, silu_and_mul_torch
+
+log = logging.getLogger(__name__)
+
+# Set to False to build models with the PyTorch twins on CUDA too (debugging, A/B measurements).
+USE_TRITON = True
+
+
+@dataclass
+class Kernels:
+    """One model's kernels. Signatures (the PyTorch twins' docstrings say what each computes):
+
+    - ``rms_norm(x, weight, eps, residual=None, out=None) -> (out, new_residual)``; with a
+      residual the Triton kernel updates it in place and writes into ``out`` (default ``x``);
+    - ``rope_and_store(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> q``:
+      q and k rotated, k and v stored in their slots (negative slots skipped);
+    - ``silu_and_mul(x) -> out``;
+    - ``attention(q, k_cache, v_cache, meta, scale) -> out`` over the paged cache.
+    """
+
+    rms_norm: Callable
+    rope_and_store: Callable
+    silu_and_mul: Callable
+    attention: Callable
+    triton: bool  # the Triton kernels (the runner sizes their decode workspace and compiles them)
+
+
+def torch_kernels() -> Kernels:
+    return Kernels(rms_norm_torch, rope_and_store_torch, silu_and_mul_torch, attend_torch, triton=False)
+
+
+def triton_kernels() -> Kernels:
+    from mempath.kernels.attention_triton import attend_triton
+    from mempath.kernels.elementwise_triton import rope_and_store_triton, triton_rms_norm, triton_silu_and_mul
+    return Kernels(triton_rms_norm, rope_and_store_triton, triton_silu_and_mul, attend_triton, triton=True)
+
+
+def kernels_for(device: torch.device) -> Kernels:
+    """A new Kernels for a model on ``device``: Triton on CUDA when it is installed."""
+    if device.type != "cuda" or not USE_TRITON:
+        return torch_kernels()
+    from mempath.kernels.common import HAS_TRITON
+    if not HAS_TRITON:
+        log.warning("Triton is not installed: CUDA attention runs on the PyTorch reference path")
+        return torch_kernels()
+    return triton_kernels()
+
