@@ -29,9 +29,10 @@ import time
 import numpy as np
 import torch
 
-from mempath.kv.blocks import hash_block
-from mempath.kv.tiers import DiskBlockStore, HostBlockStore
-from mempath.kv.transfer import TransferEngine
+from mempath.kv.block_pool import hash_block
+from mempath.kv.tiers.disk import DiskBlockStore
+from mempath.kv.tiers.host import HostBlockStore
+from mempath.kv.tiers.transfer import TransferEngine
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16

@@ -123,7 +123,7 @@ class EngineConfig:
                              "holds swapped requests, and preemption_mode is recompute")
         if self.disk_kv_path:
             # Here, before the weights load: a path the tier would refuse fails in a second, not minutes.
-            from mempath.kv.disk_dir import check_disk_kv_path
+            from mempath.kv.tiers.disk_dir import check_disk_kv_path
             check_disk_kv_path(self.disk_kv_path)
 
     @property

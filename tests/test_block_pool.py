@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mempath.engine.request import Request
-from mempath.kv.blocks import BlockPool, hash_block
+from mempath.kv.block_pool import BlockPool, hash_block
 from mempath.kv.manager import KVCacheManager
 from mempath.sampling import SamplingParams
 

@@ -15,7 +15,7 @@ import torch
 
 from mempath.engine import startup as startup_module
 from mempath.engine.startup import OUTSIDE_TORCH_GROWTH, Startup
-from mempath.kv.tiered import STAGING_BLOCKS
+from mempath.kv.tiers.coordinator import STAGING_BLOCKS
 from mempath.memory.budget import DeviceBudget
 
 GiB, MiB = 1 << 30, 1 << 20

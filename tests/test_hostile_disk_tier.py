@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from mempath.config import EngineConfig
-from mempath.kv import disk_dir
-from mempath.kv.blocks import hash_block
-from mempath.kv.tiers import DiskBlockStore
+from mempath.kv.tiers import disk_dir
+from mempath.kv.block_pool import hash_block
+from mempath.kv.tiers.disk import DiskBlockStore
 from tests import test_kv_tiers_engine as engine_tests
 from tests.test_kv_tiers_engine import (assert_no_leak, conversations, gb, greedy, make_llm,  # noqa: F401
                                         reference, tier_stats, tiny)
@@ -349,7 +349,7 @@ def test_a_failed_write_is_one_line_and_a_counter(tmp_path, monkeypatch, caplog,
         return real_replace(src, dst, *args, **kwargs)
 
     monkeypatch.setattr(os, "replace", failing)
-    caplog.set_level(logging.DEBUG, logger="mempath.kv.tiers")
+    caplog.set_level(logging.DEBUG, logger="mempath.kv.tiers.disk")
     data = torch.randn(4, *SHAPE)
     assert not any(disk.write_async(h, data[i]).result() for i, h in enumerate(keys(4)))
     assert len(disk) == 0 and disk.used_bytes == 0

@@ -15,10 +15,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mempath.kv.blocks import hash_block
-from mempath.kv.tiers import (DiskBlockStore, HostBlockStore, block_shape_of, contiguous_runs, spill_to_disk,
-                              write_through_block)
-from mempath.kv.transfer import TransferEngine
+from mempath.kv.block_pool import hash_block
+from mempath.kv.tiers.cost import measure_transfer_rates
+from mempath.kv.tiers.disk import DiskBlockStore, spill_to_disk, write_through_block
+from mempath.kv.tiers.host import HostBlockStore, block_shape_of, contiguous_runs
+from mempath.kv.tiers.transfer import TransferEngine
 
 # (num_layers, block_size, num_kv_heads, head_dim)
 LAYOUTS = [(2, 4, 2, 8), (3, 2, 1, 16)]
@@ -465,7 +466,8 @@ def test_calibrate_reports_rates_and_leaves_everything_as_it_was(tmp_path):
     original = cache.clone()
     host = HostBlockStore.for_cache(cache, 8 * block_of(cache, 0).numel())
     disk = disk_for(tmp_path, host)
-    result = TransferEngine(cache, host, staging_blocks=4).calibrate(disk, probe_blocks=8, disk_probe_blocks=3)
+    result = measure_transfer_rates(TransferEngine(cache, host, staging_blocks=4), disk, probe_blocks=8,
+                                    disk_probe_blocks=3)
     for key in ("d2h_bytes_per_s", "h2d_bytes_per_s", "disk_write_bytes_per_s", "disk_read_bytes_per_s"):
         assert result[key] > 0
     assert same_bytes(cache, original)
@@ -621,11 +623,11 @@ def test_host_tier_short_of_room_spills_once_while_writes_are_pending(tmp_path):
     the same room must not evict more warm blocks (each ask used to evict another batch)."""
     import threading
 
-    from mempath.kv.blocks import BlockPool
-    from mempath.kv.tiered import TieredKV
+    from mempath.kv.block_pool import BlockPool
+    from mempath.kv.tiers.coordinator import TierConfig, TierCoordinator
     kv = torch.zeros(1, 2, 8, 4, 1, 8)
     block_nbytes = 2 * 4 * 8 * 4
-    tiers = TieredKV(BlockPool(8), kv, 4, 6 * block_nbytes, str(tmp_path), 1 << 20, False)
+    tiers = TierCoordinator(BlockPool(8), 4, TierConfig(kv, 6 * block_nbytes, str(tmp_path), 1 << 20, False))
     gate = threading.Event()
     write_file = tiers.disk._write_file
     tiers.disk._write_file = lambda *a: (gate.wait(), write_file(*a))[1]

@@ -1,10 +1,13 @@
-"""A request as the engine tracks it: its tokens, its KV blocks, its progress."""
+"""A request as the engine tracks it: its tokens, its KV blocks, its progress.
+
+Its KV fields (``block_table``, ``block_hashes``, ``num_registered_blocks``,
+``swapped``) are written by the KV manager (``mempath.kv.manager``) only.
+"""
 import enum
 import time
 
 import torch
 
-from mempath.kv.blocks import hash_block
 from mempath.sampling import SamplingParams
 
 
@@ -61,14 +64,6 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
-
-    def update_block_hashes(self, block_size: int) -> None:
-        """Hash every full block of token_ids not hashed yet (chained on the previous one)."""
-        while (len(self.block_hashes) + 1) * block_size <= len(self.token_ids):
-            i = len(self.block_hashes)
-            parent = self.block_hashes[-1] if self.block_hashes else None
-            self.block_hashes.append(
-                hash_block(parent, self.token_ids[i * block_size:(i + 1) * block_size]))
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "

@@ -16,6 +16,7 @@ from mempath.constants import MAX_GRAPH_BATCH
 from mempath.engine.batch import PendingTokens, ScheduledBatch
 from mempath.engine.request import Request
 from mempath.engine.sampler import Sampler, SamplerOutput
+from mempath.kv.block_table import BlockTableRows
 from mempath.model.llama import AttentionMetadata, CausalLM
 from mempath.model.spec import ModelSpec
 
@@ -95,9 +96,7 @@ class ModelRunner:
         self.kv_cache = torch.empty(0)
         self.buffers = StepBuffers(self.max_tokens, config.max_num_seqs, self.max_blocks_per_seq, device)
         self.arange = np.arange(max(self.max_tokens, max_model_len) + 1, dtype=np.int64)
-        # Which block-table list each row of buffers.tables holds, and how much of it.
-        self.row_owner: list[list[int] | None] = [None] * config.max_num_seqs
-        self.row_len = [0] * config.max_num_seqs
+        self.table_rows = BlockTableRows(config.max_num_seqs)  # what each row of buffers.tables holds
         self.decode_workspace = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_logits: torch.Tensor | None = None
@@ -153,7 +152,7 @@ class ModelRunner:
             t, rows, max_seq_len = self._fill_decode(batch.requests, sampling, tokens_from is not None)
         else:
             t, rows, max_seq_len = self._fill_mixed(batch, sampling)
-        self._fill_block_tables(batch.requests)
+        self.table_rows.write(buf.tables, batch.requests)
         if pad_to is not None and pad_to > num_seqs:
             # Padding rows of a captured decode graph: write nothing, read one slot of block 0.
             pad = slice(num_seqs, pad_to)
@@ -161,7 +160,7 @@ class ModelRunner:
             buf.positions[pad] = 0
             buf.slots[pad] = -1
             buf.tables[pad, 0] = 0
-            self.row_owner[num_seqs:pad_to] = [None] * (pad_to - num_seqs)
+            self.table_rows.forget(pad)
             buf.qsl[num_seqs + 1:pad_to + 1] = np.arange(t + 1, t + 1 + pad_to - num_seqs)
             buf.seq_lens[pad] = 1
             num_seqs, t = pad_to, pad_to
@@ -226,24 +225,6 @@ class ModelRunner:
                 buf.rows[rows] = t - 1
                 rows += 1
         return t, rows, max_seq_len
-
-    def _fill_block_tables(self, requests: list[Request]) -> None:
-        """Rewrite a row only where it changed: another table, or blocks appended since.
-
-        A block table list only ever grows in place; any re-allocation (admission,
-        resumption after preemption) makes a new list, so list identity says "same table".
-        """
-        tables = self.buffers.tables
-        owner, written = self.row_owner, self.row_len
-        for b, request in enumerate(requests):
-            table = request.block_table
-            if owner[b] is table:
-                if written[b] < len(table):
-                    tables[b, written[b]:len(table)] = table[written[b]:]
-            else:
-                tables[b, :len(table)] = table
-                owner[b] = table
-            written[b] = len(table)
 
     # ----------------------------------------------------------------- running
     @torch.inference_mode()
@@ -356,7 +337,7 @@ class ModelRunner:
         buf.positions[:max_size] = 0
         buf.slots[:max_size] = -1
         buf.tables[:max_size] = 0
-        self.row_owner[:] = [None] * len(self.row_owner)
+        self.table_rows.forget(slice(None))
         buf.qsl[:max_size + 1] = np.arange(max_size + 1)
         buf.seq_lens[:max_size] = 1
         buf.rows[:max_size] = np.arange(max_size)

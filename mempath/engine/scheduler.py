@@ -8,11 +8,13 @@ preempted by recompute: its blocks are freed (they stay in the prefix cache unti
 reused) and it goes back to the front of the queue with the tokens it already
 generated.
 
-With KV tiers (``kv.tiers``), admission also looks for the request's next blocks
-in the host and disk tiers: if loading them beats recomputing them, the request
-gets device blocks and waits in ``loading`` (other requests keep running) until
-they land, then runs with those tokens computed. A preempted request may be
-swapped to host memory instead of recomputed (``TieredKV.should_swap``).
+The KV manager gives and takes the blocks (``admit``, ``append_slots``,
+``land_ready``, ``preempt``, ``free``); the scheduler only decides who asks. With KV
+tiers, admission may find the request's next blocks in the host or disk tier and
+load them when that beats recomputing them: the request then waits in ``loading``
+(other requests keep running) until they land, and runs with those tokens
+computed. A preempted request may be swapped to host memory instead of recomputed
+(the manager decides by the tiers' cost model).
 
 A request can be paused (the server does so while its client is not reading): it is
 not scheduled and keeps its blocks, but it is the first to be preempted when a
@@ -26,8 +28,7 @@ from collections import deque
 from mempath.config import EngineConfig
 from mempath.engine.batch import PendingTokens, ScheduledBatch, StepPlan
 from mempath.engine.request import Request, RequestStatus
-from mempath.kv.manager import KVCacheManager
-from mempath.kv.tiered import GPU, Load
+from mempath.kv.manager import Admit, KVCacheManager
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,8 @@ class Scheduler:
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.loading: dict[Request, Load] = {}  # admitted, KV blocks still on their way
+        # Admitted, KV blocks still on their way: the KV manager's handle of each load.
+        self.loading: dict[Request, object] = {}
         self.paused: set[Request] = set()  # not scheduled until resumed (running, loading or parked)
         self.parked: list[Request] = []  # paused and without blocks: back to the queue's front on resume
         self.num_preemptions = 0
@@ -156,8 +158,7 @@ class Scheduler:
         return (batch, feed) if batch.requests else None
 
     def schedule(self) -> ScheduledBatch:
-        if self.kv.tiers is not None:
-            self._land_loads()
+        self._land_loads()
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         self._schedule_running(batch, budget)
@@ -191,43 +192,22 @@ class Scheduler:
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and self.num_active() + len(self.loading) < self.max_num_seqs:
             request = self.waiting[0]
-            if request.swapped is not None:
-                load = self.kv.tiers.start_swap_in(request)
-                if load is None:
-                    break
-                self._start_loading(request, load)
+            admission = self.kv.admit(request, budget, self.loading.values())
+            if admission.outcome is Admit.LOAD:
+                self._start_loading(request, admission.load)
                 continue
-            cached = self.kv.find_cached_prefix(request)
-            choices = []
-            if self.kv.tiers is not None:
-                found = self.kv.find_in_tiers(request, len(cached))
-                if self._being_loaded(request.block_hashes[len(cached):len(cached) + len(found)], found):
-                    break  # another request is loading this prefix: take it from the device once it lands
-                if found:
-                    found, choices = self.kv.tiers.worth_loading(found)
-                if found:
-                    load = self.kv.tiers.start_promotion(request, cached, found)
-                    if load is None:
-                        break
-                    self.kv.tiers.record_choices(request.request_id, choices)
-                    self._start_loading(request, load)
-                    continue
-            num_cached = len(cached) * self.kv.block_size
-            num_new = min(request.num_tokens - num_cached, budget)
-            if not self.kv.allocate(request, cached, num_new):
-                if self._preempt_paused():
-                    continue  # with a paused request's blocks it may fit now
+            if admission.outcome is Admit.NO_ROOM and self._preempt_paused():
+                continue  # with a paused request's blocks it may fit now
+            if admission.outcome is not Admit.RUN:
                 break  # first come, first served: nobody overtakes the head of the queue
-            if choices:
-                self.kv.tiers.record_choices(request.request_id, choices)
             self.waiting.popleft()
             if request.num_cached_tokens is None:
-                request.num_cached_tokens = num_cached
+                request.num_cached_tokens = admission.num_cached_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             batch.requests.append(request)
-            batch.num_new_tokens.append(num_new)
-            budget -= num_new
+            batch.num_new_tokens.append(admission.num_new_tokens)
+            budget -= admission.num_new_tokens
 
     def _victim_index(self) -> int:
         """Who is preempted for room: the newest paused running request, else the newest."""
@@ -246,27 +226,15 @@ class Scheduler:
         self.preempt(self.running.pop(j))
         return True
 
-    def _being_loaded(self, hashes: list[bytes], found: list) -> bool:
-        """Whether a host or disk block of ``found`` is on its way to the device for another request."""
-        wanted = {h for (tier, _), h in zip(found, hashes) if tier != GPU}
-        return bool(wanted) and any(h in wanted for load in self.loading.values()
-                                    for h, tier in zip(load.hashes, load.sources) if tier != GPU)
-
-    def _start_loading(self, request: Request, load: Load) -> None:
+    def _start_loading(self, request: Request, load) -> None:
         self.waiting.popleft()
         request.status = RequestStatus.LOADING
         self.loading[request] = load
 
     def _land_loads(self) -> None:
         """Requests whose blocks have all landed become running, with those tokens computed."""
-        tiers = self.kv.tiers
-        tiers.reap()
-        for request, load in list(self.loading.items()):
-            if not tiers.poll(load):
-                continue
+        for request in self.kv.land_ready(list(self.loading.values())):
             del self.loading[request]
-            tiers.land(load)
-            self.kv.cache_full_blocks(request)  # a swapped-in request's blocks get their hashes back
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = request.num_computed_tokens
             request.status = RequestStatus.RUNNING
@@ -275,19 +243,11 @@ class Scheduler:
     def wait_for_loads(self) -> None:
         """Nothing else can run: block until the oldest load lands instead of spinning."""
         if self.loading:
-            self.kv.tiers.wait(next(iter(self.loading.values())))
+            self.kv.wait_for_load(next(iter(self.loading.values())))
 
     def preempt(self, request: Request) -> None:
         """Free the request's device blocks (swapping them to the host tier if that is cheaper), requeue it first."""
-        tiers = self.kv.tiers
-        swapped = False
-        if tiers is not None and request.num_computed_tokens > 0:
-            blocks = request.block_table[:self.kv.blocks_for(request.num_computed_tokens)]
-            swapped = tiers.should_swap(request, len(blocks)) and tiers.swap_out(request, blocks)
-            if not swapped:
-                tiers.counters["recompute_preemptions"] += 1
-        self.kv.free(request)
-        request.num_computed_tokens = 0
+        preemption = self.kv.preempt(request)
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -296,7 +256,7 @@ class Scheduler:
         else:
             self.waiting.appendleft(request)
         log.debug("preempted %s by %s (%d tokens)", request.request_id,
-                  "swap" if swapped else "recompute", request.num_tokens)
+                  "swap" if preemption.swapped else "recompute", request.num_tokens)
 
     def update_after_step(self, batch: ScheduledBatch) -> None:
         """Advance each request by what the step computed and publish its full blocks."""
@@ -317,10 +277,6 @@ class Scheduler:
                     self.waiting.remove(request)
                 except ValueError:
                     pass
-            if request.swapped is not None:
-                self.kv.tiers.release_swap(request)
-        elif request.status == RequestStatus.LOADING:
-            self.kv.tiers.cancel(self.loading.pop(request))
-        self.kv.free(request)
+        self.kv.free(request, self.loading.pop(request, None))
         request.status = RequestStatus.FINISHED
         request.finish_reason = request.finish_reason or reason

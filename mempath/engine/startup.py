@@ -125,10 +125,11 @@ class Startup:
             with stage("compile kernels", None):
                 self.probes.compile_kernels(num_blocks)
         self.capture_graphs()
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         if config.tiers_enabled:
             with stage("attach tiers", None):
-                self.attach_tiers()
+                self.kv = self.kv_manager_with_tiers(num_blocks)
+        else:
+            self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         if self.device.type == "cuda":
             self.cap_device_memory()
         log.info("memory by pathway:\n%s", self.ledger.table())
@@ -232,7 +233,7 @@ class Startup:
                    ALLOCATOR_SEGMENTS)
 
     def tier_staging_bytes(self, per_block: int) -> int:
-        from mempath.kv.tiered import STAGING_BLOCKS
+        from mempath.kv.tiers.coordinator import STAGING_BLOCKS
         return 2 * STAGING_BLOCKS * per_block  # one staging buffer per direction
 
     def graph_pool_estimate(self) -> int:
@@ -253,13 +254,15 @@ class Startup:
         else:
             self.ledger.discard(Pathway.CUDA_GRAPHS)
 
-    def attach_tiers(self) -> None:
-        """Reserve the host tier, open the disk tier, calibrate the cost model (docs/tiers.md)."""
-        from mempath.kv.tiered import TieredKV
+    def kv_manager_with_tiers(self, num_blocks: int) -> KVCacheManager:
+        """The KV manager with its tiers: the host tier reserved, the disk tier opened, the cost
+        model calibrated (docs/tiers.md)."""
+        from mempath.kv.tiers.coordinator import TierConfig
         c = self.config
-        tiers = TieredKV(self.kv.pool, self.runner.kv_cache, c.block_size, int(c.cpu_kv_gb * (1 << 30)),
-                         c.disk_kv_path, int(c.disk_kv_gb * (1 << 30)), c.disk_write_policy == "write-through",
-                         self.kv_fingerprint(), c.preemption_mode)
+        kv = KVCacheManager(num_blocks, c.block_size, c.enable_prefix_caching, TierConfig(
+            self.runner.kv_cache, int(c.cpu_kv_gb * (1 << 30)), c.disk_kv_path, int(c.disk_kv_gb * (1 << 30)),
+            c.disk_write_policy == "write-through", self.kv_fingerprint(), c.preemption_mode))
+        tiers = kv.tiers
         host = tiers.host
         self.ledger.record(Pathway.KV_CPU, host.capacity_bytes, "cpu", "measured",
                            f"{host.num_blocks} blocks, {'pinned' if host.storage.is_pinned() else 'pageable'}")
@@ -268,8 +271,8 @@ class Startup:
                                f"capacity at {tiers.disk.path}, {c.disk_write_policy}")
         self.ledger.record(Pathway.KV_TRANSFER_STAGING, tiers.transfer.staging_nbytes, self.device.type, "measured",
                            f"{tiers.transfer.staging_blocks} blocks per direction")
-        tiers.calibrate(lambda: self.probes.prefill_rate(self.kv.num_blocks))
-        self.kv.tiers = tiers
+        tiers.calibrate(lambda: self.probes.prefill_rate(kv.num_blocks))
+        return kv
 
     def kv_fingerprint(self) -> str:
         """What makes a block's bytes this model's: the weights' and config's content, the KV dtype.

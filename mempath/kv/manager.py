@@ -1,5 +1,21 @@
-"""KVCacheManager: block tables of requests over one BlockPool, with prefix matching."""
-from mempath.kv.blocks import BlockPool
+"""KVCacheManager: the owner of every request's KV state, over one BlockPool and its tiers.
+
+It is the only writer of a request's block table (``kv/block_table.py``), block
+hashes, registered blocks and swapped state, and of ``num_computed_tokens`` where
+KV appears or goes (admission, a load landing, preemption). The scheduler decides who
+runs and talks to it through a few calls, each returning what happened:
+``admit`` (an ``Admission``), ``append_slots``, ``land_ready``, ``preempt`` (a
+``Preemption``) and ``free``. With tiers (``TierConfig``), the manager builds the
+tier coordinator over its pool at construction; ``tiers`` is None without them.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from mempath.kv.block_pool import BlockPool, hash_block
+from mempath.kv.block_table import grow_table, replace_table
+from mempath.kv.tiers.coordinator import Load, TierConfig, TierCoordinator
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -7,12 +23,35 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+class Admit(enum.Enum):
+    RUN = "run"  # it holds blocks for its next tokens: it runs this step
+    LOAD = "load"  # it holds blocks, and its KV is on its way from the host or disk tier
+    NO_ROOM = "no room"  # too few free device blocks for it: room taken from others may admit it
+    WAIT = "wait"  # a swap-in or promotion that does not fit, or a prefix another request is loading
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What ``admit`` did with a waiting request."""
+    outcome: Admit
+    num_new_tokens: int = 0  # RUN: tokens it computes this step
+    num_cached_tokens: int = 0  # RUN: tokens found in the device prefix cache
+    load: Load | None = None  # LOAD: the handle to pass to land_ready, wait_for_load and free
+
+
+@dataclass(frozen=True)
+class Preemption:
+    """What ``preempt`` did with a running request's KV."""
+    swapped: bool  # its blocks went to the host tier; else its tokens are recomputed
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 tiers: TierConfig | None = None):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
-        self.tiers = None  # a TieredKV once the engine attaches the host/disk tiers
+        self.tiers = TierCoordinator(self.pool, block_size, tiers) if tiers is not None else None
 
     def _take(self, n: int) -> list[int]:
         """n free device blocks; with tiers, the cached content they held is demoted first."""
@@ -25,6 +64,55 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return blocks_for(num_tokens, self.block_size)
 
+    # ------------------------------------------------------------ admission
+    def admit(self, request, budget: int, loads) -> Admission:
+        """Give a waiting request blocks for up to ``budget`` new tokens, or start loading them.
+
+        A swapped-out request is swapped in. Otherwise its longest device-cached
+        prefix is taken, and with tiers the blocks after it found in the host or
+        disk tier are loaded if that beats recomputing them. ``loads`` are the
+        loads in flight (of other requests): a prefix one of them is bringing up
+        is waited for, then taken from the device.
+        """
+        if request.swapped is not None:
+            return self._swap_in(request)
+        cached = self.find_cached_prefix(request)
+        choices = []
+        if self.tiers is not None:
+            found = self.find_in_tiers(request, len(cached))
+            if self.tiers.being_loaded(found, request.block_hashes[len(cached):len(cached) + len(found)], loads):
+                return Admission(Admit.WAIT)
+            if found:
+                found, choices = self.tiers.worth_loading(found)
+            if found:
+                return self._promote(request, cached, found, choices)
+        num_cached = len(cached) * self.block_size
+        num_new = min(request.num_tokens - num_cached, budget)
+        if not self.allocate(request, cached, num_new):
+            return Admission(Admit.NO_ROOM)
+        if choices:
+            self.tiers.record_choices(request.request_id, choices)
+        return Admission(Admit.RUN, num_new_tokens=num_new, num_cached_tokens=num_cached)
+
+    def _promote(self, request, cached: list[int], found: list, choices: list) -> Admission:
+        load = self.tiers.start_promotion(request, cached, found)
+        if load is None:
+            return Admission(Admit.WAIT)
+        self.tiers.record_choices(request.request_id, choices)
+        replace_table(request, cached + load.gpu_ids)
+        request.num_computed_tokens = len(cached) * self.block_size
+        request.num_registered_blocks = len(cached)
+        return Admission(Admit.LOAD, load=load)
+
+    def _swap_in(self, request) -> Admission:
+        host_ids, num_tokens = request.swapped
+        load = self.tiers.start_swap_in(request, host_ids, num_tokens)
+        if load is None:
+            return Admission(Admit.WAIT)
+        request.swapped = None
+        replace_table(request, load.gpu_ids)
+        return Admission(Admit.LOAD, load=load)
+
     def find_cached_prefix(self, request) -> list[int]:
         """Blocks holding the longest cached prefix of the request's tokens.
 
@@ -33,7 +121,7 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return []
-        request.update_block_hashes(self.block_size)
+        self._hash_full_blocks(request)
         limit = (request.num_tokens - 1) // self.block_size
         blocks = []
         for block_hash in request.block_hashes[:limit]:
@@ -69,7 +157,7 @@ class KVCacheManager:
         if num_new_blocks > free_after_touch:
             return False
         self.pool.touch(cached_blocks)
-        request.block_table = cached_blocks + self._take(num_new_blocks)
+        replace_table(request, cached_blocks + self._take(num_new_blocks))
         request.num_computed_tokens = num_cached_tokens
         request.num_registered_blocks = len(cached_blocks)
         return True
@@ -80,24 +168,93 @@ class KVCacheManager:
         if needed > self.pool.num_free:
             return False
         if needed > 0:
-            request.block_table.extend(self._take(needed))
+            grow_table(request, self._take(needed))
         return True
 
+    # ------------------------------------------------------------ loads
+    def land_ready(self, loads: list[Load]) -> list:
+        """Hand every load whose blocks have all arrived to its request, in the order given;
+        return those requests (they now hold their loaded tokens as computed)."""
+        if self.tiers is None:
+            return []
+        self.tiers.reap()
+        landed = []
+        for load in loads:
+            if self.tiers.poll(load):
+                self._land(load)
+                landed.append(load.request)
+        return landed
+
+    def _land(self, load: Load) -> None:
+        """The request keeps its blocks up to the load's last good one; the rest are recomputed."""
+        request = load.request
+        first = len(request.block_table) - len(load.gpu_ids)
+        keep = first + load.num_valid
+        dropped = request.block_table[keep:]
+        replace_table(request, request.block_table[:keep])
+        self.pool.free(list(reversed(dropped)))
+        self.tiers.land(load)
+        if load.swap_host_ids:
+            request.num_computed_tokens = load.num_tokens
+            request.num_registered_blocks = 0
+        else:
+            request.num_computed_tokens = keep * self.block_size
+            request.num_registered_blocks = keep
+        self.cache_full_blocks(request)  # a swapped-in request's blocks get their hashes back
+
+    def wait_for_load(self, load: Load) -> None:
+        """Block until the load lands (or its disk reads are abandoned at their deadline)."""
+        self.tiers.wait(load)
+
+    # ------------------------------------------------------------ progress
     def cache_full_blocks(self, request) -> None:
         """Make the request's fully computed blocks findable by later requests."""
         if not self.enable_prefix_caching:
             return
         if request.num_computed_tokens // self.block_size <= request.num_registered_blocks:
             return  # no block filled up since the last call: the common decode step
-        request.update_block_hashes(self.block_size)
+        self._hash_full_blocks(request)
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
         for i in range(request.num_registered_blocks, num_full):
             self.pool.cache(request.block_table[i], request.block_hashes[i])
         request.num_registered_blocks = max(request.num_registered_blocks, num_full)
 
-    def free(self, request) -> None:
+    def _hash_full_blocks(self, request) -> None:
+        """Hash every full block of the request's tokens not hashed yet (chained on the previous one)."""
+        hashes, token_ids, block_size = request.block_hashes, request.token_ids, self.block_size
+        while (len(hashes) + 1) * block_size <= len(token_ids):
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, token_ids[i * block_size:(i + 1) * block_size]))
+
+    # ------------------------------------------------------------ giving back
+    def preempt(self, request) -> Preemption:
+        """Take a running request's device blocks back; with tiers its computed blocks are
+        swapped to the host tier if that beats recomputing them."""
+        swapped = False
+        if self.tiers is not None and request.num_computed_tokens > 0:
+            blocks = request.block_table[:self.blocks_for(request.num_computed_tokens)]
+            host_ids = self.tiers.preempt(request, blocks)
+            if host_ids is not None:
+                request.swapped = (host_ids, request.num_computed_tokens)
+                swapped = True
+        self._free_device_blocks(request)
+        request.num_computed_tokens = 0
+        return Preemption(swapped)
+
+    def free(self, request, load: Load | None = None) -> None:
+        """A request is done (finished or aborted): cancel its load in flight, give back the
+        host blocks of its swap, free its device blocks."""
+        if load is not None:
+            self.tiers.cancel(load)
+        if request.swapped is not None:
+            self.tiers.release_swap(request.swapped[0])
+            request.swapped = None
+        self._free_device_blocks(request)
+
+    def _free_device_blocks(self, request) -> None:
         self.pool.free(list(reversed(request.block_table)))
-        request.block_table = []
+        replace_table(request, [])
         request.num_registered_blocks = 0
 
     def usage(self) -> float:

@@ -30,24 +30,14 @@ chunks run synchronously.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-import hashlib
-import logging
-import os
 import time
 
-import numpy as np
 import torch
 
-from mempath.kv.tiers import DiskBlockStore, HostBlockStore, block_shape_of, contiguous_runs
-
-log = logging.getLogger(__name__)
+from mempath.kv.tiers.host import HostBlockStore, block_shape_of, contiguous_runs
 
 D2H, H2D = "d2h", "h2d"
-# A calibration probe of the disk tier not done by then is given up (start-up goes on with
-# the assumed disk rate) rather than hanging the start-up on a disk that does not answer.
-DISK_PROBE_TIMEOUT_S = 30.0
 
 
 class Transfer:
@@ -260,65 +250,6 @@ class TransferEngine:
             out[f"{direction}_bytes_per_s"] = s["bytes"] / s["seconds"] if s["seconds"] > 0 else 0.0
         return out
 
-    def calibrate(self, disk: DiskBlockStore | None = None, probe_blocks: int = 64,
-                  disk_probe_blocks: int = 8) -> dict:
-        """Measure bytes/s of each path through this engine's own code; log and return them.
-
-        For start-up, before serving: it copies the first device blocks to free
-        host blocks and back (their contents are unchanged), and writes probe
-        blocks to the disk tier, reads them back cold, and deletes them. Disk
-        writes are timed up to fsync (the sustained rate, not the page cache's).
-        """
-        result = {"block_nbytes": self.block_nbytes}
-        cpu_ids = self.host.allocate(min(probe_blocks, self.num_device_blocks, self.host.num_free)) or []
-        hung = []
-        try:
-            if cpu_ids:
-                gpu_ids = list(range(len(cpu_ids)))
-                self.device_to_host(gpu_ids[:1], cpu_ids[:1]).wait()  # first-call overheads
-                result["probe_blocks"] = len(cpu_ids)
-                result["d2h_bytes_per_s"] = _rate(len(cpu_ids) * self.block_nbytes,
-                                                  lambda: self.device_to_host(gpu_ids, cpu_ids).wait())
-                result["h2d_bytes_per_s"] = _rate(len(cpu_ids) * self.block_nbytes,
-                                                  lambda: self.host_to_device(cpu_ids, gpu_ids).wait())
-                if disk is not None:
-                    rates, hung = self._calibrate_disk(disk, cpu_ids[:disk_probe_blocks])
-                    result.update(rates)
-        finally:
-            # A probe still running writes into its host block: that one is freed when it ends.
-            self.host.free([c for c in cpu_ids if c not in {c for _, c in hung}])
-            for future, c in hung:
-                self.host.hold_until(future, [c], free=True)
-        log.info("KV transfer calibration: %s", ", ".join(
-            f"{k} {v / 1e9:.2f} GB/s" for k, v in result.items() if k.endswith("_bytes_per_s")))
-        return result
-
-    def _calibrate_disk(self, disk: DiskBlockStore, cpu_ids: list[int]) -> tuple[dict, list]:
-        """Disk write and cold read rates, and the (probe, host id) pairs still running if it gave up."""
-        hashes = [hashlib.blake2b(f"mempath-calibration-{os.getpid()}-{i}".encode(), digest_size=16).digest()
-                  for i in range(len(cpu_ids))]
-        nbytes = len(cpu_ids) * self.block_nbytes
-        futures = []
-        try:
-            def write():
-                futures[:] = [disk.write_async(h, self.host.storage[c]) for h, c in zip(hashes, cpu_ids)]
-                if not all(f.result(timeout=DISK_PROBE_TIMEOUT_S) for f in futures):
-                    raise RuntimeError("the disk KV tier has no room for the calibration probe, or cannot write it")
-                disk.drop_page_cache(hashes)
-
-            def read():
-                futures[:] = [disk.read_async(h, self.host.storage[c]) for h, c in zip(hashes, cpu_ids)]
-                if not all(f.result(timeout=DISK_PROBE_TIMEOUT_S) for f in futures):
-                    raise RuntimeError("the disk KV tier failed to read back its calibration probe")
-
-            return {"disk_write_bytes_per_s": _rate(nbytes, write),
-                    "disk_read_bytes_per_s": _rate(nbytes, read)}, []
-        except (RuntimeError, OSError, concurrent.futures.TimeoutError) as e:
-            log.warning("disk KV calibration skipped: %s", str(e) or type(e).__name__)
-            return {}, [(f, c) for f, c in zip(futures, cpu_ids) if not f.done()]
-        finally:
-            disk.remove(hashes)
-
 
 def _on(stream):
     """``torch.cuda.stream(stream)`` on CUDA; nothing on the CPU (stream None)."""
@@ -336,9 +267,3 @@ def _record(stream):
 def _wait(stream, event) -> None:
     if stream is not None and event is not None:
         stream.wait_event(event)
-
-
-def _rate(nbytes: int, fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return nbytes / max(time.perf_counter() - start, 1e-9)

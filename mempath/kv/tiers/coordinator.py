@@ -1,7 +1,8 @@
-"""TieredKV: the device block pool backed by a warm (host) and a cold (disk) tier.
+"""TierCoordinator: the device block pool backed by a warm (host) and a cold (disk) tier.
 
 The device pool (``BlockPool``) stays the only place the model reads KV from.
-This class moves blocks around it:
+This class moves blocks around it; the KV manager calls it and writes what it
+decides into the requests (nothing here writes a request's fields):
 
   * demotion: before the pool hands out free blocks that still hold cached
     content, that content is copied to the host tier (one batched transfer) and
@@ -13,9 +14,10 @@ This class moves blocks around it:
   * swap: a preempted request's blocks go to host blocks it owns and come back
     when it resumes.
 
-Whether moving beats recomputing is decided by ``CostModel`` from rates measured
-at start-up (docs/tiers.md has the formulas). On the CPU the "device" is the CPU
-and every transfer completes at once, but the same code and states run.
+Whether moving beats recomputing is decided by ``CostModel`` (``kv/tiers/cost.py``)
+from rates measured at start-up (docs/tiers.md has the formulas). On the CPU the
+"device" is the CPU and every transfer completes at once, but the same code and
+states run.
 """
 from __future__ import annotations
 
@@ -28,16 +30,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mempath.kv.blocks import BlockPool
-from mempath.kv.disk_dir import FAILURE_KINDS
-from mempath.kv.tiers import DiskBlockStore, HostBlockStore, spill_to_disk, write_through_block
-from mempath.kv.transfer import Transfer, TransferEngine
+from mempath.kv.block_pool import BlockPool
+from mempath.kv.tiers.cost import CostModel
+from mempath.kv.tiers.disk import DiskBlockStore, spill_to_disk, write_through_block
+from mempath.kv.tiers.disk_dir import FAILURE_KINDS
+from mempath.kv.tiers.host import HostBlockStore
+from mempath.kv.tiers.transfer import Transfer, TransferEngine
 
 log = logging.getLogger(__name__)
 
 GPU, CPU, DISK = "gpu", "cpu", "disk"  # tier names; "gpu" is the device tier (the CPU in CI)
-# Used when the disk tier is too full at start-up to hold the calibration probe.
-ASSUMED_DISK_BYTES_PER_S = 0.5e9
 # A load's disk reads are abandoned (its blocks recomputed) this long after it started,
 # plus four times the cost model's estimate for them: generous for a busy disk, and
 # the most a hung one (a dead NFS server, a failing drive) can hold a request back.
@@ -69,49 +71,32 @@ class Load:
     deadline: float = float("inf")  # perf_counter time after which unfinished disk reads are abandoned
 
 
-class CostModel:
-    """Load-or-recompute and swap-or-recompute, from rates measured at start-up.
-
-    Loading n blocks of B bytes from the host costs ``latency + n·B/h2d``; from
-    disk ``latency + n·B/disk_read + n·B/h2d``; recomputing them costs
-    ``n·block_size / prefill_tokens_per_s``. A swap costs the copy out and back,
-    ``2·latency + n·B/d2h + n·B/h2d``, against recomputing the tokens it holds.
-    The fixed latency is why short requests recompute and long ones swap.
-    """
-
-    def __init__(self, block_size: int, block_nbytes: int, rates: dict):
-        self.block_size = block_size
-        self.block_nbytes = block_nbytes
-        self.rates = rates
-
-    def recompute_s(self, num_tokens: int) -> float:
-        return num_tokens / self.rates["prefill_tokens_per_s"]
-
-    def load_s(self, num_host: int, num_disk: int) -> float:
-        r, b = self.rates, self.block_nbytes
-        return (r["transfer_latency_s"] + (num_host + num_disk) * b / r["h2d_bytes_per_s"]
-                + num_disk * b / r["disk_read_bytes_per_s"])
-
-    def swap_s(self, num_blocks: int) -> float:
-        r, nbytes = self.rates, num_blocks * self.block_nbytes
-        return 2 * r["transfer_latency_s"] + nbytes / r["d2h_bytes_per_s"] + nbytes / r["h2d_bytes_per_s"]
+@dataclass(frozen=True)
+class TierConfig:
+    """What the tiers are built from: the device cache they copy blocks out of and into, and the flags."""
+    kv_cache: torch.Tensor
+    cpu_bytes: int  # --cpu-kv-gb
+    disk_path: str | None = None  # --disk-kv-path
+    disk_bytes: int = 0  # --disk-kv-gb
+    write_through: bool = False  # --disk-write-policy
+    fingerprint: str = ""  # names the model whose blocks the disk tier may keep
+    preemption_mode: str = "auto"
 
 
-class TieredKV:
-    def __init__(self, pool: BlockPool, kv_cache: torch.Tensor, block_size: int, cpu_bytes: int,
-                 disk_path: str | None = None, disk_bytes: int = 0, write_through: bool = False,
-                 fingerprint: str = "", preemption_mode: str = "auto"):
+class TierCoordinator:
+    def __init__(self, pool: BlockPool, block_size: int, config: TierConfig):
         self.pool = pool
         self.block_size = block_size
-        self.preemption_mode = preemption_mode
-        self.host = HostBlockStore.for_cache(kv_cache, cpu_bytes)
+        self.preemption_mode = config.preemption_mode
+        self.host = HostBlockStore.for_cache(config.kv_cache, config.cpu_bytes)
         self.block_nbytes = self.host.block_nbytes
         self.disk = None
-        if disk_path:
-            self.disk = DiskBlockStore(disk_path, disk_bytes, self.block_nbytes, write_through,
-                                       fingerprint=fingerprint, block_shape=self.host.block_shape,
+        if config.disk_path:
+            self.disk = DiskBlockStore(config.disk_path, config.disk_bytes, self.block_nbytes, config.write_through,
+                                       fingerprint=config.fingerprint, block_shape=self.host.block_shape,
                                        dtype=self.host.dtype)
-        self.transfer = TransferEngine(kv_cache, self.host, staging_blocks=min(STAGING_BLOCKS, pool.num_blocks))
+        self.transfer = TransferEngine(config.kv_cache, self.host,
+                                       staging_blocks=min(STAGING_BLOCKS, pool.num_blocks))
         self.rates: dict = {}
         self.cost = CostModel(block_size, self.block_nbytes, self.rates)
         self.counters: Counter[str] = Counter()
@@ -122,43 +107,9 @@ class TieredKV:
         # not asked for more (they would queue behind it and time out in turn).
         self._overdue_reads: list[Future] = []
 
-    # ------------------------------------------------------------ start-up
     def calibrate(self, measure_prefill) -> dict:
-        """Measure transfer, disk and prefill rates; ``measure_prefill()`` returns tokens/s."""
-        disk = None
-        probe = 8
-        if self.disk is not None:
-            # The probe must not evict blocks kept from an earlier run.
-            room = (self.disk.capacity_bytes - self.disk.used_bytes) // self.disk.file_nbytes(bytes(16))
-            probe = int(min(probe, room))
-            disk = self.disk if probe > 0 else None
-        rates = self.transfer.calibrate(disk, probe_blocks=min(64, self.pool.num_blocks),
-                                        disk_probe_blocks=max(probe, 1))
-        self.rates.update({k: v for k, v in rates.items() if k.endswith("_bytes_per_s")})
-        self.rates.setdefault("disk_read_bytes_per_s", ASSUMED_DISK_BYTES_PER_S)
-        self.rates["transfer_latency_s"] = self._measure_latency()
-        self.rates["prefill_tokens_per_s"] = float(measure_prefill())
-        log.info("KV tiers calibrated: h2d %.2f GB/s, d2h %.2f GB/s, disk read %.2f GB/s%s, "
-                 "transfer latency %.1f us, prefill %.0f tokens/s",
-                 self.rates["h2d_bytes_per_s"] / 1e9, self.rates["d2h_bytes_per_s"] / 1e9,
-                 self.rates["disk_read_bytes_per_s"] / 1e9,
-                 "" if disk is not None or self.disk is None else " (assumed: no room for the probe)",
-                 self.rates["transfer_latency_s"] * 1e6, self.rates["prefill_tokens_per_s"])
-        return dict(self.rates)
-
-    def _measure_latency(self) -> float:
-        """The fixed cost of one transfer: the fastest of a few one-block round trips, halved."""
-        host_ids = self.host.allocate(1)
-        best = float("inf")
-        try:
-            for _ in range(5):
-                start = time.perf_counter()
-                self.transfer.device_to_host([0], host_ids).wait()
-                self.transfer.host_to_device(host_ids, [0]).wait()
-                best = min(best, (time.perf_counter() - start) / 2)
-        finally:
-            self.host.free(host_ids)
-        return best
+        """Measure the cost model's rates (``CostModel.calibrate``); ``measure_prefill()`` returns tokens/s."""
+        return self.cost.calibrate(self.transfer, self.disk, measure_prefill)
 
     # ------------------------------------------------------------ device allocation
     def allocate_device(self, n: int) -> list[int]:
@@ -244,6 +195,14 @@ class TieredKV:
             self._overdue_reads = [f for f in self._overdue_reads if not f.done()]
         return bool(self._overdue_reads)
 
+    @staticmethod
+    def being_loaded(found: list, hashes: list[bytes], loads) -> bool:
+        """Whether a host or disk block of ``found`` (with these hashes) is on its way to the
+        device in one of ``loads`` (for another request)."""
+        wanted = {h for (tier, _), h in zip(found, hashes) if tier != GPU}
+        return bool(wanted) and any(h in wanted for load in loads
+                                    for h, tier in zip(load.hashes, load.sources) if tier != GPU)
+
     def worth_loading(self, found: list) -> tuple[list, list]:
         """The leading part of ``found`` that is faster to load than to recompute, and the
         choices behind it (for :meth:`record_choices` once the request is admitted).
@@ -277,10 +236,11 @@ class TieredKV:
                      recompute * 1e3, "load" if loaded else "recompute")
 
     def start_promotion(self, request, cached: list[int], found: list) -> Load | None:
-        """Give the request device blocks for ``found`` and start loading them; None if they don't fit.
+        """Take device blocks for ``found`` and start loading them; None if they don't fit.
 
-        ``cached`` are the device blocks of its leading prefix; ``found`` the
-        (tier, id-or-hash) of the blocks after it, as ``locate`` gave them.
+        ``cached`` are the device blocks of the request's leading prefix; ``found``
+        the (tier, id-or-hash) of the blocks after it, as ``locate`` gave them. The
+        request's blocks are then ``cached + load.gpu_ids``.
         """
         on_device = cached + [b for t, b in found if t == GPU]
         needed = sum(t != GPU for t, _ in found)
@@ -310,9 +270,6 @@ class TieredKV:
             load.reads.append((self.disk.read_async(block_hash, self.host.block(host_id)), host_id, pos))
         if load.reads:
             load.deadline = load.started + self.read_deadline_s + 4 * self.cost.load_s(0, len(load.reads))
-        request.block_table = cached + gpu_ids
-        request.num_computed_tokens = len(cached) * self.block_size
-        request.num_registered_blocks = len(cached)
         return load
 
     def _launch_h2d(self, load: Load, host_ids: list[int], gpu_ids: list[int]) -> None:
@@ -382,30 +339,23 @@ class TieredKV:
                 transfer.wait()
 
     def land(self, load: Load) -> None:
-        """Hand the loaded blocks to the request: computed tokens, prefix-cache entries, counters."""
-        request = load.request
-        first = len(request.block_table) - len(load.gpu_ids)
-        keep = first + load.num_valid
-        dropped = request.block_table[keep:]
-        # A new list: the runner caches block-table rows by list identity, and this one shrank.
-        request.block_table = request.block_table[:keep]
-        self.pool.free(list(reversed(dropped)))
+        """The load's good blocks are on the device: count the hits, then give back a swap's
+        host blocks, or put the loaded blocks in the device prefix cache.
+
+        The caller has already freed the device blocks past ``num_valid``.
+        """
         for tier in load.sources[:load.num_valid]:
             if tier != GPU:
                 self.counters[f"hits_{tier}"] += 1
         if load.swap_host_ids:
             self.host.free(load.swap_host_ids)
-            request.num_computed_tokens = load.num_tokens
-            request.num_registered_blocks = 0
             self.counters["swap_ins"] += 1
             return
         for block_id, block_hash in zip(load.gpu_ids[:load.num_valid], load.hashes):
             self.pool.cache(block_id, block_hash)
-        request.num_computed_tokens = keep * self.block_size
-        request.num_registered_blocks = keep
         if load.num_valid < len(load.gpu_ids):
             self.counters["recomputed_after_failed_load_blocks"] += len(load.gpu_ids) - load.num_valid
-        log.debug("request %s: %d blocks landed in %.3f ms", request.request_id, load.num_valid,
+        log.debug("request %s: %d blocks landed in %.3f ms", load.request.request_id, load.num_valid,
                   (time.perf_counter() - load.started) * 1e3)
 
     def cancel(self, load: Load) -> None:
@@ -433,39 +383,42 @@ class TieredKV:
                  " (forced)" if self.preemption_mode == "swap" else "")
         return choice
 
-    def swap_out(self, request, block_ids: list[int]) -> bool:
-        """Copy the blocks to host blocks the request owns; False (nothing copied) if no room."""
+    def preempt(self, request, block_ids: list[int]) -> list[int] | None:
+        """Swap a preempted request's blocks out if that beats recomputing them and the host has
+        room: the host blocks now holding them; None if they are to be recomputed (counted)."""
+        host_ids = self.swap_out(request, block_ids) if self.should_swap(request, len(block_ids)) else None
+        if host_ids is None:
+            self.counters["recompute_preemptions"] += 1
+        return host_ids
+
+    def swap_out(self, request, block_ids: list[int]) -> list[int] | None:
+        """Copy the blocks to host blocks the request owns (returned); None (nothing copied) if no room."""
         host_ids = self._allocate_host(len(block_ids))
         if len(host_ids) < len(block_ids):
             self.host.free(host_ids)
             log.info("no host room to swap %s (%d blocks): recompute instead", request.request_id, len(block_ids))
-            return False
+            return None
         transfer = self.transfer.device_to_host(block_ids, host_ids)
         transfer.make_current_stream_wait()
         self._d2h.append((transfer, set(host_ids), []))
-        request.swapped = (host_ids, request.num_computed_tokens)
         self.counters["swap_outs"] += 1
-        return True
+        return host_ids
 
-    def start_swap_in(self, request) -> Load | None:
-        host_ids, num_tokens = request.swapped
+    def start_swap_in(self, request, host_ids: list[int], num_tokens: int) -> Load | None:
+        """Take device blocks for a swapped-out request's host blocks and start copying them up;
+        None if they don't fit. The request's blocks are then ``load.gpu_ids``."""
         if len(host_ids) > self.pool.num_free:
             return None
         gpu_ids = self.allocate_device(len(host_ids))
         load = Load(request, gpu_ids, [None] * len(gpu_ids), [], num_tokens,
                     swap_host_ids=host_ids, num_valid=len(gpu_ids))
         self._launch_h2d(load, host_ids, gpu_ids)
-        request.swapped = None
-        request.block_table = list(gpu_ids)
         return load
 
-    def release_swap(self, request) -> None:
+    def release_swap(self, host_ids: list[int]) -> None:
         """A swapped-out request finished without resuming (aborted): free its host blocks."""
-        if request.swapped is not None:
-            host_ids, _ = request.swapped
-            self._wait_for_d2h(host_ids)
-            self.host.free(host_ids)
-            request.swapped = None
+        self._wait_for_d2h(host_ids)
+        self.host.free(host_ids)
 
     # ------------------------------------------------------------ visibility
     def stats(self) -> dict:
