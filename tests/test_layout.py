@@ -95,3 +95,40 @@ def test_runtime_imports_no_tool():
 def test_the_circle_finder_finds_circles():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert import_circles(graph) == [["a", "b", "c"]]
+
+
+# The Triton kernels are long by nature (a kernel is one function, tiled by hand).
+KERNELS = PACKAGE / "kernels"
+MAX_FILE_LINES = 700
+MAX_FUNCTION_LINES = 60
+
+
+def function_lengths(path: Path) -> list[tuple[str, int]]:
+    """(name, lines) of every function in a file, its docstring not counted."""
+    lengths = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            lines = node.end_lineno - node.lineno + 1
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                lines -= first.end_lineno - first.lineno + 1
+            lengths.append((node.name, lines))
+    return lengths
+
+
+def test_no_file_or_function_outgrows_the_house_limits():
+    too_long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if KERNELS in path.parents:
+            continue
+        if len(path.read_text().splitlines()) > MAX_FILE_LINES:
+            too_long.append(f"{path.relative_to(PACKAGE)} ({len(path.read_text().splitlines())} lines)")
+        too_long += [f"{path.relative_to(PACKAGE)}::{name} ({n} lines)"
+                     for name, n in function_lengths(path) if n > MAX_FUNCTION_LINES]
+    assert not too_long, "over the limits (files 700 lines, functions 60 without the docstring): " + "; ".join(too_long)
+
+
+def test_function_lengths_leave_out_the_docstring(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text('def f():\n    """Doc\n\n    more doc.\n    """\n    a = 1\n    return a\n\n\ndef g():\n    return 2\n')
+    assert function_lengths(source) == [("f", 3), ("g", 2)]
