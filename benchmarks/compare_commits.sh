@@ -24,7 +24,7 @@ for round in $(seq "$ROUNDS"); do
 done
 for tree in "$OLD" "$NEW"; do
   want multiturn && run_in "$tree" multiturn 240 python3 benchmarks/bench_multiturn.py --shape llama-3.1-8b \
-    --conversations 12 --user-tokens 1200 --cpu-kv-gb 48 --modes recompute,cpu
+    --conversations ${MT_CONVERSATIONS:-12} --user-tokens 1200 --cpu-kv-gb 48 --modes recompute,cpu
   want budget && run_in "$tree" budget 200 python3 benchmarks/bench_budget.py --shape llama-3.1-8b \
     --gpu-memory-utilization 0.5 --steps 1000
 done
