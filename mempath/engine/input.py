@@ -5,6 +5,7 @@ allocated or scheduled before a request passes.
 """
 import itertools
 from collections.abc import Callable, Container
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,18 +14,17 @@ from mempath.kv.manager import blocks_for
 from mempath.sampling import SamplingParams
 
 
+@dataclass
 class InputProcessor:
-    def __init__(self, model: str, tokenizer, vocab_size: int, max_model_len: int, max_logprobs: int,
-                 block_size: int, num_kv_blocks: int, make_generator: Callable[[int], torch.Generator]):
-        self.model = model
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
-        self.max_logprobs = max_logprobs
-        self.block_size = block_size
-        self.num_kv_blocks = num_kv_blocks
-        self.make_generator = make_generator  # the sampler's: seeded draws on the device that samples
-        self._ids = itertools.count()
+    model: str
+    tokenizer: object  # a transformers tokenizer, or None when the checkpoint has none
+    vocab_size: int
+    max_model_len: int
+    max_logprobs: int
+    block_size: int
+    num_kv_blocks: int
+    make_generator: Callable[[int], torch.Generator]  # the sampler's: seeded draws on the device that samples
+    _ids: itertools.count = field(default_factory=itertools.count)
 
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
