@@ -62,6 +62,13 @@ def test_json_has_every_pathway_with_predicted_measured_error(report):
     assert abs(rows["logits"]["error_pct"]) < 5, rows["logits"]
 
 
+def test_every_device_pathway_of_the_engine_ledger_is_a_row(report):
+    data = json.loads(Path(report["files"]["json"]).read_text())
+    rows = {r["pathway"] for r in data["pathways"]}
+    device_pathways = [name for name, entry in data["ledger"].items() if entry["device"] == "cpu"]
+    assert device_pathways and not [name for name in device_pathways if name not in rows]
+
+
 def test_json_side_figures(report):
     assert report["leak"]["kv_blocks_used_after"] == 0
     assert report["leak"]["ok"], report["leak"]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mempath.memory.ledger import format_bytes
+from mempath.memory.ledger import Pathway, format_bytes
 from mempath.tools.diagnose.meters import StageRecord
 
 
@@ -74,19 +74,20 @@ def comparison_rows(engine, plan, probe_plan, recorder, forward, growth) -> list
                         num_blocks * plan.kv_bytes_per_block,
                         f"plan: {plan.num_kv_blocks:,} blocks (device memory x utilization - weights - workspace)",
                         f"engine: {num_blocks:,} blocks after its profile step"))
-    graphs = engine.ledger.entries.get("cuda_graphs")
+    graphs = engine.ledger.entries.get(Pathway.CUDA_GRAPHS)
     if graphs is not None:
         rows.append(Row("cuda_graphs", plan.cuda_graph_bytes, graphs.bytes,
                         f"plan: cuda_graph_bytes (batch <= {plan.cuda_graph_batch})",
                         f"engine ledger: {graphs.detail}"))
-    for name in ("step_buffers", "non_torch"):  # figures the plan has no formula for
+    # Figures the plan has no formula for: measured or derived by the engine alone.
+    for name in (Pathway.STEP_BUFFERS, Pathway.NON_TORCH, Pathway.TORCH_OTHER, Pathway.OUTSIDE_TORCH_GROWTH):
         entry = engine.ledger.entries.get(name)
         if entry is not None:
-            rows.append(Row(name, None, entry.bytes, "not in the plan", f"engine ledger ({entry.source})",
+            rows.append(Row(name.value, None, entry.bytes, "not in the plan", f"engine ledger ({entry.source})",
                             entry.detail))
-    if "activation_peak" in engine.ledger.entries:
+    if Pathway.ACTIVATION_PEAK in engine.ledger.entries:
         rows.append(Row("activation_peak (engine profile step)",
-                        plan.step_peak_bytes, engine.ledger.get("activation_peak"),
+                        plan.step_peak_bytes, engine.ledger.get(Pathway.ACTIVATION_PEAK),
                         f"plan: step_peak_bytes at {plan.max_num_batched_tokens} tokens, "
                         f"{plan.logits_rows} sampled rows",
                         "engine ledger (peak allocation of its profile step)"))
