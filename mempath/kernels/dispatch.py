@@ -13,7 +13,7 @@ object, chosen at build time, rather than a per-call test of each tensor's devic
 - tests and benchmarks swap a kernel by replacing a field of the model's Kernels (every
   layer holds the same instance) or of one layer's own copy (``dataclasses.replace``),
   never by patching module globals that every model shares; the next models on one
-  device (issue #14) can each have their own.
+  device (issue #15) can each have their own.
 
 Importing this module imports no Triton code (nor Triton) until a model on CUDA asks for it.
 """
