@@ -22,6 +22,7 @@ A configuration the server refuses (e.g. longer stop strings than its limit) is
 reported as refused. Prints one JSON line. Usage:
     PYTHONPATH=. python3 benchmarks/bench_hostile_stops.py
     PYTHONPATH=. python3 benchmarks/bench_hostile_stops.py --num-stops 16 --stop-len 60000
+    PYTHONPATH=. python3 benchmarks/bench_hostile_stops.py --device cuda --model DIR --serve-args --load-format dummy
 """
 import argparse
 import asyncio
@@ -52,6 +53,7 @@ def start_server(args, port: int) -> subprocess.Popen:
                "--max-body-bytes", str(args.max_body_bytes), "--uvicorn-log-level", "warning"]
     if args.model:
         command.append(args.model)
+    command += args.serve_args
     env = {k: v for k, v in os.environ.items() if k != "MEMPATH_API_KEY"}
     process = subprocess.Popen(command, env=env)
     deadline = time.time() + 120
@@ -169,6 +171,8 @@ def main() -> int:
                         help="chunks a stream sends before the unrelated requests start")
     parser.add_argument("--max-body-bytes", type=int, default=4 << 20,
                         help="the server's body limit (long stop strings need a large body)")
+    parser.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[],
+                        help="the rest of the line goes to `mempath serve` (e.g. --load-format dummy)")
     args = parser.parse_args()
 
     port = free_port()
@@ -181,7 +185,7 @@ def main() -> int:
     finally:
         server.terminate()
         server.wait(30)
-    result = {"benchmark": "hostile_stops", "num_stops": args.num_stops, "stop_len": args.stop_len,
+    result = {"benchmark": "hostile_stops", "model": args.model or "mempath-tiny", "num_stops": args.num_stops, "stop_len": args.stop_len,
               "device": args.device, "rounds": args.rounds, "repeats": args.repeats, **figures}
     alone = figures["alone"]["latency_median_s"]
     for name in ("beside_benign_stream", "beside_hostile_stream"):
