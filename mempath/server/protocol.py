@@ -175,8 +175,9 @@ class CompletionRequest(_SamplingRequest):
             raise APIError(400, "echo is not supported by this server", "echo")
         if self.suffix:
             raise APIError(400, "suffix is not supported by this server", "suffix")
-        if self.best_of is not None and self.best_of != self.n:
-            raise APIError(400, "best_of is not supported by this server (use n)", "best_of")
+        if self.best_of is not None and self.best_of != 1:
+            raise APIError(400, "best_of is not supported by this server (vLLM removed it too); "
+                                "leave it out and use n", "best_of")
         return self
 
     def prompts(self) -> list[str | list[int]]:
