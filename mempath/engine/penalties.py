@@ -26,11 +26,7 @@ import numpy as np
 import torch
 
 from mempath.constants import SAMPLER_SORT_ROWS
-
-# Bytes per [row, V] entry the penalties hold at their peak, for one slice of
-# SAMPLER_SORT_ROWS rows: counts (4, float32), the seen mask (1), the rows' logits (4),
-# the per-entry divisor (4) and its two masks (1 + 1). Under the sort phase's 21.
-PENALTY_BYTES_PER_ENTRY = 15
+from mempath.memory.formulas import SAMPLER_PENALTY_BYTES_PER_ENTRY as PENALTY_BYTES_PER_ENTRY  # noqa: F401
 
 
 @dataclass
