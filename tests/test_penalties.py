@@ -246,3 +246,11 @@ def test_bad_values_are_one_line_naming_the_field(model_factory, params, message
     with pytest.raises(ValueError) as error:
         llm.generate([1, 2, 3], SamplingParams(**params), use_tqdm=False)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_max_model_len_still_ends_a_request_before_min_tokens(model_factory):
+    path, _ = model_factory("llama")
+    llm = LLM(path, dtype="float32", show_progress=False, max_model_len=16)
+    out = llm.generate([1, 2, 3, 4], SamplingParams(max_tokens=20, min_tokens=20, temperature=0),
+                       use_tqdm=False)[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 12

@@ -83,7 +83,7 @@ class OutputProcessor:
         params = request.params
         if request.num_output_tokens < params.min_tokens:
             # Nothing but the length ends it before min_tokens (EOS and stop ids are masked too).
-            return None, new_text
+            return ("length" if request.num_tokens >= self.max_model_len else None), new_text
         if token_id in params.stop_token_ids:
             request.stop_reason = token_id
             return "stop", new_text
