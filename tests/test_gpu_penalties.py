@@ -50,7 +50,7 @@ def test_cuda_penalty_peak_is_within_the_sampler_plan(tmp_path):
     requests = []
     for _ in range(rows):
         request = Request("r", None, list(range(500)), SamplingParams(repetition_penalty=1.2, presence_penalty=0.2,
-                                                                       frequency_penalty=0.2, top_p=0.9))
+                                                                       frequency_penalty=0.2, temperature=0))
         request.token_ids += list(range(300))
         requests.append(request)
     last = torch.tensor([r.token_ids[-1] for r in requests], device=device)
@@ -62,4 +62,4 @@ def test_cuda_penalty_peak_is_within_the_sampler_plan(tmp_path):
     sampler(logits, [r.params for r in requests], [None] * rows, adjust)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before
-    assert peak <= sampler_peak_bytes(vocab, rows) * 1.10  # the sort's own temporaries on CUDA
+    assert peak <= sampler_peak_bytes(vocab, rows) * 1.02

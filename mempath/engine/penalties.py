@@ -125,12 +125,26 @@ def build_adjustments(requests: list, tokens_on_device: bool, last_tokens, vocab
     return adjust
 
 
+def host_history(request, n: int) -> np.ndarray:
+    """The request's first ``n`` tokens as int64, converting only those added since last time."""
+    array = request.token_array
+    if array is None or len(array) < n:
+        grown = np.empty(max(n, 2 * (0 if array is None else len(array)), 64), dtype=np.int64)
+        if array is not None:
+            grown[:request.token_array_len] = array[:request.token_array_len]
+        array = request.token_array = grown
+    if request.token_array_len < n:
+        array[request.token_array_len:n] = request.token_ids[request.token_array_len:n]
+        request.token_array_len = n
+    return array[:n]
+
+
 def _history(entries: list, last_tokens: torch.Tensor, vocab_size: int, device) -> TokenHistory:
     """Each row's tokens but its last from the host, its last from the device."""
     width = max(total for _, _, total in entries)
     tokens = np.full((len(entries), width), vocab_size, dtype=np.int64)
     for i, (_, request, total) in enumerate(entries):
-        tokens[i, :total - 1] = request.token_ids[:total - 1]
+        tokens[i, :total - 1] = host_history(request, total - 1)
     params = [request.params for _, request, _ in entries]
     rows = _upload(np.asarray([row for row, _, _ in entries], dtype=np.int64), device)
     lengths = _upload(np.asarray([total for _, _, total in entries], dtype=np.int64), device)

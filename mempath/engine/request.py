@@ -48,6 +48,10 @@ class Request:
             [None] if params.prompt_logprobs is not None else None)
         # Masked while fewer than params.min_tokens are out: EOS and stop_token_ids (the engine's).
         self.min_tokens_stop_ids: list[int] = []
+        # token_ids as a numpy array, filled up to ``token_array_len``, for the penalties' per-step
+        # history copy (mempath.engine.penalties.host_history): tokens are only ever appended.
+        self.token_array = None
+        self.token_array_len = 0
         # Whether sampling edits its logits (mempath.engine.penalties); fixed for its life.
         self.adjusts_logits = (params.needs_history or bool(params.logit_bias) or params.min_tokens > 0
                                or bool(params.bad_words_token_ids))
