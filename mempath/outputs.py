@@ -20,3 +20,7 @@ class RequestOutput:
     new_text: str = ""  # text added since the previous output for this request
     new_token_ids: list[int] = field(default_factory=list)
     num_output_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: per prompt token {token_id: logprob} (None for the
+    # first), and the prompt token's rank among the vocabulary (1: the most likely).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None

@@ -20,6 +20,21 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs for each generated token
     n: int = 1
+    # vLLM's penalties: presence and frequency over the generated tokens (OpenAI's formula),
+    # repetition over prompt + generated tokens (divides positive logits, multiplies negative).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    min_tokens: int = 0  # EOS, stop_token_ids and stop strings do not end it before this many
+    prompt_logprobs: int | None = None  # top-n logprobs (plus the actual token) at each prompt token
+    skip_special_tokens: bool = True
+    # Words never generated: each is tokenized (with and without a leading space) into a token
+    # sequence; its last token is banned whenever the generated tokens end with the rest of it.
+    bad_words: list[str] = field(default_factory=list)
+    best_of: int | None = None  # refused but for 1: vLLM dropped it
+    # Set by the engine from bad_words and the tokenizer (InputProcessor), never by callers.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -28,6 +43,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        self.bad_words = list(self.bad_words or [])
+        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
 
     def validate(self, max_logprobs: int) -> None:
         """Raise ValueError naming the bad field and the allowed range."""
@@ -51,6 +70,71 @@ class SamplingParams:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        self._validate_extensions(max_logprobs)
+
+    def _validate_extensions(self, max_logprobs: int) -> None:
+        """vLLM's ranges for the penalties, logit_bias, min_tokens, prompt_logprobs, bad_words."""
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0 (1: off), got {self.repetition_penalty}")
+        for token_id, bias in (self.logit_bias or {}).items():
+            if isinstance(token_id, bool) or not isinstance(token_id, int):
+                raise ValueError(f"logit_bias keys must be token ids (integers), got {token_id!r}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+                raise ValueError(f"logit_bias[{token_id}] must be a finite number, got {bias!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) \
+                or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
+        if self.prompt_logprobs is not None and (
+                isinstance(self.prompt_logprobs, bool) or not isinstance(self.prompt_logprobs, int)
+                or not 0 <= self.prompt_logprobs <= max_logprobs):
+            raise ValueError(f"prompt_logprobs must be in [0, {max_logprobs}], got {self.prompt_logprobs!r}")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(f"skip_special_tokens must be true or false, got {self.skip_special_tokens!r}")
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise ValueError("bad_words must be non-empty strings")
+        if self.best_of is not None and self.best_of != 1:
+            raise ValueError(f"best_of is not supported (vLLM removed it too); leave it out and use n "
+                             f"(got best_of={self.best_of})")
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Token ids in logit_bias and bad_words must exist in the model's vocabulary."""
+        bad = [t for t in (self.logit_bias or {}) if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token id(s) {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+        bad = [t for word in self.bad_words_token_ids for t in word if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"bad_words tokenize to id(s) {bad[:5]} outside the vocabulary [0, {vocab_size})")
+
+    def set_bad_words_token_ids(self, encode) -> None:
+        """Tokenize bad_words as vLLM does: each word alone and after a space.
+
+        The spaced form is kept only when it is a different token sequence of the same
+        length (a word-initial token of its own), so the word is banned at the start of
+        the text and in its middle.
+        """
+        sequences: list[list[int]] = []
+        for word in self.bad_words:
+            plain = encode(word.lstrip())
+            if plain:
+                sequences.append(plain)
+            spaced = encode(" " + word.lstrip())
+            if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+                sequences.append(spaced)
+        self.bad_words_token_ids = sequences
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether sampling reads the request's tokens (penalties or multi-token bad words)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0 or bool(self.bad_words_token_ids))
 
     @property
     def greedy(self) -> bool:

@@ -317,12 +317,11 @@ def test_the_sampler_treats_a_tiny_temperature_as_greedy():
 UNSUPPORTED = [
     ("response_format", {"type": "json_object"}), ("tools", [{"type": "function",
                                                              "function": {"name": "f"}}]),
-    ("tool_choice", "required"), ("repetition_penalty", 1.2), ("min_tokens", 5),
+    ("tool_choice", "required"),
     ("use_beam_search", True), ("stop_token_ids", [3]), ("include_stop_str_in_output", True),
-    ("skip_special_tokens", False), ("bad_words", ["x"]), ("guided_json", {"type": "object"}),
+    ("spaces_between_special_tokens", False), ("guided_json", {"type": "object"}),
     ("guided_regex", "a+"), ("guided_choice", ["a", "b"]), ("structured_outputs", {"json": {}}),
-    ("prompt_logprobs", 1), ("truncate_prompt_tokens", 4), ("allowed_token_ids", [1, 2]),
-    ("logit_bias", {"5": 1.0}), ("presence_penalty", 0.5), ("frequency_penalty", -0.5),
+    ("truncate_prompt_tokens", 4), ("allowed_token_ids", [1, 2]),
     ("length_penalty", 0.5), ("priority", 1), ("cache_salt", "tenant-a"),
     ("stream_options", {"include_usage": True, "continuous_usage_stats": True}),
 ]

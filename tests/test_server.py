@@ -357,7 +357,7 @@ def test_invalid_json_is_a_400(server):
     ({"prompt": "hi", "n": MAX_N + 1}, "n", "--max-n"),
     ({"prompt": "hello " * (MAX_MODEL_LEN + 10)}, "prompt", "max_model_len"),
     ({"prompt": "hi", "stop": [""]}, "stop", "non-empty"),
-    ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
 ])
 def test_bad_completion_fields_are_400s_naming_the_field(server, body, param, says):
     response = raw_post(server, "/v1/completions", json.dumps({"model": "tiny", **body}).encode())

@@ -10,15 +10,17 @@ class IncrementalDetokenizer:
     multi-byte character split across tokens.
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.prefix_offset = 0
         self.read_offset = 0
 
     def delta(self, token_ids: list[int]) -> str:
         decode = self.tokenizer.decode
-        prefix = decode(token_ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
-        full = decode(token_ids[self.prefix_offset:], skip_special_tokens=True)
+        skip = self.skip_special_tokens
+        prefix = decode(token_ids[self.prefix_offset:self.read_offset], skip_special_tokens=skip)
+        full = decode(token_ids[self.prefix_offset:], skip_special_tokens=skip)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.prefix_offset = self.read_offset
             self.read_offset = len(token_ids)
@@ -27,9 +29,10 @@ class IncrementalDetokenizer:
 
     def flush(self, token_ids: list[int]) -> str:
         """Whatever is still held back, once no more tokens will come."""
+        skip = self.skip_special_tokens
         prefix = self.tokenizer.decode(token_ids[self.prefix_offset:self.read_offset],
-                                       skip_special_tokens=True)
-        full = self.tokenizer.decode(token_ids[self.prefix_offset:], skip_special_tokens=True)
+                                       skip_special_tokens=skip)
+        full = self.tokenizer.decode(token_ids[self.prefix_offset:], skip_special_tokens=skip)
         self.read_offset = len(token_ids)
         return full[len(prefix):]
 

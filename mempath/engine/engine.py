@@ -35,7 +35,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self.inputs = InputProcessor(config.model, self.tokenizer, self.spec.vocab_size, self.max_model_len,
                                      config.max_logprobs, config.block_size, self.kv.num_blocks,
-                                     self.runner.sampler.make_generator)
+                                     self.runner.sampler.make_generator, frozenset(parts.eos_token_ids))
         self.outputs = OutputProcessor(self.tokenizer, parts.eos_token_ids, self.max_model_len,
                                        self.scheduler.finish)
         self.num_prompt_tokens = 0

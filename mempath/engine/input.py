@@ -24,6 +24,7 @@ class InputProcessor:
     block_size: int
     num_kv_blocks: int
     make_generator: Callable[[int], torch.Generator]  # the sampler's: seeded draws on the device that samples
+    eos_token_ids: frozenset[int] = frozenset()  # masked with stop_token_ids until min_tokens are out
     _ids: itertools.count = field(default_factory=itertools.count)
 
     def tokenize(self, prompt: str) -> list[int]:
@@ -41,12 +42,22 @@ class InputProcessor:
             raise ValueError("stop strings need a tokenizer; this model has none: use stop_token_ids")
         if params.n != 1:
             raise ValueError("the engine runs one sample per request; LLM.generate expands n > 1")
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words need a tokenizer; this model has none: use logit_bias "
+                                 "with -100 on the token ids instead")
+            params.set_bad_words_token_ids(
+                lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+        params.check_vocabulary(self.vocab_size)
         text, token_ids = self._prompt_tokens(prompt)
         self._check_fits(token_ids, params)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in live:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, text, token_ids, params)
+        request = Request(request_id, text, token_ids, params)  # after set_bad_words_token_ids
+        if params.min_tokens:
+            request.min_tokens_stop_ids = sorted(
+                {t for t in (*self.eos_token_ids, *params.stop_token_ids) if 0 <= t < self.vocab_size})
         if params.seed is not None:
             request.generator = self.make_generator(params.seed)
         return request

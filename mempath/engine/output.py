@@ -34,7 +34,8 @@ class OutputProcessor:
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
         if self.tokenizer is not None:
-            self.detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer)
+            self.detokenizers[request.request_id] = IncrementalDetokenizer(
+                self.tokenizer, request.params.skip_special_tokens)
 
     def emit(self, sampling: list[Request], token_ids: list[int], logprobs: list) -> list[RequestOutput]:
         """One step's tokens, a row per sampling request; a request whose bookkeeping fails fails alone."""
@@ -80,6 +81,9 @@ class OutputProcessor:
     def _stop_reason(self, request: Request, token_id: int, new_text: str) -> tuple[str | None, str]:
         """Why the request ends with this token, if it does, and its new text cut at a stop string."""
         params = request.params
+        if request.num_output_tokens < params.min_tokens:
+            # Nothing but the length ends it before min_tokens (EOS and stop ids are masked too).
+            return ("length" if request.num_tokens >= self.max_model_len else None), new_text
         if token_id in params.stop_token_ids:
             request.stop_reason = token_id
             return "stop", new_text
@@ -120,4 +124,5 @@ class OutputProcessor:
             stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens or 0,
             logprobs=logprobs, error=request.error, time_to_first_token=ttft,
             total_time=total, new_text=new_text, new_token_ids=new_token_ids,
-            num_output_tokens=request.num_output_tokens)
+            num_output_tokens=request.num_output_tokens,
+            prompt_logprobs=request.prompt_logprobs, prompt_logprob_ranks=request.prompt_logprob_ranks)

@@ -40,6 +40,21 @@ class Request:
         self.error: str | None = None
         self.output_text = ""
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        # Per prompt token, from the logits before it: {token_id: logprob} for the actual token and
+        # the top-n (None for the first token), and the actual token's rank; filled per chunk.
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
+        self.prompt_logprob_ranks: list[int | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
+        # Masked while fewer than params.min_tokens are out: EOS and stop_token_ids (the engine's).
+        self.min_tokens_stop_ids: list[int] = []
+        # token_ids as a numpy array, filled up to ``token_array_len``, for the penalties' per-step
+        # history copy (mempath.engine.penalties.host_history): tokens are only ever appended.
+        self.token_array = None
+        self.token_array_len = 0
+        # Whether sampling edits its logits (mempath.engine.penalties); fixed for its life.
+        self.adjusts_logits = (params.needs_history or bool(params.logit_bias) or params.min_tokens > 0
+                               or bool(params.bad_words_token_ids))
         self.generator: torch.Generator | None = None
         self.arrival_time = arrival_time if arrival_time is not None else time.perf_counter()
         self.first_token_time: float | None = None

@@ -14,6 +14,8 @@ import torch
 from mempath.config import EngineConfig
 from mempath.constants import MAX_GRAPH_BATCH
 from mempath.engine.batch import PendingTokens, ScheduledBatch
+from mempath.engine.penalties import build_adjustments
+from mempath.engine.prompt_logprobs import prompt_logprob_rows, record_prompt_logprobs
 from mempath.engine.request import Request
 from mempath.engine.sampler import Sampler, SamplerOutput
 from mempath.kv.block_table import BlockTableRows
@@ -245,14 +247,22 @@ class ModelRunner:
             input_ids, positions, meta, logits_rows = self.prepare(
                 batch, {id(r) for r in sampling}, tokens_from=tokens_from)
             hidden = self.model(input_ids, positions, meta)
+            if any(r.prompt_logprobs is not None for r in batch.requests):
+                record_prompt_logprobs(self.model, hidden, batch, prompt_logprob_rows(self.max_num_seqs))
             if not sampling:
                 return None
             logits = self.model.compute_logits(hidden[logits_rows])
         params, generators = [r.params for r in sampling], [r.generator for r in sampling]
-        if not defer:
-            return self.sampler(logits, params, generators)
-        tokens = self.sampler.sample_tokens(logits, params, generators)
         buf = self.buffers
+        # Each sampling row's last input token is its newest token, on the device even when
+        # the host does not have it yet (tokens_from): the penalties read it from there.
+        adjust = build_adjustments(
+            sampling, tokens_from is not None,
+            lambda: buf.input_ids_d.index_select(0, buf.rows_d[:len(sampling)]),
+            self.spec.vocab_size, self.device)
+        if not defer:
+            return self.sampler(logits, params, generators, adjust)
+        tokens = self.sampler.sample_tokens(logits, params, generators, adjust)
         host, ready = buf.sampled_h[buf.next_sampled][:len(sampling)], buf.sampled_ready[buf.next_sampled]
         buf.next_sampled ^= 1
         host.copy_(tokens, non_blocking=True)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from mempath.constants import SAMPLER_SORT_ROWS as SORT_ROWS  # the planner counts it
+from mempath.engine.penalties import LogitsAdjustments
 from mempath.sampling import SamplingParams
 
 
@@ -76,9 +77,10 @@ class Sampler:
 
     @torch.no_grad()
     def sample_tokens(self, logits: torch.Tensor, params: list[SamplingParams],
-                      generators: list[torch.Generator | None]) -> torch.Tensor:
+                      generators: list[torch.Generator | None],
+                      adjust: LogitsAdjustments | None = None) -> torch.Tensor:
         """The sampled token ids as a device tensor, without waiting for them (no logprobs)."""
-        return self._tokens(logits, params, generators)
+        return self._tokens(logits, params, generators, adjust=adjust)
 
     @staticmethod
     def _scores(logits: torch.Tensor) -> torch.Tensor:
@@ -87,8 +89,12 @@ class Sampler:
             scores = scores.clone()  # float32 logits: work on a copy, the caller's stay intact
         return scores
 
-    def _tokens(self, logits, params, generators, scores=None) -> torch.Tensor:
-        """``scores``: the float32 copy, when the caller already made one."""
+    def _tokens(self, logits, params, generators, scores=None, adjust=None) -> torch.Tensor:
+        """``scores``: the float32 copy, when the caller already made one; ``adjust``: the
+        penalties, biases and masks applied to it first (mempath.engine.penalties)."""
+        if adjust is not None:
+            scores = self._scores(logits) if scores is None else scores
+            adjust.apply(scores)
         if all(p.greedy for p in params):
             # The model-dtype logits convert to float32 exactly: same argmax, no [rows, V] copy.
             return row_argmax(logits if scores is None else scores)
@@ -97,7 +103,9 @@ class Sampler:
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> SamplerOutput:
+                 generators: list[torch.Generator | None],
+                 adjust: LogitsAdjustments | None = None) -> SamplerOutput:
+        """Tokens and their logprobs (of the raw logits, as vLLM's default ``raw_logprobs``)."""
         want_logprobs = [p.logprobs for p in params]
         scores = top = None
         if any(n is not None for n in want_logprobs):
@@ -106,7 +114,7 @@ class Sampler:
             log_z = torch.logsumexp(scores, dim=-1)
             max_n = max(n or 0 for n in want_logprobs)
             top = scores.topk(max(max_n, 1), dim=-1)
-        tokens = self._tokens(logits, params, generators, scores)
+        tokens = self._tokens(logits, params, generators, scores, adjust)
         token_list = tokens.tolist()
         logprobs: list[dict[int, float] | None] = [None] * len(params)
         if top is not None:

@@ -122,7 +122,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return []
         self._hash_full_blocks(request)
-        limit = (request.num_tokens - 1) // self.block_size
+        limit = self._reusable_blocks(request)
         blocks = []
         for block_hash in request.block_hashes[:limit]:
             block_id = self.pool.lookup(block_hash)
@@ -133,11 +133,22 @@ class KVCacheManager:
         self.pool.num_hits += len(blocks)
         return blocks
 
+    def _reusable_blocks(self, request) -> int:
+        """How many leading full blocks a request may take from a cache instead of computing.
+
+        Never the block of its last token (its logits must be computed), and none for a
+        request asking for prompt logprobs: those need the logits at every prompt
+        position. Its blocks are still registered for other requests to reuse.
+        """
+        if request.params.prompt_logprobs is not None:
+            return 0
+        return (request.num_tokens - 1) // self.block_size
+
     def find_in_tiers(self, request, start: int) -> list:
         """(tier, id or hash) of the request's blocks after the first ``start``, up to the first miss."""
         if not self.enable_prefix_caching or self.tiers is None:
             return []
-        limit = (request.num_tokens - 1) // self.block_size
+        limit = self._reusable_blocks(request)
         found = []
         for block_hash in request.block_hashes[start:limit]:
             where = self.tiers.locate(block_hash)

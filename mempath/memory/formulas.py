@@ -281,25 +281,44 @@ def moe_phase_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, fused: boo
 
 
 
+# Bytes per [row, V] entry the penalties (mempath.engine.penalties) hold at their peak, for one
+# slice of SAMPLER_SORT_ROWS rows: counts over the generated tokens (4, float32), the mask of
+# tokens seen (1), the rows' logits (4), the repetition divisor (4) and its masks (2).
+SAMPLER_PENALTY_BYTES_PER_ENTRY = 15
+
+
 def sampler_peak_bytes(vocab_size: int, rows: int) -> int:
-    """The sampler's peak at its costliest settings (temperature, top-k/top-p, logprobs).
+    """The sampler's peak at its costliest settings (temperature, top-k/top-p, logprobs, penalties).
 
     It works in place on one float32 copy of the logits (4 B per entry), and then
     needs either the exponential noise (4 B per entry) or, when top-p rows without
     top-k are sorted SAMPLER_SORT_ROWS at a time, a slice's values (4), indices (8),
     mask (1), probabilities (4) and cumulative sums (4): 21 B per entry of the slice.
     (With a top-k on every row only the top k are taken: the noise phase is the
-    peak.) Logprobs keep only per-row constants and the top-n. Measured on the CPU by
-    tests/test_sampler.py; on CUDA the sort's own temporaries come on top.
+    peak.) Penalties come before, on slices of the same rows, at
+    SAMPLER_PENALTY_BYTES_PER_ENTRY; the token counts they need are built per step
+    in those slices, nothing per batch slot is kept. Logprobs keep only per-row
+    constants and the top-n. Measured on the CPU by tests/test_sampler.py and
+    tests/test_penalties.py; on CUDA the sort's own temporaries come on top.
     """
-    return vocab_size * max(8 * rows, 4 * rows + 21 * min(rows, SAMPLER_SORT_ROWS))
+    slice_bytes = max(21, SAMPLER_PENALTY_BYTES_PER_ENTRY) * min(rows, SAMPLER_SORT_ROWS)
+    return vocab_size * max(8 * rows, 4 * rows + slice_bytes)
+
+
+def prompt_logprobs_peak_bytes(vocab_size: int, rows: int, dtype_bytes: int) -> int:
+    """Prompt logprobs (mempath.engine.prompt_logprobs), after the sampler has run: a slice of
+    min(rows, SAMPLER_SORT_ROWS) positions' lm_head output (b), its float32 copy (4), the
+    log-normaliser's exponentials (4) and the rank comparison (1). Never above the sampler's
+    peak (at least 25 B per entry of such a slice), so logits_bytes' max is the sampler's."""
+    return min(rows, SAMPLER_SORT_ROWS) * vocab_size * (dtype_bytes + 9)
 
 
 def logits_bytes(shape: ModelShape, rows: int, dtype_bytes: int = 4) -> int:
     """Logits only for the rows that are sampled (the last token of each sequence), so
     at most max_num_seqs rows: the lm_head output in the model dtype (rows · V · b),
     alive while the sampler runs, plus the sampler's peak (sampler_peak_bytes)."""
-    return rows * shape.vocab_size * dtype_bytes + sampler_peak_bytes(shape.vocab_size, rows)
+    return rows * shape.vocab_size * dtype_bytes + max(
+        sampler_peak_bytes(shape.vocab_size, rows), prompt_logprobs_peak_bytes(shape.vocab_size, rows, dtype_bytes))
 
 
 def step_peak_bytes(shape: ModelShape, tokens: int, rows: int, dtype_bytes: int, fused: bool = True) -> int:

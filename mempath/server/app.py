@@ -292,7 +292,12 @@ def resolve_max_tokens(requested: int | None, default: int, limits: Limits) -> i
 def sampling_params(req, max_tokens: int, logprobs: int | None) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k,
                           top_p=req.top_p, min_p=req.min_p, seed=req.seed, stop=req.stop_list(),
-                          ignore_eos=req.ignore_eos, logprobs=logprobs)
+                          ignore_eos=req.ignore_eos, logprobs=logprobs,
+                          presence_penalty=req.presence_penalty or 0.0,
+                          frequency_penalty=req.frequency_penalty or 0.0,
+                          repetition_penalty=req.repetition_penalty or 1.0, logit_bias=req.logit_bias_ids(),
+                          min_tokens=req.min_tokens or 0, skip_special_tokens=req.skip_special_tokens is not False,
+                          bad_words=req.bad_words or [], prompt_logprobs=req.prompt_logprobs)
 
 
 def render_chat(tokenizer, req: ChatCompletionRequest) -> list[int]:
@@ -310,7 +315,9 @@ def render_chat(tokenizer, req: ChatCompletionRequest) -> list[int]:
 
 def param_named_in(message: str) -> str | None:
     """The request field an engine error message is about (it starts with the field's name)."""
-    for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "logprobs", "stop", "seed"):
+    for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "prompt_logprobs", "logprobs",
+                 "stop", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                 "logit_bias", "min_tokens", "bad_words", "best_of"):
         if message.startswith(name):
             return name
     return "prompt" if "prompt" in message else None
@@ -341,6 +348,7 @@ class Call:
         self.stops = stops
         self.n = n
         self.num_logprobs = num_logprobs
+        self.num_prompt_logprobs: int | None = None  # set by start() from the params
         self.created = int(time.time())
         self.queue = UpdateQueue()
         self.choice_of: dict[str, int] = {}
@@ -352,6 +360,7 @@ class Call:
     async def start(self, prompts: list[str | list[int]], params: SamplingParams) -> None:
         """Submit every prompt's first sample; a request the engine rejects raises APIError(400)."""
         self.num_choices = len(prompts) * self.n
+        self.num_prompt_logprobs = params.prompt_logprobs
         try:
             for p, prompt in enumerate(prompts):
                 samples = [(p * self.n + i, prompt, self._sample_params(params, i))
@@ -366,9 +375,12 @@ class Call:
             raise
 
     def _sample_params(self, params: SamplingParams, index: int) -> SamplingParams:
-        if index == 0 or params.seed is None:
+        if index == 0 or (params.seed is None and params.prompt_logprobs is None):
             return params
-        return SamplingParams(**{**params.__dict__, "seed": params.seed + index})
+        # The first sample's prompt logprobs serve every choice of its prompt; the others
+        # then reuse its prompt's KV from the prefix cache.
+        seed = None if params.seed is None else params.seed + index
+        return SamplingParams(**{**params.__dict__, "seed": seed, "prompt_logprobs": None})
 
     def _request_id(self, choice: int) -> str:
         return f"{self.id}-{choice}"
@@ -472,6 +484,25 @@ def completion_logprobs(call: Call, token_ids: list[int], logprobs: list[dict[in
             "text_offset": offsets}
 
 
+def prompt_logprobs_body(call: Call, prompt_logprobs: tuple[list, list] | None, n: int) -> list | None:
+    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}} for the actual token and the top ``n``."""
+    if prompt_logprobs is None:
+        return None
+    body = []
+    for entry, rank in zip(*prompt_logprobs):
+        if entry is None:
+            body.append(None)
+            continue
+        actual, *others = entry  # the actual token first, then the rest of the top-n in order
+        top = others[:rank - 1] + [actual] + others[rank - 1:] if rank <= n else others
+        ranks = {token_id: place for place, token_id in enumerate(top, start=1)}
+        ranks[actual] = rank
+        body.append({str(t): {"logprob": max(entry[t], MIN_LOGPROB), "rank": ranks[t],
+                              "decoded_token": call.token_text(t)} for t in [actual, *others]})
+    return body
+
+
 def chat_logprobs(call: Call, token_ids: list[int], logprobs: list[dict[int, float]]) -> dict:
     def item(token_id: int, value: float) -> dict:
         text = call.token_text(token_id)
@@ -517,6 +548,11 @@ async def finish_completion(call: Call) -> dict:
                 "logprobs": (completion_logprobs(call, tokens[i], logprobs[i], 0)
                              if call.num_logprobs is not None else None)}
                for i, u in sorted(finals.items())]
+    if call.num_prompt_logprobs is not None:  # each choice shows its prompt's (the first sample's)
+        for choice in choices:
+            first = finals[choice["index"] - choice["index"] % call.n]
+            choice["prompt_logprobs"] = prompt_logprobs_body(call, first.prompt_logprobs,
+                                                             call.num_prompt_logprobs)
     return completion_body(call.id, call.model, choices, call.usage(finals), created=call.created)
 
 
@@ -527,7 +563,11 @@ async def finish_chat(call: Call) -> dict:
                 "logprobs": (chat_logprobs(call, tokens[i], logprobs[i])
                              if call.num_logprobs is not None else None)}
                for i, u in sorted(finals.items())]
-    return chat_body(call.id, call.model, choices, call.usage(finals), created=call.created)
+    body = chat_body(call.id, call.model, choices, call.usage(finals), created=call.created)
+    if call.num_prompt_logprobs is not None:  # one prompt: vLLM puts it beside the choices
+        body["prompt_logprobs"] = prompt_logprobs_body(call, finals[0].prompt_logprobs,
+                                                       call.num_prompt_logprobs)
+    return body
 
 
 async def until_disconnect(request: Request, work):

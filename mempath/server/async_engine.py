@@ -50,6 +50,8 @@ class Update:
     num_cached_tokens: int
     num_output_tokens: int
     error: str | None = None
+    # Finished updates of a request with SamplingParams.prompt_logprobs: (entries, ranks).
+    prompt_logprobs: tuple[list, list] | None = None
 
 
 class _Backlog:
@@ -403,7 +405,9 @@ class AsyncEngine:
             new_token_ids=list(output.new_token_ids), new_logprobs=new_logprobs, text=output.text,
             finished=output.finished, finish_reason=output.finish_reason,
             num_prompt_tokens=len(output.prompt_token_ids), num_cached_tokens=output.num_cached_tokens,
-            num_output_tokens=output.num_output_tokens, error=output.error)
+            num_output_tokens=output.num_output_tokens, error=output.error,
+            prompt_logprobs=((output.prompt_logprobs, output.prompt_logprob_ranks)
+                             if output.finished and output.prompt_logprobs is not None else None))
 
     def _deliver(self, route: _Route, update: Update) -> None:
         began, backlog = route.queue.offer(update)

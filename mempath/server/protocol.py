@@ -20,14 +20,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256  # characters
 MAX_SEED = 2**63 - 1
+MAX_LOGIT_BIAS = 100  # OpenAI's range for a logit_bias value: -100..100
+MAX_BAD_WORDS = 64  # each is tokenized per request and matched per step
 
 # Field -> the values that ask for nothing beyond what the server does (None: absent).
 NOT_HONOURED_SAMPLING = {
-    "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
-    "repetition_penalty": (1,), "min_tokens": (0,), "use_beam_search": (False,), "length_penalty": (1,),
-    "stop_token_ids": ([],), "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
-    "spaces_between_special_tokens": (True,), "bad_words": ([],), "allowed_token_ids": (),
-    "prompt_logprobs": (), "truncate_prompt_tokens": (), "response_format": ({"type": "text"},),
+    "use_beam_search": (False,), "length_penalty": (1,),
+    "stop_token_ids": ([],), "include_stop_str_in_output": (False,),
+    "spaces_between_special_tokens": (True,), "allowed_token_ids": (),
+    "truncate_prompt_tokens": (), "response_format": ({"type": "text"},),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
     "guided_decoding_backend": (), "guided_whitespace_pattern": (), "structured_outputs": (),
     "logits_processors": (), "priority": (0,), "return_tokens_as_token_ids": (False,),
@@ -122,21 +123,44 @@ class _SamplingRequest(_Strict):
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # Typed so that a wrong type or a non-finite number names the field; NOT_HONOURED refuses
-    # any value but the neutral one.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    # OpenAI's penalties and logit_bias (string token ids), and vLLM's extensions (extra_body),
+    # in vLLM's ranges; SamplingParams.validate checks the rest (min_tokens <= max_tokens).
+    # null is the default, as in vLLM's protocol (clients send null for unset fields).
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    repetition_penalty: float | None = None
-    length_penalty: float | None = None
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    min_tokens: int | None = Field(None, ge=0)
+    skip_special_tokens: bool | None = None
+    bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
+    prompt_logprobs: int | None = Field(None, ge=0)
+    length_penalty: float | None = None  # typed for its error; NOT_HONOURED refuses all but 1
     user: str | None = None
 
     @model_validator(mode="after")
     def _check_supported(self):
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError(400, "prompt_logprobs is not supported with stream: true; leave one out",
+                           "prompt_logprobs")
         self.stop_list()
+        self.logit_bias_ids()
         return self
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """logit_bias with its JSON string keys as token ids; 400 naming the bad entry."""
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not key.strip().lstrip("-").isdigit():
+                raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise APIError(400, f"logit_bias[{key}] must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], "
+                                    f"got {value}", "logit_bias")
+            bias[int(key)] = value
+        return bias
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -175,8 +199,9 @@ class CompletionRequest(_SamplingRequest):
             raise APIError(400, "echo is not supported by this server", "echo")
         if self.suffix:
             raise APIError(400, "suffix is not supported by this server", "suffix")
-        if self.best_of is not None and self.best_of != self.n:
-            raise APIError(400, "best_of is not supported by this server (use n)", "best_of")
+        if self.best_of is not None and self.best_of != 1:
+            raise APIError(400, "best_of is not supported by this server (vLLM removed it too); "
+                                "leave it out and use n", "best_of")
         return self
 
     def prompts(self) -> list[str | list[int]]:
