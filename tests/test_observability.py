@@ -266,3 +266,29 @@ def test_serve_names_a_host_that_is_not_this_machines(monkeypatch, capsys):
     with pytest.raises(ValueError, match="--host 192.0.2.1 is not an address of this machine"):
         check_port_free("192.0.2.1", 8000)  # TEST-NET-1: never a local address
     check_port_free("127.0.0.1", 0)
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_dashboard_reads_the_budget_too(model_path):
+    """The CUDA-only families the dashboard's budget panel reads, and the promise they show."""
+    app, name = build_server_app(model_path, dict(device="cuda", max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
+                                                  max_num_batched_tokens=256, gpu_memory_utilization=0.5),
+                                 served_model_name="tiny", show_progress=False)
+    running = RunningServer(app, name)
+    try:
+        complete(running, "def read_config(path):")
+        served = {s.name for family in scrape(running) for s in family.samples}
+        used = {n for q in dashboard_queries(json.loads(DASHBOARD.read_text())) for n in METRIC_NAME.findall(q)}
+        assert not used - served, sorted(used - served)
+        m = samples(running)
+        budget = m[("mempath:memory_budget_bytes", (("device", "cuda"),))]
+        granted = sum(v for (n, labels), v in m.items()
+                      if n == "mempath:memory_bytes" and dict(labels)["device"] == "cuda")
+        device_used = m[("mempath:device_memory_used_bytes", (("device", "cuda"),))]
+        assert 0 < granted <= budget
+        assert 0 < device_used
+        lines = [line for line in httpx.get(f"{running.url}/metrics").text.splitlines()
+                 if line.startswith("mempath:cache_config_info")]
+        assert 'cache_dtype="float32"' in lines[0] or 'cache_dtype="bfloat16"' in lines[0]
+    finally:
+        running.stop()
