@@ -30,6 +30,8 @@ class OutputProcessor:
         # step's output (the server) turns this off, and none of them are kept.
         self.keep_all_logprobs = True
         self.num_generation_tokens = 0
+        # Called with each request as it finishes, whatever ended it (the server's metrics).
+        self.on_finish: Callable[[Request], None] | None = None
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -60,6 +62,7 @@ class OutputProcessor:
         self.num_generation_tokens += 1
         if request.first_token_time is None:
             request.first_token_time = now
+        request.last_token_time = now
         if request.logprobs is not None:
             request.logprobs.append(logprobs)
         new_text = ""
@@ -111,6 +114,8 @@ class OutputProcessor:
             request.finish_time = time.perf_counter()
             self.requests.pop(request.request_id, None)
             self.detokenizers.pop(request.request_id, None)
+            if self.on_finish is not None:
+                self.on_finish(request)
         ttft = None if request.first_token_time is None else request.first_token_time - request.arrival_time
         total = None if request.finish_time is None else request.finish_time - request.arrival_time
         logprobs = request.logprobs

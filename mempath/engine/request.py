@@ -2,6 +2,9 @@
 
 Its KV fields (``block_table``, ``block_hashes``, ``num_registered_blocks``,
 ``swapped``) are written by the KV manager (``mempath.kv.manager``) only.
+
+Its timestamps (``time.perf_counter``) are what the server's latency histograms read:
+arrival, first scheduled (queue time ends), first and last token, finish.
 """
 import enum
 import time
@@ -26,7 +29,8 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.token_ids = list(prompt_token_ids)  # prompt + generated so far
-        self.status = RequestStatus.WAITING
+        self.scheduled_time: float | None = None  # first admitted: set by the status setter
+        self._status = RequestStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
         self.block_table: list[int] = []
@@ -58,7 +62,21 @@ class Request:
         self.generator: torch.Generator | None = None
         self.arrival_time = arrival_time if arrival_time is not None else time.perf_counter()
         self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
         self.finish_time: float | None = None
+
+    @property
+    def status(self) -> RequestStatus:
+        return self._status
+
+    @status.setter
+    def status(self, value: RequestStatus) -> None:
+        # Recorded here rather than at each place that admits a request (running, or
+        # loading its KV from a tier): the queue time ends the first time either happens,
+        # whichever scheduler path got it there.
+        if self.scheduled_time is None and value in (RequestStatus.RUNNING, RequestStatus.LOADING):
+            self.scheduled_time = time.perf_counter()
+        self._status = value
 
     @property
     def num_tokens(self) -> int:

@@ -27,6 +27,8 @@ from mempath.model.loader import (checkpoint_dtype, digest_cache_file, load_mode
                                   read_json_object, weights_digest)
 
 log = logging.getLogger(__name__)
+# The figures an operator reads (server/stats_log.py: `mempath serve` shows them at INFO).
+capacity_log = logging.getLogger("mempath.stats")
 
 # Device memory outside PyTorch that grows after start-up (kernel modules loaded on
 # first use): a few MiB over 1,000 serving steps on the H200 (BENCHMARKS.md, "The
@@ -75,6 +77,22 @@ def resolve_max_model_len(wanted: int | None, spec: ModelSpec) -> int:
             f"max_position_embeddings{' / sliding_window' if spec.sliding_window else ''}); "
             f"use --max-model-len {limit} or less")
     return wanted
+
+
+def kv_capacity_lines(device_type: str, kv: KVCacheManager, block_size: int, max_model_len: int) -> list[str]:
+    """vLLM's two start-up lines (KV cache size in tokens, the concurrency it allows at
+    max_model_len, counted in whole blocks per request), and the tiers' sizes."""
+    per_request = blocks_for(max_model_len, block_size)
+    lines = [f"{'GPU' if device_type == 'cuda' else 'CPU'} KV cache size: {kv.num_blocks * block_size:,} tokens "
+             f"({kv.num_blocks:,} blocks of {block_size})",
+             f"Maximum concurrency for {max_model_len:,} tokens per request: {kv.num_blocks / per_request:.2f}x"]
+    if kv.tiers is not None:
+        tiers = [("CPU", kv.tiers.host.num_blocks)]
+        if kv.tiers.disk is not None:  # its capacity in blocks' bytes (files add a small header)
+            tiers.append(("disk", kv.tiers.disk.capacity_bytes // kv.tiers.block_nbytes))
+        lines.append(", ".join(f"{name} KV tier: {blocks * block_size:,} tokens ({blocks:,} blocks)"
+                               for name, blocks in tiers))
+    return lines
 
 
 class Startup:
@@ -132,6 +150,8 @@ class Startup:
             self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         if self.device.type == "cuda":
             self.cap_device_memory()
+        for line in kv_capacity_lines(self.device.type, self.kv, config.block_size, self.max_model_len):
+            capacity_log.info("%s", line)
         log.info("memory by pathway:\n%s", self.ledger.table())
         return self
 

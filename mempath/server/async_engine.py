@@ -12,6 +12,9 @@ token. When a request has ``backlog_tokens`` undelivered tokens the engine stops
 scheduling it (it keeps its KV blocks unless another request needs them) until the
 reader takes the backlog, and aborts it, freeing its blocks, if that takes longer
 than ``stream_stall_timeout`` seconds.
+
+With ``log_stats_interval`` the engine thread also writes the periodic stats line
+(``server/stats_log.py``), waking for it only while there is something to report.
 """
 import asyncio
 import concurrent.futures
@@ -27,6 +30,7 @@ from mempath.engine.engine import LLMEngine
 from mempath.outputs import RequestOutput
 from mempath.sampling import SamplingParams
 from mempath.server.settings import DEFAULT_STREAM_STALL_TIMEOUT
+from mempath.server.stats_log import StatsLog
 
 log = logging.getLogger(__name__)
 
@@ -151,12 +155,16 @@ class EngineDeadError(RuntimeError):
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, metrics=None,
                  stream_stall_timeout: float = DEFAULT_STREAM_STALL_TIMEOUT,
-                 backlog_tokens: int = STREAM_BACKLOG_TOKENS):
+                 backlog_tokens: int = STREAM_BACKLOG_TOKENS, log_stats_interval: float | None = None):
         self.engine = engine
         # Every update carries its own logprobs: the engine need not keep a request's history.
         engine.outputs.keep_all_logprobs = False
         engine.commit_host_kv()  # RSS stays flat over the server's life instead of creeping up
         self.metrics = metrics
+        if metrics is not None:
+            engine.outputs.on_finish = self._record_request
+        self.stats_log = None if not log_stats_interval else StatsLog(
+            log_stats_interval, "GPU" if engine.device.type == "cuda" else "CPU")
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.stream_stall_timeout = stream_stall_timeout
@@ -220,7 +228,17 @@ class AsyncEngine:
 
     async def stats(self) -> dict:
         """The engine's stats, read between steps so the figures agree with each other."""
-        return await asyncio.wrap_future(self._submit(self.engine.stats))
+        return await asyncio.wrap_future(self._submit(self._stats))
+
+    def _stats(self) -> dict:
+        stats = self.engine.stats()
+        device = self.engine.device
+        stats["device"] = device.type
+        if device.type == "cuda":
+            import torch
+            free, total = torch.cuda.mem_get_info(device)
+            stats["device_memory_used_bytes"] = total - free  # what the budget promises to stay under
+        return stats
 
     def _submit(self, command: Callable, wait: bool = True,
                 admit: bool = False) -> concurrent.futures.Future | None:
@@ -243,6 +261,8 @@ class AsyncEngine:
 
     # ----------------------------------------------------------------- engine thread
     def _run(self) -> None:
+        if self.stats_log is not None:
+            self.stats_log.start(self.engine.stats(), time.monotonic())
         while True:
             with self._wake:
                 while not (self._inbox or self._stopping or self.engine.has_runnable_requests()):
@@ -258,6 +278,8 @@ class AsyncEngine:
             if self.engine.has_runnable_requests():
                 self._step()
             self._enforce_deadlines()
+            if self.stats_log is not None:
+                self.stats_log.maybe_log(self.engine.stats, time.monotonic())
         self._fail_all(SHUTTING_DOWN)
         self._refuse_pending()
         self._finish_drain()
@@ -267,10 +289,12 @@ class AsyncEngine:
             log.exception("closing the engine failed")
 
     def _next_deadline(self) -> float | None:
-        """Seconds until a stalled stream or the drain must be dealt with; None if nothing waits."""
+        """Seconds until a stalled stream, the drain or the stats line is due; None if nothing waits."""
         deadlines = list(self._stalls.values())
         if self._drain is not None:
             deadlines.append(self._drain[0])
+        if self.stats_log is not None and self.stats_log.deadline() is not None:
+            deadlines.append(self.stats_log.deadline())
         return min(deadlines) - time.monotonic() if deadlines else None
 
     def _enforce_deadlines(self) -> None:
@@ -340,6 +364,7 @@ class AsyncEngine:
             self.engine.resume_request(request_id)
 
     def _step(self) -> None:
+        tokens_before = self._tokens_processed()
         try:
             outputs = self.engine.step()
         except Exception as error:  # noqa: BLE001 - one bad step must not take the server down
@@ -348,6 +373,10 @@ class AsyncEngine:
             self._fail_all(f"the engine failed: {error}")
             return
         now = time.perf_counter()
+        if self.stats_log is not None:
+            self.stats_log.stepped()
+        if self.metrics is not None and self._tokens_processed() > tokens_before:
+            self.metrics.record_iteration(self._tokens_processed() - tokens_before)
         for output in outputs:
             route = self._routes.get(output.request_id)
             self._record(output, route, now)
@@ -355,6 +384,17 @@ class AsyncEngine:
                 self._close_route(output.request_id)
             if route is not None:
                 self._deliver(route, self._update(output))
+
+    def _tokens_processed(self) -> int:
+        """Prompt tokens computed and tokens generated so far: the engine's counters."""
+        return self.engine.num_prompt_tokens + self.engine.outputs.num_generation_tokens
+
+    def _record_request(self, request) -> None:
+        """The output processor's on_finish: a finished request's phases into the histograms."""
+        try:
+            self.metrics.record_request(request)
+        except Exception:  # noqa: BLE001 - a metric must never fail a request
+            log.exception("recording the metrics of %s failed", request.request_id)
 
     def _record(self, output: RequestOutput, route: _Route | None, now: float) -> None:
         if self.metrics is None:

@@ -48,6 +48,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on SIGINT/SIGTERM, seconds running requests get to finish before the "
                              "rest end with an error event")
     parser.add_argument("--uvicorn-log-level", default="info")
+    from mempath.server.stats_log import add_stats_log_arguments
+    add_stats_log_arguments(parser)  # --disable-log-stats, --log-stats-interval
 
 
 def resolve_model(args) -> str:
@@ -114,7 +116,8 @@ def build_server_app(model: str, engine_options: dict, served_model_name: str | 
                      api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                      max_tokens_limit: int | None = None, max_n: int = DEFAULT_MAX_N,
                      show_progress: bool = True,
-                     stream_stall_timeout: float = DEFAULT_STREAM_STALL_TIMEOUT, **http_options):
+                     stream_stall_timeout: float = DEFAULT_STREAM_STALL_TIMEOUT,
+                     log_stats_interval: float | None = None, **http_options):
     """Load the engine and wrap it in the app; (app, served name). Also used by tests and benchmarks.
 
     ``http_options``: build_app's bind_host, allowed_origins, max_header_bytes, max_headers.
@@ -128,8 +131,8 @@ def build_server_app(model: str, engine_options: dict, served_model_name: str | 
     config = EngineConfig.from_kwargs(model, **engine_options)
     engine = LLMEngine(config, show_progress=show_progress)
     name = served_model_name or Path(model).resolve().name
-    client = AsyncEngine(engine, ServerMetrics(name, config.block_size),
-                         stream_stall_timeout=stream_stall_timeout)
+    client = AsyncEngine(engine, ServerMetrics.for_engine(name, engine),
+                         stream_stall_timeout=stream_stall_timeout, log_stats_interval=log_stats_interval)
     app = build_app(client, name, api_key=api_key, max_body_bytes=max_body_bytes,
                     max_tokens_limit=max_tokens_limit, max_n=max_n, **http_options)
     return app, name
@@ -138,13 +141,18 @@ def build_server_app(model: str, engine_options: dict, served_model_name: str | 
 def run_serve(args) -> int:
     from mempath.engine_flags import engine_options
     from mempath.server.app import serve
+    from mempath.server.port import check_port_free
+    from mempath.server.stats_log import enable_stats_logging
     check_serve_arguments(args)
+    log_stats_interval = enable_stats_logging(args)
+    check_port_free(args.host, args.port)  # before the model loads: a busy port fails in a second
     model = resolve_model(args)
     app, name = build_server_app(model, engine_options(args), args.served_model_name, args.api_key,
                                  args.max_body_bytes, args.max_tokens_limit, args.max_n,
                                  bind_host=args.host, allowed_origins=args.allowed_origins,
                                  max_header_bytes=args.max_header_bytes, max_headers=args.max_headers,
-                                 stream_stall_timeout=args.stream_stall_timeout)
+                                 stream_stall_timeout=args.stream_stall_timeout,
+                                 log_stats_interval=log_stats_interval)
     if args.host not in LOOPBACK_HOSTS and not args.api_key:
         log.warning("serving on %s without --api-key: anyone who can reach this port can use it",
                     args.host)

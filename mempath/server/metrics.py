@@ -1,22 +1,31 @@
 """Prometheus metrics for one server, in a registry of its own.
 
-Names and meanings follow vLLM's (``vllm:X`` here is ``mempath:X``, with the same
-``model_name`` label), so existing dashboards translate by renaming the prefix.
-Two kinds of figures:
+Names, meanings and buckets follow vLLM's (``vllm:X`` here is ``mempath:X``, with
+the same ``model_name`` label), so existing dashboards translate by renaming the
+prefix; ``deploy/grafana/mempath.json`` is one that reads them (docs/server.md,
+"Metrics", lists every family and where its figure comes from). Three kinds:
 
-* events (time to first token, inter-token latency, tokens in and out, finished
-  requests) are observed by the engine thread as outputs arrive;
-* state (running and waiting requests, KV blocks, prefix-cache counters,
-  preemptions, the ledger's bytes per pathway) is read from one ``engine.stats()``
-  snapshot per scrape, so the figures of one scrape agree with each other.
+* per token and per step (time to first token, inter-token latency, tokens in and
+  out, tokens per step) are observed by the engine thread as outputs arrive;
+* per request (queue, prefill, decode, inference and end-to-end time, prompt and
+  generation tokens, max_tokens) from the engine's own timestamps
+  (``engine/request.py``) when the request finishes;
+* state (running, waiting, paused and loading requests, KV blocks, prefix-cache
+  counters, preemptions, the ledger's bytes per pathway, the KV tiers) is read from
+  one ``engine.stats()`` snapshot per scrape, so the figures of one scrape agree.
 
-Ours, beyond vLLM's: ``mempath:memory_bytes{pathway,device}`` (the ledger) and
+Ours, beyond vLLM's: ``mempath:memory_bytes{pathway,device}`` (the ledger),
+``mempath:memory_budget_bytes`` and ``mempath:device_memory_used_bytes`` (CUDA),
 ``mempath:kv_blocks{state}`` with state used (referenced by a request), free
-(reusable) and cached (holding a prefix-cache entry, used or free).
+(reusable) and cached (holding a prefix-cache entry, used or free), and the tier
+families ``mempath:kv_tier_*`` / ``mempath:kv_blocks_moved``.
 """
-from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_created_metrics,
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
                                generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
 
 # `_created` series double the exposition and no vLLM dashboard reads them (process-wide switch).
 disable_created_metrics()
@@ -26,16 +35,54 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                10.0, 20.0, 40.0, 80.0)
+# vLLM's request_latency_buckets: e2e, queue, prefill, decode and inference time.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 DISCONNECT_STAGES = ("upload",)  # upload: while sending the request body
+TIER_MOVES = ("gpu_to_cpu", "cpu_to_gpu", "cpu_to_disk", "disk_to_cpu")
+
+
+def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value: vLLM's buckets for token counts."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(buckets)
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
+def cache_config_info(engine) -> dict[str, str]:
+    """The labels of ``mempath:cache_config_info``: vLLM's CacheConfig fields, and the tiers'."""
+    config, kv = engine.config, engine.kv
+    host = kv.tiers.host if kv.tiers is not None else None
+    disk = kv.tiers.disk if kv.tiers is not None else None
+    return {
+        "block_size": str(config.block_size),
+        "num_gpu_blocks": str(kv.num_blocks),
+        "cache_dtype": str(config.kv_torch_dtype(engine.dtype)).removeprefix("torch."),
+        "enable_prefix_caching": str(config.enable_prefix_caching),
+        "gpu_memory_utilization": str(config.gpu_memory_utilization),
+        "swap_space": str(config.cpu_kv_gb),  # GiB of the CPU tier, vLLM's name for it
+        "num_cpu_blocks": str(host.num_blocks if host is not None else 0),
+        "disk_kv_gb": str(config.disk_kv_gb),
+        "num_disk_blocks": str(disk.capacity_bytes // kv.tiers.block_nbytes if disk is not None else 0),
+        "disk_write_policy": config.disk_write_policy if disk is not None else "",
+        "preemption_mode": config.preemption_mode,
+    }
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, block_size: int):
+    def __init__(self, model_name: str, block_size: int, max_model_len: int = 131072,
+                 cache_info: dict[str, str] | None = None, memory_budget: tuple[str, int] | None = None):
+        """``max_model_len`` bounds the token-count buckets; ``cache_info``: cache_config_info's
+        labels; ``memory_budget``: (device, bytes) of the device budget, None on the CPU."""
         self.model_name = model_name
         self.block_size = block_size
+        self.memory_budget = memory_budget
         self.registry = CollectorRegistry()
         self._snapshot: dict | None = None
         labels = ["model_name"]
@@ -57,18 +104,63 @@ class ServerMetrics:
                              "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
         self.e2e = histogram("mempath:e2e_request_latency_seconds",
                              "Histogram of e2e request latency in seconds.", E2E_BUCKETS)
+        self._request_histograms(max_model_len)
         self.client_disconnects = counter("mempath:client_disconnects",
                                           "Clients that hung up before their request was read, by stage.",
                                           ["stage"])
+        if cache_info is not None:
+            # An info metric as vLLM writes it: a gauge at 1 whose labels carry the settings.
+            Gauge("mempath:cache_config_info", "Information of the LLMEngine CacheConfig",
+                  list(cache_info), registry=self.registry).labels(**cache_info).set(1)
         # Zero series exist from the start, so rate() works before the first request ends.
         self.prompt_tokens.labels(model_name)
         self.generation_tokens.labels(model_name)
+        self.ttft.labels(model_name)
+        self.itl.labels(model_name)
+        self.e2e.labels(model_name)
         for reason in FINISH_REASONS:
             self.request_success.labels(model_name, reason)
         for stage in DISCONNECT_STAGES:
             self.client_disconnects.labels(model_name, stage)
         self.num_disconnects: dict[str, int] = {}  # the counter's values, for the log line
+        # vLLM serves the default registry, which holds these: process_* (CPU, memory, files), python_*.
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
         self.registry.register(_SnapshotCollector(self))
+
+    def _request_histograms(self, max_model_len: int) -> None:
+        """vLLM's per-request and per-step histograms, each series there from the start."""
+        def request_histogram(name, doc, buckets):
+            return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry).labels(self.model_name)
+
+        self.queue_time = request_histogram("mempath:request_queue_time_seconds",
+                                            "Histogram of time spent in WAITING phase for request.", E2E_BUCKETS)
+        self.prefill_time = request_histogram("mempath:request_prefill_time_seconds",
+                                              "Histogram of time spent in PREFILL phase for request.", E2E_BUCKETS)
+        self.decode_time = request_histogram("mempath:request_decode_time_seconds",
+                                             "Histogram of time spent in DECODE phase for request.", E2E_BUCKETS)
+        self.inference_time = request_histogram("mempath:request_inference_time_seconds",
+                                                "Histogram of time spent in RUNNING phase for request.", E2E_BUCKETS)
+        self.request_tpot = request_histogram("mempath:request_time_per_output_token_seconds",
+                                              "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.request_prompt_tokens = request_histogram("mempath:request_prompt_tokens",
+                                                       "Number of prefill tokens processed.", token_buckets)
+        self.request_generation_tokens = request_histogram("mempath:request_generation_tokens",
+                                                           "Number of generation tokens processed.", token_buckets)
+        self.request_max_tokens = request_histogram("mempath:request_params_max_tokens",
+                                                    "Histogram of the max_tokens request parameter.", token_buckets)
+        self.iteration_tokens = request_histogram("mempath:iteration_tokens_total",
+                                                  "Histogram of number of tokens per engine_step.",
+                                                  ITERATION_TOKEN_BUCKETS)
+
+    @classmethod
+    def for_engine(cls, model_name: str, engine) -> "ServerMetrics":
+        """Metrics for a server over this engine: its buckets, cache settings and budget."""
+        budget = engine.budget
+        return cls(model_name, engine.config.block_size, engine.max_model_len, cache_config_info(engine),
+                   None if budget.limit is None else (budget.device, budget.limit))
 
     # ----------------------------------------------------------------- events (engine thread)
     def record_first_token(self, ttft: float | None, num_prompt_tokens: int) -> None:
@@ -82,10 +174,33 @@ class ServerMetrics:
     def record_generated(self, num_tokens: int) -> None:
         self.generation_tokens.labels(self.model_name).inc(num_tokens)
 
+    def record_iteration(self, num_tokens: int) -> None:
+        """Prompt and generated tokens of one engine step."""
+        self.iteration_tokens.observe(num_tokens)
+
     def record_finish(self, reason: str | None, e2e: float | None) -> None:
         self.request_success.labels(self.model_name, reason or "abort").inc()
         if e2e is not None:
             self.e2e.labels(self.model_name).observe(e2e)
+
+    def record_request(self, request) -> None:
+        """A finished request's phases, from its own timestamps (engine/request.py), as vLLM
+        defines them: queue = first scheduled - arrival, prefill = first token - first
+        scheduled, decode = last token - first token, inference = last token - first
+        scheduled. A phase the request never reached (aborted while waiting) is not observed."""
+        scheduled, first, last = request.scheduled_time, request.first_token_time, request.last_token_time
+        if scheduled is not None:
+            self.queue_time.observe(scheduled - request.arrival_time)
+            if first is not None:
+                self.prefill_time.observe(first - scheduled)
+                self.inference_time.observe(last - scheduled)
+        if first is not None:
+            self.decode_time.observe(last - first)
+            if request.num_output_tokens > 1:
+                self.request_tpot.observe((last - first) / (request.num_output_tokens - 1))
+        self.request_prompt_tokens.observe(request.num_prompt_tokens)
+        self.request_generation_tokens.observe(request.num_output_tokens)
+        self.request_max_tokens.observe(request.params.max_tokens)
 
     def record_disconnect(self, stage: str) -> int:
         """Count a client hang-up; the count so far at that stage."""
@@ -131,6 +246,13 @@ class _SnapshotCollector:
                     stats["num_running"])
         yield gauge("mempath:num_requests_waiting", "Number of requests waiting to be processed.",
                     stats["num_waiting"])
+        # Ours: requests whose client is not reading (not scheduled, keeping their blocks), and
+        # requests admitted whose KV blocks are still coming from the CPU or disk tier.
+        yield gauge("mempath:num_requests_paused", "Number of requests paused because their client reads nothing.",
+                    stats["num_paused"])
+        yield gauge("mempath:num_requests_loading",
+                    "Number of requests admitted whose KV blocks are being loaded from a tier.",
+                    stats["num_loading"])
         yield gauge("mempath:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                     stats["kv_usage"])
         # vLLM counts prefix-cache queries and hits in tokens; the engine counts whole blocks.
@@ -149,6 +271,9 @@ class _SnapshotCollector:
         yield preemptions
 
         yield from self._memory_families(stats, name, gauge)
+        if stats.get("tiers", {}).get("enabled"):
+            yield from _tier_families(stats["tiers"], name)
+        yield from _spec_decode_families(stats.get("spec_decode"), name)
 
     def _memory_families(self, stats: dict, name: str, gauge):
         """KV blocks, every pathway's bytes, and the disk tier's failures."""
@@ -165,6 +290,20 @@ class _SnapshotCollector:
         for pathway, entry in stats["ledger"].items():
             memory.add_metric([name, pathway, entry["device"], entry["source"]], entry["bytes"])
         yield memory
+        device_labels = ["model_name", "device"]
+        if self.metrics.memory_budget is not None:
+            device, limit = self.metrics.memory_budget
+            budget = GaugeMetricFamily("mempath:memory_budget_bytes",
+                                       "The device budget: gpu_memory_utilization x total device memory.",
+                                       labels=device_labels)
+            budget.add_metric([name, device], limit)
+            yield budget
+        if stats.get("device_memory_used_bytes") is not None:
+            used = GaugeMetricFamily("mempath:device_memory_used_bytes",
+                                     "Device memory in use as the driver reports it (total - free), "
+                                     "every process included.", labels=device_labels)
+            used.add_metric([name, stats["device"]], stats["device_memory_used_bytes"])
+            yield used
 
         # Every kind at zero from the start when there is a disk tier (kv.tiers: disk_failures).
         failures = stats.get("tiers", {}).get("disk_failures") or {}
@@ -175,3 +314,60 @@ class _SnapshotCollector:
             for kind, count in sorted(failures.items()):
                 family.add_metric([name, kind], count)
             yield family
+
+
+def _tier_families(tiers: dict, name: str):
+    """The CPU and disk KV tiers: capacity and use, hits per tier, blocks and bytes moved."""
+    capacity = GaugeMetricFamily("mempath:kv_tier_capacity_bytes", "Bytes a KV tier can hold.",
+                                 labels=["model_name", "tier"])
+    used = GaugeMetricFamily("mempath:kv_tier_used_bytes", "Bytes of KV blocks a KV tier holds.",
+                             labels=["model_name", "tier"])
+    for tier in ("cpu", "disk"):
+        if tiers.get(tier) is not None:
+            capacity.add_metric([name, tier], tiers[tier]["capacity_bytes"])
+            used.add_metric([name, tier], tiers[tier]["used_bytes"])
+    yield capacity
+    yield used
+    hits = CounterMetricFamily("mempath:kv_tier_hit_blocks",
+                               "KV blocks a new request found in each tier (gpu: the device prefix cache).",
+                               labels=["model_name", "tier"])
+    for tier, count in tiers["hits_blocks"].items():
+        hits.add_metric([name, tier], count)
+    yield hits
+    blocks = CounterMetricFamily("mempath:kv_blocks_moved",
+                                 "KV blocks copied between tiers: gpu_to_cpu (offload, swap-out), "
+                                 "cpu_to_gpu (loads, swap-in), cpu_to_disk (write-back), disk_to_cpu.",
+                                 labels=["model_name", "direction"])
+    nbytes = CounterMetricFamily("mempath:kv_bytes_moved", "Bytes of KV blocks copied between tiers.",
+                                 labels=["model_name", "direction"])
+    for direction in TIER_MOVES:
+        blocks.add_metric([name, direction], tiers["moved"][direction]["blocks"])
+        nbytes.add_metric([name, direction], tiers["moved"][direction]["bytes"])
+    yield blocks
+    yield nbytes
+    evictions = CounterMetricFamily("mempath:kv_tier_evictions",
+                                    "Blocks the CPU tier dropped to make room.", labels=["model_name", "tier"])
+    evictions.add_metric([name, "cpu"], tiers["host_evictions"])
+    yield evictions
+
+
+def _spec_decode_families(spec: dict | None, name: str):
+    """vLLM's speculative-decoding counters, once the engine reports them.
+
+    The engine's stats()["spec_decode"], when speculative decoding is on:
+    ``{"num_drafts", "num_draft_tokens", "num_accepted_tokens": int,
+    "num_accepted_tokens_per_pos": list[int]}``, all cumulative.
+    """
+    if not spec:
+        return
+    for key, doc in (("num_drafts", "Number of spec decoding drafts."),
+                     ("num_draft_tokens", "Number of draft tokens."),
+                     ("num_accepted_tokens", "Number of accepted tokens.")):
+        family = CounterMetricFamily(f"mempath:spec_decode_{key}", doc, labels=["model_name"])
+        family.add_metric([name], spec[key])
+        yield family
+    per_position = CounterMetricFamily("mempath:spec_decode_num_accepted_tokens_per_pos",
+                                       "Accepted tokens per draft position.", labels=["model_name", "position"])
+    for position, count in enumerate(spec.get("num_accepted_tokens_per_pos", [])):
+        per_position.add_metric([name, str(position)], count)
+    yield per_position
