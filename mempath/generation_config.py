@@ -4,6 +4,7 @@
 ``vllm`` reads none (SamplingParams' own defaults). A field a request gives always wins;
 the file only fills the ones it leaves out.
 """
+import dataclasses
 import json
 import logging
 from dataclasses import fields
@@ -43,3 +44,19 @@ def generation_defaults(model_dir: str, source: str = "auto") -> dict:
                  "--generation-config vllm ignores the file)", path, defaults)
     return defaults
 
+
+
+# The request fields that set max_tokens, by endpoint.
+MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+
+
+def with_defaults(params: SamplingParams, given: set[str], defaults: dict) -> SamplingParams:
+    """`params` with the defaults for every field the request did not give (``given``: its field names).
+
+    A default max_tokens only lowers the server's own default (OpenAI's 16 for completions,
+    the room left for chat), as vLLM's does.
+    """
+    changes = {k: v for k, v in defaults.items() if k != "max_tokens" and k not in given}
+    if "max_tokens" in defaults and not given.intersection(MAX_TOKENS_FIELDS):
+        changes["max_tokens"] = min(defaults["max_tokens"], params.max_tokens)
+    return dataclasses.replace(params, **changes) if changes else params
