@@ -73,9 +73,11 @@ def build_app(engine_client: AsyncEngine, served_model_name: str, api_key: str |
         finally:
             engine_client.shutdown()
 
-    app = FastAPI(title="mempath", version=__version__, lifespan=lifespan, root_path=root_path,
+    app = FastAPI(title="mempath", version=__version__, lifespan=lifespan,
                   docs_url="/docs" if enable_docs else None, redoc_url=None,
                   openapi_url="/openapi.json" if enable_docs else None)
+    if root_path:
+        app.add_middleware(RootPath, root_path=root_path)
     app.state.engine_client = engine_client  # for tests and benchmarks that look behind the API
     install_error_handlers(app)
     install_guards(app, bind_host, allowed_origins, max_header_bytes, max_headers)
@@ -200,6 +202,19 @@ def install_guards(app: FastAPI, bind_host: str | None, allowed_origins: Sequenc
     if bind_host is not None and is_loopback_address(bind_host):
         app.add_middleware(LoopbackHostOnly, bind_host=bind_host)
     app.add_middleware(HeaderLimits, max_bytes=max_header_bytes, max_headers=max_headers)
+
+
+class RootPath:
+    """Tells the app the prefix a proxy serves it under (--root-path): routes match with or without it,
+    and /openapi.json names it in ``servers``, as FastAPI's deprecated ``root_path=`` did."""
+
+    def __init__(self, app, root_path: str):
+        self.app, self.root_path = app, root_path
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] in ("http", "websocket"):
+            scope = {**scope, "root_path": self.root_path}
+        await self.app(scope, receive, send)
 
 
 def install_error_handlers(app: FastAPI) -> None:
