@@ -46,6 +46,7 @@ REFUSED = {
     "--reasoning-parser": ((), "reasoning output is not parsed out of the text"),
     "--kv-transfer-config": ((), "disaggregated prefill (KV transfer between servers) is not implemented"),
     "--enable-sleep-mode": ((), "sleep mode is not implemented"),
+    "--scheduling-policy": (("fcfs",), "requests are scheduled first come, first served"),
 }
 SWITCHES = ("--trust-remote-code", "--enable-lora", "--enable-sleep-mode")  # the refused flags without a value
 SHORT_FORMS = {"--tensor-parallel-size": "-tp", "--pipeline-parallel-size": "-pp",
@@ -166,6 +167,7 @@ def add_refused_arguments(parser: argparse.ArgumentParser) -> None:
         takes_value = flag not in SWITCHES
         group.add_argument(*names, action=Refuse, allowed=allowed, reason=reason,
                            nargs=None if takes_value else 0, dest=f"refused_{flag[2:].replace('-', '_')}",
+                           **({"metavar": "VALUE"} if takes_value else {}),
                            help=f"refused{' unless ' + ' or '.join(allowed) if allowed else ''}: {reason}")
     for flag, why in IGNORED.items():
         group.add_argument(flag, action="store_true", dest=f"ignored_{flag[2:].replace('-', '_')}", help=why)

@@ -60,6 +60,9 @@ def test_vllm_flags_that_change_nothing_here_are_accepted(flags):
     (("-q", "fp8"), "--kv-cache-dtype fp8"),
     (("--enable-lora",), "merge the adapter"),
     (("--revision", "main"), "local directory"),
+    (("--scheduling-policy", "priority"), "first come, first served"),
+    (("--ssl-keyfile", "k.pem"), "reverse proxy"),
+    (("--allow-credentials",), "CORS"),
 ])
 def test_flags_we_cannot_honour_are_refused_in_one_line(capsys, flags, says):
     assert main(["serve", "some/model", *flags]) == 2

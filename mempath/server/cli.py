@@ -16,7 +16,7 @@ log = logging.getLogger(__name__)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    from mempath.engine_flags import add_engine_arguments
+    from mempath.engine_flags import Refuse, add_engine_arguments
     parser.add_argument("positional", nargs="?", default=None, metavar="MODEL",
                         help="model directory (default: the built-in mempath-tiny)")
     add_engine_arguments(parser)
@@ -58,8 +58,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="vLLM's older spelling of --no-enable-log-requests (off is the default)")
     parser.add_argument("--disable-fastapi-docs", action="store_true",
                         help="no /docs page and no /openapi.json")
+    for flag, reason in SERVE_REFUSED.items():
+        parser.add_argument(flag, action=Refuse, reason=reason, dest=f"refused_{flag[2:].replace('-', '_')}",
+                            **({"nargs": 0} if flag == "--allow-credentials" else {"metavar": "VALUE"}),
+                            help=f"refused: {reason}")
 
 
+TLS = "TLS is not terminated here: put a reverse proxy (nginx, Caddy) in front, or a tunnel"
+CORS = "CORS allows GET and POST with Authorization and Content-Type; only --allowed-origins is set here"
+# vLLM's serve flags mempath cannot honour (engine_flags.REFUSED has the engine's).
+SERVE_REFUSED = {"--ssl-keyfile": TLS, "--ssl-certfile": TLS, "--ssl-ca-certs": TLS,
+                 "--allowed-methods": CORS, "--allowed-headers": CORS,
+                 "--allow-credentials": CORS + " (without credentials mode: the key is a header)"}
 CHAT_TEMPLATE_HELP = ("a Jinja chat template, as a file or inline (the text itself), replacing the "
                       "tokenizer's (default: the tokenizer_config.json's)")
 
