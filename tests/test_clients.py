@@ -162,6 +162,10 @@ def test_the_key_guards_the_tokenizer_but_not_version_or_docs(server):
     assert httpx.get(f"{server.url}/version").json() == {"version": __version__}
     spec = httpx.get(f"{server.url}/openapi.json").json()
     assert {"/v1/responses", "/tokenize", "/detokenize", "/version", "/v1/chat/completions"} <= set(spec["paths"])
+    body = spec["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    schema = spec["components"]["schemas"][body["$ref"].rpartition("/")[2]]
+    assert {"messages", "max_tokens", "temperature"} <= set(schema["properties"])
+    assert "ChatMessage" in spec["components"]["schemas"]  # the nested models, where the refs point
     assert "swagger" in httpx.get(f"{server.url}/docs").text.lower()
 
 

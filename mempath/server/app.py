@@ -18,6 +18,7 @@ import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -33,8 +34,8 @@ from mempath.server.calls import (SSE_DONE, Call, ChoiceText, Limits, SSERespons
 from mempath.server.guards import HeaderLimits, LoopbackHostOnly, is_loopback_address
 from mempath.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_body,
                                      completion_body, error_body, models_body, parse_request)
-from mempath.server.responses import responses_router
-from mempath.server.tokens import tokens_router
+from mempath.server.responses import ResponsesRequest, responses_router
+from mempath.server.tokens import DetokenizeRequest, TokenizeRequest, tokens_router
 from mempath.server.settings import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS,
                                      DEFAULT_MAX_N, check_api_key)
 
@@ -78,6 +79,7 @@ def build_app(engine_client: AsyncEngine, served_model_name: str, api_key: str |
                   openapi_url="/openapi.json" if enable_docs else None)
     if root_path:
         app.add_middleware(RootPath, root_path=root_path)
+    install_openapi(app)
     app.state.engine_client = engine_client  # for tests and benchmarks that look behind the API
     install_error_handlers(app)
     install_guards(app, bind_host, allowed_origins, max_header_bytes, max_headers)
@@ -202,6 +204,30 @@ def install_guards(app: FastAPI, bind_host: str | None, allowed_origins: Sequenc
     if bind_host is not None and is_loopback_address(bind_host):
         app.add_middleware(LoopbackHostOnly, bind_host=bind_host)
     app.add_middleware(HeaderLimits, max_bytes=max_header_bytes, max_headers=max_headers)
+
+
+# The routes read their bodies themselves (JSON only, size-limited, strict): their request
+# models are added to the OpenAPI page here.
+REQUEST_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                  "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+
+
+def install_openapi(app: FastAPI) -> None:
+    """/openapi.json (and /docs) with each route's request body, from its pydantic model."""
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes, servers=app.servers)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for path, model in REQUEST_MODELS.items():
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+                schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {
+                    "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 class RootPath:
