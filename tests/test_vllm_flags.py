@@ -231,3 +231,26 @@ def test_generation_config_defaults_apply_over_http_and_requests_win(flagged_ser
     assert len(sampled) > 1  # the request's temperature wins over the file's
     assert client.completions.create(model="tiny", prompt="hello", extra_body={"ignore_eos": True}
                                      ).usage.completion_tokens == 4
+
+
+def test_enable_log_requests_logs_one_line_per_request(flagged_server, caplog, monkeypatch):
+    import logging
+
+    from mempath.server import app as server_app
+    from mempath.server import cli
+    from mempath.server.calls import request_log
+    assert parse("--enable-log-requests").enable_log_requests and not parse().enable_log_requests
+    assert not parse("--enable-log-requests", "--disable-log-requests").enable_log_requests
+    monkeypatch.setattr(cli, "build_server_app", lambda *args, **kwargs: ("app", "served"))
+    monkeypatch.setattr(server_app, "serve", lambda *args, **kwargs: None)
+    monkeypatch.setattr(request_log, "level", request_log.level)  # restored after the test
+    assert main(["serve", "some/model", "--enable-log-requests"]) == 0
+    assert request_log.level == logging.INFO
+    server, _ = flagged_server
+    client = server.client()
+    client.base_url = f"{server.url}/llm/v1"
+    with caplog.at_level(logging.INFO, logger="mempath.requests"):
+        client.completions.create(model="tiny", prompt="hello", max_tokens=2)
+    lines = [r.getMessage() for r in caplog.records if r.name == "mempath.requests"]
+    assert len(lines) == 1 and lines[0].startswith("request cmpl-") and "max_tokens=2" in lines[0], lines
+    assert main(["serve", "some/model"]) == 0 and request_log.level == logging.WARNING
