@@ -31,21 +31,22 @@ class LLM:
         """SamplingParams with the generation config's defaults (--generation-config), as vLLM's."""
         return SamplingParams(**self.sampling_defaults)
 
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for one prompt or a list (strings or token-id lists): one RequestOutput per prompt.
 
         As in vLLM, each output holds its ``n`` samples in ``outputs`` (``out.outputs[i].text``);
         ``out.text`` is the first sample's. A bad request in a list comes back finished with
         ``finish_reason == "error"`` and the message in ``error``, while the others run; a
-        bad single prompt raises ValueError. ``params=None``: get_default_sampling_params().
+        bad single prompt raises ValueError. ``sampling_params`` (vLLM's name): one for all
+        prompts or one each; None: get_default_sampling_params().
         """
         single = isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         prompt_list = [prompts] if single else list(prompts)
-        if params is None:
-            params = self.get_default_sampling_params()
-        param_list = params if isinstance(params, list) else [params] * len(prompt_list)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        param_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompt_list)
         if len(param_list) != len(prompt_list):
             raise ValueError(f"got {len(prompt_list)} prompts but {len(param_list)} SamplingParams")
         groups = [self._add_samples(prompt, p, single) for prompt, p in zip(prompt_list, param_list)]
@@ -83,7 +84,7 @@ class LLM:
                     finished=True, finish_reason="error", error=str(error)))
         return group
 
-    def chat(self, messages, params: SamplingParams | None = None, use_tqdm: bool = True,
+    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
         """Apply the chat template (``chat_template``, else the tokenizer's) to one conversation or a list."""
         if self.tokenizer is None:
@@ -96,8 +97,8 @@ class LLM:
             for conv in conversations]
         # The template already contains the special tokens: tokenize without adding more.
         token_lists = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        outputs = self.generate(token_lists, params, use_tqdm) if len(token_lists) > 1 else \
-            self.generate(token_lists[0], params, use_tqdm)
+        outputs = self.generate(token_lists, sampling_params, use_tqdm) if len(token_lists) > 1 else \
+            self.generate(token_lists[0], sampling_params, use_tqdm)
         for output, text in zip(outputs, prompts):
             output.prompt = text
         return outputs

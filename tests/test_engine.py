@@ -213,7 +213,7 @@ def test_outputs_have_vllms_fields(llm):
     expected = sum(entry[t] for t, entry in zip(sample.token_ids, sample.logprobs))
     assert sample.cumulative_logprob == pytest.approx(expected) and expected < 0
     assert out.metrics.time_to_first_token <= out.metrics.total_time
-    assert llm.generate([1, 2, 3], greedy(4))[0].outputs[0].cumulative_logprob is None  # as vLLM without logprobs
+    assert llm.generate([1, 2, 3], sampling_params=greedy(4))[0].outputs[0].cumulative_logprob is None  # as vLLM
 
 
 def test_chat_applies_template(llm):
