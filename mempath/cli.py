@@ -73,10 +73,11 @@ def run_generate(args) -> int:
 
 def run_chat(args) -> int:
     from mempath.llm import LLM
-    llm = LLM(args.model, show_progress=not args.quiet, **engine_options(args))
     from mempath.server.cli import read_chat_template
+    template = read_chat_template(args.chat_template)  # before the weights load: a bad one fails at once
+    llm = LLM(args.model, show_progress=not args.quiet, **engine_options(args))
     output = llm.chat([{"role": "user", "content": args.message}], sampling_params(args, llm.sampling_defaults),
-                      use_tqdm=False, chat_template=read_chat_template(args.chat_template))[0]
+                      use_tqdm=False, chat_template=template)[0]
     print(output.text)
     return 0
 
