@@ -115,12 +115,14 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def test_max_logprobs_bounds_a_request(model_dir):
+def test_max_logprobs_bounds_a_request_and_chat_takes_a_template(model_dir):
     from mempath import LLM
     llm = LLM(str(model_dir), show_progress=False, max_logprobs=2, **ENGINE_OPTIONS)
     assert len(llm.generate([1, 2, 3], SamplingParams(max_tokens=1, logprobs=2))[0].logprobs[0]) >= 2
     with pytest.raises(ValueError, match=r"logprobs must be in \[0, 2\]"):
         llm.generate([1, 2, 3], SamplingParams(max_tokens=1, logprobs=3))
+    out = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(max_tokens=2), chat_template=TEMPLATE)[0]
+    assert out.prompt == "<<hello>>"
 
 
 def prefill_chunks(llm, prompts) -> list[list[int]]:
