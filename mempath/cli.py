@@ -1,5 +1,6 @@
 """mempath's command line: generate | chat | serve | plan | diagnose."""
 import argparse
+import functools
 import json
 import logging
 import os
@@ -7,28 +8,39 @@ import sys
 from pathlib import Path
 
 from mempath.config import choose_cpu_threads
-from mempath.engine_flags import add_engine_arguments, engine_options
+from mempath.engine_flags import HelpWithDefaults, add_engine_arguments, engine_options
 from mempath.memory.oom import MempathOutOfMemoryError
 
 log = logging.getLogger(__name__)
 
 
+# Where the command line's defaults differ from SamplingParams' (16 tokens, temperature 1.0):
+# a command-line completion is read by a person, greedy and a little longer.
+CLI_SAMPLING_DEFAULTS = {"max_tokens": 64, "temperature": 0.0}
+FROM_CONFIG = "the generation config's if it sets it (--generation-config), else"
+
+
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help=f"default: {FROM_CONFIG} 64 (SamplingParams' default is 16)")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help=f"default: {FROM_CONFIG} 0, greedy (SamplingParams' default is 1.0)")
+    parser.add_argument("--top-k", type=int, default=None, help=f"default: {FROM_CONFIG} 0, off")
+    parser.add_argument("--top-p", type=float, default=None, help=f"default: {FROM_CONFIG} 1.0, off")
+    parser.add_argument("--min-p", type=float, default=None, help=f"default: {FROM_CONFIG} 0, off")
     parser.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens")
 
 
-def sampling_params(args):
+def sampling_params(args, config_defaults: dict | None = None):
+    """The flags given, then the generation config's defaults, then the command line's, then SamplingParams'."""
     from mempath.sampling import SamplingParams
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, min_p=args.min_p, seed=args.sample_seed, stop=args.stop,
-                          ignore_eos=args.ignore_eos)
+    values = {**CLI_SAMPLING_DEFAULTS, **(config_defaults or {})}
+    for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p"):
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    return SamplingParams(**values, seed=args.sample_seed, stop=args.stop, ignore_eos=args.ignore_eos)
 
 
 def resolve_model_and_prompt(args) -> tuple[str | None, str]:
@@ -48,7 +60,7 @@ def run_generate(args) -> int:
     from mempath.llm import LLM
     model, prompt = resolve_model_and_prompt(args)
     llm = LLM(model, show_progress=not args.quiet, **engine_options(args))
-    output = llm.generate(prompt, sampling_params(args), use_tqdm=False)[0]
+    output = llm.generate(prompt, sampling_params(args, llm.sampling_defaults), use_tqdm=False)[0]
     if args.json:
         print(json.dumps({"prompt": prompt, "text": output.text, "token_ids": output.token_ids,
                           "finish_reason": output.finish_reason,
@@ -61,8 +73,11 @@ def run_generate(args) -> int:
 
 def run_chat(args) -> int:
     from mempath.llm import LLM
+    from mempath.server.cli import read_chat_template
+    template = read_chat_template(args.chat_template)  # before the weights load: a bad one fails at once
     llm = LLM(args.model, show_progress=not args.quiet, **engine_options(args))
-    output = llm.chat([{"role": "user", "content": args.message}], sampling_params(args), use_tqdm=False)[0]
+    output = llm.chat([{"role": "user", "content": args.message}], sampling_params(args, llm.sampling_defaults),
+                      use_tqdm=False, chat_template=template)[0]
     print(output.text)
     return 0
 
@@ -74,11 +89,12 @@ GENERATE_HELP = ("Complete one PROMPT with the model in --model DIR (default: th
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mempath", description=__doc__)
-    parser.add_argument("--log-level", default="WARNING")
+    parser = argparse.ArgumentParser(prog="mempath", description=__doc__, formatter_class=HelpWithDefaults)
+    parser.add_argument("--log-level", default="WARNING", help="debug | info | warning | error")
     sub = parser.add_subparsers(dest="command", required=True)
+    add_parser = functools.partial(sub.add_parser, formatter_class=HelpWithDefaults)
 
-    gen = sub.add_parser("generate", help="complete a prompt", usage=GENERATE_USAGE, description=GENERATE_HELP)
+    gen = add_parser("generate", help="complete a prompt", usage=GENERATE_USAGE, description=GENERATE_HELP)
     gen.add_argument("positional", nargs="+", metavar="PROMPT",
                      help="the prompt, quoted (or an existing model DIR, then the prompt)")
     add_engine_arguments(gen)
@@ -86,18 +102,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.add_argument("--quiet", action="store_true", help="no progress bars")
 
-    chat = sub.add_parser("chat", help="answer one user message through the chat template")
+    chat = add_parser("chat", help="answer one user message through the chat template")
     chat.add_argument("message")
     add_engine_arguments(chat)
     add_sampling_arguments(chat)
-    chat.add_argument("--quiet", action="store_true")
+    from mempath.server.cli import CHAT_TEMPLATE_HELP, add_serve_arguments
+    chat.add_argument("--chat-template", default=None, help=CHAT_TEMPLATE_HELP)
+    chat.add_argument("--quiet", action="store_true", help="no progress bars")
 
-    from mempath.server.cli import add_serve_arguments
-    add_serve_arguments(sub.add_parser("serve", help="OpenAI-compatible HTTP server"))
+    add_serve_arguments(add_parser("serve", help="OpenAI-compatible HTTP server"))
     from mempath.tools.plan_cli import add_plan_arguments
-    add_plan_arguments(sub.add_parser("plan", help="predict memory per pathway (no GPU needed)"))
+    add_plan_arguments(add_parser("plan", help="predict memory per pathway (no GPU needed)"))
     from mempath.tools.diagnose.run import add_diagnose_arguments
-    add_diagnose_arguments(sub.add_parser("diagnose", help="measure memory per pathway against the plan"))
+    add_diagnose_arguments(add_parser("diagnose", help="measure memory per pathway against the plan"))
     return parser
 
 
@@ -113,6 +130,8 @@ def run_command(args) -> int:
     commands = {"generate": run_generate, "chat": run_chat, "serve": run_serve, "plan": run_plan,
                 "diagnose": run_diagnose}
     try:
+        if getattr(args, "refused", None):
+            raise ValueError(args.refused)
         if args.command != "plan" and runs_on_the_cpu(args.device):
             log.info(choose_cpu_threads())
         return commands[args.command](args)

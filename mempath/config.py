@@ -48,6 +48,14 @@ class EngineConfig:
     # auto: K and V in the model dtype; fp8 (= fp8_e4m3) or fp8_e5m2: one byte per element,
     # twice the blocks in the same memory (docs/architecture.md, "fp8 KV cache").
     kv_cache_dtype: str = "auto"
+    # The tokenizer's directory (vLLM's --tokenizer); None: the model directory.
+    tokenizer: str | None = None
+    # Where default sampling parameters come from (vLLM's --generation-config): auto (the model's
+    # generation_config.json), vllm (none: SamplingParams' defaults) or a directory holding one.
+    generation_config: str = "auto"
+    # False: a prompt is prefilled in one step, never split across steps (it waits for a step
+    # with room for all of it); needs max_num_batched_tokens >= max_model_len.
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self):
         if self.block_size == "auto":
@@ -71,6 +79,14 @@ class EngineConfig:
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if (not self.enable_chunked_prefill and self.max_model_len is not None
+                and self.max_num_batched_tokens < self.max_model_len):
+            raise ValueError(chunking_needs_budget(self.max_num_batched_tokens, self.max_model_len))
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.tokenizer is not None and not Path(self.tokenizer).is_dir():
+            raise ValueError(f"tokenizer {self.tokenizer!r} is not a directory; give the directory holding "
+                             f"tokenizer.json / tokenizer_config.json")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be auto, {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         self._check_device()
@@ -157,6 +173,12 @@ class EngineConfig:
     def kv_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """What the KV cache stores: the model dtype unless kv_cache_dtype names an fp8 format."""
         return KV_CACHE_DTYPES.get(self.kv_cache_dtype, model_dtype)
+
+
+def chunking_needs_budget(max_num_batched_tokens: int, max_model_len: int) -> str:
+    return (f"enable_chunked_prefill off prefills a prompt in one step, so max_num_batched_tokens "
+            f"({max_num_batched_tokens}) must be >= max_model_len ({max_model_len}): raise "
+            f"--max-num-batched-tokens or lower --max-model-len")
 
 
 def parse_dtype(name: str | None, default: torch.dtype = torch.float32) -> torch.dtype:

@@ -198,8 +198,22 @@ def test_string_prompt_text_and_timings(llm):
 
 def test_n_samples(llm):
     outs = llm.generate([1, 2, 3], SamplingParams(max_tokens=6, temperature=1.0, n=3, seed=5, ignore_eos=True))
-    assert len(outs) == 3
-    assert len({tuple(o.token_ids) for o in outs}) > 1
+    assert len(outs) == 1 and outs[0].finished  # one output per prompt, holding its n samples (vLLM's shape)
+    samples = outs[0].outputs
+    assert [s.index for s in samples] == [0, 1, 2] and all(len(s.token_ids) == 6 for s in samples)
+    assert len({tuple(s.token_ids) for s in samples}) > 1
+    assert outs[0].text == samples[0].text and all(s.finish_reason == "length" for s in samples)
+
+
+def test_outputs_have_vllms_fields(llm):
+    out = llm.generate([1, 2, 3], greedy(4, logprobs=2))[0]
+    sample = out.outputs[0]
+    assert out.prompt_token_ids == [1, 2, 3] and out.request_id and out.finished
+    assert sample.token_ids == out.token_ids and len(sample.logprobs) == 4
+    expected = sum(entry[t] for t, entry in zip(sample.token_ids, sample.logprobs))
+    assert sample.cumulative_logprob == pytest.approx(expected) and expected < 0
+    assert out.metrics.time_to_first_token <= out.metrics.total_time
+    assert llm.generate([1, 2, 3], sampling_params=greedy(4))[0].outputs[0].cumulative_logprob is None  # as vLLM
 
 
 def test_chat_applies_template(llm):

@@ -121,7 +121,7 @@ class OutputProcessor:
         logprobs = request.logprobs
         if logprobs is not None and not self.keep_all_logprobs:
             request.logprobs = []  # this output hands them over
-        return RequestOutput(
+        return RequestOutput.of_sample(
             request_id=request.request_id, prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
             token_ids=request.output_token_ids if finished else [],

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from mempath.config import EngineConfig
+from mempath.config import EngineConfig, chunking_needs_budget
 from mempath.engine.batch import PendingTokens, ScheduledBatch, StepPlan
 from mempath.engine.request import Request, RequestStatus
 from mempath.kv.manager import Admit, KVCacheManager
@@ -38,6 +38,9 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.chunked_prefill = config.enable_chunked_prefill
+        if not self.chunked_prefill and self.max_num_batched_tokens < max_model_len:
+            raise ValueError(chunking_needs_budget(self.max_num_batched_tokens, max_model_len))
         self.async_scheduling = config.async_scheduling
         self.kv = kv
         self.waiting: deque[Request] = deque()
@@ -192,6 +195,8 @@ class Scheduler:
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and self.num_active() + len(self.loading) < self.max_num_seqs:
             request = self.waiting[0]
+            if not self.chunked_prefill and request.num_tokens - request.num_computed_tokens > budget:
+                break  # its whole prompt in one step, or wait for a step with room for it
             admission = self.kv.admit(request, budget, self.loading.values())
             if admission.outcome is Admit.LOAD:
                 self._start_loading(request, admission.load)

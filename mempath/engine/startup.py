@@ -125,7 +125,9 @@ class Startup:
     def run(self, show_progress: bool) -> "Startup":
         config, stage = self.config, self.stage
         self.load_weights(show_progress)
-        self.tokenizer = load_tokenizer(config.model)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        if self.tokenizer is None and config.tokenizer:
+            raise ValueError(f"tokenizer {config.tokenizer}: no tokenizer.json, tokenizer.model or vocab.json there")
         self.eos_token_ids = set(self.spec.eos_token_ids) | set(load_generation_eos(config.model))
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)

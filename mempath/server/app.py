@@ -8,30 +8,34 @@ that HTTP request ends for any reason, so a client that goes away frees its KV
 blocks at once.
 """
 import asyncio
-import hmac
-import json
 import logging
 import time
 import uuid
 from collections.abc import Sequence
-from contextlib import asynccontextmanager, suppress
-from dataclasses import dataclass
+from contextlib import asynccontextmanager
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from mempath.engine.detokenizer import StopPrefixes
+from mempath import __version__
+from mempath.generation_config import with_defaults
 from mempath.sampling import SamplingParams
-from mempath.server.async_engine import AsyncEngine, EngineDeadError, Update, UpdateQueue
+from mempath.server.async_engine import AsyncEngine, EngineDeadError, Update
+from mempath.server.calls import (SSE_DONE, Call, ChoiceText, Limits, SSEResponse, api_key_checker,  # noqa: F401
+                                  check_model, check_num_choices, collect, error_of, param_named_in,
+                                  read_body, render_messages, resolve_max_tokens, sse, until_disconnect)
 from mempath.server.guards import HeaderLimits, LoopbackHostOnly, is_loopback_address
 from mempath.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_body,
-                                     completion_body, error_body, models_body, parse_request, usage_body)
+                                     completion_body, error_body, models_body, parse_request)
+from mempath.server.responses import ResponsesRequest, responses_router
+from mempath.server.tokens import DetokenizeRequest, TokenizeRequest, tokens_router
 from mempath.server.settings import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS,
                                      DEFAULT_MAX_N, check_api_key)
 
@@ -41,24 +45,20 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MIN_LOGPROB = -9999.0  # JSON has no -inf
 
 
-@dataclass(frozen=True)
-class Limits:
-    """What no single request may exceed."""
-    max_tokens: int
-    max_n: int
-    max_body_bytes: int
-
-
 def build_app(engine_client: AsyncEngine, served_model_name: str, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_tokens_limit: int | None = None,
               max_n: int = DEFAULT_MAX_N, bind_host: str | None = None,
               allowed_origins: Sequence[str] = (), max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
-              max_headers: int = DEFAULT_MAX_HEADERS) -> FastAPI:
+              max_headers: int = DEFAULT_MAX_HEADERS, sampling_defaults: dict | None = None,
+              root_path: str = "", enable_docs: bool = True) -> FastAPI:
     """The FastAPI app; its lifespan starts and stops the engine thread.
 
     ``bind_host``: the address the server listens on; a loopback one turns on the
     Host check (guards.LoopbackHostOnly). None (tests, other servers): no check.
-    ``allowed_origins``: CORS, off when empty.
+    ``allowed_origins``: CORS, off when empty. ``sampling_defaults``: SamplingParams
+    fields for what a request leaves out (--generation-config). ``root_path``: the
+    prefix a proxy serves this under (--root-path). ``enable_docs``: /docs and
+    /openapi.json (--disable-fastapi-docs turns them off).
     """
     if api_key is not None:
         check_api_key(api_key)
@@ -74,8 +74,12 @@ def build_app(engine_client: AsyncEngine, served_model_name: str, api_key: str |
         finally:
             engine_client.shutdown()
 
-    app = FastAPI(title="mempath", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    app = FastAPI(title="mempath", version=__version__, lifespan=lifespan,
+                  docs_url="/docs" if enable_docs else None, redoc_url=None,
+                  openapi_url="/openapi.json" if enable_docs else None)
+    if root_path:
+        app.add_middleware(RootPath, root_path=root_path)
+    install_openapi(app)
     app.state.engine_client = engine_client  # for tests and benchmarks that look behind the API
     install_error_handlers(app)
     install_guards(app, bind_host, allowed_origins, max_header_bytes, max_headers)
@@ -91,12 +95,19 @@ def build_app(engine_client: AsyncEngine, served_model_name: str, api_key: str |
         stats = await engine_stats(engine_client)
         return Response(engine_client.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
 
-    app.include_router(openai_router(engine_client, served_model_name, api_key, limits, created))
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    defaults = dict(sampling_defaults or {})
+    app.include_router(openai_router(engine_client, served_model_name, api_key, limits, created, defaults))
+    app.include_router(responses_router(engine_client, served_model_name, api_key, limits, defaults))
+    app.include_router(tokens_router(engine_client, served_model_name, api_key, limits))
     return app
 
 
 def openai_router(engine_client: AsyncEngine, served_model_name: str, api_key: str | None,
-                  limits: Limits, created: int) -> APIRouter:
+                  limits: Limits, created: int, sampling_defaults: dict) -> APIRouter:
     """/v1: models, completions, chat completions, behind the API key when one is set."""
     api = APIRouter(prefix="/v1", dependencies=[Depends(api_key_checker(api_key))])
 
@@ -112,7 +123,8 @@ def openai_router(engine_client: AsyncEngine, served_model_name: str, api_key: s
         prompts = req.prompts()
         check_num_choices(len(prompts), req.n, limits)
         max_tokens = resolve_max_tokens(req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, limits)
-        params = sampling_params(req, max_tokens, req.logprobs)
+        params = with_defaults(sampling_params(req, max_tokens, req.logprobs), req.model_fields_set,
+                               sampling_defaults)
         call = Call(engine_client, f"cmpl-{uuid.uuid4().hex}", served_model_name, req.stop_list(),
                     req.n, req.logprobs)
         await call.start(prompts, params)
@@ -129,7 +141,8 @@ def openai_router(engine_client: AsyncEngine, served_model_name: str, api_key: s
         prompt = render_chat(engine_client.tokenizer, req)
         room = max(1, engine_client.max_model_len - len(prompt))
         max_tokens = resolve_max_tokens(req.requested_max_tokens, room, limits)
-        params = sampling_params(req, max_tokens, req.num_logprobs)
+        params = with_defaults(sampling_params(req, max_tokens, req.num_logprobs), req.model_fields_set,
+                               sampling_defaults)
         call = Call(engine_client, f"chatcmpl-{uuid.uuid4().hex}", served_model_name,
                     req.stop_list(), req.n, req.num_logprobs)
         await call.start([prompt], params)
@@ -193,6 +206,43 @@ def install_guards(app: FastAPI, bind_host: str | None, allowed_origins: Sequenc
     app.add_middleware(HeaderLimits, max_bytes=max_header_bytes, max_headers=max_headers)
 
 
+# The routes read their bodies themselves (JSON only, size-limited, strict): their request
+# models are added to the OpenAPI page here.
+REQUEST_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                  "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+
+
+def install_openapi(app: FastAPI) -> None:
+    """/openapi.json (and /docs) with each route's request body, from its pydantic model."""
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes, servers=app.servers)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for path, model in REQUEST_MODELS.items():
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+                schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {
+                    "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+class RootPath:
+    """Tells the app the prefix a proxy serves it under (--root-path): routes match with or without it,
+    and /openapi.json names it in ``servers``, as FastAPI's deprecated ``root_path=`` did."""
+
+    def __init__(self, app, root_path: str):
+        self.app, self.root_path = app, root_path
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] in ("http", "websocket"):
+            scope = {**scope, "root_path": self.root_path}
+        await self.app(scope, receive, send)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_request, error: APIError):
@@ -228,67 +278,6 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(f"internal error: {error}", "server_error"), 500)
 
 
-def api_key_checker(api_key: str | None):
-    expected = api_key.encode() if api_key else None
-
-    async def check_api_key(request: Request) -> None:
-        if expected is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                           None, "invalid_api_key")
-
-    return check_api_key
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The JSON request body, refusing anything over `limit` bytes before reading it all.
-
-    Any other content type is refused: a web page may POST text/plain, form or multipart
-    bodies to any address, this server's included, without asking first (no CORS preflight).
-    """
-    content_type = request.headers.get("content-type")
-    if (content_type or "").partition(";")[0].strip().lower() != "application/json":
-        got = f"got {content_type!r}" if content_type else "got none"
-        raise APIError(415, f"send the body as JSON with 'Content-Type: application/json' ({got})",
-                       None, "unsupported_media_type")
-    too_large = APIError(413, f"the request body is larger than this server's limit of {limit} "
-                              f"bytes (--max-body-bytes)", None, "request_too_large")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def check_model(requested: str | None, served: str) -> None:
-    if requested is not None and requested != served:
-        raise APIError(404, f"the model '{requested}' does not exist; this server serves '{served}'",
-                       "model", "model_not_found")
-
-
-def check_num_choices(num_prompts: int, n: int, limits: Limits) -> None:
-    if num_prompts * n > limits.max_n:
-        what = f"n={n}" if num_prompts == 1 else f"{num_prompts} prompts x n={n}"
-        raise APIError(400, f"{what} asks for {num_prompts * n} choices; this server allows at most "
-                            f"{limits.max_n} per request (--max-n)", "n")
-
-
-def resolve_max_tokens(requested: int | None, default: int, limits: Limits) -> int:
-    if requested is None:
-        return min(default, limits.max_tokens)
-    if requested > limits.max_tokens:
-        raise APIError(400, f"max_tokens {requested} is more than this server allows per request "
-                            f"({limits.max_tokens}, --max-tokens-limit)", "max_tokens")
-    return requested
-
-
 def sampling_params(req, max_tokens: int, logprobs: int | None) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k,
                           top_p=req.top_p, min_p=req.min_p, seed=req.seed, stop=req.stop_list(),
@@ -301,26 +290,8 @@ def sampling_params(req, max_tokens: int, logprobs: int | None) -> SamplingParam
 
 
 def render_chat(tokenizer, req: ChatCompletionRequest) -> list[int]:
-    """The conversation through the tokenizer's chat template, as token ids."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
-    messages = [m.as_template_input() for m in req.messages]
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as error:  # noqa: BLE001 - a template can raise anything
-        raise APIError(400, f"the chat template rejected these messages: {error}", "messages") from None
-    # The template already holds the special tokens: encode without adding more.
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-def param_named_in(message: str) -> str | None:
-    """The request field an engine error message is about (it starts with the field's name)."""
-    for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "prompt_logprobs", "logprobs",
-                 "stop", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                 "logit_bias", "min_tokens", "bad_words", "best_of"):
-        if message.startswith(name):
-            return name
-    return "prompt" if "prompt" in message else None
+    """The conversation through the chat template, as token ids."""
+    return render_messages(tokenizer, [m.as_template_input() for m in req.messages])
 
 
 async def engine_stats(engine_client: AsyncEngine) -> dict:
@@ -331,136 +302,6 @@ async def engine_stats(engine_client: AsyncEngine) -> dict:
 
 
 # ----------------------------------------------------------------- one API call's engine requests
-class Call:
-    """The engine requests behind one API call: each prompt x n samples, one queue for all.
-
-    Sample 0 of a prompt goes first; its siblings follow once it has produced a
-    token, i.e. once its prompt is prefilled and its full blocks are in the prefix
-    cache, so the n samples share the prompt's KV blocks instead of each computing
-    their own.
-    """
-
-    def __init__(self, engine_client: AsyncEngine, call_id: str, model: str, stops: list[str],
-                 n: int, num_logprobs: int | None):
-        self.engine = engine_client
-        self.id = call_id
-        self.model = model
-        self.stops = stops
-        self.n = n
-        self.num_logprobs = num_logprobs
-        self.num_prompt_logprobs: int | None = None  # set by start() from the params
-        self.created = int(time.time())
-        self.queue = UpdateQueue()
-        self.choice_of: dict[str, int] = {}
-        self.num_choices = 0
-        self._open: set[str] = set()
-        # First sample's request id -> (choice, prompt, params) of the samples that wait for it.
-        self._siblings: dict[str, list[tuple[int, str | list[int], SamplingParams]]] = {}
-
-    async def start(self, prompts: list[str | list[int]], params: SamplingParams) -> None:
-        """Submit every prompt's first sample; a request the engine rejects raises APIError(400)."""
-        self.num_choices = len(prompts) * self.n
-        self.num_prompt_logprobs = params.prompt_logprobs
-        try:
-            for p, prompt in enumerate(prompts):
-                samples = [(p * self.n + i, prompt, self._sample_params(params, i))
-                           for i in range(self.n)]
-                await self._add(*samples[0])
-                self._siblings[self._request_id(p * self.n)] = samples[1:]
-        except ValueError as error:
-            self.abort()
-            raise APIError(400, str(error), param_named_in(str(error))) from None
-        except BaseException:
-            self.abort()
-            raise
-
-    def _sample_params(self, params: SamplingParams, index: int) -> SamplingParams:
-        if index == 0 or (params.seed is None and params.prompt_logprobs is None):
-            return params
-        # The first sample's prompt logprobs serve every choice of its prompt; the others
-        # then reuse its prompt's KV from the prefix cache.
-        seed = None if params.seed is None else params.seed + index
-        return SamplingParams(**{**params.__dict__, "seed": seed, "prompt_logprobs": None})
-
-    def _request_id(self, choice: int) -> str:
-        return f"{self.id}-{choice}"
-
-    async def _add(self, choice: int, prompt, params: SamplingParams) -> None:
-        request_id = self._request_id(choice)
-        self.choice_of[request_id] = choice
-        self._open.add(request_id)  # before awaiting: an abort meanwhile must cover it
-        await self.engine.add_request(prompt, params, request_id, self.queue)
-
-    async def _add_siblings(self, siblings) -> None:
-        for choice, prompt, params in siblings:
-            try:
-                await self._add(choice, prompt, params)
-            except ValueError as error:
-                self.queue.put_nowait(Update(self._request_id(choice), "", [], None, "", True,
-                                             "error", 0, 0, 0, str(error)))
-
-    async def updates(self):
-        """(choice index, Update) until every sample has finished."""
-        while self._open:
-            update = await self.queue.get()
-            if update.request_id not in self._open:
-                continue
-            siblings = self._siblings.pop(update.request_id, None)
-            if siblings:
-                await self._add_siblings(siblings)
-            if update.finished:
-                self._open.discard(update.request_id)
-            yield self.choice_of[update.request_id], update
-
-    def abort(self) -> None:
-        """Abort every sample still running; idempotent, so any exit path may call it."""
-        for request_id in self._open:
-            self.engine.abort(request_id)
-        self._open.clear()
-        self._siblings.clear()
-
-    def usage(self, finals: dict[int, Update]) -> dict:
-        """Usage over the finished choices: each prompt counted once, as OpenAI does."""
-        firsts = [u for i, u in finals.items() if i % self.n == 0]
-        return usage_body(sum(u.num_prompt_tokens for u in firsts),
-                          sum(u.num_output_tokens for u in finals.values()),
-                          sum(u.num_cached_tokens for u in firsts))
-
-    def token_text(self, token_id: int) -> str:
-        tokenizer = self.engine.tokenizer
-        return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
-
-
-class ChoiceText:
-    """One choice's text as streamed: a tail that could begin a stop string is held back.
-
-    The engine cuts a stop string out of the text only once it is complete, so
-    text that may turn out to be the start of one must wait; otherwise the stream
-    would show characters the final text does not have. Each update's new
-    characters are read once (StopPrefixes), so this work on the event loop does
-    not grow with the text.
-    """
-
-    def __init__(self, stops: list[str]):
-        self.stop_prefixes = StopPrefixes(stops)
-        self.held = 0  # characters at the end of the text read so far that may start a stop
-        self.read = 0
-        self.sent = 0
-
-    def take(self, update: Update) -> str:
-        text = update.text
-        if update.finished:
-            end = len(text)
-        else:
-            if len(text) > self.read:
-                self.held = self.stop_prefixes.feed(text[self.read:])
-                self.read = len(text)
-            end = len(text) - self.held
-        end = max(end, self.sent)
-        delta, self.sent = text[self.sent:end], end
-        return delta
-
-
 def openai_finish_reason(update: Update) -> str:
     return "length" if update.finish_reason == "length" else "stop"
 
@@ -484,6 +325,18 @@ def completion_logprobs(call: Call, token_ids: list[int], logprobs: list[dict[in
             "text_offset": offsets}
 
 
+def chat_logprobs(call: Call, token_ids: list[int], logprobs: list[dict[int, float]]) -> dict:
+    def item(token_id: int, value: float) -> dict:
+        text = call.token_text(token_id)
+        return {"token": text, "logprob": max(value, MIN_LOGPROB), "bytes": list(text.encode())}
+
+    return {"content": [
+        {**item(token_id, entry[token_id]),
+         "top_logprobs": [item(t, v) for t, v in top_entries(entry, call.num_logprobs)]}
+        for token_id, entry in zip(token_ids, logprobs)]}
+
+
+# ----------------------------------------------------------------- non-streaming
 def prompt_logprobs_body(call: Call, prompt_logprobs: tuple[list, list] | None, n: int) -> list | None:
     """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {token id: {logprob, rank,
     decoded_token}} for the actual token and the top ``n``."""
@@ -501,45 +354,6 @@ def prompt_logprobs_body(call: Call, prompt_logprobs: tuple[list, list] | None, 
         body.append({str(t): {"logprob": max(entry[t], MIN_LOGPROB), "rank": ranks[t],
                               "decoded_token": call.token_text(t)} for t in [actual, *others]})
     return body
-
-
-def chat_logprobs(call: Call, token_ids: list[int], logprobs: list[dict[int, float]]) -> dict:
-    def item(token_id: int, value: float) -> dict:
-        text = call.token_text(token_id)
-        return {"token": text, "logprob": max(value, MIN_LOGPROB), "bytes": list(text.encode())}
-
-    return {"content": [
-        {**item(token_id, entry[token_id]),
-         "top_logprobs": [item(t, v) for t, v in top_entries(entry, call.num_logprobs)]}
-        for token_id, entry in zip(token_ids, logprobs)]}
-
-
-def error_of(finals: dict[int, Update]) -> APIError | None:
-    for update in finals.values():
-        if update.finish_reason in ("error", "abort"):
-            return APIError(500, update.error or "the request was aborted", None, "generation_failed",
-                            "server_error")
-    return None
-
-
-# ----------------------------------------------------------------- non-streaming
-async def collect(call: Call) -> tuple[dict[int, Update], dict[int, list[int]], dict[int, list]]:
-    """Run a call to the end: final update, token ids and logprobs per choice."""
-    finals: dict[int, Update] = {}
-    tokens: dict[int, list[int]] = {i: [] for i in range(call.num_choices)}
-    logprobs: dict[int, list] = {i: [] for i in range(call.num_choices)}
-    try:
-        async for index, update in call.updates():
-            tokens[index].extend(update.new_token_ids)
-            logprobs[index].extend(update.new_logprobs or [])
-            if update.finished:
-                finals[index] = update
-    finally:
-        call.abort()
-    error = error_of(finals)
-    if error is not None:
-        raise error
-    return finals, tokens, logprobs
 
 
 async def finish_completion(call: Call) -> dict:
@@ -570,52 +384,7 @@ async def finish_chat(call: Call) -> dict:
     return body
 
 
-async def until_disconnect(request: Request, work):
-    """Await `work`, cancelling it if the client hangs up first (its finally aborts the call)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(wait_for_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with suppress(asyncio.CancelledError):
-                await task
-    if task.cancelled():
-        return error_body("the client disconnected", "invalid_request_error")
-    return task.result()
-
-
-async def wait_for_disconnect(request: Request) -> None:
-    # The body has been read: the next ASGI message can only be the disconnect.
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 # ----------------------------------------------------------------- streaming
-class SSEResponse(StreamingResponse):
-    """Server-sent events that run `on_close` however the response ends (done, error, hang-up)."""
-
-    def __init__(self, content, on_close):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.on_close()
-
-
-def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
-
-
 async def stream_sse(call: Call, include_usage: bool, chunk, choice, logprobs_for, opening: str | None = None):
     """Server-sent events for one call; `chunk`, `choice` and `logprobs_for` give the
     endpoint's shapes. The request is aborted however the stream ends."""

@@ -16,7 +16,7 @@ log = logging.getLogger(__name__)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    from mempath.engine_flags import add_engine_arguments
+    from mempath.engine_flags import Refuse, add_engine_arguments
     parser.add_argument("positional", nargs="?", default=None, metavar="MODEL",
                         help="model directory (default: the built-in mempath-tiny)")
     add_engine_arguments(parser)
@@ -26,7 +26,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=os.environ.get("MEMPATH_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1 (default: $MEMPATH_API_KEY)")
     parser.add_argument("--served-model-name", default=None,
-                        help="the name clients pass as 'model' (default: the model directory's name)")
+                        help="the name clients pass as 'model' (default: the model directory's name); "
+                             "one name (vLLM takes several)")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="largest request body accepted (413 above)")
     parser.add_argument("--max-tokens-limit", type=int, default=None,
@@ -47,9 +48,48 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT,
                         help="on SIGINT/SIGTERM, seconds running requests get to finish before the "
                              "rest end with an error event")
-    parser.add_argument("--uvicorn-log-level", default="info")
+    parser.add_argument("--uvicorn-log-level", default="info", help="uvicorn's own log level")
     from mempath.server.stats_log import add_stats_log_arguments
     add_stats_log_arguments(parser)  # --disable-log-stats, --log-stats-interval
+    parser.add_argument("--chat-template", default=None, help=CHAT_TEMPLATE_HELP)
+    parser.add_argument("--root-path", default="",
+                        help="the path prefix a reverse proxy serves this server under, e.g. /llm")
+    parser.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
+                        help="log one line per request: id, prompt tokens, sampling parameters")
+    parser.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
+                        help="vLLM's older spelling of --no-enable-log-requests (off is the default)")
+    parser.add_argument("--disable-fastapi-docs", action="store_true",
+                        help="no /docs page and no /openapi.json")
+    for flag, reason in SERVE_REFUSED.items():
+        parser.add_argument(flag, action=Refuse, reason=reason, dest=f"refused_{flag[2:].replace('-', '_')}",
+                            **({"nargs": 0} if flag == "--allow-credentials" else {"metavar": "VALUE"}),
+                            help=f"refused: {reason}")
+
+
+TLS = "TLS is not terminated here: put a reverse proxy (nginx, Caddy) in front, or a tunnel"
+CORS = "CORS allows GET and POST with Authorization and Content-Type; only --allowed-origins is set here"
+# vLLM's serve flags mempath cannot honour (engine_flags.REFUSED has the engine's).
+SERVE_REFUSED = {"--ssl-keyfile": TLS, "--ssl-certfile": TLS, "--ssl-ca-certs": TLS,
+                 "--allowed-methods": CORS, "--allowed-headers": CORS,
+                 "--allow-credentials": CORS + " (without credentials mode: the key is a header)"}
+CHAT_TEMPLATE_HELP = ("a Jinja chat template, as a file or inline (the text itself), replacing the "
+                      "tokenizer's (default: the tokenizer_config.json's)")
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template as vLLM reads it: a file that exists, else the template itself if it looks like one."""
+    if value is None:
+        return None
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError as error:
+        raise ValueError(f"--chat-template {value}: cannot read it ({error})") from None
+    if any(mark in value for mark in "{}\n"):  # vLLM's test for an inline template
+        return value
+    raise ValueError(f"--chat-template {value}: no such file, and it is not a Jinja template ({{{{ ... }}}}): "
+                     f"give an existing file or the template's text")
 
 
 def resolve_model(args) -> str:
@@ -63,6 +103,8 @@ def resolve_model(args) -> str:
 
 
 def check_serve_arguments(args) -> None:
+    if args.root_path and (not args.root_path.startswith("/") or args.root_path.endswith("/")):
+        raise ValueError(f"--root-path must start with / and not end with one, such as /llm; got {args.root_path!r}")
     for name in ("max_body_bytes", "max_n", "max_headers"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
@@ -117,10 +159,13 @@ def build_server_app(model: str, engine_options: dict, served_model_name: str | 
                      max_tokens_limit: int | None = None, max_n: int = DEFAULT_MAX_N,
                      show_progress: bool = True,
                      stream_stall_timeout: float = DEFAULT_STREAM_STALL_TIMEOUT,
-                     log_stats_interval: float | None = None, **http_options):
+                     log_stats_interval: float | None = None, chat_template: str | None = None,
+                     **http_options):
     """Load the engine and wrap it in the app; (app, served name). Also used by tests and benchmarks.
 
-    ``http_options``: build_app's bind_host, allowed_origins, max_header_bytes, max_headers.
+    ``chat_template``: the template's text (read_chat_template), replacing the tokenizer's.
+    ``http_options``: build_app's bind_host, allowed_origins, max_header_bytes, max_headers,
+    root_path, enable_docs.
     """
     from mempath.config import EngineConfig
     from mempath.engine.engine import LLMEngine
@@ -128,13 +173,20 @@ def build_server_app(model: str, engine_options: dict, served_model_name: str | 
     from mempath.server.async_engine import AsyncEngine
     from mempath.server.metrics import ServerMetrics
 
+    from mempath.generation_config import generation_defaults
     config = EngineConfig.from_kwargs(model, **engine_options)
+    sampling_defaults = generation_defaults(model, config.generation_config)  # before the weights load
     engine = LLMEngine(config, show_progress=show_progress)
+    if chat_template is not None:
+        if engine.tokenizer is None:
+            raise ValueError("--chat-template needs a tokenizer; the model directory has none (--tokenizer DIR)")
+        engine.tokenizer.chat_template = chat_template
     name = served_model_name or Path(model).resolve().name
     client = AsyncEngine(engine, ServerMetrics.for_engine(name, engine),
                          stream_stall_timeout=stream_stall_timeout, log_stats_interval=log_stats_interval)
     app = build_app(client, name, api_key=api_key, max_body_bytes=max_body_bytes,
-                    max_tokens_limit=max_tokens_limit, max_n=max_n, **http_options)
+                    max_tokens_limit=max_tokens_limit, max_n=max_n, sampling_defaults=sampling_defaults,
+                    **http_options)
     return app, name
 
 
@@ -143,20 +195,24 @@ def run_serve(args) -> int:
     from mempath.server.app import serve
     from mempath.server.port import check_port_free
     from mempath.server.stats_log import enable_stats_logging
+    from mempath.server.calls import request_log
     check_serve_arguments(args)
     log_stats_interval = enable_stats_logging(args)
     check_port_free(args.host, args.port)  # before the model loads: a busy port fails in a second
     model = resolve_model(args)
+    request_log.setLevel(logging.INFO if args.enable_log_requests else logging.WARNING)
     app, name = build_server_app(model, engine_options(args), args.served_model_name, args.api_key,
                                  args.max_body_bytes, args.max_tokens_limit, args.max_n,
                                  bind_host=args.host, allowed_origins=args.allowed_origins,
                                  max_header_bytes=args.max_header_bytes, max_headers=args.max_headers,
                                  stream_stall_timeout=args.stream_stall_timeout,
-                                 log_stats_interval=log_stats_interval)
+                                 log_stats_interval=log_stats_interval,
+                                 chat_template=read_chat_template(args.chat_template),
+                                 root_path=args.root_path, enable_docs=not args.disable_fastapi_docs)
     if args.host not in LOOPBACK_HOSTS and not args.api_key:
         log.warning("serving on %s without --api-key: anyone who can reach this port can use it",
                     args.host)
-    print(f"mempath: serving '{name}' on http://{args.host}:{args.port}/v1", flush=True)
+    print(f"mempath: serving '{name}' on http://{args.host}:{args.port}{args.root_path}/v1", flush=True)
     serve(app, args.shutdown_timeout, host=args.host, port=args.port,
           log_level=args.uvicorn_log_level, **uvicorn_options(args.max_header_bytes))
     return 0

@@ -1,0 +1,62 @@
+"""Default sampling parameters from a checkpoint's generation_config.json (vLLM's --generation-config).
+
+``auto`` reads the model directory's file, a directory path reads that directory's, and
+``vllm`` reads none (SamplingParams' own defaults). A field a request gives always wins;
+the file only fills the ones it leaves out.
+"""
+import dataclasses
+import json
+import logging
+from dataclasses import fields
+from pathlib import Path
+
+from mempath.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+# generation_config.json key -> SamplingParams field (the keys vLLM reads).
+SAMPLING_KEYS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                 "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(model_dir: str, source: str = "auto") -> dict:
+    """The SamplingParams fields the generation config sets; ValueError for a source that is not there."""
+    if source == "vllm":
+        return {}
+    folder = Path(model_dir if source == "auto" else source)
+    path = folder / "generation_config.json"
+    if source != "auto" and not folder.is_dir():
+        raise ValueError(f"--generation-config {source}: not a directory; give auto, vllm or a directory "
+                         f"holding generation_config.json")
+    if not path.is_file():
+        if source != "auto":
+            raise ValueError(f"--generation-config {source}: no generation_config.json in that directory")
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{path} is not valid JSON ({error}); fix it or pass --generation-config vllm") from None
+    known = {f.name for f in fields(SamplingParams)}
+    defaults = {field: config[key] for key, field in SAMPLING_KEYS.items()
+                if key in config and field in known and config[key] is not None}
+    if defaults:
+        log.info("default sampling parameters from %s: %s (a request's own values win; "
+                 "--generation-config vllm ignores the file)", path, defaults)
+    return defaults
+
+
+
+# The request fields that set max_tokens, by endpoint.
+MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+
+
+def with_defaults(params: SamplingParams, given: set[str], defaults: dict) -> SamplingParams:
+    """`params` with the defaults for every field the request did not give (``given``: its field names).
+
+    A default max_tokens only lowers the server's own default (OpenAI's 16 for completions,
+    the room left for chat), as vLLM's does.
+    """
+    changes = {k: v for k, v in defaults.items() if k != "max_tokens" and k not in given}
+    if "max_tokens" in defaults and not given.intersection(MAX_TOKENS_FIELDS):
+        changes["max_tokens"] = min(defaults["max_tokens"], params.max_tokens)
+    return dataclasses.replace(params, **changes) if changes else params

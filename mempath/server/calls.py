@@ -1,0 +1,325 @@
+"""One API call's engine requests, and reading and answering the HTTP request behind it.
+
+Shared by every route module (app.py's completions and chat, responses.py, tokens.py):
+the body reader (JSON only, size-limited), the model and limit checks, the API key,
+``Call`` (each prompt x n samples on one queue, aborted however the call ends), the
+streamed text that holds back a possible stop string, and the SSE response.
+"""
+import asyncio
+import hmac
+import json
+import logging
+import time
+from contextlib import suppress
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from mempath.engine.detokenizer import StopPrefixes
+from mempath.sampling import SamplingParams
+from mempath.server.async_engine import AsyncEngine, Update, UpdateQueue
+from mempath.server.protocol import APIError, error_body, usage_body
+
+# One INFO line per request when `mempath serve --enable-log-requests` (vLLM's flag) turns it on.
+request_log = logging.getLogger("mempath.requests")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What no single request may exceed."""
+    max_tokens: int
+    max_n: int
+    max_body_bytes: int
+
+
+def api_key_checker(api_key: str | None):
+    expected = api_key.encode() if api_key else None
+
+    async def check_api_key(request: Request) -> None:
+        if expected is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           None, "invalid_api_key")
+
+    return check_api_key
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The JSON request body, refusing anything over `limit` bytes before reading it all.
+
+    Any other content type is refused: a web page may POST text/plain, form or multipart
+    bodies to any address, this server's included, without asking first (no CORS preflight).
+    """
+    content_type = request.headers.get("content-type")
+    if (content_type or "").partition(";")[0].strip().lower() != "application/json":
+        got = f"got {content_type!r}" if content_type else "got none"
+        raise APIError(415, f"send the body as JSON with 'Content-Type: application/json' ({got})",
+                       None, "unsupported_media_type")
+    too_large = APIError(413, f"the request body is larger than this server's limit of {limit} "
+                              f"bytes (--max-body-bytes)", None, "request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def check_model(requested: str | None, served: str) -> None:
+    if requested is not None and requested != served:
+        raise APIError(404, f"the model '{requested}' does not exist; this server serves '{served}'",
+                       "model", "model_not_found")
+
+
+def check_num_choices(num_prompts: int, n: int, limits: Limits) -> None:
+    if num_prompts * n > limits.max_n:
+        what = f"n={n}" if num_prompts == 1 else f"{num_prompts} prompts x n={n}"
+        raise APIError(400, f"{what} asks for {num_prompts * n} choices; this server allows at most "
+                            f"{limits.max_n} per request (--max-n)", "n")
+
+
+def resolve_max_tokens(requested: int | None, default: int, limits: Limits) -> int:
+    if requested is None:
+        return min(default, limits.max_tokens)
+    if requested > limits.max_tokens:
+        raise APIError(400, f"max_tokens {requested} is more than this server allows per request "
+                            f"({limits.max_tokens}, --max-tokens-limit)", "max_tokens")
+    return requested
+
+
+def param_named_in(message: str) -> str | None:
+    """The request field an engine error message is about (it starts with the field's name)."""
+    for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "prompt_logprobs", "logprobs",
+                 "stop", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                 "logit_bias", "min_tokens", "bad_words", "best_of"):
+        if message.startswith(name):
+            return name
+    return "prompt" if "prompt" in message else None
+
+
+class Call:
+    """The engine requests behind one API call: each prompt x n samples, one queue for all.
+
+    Sample 0 of a prompt goes first; its siblings follow once it has produced a
+    token, i.e. once its prompt is prefilled and its full blocks are in the prefix
+    cache, so the n samples share the prompt's KV blocks instead of each computing
+    their own.
+    """
+
+    def __init__(self, engine_client: AsyncEngine, call_id: str, model: str, stops: list[str],
+                 n: int, num_logprobs: int | None):
+        self.engine = engine_client
+        self.id = call_id
+        self.model = model
+        self.stops = stops
+        self.n = n
+        self.num_logprobs = num_logprobs
+        self.num_prompt_logprobs: int | None = None  # set by start() from the params
+        self.created = int(time.time())
+        self.queue = UpdateQueue()
+        self.choice_of: dict[str, int] = {}
+        self.num_choices = 0
+        self._open: set[str] = set()
+        # First sample's request id -> (choice, prompt, params) of the samples that wait for it.
+        self._siblings: dict[str, list[tuple[int, str | list[int], SamplingParams]]] = {}
+
+    async def start(self, prompts: list[str | list[int]], params: SamplingParams) -> None:
+        """Submit every prompt's first sample; a request the engine rejects raises APIError(400)."""
+        self.num_choices = len(prompts) * self.n
+        self.num_prompt_logprobs = params.prompt_logprobs
+        request_log.info("request %s: %d prompt(s) of %s tokens, n=%d, %s", self.id, len(prompts),
+                         "/".join(str(len(p)) if isinstance(p, list) else "text" for p in prompts), self.n, params)
+        try:
+            for p, prompt in enumerate(prompts):
+                samples = [(p * self.n + i, prompt, self._sample_params(params, i))
+                           for i in range(self.n)]
+                await self._add(*samples[0])
+                self._siblings[self._request_id(p * self.n)] = samples[1:]
+        except ValueError as error:
+            self.abort()
+            raise APIError(400, str(error), param_named_in(str(error))) from None
+        except BaseException:
+            self.abort()
+            raise
+
+    def _sample_params(self, params: SamplingParams, index: int) -> SamplingParams:
+        if index == 0 or (params.seed is None and params.prompt_logprobs is None):
+            return params
+        # The first sample's prompt logprobs serve every choice of its prompt; the others
+        # then reuse its prompt's KV from the prefix cache.
+        seed = None if params.seed is None else params.seed + index
+        return SamplingParams(**{**params.__dict__, "seed": seed, "prompt_logprobs": None})
+
+    def _request_id(self, choice: int) -> str:
+        return f"{self.id}-{choice}"
+
+    async def _add(self, choice: int, prompt, params: SamplingParams) -> None:
+        request_id = self._request_id(choice)
+        self.choice_of[request_id] = choice
+        self._open.add(request_id)  # before awaiting: an abort meanwhile must cover it
+        await self.engine.add_request(prompt, params, request_id, self.queue)
+
+    async def _add_siblings(self, siblings) -> None:
+        for choice, prompt, params in siblings:
+            try:
+                await self._add(choice, prompt, params)
+            except ValueError as error:
+                self.queue.put_nowait(Update(self._request_id(choice), "", [], None, "", True,
+                                             "error", 0, 0, 0, str(error)))
+
+    async def updates(self):
+        """(choice index, Update) until every sample has finished."""
+        while self._open:
+            update = await self.queue.get()
+            if update.request_id not in self._open:
+                continue
+            siblings = self._siblings.pop(update.request_id, None)
+            if siblings:
+                await self._add_siblings(siblings)
+            if update.finished:
+                self._open.discard(update.request_id)
+            yield self.choice_of[update.request_id], update
+
+    def abort(self) -> None:
+        """Abort every sample still running; idempotent, so any exit path may call it."""
+        for request_id in self._open:
+            self.engine.abort(request_id)
+        self._open.clear()
+        self._siblings.clear()
+
+    def usage(self, finals: dict[int, Update]) -> dict:
+        """Usage over the finished choices: each prompt counted once, as OpenAI does."""
+        firsts = [u for i, u in finals.items() if i % self.n == 0]
+        return usage_body(sum(u.num_prompt_tokens for u in firsts),
+                          sum(u.num_output_tokens for u in finals.values()),
+                          sum(u.num_cached_tokens for u in firsts))
+
+    def token_text(self, token_id: int) -> str:
+        tokenizer = self.engine.tokenizer
+        return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+
+
+class ChoiceText:
+    """One choice's text as streamed: a tail that could begin a stop string is held back.
+
+    The engine cuts a stop string out of the text only once it is complete, so
+    text that may turn out to be the start of one must wait; otherwise the stream
+    would show characters the final text does not have. Each update's new
+    characters are read once (StopPrefixes), so this work on the event loop does
+    not grow with the text.
+    """
+
+    def __init__(self, stops: list[str]):
+        self.stop_prefixes = StopPrefixes(stops)
+        self.held = 0  # characters at the end of the text read so far that may start a stop
+        self.read = 0
+        self.sent = 0
+
+    def take(self, update: Update) -> str:
+        text = update.text
+        if update.finished:
+            end = len(text)
+        else:
+            if len(text) > self.read:
+                self.held = self.stop_prefixes.feed(text[self.read:])
+                self.read = len(text)
+            end = len(text) - self.held
+        end = max(end, self.sent)
+        delta, self.sent = text[self.sent:end], end
+        return delta
+
+
+def error_of(finals: dict[int, Update]) -> APIError | None:
+    for update in finals.values():
+        if update.finish_reason in ("error", "abort"):
+            return APIError(500, update.error or "the request was aborted", None, "generation_failed",
+                            "server_error")
+    return None
+
+
+async def collect(call: Call) -> tuple[dict[int, Update], dict[int, list[int]], dict[int, list]]:
+    """Run a call to the end: final update, token ids and logprobs per choice."""
+    finals: dict[int, Update] = {}
+    tokens: dict[int, list[int]] = {i: [] for i in range(call.num_choices)}
+    logprobs: dict[int, list] = {i: [] for i in range(call.num_choices)}
+    try:
+        async for index, update in call.updates():
+            tokens[index].extend(update.new_token_ids)
+            logprobs[index].extend(update.new_logprobs or [])
+            if update.finished:
+                finals[index] = update
+    finally:
+        call.abort()
+    error = error_of(finals)
+    if error is not None:
+        raise error
+    return finals, tokens, logprobs
+
+
+async def until_disconnect(request: Request, work):
+    """Await `work`, cancelling it if the client hangs up first (its finally aborts the call)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        return error_body("the client disconnected", "invalid_request_error")
+    return task.result()
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    # The body has been read: the next ASGI message can only be the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events that run `on_close` however the response ends (done, error, hang-up)."""
+
+    def __init__(self, content, on_close):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def chat_text(tokenizer, messages: list[dict], param: str = "messages", add_generation_prompt: bool = True) -> str:
+    """A conversation through the tokenizer's chat template; APIError(400) naming `param`."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "this model has no chat template; use /v1/completions, or start the server "
+                            "with --chat-template", param)
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as error:  # noqa: BLE001 - a template can raise anything
+        raise APIError(400, f"the chat template rejected these messages: {error}", param) from None
+
+
+def render_messages(tokenizer, messages: list[dict], param: str = "messages") -> list[int]:
+    """A conversation through the chat template, as the token ids to generate from."""
+    # The template already holds the special tokens: encode without adding more.
+    return tokenizer.encode(chat_text(tokenizer, messages, param), add_special_tokens=False)

@@ -1,0 +1,187 @@
+"""/v1/responses: OpenAI's Responses API for text in and text out, streaming or not.
+
+The input is a string or a list of messages (``input_text`` / ``output_text`` parts),
+``instructions`` a system message before them; the conversation goes through the chat
+template as /v1/chat/completions does. Nothing is stored, so ``previous_response_id``
+and ``store: true`` are refused, as are tools, structured text formats, reasoning and
+other inputs than text, each with a 400 naming the field. A stream sends OpenAI's
+events (``response.created``, ``response.in_progress``, ``response.output_item.added``,
+``response.content_part.added``, ``response.output_text.delta`` ..., the matching
+``.done`` events, then ``response.completed``). One difference, as vLLM's: a response
+cut at ``max_output_tokens`` ends with ``response.completed`` carrying status
+``incomplete`` (OpenAI sends ``response.incomplete``), so that the official client's
+``stream(...).get_final_response()`` returns it.
+"""
+import itertools
+import json
+import time
+import uuid
+from typing import Literal
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+from pydantic import Field, model_validator
+
+from mempath.generation_config import with_defaults
+from mempath.sampling import SamplingParams
+from mempath.server.async_engine import AsyncEngine, Update
+from mempath.server.calls import (Call, ChoiceText, Limits, SSEResponse, api_key_checker, check_model, collect,
+                                  read_body, render_messages, resolve_max_tokens, until_disconnect)
+from mempath.server.protocol import APIError, _Strict, error_body, parse_request, refuse_not_honoured
+
+# Field -> the values that ask for nothing this server does not do.
+NOT_HONOURED_RESPONSES = {
+    "previous_response_id": (), "conversation": (), "store": (False,), "background": (False,),
+    "tools": ([],), "tool_choice": ("none", "auto"), "max_tool_calls": (), "prompt": (),
+    "text": ({"format": {"type": "text"}},), "reasoning": (), "include": ([],), "truncation": ("disabled",),
+    "top_logprobs": (0,),
+}
+
+
+class InputPart(_Strict):
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class InputMessage(_Strict):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[InputPart]
+
+    def as_template_input(self) -> dict:
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": self.role, "content": content}
+
+
+class ResponsesRequest(_Strict):
+    model: str | None = None
+    input: str | list[InputMessage]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stream: bool = False
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_not_honoured(cls, data):
+        refuse_not_honoured(data, NOT_HONOURED_RESPONSES)
+        items = data.get("input") if isinstance(data, dict) else None
+        for i, item in enumerate(items if isinstance(items, list) else []):
+            kind = item.get("type", "message") if isinstance(item, dict) else None
+            if kind != "message":
+                raise APIError(400, f"input.{i}: only messages with text are supported, got type {kind!r}",
+                               f"input.{i}.type")
+        return data
+
+    def messages(self) -> list[dict]:
+        items = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        system = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        return system + [m.as_template_input() for m in items]
+
+
+def responses_router(engine_client: AsyncEngine, served_model_name: str, api_key: str | None,
+                     limits: Limits, sampling_defaults: dict) -> APIRouter:
+    api = APIRouter(prefix="/v1", dependencies=[Depends(api_key_checker(api_key))])
+
+    @api.post("/responses")
+    async def create_response(request: Request):
+        req = parse_request(ResponsesRequest, await read_body(request, limits.max_body_bytes))
+        check_model(req.model, served_model_name)
+        prompt = render_messages(engine_client.tokenizer, req.messages(), "input")
+        room = max(1, engine_client.max_model_len - len(prompt))
+        params = SamplingParams(max_tokens=resolve_max_tokens(req.max_output_tokens, room, limits),
+                                temperature=req.temperature, top_p=req.top_p)
+        params = with_defaults(params, req.model_fields_set, sampling_defaults)
+        call = Call(engine_client, f"resp_{uuid.uuid4().hex}", served_model_name, [], 1, None)
+        shape = ResponseShape(call, req, params)
+        await call.start([prompt], params)
+        if req.stream:
+            return SSEResponse(stream_response(call, shape), on_close=call.abort)
+        return JSONResponse(await until_disconnect(request, finish_response(call, shape)))
+
+    return api
+
+
+class ResponseShape:
+    """The bodies of one response: the Response object at each stage, its message item."""
+
+    def __init__(self, call: Call, req: ResponsesRequest, params: SamplingParams):
+        self.call, self.req, self.params = call, req, params
+        self.created_at = time.time()
+        self.message_id = f"msg_{uuid.uuid4().hex}"
+
+    def message(self, status: str, text: str | None) -> dict:
+        content = [] if text is None else [output_text(text)]
+        return {"type": "message", "id": self.message_id, "status": status, "role": "assistant",
+                "content": content}
+
+    def body(self, status: str, output: list[dict], usage: dict | None = None,
+             final: Update | None = None, error: dict | None = None) -> dict:
+        incomplete = final is not None and final.finish_reason == "length"
+        return {
+            "id": self.call.id, "object": "response", "created_at": self.created_at,
+            "status": "incomplete" if incomplete else status, "error": error,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "instructions": self.req.instructions, "max_output_tokens": self.req.max_output_tokens,
+            "model": self.call.model, "output": output, "parallel_tool_calls": False,
+            "previous_response_id": None, "reasoning": None, "store": False,
+            "temperature": self.params.temperature, "top_p": self.params.top_p,
+            "text": {"format": {"type": "text"}}, "tool_choice": "none", "tools": [], "truncation": "disabled",
+            "usage": usage, "user": self.req.user, "metadata": self.req.metadata or {}}
+
+    def usage(self, final: Update) -> dict:
+        prompt, output = final.num_prompt_tokens, final.num_output_tokens
+        return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
+                "output_tokens": output, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": prompt + output}
+
+
+def output_text(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+async def finish_response(call: Call, shape: ResponseShape) -> dict:
+    finals, _, _ = await collect(call)
+    final = finals[0]
+    return shape.body("completed", [shape.message("completed", final.text)], shape.usage(final), final)
+
+
+async def stream_response(call: Call, shape: ResponseShape):
+    """The Responses API's server-sent events for one response; aborted however the stream ends."""
+    numbers = itertools.count()
+
+    def event(kind: str, **fields) -> str:
+        payload = {"type": kind, "sequence_number": next(numbers), **fields}
+        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    where = {"item_id": shape.message_id, "output_index": 0, "content_index": 0}
+    text, sent = ChoiceText([]), ""
+    try:
+        yield event("response.created", response=shape.body("in_progress", []))
+        yield event("response.in_progress", response=shape.body("in_progress", []))
+        yield event("response.output_item.added", output_index=0, item=shape.message("in_progress", None))
+        yield event("response.content_part.added", **where, part=output_text(""))
+        async for _, update in call.updates():
+            delta = text.take(update)
+            if delta:
+                sent += delta
+                yield event("response.output_text.delta", **where, delta=delta, logprobs=[])
+            if update.finish_reason in ("error", "abort"):
+                failure = error_body(update.error or "the request was aborted", "server_error")["error"]
+                yield event("error", code="server_error", message=failure["message"], param=None)
+                yield event("response.failed", response=shape.body(
+                    "failed", [shape.message("incomplete", sent)], error={"code": "server_error",
+                                                                          "message": failure["message"]}))
+                return
+            if update.finished:
+                yield event("response.output_text.done", **where, text=sent, logprobs=[])
+                yield event("response.content_part.done", **where, part=output_text(sent))
+                item = shape.message("completed", sent)
+                yield event("response.output_item.done", output_index=0, item=item)
+                yield event("response.completed", response=shape.body("completed", [item], shape.usage(update),
+                                                                      update))
+    finally:
+        call.abort()
