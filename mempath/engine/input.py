@@ -24,6 +24,7 @@ class InputProcessor:
     block_size: int
     num_kv_blocks: int
     make_generator: Callable[[int], torch.Generator]  # the sampler's: seeded draws on the device that samples
+    grammars: object = None  # a mempath.structured.grammar.GrammarCompiler, for structured_outputs
     _ids: itertools.count = field(default_factory=itertools.count)
 
     def tokenize(self, prompt: str) -> list[int]:
@@ -49,6 +50,10 @@ class InputProcessor:
         request = Request(request_id, text, token_ids, params)
         if params.seed is not None:
             request.generator = self.make_generator(params.seed)
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise ValueError("structured outputs need a tokenizer; this model has none")
+            request.grammar = self.grammars.matcher(params.structured_outputs)
         return request
 
     def _prompt_tokens(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:

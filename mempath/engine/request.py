@@ -41,6 +41,7 @@ class Request:
         self.output_text = ""
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.generator: torch.Generator | None = None
+        self.grammar = None  # its structured-output matcher (mempath.structured.grammar.RequestGrammar)
         self.arrival_time = arrival_time if arrival_time is not None else time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
