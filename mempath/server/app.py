@@ -32,6 +32,9 @@ from mempath.server.async_engine import AsyncEngine, EngineDeadError, Update, Up
 from mempath.server.guards import HeaderLimits, LoopbackHostOnly, is_loopback_address
 from mempath.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_body,
                                      completion_body, error_body, models_body, parse_request, usage_body)
+from mempath.server.structured_request import StructuredRequest, structured_request
+from mempath.server.tool_choice import ToolStream, plan_tools, tool_message
+from mempath.server.tool_parsers import PARSERS, parser_for_template
 from mempath.server.settings import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS,
                                      DEFAULT_MAX_N, check_api_key)
 
@@ -53,13 +56,19 @@ def build_app(engine_client: AsyncEngine, served_model_name: str, api_key: str |
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_tokens_limit: int | None = None,
               max_n: int = DEFAULT_MAX_N, bind_host: str | None = None,
               allowed_origins: Sequence[str] = (), max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
-              max_headers: int = DEFAULT_MAX_HEADERS) -> FastAPI:
+              max_headers: int = DEFAULT_MAX_HEADERS, tool_call_parser: str | None = None,
+              enable_auto_tool_choice: bool = False) -> FastAPI:
     """The FastAPI app; its lifespan starts and stops the engine thread.
 
     ``bind_host``: the address the server listens on; a loopback one turns on the
     Host check (guards.LoopbackHostOnly). None (tests, other servers): no check.
-    ``allowed_origins``: CORS, off when empty.
+    ``allowed_origins``: CORS, off when empty. ``tool_call_parser`` (vLLM's names, None: the
+    chat template's format) and ``enable_auto_tool_choice``: server/tool_choice.py.
     """
+    if tool_call_parser is not None and tool_call_parser not in PARSERS:
+        raise ValueError(f"--tool-call-parser must be one of {', '.join(PARSERS)}, got {tool_call_parser!r}")
+    tools = ToolSettings(tool_call_parser or parser_for_template(
+        getattr(engine_client.tokenizer, "chat_template", None)), enable_auto_tool_choice)
     if api_key is not None:
         check_api_key(api_key)
     limits = Limits(max_tokens=max_tokens_limit or engine_client.max_model_len, max_n=max_n,
@@ -91,12 +100,18 @@ def build_app(engine_client: AsyncEngine, served_model_name: str, api_key: str |
         stats = await engine_stats(engine_client)
         return Response(engine_client.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
 
-    app.include_router(openai_router(engine_client, served_model_name, api_key, limits, created))
+    app.include_router(openai_router(engine_client, served_model_name, api_key, limits, created, tools))
     return app
 
 
+@dataclass(frozen=True)
+class ToolSettings:
+    parser: str | None  # the tool-call parser's name
+    auto_tool_choice: bool
+
+
 def openai_router(engine_client: AsyncEngine, served_model_name: str, api_key: str | None,
-                  limits: Limits, created: int) -> APIRouter:
+                  limits: Limits, created: int, tools: ToolSettings) -> APIRouter:
     """/v1: models, completions, chat completions, behind the API key when one is set."""
     api = APIRouter(prefix="/v1", dependencies=[Depends(api_key_checker(api_key))])
 
@@ -112,10 +127,11 @@ def openai_router(engine_client: AsyncEngine, served_model_name: str, api_key: s
         prompts = req.prompts()
         check_num_choices(len(prompts), req.n, limits)
         max_tokens = resolve_max_tokens(req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, limits)
-        params = sampling_params(req, max_tokens, req.logprobs)
+        structured = structured_request(req)
+        params = sampling_params(req, max_tokens, req.logprobs, structured)
         call = Call(engine_client, f"cmpl-{uuid.uuid4().hex}", served_model_name, req.stop_list(),
                     req.n, req.logprobs)
-        await call.start(prompts, params)
+        await call.start(prompts, params, structured)
         if req.stream:
             return SSEResponse(stream_completion(call, req.include_usage), on_close=call.abort)
         return JSONResponse(await until_disconnect(request, finish_completion(call)))
@@ -126,16 +142,23 @@ def openai_router(engine_client: AsyncEngine, served_model_name: str, api_key: s
         req = parse_request(ChatCompletionRequest, body)
         check_model(req.model, served_model_name)
         check_num_choices(1, req.n, limits)
-        prompt = render_chat(engine_client.tokenizer, req)
+        plan = plan_tools(req, tools.parser, tools.auto_tool_choice)
+        structured = structured_request(req)
+        if plan is not None and plan.grammar() is not None:
+            if structured is not None:
+                raise APIError(400, f"tool_choice {plan.mode} constrains the output; it cannot be combined "
+                                    f"with {structured.field}", "tool_choice")
+            structured = StructuredRequest(plan.grammar(), "tools")
+        prompt = render_chat(engine_client.tokenizer, req, plan.tools if plan is not None else None)
         room = max(1, engine_client.max_model_len - len(prompt))
         max_tokens = resolve_max_tokens(req.requested_max_tokens, room, limits)
-        params = sampling_params(req, max_tokens, req.num_logprobs)
+        params = sampling_params(req, max_tokens, req.num_logprobs, structured)
         call = Call(engine_client, f"chatcmpl-{uuid.uuid4().hex}", served_model_name,
                     req.stop_list(), req.n, req.num_logprobs)
-        await call.start([prompt], params)
+        await call.start([prompt], params, structured)
         if req.stream:
-            return SSEResponse(stream_chat(call, req.include_usage), on_close=call.abort)
-        return JSONResponse(await until_disconnect(request, finish_chat(call)))
+            return SSEResponse(stream_chat(call, req.include_usage, plan), on_close=call.abort)
+        return JSONResponse(await until_disconnect(request, finish_chat(call, plan)))
 
     return api
 
@@ -289,19 +312,21 @@ def resolve_max_tokens(requested: int | None, default: int, limits: Limits) -> i
     return requested
 
 
-def sampling_params(req, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(req, max_tokens: int, logprobs: int | None,
+                    structured: StructuredRequest | None = None) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k,
                           top_p=req.top_p, min_p=req.min_p, seed=req.seed, stop=req.stop_list(),
-                          ignore_eos=req.ignore_eos, logprobs=logprobs)
+                          ignore_eos=req.ignore_eos, logprobs=logprobs,
+                          structured_outputs=structured.params if structured is not None else None)
 
 
-def render_chat(tokenizer, req: ChatCompletionRequest) -> list[int]:
-    """The conversation through the tokenizer's chat template, as token ids."""
+def render_chat(tokenizer, req: ChatCompletionRequest, tools: list[dict] | None = None) -> list[int]:
+    """The conversation (and the tools, when given) through the tokenizer's chat template, as token ids."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
     messages = [m.as_template_input() for m in req.messages]
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     except Exception as error:  # noqa: BLE001 - a template can raise anything
         raise APIError(400, f"the chat template rejected these messages: {error}", "messages") from None
     # The template already holds the special tokens: encode without adding more.
@@ -310,7 +335,8 @@ def render_chat(tokenizer, req: ChatCompletionRequest) -> list[int]:
 
 def param_named_in(message: str) -> str | None:
     """The request field an engine error message is about (it starts with the field's name)."""
-    for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "logprobs", "stop", "seed"):
+    for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "logprobs", "stop", "seed",
+                 "structured_outputs"):
         if message.startswith(name):
             return name
     return "prompt" if "prompt" in message else None
@@ -349,8 +375,10 @@ class Call:
         # First sample's request id -> (choice, prompt, params) of the samples that wait for it.
         self._siblings: dict[str, list[tuple[int, str | list[int], SamplingParams]]] = {}
 
-    async def start(self, prompts: list[str | list[int]], params: SamplingParams) -> None:
-        """Submit every prompt's first sample; a request the engine rejects raises APIError(400)."""
+    async def start(self, prompts: list[str | list[int]], params: SamplingParams,
+                    structured: StructuredRequest | None = None) -> None:
+        """Submit every prompt's first sample; a request the engine rejects raises APIError(400)
+        (naming the client's structured-output field when its grammar does not compile)."""
         self.num_choices = len(prompts) * self.n
         try:
             for p, prompt in enumerate(prompts):
@@ -360,7 +388,8 @@ class Call:
                 self._siblings[self._request_id(p * self.n)] = samples[1:]
         except ValueError as error:
             self.abort()
-            raise APIError(400, str(error), param_named_in(str(error))) from None
+            api_error = APIError(400, str(error), param_named_in(str(error)))
+            raise (structured.field_error(api_error) if structured is not None else api_error) from None
         except BaseException:
             self.abort()
             raise
@@ -520,10 +549,10 @@ async def finish_completion(call: Call) -> dict:
     return completion_body(call.id, call.model, choices, call.usage(finals), created=call.created)
 
 
-async def finish_chat(call: Call) -> dict:
+async def finish_chat(call: Call, plan=None) -> dict:
     finals, tokens, logprobs = await collect(call)
-    choices = [{"index": i, "message": {"role": "assistant", "content": u.text},
-                "finish_reason": openai_finish_reason(u),
+    messages = {i: tool_message(plan, u.text, openai_finish_reason(u)) for i, u in finals.items()}
+    choices = [{"index": i, "message": messages[i][0], "finish_reason": messages[i][1],
                 "logprobs": (chat_logprobs(call, tokens[i], logprobs[i])
                              if call.num_logprobs is not None else None)}
                for i, u in sorted(finals.items())]
@@ -596,7 +625,9 @@ async def stream_sse(call: Call, include_usage: bool, chunk, choice, logprobs_fo
             # the tokens go out first.
             if delta or logprobs or (update.finished and not failed):
                 finish = openai_finish_reason(update) if update.finished and not failed else None
-                yield chunk([choice(index, delta, logprobs, finish)])
+                made = choice(index, delta, logprobs, finish)  # a chat choice with tools: one per delta
+                for one in made if isinstance(made, list) else [made]:
+                    yield chunk([one])
             if failed:
                 yield sse(error_body(update.error or "generation failed", "server_error"))
         if include_usage:
@@ -623,13 +654,26 @@ def stream_completion(call: Call, include_usage: bool):
     return stream_sse(call, include_usage, chunk, choice, logprobs_for)
 
 
-def stream_chat(call: Call, include_usage: bool):
+def stream_chat(call: Call, include_usage: bool, plan=None):
+    streams = [ToolStream(plan) for _ in range(call.num_choices)]
+
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
         return sse(chat_body(call.id, call.model, choices, usage, chunk=True, created=call.created))
 
-    def choice(index, delta, logprobs, finish) -> dict:
-        return {"index": index, "delta": {"content": delta} if delta else {}, "logprobs": logprobs,
-                "finish_reason": finish}
+    def choice(index, delta, logprobs, finish) -> dict | list[dict]:
+        if plan is None:
+            return {"index": index, "delta": {"content": delta} if delta else {}, "logprobs": logprobs,
+                    "finish_reason": finish}
+        deltas = streams[index].take(delta, finish is not None)
+        made = [{"index": index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+        if made:
+            made[0]["logprobs"] = logprobs
+        elif logprobs is not None and finish is None:
+            made.append({"index": index, "delta": {}, "logprobs": logprobs, "finish_reason": None})
+        if finish is not None:
+            made.append({"index": index, "delta": {}, "logprobs": None if made else logprobs,
+                         "finish_reason": streams[index].finish_reason(finish)})
+        return made
 
     opening = chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(call.num_choices)])

@@ -48,6 +48,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on SIGINT/SIGTERM, seconds running requests get to finish before the "
                              "rest end with an error event")
     parser.add_argument("--uvicorn-log-level", default="info")
+    parser.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                        help="how tool calls are read from the model's text (default: the chat template's format)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='let the model decide whether to call a tool (tool_choice "auto")')
 
 
 def resolve_model(args) -> str:
@@ -144,7 +148,9 @@ def run_serve(args) -> int:
                                  args.max_body_bytes, args.max_tokens_limit, args.max_n,
                                  bind_host=args.host, allowed_origins=args.allowed_origins,
                                  max_header_bytes=args.max_header_bytes, max_headers=args.max_headers,
-                                 stream_stall_timeout=args.stream_stall_timeout)
+                                 stream_stall_timeout=args.stream_stall_timeout,
+                                 tool_call_parser=args.tool_call_parser,
+                                 enable_auto_tool_choice=args.enable_auto_tool_choice)
     if args.host not in LOOPBACK_HOSTS and not args.api_key:
         log.warning("serving on %s without --api-key: anyone who can reach this port can use it",
                     args.host)
