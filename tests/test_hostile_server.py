@@ -314,14 +314,13 @@ def test_the_sampler_treats_a_tiny_temperature_as_greedy():
 
 
 # ----------------------------------------------------------------- fields we cannot honour
+# response_format, structured_outputs, guided_* and (on chat) tools / tool_choice are honoured:
+# tests/test_structured.py and tests/test_tool_calls.py.
 UNSUPPORTED = [
-    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function",
-                                                             "function": {"name": "f"}}]),
-    ("tool_choice", "required"), ("repetition_penalty", 1.2), ("min_tokens", 5),
+    ("repetition_penalty", 1.2), ("min_tokens", 5),
     ("use_beam_search", True), ("stop_token_ids", [3]), ("include_stop_str_in_output", True),
-    ("skip_special_tokens", False), ("bad_words", ["x"]), ("guided_json", {"type": "object"}),
-    ("guided_regex", "a+"), ("guided_choice", ["a", "b"]), ("structured_outputs", {"json": {}}),
-    ("prompt_logprobs", 1), ("truncate_prompt_tokens", 4), ("allowed_token_ids", [1, 2]),
+    ("skip_special_tokens", False), ("bad_words", ["x"]), ("guided_decoding_backend", "outlines"),
+    ("guided_whitespace_pattern", " *"), ("prompt_logprobs", 1), ("truncate_prompt_tokens", 4), ("allowed_token_ids", [1, 2]),
     ("logit_bias", {"5": 1.0}), ("presence_penalty", 0.5), ("frequency_penalty", -0.5),
     ("length_penalty", 0.5), ("priority", 1), ("cache_salt", "tenant-a"),
     ("stream_options", {"include_usage": True, "continuous_usage_stats": True}),
@@ -334,7 +333,8 @@ CHAT_UNSUPPORTED = [
     ("prediction", {"type": "content", "content": "x"}), ("reasoning_effort", "high"),
     ("web_search_options", {}),
 ]
-COMPLETION_UNSUPPORTED = [("echo", True), ("suffix", "x"), ("best_of", 3), ("add_special_tokens", False)]
+COMPLETION_UNSUPPORTED = [("echo", True), ("suffix", "x"), ("best_of", 3), ("add_special_tokens", False),
+                          ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required")]
 
 
 def completion(**fields) -> dict:
@@ -362,9 +362,6 @@ def test_chat_fields_we_cannot_honour_are_400s(server, field, value):
 
 
 @pytest.mark.parametrize("message, field", [
-    ({"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function",
-                                                            "function": {"name": "f", "arguments": "{}"}}]},
-     "messages.1.tool_calls"),
     ({"role": "assistant", "content": "x", "function_call": {"name": "f", "arguments": "{}"}},
      "messages.1.function_call"),
     ({"role": "assistant", "content": "x", "audio": {"id": "a"}}, "messages.1.audio"),

@@ -139,7 +139,7 @@ class ToolStream:
             out = [] if self.num_calls else self._header(ToolCall(plan.named, ""))
             return out + ([self._arguments(0, delta)] if delta else [])
         if plan.mode == "required":
-            return self._new_calls(_array_items(self.text, finished))
+            return self._new_calls(_array_items(self.text))
         return self._auto(finished)
 
     def _auto(self, finished: bool) -> list[dict]:
@@ -149,6 +149,8 @@ class ToolStream:
         content_end = self.calls_at
         if content_end is None:
             content_end = len(self.text) - (0 if finished else parser.may_start(self.text))
+            while not finished and content_end > self.sent_content and self.text[content_end - 1].isspace():
+                content_end -= 1  # it may be the space before a call, which content leaves out
         calls = None if self.calls_at is None else parser.complete_calls(self.text[self.calls_at:], finished)
         if finished and self.calls_at is not None and calls is None and not self.num_calls:
             content_end = len(self.text)  # not calls after all: it was content
@@ -180,7 +182,7 @@ class ToolStream:
         return "tool_calls" if self.num_calls and reason == "stop" else reason
 
 
-def _array_items(text: str, finished: bool) -> list[ToolCall]:
+def _array_items(text: str) -> list[ToolCall]:
     """The complete {"name", "parameters"} objects of a JSON array being written."""
     start = text.find("[")
     if start < 0:
