@@ -2,6 +2,8 @@
 import math
 from dataclasses import dataclass, field
 
+from mempath.structured.params import StructuredOutputsParams
+
 # Below this temperature a request is greedy, as in vLLM (_SAMPLING_EPS): dividing the logits
 # by a tiny temperature overflows to inf - inf = nan, and its limit is the argmax anyway.
 GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -35,6 +37,9 @@ class SamplingParams:
     best_of: int | None = None  # refused but for 1: vLLM dropped it
     # Set by the engine from bad_words and the tokenizer (InputProcessor), never by callers.
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    # Structured output (vLLM's name): the output must match this JSON schema, regex, choice or
+    # grammar (mempath.structured); None: unconstrained.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -70,6 +75,10 @@ class SamplingParams:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError("structured_outputs must be a mempath.structured.StructuredOutputsParams")
+            self.structured_outputs.validate()
         self._validate_extensions(max_logprobs)
 
     def _validate_extensions(self, max_logprobs: int) -> None:

@@ -65,15 +65,37 @@ SPECIAL_TOKENS = [PAD, BOS, EOS] + ROLE_TOKENS
 # A deliberately small template: role marker, content, <|end|>.  The model is
 # not chat-trained; the template only has to render and tokenize to single
 # special tokens so the serving code can be exercised end to end.
+# The tool-call format is Hermes / Qwen's (<tool_call>...</tool_call>): server/tool_parsers.py reads it.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('unknown role: ' + message['role']) }}"
-    "{% endif %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    '{{ bos_token }}\n'
+    '{%- if tools %}<|system|>\n'
+    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n"
+    '\n'
+    '{% endif %}You can call functions. Their signatures, in <tools></tools>:\n'
+    '<tools>\n'
+    '{% for tool in tools %}{{ tool | tojson }}\n'
+    '{% endfor %}</tools>\n'
+    'To call one, answer with its name and arguments as JSON inside <tool_call></tool_call>:\n'
+    '<tool_call>\n'
+    '{"name": <function-name>, "arguments": <arguments-object>}\n'
+    '</tool_call><|end|>\n'
+    '{% endif %}\n'
+    '{%- for message in messages %}\n'
+    "{%- if tools and loop.first and message['role'] == 'system' %}\n"
+    "{%- elif message['role'] == 'tool' %}<|user|>\n"
+    '<tool_response>\n'
+    "{{ message['content'] }}\n"
+    '</tool_response><|end|>\n'
+    "{% elif message['role'] in ['system', 'user', 'assistant'] %}<|{{ message['role'] }}|>\n"
+    "{{ message['content'] }}\n"
+    "{%- if message['tool_calls'] %}{% for call in message['tool_calls'] %}<tool_call>\n"
+    '{"name": "{{ call[\'function\'][\'name\'] }}", "arguments": {% if call[\'function\'][\'arguments\'] is string %}{{ call[\'function\'][\'arguments\'] }}{% else %}{{ call[\'function\'][\'arguments\'] | tojson }}{% endif %}}\n'
+    '</tool_call>{% endfor %}{% endif %}<|end|>\n'
+    "{% else %}{{ raise_exception('unknown role: ' + message['role']) }}\n"
+    '{%- endif %}\n'
+    '{%- endfor %}\n'
+    '{%- if add_generation_prompt %}<|assistant|>\n'
+    '{% endif %}'
 )
 
 # Sizes chosen so both checkpoints plus tokenizer files stay under 30 MB in

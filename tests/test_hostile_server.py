@@ -314,13 +314,12 @@ def test_the_sampler_treats_a_tiny_temperature_as_greedy():
 
 
 # ----------------------------------------------------------------- fields we cannot honour
+# response_format, structured_outputs, guided_* and (on chat) tools / tool_choice are honoured:
+# tests/test_structured.py and tests/test_tool_calls.py.
 UNSUPPORTED = [
-    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function",
-                                                             "function": {"name": "f"}}]),
-    ("tool_choice", "required"),
     ("use_beam_search", True), ("stop_token_ids", [3]), ("include_stop_str_in_output", True),
-    ("spaces_between_special_tokens", False), ("guided_json", {"type": "object"}),
-    ("guided_regex", "a+"), ("guided_choice", ["a", "b"]), ("structured_outputs", {"json": {}}),
+    ("spaces_between_special_tokens", False), ("guided_decoding_backend", "outlines"),
+    ("guided_whitespace_pattern", " *"),
     ("truncate_prompt_tokens", 4), ("allowed_token_ids", [1, 2]),
     ("length_penalty", 0.5), ("priority", 1), ("cache_salt", "tenant-a"),
     ("stream_options", {"include_usage": True, "continuous_usage_stats": True}),
@@ -333,7 +332,8 @@ CHAT_UNSUPPORTED = [
     ("prediction", {"type": "content", "content": "x"}), ("reasoning_effort", "high"),
     ("web_search_options", {}),
 ]
-COMPLETION_UNSUPPORTED = [("echo", True), ("suffix", "x"), ("best_of", 3), ("add_special_tokens", False)]
+COMPLETION_UNSUPPORTED = [("echo", True), ("suffix", "x"), ("best_of", 3), ("add_special_tokens", False),
+                          ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required")]
 
 
 def completion(**fields) -> dict:
@@ -361,9 +361,6 @@ def test_chat_fields_we_cannot_honour_are_400s(server, field, value):
 
 
 @pytest.mark.parametrize("message, field", [
-    ({"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function",
-                                                            "function": {"name": "f", "arguments": "{}"}}]},
-     "messages.1.tool_calls"),
     ({"role": "assistant", "content": "x", "function_call": {"name": "f", "arguments": "{}"}},
      "messages.1.function_call"),
     ({"role": "assistant", "content": "x", "audio": {"id": "a"}}, "messages.1.audio"),

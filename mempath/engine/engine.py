@@ -19,6 +19,7 @@ from mempath.engine.startup import StageObserver, Startup, no_observer
 from mempath.memory.oom import MempathOutOfMemoryError, oom_guard
 from mempath.outputs import RequestOutput
 from mempath.sampling import SamplingParams
+from mempath.structured.grammar import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,10 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self.inputs = InputProcessor(config.model, self.tokenizer, self.spec.vocab_size, self.max_model_len,
                                      config.max_logprobs, config.block_size, self.kv.num_blocks,
-                                     self.runner.sampler.make_generator, frozenset(parts.eos_token_ids))
+                                     self.runner.sampler.make_generator, frozenset(parts.eos_token_ids),
+                                     grammars=GrammarCompiler(self.tokenizer, self.spec.vocab_size,
+                                                              parts.eos_token_ids)
+                                     if self.tokenizer is not None else None)
         self.outputs = OutputProcessor(self.tokenizer, parts.eos_token_ids, self.max_model_len,
                                        self.scheduler.finish)
         self.num_prompt_tokens = 0

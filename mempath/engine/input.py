@@ -25,6 +25,7 @@ class InputProcessor:
     num_kv_blocks: int
     make_generator: Callable[[int], torch.Generator]  # the sampler's: seeded draws on the device that samples
     eos_token_ids: frozenset[int] = frozenset()  # masked with stop_token_ids until min_tokens are out
+    grammars: object = None  # a mempath.structured.grammar.GrammarCompiler, for structured_outputs
     _ids: itertools.count = field(default_factory=itertools.count)
 
     def tokenize(self, prompt: str) -> list[int]:
@@ -60,6 +61,10 @@ class InputProcessor:
                 {t for t in (*self.eos_token_ids, *params.stop_token_ids) if 0 <= t < self.vocab_size})
         if params.seed is not None:
             request.generator = self.make_generator(params.seed)
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise ValueError("structured outputs need a tokenizer; this model has none")
+            request.grammar = self.grammars.matcher(params.structured_outputs)
         return request
 
     def _prompt_tokens(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:

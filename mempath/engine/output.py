@@ -46,6 +46,11 @@ class OutputProcessor:
         for request, token_id, row_logprobs in zip(sampling, token_ids, logprobs):
             if request.is_finished:
                 continue  # finished or aborted while its step ran: the token is surplus
+            if request.grammar is not None and request.grammar.error is not None:
+                request.error = request.grammar.error
+                self.finish(request, "error")
+                outputs.append(self.finished(request))
+                continue
             try:
                 output = self._append_token(request, token_id, row_logprobs, now)
             except Exception as error:
@@ -84,6 +89,11 @@ class OutputProcessor:
     def _stop_reason(self, request: Request, token_id: int, new_text: str) -> tuple[str | None, str]:
         """Why the request ends with this token, if it does, and its new text cut at a stop string."""
         params = request.params
+        if request.grammar is not None:
+            if not request.grammar.accept(token_id):
+                raise ValueError(f"token {token_id} broke the request's grammar")
+            if request.grammar.finished:  # it took a stop token: the output is complete
+                return "stop", new_text
         if request.num_output_tokens < params.min_tokens:
             # Nothing but the length ends it before min_tokens (EOS and stop ids are masked too).
             return ("length" if request.num_tokens >= self.max_model_len else None), new_text

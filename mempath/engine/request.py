@@ -60,6 +60,7 @@ class Request:
         self.adjusts_logits = (params.needs_history or bool(params.logit_bias) or params.min_tokens > 0
                                or bool(params.bad_words_token_ids))
         self.generator: torch.Generator | None = None
+        self.grammar = None  # its structured-output matcher (mempath.structured.grammar.RequestGrammar)
         self.arrival_time = arrival_time if arrival_time is not None else time.perf_counter()
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None

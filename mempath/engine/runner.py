@@ -21,6 +21,7 @@ from mempath.engine.sampler import Sampler, SamplerOutput
 from mempath.kv.block_table import BlockTableRows
 from mempath.model.llama import AttentionMetadata, CausalLM
 from mempath.model.spec import ModelSpec
+from mempath.structured.bitmask import GrammarBitmask
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -97,6 +98,7 @@ class ModelRunner:
         self.sampler = Sampler(device, config.seed)
         self.kv_cache = torch.empty(0)
         self.buffers = StepBuffers(self.max_tokens, config.max_num_seqs, self.max_blocks_per_seq, device)
+        self.grammar_bitmask = GrammarBitmask(config.max_num_seqs, spec.vocab_size, device)
         self.arange = np.arange(max(self.max_tokens, max_model_len) + 1, dtype=np.int64)
         self.table_rows = BlockTableRows(config.max_num_seqs)  # what each row of buffers.tables holds
         self.decode_workspace = None
@@ -117,7 +119,7 @@ class ModelRunner:
 
     def workspace_bytes(self) -> int:
         """Bytes of the static step buffers and the decode split workspace."""
-        total = self.buffers.nbytes()
+        total = self.buffers.nbytes() + self.grammar_bitmask.nbytes()
         if self.decode_workspace is not None:
             total += sum(t.numel() * t.element_size() for t in self.decode_workspace)
         return total
@@ -252,6 +254,9 @@ class ModelRunner:
             if not sampling:
                 return None
             logits = self.model.compute_logits(hidden[logits_rows])
+        if any(r.grammar is not None for r in sampling):
+            # Here the forward is queued, not finished: the host fills the masks meanwhile.
+            self.grammar_bitmask.apply(logits, [r.grammar for r in sampling])
         params, generators = [r.params for r in sampling], [r.generator for r in sampling]
         buf = self.buffers
         # Each sampling row's last input token is its newest token, on the device even when

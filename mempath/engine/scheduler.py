@@ -50,6 +50,7 @@ class Scheduler:
         self.paused: set[Request] = set()  # not scheduled until resumed (running, loading or parked)
         self.parked: list[Request] = []  # paused and without blocks: back to the queue's front on resume
         self.num_preemptions = 0
+        self.logged_grammar_sync = False
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -135,7 +136,20 @@ class Scheduler:
     def _can_defer(self, batch: ScheduledBatch, sampling: list[Request]) -> bool:
         return (self.async_scheduling and len(sampling) == len(batch.requests)
                 and all(n == 1 for n in batch.num_new_tokens)
-                and all(r.params.logprobs is None for r in sampling))
+                and all(r.params.logprobs is None for r in sampling)
+                and not self._has_grammar(sampling))
+
+    def _has_grammar(self, sampling: list[Request]) -> bool:
+        """A structured-output row's next mask needs its newest token on the host, so a step
+        holding one is never left in flight (the same rule gives speculative decoding K = 0
+        draft tokens for such rows: docs/structured.md)."""
+        if not any(r.grammar is not None for r in sampling):
+            return False
+        if self.async_scheduling and not self.logged_grammar_sync:
+            self.logged_grammar_sync = True
+            log.info("async scheduling is off for steps with structured-output requests: each "
+                     "one's next token mask depends on its newest token")
+        return True
 
     def _schedule_ahead(self, previous: PendingTokens) -> tuple[ScheduledBatch, list[int]] | None:
         """The next decode step of the in-flight requests, or None when the ordinary schedule is needed."""

@@ -313,10 +313,20 @@ def prompt_logprobs_peak_bytes(vocab_size: int, rows: int, dtype_bytes: int) -> 
     return min(rows, SAMPLER_SORT_ROWS) * vocab_size * (dtype_bytes + 9)
 
 
+def grammar_bitmask_bytes(vocab_size: int, rows: int) -> int:
+    """Structured output's allowed-token bitmask: one bit per token, in int32 words, a row
+    per sampled sequence (max_num_seqs); allocated once on the device with the step buffers
+    (the ledger's step_buffers), and as much pinned on the host."""
+    return rows * -(-vocab_size // 32) * 4
+
+
 def logits_bytes(shape: ModelShape, rows: int, dtype_bytes: int = 4) -> int:
     """Logits only for the rows that are sampled (the last token of each sequence), so
     at most max_num_seqs rows: the lm_head output in the model dtype (rows · V · b),
-    alive while the sampler runs, plus the sampler's peak (sampler_peak_bytes)."""
+    alive while the sampler runs, plus the sampler's peak (sampler_peak_bytes) or the prompt
+    logprobs' (prompt_logprobs_peak_bytes), whichever is larger. The grammar bitmask the
+    sampler's rows are masked with is a static buffer, counted with the step buffers
+    (grammar_bitmask_bytes)."""
     return rows * shape.vocab_size * dtype_bytes + max(
         sampler_peak_bytes(shape.vocab_size, rows), prompt_logprobs_peak_bytes(shape.vocab_size, rows, dtype_bytes))
 

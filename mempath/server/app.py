@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -34,6 +35,9 @@ from mempath.server.calls import (SSE_DONE, Call, ChoiceText, Limits, SSERespons
 from mempath.server.guards import HeaderLimits, LoopbackHostOnly, is_loopback_address
 from mempath.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_body,
                                      completion_body, error_body, models_body, parse_request)
+from mempath.server.structured_request import StructuredRequest, structured_request
+from mempath.server.tool_choice import ToolStream, plan_tools, tool_message
+from mempath.server.tool_parsers import PARSERS, parser_for_template
 from mempath.server.responses import ResponsesRequest, responses_router
 from mempath.server.tokens import DetokenizeRequest, TokenizeRequest, tokens_router
 from mempath.server.settings import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS,
@@ -50,7 +54,8 @@ def build_app(engine_client: AsyncEngine, served_model_name: str, api_key: str |
               max_n: int = DEFAULT_MAX_N, bind_host: str | None = None,
               allowed_origins: Sequence[str] = (), max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
               max_headers: int = DEFAULT_MAX_HEADERS, sampling_defaults: dict | None = None,
-              root_path: str = "", enable_docs: bool = True) -> FastAPI:
+              root_path: str = "", enable_docs: bool = True, tool_call_parser: str | None = None,
+              enable_auto_tool_choice: bool = False) -> FastAPI:
     """The FastAPI app; its lifespan starts and stops the engine thread.
 
     ``bind_host``: the address the server listens on; a loopback one turns on the
@@ -58,8 +63,14 @@ def build_app(engine_client: AsyncEngine, served_model_name: str, api_key: str |
     ``allowed_origins``: CORS, off when empty. ``sampling_defaults``: SamplingParams
     fields for what a request leaves out (--generation-config). ``root_path``: the
     prefix a proxy serves this under (--root-path). ``enable_docs``: /docs and
-    /openapi.json (--disable-fastapi-docs turns them off).
+    /openapi.json (--disable-fastapi-docs turns them off). ``tool_call_parser`` (vLLM's
+    names, None: the chat template's format) and ``enable_auto_tool_choice``:
+    server/tool_choice.py.
     """
+    if tool_call_parser is not None and tool_call_parser not in PARSERS:
+        raise ValueError(f"--tool-call-parser must be one of {', '.join(PARSERS)}, got {tool_call_parser!r}")
+    tools = ToolSettings(tool_call_parser or parser_for_template(
+        getattr(engine_client.tokenizer, "chat_template", None)), enable_auto_tool_choice)
     if api_key is not None:
         check_api_key(api_key)
     limits = Limits(max_tokens=max_tokens_limit or engine_client.max_model_len, max_n=max_n,
@@ -100,14 +111,21 @@ def build_app(engine_client: AsyncEngine, served_model_name: str, api_key: str |
         return {"version": __version__}
 
     defaults = dict(sampling_defaults or {})
-    app.include_router(openai_router(engine_client, served_model_name, api_key, limits, created, defaults))
+    app.include_router(openai_router(engine_client, served_model_name, api_key, limits, created, defaults,
+                                     tools))
     app.include_router(responses_router(engine_client, served_model_name, api_key, limits, defaults))
     app.include_router(tokens_router(engine_client, served_model_name, api_key, limits))
     return app
 
 
+@dataclass(frozen=True)
+class ToolSettings:
+    parser: str | None  # the tool-call parser's name
+    auto_tool_choice: bool
+
+
 def openai_router(engine_client: AsyncEngine, served_model_name: str, api_key: str | None,
-                  limits: Limits, created: int, sampling_defaults: dict) -> APIRouter:
+                  limits: Limits, created: int, sampling_defaults: dict, tools: ToolSettings) -> APIRouter:
     """/v1: models, completions, chat completions, behind the API key when one is set."""
     api = APIRouter(prefix="/v1", dependencies=[Depends(api_key_checker(api_key))])
 
@@ -123,11 +141,12 @@ def openai_router(engine_client: AsyncEngine, served_model_name: str, api_key: s
         prompts = req.prompts()
         check_num_choices(len(prompts), req.n, limits)
         max_tokens = resolve_max_tokens(req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, limits)
-        params = with_defaults(sampling_params(req, max_tokens, req.logprobs), req.model_fields_set,
-                               sampling_defaults)
+        structured = structured_request(req)
+        params = with_defaults(sampling_params(req, max_tokens, req.logprobs, structured),
+                               req.model_fields_set, sampling_defaults)
         call = Call(engine_client, f"cmpl-{uuid.uuid4().hex}", served_model_name, req.stop_list(),
                     req.n, req.logprobs)
-        await call.start(prompts, params)
+        await call.start(prompts, params, structured)
         if req.stream:
             return SSEResponse(stream_completion(call, req.include_usage), on_close=call.abort)
         return JSONResponse(await until_disconnect(request, finish_completion(call)))
@@ -138,17 +157,24 @@ def openai_router(engine_client: AsyncEngine, served_model_name: str, api_key: s
         req = parse_request(ChatCompletionRequest, body)
         check_model(req.model, served_model_name)
         check_num_choices(1, req.n, limits)
-        prompt = render_chat(engine_client.tokenizer, req)
+        plan = plan_tools(req, tools.parser, tools.auto_tool_choice)
+        structured = structured_request(req)
+        if plan is not None and plan.grammar() is not None:
+            if structured is not None:
+                raise APIError(400, f"tool_choice {plan.mode} constrains the output; it cannot be combined "
+                                    f"with {structured.field}", "tool_choice")
+            structured = StructuredRequest(plan.grammar(), "tools")
+        prompt = render_chat(engine_client.tokenizer, req, plan.tools if plan is not None else None)
         room = max(1, engine_client.max_model_len - len(prompt))
         max_tokens = resolve_max_tokens(req.requested_max_tokens, room, limits)
-        params = with_defaults(sampling_params(req, max_tokens, req.num_logprobs), req.model_fields_set,
-                               sampling_defaults)
+        params = with_defaults(sampling_params(req, max_tokens, req.num_logprobs, structured),
+                               req.model_fields_set, sampling_defaults)
         call = Call(engine_client, f"chatcmpl-{uuid.uuid4().hex}", served_model_name,
                     req.stop_list(), req.n, req.num_logprobs)
-        await call.start([prompt], params)
+        await call.start([prompt], params, structured)
         if req.stream:
-            return SSEResponse(stream_chat(call, req.include_usage), on_close=call.abort)
-        return JSONResponse(await until_disconnect(request, finish_chat(call)))
+            return SSEResponse(stream_chat(call, req.include_usage, plan), on_close=call.abort)
+        return JSONResponse(await until_disconnect(request, finish_chat(call, plan)))
 
     return api
 
@@ -278,7 +304,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(f"internal error: {error}", "server_error"), 500)
 
 
-def sampling_params(req, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(req, max_tokens: int, logprobs: int | None,
+                    structured: StructuredRequest | None = None) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k,
                           top_p=req.top_p, min_p=req.min_p, seed=req.seed, stop=req.stop_list(),
                           ignore_eos=req.ignore_eos, logprobs=logprobs,
@@ -286,12 +313,13 @@ def sampling_params(req, max_tokens: int, logprobs: int | None) -> SamplingParam
                           frequency_penalty=req.frequency_penalty or 0.0,
                           repetition_penalty=req.repetition_penalty or 1.0, logit_bias=req.logit_bias_ids(),
                           min_tokens=req.min_tokens or 0, skip_special_tokens=req.skip_special_tokens is not False,
-                          bad_words=req.bad_words or [], prompt_logprobs=req.prompt_logprobs)
+                          bad_words=req.bad_words or [], prompt_logprobs=req.prompt_logprobs,
+                          structured_outputs=structured.params if structured is not None else None)
 
 
-def render_chat(tokenizer, req: ChatCompletionRequest) -> list[int]:
-    """The conversation through the chat template, as token ids."""
-    return render_messages(tokenizer, [m.as_template_input() for m in req.messages])
+def render_chat(tokenizer, req: ChatCompletionRequest, tools: list[dict] | None = None) -> list[int]:
+    """The conversation (and the tools, when given) through the chat template, as token ids."""
+    return render_messages(tokenizer, [m.as_template_input() for m in req.messages], tools=tools)
 
 
 async def engine_stats(engine_client: AsyncEngine) -> dict:
@@ -370,10 +398,10 @@ async def finish_completion(call: Call) -> dict:
     return completion_body(call.id, call.model, choices, call.usage(finals), created=call.created)
 
 
-async def finish_chat(call: Call) -> dict:
+async def finish_chat(call: Call, plan=None) -> dict:
     finals, tokens, logprobs = await collect(call)
-    choices = [{"index": i, "message": {"role": "assistant", "content": u.text},
-                "finish_reason": openai_finish_reason(u),
+    messages = {i: tool_message(plan, u.text, openai_finish_reason(u)) for i, u in finals.items()}
+    choices = [{"index": i, "message": messages[i][0], "finish_reason": messages[i][1],
                 "logprobs": (chat_logprobs(call, tokens[i], logprobs[i])
                              if call.num_logprobs is not None else None)}
                for i, u in sorted(finals.items())]
@@ -405,7 +433,9 @@ async def stream_sse(call: Call, include_usage: bool, chunk, choice, logprobs_fo
             # the tokens go out first.
             if delta or logprobs or (update.finished and not failed):
                 finish = openai_finish_reason(update) if update.finished and not failed else None
-                yield chunk([choice(index, delta, logprobs, finish)])
+                made = choice(index, delta, logprobs, finish)  # a chat choice with tools: one per delta
+                for one in made if isinstance(made, list) else [made]:
+                    yield chunk([one])
             if failed:
                 yield sse(error_body(update.error or "generation failed", "server_error"))
         if include_usage:
@@ -432,13 +462,26 @@ def stream_completion(call: Call, include_usage: bool):
     return stream_sse(call, include_usage, chunk, choice, logprobs_for)
 
 
-def stream_chat(call: Call, include_usage: bool):
+def stream_chat(call: Call, include_usage: bool, plan=None):
+    streams = [ToolStream(plan) for _ in range(call.num_choices)]
+
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
         return sse(chat_body(call.id, call.model, choices, usage, chunk=True, created=call.created))
 
-    def choice(index, delta, logprobs, finish) -> dict:
-        return {"index": index, "delta": {"content": delta} if delta else {}, "logprobs": logprobs,
-                "finish_reason": finish}
+    def choice(index, delta, logprobs, finish) -> dict | list[dict]:
+        if plan is None:
+            return {"index": index, "delta": {"content": delta} if delta else {}, "logprobs": logprobs,
+                    "finish_reason": finish}
+        deltas = streams[index].take(delta, finish is not None)
+        made = [{"index": index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+        if made:
+            made[0]["logprobs"] = logprobs
+        elif logprobs is not None and finish is None:
+            made.append({"index": index, "delta": {}, "logprobs": logprobs, "finish_reason": None})
+        if finish is not None:
+            made.append({"index": index, "delta": {}, "logprobs": None if made else logprobs,
+                         "finish_reason": streams[index].finish_reason(finish)})
+        return made
 
     opening = chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(call.num_choices)])

@@ -98,7 +98,7 @@ def param_named_in(message: str) -> str | None:
     """The request field an engine error message is about (it starts with the field's name)."""
     for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "prompt_logprobs", "logprobs",
                  "stop", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                 "logit_bias", "min_tokens", "bad_words", "best_of"):
+                 "logit_bias", "min_tokens", "bad_words", "best_of", "structured_outputs"):
         if message.startswith(name):
             return name
     return "prompt" if "prompt" in message else None
@@ -130,8 +130,11 @@ class Call:
         # First sample's request id -> (choice, prompt, params) of the samples that wait for it.
         self._siblings: dict[str, list[tuple[int, str | list[int], SamplingParams]]] = {}
 
-    async def start(self, prompts: list[str | list[int]], params: SamplingParams) -> None:
-        """Submit every prompt's first sample; a request the engine rejects raises APIError(400)."""
+    async def start(self, prompts: list[str | list[int]], params: SamplingParams,
+                    structured=None) -> None:
+        """Submit every prompt's first sample; a request the engine rejects raises APIError(400)
+        (naming the client's structured-output field, ``structured``'s, when its grammar does
+        not compile)."""
         self.num_choices = len(prompts) * self.n
         self.num_prompt_logprobs = params.prompt_logprobs
         request_log.info("request %s: %d prompt(s) of %s tokens, n=%d, %s", self.id, len(prompts),
@@ -144,7 +147,8 @@ class Call:
                 self._siblings[self._request_id(p * self.n)] = samples[1:]
         except ValueError as error:
             self.abort()
-            raise APIError(400, str(error), param_named_in(str(error))) from None
+            api_error = APIError(400, str(error), param_named_in(str(error)))
+            raise (structured.field_error(api_error) if structured is not None else api_error) from None
         except BaseException:
             self.abort()
             raise
@@ -308,18 +312,22 @@ def sse(payload: dict) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def chat_text(tokenizer, messages: list[dict], param: str = "messages", add_generation_prompt: bool = True) -> str:
+def chat_text(tokenizer, messages: list[dict], param: str = "messages", add_generation_prompt: bool = True,
+              tools: list[dict] | None = None) -> str:
     """A conversation through the tokenizer's chat template; APIError(400) naming `param`."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions, or start the server "
                             "with --chat-template", param)
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
     except Exception as error:  # noqa: BLE001 - a template can raise anything
         raise APIError(400, f"the chat template rejected these messages: {error}", param) from None
 
 
-def render_messages(tokenizer, messages: list[dict], param: str = "messages") -> list[int]:
-    """A conversation through the chat template, as the token ids to generate from."""
+def render_messages(tokenizer, messages: list[dict], param: str = "messages",
+                    tools: list[dict] | None = None) -> list[int]:
+    """A conversation (and the tools, when given) through the chat template, as the token ids
+    to generate from."""
     # The template already holds the special tokens: encode without adding more.
-    return tokenizer.encode(chat_text(tokenizer, messages, param), add_special_tokens=False)
+    return tokenizer.encode(chat_text(tokenizer, messages, param, tools=tools), add_special_tokens=False)

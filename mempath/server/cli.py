@@ -51,6 +51,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--uvicorn-log-level", default="info", help="uvicorn's own log level")
     from mempath.server.stats_log import add_stats_log_arguments
     add_stats_log_arguments(parser)  # --disable-log-stats, --log-stats-interval
+    parser.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                        help="how tool calls are read from the model's text (default: the chat template's format)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='let the model decide whether to call a tool (tool_choice "auto")')
     parser.add_argument("--chat-template", default=None, help=CHAT_TEMPLATE_HELP)
     parser.add_argument("--root-path", default="",
                         help="the path prefix a reverse proxy serves this server under, e.g. /llm")
@@ -208,7 +212,9 @@ def run_serve(args) -> int:
                                  stream_stall_timeout=args.stream_stall_timeout,
                                  log_stats_interval=log_stats_interval,
                                  chat_template=read_chat_template(args.chat_template),
-                                 root_path=args.root_path, enable_docs=not args.disable_fastapi_docs)
+                                 root_path=args.root_path, enable_docs=not args.disable_fastapi_docs,
+                                 tool_call_parser=args.tool_call_parser,
+                                 enable_auto_tool_choice=args.enable_auto_tool_choice)
     if args.host not in LOOPBACK_HOSTS and not args.api_key:
         log.warning("serving on %s without --api-key: anyone who can reach this port can use it",
                     args.host)

@@ -28,11 +28,12 @@ NOT_HONOURED_SAMPLING = {
     "use_beam_search": (False,), "length_penalty": (1,),
     "stop_token_ids": ([],), "include_stop_str_in_output": (False,),
     "spaces_between_special_tokens": (True,), "allowed_token_ids": (),
-    "truncate_prompt_tokens": (), "response_format": ({"type": "text"},),
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
-    "guided_decoding_backend": (), "guided_whitespace_pattern": (), "structured_outputs": (),
+    "truncate_prompt_tokens": (),
+    # response_format, structured_outputs and guided_json / regex / choice / grammar are honoured
+    # (server/structured_request.py); xgrammar is the one backend.
+    "guided_decoding_backend": ("xgrammar", "auto"), "guided_whitespace_pattern": (),
     "logits_processors": (), "priority": (0,), "return_tokens_as_token_ids": (False,),
-    "cache_salt": (), "prediction": (), "tools": ([],), "tool_choice": ("none", "auto"),
+    "cache_salt": (), "prediction": (),
 }
 NOT_HONOURED_CHAT = {
     **NOT_HONOURED_SAMPLING, "functions": ([],),
@@ -42,8 +43,9 @@ NOT_HONOURED_CHAT = {
     "modalities": (["text"],), "reasoning_effort": (), "web_search_options": (),
     "mm_processor_kwargs": (),
 }
-NOT_HONOURED_COMPLETION = {**NOT_HONOURED_SAMPLING, "add_special_tokens": (True,)}
-NOT_HONOURED_MESSAGE = {"tool_calls": ([],), "function_call": (), "audio": (), "refusal": ()}
+NOT_HONOURED_COMPLETION = {**NOT_HONOURED_SAMPLING, "add_special_tokens": (True,),
+                           "tools": ([],), "tool_choice": ("none", "auto")}  # chat only
+NOT_HONOURED_MESSAGE = {"function_call": (), "audio": (), "refusal": ()}
 
 
 class APIError(Exception):
@@ -136,6 +138,14 @@ class _SamplingRequest(_Strict):
     prompt_logprobs: int | None = Field(None, ge=0)
     length_penalty: float | None = None  # typed for its error; NOT_HONOURED refuses all but 1
     user: str | None = None
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and guided_* fields
+    # (checked and turned into StructuredOutputsParams by server/structured_request.py).
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _check_supported(self):
@@ -227,13 +237,14 @@ class ChatMessage(_Strict):
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None  # a tool's answer: the template may show which call it answers
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls, as OpenAI returned them
 
     def as_template_input(self) -> dict:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         message = {"role": self.role, "content": content or ""}
-        for key in ("name", "tool_call_id"):
+        for key in ("name", "tool_call_id", "tool_calls"):
             if getattr(self, key) is not None:
                 message[key] = getattr(self, key)
         return message
@@ -244,6 +255,9 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
+    tools: list[dict] | None = None  # checked by server/tool_choice.py
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="before")
     @classmethod

@@ -1,0 +1,88 @@
+"""The request fields that ask for structured output, turned into one StructuredOutputsParams.
+
+OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema`` with ``strict``),
+vLLM's ``structured_outputs`` object (``json``, ``regex``, ``choice``, ``grammar``,
+``json_object``) and its older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+``guided_grammar``. At most one of them may ask for something; every refusal is a 400
+naming the field. The grammar itself is compiled by the engine when the request is
+added, and its error is renamed here to the field the client sent (``field_error``).
+"""
+from dataclasses import dataclass
+
+from mempath.server.protocol import APIError, refuse_not_honoured
+from mempath.structured import StructuredOutputsParams
+
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+# vLLM's structured_outputs fields beyond the constraint itself, at the values that ask for nothing.
+NOT_HONOURED_STRUCTURED = {"disable_fallback": (False,), "disable_additional_properties": (False,),
+                           "whitespace_pattern": (), "structural_tag": ()}
+
+
+@dataclass
+class StructuredRequest:
+    params: StructuredOutputsParams
+    field: str  # where the client asked for it: the param an error names
+
+    def field_error(self, error: APIError) -> APIError:
+        """The engine's compile error, naming the client's field instead of structured_outputs."""
+        if not error.message.startswith("structured_outputs"):
+            return error
+        kind = self.params.kind
+        message = error.message.replace(f"structured_outputs.{kind}", self.field, 1)
+        return APIError(400, message, self.field, "invalid_value")
+
+
+def structured_request(req) -> StructuredRequest | None:
+    """The one structured-output constraint a request asks for, or None."""
+    found = []
+    if req.response_format is not None:
+        found += _from_response_format(req.response_format)
+    if req.structured_outputs is not None:
+        found.append(_from_structured_outputs(req.structured_outputs))
+    for name, kind in GUIDED.items():
+        value = getattr(req, name)
+        if value is not None:
+            found.append(StructuredRequest(StructuredOutputsParams(**{kind: value}), name))
+    if len(found) > 1:
+        raise APIError(400, f"{found[0].field} and {found[1].field} both constrain the output; give one",
+                       found[1].field)
+    if not found:
+        return None
+    request = found[0]
+    try:
+        request.params.validate()
+    except ValueError as error:
+        message = str(error)
+        for kind in ("json", "regex", "choice", "grammar", "json_object"):
+            message = message.replace(f"structured_outputs.{kind}", request.field, 1)
+        raise APIError(400, message.replace("structured_outputs", request.field, 1), request.field) from None
+    return request
+
+
+def _from_response_format(value: dict) -> list[StructuredRequest]:
+    kind = value.get("type")
+    if kind == "text":
+        return []
+    if kind == "json_object":
+        return [StructuredRequest(StructuredOutputsParams(json_object=True), "response_format")]
+    if kind != "json_schema":
+        raise APIError(400, f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                       "response_format.type")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise APIError(400, "response_format.json_schema must be an object with the schema in 'schema'",
+                       "response_format.json_schema")
+    if not isinstance(spec.get("strict", False), (bool, type(None))):
+        raise APIError(400, "response_format.json_schema.strict must be a boolean",
+                       "response_format.json_schema.strict")
+    # strict or not, the schema is enforced: a grammar gives no weaker mode to fall back to.
+    schema = spec.get("schema") or {"type": "object"}
+    return [StructuredRequest(StructuredOutputsParams(json=schema), "response_format.json_schema.schema")]
+
+
+def _from_structured_outputs(value: dict) -> StructuredRequest:
+    refuse_not_honoured(value, NOT_HONOURED_STRUCTURED, "structured_outputs.")
+    fields = {k: value[k] for k in ("json", "regex", "choice", "grammar", "json_object") if value.get(k) is not None}
+    flexible = not value.get("disable_any_whitespace", True)
+    field = f"structured_outputs.{next(iter(fields))}" if len(fields) == 1 else "structured_outputs"
+    return StructuredRequest(StructuredOutputsParams(**fields, whitespace_flexible=flexible), field)

@@ -1,0 +1,199 @@
+"""tools / tool_choice / parallel_tool_calls: what the model may call, how it is enforced, what comes back.
+
+- ``none``: the tools are shown to the template, the answer is plain content.
+- ``auto`` (the default with tools): the model answers freely and the server's tool-call
+  parser (server/tool_parsers.py) finds calls in it; as in vLLM this needs
+  ``--enable-auto-tool-choice`` and a parser (``--tool-call-parser`` or the chat
+  template's own format).
+- ``required`` and a named function are enforced by the grammar, as vLLM does: the
+  output must be a JSON array of ``{"name", "parameters"}`` objects (one at most when
+  ``parallel_tool_calls`` is false), or the named function's arguments object.
+
+A message with calls has ``tool_calls`` (OpenAI's shape) and finish_reason
+``tool_calls``. Streaming sends each call as OpenAI does: a first delta with its
+index, id, type and function name (arguments ""), then argument fragments.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from mempath.server.protocol import APIError
+from mempath.server.tool_parsers import PARSERS, ToolCall, parse_tool_calls
+from mempath.structured import StructuredOutputsParams
+
+EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass
+class ToolPlan:
+    mode: str  # none | auto | required | named
+    tools: list[dict]  # as the client sent them (the template shows them)
+    parser: object | None = None
+    named: str | None = None
+    parallel: bool = True
+    functions: dict[str, dict] = field(default_factory=dict)  # name -> parameters schema
+
+    def grammar(self) -> StructuredOutputsParams | None:
+        """The constraint that enforces required / named choices (None for none and auto)."""
+        if self.mode == "named":
+            return StructuredOutputsParams(json=self.functions[self.named])
+        if self.mode != "required":
+            return None
+        items = [{"type": "object", "properties": {"name": {"enum": [name]}, "parameters": schema},
+                  "required": ["name", "parameters"], "additionalProperties": False}
+                 for name, schema in self.functions.items()]
+        array = {"type": "array", "items": {"anyOf": items}, "minItems": 1}
+        if not self.parallel:
+            array["maxItems"] = 1
+        return StructuredOutputsParams(json=array)
+
+    def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """A finished answer as (content, calls)."""
+        if self.mode == "named":
+            return None, [ToolCall(self.named, text)]
+        if self.mode == "required":
+            try:
+                items = json.loads(text)
+            except ValueError:
+                return text, []
+            return None, [ToolCall(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
+        if self.mode == "auto":
+            return parse_tool_calls(self.parser, text)
+        return text, []
+
+
+def check_tools(tools: list[dict]) -> dict[str, dict]:
+    """name -> parameters schema; APIError naming the first malformed tool."""
+    functions = {}
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function, dict):
+            raise APIError(400, f"tools.{i} must be {{'type': 'function', 'function': {{...}}}}", f"tools.{i}")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise APIError(400, f"tools.{i}.function.name must be a non-empty string", f"tools.{i}.function.name")
+        parameters = function.get("parameters") or EMPTY_PARAMETERS
+        if not isinstance(parameters, dict):
+            raise APIError(400, f"tools.{i}.function.parameters must be a JSON schema object",
+                           f"tools.{i}.function.parameters")
+        functions[name] = parameters
+    return functions
+
+
+def plan_tools(req, parser_name: str | None, auto_tool_choice: bool) -> ToolPlan | None:
+    """The request's tool plan, or None when it has no tools; APIError for a choice we cannot honour."""
+    tools, choice = req.tools or [], req.tool_choice
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise APIError(400, "tool_choice needs tools", "tool_choice")
+        return None
+    functions = check_tools(tools)
+    plan = ToolPlan("auto", tools, parallel=req.parallel_tool_calls, functions=functions)
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if name not in functions:
+            raise APIError(400, f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
+        plan.mode, plan.named = "named", name
+    elif choice in ("none", "required"):
+        plan.mode = choice
+    elif choice not in (None, "auto"):
+        raise APIError(400, f"tool_choice must be none, auto, required or a named function, got {choice!r}",
+                       "tool_choice")
+    elif not auto_tool_choice or parser_name is None:
+        raise APIError(400, '"auto" tool choice needs the server started with --enable-auto-tool-choice '
+                            "and a tool-call parser (--tool-call-parser, or a chat template with a tool-call "
+                            "format); or use tool_choice required or a named function", "tool_choice")
+    else:
+        plan.parser = PARSERS[parser_name]()
+    return plan
+
+
+def tool_message(plan: ToolPlan | None, text: str, finish_reason: str) -> tuple[dict, str]:
+    """The assistant message of a finished answer and its finish_reason."""
+    if plan is None or plan.mode == "none" or finish_reason == "length":
+        return {"role": "assistant", "content": text}, finish_reason
+    content, calls = plan.calls(text)
+    if not calls:
+        return {"role": "assistant", "content": content}, finish_reason
+    return {"role": "assistant", "content": content, "tool_calls": [c.as_openai() for c in calls]}, "tool_calls"
+
+
+class ToolStream:
+    """One streamed choice's text deltas → OpenAI chat deltas (content, or tool calls as they complete)."""
+
+    def __init__(self, plan: ToolPlan | None):
+        self.plan = plan
+        self.text = ""
+        self.sent_content = 0
+        self.calls_at: int | None = None  # where the calls begin in the text (auto)
+        self.num_calls = 0
+
+    def take(self, delta: str, finished: bool) -> list[dict]:
+        """The deltas to send for this much more text."""
+        self.text += delta
+        plan = self.plan
+        if plan is None or plan.mode == "none":
+            return [{"content": delta}] if delta else []
+        if plan.mode == "named":
+            out = [] if self.num_calls else self._header(ToolCall(plan.named, ""))
+            return out + ([self._arguments(0, delta)] if delta else [])
+        if plan.mode == "required":
+            return self._new_calls(_array_items(self.text))
+        return self._auto(finished)
+
+    def _auto(self, finished: bool) -> list[dict]:
+        parser, out = self.plan.parser, []
+        if self.calls_at is None:
+            self.calls_at = parser.calls_start(self.text)
+        content_end = self.calls_at
+        if content_end is None:
+            content_end = len(self.text) - (0 if finished else parser.may_start(self.text))
+            while not finished and content_end > self.sent_content and self.text[content_end - 1].isspace():
+                content_end -= 1  # it may be the space before a call, which content leaves out
+        calls = None if self.calls_at is None else parser.complete_calls(self.text[self.calls_at:], finished)
+        if finished and self.calls_at is not None and calls is None and not self.num_calls:
+            content_end = len(self.text)  # not calls after all: it was content
+        if content_end > self.sent_content:
+            piece = self.text[self.sent_content:content_end]
+            self.sent_content = content_end
+            if self.calls_at is not None:
+                piece = piece.rstrip()
+            if piece:
+                out.append({"content": piece})
+        return out + self._new_calls(calls or [])
+
+    def _new_calls(self, calls: list[ToolCall]) -> list[dict]:
+        out = []
+        for call in calls[self.num_calls:]:
+            out += self._header(call) + [self._arguments(self.num_calls - 1, call.arguments)]
+        return out
+
+    def _header(self, call: ToolCall) -> list[dict]:
+        self.num_calls += 1
+        return [{"tool_calls": [{"index": self.num_calls - 1, "id": call.id, "type": "function",
+                                 "function": {"name": call.name, "arguments": ""}}]}]
+
+    @staticmethod
+    def _arguments(index: int, fragment: str) -> dict:
+        return {"tool_calls": [{"index": index, "function": {"arguments": fragment}}]}
+
+    def finish_reason(self, reason: str) -> str:
+        return "tool_calls" if self.num_calls and reason == "stop" else reason
+
+
+def _array_items(text: str) -> list[ToolCall]:
+    """The complete {"name", "parameters"} objects of a JSON array being written."""
+    start = text.find("[")
+    if start < 0:
+        return []
+    decoder, index, calls = json.JSONDecoder(), start + 1, []
+    while True:
+        while index < len(text) and text[index] in " \t\n,":
+            index += 1
+        try:
+            item, index = decoder.raw_decode(text, index)
+        except ValueError:
+            return calls
+        if isinstance(item, dict) and isinstance(item.get("name"), str):
+            calls.append(ToolCall(item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False)))
