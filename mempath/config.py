@@ -7,6 +7,7 @@ import torch
 
 from mempath import constants
 from mempath.constants import DEFAULT_BLOCK_SIZE as AUTO_BLOCK_SIZE  # what --block-size auto picks
+from mempath.engine.spec.config import parse_speculative_config
 
 _DTYPES = {alias: getattr(torch, name) for alias, name in constants.DTYPE_ALIASES.items()}
 KV_CACHE_DTYPES = {alias: getattr(torch, name) for alias, name in constants.KV_CACHE_DTYPES.items()}
@@ -48,6 +49,9 @@ class EngineConfig:
     # auto: K and V in the model dtype; fp8 (= fp8_e4m3) or fp8_e5m2: one byte per element,
     # twice the blocks in the same memory (docs/architecture.md, "fp8 KV cache").
     kv_cache_dtype: str = "auto"
+    # Speculative decoding as vLLM spells it: {"model": DIR, "num_speculative_tokens": K} or
+    # {"method": "ngram", ...} (docs/speculative.md); parsed into a SpeculativeConfig.
+    speculative_config: dict | str | None = None
 
     def __post_init__(self):
         if self.block_size == "auto":
@@ -75,6 +79,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be auto, {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         self._check_device()
         self._validate_tiers()
+        self.speculative_config = parse_speculative_config(self.speculative_config)
+        if self.speculative_config is not None and self.tiers_enabled:
+            raise ValueError("speculative decoding with KV tiers is not supported yet (the tiers hold the "
+                             "target's KV only): drop speculative_config or cpu_kv_gb")
 
     def _check_device(self) -> None:
         """Refuse here, with the fix, a device torch would fail on later with a traceback."""

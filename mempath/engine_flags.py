@@ -13,7 +13,7 @@ ENGINE_OPTIONS = ("dtype", "device", "seed", "block_size", "max_model_len", "max
                   "max_num_batched_tokens", "gpu_memory_utilization", "num_gpu_blocks_override",
                   "enable_prefix_caching", "enforce_eager", "cpu_kv_gb", "disk_kv_path", "disk_kv_gb",
                   "disk_write_policy", "preemption_mode", "cpu_kv_cache_bytes", "load_format", "async_scheduling",
-                  "kv_cache_dtype")
+                  "kv_cache_dtype", "speculative_config")
 
 
 def block_size_arg(text: str) -> int | str:
@@ -64,6 +64,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, model_flag: bool = Tru
     parser.add_argument("--preemption-mode", default=d.preemption_mode, choices=("auto", "recompute", "swap"))
     parser.add_argument("--cpu-kv-cache-bytes", type=int, default=d.cpu_kv_cache_bytes,
                         help="KV cache bytes when the device is the CPU")
+    # Speculative decoding (docs/speculative.md): vLLM's JSON option, validated by EngineConfig.
+    parser.add_argument("--speculative-config", default=None,
+                        help='JSON: {"model": DRAFT_DIR, "num_speculative_tokens": K} or '
+                             '{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4}')
 
 
 def engine_options(args: argparse.Namespace) -> dict:
