@@ -104,3 +104,15 @@ def rejection_sample(target_probs: torch.Tensor, target_argmax: torch.Tensor, dr
     n_list = num_accepted.tolist()
     proposals = draft_tokens.tolist() if k > 0 else [[] for _ in range(rows)]
     return [proposals[r][:n_list[r]] + [final[r]] for r in range(rows)]
+
+
+def greedy_accept(target_argmax: torch.Tensor, draft_tokens: torch.Tensor, num_proposed: list[int]) -> list[list[int]]:
+    """All rows greedy: keep proposals while they equal the target's argmax, then its argmax."""
+    argmax, drafts = target_argmax.tolist(), draft_tokens.tolist()
+    out = []
+    for row, k in enumerate(num_proposed):
+        n = 0
+        while n < k and drafts[row][n] == argmax[row][n]:
+            n += 1
+        out.append(drafts[row][:n] + [argmax[row][n]])
+    return out
