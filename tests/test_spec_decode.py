@@ -140,3 +140,16 @@ def test_draft_with_another_vocabulary_is_refused(model_factory):
     other, _ = model_factory("llama", vocab_size=400)
     with pytest.raises(ValueError, match="vocabulary"):
         LLM(path, dtype="float32", show_progress=False, speculative_config=spec(other))
+
+
+def test_metrics_carry_vllm_spec_decode_names(model_factory):
+    from mempath.server.metrics import ServerMetrics
+    path, _ = model_factory("llama")
+    llm = LLM(path, dtype="float32", show_progress=False, speculative_config=spec(path))
+    llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    text = ServerMetrics("m", 16).render(llm.stats()).decode()
+    for name in ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+                 "spec_decode_num_accepted_tokens_total", "spec_decode_num_accepted_tokens_per_pos_total",
+                 "spec_decode_chosen_k", "spec_decode_draft_seconds_total", "spec_decode_verify_seconds_total"):
+        assert f"mempath:{name}" in text
+    assert 'pathway="weights"' in text

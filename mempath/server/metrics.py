@@ -149,6 +149,7 @@ class _SnapshotCollector:
         yield preemptions
 
         yield from self._memory_families(stats, name, gauge)
+        yield from spec_decode_families(stats.get("spec_decode"), name)
 
     def _memory_families(self, stats: dict, name: str, gauge):
         """KV blocks, every pathway's bytes, and the disk tier's failures."""
@@ -175,3 +176,27 @@ class _SnapshotCollector:
             for kind, count in sorted(failures.items()):
                 family.add_metric([name, kind], count)
             yield family
+
+
+def spec_decode_families(spec: dict | None, name: str):
+    """Speculative decoding (docs/speculative.md): vLLM's spec_decode_* counters, and ours for
+    the chosen draft length and the time spent drafting and verifying."""
+    if spec is None:
+        return
+    for key, doc in (("num_drafts", "Number of spec decoding drafts."),
+                     ("num_draft_tokens", "Number of draft tokens."),
+                     ("num_accepted_tokens", "Number of accepted tokens."),
+                     ("draft_seconds", "Seconds spent proposing draft tokens."),
+                     ("verify_seconds", "Seconds spent in verify steps (target forward and rejection sampling).")):
+        family = CounterMetricFamily(f"mempath:spec_decode_{key}", doc, labels=["model_name"])
+        family.add_metric([name], spec[key])
+        yield family
+    per_pos = CounterMetricFamily("mempath:spec_decode_num_accepted_tokens_per_pos",
+                                  "Accepted tokens per draft position.", labels=["model_name", "position"])
+    for position, count in enumerate(spec["num_accepted_tokens_per_pos"]):
+        per_pos.add_metric([name, str(position)], count)
+    yield per_pos
+    chosen = GaugeMetricFamily("mempath:spec_decode_chosen_k", "Draft length chosen for the last step.",
+                               labels=["model_name"])
+    chosen.add_metric([name], spec["chosen_k"])
+    yield chosen
