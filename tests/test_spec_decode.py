@@ -108,8 +108,8 @@ def test_ngram_drafting_hits_on_repetitive_prompts(model_factory, plain_outputs)
 
 def test_shipped_pair_greedy_identical():
     target, draft = str(ASSETS / "mempath-tiny"), str(ASSETS / "mempath-tiny-draft")
-    prompts = ["def read_config(path):", "import os\n\n", "class Engine:\n    def step(self):"]
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompts = ["def read_config(path):", "class Engine:\n    def step(self):"]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     plain = LLM(target, show_progress=False).generate(prompts, params, use_tqdm=False)
     llm = LLM(target, show_progress=False, speculative_config=spec(draft, k=4))
     fast = llm.generate(prompts, params, use_tqdm=False)

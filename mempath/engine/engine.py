@@ -41,11 +41,6 @@ class LLMEngine:
                                        self.scheduler.finish)
         self.num_prompt_tokens = 0
         self.spec = parts.spec_decoder  # speculative decoding (docs/speculative.md), or None
-        if self.spec is not None and self.scheduler.async_scheduling:
-            # A verify step's kept count decides the next step's positions and slots, so the
-            # next step cannot be scheduled before the host has read it.
-            log.info("speculative decoding: async scheduling is off (the next step depends on the tokens kept)")
-            self.scheduler.async_scheduling = False
         # A decode step launched but not read back yet (async scheduling).
         self.in_flight: PendingTokens | None = None
         self.num_steps_ahead = 0  # decode steps launched before the previous one's tokens were read
@@ -123,7 +118,7 @@ class LLMEngine:
         try:
             with oom_guard("step", self.ledger, self.config, dtype=self.dtype_name):
                 if self.spec is not None:
-                    result = self.spec.execute(batch, plan.sampling)
+                    result = self.spec.execute(plan)  # may clear plan.defer
                 else:
                     result = self.runner.execute(batch, plan.sampling, defer=plan.defer, tokens_from=tokens_from)
         except MempathOutOfMemoryError as error:

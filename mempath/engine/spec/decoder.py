@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mempath.engine.batch import ScheduledBatch
+from mempath.engine.batch import ScheduledBatch, StepPlan
 from mempath.engine.request import Request
 from mempath.engine.sampler import SamplerOutput, row_argmax, to_device
 from mempath.engine.spec.config import SpeculativeConfig
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 SPEC_MAX_ROWS = 64  # larger decode batches run plainly: compute-bound, speculation does not pay
 PROBE_EVERY = 64  # after this many steps at K = 0, one step at K = 1 refreshes the acceptance rates
-PRIOR_ACCEPTANCE = 0.7  # before anything is measured
+PRIOR_ACCEPTANCE = 0.6  # before anything is measured
 PRIOR_WEIGHT = 4.0  # proposals' worth of the global rate in a request's running rate
 
 
@@ -89,6 +89,8 @@ class SpeculativeDecoder:
         self.rates = weakref.WeakKeyDictionary()  # request -> [kept, proposed]
         self.global_rate = PRIOR_ACCEPTANCE
         self.steps_at_zero = 0
+        self.pending_k: int | None = None  # chosen on an asynchronous step for the next one
+        self._interval = None  # the last step's (batch size, K, start, draft seconds)
         self.force_accept = False  # benchmarks: keep every proposal (the cost model's check)
 
     def workspace_bytes(self) -> int:
@@ -117,7 +119,7 @@ class SpeculativeDecoder:
         entry = self.rates.setdefault(request, [0, 0])
         entry[0] += kept
         entry[1] += proposed
-        self.global_rate += 0.05 * (kept / proposed - self.global_rate)
+        self.global_rate += 0.2 * (kept / proposed - self.global_rate)
         s = self.stats
         s.num_drafts += 1
         s.num_draft_tokens += proposed
@@ -127,22 +129,50 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------ the step
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, sampling: list[Request]) -> SamplerOutput | SpecOutput | None:
-        """The step: speculative when some decode row proposes, else the runner's plain step."""
-        plan = self._plan(batch, sampling)
-        if not plan:
-            self.stats.num_plain_steps += 1
-            start = time.perf_counter()
-            result = self.target.execute(batch, sampling)
-            if sampling and all(n == 1 for n in batch.num_new_tokens) and len(batch) <= SPEC_MAX_ROWS:
-                self.cost.observe_verify(len(batch), 1, time.perf_counter() - start)
-            return result
-        try:
-            return self._speculate(batch, sampling, plan)
-        except BaseException:
-            for request in plan:
-                self.kv.trim_lookahead(request)
-            raise
+    def execute(self, plan: StepPlan):
+        """Run the scheduler's step: speculative when some decode row proposes, else the
+        runner's plain step. A plain decode step stays asynchronous as planned (its tokens
+        in flight, the next step scheduled ahead); when the cost model would speculate on
+        it, it is read back instead (``plan.defer`` cleared), so the next step can."""
+        now = time.perf_counter()
+        self._close_interval(now)
+        batch, sampling = plan.batch, plan.sampling
+        if plan.previous is None:
+            proposals = self._plan(batch, sampling)
+            if proposals:
+                plan.defer = False
+                try:
+                    return self._speculate(batch, sampling, proposals, now)
+                except BaseException:
+                    for request in proposals:
+                        self.kv.trim_lookahead(request)
+                    raise
+        elif plan.defer and self._wants_to_speculate(batch, sampling):
+            plan.defer = False
+        self.stats.num_plain_steps += 1
+        self._open_interval(batch, 0, now)
+        tokens_from = (plan.previous, plan.feed) if plan.previous is not None else None
+        return self.target.execute(batch, sampling, defer=plan.defer, tokens_from=tokens_from)
+
+    # Step times are intervals between step starts (what tokens per second sees: an
+    # asynchronous plain step's host work overlaps the device), for decode-only batches;
+    # an interval far over the estimate (the engine sat idle) is not a step's time.
+    def _open_interval(self, batch: ScheduledBatch, k: int, start: float, draft_seconds: float = 0.0) -> None:
+        decode_only = bool(batch.requests) and all(n == 1 for n in batch.num_new_tokens)
+        self._interval = (len(batch), k, start, draft_seconds) if decode_only and len(batch) <= SPEC_MAX_ROWS else None
+
+    def _close_interval(self, now: float) -> None:
+        if self._interval is None:
+            return
+        b, k, start, draft_seconds = self._interval
+        self._interval = None
+        verify = now - start - draft_seconds
+        estimate = self.cost.verify_time(b, k + 1)
+        if verify <= 0 or (estimate is not None and verify > 4 * estimate):
+            return
+        self.cost.observe_verify(b, k + 1, verify)
+        if k and self.draft is not None:
+            self.cost.observe_draft(b, draft_seconds / k)
 
     def _decode_rows(self, batch: ScheduledBatch, sampling: list[Request]) -> list[Request]:
         ids = {id(r) for r in sampling}
@@ -150,9 +180,20 @@ class SpeculativeDecoder:
                 if n == 1 and id(r) in ids and r.num_computed_tokens == r.num_tokens - 1
                 and r.params.logprobs is None]
 
+    def _wants_to_speculate(self, batch: ScheduledBatch, sampling: list[Request]) -> bool:
+        # A step scheduled ahead: every row a decode whose input token is still in flight.
+        rows = batch.requests
+        if not rows or len(rows) > SPEC_MAX_ROWS:
+            return False
+        self.pending_k = self._choose_k(rows)
+        return self.pending_k > 0
+
     def _choose_k(self, rows: list[Request]) -> int:
         if not self.config.adaptive:
             return self.max_k
+        if self.pending_k is not None:
+            k, self.pending_k = self.pending_k, None
+            return k
         k = self.cost.choose([self.rate(r) for r in rows], draft_free=self.draft is None)
         self.steps_at_zero = self.steps_at_zero + 1 if k == 0 else 0
         if self.steps_at_zero >= PROBE_EVERY:
@@ -186,8 +227,7 @@ class SpeculativeDecoder:
                 room -= kr
         return plan
 
-    def _speculate(self, batch: ScheduledBatch, sampling: list[Request], plan: dict) -> SpecOutput:
-        start = time.perf_counter()
+    def _speculate(self, batch: ScheduledBatch, sampling: list[Request], plan: dict, start: float) -> SpecOutput:
         if self.draft is not None:
             spec_rows, drafts, draft_probs = self._propose_with_draft(batch, plan)
             num = [plan[r] for r in spec_rows]
@@ -205,11 +245,8 @@ class SpeculativeDecoder:
         s.num_spec_steps += 1
         s.draft_seconds += drafted - start
         s.verify_seconds += done - drafted
-        if len(spec_rows) == len(batch) and spec_rows:
-            k = max(num)
-            if self.draft is not None:
-                self.cost.observe_draft(len(batch), (drafted - start) / k)
-            self.cost.observe_verify(len(batch), k + 1, done - drafted)
+        if len(spec_rows) == len(batch):
+            self._open_interval(batch, max(num), start, drafted - start if self.draft is not None else 0.0)
         return output
 
     def _propose(self, logits: torch.Tensor, params: list) -> tuple[torch.Tensor, torch.Tensor | None]:
