@@ -40,7 +40,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, parts.eos_token_ids, self.max_model_len,
                                        self.scheduler.finish)
         self.num_prompt_tokens = 0
-        self.spec = parts.spec_decoder  # speculative decoding (docs/speculative.md), or None
+        self.spec_decoder = parts.spec_decoder  # speculative decoding (docs/speculative.md), or None
         # A decode step launched but not read back yet (async scheduling).
         self.in_flight: PendingTokens | None = None
         self.num_steps_ahead = 0  # decode steps launched before the previous one's tokens were read
@@ -117,8 +117,8 @@ class LLMEngine:
         tokens_from = (plan.previous, plan.feed) if plan.previous is not None else None
         try:
             with oom_guard("step", self.ledger, self.config, dtype=self.dtype_name):
-                if self.spec is not None:
-                    result = self.spec.execute(plan)  # may clear plan.defer
+                if self.spec_decoder is not None:
+                    result = self.spec_decoder.execute(plan)  # may clear plan.defer
                 else:
                     result = self.runner.execute(batch, plan.sampling, defer=plan.defer, tokens_from=tokens_from)
         except MempathOutOfMemoryError as error:
@@ -131,7 +131,7 @@ class LLMEngine:
             raise
         self.scheduler.update_after_step(batch)
         if isinstance(result, SpecOutput):
-            self.spec.apply(result)
+            self.spec_decoder.apply(result)
         if plan.previous is not None:
             self.num_steps_ahead += 1
         for request, num_new in zip(batch.requests, batch.num_new_tokens):
@@ -192,7 +192,7 @@ class LLMEngine:
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.outputs.num_generation_tokens,
             "ledger": self.ledger.as_dict(),
-            "spec_decode": self.spec.stats_dict() if self.spec is not None else None,
+            "spec_decode": self.spec_decoder.stats_dict() if self.spec_decoder is not None else None,
             "draft_ledger": self.draft_ledger.as_dict() if self.draft_ledger is not None else None,
             "num_loading": len(self.scheduler.loading),
             "tiers": self.kv.tiers.stats() if self.kv.tiers is not None else {"enabled": False},

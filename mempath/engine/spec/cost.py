@@ -66,7 +66,8 @@ class SpecCostModel:
             return None
         # Outside the measured lengths: extend the line through the two nearest.
         a, b = sorted(table, key=lambda q: abs(q - query_len))[:2]
-        return table[a] + (table[b] - table[a]) * (query_len - a) / (b - a)
+        value = table[a] + (table[b] - table[a]) * (query_len - a) / (b - a)
+        return max(value, min(table.values()) if query_len > a else 0.0) or None
 
     # ------------------------------------------------------------ the choice
     def step_time(self, batch_size: int, k: int, draft_free: bool = False) -> float | None:

@@ -92,6 +92,7 @@ class SpeculativeDecoder:
         self.pending_k: int | None = None  # chosen on an asynchronous step for the next one
         self._interval = None  # the last step's (batch size, K, start, draft seconds)
         self.force_accept = False  # benchmarks: keep every proposal (the cost model's check)
+        self.accept_rule = None  # tests: a deliberately wrong rule (see rejection_sample)
 
     def workspace_bytes(self) -> int:
         return self.target_rows.nbytes() + (self.draft_rows.nbytes() if self.draft_rows else 0)
@@ -353,7 +354,7 @@ class SpeculativeDecoder:
             probs = filtered_probs(target, [p for p in params for _ in range(k + 1)])
             emitted = rejection_sample(probs.view(len(spec_rows), k + 1, -1), argmax, drafts, draft_probs, num,
                                        [p.greedy for p in params], [r.generator for r in spec_rows],
-                                       self.generator)
+                                       self.generator, accept_rule=self.accept_rule)
         plain_rows = [r for r in sampling if r not in spec_rows]
         plain = None
         if plain_rows:
