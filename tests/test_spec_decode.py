@@ -153,3 +153,25 @@ def test_metrics_carry_vllm_spec_decode_names(model_factory):
                  "spec_decode_chosen_k", "spec_decode_draft_seconds_total", "spec_decode_verify_seconds_total"):
         assert f"mempath:{name}" in text
     assert 'pathway="weights"' in text
+
+
+def test_a_draft_far_behind_catches_up_in_chunks(model_factory, plain_outputs):
+    # As after many steps at K = 0: the draft holds no KV for the request at all, and its
+    # buffers take 8 tokens a step, so it catches up over several plain steps first.
+    path, _ = model_factory("llama")
+    llm = LLM(path, dtype="float32", show_progress=False, block_size=8, max_num_batched_tokens=8,
+              max_num_seqs=4, speculative_config=spec(path))
+    engine = llm.engine
+    request_id = engine.add_request(PROMPTS[3], GREEDY)
+    request = engine.outputs.requests[request_id]
+    tokens = []
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        if request.num_output_tokens == 4 and request.num_draft_computed > 0:
+            engine.kv.advance_draft(request, 0)
+        for output in engine.step():
+            tokens = output.token_ids if output.finished else tokens
+    assert tokens == plain_outputs["llama"][3]
+    assert engine.stats()["spec_decode"]["num_accepted_tokens"] > 0
+    assert engine.kv.pool.num_used == 0

@@ -230,7 +230,10 @@ class SpeculativeDecoder:
 
     def _speculate(self, batch: ScheduledBatch, sampling: list[Request], plan: dict, start: float) -> SpecOutput:
         if self.draft is not None:
-            spec_rows, drafts, draft_probs = self._propose_with_draft(batch, plan)
+            proposed = self._propose_with_draft(batch, plan)
+            if proposed is None:
+                return self.target.execute(batch, sampling)
+            spec_rows, drafts, draft_probs = proposed
             num = [plan[r] for r in spec_rows]
         else:
             spec_rows = [r for r in batch.requests if r in plan]
@@ -278,14 +281,15 @@ class SpeculativeDecoder:
         return rows
 
     def _propose_with_draft(self, batch: ScheduledBatch, plan: dict):
-        """Catch the draft up, then K proposals per speculating row: [R, K] tokens and their q."""
+        """Catch the draft up, then K proposals per speculating row: [R, K] tokens and their q
+        (None when no row is caught up enough to propose this step)."""
         rows = self._catch_up_rows(batch, plan)
         spec_rows = [r for r in batch.requests if r in plan]
-        if not spec_rows:
-            raise RuntimeError("no row left to speculate")  # see _catch_up_rows; never with a sane buffer
         logits = forward_rows(self.draft, self.draft_rows, rows)
         for row in rows:
             self.kv.advance_draft(row.request, row.start + len(row.token_ids))
+        if not spec_rows:
+            return None  # every row is still catching up: the step runs plainly
         params = [r.params for r in spec_rows]
         k = max(plan[r] for r in spec_rows)
         drafts = torch.zeros(len(spec_rows), k, dtype=torch.int64, device=self.device)
