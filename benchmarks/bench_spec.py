@@ -47,6 +47,10 @@ def model_dir(name: str, **overrides) -> str:
 
 
 def engine(path: str, args, draft: str | None = None, k: int = 4, adaptive: bool = False, **extra) -> LLM:
+    """An engine; the previous one (out of scope by now, engines hold reference cycles) is collected first."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     spec = None if draft is None else {"model": draft, "num_speculative_tokens": k, "adaptive": adaptive}
     return LLM(path, load_format="dummy", max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                speculative_config=spec, show_progress=False, device=args.device, **extra)
@@ -68,14 +72,6 @@ def tokens_per_second(llm: LLM, batch: int, args, warmup: bool = True) -> float:
     return batch * args.output_len / (time.perf_counter() - start)
 
 
-def release(llm: LLM) -> None:
-    llm.engine.close()
-    del llm
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def print_table(title: str, rows: list[tuple]) -> None:
     print(f"\n{title}")
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
@@ -90,7 +86,6 @@ def part_a(args, target: str, plain: dict) -> dict:
     llm = engine(target, args, draft=oracle, k=4)
     llm.engine.spec_decoder.force_accept = True
     spec = tokens_per_second(llm, 1, args)
-    release(llm)
     speedup = spec / plain[1]
     print_table("(a) oracle draft (forced acceptance), batch 1, K = 4",
                 [("plain tok/s", "speculative tok/s", "speed-up", "target"),
@@ -111,7 +106,6 @@ def part_b(args, target: str, draft: str, plain: dict) -> dict:
     llm.engine.spec_decoder.force_accept = True
     forced = tokens_per_second(llm, 1, args)
     predicted_forced = cost.predicted_speedup(1, 4, [1.0])  # with the times this run measured
-    release(llm)
     measured = forced / plain[1]
     error = measured / predicted_forced - 1
     print_table("(b) Llama-3.2-1B-shape draft, batch 1, K = 4",
@@ -133,9 +127,13 @@ def part_c(args, target: str, draft: str, plain: dict) -> dict:
         counts = [n - m for n, m in zip(llm.engine.spec_decoder.stats.k_counts, before)]
         out[b] = {"plain_tok_s": plain[b], "adaptive_tok_s": spec, "ratio": spec / plain[b], "k_counts": counts}
         rows.append((b, f"{plain[b]:.1f}", f"{spec:.1f}", f"{spec / plain[b]:.3f}", counts))
-    release(llm)
     print_table("(c) adaptive speculation (1B-shape draft, random weights) vs plain; target >= 0.98x", rows)
     return out
+
+
+def measure_plain(args, target: str) -> dict:
+    llm = engine(target, args)
+    return {b: tokens_per_second(llm, b, args) for b in args.batches}
 
 
 def main() -> None:
@@ -156,9 +154,7 @@ def main() -> None:
     args.draft_shape = {**LLAMA_1B, **tiny, **({"num_hidden_layers": 1} if args.tiny else {})}
     target = model_dir("target", **tiny)
     draft = model_dir("draft", **args.draft_shape)
-    llm = engine(target, args)
-    plain = {b: tokens_per_second(llm, b, args) for b in args.batches}
-    release(llm)
+    plain = measure_plain(args, target)
     result = {"device": torch.cuda.get_device_name() if not args.tiny else "cpu", "plain_tok_s": plain}
     if "a" in args.parts:
         result["a"] = part_a(args, target, plain)
