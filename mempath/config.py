@@ -7,6 +7,7 @@ import torch
 
 from mempath import constants
 from mempath.constants import DEFAULT_BLOCK_SIZE as AUTO_BLOCK_SIZE  # what --block-size auto picks
+from mempath.engine.spec.config import parse_speculative_config
 
 _DTYPES = {alias: getattr(torch, name) for alias, name in constants.DTYPE_ALIASES.items()}
 KV_CACHE_DTYPES = {alias: getattr(torch, name) for alias, name in constants.KV_CACHE_DTYPES.items()}
@@ -56,6 +57,9 @@ class EngineConfig:
     # False: a prompt is prefilled in one step, never split across steps (it waits for a step
     # with room for all of it); needs max_num_batched_tokens >= max_model_len.
     enable_chunked_prefill: bool = True
+    # Speculative decoding as vLLM spells it: {"model": DIR, "num_speculative_tokens": K} or
+    # {"method": "ngram", ...} (docs/speculative.md); parsed into a SpeculativeConfig.
+    speculative_config: dict | str | None = None
 
     def __post_init__(self):
         if self.block_size == "auto":
@@ -91,6 +95,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be auto, {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         self._check_device()
         self._validate_tiers()
+        self.speculative_config = parse_speculative_config(self.speculative_config)
+        if self.speculative_config is not None and self.tiers_enabled:
+            raise ValueError("speculative decoding with KV tiers is not supported yet (the tiers hold the "
+                             "target's KV only): drop speculative_config or cpu_kv_gb")
 
     def _check_device(self) -> None:
         """Refuse here, with the fix, a device torch would fail on later with a traceback."""

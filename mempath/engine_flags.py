@@ -18,7 +18,8 @@ ENGINE_OPTIONS = ("dtype", "device", "seed", "block_size", "max_model_len", "max
                   "max_num_batched_tokens", "gpu_memory_utilization", "num_gpu_blocks_override",
                   "enable_prefix_caching", "enforce_eager", "cpu_kv_gb", "disk_kv_path", "disk_kv_gb",
                   "disk_write_policy", "preemption_mode", "cpu_kv_cache_bytes", "load_format", "async_scheduling",
-                  "kv_cache_dtype", "tokenizer", "generation_config", "enable_chunked_prefill", "max_logprobs")
+                  "kv_cache_dtype", "tokenizer", "generation_config", "enable_chunked_prefill", "max_logprobs",
+                  "speculative_config")
 
 ONE_DEVICE = "mempath runs a model on one device"
 LOCAL_ONLY = ("mempath loads a local directory: download it first (huggingface-cli download MODEL "
@@ -158,6 +159,10 @@ def add_tier_arguments(parser: argparse.ArgumentParser, d: EngineConfig) -> None
                         help="how a preempted request gives its blocks back")
     parser.add_argument("--cpu-kv-cache-bytes", type=int, default=d.cpu_kv_cache_bytes,
                         help="KV cache bytes when the device is the CPU")
+    # Speculative decoding (docs/speculative.md): vLLM's JSON option, validated by EngineConfig.
+    parser.add_argument("--speculative-config", default=None,
+                        help='JSON: {"model": DRAFT_DIR, "num_speculative_tokens": K} or '
+                             '{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4}')
 
 
 def add_refused_arguments(parser: argparse.ArgumentParser) -> None:

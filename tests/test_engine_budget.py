@@ -92,7 +92,7 @@ def fake_engine(monkeypatch, *, tiers: bool, eager: bool = False, activation_all
                              tiers_enabled=tiers, gpu_memory_utilization=0.5)
     budget = DeviceBudget("cuda", int(TOTAL * config.gpu_memory_utilization))
     engine = SimpleNamespace(config=config, device=torch.device("cpu"), budget=budget, tenant="model",
-                             ledger=budget.ledger("model"), max_model_len=4096,
+                             ledger=budget.ledger("model"), max_model_len=4096, draft_ledger=None, draft_runner=None,
                              runner=FakeRunner(device, [] if eager else list(range(1, 11))))
 
     def probe_step(num_tokens, num_seqs):

@@ -15,6 +15,7 @@ from mempath.engine.output import OutputProcessor
 from mempath.engine.request import Request
 from mempath.engine.sampler import SamplerOutput
 from mempath.engine.scheduler import Scheduler
+from mempath.engine.spec.decoder import SpecOutput
 from mempath.engine.startup import StageObserver, Startup, no_observer
 from mempath.memory.oom import MempathOutOfMemoryError, oom_guard
 from mempath.outputs import RequestOutput
@@ -31,7 +32,7 @@ class LLMEngine:
         self.device, self.dtype, self.dtype_name = parts.device, parts.dtype, parts.dtype_name
         self.hf_config, self.spec, self.max_model_len = parts.hf_config, parts.spec, parts.max_model_len
         self.model, self.load_report, self.tokenizer = parts.model, parts.load_report, parts.tokenizer
-        self.budget, self.ledger = parts.budget, parts.ledger
+        self.budget, self.ledger, self.draft_ledger = parts.budget, parts.ledger, parts.draft_ledger
         self.runner, self.probes, self.kv = parts.runner, parts.probes, parts.kv
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self.inputs = InputProcessor(config.model, self.tokenizer, self.spec.vocab_size, self.max_model_len,
@@ -43,6 +44,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, parts.eos_token_ids, self.max_model_len,
                                        self.scheduler.finish)
         self.num_prompt_tokens = 0
+        self.spec_decoder = parts.spec_decoder  # speculative decoding (docs/speculative.md), or None
         # A decode step launched but not read back yet (async scheduling).
         self.in_flight: PendingTokens | None = None
         self.num_steps_ahead = 0  # decode steps launched before the previous one's tokens were read
@@ -119,7 +121,10 @@ class LLMEngine:
         tokens_from = (plan.previous, plan.feed) if plan.previous is not None else None
         try:
             with oom_guard("step", self.ledger, self.config, dtype=self.dtype_name):
-                result = self.runner.execute(batch, plan.sampling, defer=plan.defer, tokens_from=tokens_from)
+                if self.spec_decoder is not None:
+                    result = self.spec_decoder.execute(plan)  # may clear plan.defer
+                else:
+                    result = self.runner.execute(batch, plan.sampling, defer=plan.defer, tokens_from=tokens_from)
         except MempathOutOfMemoryError as error:
             return None, error
         except BaseException:
@@ -129,6 +134,8 @@ class LLMEngine:
                 self._emit_pending(plan.previous)
             raise
         self.scheduler.update_after_step(batch)
+        if isinstance(result, SpecOutput):
+            self.spec_decoder.apply(result)
         if plan.previous is not None:
             self.num_steps_ahead += 1
         for request, num_new in zip(batch.requests, batch.num_new_tokens):
@@ -151,8 +158,20 @@ class LLMEngine:
         elif result is not None:
             if plan.defer:
                 self.in_flight = result
+            elif isinstance(result, SpecOutput):
+                outputs += self._emit_speculative(result)
             else:
                 outputs += self.outputs.emit(plan.sampling, result.token_ids, result.logprobs)
+        return outputs
+
+    def _emit_speculative(self, result: SpecOutput) -> list[RequestOutput]:
+        """A speculative step's tokens, one per request at a time: a request that stops on
+        one of them (EOS, stop string, length) takes none of the rest."""
+        outputs = []
+        for j in range(max(len(t) for t in result.token_ids)):
+            rows = [i for i, t in enumerate(result.token_ids) if len(t) > j]
+            outputs += self.outputs.emit([result.sampling[i] for i in rows], [result.token_ids[i][j] for i in rows],
+                                         [result.logprobs[i] if j == 0 else None for i in rows])
         return outputs
 
     def _emit_pending(self, pending: PendingTokens) -> list[RequestOutput]:
@@ -177,6 +196,8 @@ class LLMEngine:
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.outputs.num_generation_tokens,
             "ledger": self.ledger.as_dict(),
+            "spec_decode": self.spec_decoder.stats_dict() if self.spec_decoder is not None else None,
+            "draft_ledger": self.draft_ledger.as_dict() if self.draft_ledger is not None else None,
             "num_loading": len(self.scheduler.loading),
             "tiers": self.kv.tiers.stats() if self.kv.tiers is not None else {"enabled": False},
         }

@@ -1,7 +1,7 @@
 """A request as the engine tracks it: its tokens, its KV blocks, its progress.
 
 Its KV fields (``block_table``, ``block_hashes``, ``num_registered_blocks``,
-``swapped``) are written by the KV manager (``mempath.kv.manager``) only.
+``swapped``, ``num_draft_computed``) are written by the KV manager (``mempath.kv.manager``) only.
 
 Its timestamps (``time.perf_counter``) are what the server's latency histograms read:
 arrival, first scheduled (queue time ends), first and last token, finish.
@@ -36,6 +36,7 @@ class Request:
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # of each full block of token_ids
         self.num_registered_blocks = 0  # leading blocks already in the prefix cache
+        self.num_draft_computed = 0  # tokens whose draft-model KV is in the cache (speculation)
         self.num_preemptions = 0
         # Set while swapped out: the host-tier blocks holding its KV, and how many tokens they hold.
         self.swapped: tuple[list[int], int] | None = None

@@ -118,6 +118,8 @@ class Startup:
         else:
             self.budget = DeviceBudget(self.device.type, None)
         self.ledger = self.budget.ledger(self.tenant)
+        self.spec_config = config.speculative_config
+        self.draft_runner = self.draft_ledger = self.spec_decoder = None
 
     def _guard(self, stage: str, **kwargs):
         return oom_guard(stage, self.ledger, self.config, dtype=self.dtype_name, **kwargs)
@@ -135,26 +137,41 @@ class Startup:
         self.probes = Probes(config, self.runner, self.max_model_len)
         self.budget.grant(self.tenant, Pathway.STEP_BUFFERS, self.runner.workspace_bytes(), "measured",
                           "static inputs and decode split workspace")
+        if self.spec_config is not None:
+            self.load_draft(show_progress)
         num_blocks = self.size_kv_cache()
-        with self._guard("kv_allocation", requested_bytes=num_blocks * self.runner.kv_bytes_per_block()), \
+        with self._guard("kv_allocation", requested_bytes=num_blocks * self.kv_bytes_per_block()), \
                 stage("kv allocation", Pathway.KV_CACHE.value):
             self.runner.allocate_kv_cache(num_blocks)
+            if self.draft_runner is not None:
+                self.draft_runner.allocate_kv_cache(num_blocks)
         self.budget.grant(self.tenant, Pathway.KV_CACHE, self.runner.kv_cache.numel() * self.runner.kv_cache.element_size(),
                           "measured", f"{num_blocks} blocks x {config.block_size} tokens")
+        if self.draft_runner is not None:
+            draft_kv = self.draft_runner.kv_cache
+            self.budget.grant(self.draft_tenant, Pathway.KV_CACHE, draft_kv.numel() * draft_kv.element_size(),
+                              "measured", f"{num_blocks} blocks x {config.block_size} tokens, the target's block tables")
         if self.runner.use_triton:
             with stage("compile kernels", None):
                 self.probes.compile_kernels(num_blocks)
+                if self.draft_runner is not None:
+                    Probes(config, self.draft_runner, self.max_model_len).compile_kernels(num_blocks)
         self.capture_graphs()
         if config.tiers_enabled:
             with stage("attach tiers", None):
                 self.kv = self.kv_manager_with_tiers(num_blocks)
         else:
-            self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+            self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                     draft_kv=self.draft_runner is not None)
+        if self.spec_config is not None:
+            self.build_spec_decoder()
         if self.device.type == "cuda":
             self.cap_device_memory()
         for line in kv_capacity_lines(self.device.type, self.kv, config.block_size, self.max_model_len):
             capacity_log.info("%s", line)
         log.info("memory by pathway:\n%s", self.ledger.table())
+        if self.draft_ledger is not None:
+            log.info("memory by pathway, %s:\n%s", self.draft_tenant, self.draft_ledger.table())
         return self
 
     def load_weights(self, show_progress: bool) -> None:
@@ -171,10 +188,58 @@ class Startup:
             log.info("weights: %s of parameters, %s allocated on the device",
                      format_bytes(self.load_report.weight_bytes), format_bytes(measured))
 
+    # ----------------------------------------------------------------- the draft tenant
+    def load_draft(self, show_progress: bool) -> None:
+        """The draft model: a second tenant of the device budget, with its weights, step buffers
+        and the speculative step's temporaries in its own ledger (its KV blocks come with the target's)."""
+        from mempath.engine.spec.decoder import SPEC_MAX_ROWS, spec_workspace_bytes
+        c, sc = self.config, self.spec_config
+        if sc.uses_draft_model:
+            draft_dir = sc.model
+            spec = ModelSpec.from_hf_config(read_config(draft_dir), source=str(Path(draft_dir) / "config.json"))
+            if spec.vocab_size != self.spec.vocab_size:
+                raise ValueError(f"speculative_config: the draft's vocabulary ({spec.vocab_size} tokens, {draft_dir}) "
+                                 f"differs from the target's ({self.spec.vocab_size}); use a draft with the target's tokenizer")
+            if spec.max_position_embeddings < self.max_model_len:
+                raise ValueError(f"speculative_config: the draft supports {spec.max_position_embeddings} positions, "
+                                 f"fewer than max_model_len {self.max_model_len}; lower --max-model-len")
+            self.draft_tenant = f"{Path(draft_dir).name or draft_dir} (draft)"
+        else:
+            self.draft_tenant = "ngram (draft)"
+        self.draft_ledger = self.budget.ledger(self.draft_tenant)
+        grant = self.budget.grant
+        if sc.uses_draft_model:
+            with self._guard("load"), self.stage("load draft weights", Pathway.WEIGHTS.value):
+                model, spec, report = load_model(draft_dir, self.dtype, self.device, self.max_model_len, show_progress,
+                                                 dummy=c.load_format == "dummy", spec=spec)
+            grant(self.draft_tenant, Pathway.WEIGHTS, report.weight_bytes, "measured",
+                  f"{report.tensors_loaded} tensors, {self.dtype_name}")
+            self.draft_runner = ModelRunner(c, model, spec, self.device, self.dtype, self.max_model_len)
+        rows = min(c.max_num_seqs, SPEC_MAX_ROWS)
+        buffers = 2 * self.runner.max_tokens * 8 + (self.draft_runner.workspace_bytes() if self.draft_runner else 0)
+        grant(self.draft_tenant, Pathway.STEP_BUFFERS, buffers, "measured",
+              "the draft's static inputs and the logit-row indices")
+        grant(self.draft_tenant, Pathway.ACTIVATION_PEAK,
+              spec_workspace_bytes(rows, sc.num_speculative_tokens, self.spec.vocab_size, 0), "derived",
+              f"float32 p and q of {rows} speculating rows x {sc.num_speculative_tokens} positions")
+
+    def build_spec_decoder(self) -> None:
+        from mempath.engine.spec.decoder import SpeculativeDecoder
+        self.spec_decoder = SpeculativeDecoder(self.spec_config, self.runner, self.draft_runner, self.kv,
+                                               self.max_model_len)
+        if self.spec_config.adaptive:
+            with self.stage("calibrate speculation", None):
+                self.spec_decoder.calibrate(self.config.max_num_seqs)
+
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one KV block: the target's, plus the draft's under the same block id."""
+        draft = self.draft_runner.kv_bytes_per_block() if self.draft_runner is not None else 0
+        return self.runner.kv_bytes_per_block() + draft
+
     # ----------------------------------------------------------------- KV sizing
     def size_kv_cache(self) -> int:
         """How many KV blocks fit: fixed by override, by the CPU budget, or measured on CUDA."""
-        per_block = self.runner.kv_bytes_per_block()
+        per_block = self.kv_bytes_per_block()
         if self.config.num_gpu_blocks_override is not None:
             return self.config.num_gpu_blocks_override
         if self.device.type != "cuda":
@@ -212,7 +277,9 @@ class Startup:
         grant, tenant = self.budget.grant, self.tenant
         grant(tenant, Pathway.NON_TORCH, in_use - reserved, "derived",
               "device used - torch reserved (context, other processes)")
-        grant(tenant, Pathway.TORCH_OTHER, reserved - self.ledger.get(Pathway.WEIGHTS) - self.ledger.get(Pathway.STEP_BUFFERS),
+        draft = self.draft_ledger.get(Pathway.WEIGHTS) + self.draft_ledger.get(Pathway.STEP_BUFFERS) \
+            if self.draft_ledger is not None else 0
+        grant(tenant, Pathway.TORCH_OTHER, reserved - self.ledger.get(Pathway.WEIGHTS) - self.ledger.get(Pathway.STEP_BUFFERS) - draft,
               "derived", "torch reserved at the profile - weights - step buffers (model buffers, allocator rounding)")
         grant(tenant, Pathway.ACTIVATION_PEAK, activation_peak, "measured",
               "the profile step's peak as the allocator reserved it")
@@ -228,7 +295,13 @@ class Startup:
                   "one staging buffer per direction, until the tiers are attached")
         grant(tenant, Pathway.OUTSIDE_TORCH_GROWTH, OUTSIDE_TORCH_GROWTH, "derived",
               "room for kernel modules loaded while serving (BENCHMARKS.md)")
-        return self.budget.grant_blocks(tenant, Pathway.KV_CACHE, per_block, "what the budget leaves, in whole blocks")
+        num_blocks = self.budget.grant_blocks(tenant, Pathway.KV_CACHE, per_block, "what the budget leaves, in whole blocks")
+        if self.draft_runner is not None:
+            # Each block is both models' KV: split the grant by their shares (measured once allocated).
+            draft_share = num_blocks * self.draft_runner.kv_bytes_per_block()
+            grant(tenant, Pathway.KV_CACHE, num_blocks * per_block - draft_share, "derived", "the target's share")
+            grant(self.draft_tenant, Pathway.KV_CACHE, draft_share, "derived", "the draft's share")
+        return num_blocks
 
     def measure_step_peak(self) -> int:
         """The largest step's peak over the weights, as allocated or as reserved, whichever is more."""

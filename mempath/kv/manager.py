@@ -47,9 +47,12 @@ class Preemption:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 tiers: TierConfig | None = None):
+                 tiers: TierConfig | None = None, draft_kv: bool = False):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # A draft model keeps its own KV under the same block tables (speculative decoding):
+        # a block is published only once both models' KV in it is computed.
+        self.draft_kv = draft_kv
         self.pool = BlockPool(num_blocks)
         self.tiers = TierCoordinator(self.pool, block_size, tiers) if tiers is not None else None
 
@@ -170,6 +173,7 @@ class KVCacheManager:
         self.pool.touch(cached_blocks)
         replace_table(request, cached_blocks + self._take(num_new_blocks))
         request.num_computed_tokens = num_cached_tokens
+        request.num_draft_computed = num_cached_tokens  # a cached block holds both models' KV
         request.num_registered_blocks = len(cached_blocks)
         return True
 
@@ -222,10 +226,13 @@ class KVCacheManager:
         """Make the request's fully computed blocks findable by later requests."""
         if not self.enable_prefix_caching:
             return
-        if request.num_computed_tokens // self.block_size <= request.num_registered_blocks:
+        computed = request.num_computed_tokens
+        if self.draft_kv:
+            computed = min(computed, request.num_draft_computed)
+        if computed // self.block_size <= request.num_registered_blocks:
             return  # no block filled up since the last call: the common decode step
         self._hash_full_blocks(request)
-        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
+        num_full = min(computed // self.block_size, len(request.block_hashes))
         for i in range(request.num_registered_blocks, num_full):
             self.pool.cache(request.block_table[i], request.block_hashes[i])
         request.num_registered_blocks = max(request.num_registered_blocks, num_full)
@@ -237,6 +244,36 @@ class KVCacheManager:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
             hashes.append(hash_block(parent, token_ids[i * block_size:(i + 1) * block_size]))
+
+    # ------------------------------------------------------------ speculation
+    def reserve_lookahead(self, request, num_speculative: int) -> bool:
+        """Slots for a decode row's token and ``num_speculative`` proposed ones after it."""
+        return self.append_slots(request, 1 + num_speculative)
+
+    def advance_draft(self, request, num_draft_computed: int) -> None:
+        """The draft model's KV now covers the request's first ``num_draft_computed`` tokens."""
+        request.num_draft_computed = num_draft_computed
+
+    def accept_speculation(self, request, num_accepted: int, draft_end: int) -> None:
+        """A verify step kept ``num_accepted`` proposed tokens after the row's own token (which
+        the step's ordinary bookkeeping already counted): they count as computed, the draft's
+        KV as far as it was written and verified (``draft_end``), and the blocks that held
+        only rejected positions go back to the pool. A rejected position's KV inside a kept
+        block is never read (positions past num_computed_tokens are rewritten first) and
+        never published (cache_full_blocks counts computed tokens only)."""
+        request.num_computed_tokens += num_accepted
+        if self.draft_kv:
+            request.num_draft_computed = min(draft_end, request.num_computed_tokens)
+        self.trim_lookahead(request)
+        self.cache_full_blocks(request)
+
+    def trim_lookahead(self, request) -> None:
+        """Free the blocks past what the request's next token needs (unused lookahead slots)."""
+        keep = self.blocks_for(request.num_computed_tokens + 1)
+        if len(request.block_table) > keep:
+            dropped = request.block_table[keep:]
+            replace_table(request, request.block_table[:keep])
+            self.pool.free(list(reversed(dropped)))
 
     # ------------------------------------------------------------ giving back
     def preempt(self, request) -> Preemption:
@@ -267,6 +304,7 @@ class KVCacheManager:
         self.pool.free(list(reversed(request.block_table)))
         replace_table(request, [])
         request.num_registered_blocks = 0
+        request.num_draft_computed = 0
 
     def usage(self) -> float:
         return self.pool.num_used / self.pool.num_blocks

@@ -273,7 +273,7 @@ class _SnapshotCollector:
         yield from self._memory_families(stats, name, gauge)
         if stats.get("tiers", {}).get("enabled"):
             yield from _tier_families(stats["tiers"], name)
-        yield from _spec_decode_families(stats.get("spec_decode"), name)
+        yield from spec_decode_families(stats.get("spec_decode"), name)
 
     def _memory_families(self, stats: dict, name: str, gauge):
         """KV blocks, every pathway's bytes, and the disk tier's failures."""
@@ -351,23 +351,25 @@ def _tier_families(tiers: dict, name: str):
     yield evictions
 
 
-def _spec_decode_families(spec: dict | None, name: str):
-    """vLLM's speculative-decoding counters, once the engine reports them.
-
-    The engine's stats()["spec_decode"], when speculative decoding is on:
-    ``{"num_drafts", "num_draft_tokens", "num_accepted_tokens": int,
-    "num_accepted_tokens_per_pos": list[int]}``, all cumulative.
-    """
-    if not spec:
+def spec_decode_families(spec: dict | None, name: str):
+    """Speculative decoding (docs/speculative.md): vLLM's spec_decode_* counters, and ours for
+    the chosen draft length and the time spent drafting and verifying."""
+    if spec is None:
         return
     for key, doc in (("num_drafts", "Number of spec decoding drafts."),
                      ("num_draft_tokens", "Number of draft tokens."),
-                     ("num_accepted_tokens", "Number of accepted tokens.")):
+                     ("num_accepted_tokens", "Number of accepted tokens."),
+                     ("draft_seconds", "Seconds spent proposing draft tokens."),
+                     ("verify_seconds", "Seconds spent in verify steps (target forward and rejection sampling).")):
         family = CounterMetricFamily(f"mempath:spec_decode_{key}", doc, labels=["model_name"])
         family.add_metric([name], spec[key])
         yield family
-    per_position = CounterMetricFamily("mempath:spec_decode_num_accepted_tokens_per_pos",
-                                       "Accepted tokens per draft position.", labels=["model_name", "position"])
-    for position, count in enumerate(spec.get("num_accepted_tokens_per_pos", [])):
-        per_position.add_metric([name, str(position)], count)
-    yield per_position
+    per_pos = CounterMetricFamily("mempath:spec_decode_num_accepted_tokens_per_pos",
+                                  "Accepted tokens per draft position.", labels=["model_name", "position"])
+    for position, count in enumerate(spec["num_accepted_tokens_per_pos"]):
+        per_pos.add_metric([name, str(position)], count)
+    yield per_pos
+    chosen = GaugeMetricFamily("mempath:spec_decode_chosen_k", "Draft length chosen for the last step.",
+                               labels=["model_name"])
+    chosen.add_metric([name], spec["chosen_k"])
+    yield chosen

@@ -1,0 +1,169 @@
+"""Speculative decoding on the Llama-3.1-8B shape (random bf16 weights), in one run.
+
+    python benchmarks/bench_spec.py            # CUDA: the H200 figures of BENCHMARKS.md
+    python benchmarks/bench_spec.py --tiny     # CPU: tiny shapes, checks the script runs
+
+(a) the mechanism's ceiling: a one-layer draft whose proposals are all kept (forced
+    acceptance: an oracle that always agrees, at almost no cost), batch 1, K = 4, against
+    plain decoding (target: >= 3x tokens/s);
+(b) a Llama-3.2-1B-shape draft: the measured draft-step and verify-step times, the cost
+    model's predicted speed-up at acceptance 0.6 / 0.7 / 0.8, and a forced-acceptance run
+    whose measured speed-up is compared with the prediction at acceptance 1 (within 10%);
+(c) adaptive speculation (the 1B draft; random weights agree on almost nothing, so the
+    cost model should settle on K = 0) against plain decoding at batch 1, 4, 16, 64, 256
+    (target: >= 0.98x in every cell).
+
+Prints a table per part and one JSON line (prefix ``RESULT``).
+"""
+import argparse
+import gc
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mempath import LLM, SamplingParams  # noqa: E402
+
+TARGET = json.loads((ROOT / "tests" / "data" / "configs" / "llama-3.1-8b.json").read_text())
+LLAMA_1B = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 64, "tie_word_embeddings": True,
+            "rope_scaling": {**TARGET.get("rope_scaling", {}), "factor": 32.0}}
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}
+
+
+def model_dir(name: str, **overrides) -> str:
+    directory = Path(tempfile.mkdtemp(prefix=f"mempath-spec-{name}-"))
+    config = {**TARGET, **overrides}
+    (directory / "config.json").write_text(json.dumps(config))
+    return str(directory)
+
+
+def engine(path: str, args, draft: str | None = None, k: int = 4, adaptive: bool = False, **extra) -> LLM:
+    """An engine; the previous one (out of scope by now, engines hold reference cycles) is collected first."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    spec = None if draft is None else {"model": draft, "num_speculative_tokens": k, "adaptive": adaptive}
+    return LLM(path, load_format="dummy", max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+               speculative_config=spec, show_progress=False, device=args.device, **extra)
+
+
+def tokens_per_second(llm: LLM, batch: int, args, warmup: bool = True) -> float:
+    rng = np.random.default_rng(batch)
+    vocab = llm.engine.spec.vocab_size
+    prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(batch)]
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    if warmup:
+        llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)
+    if llm.engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    if llm.engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    return batch * args.output_len / (time.perf_counter() - start)
+
+
+def print_table(title: str, rows: list[tuple]) -> None:
+    print(f"\n{title}")
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    for n, row in enumerate(rows):
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
+        if n == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def part_a(args, target: str, plain: dict) -> dict:
+    oracle = model_dir("oracle", **{**args.draft_shape, "num_hidden_layers": 1})
+    llm = engine(target, args, draft=oracle, k=4)
+    llm.engine.spec_decoder.force_accept = True
+    spec = tokens_per_second(llm, 1, args)
+    speedup = spec / plain[1]
+    print_table("(a) oracle draft (forced acceptance), batch 1, K = 4",
+                [("plain tok/s", "speculative tok/s", "speed-up", "target"),
+                 (f"{plain[1]:.1f}", f"{spec:.1f}", f"{speedup:.2f}x", ">= 3x")])
+    return {"plain_tok_s": plain[1], "spec_tok_s": spec, "speedup": speedup}
+
+
+def part_b(args, target: str, draft: str, plain: dict) -> dict:
+    llm = engine(target, args, draft=draft, k=4)
+    tokens_per_second(llm, 1, args)  # the real (random) proposals: measures draft and verify steps
+    cost = llm.engine.spec_decoder.cost
+    # A fixed K never runs a plain step: give the model plain decoding's measured step time, as
+    # serving would measure it (an interval between step starts, host work included).
+    cost.verify.setdefault(1, {})[1] = 1.0 / plain[1]
+    times = {"draft_step_s": cost.draft_time(1), "verify_step_s": cost.verify_time(1, 5),
+             "plain_step_s": cost.verify_time(1, 1)}
+    predicted = {a: cost.predicted_speedup(1, 4, [a]) for a in (0.6, 0.7, 0.8, 1.0)}
+    llm.engine.spec_decoder.force_accept = True
+    forced = tokens_per_second(llm, 1, args)
+    predicted_forced = cost.predicted_speedup(1, 4, [1.0])  # with the times this run measured
+    measured = forced / plain[1]
+    error = measured / predicted_forced - 1
+    print_table("(b) Llama-3.2-1B-shape draft, batch 1, K = 4",
+                [("draft step ms", "verify step ms (5 tok)", "plain step ms", "pred. a=0.6", "pred. a=0.7",
+                  "pred. a=0.8", "forced: measured", "forced: predicted", "error"),
+                 (f"{times['draft_step_s'] * 1e3:.2f}", f"{times['verify_step_s'] * 1e3:.2f}",
+                  f"{times['plain_step_s'] * 1e3:.2f}", f"{predicted[0.6]:.2f}x", f"{predicted[0.7]:.2f}x",
+                  f"{predicted[0.8]:.2f}x", f"{measured:.2f}x", f"{predicted_forced:.2f}x", f"{error:+.1%}")])
+    return {**times, "predicted": {str(a): v for a, v in predicted.items()}, "forced_measured": measured,
+            "forced_predicted": predicted_forced, "forced_error": error}
+
+
+def part_c(args, target: str, draft: str, plain: dict) -> dict:
+    llm = engine(target, args, draft=draft, k=4, adaptive=True)
+    rows, out = [("batch", "plain tok/s", "adaptive tok/s", "ratio", "chosen K counts")], {}
+    for b in args.batches:
+        before = list(llm.engine.spec_decoder.stats.k_counts)
+        spec = tokens_per_second(llm, b, args)
+        counts = [n - m for n, m in zip(llm.engine.spec_decoder.stats.k_counts, before)]
+        out[b] = {"plain_tok_s": plain[b], "adaptive_tok_s": spec, "ratio": spec / plain[b], "k_counts": counts}
+        rows.append((b, f"{plain[b]:.1f}", f"{spec:.1f}", f"{spec / plain[b]:.3f}", counts))
+    print_table("(c) adaptive speculation (1B-shape draft, random weights) vs plain; target >= 0.98x", rows)
+    return out
+
+
+def measure_plain(args, target: str) -> dict:
+    llm = engine(target, args)
+    return {b: tokens_per_second(llm, b, args) for b in args.batches}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a check that it runs)")
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--parts", default="abc")
+    args = parser.parse_args()
+    args.device = "cpu" if args.tiny else "cuda"
+    args.batches = [1, 4, 16] if args.tiny else [1, 4, 16, 64, 256]
+    args.max_num_seqs = max(args.batches)
+    args.max_model_len = args.prompt_len + args.output_len + 32
+    if args.tiny:
+        args.output_len = min(args.output_len, 32)
+        args.max_model_len = args.prompt_len + args.output_len + 32
+    tiny = TINY if args.tiny else {}
+    args.draft_shape = {**LLAMA_1B, **tiny, **({"num_hidden_layers": 1} if args.tiny else {})}
+    target = model_dir("target", **tiny)
+    draft = model_dir("draft", **args.draft_shape)
+    plain = measure_plain(args, target)
+    result = {"device": torch.cuda.get_device_name() if not args.tiny else "cpu", "plain_tok_s": plain}
+    if "a" in args.parts:
+        result["a"] = part_a(args, target, plain)
+    if "b" in args.parts:
+        result["b"] = part_b(args, target, draft, plain)
+    if "c" in args.parts:
+        result["c"] = part_c(args, target, draft, plain)
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

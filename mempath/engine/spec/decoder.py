@@ -1,0 +1,425 @@
+"""SpeculativeDecoder: one engine step with proposals, in place of the runner's plain step.
+
+A step (synchronous: the next step's positions depend on how many tokens were kept):
+
+1. choose K for the batch's decode rows (the cost model, or the configured K) and reserve
+   their lookahead slots through the KV manager; rows with logprobs, a grammar or logit
+   edits (penalties, logit_bias, min_tokens, bad_words: plain_sampling_only), rows near their
+   length limits and batches over ``SPEC_MAX_ROWS`` rows propose nothing;
+2. propose: n-gram lookup on the host, or the draft model: one forward that brings its
+   KV up to every row's tokens (prefill chunks too, and what it missed while K was 0),
+   sampling the first proposal, then K - 1 one-token forwards, proposals fed on the device;
+3. verify: one target forward over the batch, each speculating row with its last token
+   and its proposals (K + 1 positions, logits at each), other rows as scheduled;
+4. rejection sampling (``rejection.py``); ``apply`` then tells the KV manager what was
+   kept (``accept_speculation``: the rest of the lookahead is freed).
+
+Draft and target share block tables: block i holds both models' KV, in two caches.
+"""
+import logging
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from mempath.engine.batch import ScheduledBatch, StepPlan
+from mempath.engine.penalties import build_adjustments
+from mempath.engine.request import Request
+from mempath.engine.sampler import SamplerOutput, row_argmax, to_device
+from mempath.engine.spec.config import SpeculativeConfig
+from mempath.engine.spec.cost import SpecCostModel
+from mempath.engine.spec.ngram import propose_ngram
+from mempath.engine.spec.rejection import filtered_probs, greedy_accept, rejection_sample, sample_probs
+from mempath.engine.spec.rows import Row, RowBuffers, forward_rows, sync, time_forward
+
+log = logging.getLogger(__name__)
+
+SPEC_MAX_ROWS = 64  # larger decode batches run plainly: compute-bound, speculation does not pay
+PROBE_EVERY = 64  # after this many steps at K = 0, one step at K = 1 refreshes the acceptance rates
+PRIOR_ACCEPTANCE = 0.6  # before anything is measured
+PRIOR_WEIGHT = 4.0  # proposals' worth of the global rate in a request's running rate
+
+
+def spec_workspace_bytes(max_rows: int, k: int, vocab: int, max_tokens: int) -> int:
+    """The step's largest speculative temporaries: the draft's and the target's float32
+    probabilities of every speculating row, and the logit-row index buffers."""
+    return max_rows * (2 * k + 1) * vocab * 4 + 2 * max_tokens * 8
+
+
+@dataclass
+class SpecOutput:
+    """A speculative step's tokens: one list per sampling request (batch order)."""
+    sampling: list[Request]
+    token_ids: list[list[int]]
+    logprobs: list  # the first token's logprobs per request (rows that did not speculate), else None
+    kept: dict = field(default_factory=dict)  # speculating request -> (tokens kept, draft KV end)
+
+
+class SpecStats:
+    def __init__(self, max_k: int):
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * max_k
+        self.num_spec_steps = self.num_plain_steps = 0
+        self.last_k = 0
+        self.k_counts = [0] * (max_k + 1)
+        self.draft_seconds = self.verify_seconds = 0.0
+
+    def as_dict(self) -> dict:
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens,
+                "num_accepted_tokens_per_pos": list(self.accepted_per_pos),
+                "acceptance_rate": self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None,
+                "mean_acceptance_length": 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None,
+                "chosen_k": self.last_k, "chosen_k_counts": list(self.k_counts),
+                "num_spec_steps": self.num_spec_steps, "num_plain_steps": self.num_plain_steps,
+                "draft_seconds": self.draft_seconds, "verify_seconds": self.verify_seconds}
+
+
+class SpeculativeDecoder:
+    def __init__(self, config: SpeculativeConfig, target, draft, kv, max_model_len: int):
+        self.config = config
+        self.target, self.draft, self.kv = target, draft, kv
+        self.max_model_len = max_model_len
+        self.max_k = config.num_speculative_tokens
+        self.device = target.device
+        self.generator = target.sampler.generator
+        self.target_rows = RowBuffers(target.max_tokens, self.device)
+        self.draft_rows = RowBuffers(draft.max_tokens, self.device) if draft is not None else None
+        self.cost = SpecCostModel(self.max_k)
+        self.stats = SpecStats(self.max_k)
+        self.rates = weakref.WeakKeyDictionary()  # request -> [kept, proposed]
+        self.global_rate = PRIOR_ACCEPTANCE
+        self.steps_at_zero = 0
+        self.pending_k: int | None = None  # chosen on an asynchronous step for the next one
+        self._interval = None  # the last step's (batch size, K, start, draft seconds)
+        self.force_accept = False  # benchmarks: keep every proposal (the cost model's check)
+        self.accept_rule = None  # tests: a deliberately wrong rule (see rejection_sample)
+
+    def workspace_bytes(self) -> int:
+        return self.target_rows.nbytes() + (self.draft_rows.nbytes() if self.draft_rows else 0)
+
+    @torch.inference_mode()
+    def calibrate(self, max_num_seqs: int) -> None:
+        """Time draft and verify forwards per batch bucket, for the cost model's first choices."""
+        start = time.perf_counter()
+        b = 1
+        while b <= min(max_num_seqs, SPEC_MAX_ROWS):
+            for q in (1, self.max_k + 1):
+                if b * q <= self.target.max_tokens:
+                    self.cost.observe_verify(b, q, time_forward(self.target, self.target_rows, b, q))
+            if self.draft is not None:
+                self.cost.observe_draft(b, time_forward(self.draft, self.draft_rows, b, 1))
+            b *= 2
+        log.info("speculation: draft and verify steps calibrated in %.1f s", time.perf_counter() - start)
+
+    # ------------------------------------------------------------ acceptance
+    def rate(self, request: Request) -> float:
+        kept, proposed = self.rates.get(request, (0, 0))
+        return (kept + PRIOR_WEIGHT * self.global_rate) / (proposed + PRIOR_WEIGHT)
+
+    def _record(self, request: Request, kept: int, proposed: int) -> None:
+        entry = self.rates.setdefault(request, [0, 0])
+        entry[0] += kept
+        entry[1] += proposed
+        self.global_rate += 0.2 * (kept / proposed - self.global_rate)
+        s = self.stats
+        s.num_drafts += 1
+        s.num_draft_tokens += proposed
+        s.num_accepted_tokens += kept
+        for j in range(kept):
+            s.accepted_per_pos[j] += 1
+
+    # ------------------------------------------------------------ the step
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan):
+        """Run the scheduler's step: speculative when some decode row proposes, else the
+        runner's plain step. A plain decode step stays asynchronous as planned (its tokens
+        in flight, the next step scheduled ahead); when the cost model would speculate on
+        it, it is read back instead (``plan.defer`` cleared), so the next step can."""
+        now = time.perf_counter()
+        self._close_interval(now)
+        batch, sampling = plan.batch, plan.sampling
+        if plan.previous is None:
+            proposals = self._plan(batch, sampling)
+            if proposals:
+                plan.defer = False
+                try:
+                    return self._speculate(batch, sampling, proposals, now)
+                except BaseException:
+                    for request in proposals:
+                        self.kv.trim_lookahead(request)
+                    raise
+        elif plan.defer and self._wants_to_speculate(batch, sampling):
+            plan.defer = False
+        self.stats.num_plain_steps += 1
+        self._open_interval(batch, 0, now)
+        tokens_from = (plan.previous, plan.feed) if plan.previous is not None else None
+        return self.target.execute(batch, sampling, defer=plan.defer, tokens_from=tokens_from)
+
+    # Step times are intervals between step starts (what tokens per second sees: an
+    # asynchronous plain step's host work overlaps the device), for decode-only batches;
+    # an interval far over the estimate (the engine sat idle) is not a step's time.
+    def _open_interval(self, batch: ScheduledBatch, k: int, start: float, draft_seconds: float = 0.0) -> None:
+        decode_only = bool(batch.requests) and all(n == 1 for n in batch.num_new_tokens)
+        self._interval = (len(batch), k, start, draft_seconds) if decode_only and len(batch) <= SPEC_MAX_ROWS else None
+
+    def _close_interval(self, now: float) -> None:
+        if self._interval is None:
+            return
+        b, k, start, draft_seconds = self._interval
+        self._interval = None
+        verify = now - start - draft_seconds
+        estimate = self.cost.verify_time(b, k + 1)
+        if verify <= 0 or (estimate is not None and verify > 4 * estimate):
+            return
+        self.cost.observe_verify(b, k + 1, verify)
+        if k and self.draft is not None:
+            self.cost.observe_draft(b, draft_seconds / k)
+
+    def _decode_rows(self, batch: ScheduledBatch, sampling: list[Request]) -> list[Request]:
+        ids = {id(r) for r in sampling}
+        return [r for r, n in zip(batch.requests, batch.num_new_tokens)
+                if n == 1 and id(r) in ids and r.num_computed_tokens == r.num_tokens - 1
+                and plain_sampling_only(r)]
+
+    def _wants_to_speculate(self, batch: ScheduledBatch, sampling: list[Request]) -> bool:
+        # A step scheduled ahead: every row a decode whose input token is still in flight.
+        rows = batch.requests
+        if not rows or len(rows) > SPEC_MAX_ROWS:
+            return False
+        self.pending_k = self._choose_k(rows)
+        return self.pending_k > 0
+
+    def _choose_k(self, rows: list[Request]) -> int:
+        if not self.config.adaptive:
+            return self.max_k
+        if self.pending_k is not None:
+            k, self.pending_k = self.pending_k, None
+            return k
+        k = self.cost.choose([self.rate(r) for r in rows], draft_free=self.draft is None)
+        self.steps_at_zero = self.steps_at_zero + 1 if k == 0 else 0
+        if self.steps_at_zero >= PROBE_EVERY:
+            self.steps_at_zero = 0
+            k = 1
+        return k
+
+    def _plan(self, batch: ScheduledBatch, sampling: list[Request]) -> dict:
+        """request -> its proposals' count (draft model) or its proposed tokens (n-gram)."""
+        rows = self._decode_rows(batch, sampling)
+        # The verify forward does not record prompt logprobs: a step prefilling a request
+        # that asks for them runs plainly.
+        records_prompt_logprobs = any(r.prompt_logprobs is not None and r.num_computed_tokens < r.num_prompt_tokens
+                                      for r in batch.requests)
+        if not rows or len(rows) > SPEC_MAX_ROWS or records_prompt_logprobs:
+            self.stats.last_k = 0
+            self.stats.k_counts[0] += 1
+            return {}
+        k = self._choose_k(rows)
+        self.stats.last_k = k
+        self.stats.k_counts[k] += 1
+        room = self.target.max_tokens - batch.total_tokens
+        plan = {}
+        for request in rows:
+            kr = min(k, request.params.max_tokens - request.num_output_tokens - 1,
+                     self.max_model_len - request.num_tokens - 1, room)
+            if kr <= 0:
+                continue
+            if self.draft is None:
+                proposal = propose_ngram(request.token_ids, kr, self.config.prompt_lookup_min,
+                                         self.config.prompt_lookup_max)
+                kr = len(proposal)
+            if kr > 0 and self.kv.reserve_lookahead(request, kr):
+                plan[request] = proposal if self.draft is None else kr
+                room -= kr
+        return plan
+
+    def _speculate(self, batch: ScheduledBatch, sampling: list[Request], plan: dict, start: float) -> SpecOutput:
+        if self.draft is not None:
+            proposed = self._propose_with_draft(batch, plan)
+            if proposed is None:
+                return self.target.execute(batch, sampling)
+            spec_rows, drafts, draft_probs = proposed
+            num = [plan[r] for r in spec_rows]
+        else:
+            spec_rows = [r for r in batch.requests if r in plan]
+            num = [len(plan[r]) for r in spec_rows]
+            k = max(num)
+            drafts = torch.tensor([plan[r] + [0] * (k - len(plan[r])) for r in spec_rows], dtype=torch.int64)
+            drafts, draft_probs = drafts.to(self.device), None
+        sync(self.device)
+        drafted = time.perf_counter()
+        output = self._verify(batch, sampling, spec_rows, num, drafts, draft_probs)
+        done = time.perf_counter()
+        s = self.stats
+        s.num_spec_steps += 1
+        s.draft_seconds += drafted - start
+        s.verify_seconds += done - drafted
+        if len(spec_rows) == len(batch):
+            self._open_interval(batch, max(num), start, drafted - start if self.draft is not None else 0.0)
+        return output
+
+    def _propose(self, logits: torch.Tensor, params: list) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The draft's tokens for these rows, and the distributions they were drawn from (None: all greedy)."""
+        if all(p.greedy for p in params):
+            return row_argmax(logits), None
+        probs = filtered_probs(logits, params)
+        drawn = sample_probs(probs, [None] * len(params), self.generator)
+        greedy = to_device([p.greedy for p in params], torch.bool, self.device)
+        return torch.where(greedy, row_argmax(logits), drawn), probs
+
+    def _catch_up_rows(self, batch: ScheduledBatch, plan: dict) -> list[Row]:
+        """The draft's first forward: every row's tokens the draft has no KV for yet, up to
+        what the target holds after this step (a speculating row: all its tokens); a row
+        whose catch-up does not fit the draft's buffers this step stops speculating."""
+        rows, room = [], self.draft.max_tokens
+        for request, n in zip(batch.requests, batch.num_new_tokens):
+            end = request.num_tokens if request in plan else request.num_computed_tokens + n
+            begin = request.num_draft_computed
+            take = min(end - begin, room)
+            if request in plan and take < end - begin:
+                del plan[request]
+                self.kv.trim_lookahead(request)
+            if take <= 0:
+                continue
+            rows.append(Row(request, begin, request.token_ids[begin:begin + take], 1 if request in plan else 0))
+            room -= take
+        return rows
+
+    def _propose_with_draft(self, batch: ScheduledBatch, plan: dict):
+        """Catch the draft up, then K proposals per speculating row: [R, K] tokens and their q
+        (None when no row is caught up enough to propose this step)."""
+        rows = self._catch_up_rows(batch, plan)
+        spec_rows = [r for r in batch.requests if r in plan]
+        logits = forward_rows(self.draft, self.draft_rows, rows)
+        for row in rows:
+            self.kv.advance_draft(row.request, row.start + len(row.token_ids))
+        if not spec_rows:
+            return None  # every row is still catching up: the step runs plainly
+        params = [r.params for r in spec_rows]
+        k = max(plan[r] for r in spec_rows)
+        drafts = torch.zeros(len(spec_rows), k, dtype=torch.int64, device=self.device)
+        probs = None
+        active = list(range(len(spec_rows)))
+        for j in range(k):
+            tokens, q = self._propose(logits, [params[i] for i in active])
+            index_d = to_device(active, torch.int64, self.device)
+            drafts[index_d, j] = tokens
+            if q is not None:
+                if probs is None:
+                    probs = torch.zeros(len(spec_rows), k, q.shape[-1], device=self.device)
+                probs[index_d, j] = q
+            active = [i for i in active if plan[spec_rows[i]] > j + 1]
+            if not active:
+                break
+            # Proposal j + 1 goes in at position num_tokens + j; its KV is the draft's next.
+            step_rows = [Row(spec_rows[i], spec_rows[i].num_tokens + j, [0], 1) for i in active]
+            feed = (torch.arange(len(active), device=self.device),
+                    drafts[to_device(active, torch.int64, self.device), j])
+            logits = forward_rows(self.draft, self.draft_rows, step_rows, device_tokens=feed)
+        return spec_rows, drafts, probs
+
+    def _verify_rows(self, batch: ScheduledBatch, sampling: list[Request], spec_rows: list[Request],
+                     num: list[int], drafts: torch.Tensor):
+        """The target's rows, and where the proposals go in its input (flat index, token).
+        spec_rows are in batch order, so the flat indices and the proposals line up."""
+        sampling_ids, proposed = {id(r) for r in sampling}, dict(zip(spec_rows, num))
+        rows, index, t = [], [], 0
+        for request, n in zip(batch.requests, batch.num_new_tokens):
+            if request in proposed:
+                k = proposed[request]
+                rows.append(Row(request, request.num_tokens - 1, [request.token_ids[-1]] + [0] * k, k + 1))
+                index += range(t + 1, t + 1 + k)
+                t += k + 1
+            else:
+                start = request.num_computed_tokens
+                rows.append(Row(request, start, request.token_ids[start:start + n], int(id(request) in sampling_ids)))
+                t += n
+        flat = [i * drafts.shape[1] + j for i, k in enumerate(num) for j in range(k)]
+        feed = (to_device(index, torch.int64, self.device),
+                drafts.reshape(-1)[to_device(flat, torch.int64, self.device)])
+        return rows, feed
+
+    def _verify(self, batch, sampling, spec_rows, num, drafts, draft_probs) -> SpecOutput:
+        """One target forward over every row; rejection sampling for the speculating ones."""
+        rows, feed = self._verify_rows(batch, sampling, spec_rows, num, drafts)
+        logits = forward_rows(self.target, self.target_rows, rows, device_tokens=feed)
+        k = drafts.shape[1]
+        spec_index, plain_index, offset = [], [], 0
+        for row in rows:
+            if row.request in spec_rows:
+                # Positions past a row's own proposals repeat its last: never read (num_proposed masks them).
+                spec_index += [offset + min(j, row.num_logits - 1) for j in range(k + 1)]
+            elif row.num_logits:
+                plain_index.append(offset)
+            offset += row.num_logits
+        target = logits[to_device(spec_index, torch.int64, self.device)]
+        params = [r.params for r in spec_rows]
+        argmax = row_argmax(target).view(len(spec_rows), k + 1)
+        if self.force_accept:
+            emitted = [drafts[i, :n].tolist() + [int(argmax[i, n])] for i, n in enumerate(num)]
+        elif draft_probs is None and all(p.greedy for p in params):
+            emitted = greedy_accept(argmax, drafts, num)
+        else:
+            probs = filtered_probs(target, [p for p in params for _ in range(k + 1)])
+            emitted = rejection_sample(probs.view(len(spec_rows), k + 1, -1), argmax, drafts, draft_probs, num,
+                                       [p.greedy for p in params], [r.generator for r in spec_rows],
+                                       self.generator, accept_rule=self.accept_rule)
+        plain_rows = [r for r in sampling if r not in spec_rows]
+        plain = None
+        if plain_rows:
+            plain = self._sample_plain(logits[to_device(plain_index, torch.int64, self.device)], plain_rows)
+        return self._output(sampling, spec_rows, num, emitted, plain_rows, plain)
+
+    def _sample_plain(self, logits: torch.Tensor, rows: list[Request]) -> SamplerOutput:
+        """The rows that did not speculate, sampled as the runner's plain step samples them:
+        grammar masks and logit edits (penalties, logit_bias, min_tokens, bad_words) first."""
+        if any(r.grammar is not None for r in rows):
+            self.target.grammar_bitmask.apply(logits, [r.grammar for r in rows])
+        # A speculative step is synchronous: each row's newest token is on the host.
+        adjust = build_adjustments(rows, False, lambda: to_device([r.token_ids[-1] for r in rows],
+                                                                  torch.int64, self.device),
+                                   self.target.spec.vocab_size, self.device)
+        return self.target.sampler(logits, [r.params for r in rows], [r.generator for r in rows], adjust)
+
+    def _output(self, sampling, spec_rows, num, emitted, plain_rows, plain) -> SpecOutput:
+        by_request = dict(zip(spec_rows, emitted))
+        if plain is not None:
+            for request, token, lp in zip(plain_rows, plain.token_ids, plain.logprobs):
+                by_request[request] = ([token], lp)
+        out = SpecOutput(sampling, [], [])
+        for request in sampling:
+            got = by_request[request]
+            tokens, lp = got if isinstance(got, tuple) else (got, None)
+            out.token_ids.append(tokens)
+            out.logprobs.append(lp)
+        for request, k in zip(spec_rows, num):
+            kept = len(by_request[request]) - 1
+            self._record(request, kept, k)
+            # The draft wrote its KV up to its second-to-last proposal.
+            out.kept[request] = (kept, request.num_tokens + k - 1)
+        return out
+
+    def apply(self, output: SpecOutput) -> None:
+        """After the step's ordinary bookkeeping: the kept proposals count as computed, the rest of
+        each speculating row's lookahead goes back to the pool."""
+        for request, (kept, draft_end) in output.kept.items():
+            if not request.is_finished:
+                self.kv.accept_speculation(request, kept, draft_end)
+
+    def stats_dict(self) -> dict:
+        d = self.stats.as_dict()
+        d["method"] = self.config.method
+        d["num_speculative_tokens"] = self.max_k
+        d["adaptive"] = self.config.adaptive
+        return d
+
+
+def plain_sampling_only(request: Request) -> bool:
+    """Whether verify may score this row's proposals with the plain filters alone.
+
+    Rejection sampling here applies temperature, top-k, top-p and min-p; a row whose logits
+    are also edited (penalties, logit_bias, min_tokens, bad_words: engine/penalties.py), masked
+    by a grammar (mempath.structured), or that asks for logprobs, decodes one token a step.
+    """
+    return request.params.logprobs is None and request.grammar is None and not request.adjusts_logits
