@@ -48,6 +48,10 @@ class EngineConfig:
     # auto: K and V in the model dtype; fp8 (= fp8_e4m3) or fp8_e5m2: one byte per element,
     # twice the blocks in the same memory (docs/architecture.md, "fp8 KV cache").
     kv_cache_dtype: str = "auto"
+    # fp8: the q/k/v, o, gate/up and down projections quantized to float8_e4m3fn at load,
+    # per-channel weight and per-token activation scales (docs/quantization.md); None: as
+    # the checkpoint is (an fp8 checkpoint's quantization_config is read without it).
+    quantization: str | None = None
 
     def __post_init__(self):
         if self.block_size == "auto":
@@ -73,6 +77,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be auto, {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be fp8 (or None: as the checkpoint is), got {self.quantization!r}")
         self._check_device()
         self._validate_tiers()
 

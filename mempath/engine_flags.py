@@ -13,7 +13,7 @@ ENGINE_OPTIONS = ("dtype", "device", "seed", "block_size", "max_model_len", "max
                   "max_num_batched_tokens", "gpu_memory_utilization", "num_gpu_blocks_override",
                   "enable_prefix_caching", "enforce_eager", "cpu_kv_gb", "disk_kv_path", "disk_kv_gb",
                   "disk_write_policy", "preemption_mode", "cpu_kv_cache_bytes", "load_format", "async_scheduling",
-                  "kv_cache_dtype")
+                  "kv_cache_dtype", "quantization")
 
 
 def block_size_arg(text: str) -> int | str:
@@ -38,6 +38,9 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=("auto", *KV_CACHE_DTYPES),
                         help="auto: the model dtype; fp8 (= fp8_e4m3) or fp8_e5m2: one byte per element")
+    parser.add_argument("--quantization", default=d.quantization, choices=("fp8",),
+                        help="fp8: weights of the linear layers in float8_e4m3fn, quantized at load "
+                             "(default: as the checkpoint is; docs/quantization.md)")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, model_flag: bool = True) -> None:

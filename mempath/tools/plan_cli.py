@@ -157,7 +157,7 @@ def run_plan(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             block_size=DEFAULT_BLOCK_SIZE if args.block_size == "auto" else args.block_size,
             cuda_graphs=not args.enforce_eager, context_bytes=context,
-            kv_cache_dtype=args.kv_cache_dtype,
+            kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
             train=args.train, optimizer=args.optimizer, micro_batch=args.micro_batch,
             seq_len=args.seq_len, checkpointing=args.checkpointing,
             checkpoint_layers=parse_layers(args.checkpoint_layers), lora_rank=args.lora_rank,
