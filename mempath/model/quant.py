@@ -13,6 +13,8 @@ The loader fills a layer either from a float checkpoint tensor, quantized as it 
 (``copy_quantized``), or from a pre-quantized one (float8 weights and their
 ``weight_scale``; docs/quantization.md).
 """
+import functools
+
 import torch
 from torch import nn
 
@@ -54,14 +56,15 @@ def fp8_linear_torch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
 
 
 def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                         bias: torch.Tensor | None) -> torch.Tensor:
-    """The CUDA path: x quantized per token, then one fp8 matmul with row-wise scales.
+                         bias: torch.Tensor | None, quantize=quantize_rows) -> torch.Tensor:
+    """The CUDA path: x quantized per token (``quantize``: quantize_rows or its fused Triton twin),
+    then one fp8 matmul with row-wise scales.
 
     ``torch._scaled_mm`` takes the weight column-major (the transpose of our row-major
     [out, in] storage, no copy) and, with row-wise scales, writes bfloat16 only; another
     model dtype gets a cast.
     """
-    xq, x_scale = quantize_rows(x)
+    xq, x_scale = quantize(x)
     out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
                            out_dtype=torch.bfloat16)
     if bias is not None:
@@ -114,14 +117,21 @@ def check_fp8_device(device: torch.device, source: str) -> None:
 
 
 def set_fp8_matmul(model: nn.Module, device: torch.device) -> None:
-    """Every fp8 layer of ``model`` runs Hopper's fp8 matmul on CUDA, the PyTorch path elsewhere."""
+    """Every fp8 layer of ``model`` runs Hopper's fp8 matmul on CUDA, the PyTorch path elsewhere;
+    the input is quantized by the Triton kernel where the model runs the Triton kernels
+    (``model.kernels``, mempath.kernels.dispatch)."""
     cuda = device.type == "cuda"
+    matmul = fp8_linear_scaled_mm if cuda else fp8_linear_torch
+    if cuda and model.kernels.triton:
+        from mempath.kernels.quant_triton import triton_quantize_rows
+        matmul = functools.partial(fp8_linear_scaled_mm, quantize=functools.partial(
+            triton_quantize_rows, fp8_max=FP8_MAX, min_scale=MIN_SCALE))
     for layer in fp8_layers(model):
         if cuda and (layer.in_features % SCALED_MM_ALIGNMENT or layer.out_features % SCALED_MM_ALIGNMENT):
             raise ValueError(f"--quantization fp8 on CUDA needs linear layers whose sizes are multiples of "
                              f"{SCALED_MM_ALIGNMENT} (the fp8 matmul's tile); one is {layer.in_features} -> "
                              f"{layer.out_features}: serve this model unquantized")
-        layer.matmul = fp8_linear_scaled_mm if cuda else fp8_linear_torch
+        layer.matmul = matmul
 
 
 # ---------------------------------------------------------------- loading
