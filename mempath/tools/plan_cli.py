@@ -21,7 +21,8 @@ def _row(label: str, n: int, params: int | None = None) -> str:
 def format_plan(plan: MemoryPlan) -> str:
     p = plan
     out = [
-        f"mempath plan: {p.architecture}, {p.dtype} ({p.dtype_bytes} B/element)",
+        f"mempath plan: {p.architecture}, {p.dtype} ({p.dtype_bytes} B/element)"
+        + (", projections in fp8 (1 B/weight + a float32 scale per output channel)" if p.quantization else ""),
         f"  {p.num_layers} layers, hidden {p.hidden_size}, {p.num_heads} heads "
         f"({p.num_kv_heads} KV, head dim {p.head_dim}), intermediate {p.intermediate_size}, "
         f"vocab {p.vocab_size}, embeddings {'tied' if p.tied_embeddings else 'untied'}",
