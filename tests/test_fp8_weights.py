@@ -218,6 +218,21 @@ def test_quantization_fp8_on_a_float_checkpoint_is_the_reference_arithmetic(tmp_
     check_against_reference(llm, hf)
 
 
+def test_moe_model_keeps_its_experts_and_routers_in_the_model_dtype(tmp_path):
+    from mempath.model.quant import Fp8Linear
+    from mempath.tools.plan import plan_memory
+    make_model(tmp_path, "qwen3_moe", dtype=torch.bfloat16)  # layer 1 is dense (mlp_only_layers)
+    llm = LLM(str(tmp_path), dtype="float32", quantization="fp8", show_progress=False)
+    layers = llm.engine.model.model.layers
+    assert all(isinstance(layer.self_attn.qkv_proj, Fp8Linear) for layer in layers)
+    assert isinstance(layers[1].mlp.down_proj, Fp8Linear)
+    moe = layers[0].mlp
+    assert moe.gate.weight.dtype == torch.float32 and moe.experts.gate_up_proj.dtype == torch.float32
+    assert len(llm.generate(PROMPTS[:1], greedy(4), use_tqdm=False)[0].token_ids) == 4
+    plan = plan_memory(str(tmp_path), dtype="float32", quantization="fp8")
+    assert plan.weight_bytes == llm.stats()["ledger"]["weights"]["bytes"]
+
+
 def test_dummy_fp8_weights_are_the_dummy_weights_quantized(tmp_path):
     make_model(tmp_path, "llama", tokenizer=False)
     cpu = torch.device("cpu")

@@ -41,6 +41,7 @@ if HAS_TRITON:
 def triton_quantize_rows(x: torch.Tensor, fp8_max: float, min_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused twin of ``mempath.model.quant.quantize_rows`` for a 2-D ``x`` (rows of a linear's input):
     (float8_e4m3fn values, float32 scales [rows, 1])."""
+    x = x if x.stride(-1) == 1 else x.contiguous()  # the kernel walks a row with unit stride
     rows, n_cols = x.shape
     q = torch.empty(rows, n_cols, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)

@@ -232,8 +232,8 @@ def load_bytes(shape: ModelShape, dtype_bytes: int, positions: int,
     largest_tensor: the one checkpoint tensor the streaming loader holds in host memory
     at a time, in the checkpoint's dtype (a layer's stacked experts, E·2·I_e rows, in
     checkpoints saved that way); quantize_build (fp8 weights): the device copy of the
-    largest projection a float checkpoint holds and its float32 copy while it is
-    quantized (mempath.model.quant.copy_quantized), 0 otherwise.
+    largest projection (from a float checkpoint, or drawn by load_format dummy) and its
+    float32 copy while it is quantized (mempath.model.quant.copy_quantized), 0 otherwise.
     """
     h, d = shape.hidden_size, shape.head_dim
     fused_rows = max(shape.num_heads * d + 2 * shape.num_kv_heads * d, 2 * shape.intermediate_size,

@@ -194,7 +194,7 @@ def check_load_fits(spec: ModelSpec, max_positions: int, dtype: torch.dtype, dev
     from mempath.memory.formulas import load_bytes, shape_from_spec
     need = load_bytes(shape_from_spec(spec), dtype.itemsize, max_positions, checkpoint_dtype.itemsize,
                       expert_cache_size)
-    on_device = need["weights"] + need["rotary_tables"] + need["rotary_build"] + (0 if dummy else need["quantize_build"])
+    on_device = need["weights"] + need["rotary_tables"] + need["rotary_build"] + need["quantize_build"]
     on_host = need["modules"] + need["host_experts"] + (0 if dummy else need["largest_tensor"])
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
