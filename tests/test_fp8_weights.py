@@ -263,6 +263,16 @@ def test_ledger_and_plan_count_the_quantized_bytes(tmp_path):
     assert plan.num_kv_blocks > full.num_kv_blocks
 
 
+def test_out_of_memory_advice_counts_fp8_weights(tmp_path):
+    from mempath.memory.oom import _plan_for
+    make_model(tmp_path, "llama", tokenizer=False)
+    fp8 = _plan_for(EngineConfig(model=str(tmp_path), device="cpu", quantization="fp8"), "bfloat16")
+    full = _plan_for(EngineConfig(model=str(tmp_path), device="cpu"), "bfloat16")
+    linear = 2 * (64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 128)  # 2 layers: qkv, o, gate/up, down weights
+    scales = 2 * 4 * (128 + 64 + 256 + 64)
+    assert full.weight_bytes - fp8.weight_bytes == linear - scales
+
+
 def test_plan_reads_an_fp8_checkpoint_as_fp8(tmp_path):
     from mempath.tools.plan import plan_memory
     hf = make_model(tmp_path / "float", "llama")
