@@ -60,6 +60,10 @@ class EngineConfig:
     # Speculative decoding as vLLM spells it: {"model": DIR, "num_speculative_tokens": K} or
     # {"method": "ngram", ...} (docs/speculative.md); parsed into a SpeculativeConfig.
     speculative_config: dict | str | None = None
+    # fp8: the q/k/v, o, gate/up and down projections quantized to float8_e4m3fn at load,
+    # per-channel weight and per-token activation scales (docs/quantization.md); None: as
+    # the checkpoint is (an fp8 checkpoint's quantization_config is read without it).
+    quantization: str | None = None
 
     def __post_init__(self):
         if self.block_size == "auto":
@@ -93,6 +97,8 @@ class EngineConfig:
                              f"tokenizer.json / tokenizer_config.json")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be auto, {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be fp8 (or None: as the checkpoint is), got {self.quantization!r}")
         self._check_device()
         self._validate_tiers()
         self.speculative_config = parse_speculative_config(self.speculative_config)

@@ -19,7 +19,7 @@ ENGINE_OPTIONS = ("dtype", "device", "seed", "block_size", "max_model_len", "max
                   "enable_prefix_caching", "enforce_eager", "cpu_kv_gb", "disk_kv_path", "disk_kv_gb",
                   "disk_write_policy", "preemption_mode", "cpu_kv_cache_bytes", "load_format", "async_scheduling",
                   "kv_cache_dtype", "tokenizer", "generation_config", "enable_chunked_prefill", "max_logprobs",
-                  "speculative_config")
+                  "speculative_config", "quantization")
 
 ONE_DEVICE = "mempath runs a model on one device"
 LOCAL_ONLY = ("mempath loads a local directory: download it first (huggingface-cli download MODEL "
@@ -33,8 +33,6 @@ REFUSED = {
                                        f"plan MODEL --gpu-mem SIZE shows whether one device fits it)"),
     "--pipeline-parallel-size": (("1",), f"{ONE_DEVICE}; pipeline parallelism is not implemented"),
     "--data-parallel-size": (("1",), f"{ONE_DEVICE}: run one server per device behind a load balancer"),
-    "--quantization": ((), "weights run in the checkpoint's dtype (or --dtype); quantized weights are not "
-                           "supported (the KV cache can be 8-bit: --kv-cache-dtype fp8)"),
     "--enable-lora": ((), "LoRA adapters are not supported while serving: merge the adapter into the weights"),
     "--lora-modules": ((), "LoRA adapters are not supported while serving: merge the adapter into the weights"),
     "--cpu-offload-gb": (("0",), "weights stay on the device (the CPU tier holds KV: --cpu-kv-gb)"),
@@ -51,7 +49,7 @@ REFUSED = {
 }
 SWITCHES = ("--trust-remote-code", "--enable-lora", "--enable-sleep-mode")  # the refused flags without a value
 SHORT_FORMS = {"--tensor-parallel-size": "-tp", "--pipeline-parallel-size": "-pp",
-               "--data-parallel-size": "-dp", "--quantization": "-q"}
+               "--data-parallel-size": "-dp"}
 # vLLM flags accepted because here they change nothing; --help says why.
 IGNORED = {
     "--disable-custom-all-reduce": "accepted, changes nothing: one device has no all-reduce",
@@ -83,6 +81,16 @@ class Refuse(argparse.Action):
         namespace.refused = getattr(namespace, "refused", None) or f"{given}: {self.reason}"
 
 
+class StoreOrRefuse(Refuse):
+    """A flag whose allowed values are stored; any other is refused as Refuse does."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if values in self.allowed:
+            setattr(namespace, self.dest, values)
+        else:
+            super().__call__(parser, namespace, values, option_string)
+
+
 def block_size_arg(text: str) -> int | str:
     if text == "auto":
         return text
@@ -109,6 +117,12 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
                         help="no CUDA graphs")
     parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=("auto", *KV_CACHE_DTYPES),
                         help="auto: the model dtype; fp8 (= fp8_e4m3) or fp8_e5m2: one byte per element")
+    parser.add_argument("--quantization", "-q", default=d.quantization, action=StoreOrRefuse, allowed=("fp8",),
+                        reason="only fp8 is supported (weights quantized at load, or an fp8 checkpoint: "
+                               "docs/quantization.md); other schemes (AWQ, GPTQ, ...) need kernels mempath "
+                               "does not have: use the unquantized checkpoint",
+                        help="fp8: weights of the linear layers in float8_e4m3fn, quantized at load "
+                             "(default: as the checkpoint is; docs/quantization.md)")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, model_flag: bool = True) -> None:

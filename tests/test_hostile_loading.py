@@ -93,7 +93,8 @@ BAD_FIELDS = [
                           "original_max_position_embeddings": 64}),
      r"'rope_scaling.high_freq_factor' holds 4.0 \(a number\), expected a number above low_freq_factor \(4.0\)"),
     (edited(dtype="float8_e4m3fn"), r"'dtype' holds \"float8_e4m3fn\".*expected float32, float16 or bfloat16"),
-    (edited(quantization_config={"quant_method": "gptq"}), r"'quantization_config'.*quantized checkpoints"),
+    (edited(quantization_config={"quant_method": "gptq"}),
+     r"'quantization_config.quant_method' holds \"gptq\".*expected compressed-tensors or fp8"),
     (edited(hidden_act="gelu"), r"'hidden_act' holds \"gelu\".*expected silu"),
 ]
 

@@ -203,11 +203,14 @@ def test_kv_for_one_sequence_does_not_fit():
     assert "--cpu-kv-gb" not in line
 
 
-def test_advice_proposes_no_8bit_checkpoint():
-    """mempath loads no 8-bit checkpoints (no weight quantization yet)."""
+def test_advice_proposes_fp8_weights_for_a_16bit_model():
+    """--quantization fp8 exists: the projections in one byte per weight (docs/quantization.md)."""
     plan = plan_memory(load("llama-3.1-8b"), gpu_mem_bytes=12 * GiB)
-    assert any("does not fit: weights alone" in line for line in plan.advice)
+    line = next(line for line in plan.advice if "does not fit: weights alone" in line)
+    assert "use --quantization fp8 (8.46 GiB of weights)" in line, line
     assert not any("8-bit" in line for line in plan.advice), plan.advice
+    fp8 = plan_memory(load("llama-3.1-8b"), gpu_mem_bytes=12 * GiB, quantization="fp8")
+    assert not any("--quantization" in line for line in fp8.advice), fp8.advice
 
 
 def test_advice_proposes_the_fp8_kv_cache_only_where_it_helps():

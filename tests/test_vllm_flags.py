@@ -46,7 +46,8 @@ def test_cpu_kv_gb_wins_over_swap_space_and_says_so(caplog):
                                    ("--chat-template", "{{ x }}"), ("-tp", "1"), ("--tensor-parallel-size", "1"),
                                    ("--pipeline-parallel-size", "1"), ("--disable-custom-all-reduce",),
                                    ("--disable-frontend-multiprocessing",), ("--enable-prompt-tokens-details",),
-                                   ("--disable-fastapi-docs",), ("--tokenizer-mode", "auto")])
+                                   ("--disable-fastapi-docs",), ("--tokenizer-mode", "auto"),
+                                   ("--quantization", "fp8"), ("-q", "fp8")])
 def test_vllm_flags_that_change_nothing_here_are_accepted(flags):
     assert not getattr(parse(*flags), "refused", None)
 
@@ -56,8 +57,8 @@ def test_vllm_flags_that_change_nothing_here_are_accepted(flags):
     (("--tensor-parallel-size", "2"), "one device"),
     (("-tp", "4"), "tensor parallelism"),
     (("--pipeline-parallel-size", "2"), "pipeline parallelism"),
-    (("--quantization", "awq"), "quantized weights are not supported"),
-    (("-q", "fp8"), "--kv-cache-dtype fp8"),
+    (("--quantization", "awq"), "only fp8 is supported"),
+    (("-q", "gptq"), "use the unquantized checkpoint"),
     (("--enable-lora",), "merge the adapter"),
     (("--revision", "main"), "local directory"),
     (("--scheduling-policy", "priority"), "first come, first served"),

@@ -180,9 +180,10 @@ class Startup:
         with self._guard("load"), self.stage("load weights", Pathway.WEIGHTS.value):
             self.model, self.spec, self.load_report = load_model(
                 config.model, self.dtype, device, self.max_model_len, show_progress,
-                dummy=config.load_format == "dummy", spec=self.spec)
+                dummy=config.load_format == "dummy", spec=self.spec, quantization=config.quantization)
+        fp8 = ", fp8 linear layers" if self.spec.quantization else ""
         self.budget.grant(self.tenant, Pathway.WEIGHTS, self.load_report.weight_bytes, "measured",
-                          f"{self.load_report.tensors_loaded} tensors, {self.dtype_name}")
+                          f"{self.load_report.tensors_loaded} tensors, {self.dtype_name}{fp8}")
         if device.type == "cuda":
             measured = torch.cuda.memory_allocated(device) - before
             log.info("weights: %s of parameters, %s allocated on the device",
@@ -379,6 +380,8 @@ class Startup:
         """
         c = self.config
         parts = [self.dtype_name, c.load_format] + ([] if c.kv_cache_dtype == "auto" else [str(c.kv_torch_dtype(self.dtype))])
+        if self.spec.quantization:  # fp8 weights compute other KV from the same files
+            parts.append(f"weights={self.spec.quantization}")
         if c.disk_kv_path:
             parts.append(json.dumps(self.hf_config, sort_keys=True))
             if c.load_format == "dummy":

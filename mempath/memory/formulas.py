@@ -50,6 +50,7 @@ class ModelShape:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     num_moe_layers: int = 0  # the other layers have a dense MLP of intermediate_size
+    quantization: str | None = None  # "fp8": the projections in one byte per weight (weight_bytes)
 
 
 
@@ -80,6 +81,7 @@ def shape_from_spec(spec) -> ModelShape:
         num_experts_per_tok=spec.num_experts_per_tok,
         moe_intermediate_size=spec.moe_intermediate_size,
         num_moe_layers=len(spec.moe_layers),
+        quantization=spec.quantization,
     )
 
 
@@ -162,6 +164,30 @@ def count_params(shape: ModelShape) -> dict[str, int]:
     return counts
 
 
+# mempath.model.quant.Fp8Linear: one float32 scale per output channel.
+FP8_SCALE_BYTES = 4
+
+
+def weight_bytes(shape: ModelShape, dtype_bytes: int) -> dict[str, int]:
+    """Bytes per pathway, keyed as count_params: parameters · b, except that with
+    ``shape.quantization == "fp8"`` each layer's attention projections and each dense
+    layer's MLP projections hold one byte per weight plus FP8_SCALE_BYTES per output
+    channel (their biases stay b). Embeddings, norms, the LM head, routers and routed
+    experts stay in the model dtype."""
+    counts = count_params(shape)
+    out = {name: params * dtype_bytes for name, params in counts.items() if name != "total"}
+    if shape.quantization == "fp8":
+        dense = shape.num_layers - shape.num_moe_layers
+        for name, (fan_in, fan_out, _) in linear_shapes(shape).items():
+            saved = fan_in * fan_out * (dtype_bytes - 1) - fan_out * FP8_SCALE_BYTES
+            if name.endswith(("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")):
+                out["attention"] -= shape.num_layers * saved
+            else:
+                out["mlp"] -= dense * saved
+    out["total"] = sum(out.values())
+    return out
+
+
 def expert_bytes(shape: ModelShape, dtype_bytes: int, cache_size: int | None = None) -> tuple[int, int]:
     """(bytes of every routed expert, bytes of those resident on the device): with
     ``cache_size`` experts per layer resident (None: all), the device holds
@@ -205,15 +231,20 @@ def load_bytes(shape: ModelShape, dtype_bytes: int, positions: int,
     the temporaries of their build; modules: the Python module objects (host);
     largest_tensor: the one checkpoint tensor the streaming loader holds in host memory
     at a time, in the checkpoint's dtype (a layer's stacked experts, E·2·I_e rows, in
-    checkpoints saved that way).
+    checkpoints saved that way); quantize_build (fp8 weights): the device copy of the
+    largest projection (from a float checkpoint, or drawn by load_format dummy) and its
+    float32 copy while it is quantized (mempath.model.quant.copy_quantized), 0 otherwise.
     """
     h, d = shape.hidden_size, shape.head_dim
     fused_rows = max(shape.num_heads * d + 2 * shape.num_kv_heads * d, 2 * shape.intermediate_size,
                      shape.vocab_size, shape.num_experts * 2 * shape.moe_intermediate_size)
     kept = 8 * positions * d
     experts, resident = expert_bytes(shape, dtype_bytes, expert_cache_size)
+    projection_rows = max(shape.num_heads * d + 2 * shape.num_kv_heads * d, 2 * shape.intermediate_size)
+    quantize_build = projection_rows * h * ((checkpoint_dtype_bytes or dtype_bytes) + 4)
     return {
-        "weights": count_params(shape)["total"] * dtype_bytes - experts + resident,
+        "weights": weight_bytes(shape, dtype_bytes)["total"] - experts + resident,
+        "quantize_build": quantize_build if shape.quantization == "fp8" else 0,
         "host_experts": experts if resident < experts else 0,
         "rotary_tables": kept,
         "rotary_build": positions * rotary_bytes_per_position(d) - kept,
@@ -369,7 +400,7 @@ class ServingFigures:
     dtype_bytes: int
     vocab_size: int
     total_params: int
-    weight_bytes: int  # every parameter in the model dtype (resident or not)
+    weight_bytes: int  # every parameter (resident or not), in the model dtype or fp8 (formulas.weight_bytes)
     block_size: int
     max_model_len: int
     max_num_seqs: int
@@ -405,7 +436,8 @@ def serving_figures(shape: ModelShape, dtype_bytes: int, *, max_model_len: int, 
     graph_batch = min(max_num_seqs, MAX_GRAPH_BATCH) if cuda_graphs else 0
     total_params = count_params(shape)["total"]
     return ServingFigures(
-        dtype_bytes=b, vocab_size=shape.vocab_size, total_params=total_params, weight_bytes=total_params * b,
+        dtype_bytes=b, vocab_size=shape.vocab_size, total_params=total_params,
+        weight_bytes=weight_bytes(shape, b)["total"],
         block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         kv_bytes_per_token=per_token, kv_bytes_per_block=per_block, blocks_per_seq=blocks_per_seq,

@@ -17,6 +17,7 @@ Stages and the pathway each one feeds:
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from contextlib import contextmanager
@@ -118,6 +119,8 @@ def _plan_for(config, dtype: str | None) -> ServingFigures | None:
     from mempath.model.loader import read_config
     try:
         shape = read_shape(read_config(config.model))
+        if getattr(config, "quantization", None):  # fp8 weights: the bytes the engine holds
+            shape = dataclasses.replace(shape, quantization=config.quantization)
         _, dtype_bytes = resolve_dtype(dtype or _engine_dtype(config), shape)
         max_model_len = getattr(config, "max_model_len", None)
         return serving_figures(

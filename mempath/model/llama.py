@@ -9,7 +9,9 @@ separate or the fused checkpoint tensors. The model works on a flat batch of
 tokens: ``input_ids [T]``, ``positions [T]`` and an :class:`AttentionMetadata`
 that says which rows belong to which sequence and where their KV lives. The
 config it is built from is read by mempath.model.spec; the kernels each op runs are
-chosen once, by mempath.kernels.dispatch.
+chosen once, by mempath.kernels.dispatch. With ``spec.quantization == "fp8"`` the
+projections are mempath.model.quant.Fp8Linear; embeddings, norms, the LM head, routers
+and routed experts stay in the model dtype.
 """
 import math
 from dataclasses import dataclass
@@ -19,6 +21,7 @@ from torch import nn
 
 from mempath.kernels.dispatch import Kernels
 from mempath.model.moe import MoEBlock
+from mempath.model.quant import make_linear
 from mempath.model.spec import ModelSpec
 
 
@@ -111,8 +114,9 @@ class Attention(nn.Module):
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.qkv_proj = make_linear(spec.hidden_size, self.q_size + 2 * self.kv_size, spec.qkv_bias,
+                                    spec.quantization)
+        self.o_proj = make_linear(self.q_size, spec.hidden_size, spec.o_bias, spec.quantization)
         self.qk_norm_per_head = spec.qk_norm_per_head
         if spec.qk_norm:
             q_width, k_width = (spec.head_dim, spec.head_dim) if spec.qk_norm_per_head else (
@@ -150,8 +154,9 @@ class MLP(nn.Module):
         super().__init__()
         self.kernels = kernels
         self.intermediate_size = spec.intermediate_size
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.gate_up_proj = make_linear(spec.hidden_size, 2 * spec.intermediate_size, spec.mlp_bias,
+                                        spec.quantization)
+        self.down_proj = make_linear(spec.intermediate_size, spec.hidden_size, spec.mlp_bias, spec.quantization)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))

@@ -6,6 +6,7 @@ memory-mapped safetensors file and copied into its slice of the preallocated
 parameter. Host memory holds one tensor at a time, never the whole state dict:
 that second full copy is what kills loads of large models on small hosts.
 """
+import dataclasses
 import hashlib
 import json
 import logging
@@ -24,6 +25,8 @@ from mempath.kernels.dispatch import kernels_for
 from mempath.model.llama import CausalLM
 from mempath.model.spec import CheckpointError, ModelSpec, describe, json_kind
 from mempath.model.moe import offloaded_weights, set_expert_cache_size
+from mempath.model.quant import (FP8_DTYPE, check_fp8_device, copy_quantized, copy_scale, quantized_targets,
+                                 set_fp8_matmul)
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +194,7 @@ def check_load_fits(spec: ModelSpec, max_positions: int, dtype: torch.dtype, dev
     from mempath.memory.formulas import load_bytes, shape_from_spec
     need = load_bytes(shape_from_spec(spec), dtype.itemsize, max_positions, checkpoint_dtype.itemsize,
                       expert_cache_size)
-    on_device = need["weights"] + need["rotary_tables"] + need["rotary_build"]
+    on_device = need["weights"] + need["rotary_tables"] + need["rotary_build"] + need["quantize_build"]
     on_host = need["modules"] + need["host_experts"] + (0 if dummy else need["largest_tensor"])
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
@@ -252,6 +255,7 @@ def build_model(spec: ModelSpec, max_positions: int, dtype: torch.dtype, device:
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary.build(device)
+    set_fp8_matmul(model, device)
     return model.eval().requires_grad_(False)
 
 
@@ -320,6 +324,8 @@ def copy_checkpoint_tensors(model: CausalLM, tensors, source: str) -> int:
     expected_pieces = {name: _pieces(name, model.spec) for name in params}
     received = {name: 0 for name in params}
     tied = model.spec.tie_word_embeddings
+    scales = quantized_targets(model)  # an fp8 layer's weight -> its weight_scale
+    expected_pieces.update({scale: expected_pieces[weight] for weight, scale in scales.items()})
     loaded = 0
     unexpected = []
     for where, name, read in tensors:
@@ -330,21 +336,13 @@ def copy_checkpoint_tensors(model: CausalLM, tensors, source: str) -> int:
             unexpected.append(name)
             continue
         tensor = read()
-        if tensor.dtype not in _FLOAT_DTYPES:
-            raise CheckpointError(
-                f"{where}: tensor {name!r} is {str(tensor.dtype).removeprefix('torch.')}, expected a "
-                f"floating-point weight (float32, float16 or bfloat16); the checkpoint is quantized or "
-                f"damaged: use the model's unquantized checkpoint")
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise CheckpointError(
-                f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, expected "
-                f"{tuple(target.shape)} from config.json; the weights and config do not match")
         with torch.no_grad():
-            target.copy_(tensor)
+            filled = _copy_tensor(tensor, target_name, target, name, where, params, scales, model.spec)
         del tensor  # one checkpoint tensor in host memory at a time
         # A slice counts one piece; a whole (already fused) tensor counts them all.
         whole = target.shape == params[target_name].shape
-        received[target_name] += expected_pieces[target_name] if whole else 1
+        for filled_name in filled:
+            received[filled_name] += expected_pieces[filled_name] if whole else 1
         loaded += 1
     if unexpected:
         log.warning("ignored %d checkpoint tensors mempath does not use, e.g. %s",
@@ -358,6 +356,39 @@ def copy_checkpoint_tensors(model: CausalLM, tensors, source: str) -> int:
             f"{' ...' if len(missing) > 5 else ''} ({len(missing)} in all); the checkpoint is "
             f"incomplete or does not match config.json")
     return loaded
+
+
+def _copy_tensor(tensor, target_name, target, name, where, params, scales, spec) -> tuple[str, ...]:
+    """Copy one checkpoint tensor into its target; returns the parameters it filled.
+
+    A float tensor bound for an fp8 layer's weight is quantized as it arrives and fills
+    the weight and its scales; a float8 one (a pre-quantized checkpoint) is copied as it
+    is, and its ``weight_scale`` tensor arrives on its own (mempath.model.quant).
+    """
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    if target_name.endswith(".weight_scale"):
+        if tensor.dtype not in _FLOAT_DTYPES or not copy_scale(target, tensor):
+            raise CheckpointError(f"{where}: tensor {name!r} is {dtype} of shape {tuple(tensor.shape)}, expected a "
+                                  f"float scale per output channel ({target.shape[0]}) or one per tensor; the "
+                                  f"checkpoint is damaged or not an fp8 one mempath reads")
+        return (target_name,)
+    fp8_target = target_name in scales
+    if tensor.dtype not in _FLOAT_DTYPES and not (fp8_target and tensor.dtype == FP8_DTYPE):
+        expected = "float32, float16, bfloat16" + (", float8_e4m3fn" if fp8_target else "")
+        why = ("mempath's fp8 layers are the q/k/v, o, gate/up and down projections" if tensor.dtype == FP8_DTYPE
+               else "the checkpoint is quantized or damaged")
+        raise CheckpointError(f"{where}: tensor {name!r} is {dtype}, expected a floating-point weight ({expected}); "
+                              f"{why}: use the model's unquantized checkpoint")
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise CheckpointError(
+            f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, expected "
+            f"{tuple(target.shape)} from config.json; the weights and config do not match")
+    if not fp8_target or tensor.dtype == FP8_DTYPE:
+        target.copy_(tensor)
+        return (target_name,)
+    scale_name, scale_slice = _target(params, name.removesuffix(".weight") + ".weight_scale", spec)
+    copy_quantized(target, scale_slice, tensor)
+    return target_name, scale_name
 
 
 def _damaged(path: Path, error: Exception) -> CheckpointError:
@@ -413,14 +444,19 @@ def fill_dummy_weights(model: CausalLM, seed: int = 0) -> LoadReport:
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     offloaded = offloaded_weights(model)
+    params = dict(model.named_parameters())
+    scales = quantized_targets(model)
     seen = set()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if id(p) in seen:
+            if id(p) in seen or name.endswith(".weight_scale"):  # scales: filled with their weight
                 continue
             seen.add(id(p))
             p = offloaded.get(name, p)  # an offloaded expert stack: its host store, not the slots
-            if "norm" in name:
+            if name in scales:  # the same draw as the unquantized model's, then quantized
+                drawn = torch.empty(p.shape, dtype=model.lm_head.weight.dtype, device=device)
+                copy_quantized(p, params[scales[name]], drawn.normal_(0.0, 0.02, generator=generator))
+            elif "norm" in name:
                 p.fill_(1.0)
             elif ".experts." in name:
                 for expert in p:
@@ -434,18 +470,24 @@ def fill_dummy_weights(model: CausalLM, seed: int = 0) -> LoadReport:
 
 def load_model(model_dir: str | Path, dtype: torch.dtype | None, device: torch.device,
                max_positions: int | None = None, show_progress: bool = True, dummy: bool = False,
-               expert_cache_size: int | None = None, spec: ModelSpec | None = None):
+               expert_cache_size: int | None = None, spec: ModelSpec | None = None,
+               quantization: str | None = None):
     """Build the model on `device` and stream the weights into it.
 
     ``spec``: the caller's ModelSpec of this model's config.json (the engine reads it once);
     None: read here. ``expert_cache_size``: experts per MoE layer resident on `device`
-    (None: all). Raises CheckpointError (a ValueError) for a config, a checkpoint or a size
-    it cannot load.
+    (None: all). ``quantization``: "fp8" quantizes a float checkpoint's projections as they
+    load (a pre-quantized fp8 checkpoint is fp8 without it); the returned spec says which.
+    Raises CheckpointError (a ValueError) for a config, a checkpoint or a size it cannot load.
     """
     model_dir = Path(model_dir)
     source = str(config_path(model_dir))
     spec = spec or read_spec(model_dir)
     _check_expert_cache_size(spec, expert_cache_size, source)
+    if quantization is not None and quantization != spec.quantization:
+        spec = dataclasses.replace(spec, quantization=quantization)
+    if spec.quantization is not None:
+        check_fp8_device(device, source)
     ckpt_dtype = _torch_dtype(spec.torch_dtype)  # as checkpoint_dtype reads the config it came from
     dtype = dtype or ckpt_dtype
     positions = max_positions or spec.max_position_embeddings

@@ -157,6 +157,10 @@ class ModelSpec:
     # Qwen3-MoE and OLMoE round the routing weights to the activation dtype before they
     # scale the experts' outputs; Mixtral keeps them in float32.
     routing_weights_float32: bool = False
+    # "fp8": the q/k/v, o, gate/up and down projections hold float8_e4m3fn weights with
+    # per-channel scales (mempath.model.quant): a pre-quantized checkpoint's
+    # quantization_config, or the engine's quantization option. None: the model dtype.
+    quantization: str | None = None
 
     @classmethod
     def from_hf_config(cls, cfg: dict, source: str = "config.json") -> "ModelSpec":
@@ -166,9 +170,7 @@ class ModelSpec:
                                   f"settings; pass the model's config.json")
         f = ConfigFields(cfg, source)
         arch = _architecture(f)
-        if cfg.get("quantization_config") is not None:
-            f.fail("quantization_config", "none", "quantized checkpoints are not supported: use the model's "
-                   "float16 or bfloat16 checkpoint")
+        quantization = _quantization(f, arch)
         hidden, heads, kv_heads, head_dim = _attention_shape(f)
         act = f.choice("hidden_act", ("silu", "swish"), "silu", "mempath's MLP is SiLU-gated")
         rope_theta, rope_scaling = _rope(f)
@@ -207,7 +209,8 @@ class ModelSpec:
             bos_token_id=f.integer("bos_token_id", default=None, minimum=0, expected="a token id (an integer >= 0)"),
             eos_token_ids=f.token_ids("eos_token_id"),
             torch_dtype=f.choice(dtype_key, CHECKPOINT_DTYPES,
-                                 fix="mempath loads float checkpoints; quantized ones are not supported"),
+                                 fix="mempath loads float16, bfloat16, float32 and fp8 checkpoints"),
+            quantization=quantization,
             **_olmoe_attention(f, arch, hidden, heads, head_dim),
             **_moe_fields(f, arch, num_layers),
         )
@@ -325,3 +328,62 @@ def _rope_scaling(f: ConfigFields) -> dict | None:
         if high <= low:
             f.fail("high_freq_factor", f"a number above low_freq_factor ({low})")
     return f.fields
+
+
+_FP8_FIX = ("mempath loads float16 / bfloat16 checkpoints (optionally quantized at load with --quantization fp8) "
+            "and fp8 ones (compressed-tensors or vLLM's fp8, dynamic per-token activation scales)")
+
+
+def _quantization(f: ConfigFields, arch: str) -> str | None:
+    """ "fp8" for the pre-quantized fp8 checkpoints mempath runs, None for a float one; any other
+    quantization_config raises CheckpointError naming the field."""
+    if f.fields.get("quantization_config") is None:
+        return None
+    q = ConfigFields(f.mapping("quantization_config"), f.source, "quantization_config.")
+    method = q.choice("quant_method", ("compressed-tensors", "fp8"), fix=_FP8_FIX)
+    if method is None:
+        q.fail("quant_method", '"compressed-tensors" or "fp8"', _FP8_FIX)
+    if method == "fp8":  # vLLM's own fp8 checkpoints: per-tensor weight scales
+        q.choice("activation_scheme", ("dynamic",), "dynamic", "static activation scales are not supported: use "
+                 "the model's bfloat16 checkpoint with --quantization fp8 (dynamic per-token scales)")
+        if q.fields.get("weight_block_size") is not None:
+            q.fail("weight_block_size", "null (per-tensor or per-channel weight scales)",
+                   "block-wise fp8 is not supported: use a per-channel fp8 checkpoint or the bfloat16 one")
+    else:
+        _compressed_tensors_fp8(q)
+    if arch in MOE_ARCHITECTURES:
+        f.fail("quantization_config", "none for a mixture-of-experts model", "mempath keeps experts in the "
+               "model dtype: use the model's bfloat16 checkpoint, with --quantization fp8 for its dense layers")
+    return "fp8"
+
+
+def _compressed_tensors_fp8(q: ConfigFields) -> None:
+    """Every config group: fp8 weights (8-bit float, per channel or tensor, static) and dynamic
+    per-token fp8 input activations, as the hub's FP8-Dynamic checkpoints are written."""
+    q.choice("format", ("float-quantized", "naive-quantized"), fix=_FP8_FIX)
+    if q.fields.get("kv_cache_scheme") is not None:
+        q.fail("kv_cache_scheme", "null", "KV scales from the checkpoint are not supported: remove it and "
+               "use --kv-cache-dtype fp8")
+    groups = q.mapping("config_groups")
+    if not groups:
+        q.fail("config_groups", "an object of quantization schemes", _FP8_FIX)
+    for name in groups:
+        g = ConfigFields(ConfigFields(groups, q.source, q.prefix + "config_groups.").mapping(name), q.source,
+                         f"{q.prefix}config_groups.{name}.")
+        for part, strategies, dynamic in (("weights", ("channel", "tensor"), False),
+                                          ("input_activations", ("token",), True)):
+            if g.fields.get(part) is None:  # weight-only fp8 needs a kernel mempath does not have
+                g.fail(part, f"an fp8 scheme ({'static' if part == 'weights' else 'dynamic'}, per "
+                       f"{' or '.join(strategies)})", _FP8_FIX)
+            s = ConfigFields(g.mapping(part), g.source, f"{g.prefix}{part}.")
+            s.choice("type", ("float",), fix=_FP8_FIX)
+            if s.fields.get("num_bits") != 8:
+                s.fail("num_bits", "8", _FP8_FIX)
+            if s.fields.get("strategy") not in strategies:
+                s.fail("strategy", " or ".join(f'"{x}"' for x in strategies), _FP8_FIX)
+            if s.flag("dynamic") != dynamic:
+                s.fail("dynamic", str(dynamic).lower(), _FP8_FIX)
+            if not s.flag("symmetric", True):
+                s.fail("symmetric", "true", _FP8_FIX)
+        if g.fields.get("output_activations") is not None:
+            g.fail("output_activations", "null", _FP8_FIX)

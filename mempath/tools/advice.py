@@ -6,10 +6,11 @@ is the plan's own.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from mempath.constants import DEFAULT_BLOCK_SIZE
-from mempath.memory.formulas import ModelShape, decoder_peak_bytes_per_token
+from mempath.memory.formulas import ModelShape, decoder_peak_bytes_per_token, weight_bytes
 from mempath.memory.ledger import format_bytes
 from mempath.tools.training import plan_training
 
@@ -32,7 +33,7 @@ def advise(plan, shape: ModelShape) -> list[str]:
             f"{format_bytes(plan.resident_weight_bytes + plan.workspace_bytes)} before any KV, and one "
             f"max-model-len {plan.max_model_len} sequence needs {format_bytes(plan.kv_bytes_per_seq)} of KV")
     else:
-        lines += _capacity_advice(plan)
+        lines += _capacity_advice(plan, shape)
     if plan.train:
         lines += _training_advice(plan, shape)
     return lines
@@ -45,13 +46,16 @@ def _block_size_advice(plan) -> str:
             f"long requests; larger blocks only waste more of each sequence's last block")
 
 
-def _capacity_advice(plan) -> list[str]:
+def _capacity_advice(plan, shape: ModelShape) -> list[str]:
     lines = []
     budget, b = plan.budget_bytes, plan.dtype_bytes
     headroom = plan.gpu_mem_bytes - budget
     if plan.resident_weight_bytes > budget:
         fix = (f"use --dtype bfloat16 ({format_bytes(plan.resident_weight_bytes // 2)} of weights)" if b == 4 else
                "use a GPU with more memory or a smaller model")
+        fp8 = _fp8_weight_bytes(plan, shape)
+        if fp8 is not None and fp8 < plan.resident_weight_bytes and b == 2:
+            fix = f"use --quantization fp8 ({format_bytes(fp8)} of weights), or " + fix
         if plan.num_experts:
             fix += f", or keep fewer of the {plan.num_experts} experts per layer resident (moe_expert_cache_size)"
         return [f"does not fit: weights alone ({format_bytes(plan.resident_weight_bytes)}) exceed the budget "
@@ -82,7 +86,7 @@ def _capacity_advice(plan) -> list[str]:
             f"max-num-seqs {plan.max_num_seqs} at max-model-len {plan.max_model_len} needs "
             f"{format_bytes(plan.kv_bytes_wanted)} of KV; {format_bytes(free_for_kv)} is available: use "
             f"--max-num-seqs {plan.max_concurrency}" + _fp8_kv_advice(plan, plan.kv_bytes_wanted)
-            + _host_tier_advice(plan, plan.kv_bytes_wanted - free_for_kv))
+            + _fp8_weights_advice(plan, shape) + _host_tier_advice(plan, plan.kv_bytes_wanted - free_for_kv))
     else:
         lines.append(
             f"fits: max-num-seqs {plan.max_num_seqs} at max-model-len {plan.max_model_len} needs "
@@ -101,6 +105,23 @@ def _fp8_kv_advice(plan, kv_bytes: int) -> str:
         return ""
     return (f", or --kv-cache-dtype fp8 ({format_bytes(kv_bytes // plan.dtype_bytes)} of KV for the same tokens; "
             f"its accuracy: docs/architecture.md)")
+
+
+def _fp8_weight_bytes(plan, shape: ModelShape) -> int | None:
+    """The resident weights with --quantization fp8, or None when they are fp8 already."""
+    if plan.quantization is not None:
+        return None
+    fp8 = weight_bytes(dataclasses.replace(shape, quantization="fp8"), plan.dtype_bytes)["total"]
+    return plan.resident_weight_bytes - (plan.weight_bytes - fp8)
+
+
+def _fp8_weights_advice(plan, shape: ModelShape) -> str:
+    """--quantization fp8 for a 16-bit model: the bytes it gives the KV cache (its accuracy: docs/quantization.md)."""
+    fp8 = _fp8_weight_bytes(plan, shape)
+    if fp8 is None or plan.dtype_bytes != 2:
+        return ""
+    return (f", or --quantization fp8 ({format_bytes(plan.resident_weight_bytes - fp8)} more for KV: "
+            f"{format_bytes(fp8)} of weights; its accuracy: docs/quantization.md)")
 
 
 def _host_tier_advice(plan, missing: int) -> str:

@@ -8,6 +8,7 @@ cache, the training figures (mempath.tools.training) and the advice
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import asdict, dataclass, field
@@ -15,7 +16,8 @@ from pathlib import Path
 
 from mempath.constants import DEFAULT_BLOCK_SIZE
 from mempath.memory.formulas import (CUBLAS_WORKSPACE_BYTES_SM90, ModelShape, check_serving_settings,
-                                     count_params, expert_bytes, read_shape, resolve_dtype, serving_figures)
+                                     count_params, expert_bytes, read_shape, resolve_dtype, serving_figures,
+                                     weight_bytes)
 from mempath.tools.advice import advise
 from mempath.tools.training import plan_training
 
@@ -82,6 +84,7 @@ class MemoryPlan:
     fits: bool | None = None  # serving: at least one max-model-len sequence fits
     host_mem_bytes: int | None = None  # bounds the host KV tier the advice may propose
     kv_cache_dtype: str = "auto"  # auto: the model dtype; fp8*: one byte per element
+    quantization: str | None = None  # fp8: the projections' weights in one byte (formulas.weight_bytes)
     # mixture of experts (zeros for a dense model); the routed experts are not in mlp_*
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -212,7 +215,8 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
                 optimizer: str = "adamw-fp32", kv_cache_dtype: str = "auto",
                 micro_batch: int = 1, seq_len: int | None = None, checkpointing: str = "none",
                 checkpoint_layers=(), lora_rank: int = 0,
-                lora_targets=("q_proj", "v_proj"), moe_expert_cache_size: int | None = None) -> MemoryPlan:
+                lora_targets=("q_proj", "v_proj"), moe_expert_cache_size: int | None = None,
+                quantization: str | None = None) -> MemoryPlan:
     """Plan every pathway's bytes for serving (and, with train=True, training) a model.
 
     Capacity, when gpu_mem_bytes is given (no device is probed here; `run_plan` does
@@ -240,16 +244,24 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
     Mixture-of-experts models: moe_expert_cache_size experts per layer stay on the
     device (None: all) and the KV budget is taken after the resident weights only
     (resident_weight_bytes); the others' bytes are in host memory.
+
+    quantization="fp8" (or an fp8 checkpoint's quantization_config) counts the projections'
+    weights as the engine holds them: one byte each plus a float32 scale per output channel.
     """
     source = "config.json" if isinstance(model, dict) else str(config_path(model))
     shape = read_shape(load_config(model), source)
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"quantization must be fp8 or None, got {quantization!r}")
+    if quantization is not None:
+        shape = dataclasses.replace(shape, quantization=quantization)
     dtype_name, b = resolve_dtype(dtype, shape)
     max_model_len = shape.max_position_embeddings if max_model_len is None else max_model_len
     _check_settings(shape, gpu_mem_bytes, host_mem_bytes, gpu_memory_utilization, max_model_len, max_num_seqs,
                     max_num_batched_tokens, block_size, context_bytes)
 
     params = count_params(shape)
-    experts = _plan_experts(shape, b, params, moe_expert_cache_size)
+    pathway_bytes = weight_bytes(shape, b)
+    experts = _plan_experts(shape, b, params, pathway_bytes["total"], moe_expert_cache_size)
     serving = serving_figures(shape, b, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                               cuda_graphs=cuda_graphs, fused_kernels=fused_kernels,
@@ -262,9 +274,10 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
         num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, tied_embeddings=shape.tied_embeddings,
         embedding_params=params["embedding"], attention_params=params["attention"],
         mlp_params=params["mlp"], norm_params=params["norms"], lm_head_params=params["lm_head"],
-        embedding_bytes=params["embedding"] * b, attention_bytes=params["attention"] * b,
-        mlp_bytes=params["mlp"] * b, norm_bytes=params["norms"] * b, lm_head_bytes=params["lm_head"] * b,
+        embedding_bytes=pathway_bytes["embedding"], attention_bytes=pathway_bytes["attention"],
+        mlp_bytes=pathway_bytes["mlp"], norm_bytes=pathway_bytes["norms"], lm_head_bytes=pathway_bytes["lm_head"],
         gpu_mem_bytes=gpu_mem_bytes, host_mem_bytes=host_mem_bytes, kv_cache_dtype=kv_cache_dtype,
+        quantization=shape.quantization,
         gpu_memory_utilization=gpu_memory_utilization, cuda_graphs=cuda_graphs, fused_kernels=fused_kernels,
         context_bytes=context_bytes,
         workspace_bytes=serving.step_peak_bytes + serving.cuda_graph_bytes + context_bytes,
@@ -300,7 +313,8 @@ def _plan_training(plan: MemoryPlan, shape: ModelShape, **settings) -> None:
         plan.train_fits = plan.train_total_bytes <= plan.budget_bytes
 
 
-def _plan_experts(shape: ModelShape, b: int, params: dict[str, int], cache_size: int | None) -> dict:
+def _plan_experts(shape: ModelShape, b: int, params: dict[str, int], total_bytes: int,
+                  cache_size: int | None) -> dict:
     """The plan's mixture-of-experts fields; resident_weight_bytes and active_params for any model."""
     if cache_size is not None and not shape.num_experts:
         raise ValueError(f"moe_expert_cache_size is {cache_size} but {shape.architecture} is a dense model "
@@ -318,7 +332,7 @@ def _plan_experts(shape: ModelShape, b: int, params: dict[str, int], cache_size:
         "expert_params": params["experts"],
         "expert_bytes": total,
         "resident_expert_bytes": resident,
-        "resident_weight_bytes": params["total"] * b - total + resident,
+        "resident_weight_bytes": total_bytes - total + resident,
         "host_expert_bytes": total if resident < total else 0,
         "active_params": params["total"] - params["experts"] + active,
     }

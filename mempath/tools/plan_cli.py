@@ -21,7 +21,8 @@ def _row(label: str, n: int, params: int | None = None) -> str:
 def format_plan(plan: MemoryPlan) -> str:
     p = plan
     out = [
-        f"mempath plan: {p.architecture}, {p.dtype} ({p.dtype_bytes} B/element)",
+        f"mempath plan: {p.architecture}, {p.dtype} ({p.dtype_bytes} B/element)"
+        + (", projections in fp8 (1 B/weight + a float32 scale per output channel)" if p.quantization else ""),
         f"  {p.num_layers} layers, hidden {p.hidden_size}, {p.num_heads} heads "
         f"({p.num_kv_heads} KV, head dim {p.head_dim}), intermediate {p.intermediate_size}, "
         f"vocab {p.vocab_size}, embeddings {'tied' if p.tied_embeddings else 'untied'}",
@@ -157,7 +158,7 @@ def run_plan(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             block_size=DEFAULT_BLOCK_SIZE if args.block_size == "auto" else args.block_size,
             cuda_graphs=not args.enforce_eager, context_bytes=context,
-            kv_cache_dtype=args.kv_cache_dtype,
+            kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
             train=args.train, optimizer=args.optimizer, micro_batch=args.micro_batch,
             seq_len=args.seq_len, checkpointing=args.checkpointing,
             checkpoint_layers=parse_layers(args.checkpoint_layers), lora_rank=args.lora_rank,

@@ -134,7 +134,7 @@ def _measure_serving(engine, model_dir, recorder: Recorder, torch_device: torch.
         gpu_memory_utilization=config.gpu_memory_utilization,
         max_model_len=engine.max_model_len, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens, block_size=config.block_size,
-        cuda_graphs=not config.enforce_eager, fused_kernels=fused)
+        cuda_graphs=not config.enforce_eager, fused_kernels=fused, quantization=config.quantization)
     seqs = max(1, min(probe_seqs, config.max_num_seqs, probe_tokens))
     # The step buffers hold max-num-batched-tokens tokens and max-model-len per sequence.
     tokens = max(seqs, min(probe_tokens, config.max_num_batched_tokens, probe_capacity(engine),
@@ -142,7 +142,8 @@ def _measure_serving(engine, model_dir, recorder: Recorder, torch_device: torch.
     probe_plan = plan_memory(model_dir, dtype=dtype_name, max_model_len=engine.max_model_len,
                              cublas_workspace=0,  # the probe's rows are deltas: the workspace exists
                              max_num_seqs=seqs, max_num_batched_tokens=tokens,
-                             block_size=config.block_size, cuda_graphs=False, fused_kernels=fused)
+                             block_size=config.block_size, cuda_graphs=False, fused_kernels=fused,
+                             quantization=config.quantization)
     forward = measure_forward(engine, recorder, tokens, seqs)
     growth = _run_growth(engine, recorder, serving_plan, growth_requests)
     leak = measure_leak(engine, recorder, leak_requests,

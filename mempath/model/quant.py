@@ -1,0 +1,170 @@
+"""fp8 weights (``quantization="fp8"``): the quantize arithmetic and the fp8 linear layer.
+
+A quantized linear holds its weight in float8_e4m3fn, one float32 scale per output
+channel (row), and its bias in the model dtype. Its input is quantized per token (per
+row) on the fly: scale = amax(|row|) / 448, stored = round-to-nearest-even of row / scale,
+clamped to e4m3's finite range. On CUDA the product is Hopper's fp8 matmul
+(``torch._scaled_mm`` with row-wise scales, float32 accumulation); elsewhere the PyTorch
+path dequantizes both operands with the same arithmetic and runs a float32 matmul: it is
+the oracle of the CUDA path and the CPU path. Which one a layer runs is decided once,
+when the model is built for a device (``set_fp8_matmul``), as for mempath.kernels.
+
+The loader fills a layer either from a float checkpoint tensor, quantized as it arrives
+(``copy_quantized``), or from a pre-quantized one (float8 weights and their
+``weight_scale``; docs/quantization.md).
+"""
+import functools
+
+import torch
+from torch import nn
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3's largest finite value
+# Floor of a scale, so an all-zero row (padding rows of a CUDA-graph batch) divides by
+# something finite and quantizes to zeros.
+MIN_SCALE = 1e-12
+# Hopper's fp8 matmul needs both of a weight's dimensions to be multiples of 16.
+SCALED_MM_ALIGNMENT = 16
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x in float8_e4m3fn, float32 scales [..., 1]): one scale per row of the last dimension.
+
+    The same arithmetic quantizes a weight per output channel at load and an
+    activation per token in every step. One float32 copy of ``x`` is made and
+    reused in place (the profile step measures it on CUDA).
+    """
+    scale = x.abs().amax(dim=-1, keepdim=True).to(torch.float32).clamp_(min=MIN_SCALE).div_(FP8_MAX)
+    scaled = x.to(torch.float32, copy=True).div_(scale).clamp_(-FP8_MAX, FP8_MAX)
+    return scaled.to(FP8_DTYPE), scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 values of a quantized tensor: q · scale (scale broadcast over each row)."""
+    return q.to(torch.float32) * scale
+
+
+def fp8_linear_torch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """The PyTorch path (the oracle): x quantized per token, both operands dequantized, a float32
+    matmul, the bias added, the result in x's dtype."""
+    xq, x_scale = quantize_rows(x)
+    out = dequantize_rows(xq, x_scale) @ dequantize_rows(weight, weight_scale).t()
+    if bias is not None:
+        out += bias.to(torch.float32)
+    return out.to(x.dtype)
+
+
+def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                         bias: torch.Tensor | None, quantize=quantize_rows) -> torch.Tensor:
+    """The CUDA path: x quantized per token (``quantize``: quantize_rows or its fused Triton twin),
+    then one fp8 matmul with row-wise scales.
+
+    ``torch._scaled_mm`` takes the weight column-major (the transpose of our row-major
+    [out, in] storage, no copy) and, with row-wise scales, writes bfloat16 only; another
+    model dtype gets a cast.
+    """
+    xq, x_scale = quantize(x)
+    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
+                           out_dtype=torch.bfloat16)
+    if bias is not None:
+        out += bias
+    return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
+
+
+class Fp8Linear(nn.Module):
+    """A linear layer with float8_e4m3fn weights, per-output-channel scales and per-token
+    activation scales (module docstring). Parameters as the loader names them: ``weight``
+    [out, in] float8, ``weight_scale`` [out, 1] float32, ``bias`` [out] in the model dtype."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(out_features, 1, dtype=torch.float32), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.matmul = fp8_linear_torch  # set_fp8_matmul chooses, once, for the model's device
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        return self.matmul(rows, self.weight, self.weight_scale, self.bias).view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, fp8"
+
+
+def make_linear(in_features: int, out_features: int, bias: bool, quantization: str | None) -> nn.Module:
+    """The decoder's q/k/v, o, gate/up and down projections: fp8 when the model is quantized."""
+    if quantization == "fp8":
+        return Fp8Linear(in_features, out_features, bias)
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
+def fp8_layers(model: nn.Module) -> list[Fp8Linear]:
+    return [m for m in model.modules() if isinstance(m, Fp8Linear)]
+
+
+def check_fp8_device(device: torch.device, source: str) -> None:
+    """Refuse, in one line naming the fix, a CUDA device without an fp8 matmul."""
+    if device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise ValueError(f"{source}: --quantization fp8 needs an NVIDIA GPU of compute capability 8.9 or later "
+                         f"(Ada, Hopper: fp8 matrix multiply); {name} is {major}.{minor}: serve the model "
+                         f"unquantized (drop --quantization, or use the checkpoint's bfloat16 version)")
+
+
+def set_fp8_matmul(model: nn.Module, device: torch.device) -> None:
+    """Every fp8 layer of ``model`` runs Hopper's fp8 matmul on CUDA, the PyTorch path elsewhere;
+    the input is quantized by the Triton kernel where the model runs the Triton kernels
+    (``model.kernels``, mempath.kernels.dispatch)."""
+    cuda = device.type == "cuda"
+    matmul = fp8_linear_scaled_mm if cuda else fp8_linear_torch
+    if cuda and model.kernels.triton:
+        from mempath.kernels.quant_triton import triton_quantize_rows
+        matmul = functools.partial(fp8_linear_scaled_mm, quantize=functools.partial(
+            triton_quantize_rows, fp8_max=FP8_MAX, min_scale=MIN_SCALE))
+    for layer in fp8_layers(model):
+        if cuda and (layer.in_features % SCALED_MM_ALIGNMENT or layer.out_features % SCALED_MM_ALIGNMENT):
+            raise ValueError(f"--quantization fp8 on CUDA needs linear layers whose sizes are multiples of "
+                             f"{SCALED_MM_ALIGNMENT} (the fp8 matmul's tile); one is {layer.in_features} -> "
+                             f"{layer.out_features}: serve this model unquantized")
+        layer.matmul = matmul
+
+
+# ---------------------------------------------------------------- loading
+
+
+def quantized_targets(model: nn.Module) -> dict[str, str]:
+    """weight parameter name -> its scale's name, for every Fp8Linear of ``model``."""
+    names = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, Fp8Linear):
+            names[f"{module_name}.weight"] = f"{module_name}.weight_scale"
+    return names
+
+
+def copy_quantized(weight_slice: torch.Tensor, scale_slice: torch.Tensor, tensor: torch.Tensor) -> None:
+    """Quantize a float checkpoint tensor per row on the weight's device and store both parts.
+
+    The tensor is moved to the device first, so the quantization runs there (fast on
+    CUDA) and the device holds one tensor's float copy at a time, never the model's.
+    """
+    q, scale = quantize_rows(tensor.to(weight_slice.device))
+    weight_slice.copy_(q)
+    scale_slice.copy_(scale)
+
+
+def copy_scale(scale_slice: torch.Tensor, tensor: torch.Tensor) -> bool:
+    """A pre-quantized checkpoint's weight_scale into its slice: per channel ([rows] or [rows, 1])
+    or per tensor (one value, repeated over the rows). False when its size fits neither."""
+    rows = scale_slice.shape[0]
+    if tensor.numel() == 1:
+        scale_slice.fill_(tensor.reshape(()).item())
+        return True
+    if tensor.numel() != rows or tensor.dim() > 2 or (tensor.dim() == 2 and tensor.shape[1] != 1):
+        return False
+    scale_slice.copy_(tensor.reshape(rows, 1))
+    return True
