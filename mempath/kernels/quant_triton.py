@@ -3,7 +3,7 @@
 The twin is ``mempath.model.quant.quantize_rows`` (PyTorch: five elementwise kernels for
 the scales and four for the values, ~1,100 launches in a Llama-8B decode step; this
 kernel is one per layer). The arithmetic is the twin's, rounding for rounding: the row's
-amax (exact in any dtype), floored at ``min_scale``, divided by 448 and each element
+amax (exact in any dtype), floored at ``min_scale``, times float32(1 / 448) and each element
 divided by that scale with IEEE division (``div_rn``, as PyTorch's CUDA division), then
 clamped to ±448 and rounded to nearest even.
 """
@@ -27,7 +27,7 @@ if HAS_TRITON:
         for start in range(0, n_cols, BLOCK):
             x = tl.load(x_ptr + row * stride_x + start + cols, mask=start + cols < n_cols, other=0.0)
             amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), min_scale), FP8_MAX)
+        scale = tl.maximum(tl.max(amax, axis=0), min_scale) * (1.0 / FP8_MAX)
         tl.store(scale_ptr + row, scale)
         for start in range(0, n_cols, BLOCK):
             mask = start + cols < n_cols

@@ -20,6 +20,10 @@ from torch import nn
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
+# A scale is amax times this float32 reciprocal, not amax / 448: PyTorch's CUDA division by a
+# scalar is a multiplication by its reciprocal, so a multiplication is the one arithmetic the
+# twin, the Triton kernel and the CPU all do alike.
+INV_FP8_MAX = 1.0 / FP8_MAX
 # Floor of a scale, so an all-zero row (padding rows of a CUDA-graph batch) divides by
 # something finite and quantizes to zeros.
 MIN_SCALE = 1e-12
@@ -34,7 +38,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     activation per token in every step. One float32 copy of ``x`` is made and
     reused in place (the profile step measures it on CUDA).
     """
-    scale = x.abs().amax(dim=-1, keepdim=True).to(torch.float32).clamp_(min=MIN_SCALE).div_(FP8_MAX)
+    scale = x.abs().amax(dim=-1, keepdim=True).to(torch.float32).clamp_(min=MIN_SCALE).mul_(INV_FP8_MAX)
     scaled = x.to(torch.float32, copy=True).div_(scale).clamp_(-FP8_MAX, FP8_MAX)
     return scaled.to(FP8_DTYPE), scale
 
