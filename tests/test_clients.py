@@ -8,8 +8,7 @@ import openai
 import pytest
 
 from mempath.sampling import SamplingParams
-from mempath.server.cli import build_server_app
-from tests.test_server import API_KEY, ENGINE_OPTIONS, RunningServer
+from tests.test_server import API_KEY, ENGINE_OPTIONS, serving, tiny_llama
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm: no download at import
 PROMPT = "def read_config(path):"
@@ -18,19 +17,12 @@ MESSAGES = [{"role": "user", "content": "The quick brown fox"}]
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory) -> str:
-    from tests.conftest import make_model
-    path = tmp_path_factory.mktemp("client-model")
-    make_model(path, "llama")
-    return str(path)
+    return tiny_llama(tmp_path_factory, "client-model")
 
 
 @pytest.fixture(scope="module")
 def server(model_path):
-    app, name = build_server_app(model_path, ENGINE_OPTIONS, served_model_name="tiny", api_key=API_KEY,
-                                 show_progress=False)
-    running = RunningServer(app, name)
-    yield running
-    running.stop()
+    yield from serving(model_path)
 
 
 @pytest.fixture(scope="module")

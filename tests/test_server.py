@@ -115,6 +115,24 @@ ENGINE_OPTIONS = dict(device="cpu", max_model_len=MAX_MODEL_LEN, num_gpu_blocks_
                       block_size=BLOCK_SIZE)
 
 
+def tiny_llama(tmp_path_factory, name: str) -> str:
+    """A random-weight Llama checkpoint for one test module's server."""
+    from tests.conftest import make_model
+    path = tmp_path_factory.mktemp(name)
+    make_model(path, "llama")
+    return str(path)
+
+
+def serving(model: str, engine_options: dict = ENGINE_OPTIONS, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+            **build_options):
+    """A module fixture's body (``yield from``): the app as `mempath serve` builds it, on uvicorn."""
+    app, name = build_server_app(model, engine_options, served_model_name="tiny", api_key=API_KEY,
+                                 show_progress=False, max_header_bytes=max_header_bytes, **build_options)
+    running = RunningServer(app, name, max_header_bytes=max_header_bytes)
+    yield running
+    running.stop()
+
+
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory) -> str:
     from tests.conftest import make_model

@@ -7,27 +7,19 @@ import openai
 import pytest
 
 from mempath.sampling import SamplingParams
-from mempath.server.cli import build_server_app
-from tests.test_server import API_KEY, ENGINE_OPTIONS, RunningServer, assert_error, raw_post
+from tests.test_server import API_KEY, ENGINE_OPTIONS, assert_error, raw_post, serving, tiny_llama
 
 PROMPT = "def read_config(path):"
 
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory) -> str:
-    from tests.conftest import make_model
-    path = tmp_path_factory.mktemp("sampling-model")
-    make_model(path, "llama")
-    return str(path)
+    return tiny_llama(tmp_path_factory, "sampling-model")
 
 
 @pytest.fixture(scope="module")
 def server(model_path):
-    app, name = build_server_app(model_path, ENGINE_OPTIONS, served_model_name="tiny", api_key=API_KEY,
-                                 show_progress=False)
-    running = RunningServer(app, name)
-    yield running
-    running.stop()
+    yield from serving(model_path)
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,9 @@ import openai
 import pytest
 
 from mempath.assets import ASSETS, DEFAULT_MODEL
-from mempath.server.cli import build_server_app
 from mempath.server.tool_choice import ToolPlan, ToolStream
 from mempath.server.tool_parsers import HermesParser, Llama3JsonParser, parse_tool_calls, parser_for_template
-from tests.test_server import API_KEY, RunningServer
+from tests.test_server import API_KEY, serving
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -35,12 +34,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server():
-    app, name = build_server_app(str(ASSETS / DEFAULT_MODEL), dict(device="cpu", max_num_seqs=16),
-                                 served_model_name="tiny", api_key=API_KEY, show_progress=False,
-                                 enable_auto_tool_choice=True)
-    running = RunningServer(app, name)
-    yield running
-    running.stop()
+    yield from serving(str(ASSETS / DEFAULT_MODEL), dict(device="cpu", max_num_seqs=16),
+                       enable_auto_tool_choice=True)
 
 
 @pytest.fixture(scope="module")
