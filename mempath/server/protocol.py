@@ -99,6 +99,13 @@ def refuse_not_honoured(data, fields: dict, where: str = "") -> None:
         raise APIError(400, f"{where}{name} is not supported by this server; {hint}", f"{where}{name}")
 
 
+def refuse_not_honoured_in_messages(data) -> None:
+    """refuse_not_honoured for each chat message of a request body (``messages.{i}.field``)."""
+    messages = data.get("messages") if isinstance(data, dict) else None
+    for i, message in enumerate(messages if isinstance(messages, list) else []):
+        refuse_not_honoured(message, NOT_HONOURED_MESSAGE, f"messages.{i}.")
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage in every chunk
@@ -263,9 +270,7 @@ class ChatCompletionRequest(_SamplingRequest):
     @classmethod
     def _refuse_not_honoured(cls, data):
         refuse_not_honoured(data, NOT_HONOURED_CHAT)
-        messages = data.get("messages") if isinstance(data, dict) else None
-        for i, message in enumerate(messages if isinstance(messages, list) else []):
-            refuse_not_honoured(message, NOT_HONOURED_MESSAGE, f"messages.{i}.")
+        refuse_not_honoured_in_messages(data)
         return data
 
     @model_validator(mode="after")

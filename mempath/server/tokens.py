@@ -8,8 +8,8 @@ from pydantic import Field, model_validator
 
 from mempath.server.async_engine import AsyncEngine
 from mempath.server.calls import Limits, api_key_checker, chat_text, check_model, read_body
-from mempath.server.protocol import NOT_HONOURED_MESSAGE, APIError, ChatMessage, _Strict, parse_request, \
-    refuse_not_honoured
+from mempath.server.protocol import APIError, ChatMessage, _Strict, parse_request, refuse_not_honoured, \
+    refuse_not_honoured_in_messages
 
 # vLLM's tokenize fields this server does not honour, with the values that ask for nothing.
 NOT_HONOURED_TOKENIZE = {"chat_template": (), "chat_template_kwargs": ({},), "tools": ([],),
@@ -29,9 +29,7 @@ class TokenizeRequest(_Strict):
     @classmethod
     def _refuse_not_honoured(cls, data):
         refuse_not_honoured(data, NOT_HONOURED_TOKENIZE)
-        messages = data.get("messages") if isinstance(data, dict) else None
-        for i, message in enumerate(messages if isinstance(messages, list) else []):
-            refuse_not_honoured(message, NOT_HONOURED_MESSAGE, f"messages.{i}.")
+        refuse_not_honoured_in_messages(data)
         return data
 
     @model_validator(mode="after")
