@@ -5,6 +5,9 @@ import os
 import pytest
 import torch
 
+# litellm fetches a model price list at import; the tests run with no network (and must not wait on it).
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+
 ARCH_CONFIGS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {
         "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

@@ -1,7 +1,6 @@
 """The clients vLLM users drive a server with — openai, langchain-openai, litellm — against a live server,
 and the endpoints beside the OpenAI ones: /v1/responses, /tokenize, /detokenize, /version, /docs."""
 import asyncio
-import os
 
 import httpx
 import openai
@@ -10,7 +9,6 @@ import pytest
 from mempath.sampling import SamplingParams
 from tests.test_server import API_KEY, ENGINE_OPTIONS, serving, tiny_llama
 
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm: no download at import
 PROMPT = "def read_config(path):"
 MESSAGES = [{"role": "user", "content": "The quick brown fox"}]
 
