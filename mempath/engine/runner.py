@@ -14,7 +14,7 @@ import torch
 from mempath.config import EngineConfig
 from mempath.constants import MAX_GRAPH_BATCH
 from mempath.engine.batch import PendingTokens, ScheduledBatch
-from mempath.engine.penalties import build_adjustments
+from mempath.engine.penalties import LogitsAdjustments, build_adjustments
 from mempath.engine.prompt_logprobs import prompt_logprob_rows, record_prompt_logprobs
 from mempath.engine.request import Request
 from mempath.engine.sampler import Sampler, SamplerOutput
@@ -254,17 +254,12 @@ class ModelRunner:
             if not sampling:
                 return None
             logits = self.model.compute_logits(hidden[logits_rows])
-        if any(r.grammar is not None for r in sampling):
-            # Here the forward is queued, not finished: the host fills the masks meanwhile.
-            self.grammar_bitmask.apply(logits, [r.grammar for r in sampling])
-        params, generators = [r.params for r in sampling], [r.generator for r in sampling]
         buf = self.buffers
         # Each sampling row's last input token is its newest token, on the device even when
         # the host does not have it yet (tokens_from): the penalties read it from there.
-        adjust = build_adjustments(
-            sampling, tokens_from is not None,
-            lambda: buf.input_ids_d.index_select(0, buf.rows_d[:len(sampling)]),
-            self.spec.vocab_size, self.device)
+        adjust = self.mask_and_adjust(logits, sampling, tokens_from is not None,
+                                      lambda: buf.input_ids_d.index_select(0, buf.rows_d[:len(sampling)]))
+        params, generators = [r.params for r in sampling], [r.generator for r in sampling]
         if not defer:
             return self.sampler(logits, params, generators, adjust)
         tokens = self.sampler.sample_tokens(logits, params, generators, adjust)
@@ -274,6 +269,16 @@ class ModelRunner:
         if ready is not None:
             ready.record()
         return PendingTokens(sampling, tokens, host, ready)
+
+    def mask_and_adjust(self, logits: torch.Tensor, sampling: list[Request], tokens_on_device: bool,
+                        last_tokens) -> LogitsAdjustments | None:
+        """Before sampling ``logits`` (a row per request of ``sampling``): grammar rows masked in
+        place, and this step's logit edits (penalties, logit_bias, min_tokens, bad_words) for the
+        sampler; ``tokens_on_device`` and ``last_tokens``: see ``build_adjustments``."""
+        if any(r.grammar is not None for r in sampling):
+            # Here the forward is queued, not finished: the host fills the masks meanwhile.
+            self.grammar_bitmask.apply(logits, [r.grammar for r in sampling])
+        return build_adjustments(sampling, tokens_on_device, last_tokens, self.spec.vocab_size, self.device)
 
     def _graph_size(self, batch: ScheduledBatch, sampling: list[Request]) -> int | None:
         """The captured graph that can run this batch: decode-only, every row sampling."""

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 import torch
 
 from mempath.engine.batch import ScheduledBatch, StepPlan
-from mempath.engine.penalties import build_adjustments
 from mempath.engine.request import Request
 from mempath.engine.sampler import SamplerOutput, row_argmax, to_device
 from mempath.engine.spec.config import SpeculativeConfig
@@ -374,12 +373,9 @@ class SpeculativeDecoder:
     def _sample_plain(self, logits: torch.Tensor, rows: list[Request]) -> SamplerOutput:
         """The rows that did not speculate, sampled as the runner's plain step samples them:
         grammar masks and logit edits (penalties, logit_bias, min_tokens, bad_words) first."""
-        if any(r.grammar is not None for r in rows):
-            self.target.grammar_bitmask.apply(logits, [r.grammar for r in rows])
         # A speculative step is synchronous: each row's newest token is on the host.
-        adjust = build_adjustments(rows, False, lambda: to_device([r.token_ids[-1] for r in rows],
-                                                                  torch.int64, self.device),
-                                   self.target.spec.vocab_size, self.device)
+        adjust = self.target.mask_and_adjust(
+            logits, rows, False, lambda: to_device([r.token_ids[-1] for r in rows], torch.int64, self.device))
         return self.target.sampler(logits, [r.params for r in rows], [r.generator for r in rows], adjust)
 
     def _output(self, sampling, spec_rows, num, emitted, plain_rows, plain) -> SpecOutput:
