@@ -188,6 +188,30 @@ def weight_bytes(shape: ModelShape, dtype_bytes: int) -> dict[str, int]:
     return out
 
 
+# mempath.kernels.fp8_gemv_triton.GemvWorkspace: the split-K partial sums of the fp8 GEMV (decode
+# batches), float32, this many rows of the widest fp8 layer (two-pass splits · rows fit in
+# them), and one int32 arrival counter per tile of FP8_GEMV_MIN_BLOCK_N outputs.
+FP8_GEMV_WORKSPACE_ROWS = 32
+FP8_GEMV_MIN_BLOCK_N = 16
+
+
+def fp8_gemv_workspace_bytes(max_out_features: int) -> int:
+    """Device bytes of the fp8 GEMV's workspace for fp8 layers at most ``max_out_features`` wide."""
+    return 4 * FP8_GEMV_WORKSPACE_ROWS * max_out_features + 4 * -(-max_out_features // FP8_GEMV_MIN_BLOCK_N)
+
+
+def fp8_workspace_bytes(shape: ModelShape) -> int:
+    """The fp8 GEMV workspace of a model (CUDA with the Triton kernels): 0 unless ``shape.quantization``
+    is fp8; sized by the widest quantized projection (fused q/k/v and gate/up count as one)."""
+    if shape.quantization != "fp8":
+        return 0
+    h, d = shape.hidden_size, shape.head_dim
+    widest = max(shape.num_heads * d + 2 * shape.num_kv_heads * d, h)
+    if shape.num_layers > shape.num_moe_layers:
+        widest = max(widest, 2 * shape.intermediate_size)
+    return fp8_gemv_workspace_bytes(widest)
+
+
 def expert_bytes(shape: ModelShape, dtype_bytes: int, cache_size: int | None = None) -> tuple[int, int]:
     """(bytes of every routed expert, bytes of those resident on the device): with
     ``cache_size`` experts per layer resident (None: all), the device holds
@@ -413,7 +437,7 @@ class ServingFigures:
     logits_rows: int
     activation_peak_bytes: int
     logits_bytes: int
-    step_peak_bytes: int  # max(activation peak, sampling phase) + the serving stream's cuBLAS workspace
+    step_peak_bytes: int  # max(activation peak, sampling phase) + the serving stream's cuBLAS workspace (+ fp8 GEMV's)
     cuda_graph_batch: int
     cuda_graph_bytes: int
 
@@ -445,8 +469,10 @@ def serving_figures(shape: ModelShape, dtype_bytes: int, *, max_model_len: int, 
         logits_rows=rows,
         activation_peak_bytes=decoder_peak_bytes(shape, max_num_batched_tokens, b, fused_kernels),
         logits_bytes=logits_bytes(shape, rows, b),
-        # The first matmul on the serving stream allocates cuBLAS's workspace; it stays.
-        step_peak_bytes=step_peak_bytes(shape, max_num_batched_tokens, rows, b, fused_kernels) + cublas_workspace,
+        # The first matmul on the serving stream allocates cuBLAS's workspace; it stays. So does the
+        # fp8 GEMV's, allocated with the model.
+        step_peak_bytes=(step_peak_bytes(shape, max_num_batched_tokens, rows, b, fused_kernels) + cublas_workspace
+                         + fp8_workspace_bytes(shape)),
         cuda_graph_batch=graph_batch,
         cuda_graph_bytes=cuda_graph_bytes(shape, graph_batch, b, cublas_workspace) if cuda_graphs else 0,
     )

@@ -6,7 +6,9 @@ row) on the fly: scale = amax(|row|) / 448, stored = round-to-nearest-even of ro
 clamped to e4m3's finite range. On CUDA the product is Hopper's fp8 matmul
 (``torch._scaled_mm`` with row-wise scales, float32 accumulation); elsewhere the PyTorch
 path dequantizes both operands with the same arithmetic and runs a float32 matmul: it is
-the oracle of the CUDA path and the CPU path. Which one a layer runs is decided once,
+the oracle of the CUDA path and the CPU path. At decode batches on CUDA (the Triton kernels)
+the activations are not quantized: a weight-only fp8 GEMV (mempath.kernels.fp8_gemv_triton,
+twin ``fp8_gemv_torch``) reads the weight once. Which one a layer runs is decided once,
 when the model is built for a device (``set_fp8_matmul``), as for mempath.kernels.
 
 The loader fills a layer either from a float checkpoint tensor, quantized as it arrives
@@ -76,6 +78,31 @@ def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
     return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
 
 
+def fp8_gemv_torch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """Weight-only fp8 (the twin of the CUDA GEMV, mempath.kernels.fp8_gemv_triton): x stays in its
+    dtype, the float32 product with the fp8 weight is scaled per output channel, the bias added,
+    the result in x's dtype."""
+    out = (x.to(torch.float32) @ weight.to(torch.float32).t()) * weight_scale.view(1, -1)
+    if bias is not None:
+        out += bias.to(torch.float32)
+    return out.to(x.dtype)
+
+
+def fp8_linear_cuda(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                    gemv, quantize=quantize_rows) -> torch.Tensor:
+    """CUDA with the Triton kernels: decode batches (at most GEMV_MAX_ROWS rows) run the weight-only
+    GEMV (``gemv``: a kernels.fp8_gemv_triton.Fp8Gemv) with the configuration its table gives the
+    shape and batch bucket; larger batches, and buckets the table sends there, _scaled_mm."""
+    from mempath.kernels.fp8_gemv_triton import GEMV_MAX_ROWS
+    rows = x.shape[0]
+    if 0 < rows <= GEMV_MAX_ROWS:
+        config = gemv.config(weight.shape[0], weight.shape[1], rows)
+        if config.kernel == "gemv":
+            return gemv(x, weight, weight_scale, bias, config)
+    return fp8_linear_scaled_mm(x, weight, weight_scale, bias, quantize)
+
+
 class Fp8Linear(nn.Module):
     """A linear layer with float8_e4m3fn weights, per-output-channel scales and per-token
     activation scales (module docstring). Parameters as the loader names them: ``weight``
@@ -121,21 +148,32 @@ def check_fp8_device(device: torch.device, source: str) -> None:
 
 
 def set_fp8_matmul(model: nn.Module, device: torch.device) -> None:
-    """Every fp8 layer of ``model`` runs Hopper's fp8 matmul on CUDA, the PyTorch path elsewhere;
-    the input is quantized by the Triton kernel where the model runs the Triton kernels
-    (``model.kernels``, mempath.kernels.dispatch)."""
+    """Every fp8 layer of ``model`` runs Hopper's fp8 matmul on CUDA, the PyTorch path elsewhere.
+    Where the model runs the Triton kernels (``model.kernels``, mempath.kernels.dispatch), decode
+    batches run the weight-only fp8 GEMV (``fp8_linear_cuda``; its workspace is ``model.fp8_gemv``,
+    counted by fp8_gemv_bytes) and the input of _scaled_mm is quantized by the Triton kernel."""
     cuda = device.type == "cuda"
+    layers = fp8_layers(model)
     matmul = fp8_linear_scaled_mm if cuda else fp8_linear_torch
-    if cuda and model.kernels.triton:
+    model.fp8_gemv = None
+    if cuda and model.kernels.triton and layers:
+        from mempath.kernels.fp8_gemv_triton import Fp8Gemv
         from mempath.kernels.quant_triton import triton_quantize_rows
-        matmul = functools.partial(fp8_linear_scaled_mm, quantize=functools.partial(
+        model.fp8_gemv = Fp8Gemv(max(layer.out_features for layer in layers), device)
+        matmul = functools.partial(fp8_linear_cuda, gemv=model.fp8_gemv, quantize=functools.partial(
             triton_quantize_rows, fp8_max=FP8_MAX, min_scale=MIN_SCALE))
-    for layer in fp8_layers(model):
+    for layer in layers:
         if cuda and (layer.in_features % SCALED_MM_ALIGNMENT or layer.out_features % SCALED_MM_ALIGNMENT):
             raise ValueError(f"--quantization fp8 on CUDA needs linear layers whose sizes are multiples of "
                              f"{SCALED_MM_ALIGNMENT} (the fp8 matmul's tile); one is {layer.in_features} -> "
                              f"{layer.out_features}: serve this model unquantized")
         layer.matmul = matmul
+
+
+def fp8_gemv_bytes(model: nn.Module) -> int:
+    """Device bytes of the model's fp8 GEMV workspace (memory.formulas.fp8_workspace_bytes), 0 without one."""
+    gemv = getattr(model, "fp8_gemv", None)
+    return gemv.workspace.nbytes() if gemv is not None else 0
 
 
 # ---------------------------------------------------------------- loading

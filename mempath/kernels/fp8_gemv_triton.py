@@ -1,0 +1,314 @@
+"""Weight-only fp8 GEMV: a small batch times a float8_e4m3fn weight with per-output-channel scales.
+
+At decode batches (at most ``GEMV_MAX_ROWS`` rows) a linear layer is a read of its weight:
+``torch._scaled_mm`` plus the per-token quantization of its input cost more than the halved
+read saves (BENCHMARKS.md, "fp8 weights"). This kernel leaves the activations in the model
+dtype: each program loads an fp8 tile [BLOCK_N, BLOCK_K] of the weight (stored as the loader
+stores it: row-major [out, in], one row per output channel), converts it and multiplies it
+with the rows of x, accumulating in float32, and applies the channel's scale (and the bias)
+once at the end. Its PyTorch twin is ``mempath.model.quant.fp8_gemv_torch``.
+
+Two products: ``USE_DOT`` multiplies on the tensor cores (the weight tile converted to x's
+dtype, exact for e4m3 in bf16 and fp16, times x transposed, at least 16 rows padded), the other
+way multiplies and adds in float32 registers (better at one or two rows). The K dimension can
+be split over ``split_k`` programs per tile of N so that a 4096 x 4096 layer still fills every
+SM; the splits' float32 partial sums meet in a workspace allocated once per model
+(:class:`GemvWorkspace`, ``memory.formulas.fp8_gemv_workspace_bytes``), either
+
+- atomically: each split adds its partials into the workspace, then counts itself in on the
+  tile's counter; the last to arrive takes the sums out (an exchange with zeros, so the
+  workspace and the counter are zero again for the next call) and writes the output: one
+  launch; or
+- in two passes: each split stores its partials in its own slice, a second kernel sums them.
+
+Nothing is allocated but the output, and nothing is read back to the host, so CUDA graphs
+capture it. Block sizes, the split, warps and stages are arguments (:class:`GemvConfig`); the
+best per layer shape and batch bucket are read from a JSON table
+(``mempath/assets/fp8_gemv_configs.json``, written by benchmarks/bench_fp8_gemv.py), with a
+heuristic for shapes it does not list.
+"""
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+
+from mempath.kernels.common import HAS_TRITON, next_pow2, pdl_options
+from mempath.memory.formulas import FP8_GEMV_MIN_BLOCK_N, FP8_GEMV_WORKSPACE_ROWS, fp8_gemv_workspace_bytes
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from mempath.kernels.common import pdl_wait
+
+# Batches up to this many rows run the GEMV (when the table does not send a bucket to
+# _scaled_mm); larger ones run Hopper's fp8 matmul with quantized activations.
+GEMV_MAX_ROWS = 16
+DEFAULT_TABLE = Path(__file__).resolve().parents[1] / "assets" / "fp8_gemv_configs.json"
+TABLE_ENV = "MEMPATH_FP8_GEMV_CONFIGS"  # another table's path, e.g. one just swept
+# tl.dot needs at least 16 rows on each side.
+DOT_MIN_ROWS = 16
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """One launch configuration. ``kernel`` "scaled_mm" sends the bucket to torch._scaled_mm."""
+    block_n: int = 64
+    block_k: int = 256
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    use_dot: bool = False
+    reduce: str = "atomic"  # or "two_pass"
+    kernel: str = "gemv"
+
+    def __post_init__(self):
+        if self.kernel not in ("gemv", "scaled_mm") or self.reduce not in ("atomic", "two_pass"):
+            raise ValueError(f"fp8 GEMV config: kernel must be gemv or scaled_mm and reduce atomic or two_pass, "
+                             f"got {self.kernel!r}, {self.reduce!r}")
+        if self.block_n < FP8_GEMV_MIN_BLOCK_N or self.block_n & (self.block_n - 1) or self.block_k < 16 \
+                or self.block_k & (self.block_k - 1) or self.split_k < 1:
+            raise ValueError(f"fp8 GEMV config: block_n (>= {FP8_GEMV_MIN_BLOCK_N}) and block_k (>= 16) must be "
+                             f"powers of two and split_k >= 1, got {self}")
+
+    def describe(self) -> str:
+        if self.kernel == "scaled_mm":
+            return "_scaled_mm"
+        return (f"gemv {'dot' if self.use_dot else 'fma'} n{self.block_n} k{self.block_k} split{self.split_k}"
+                f"{' ' + self.reduce if self.split_k > 1 else ''} w{self.num_warps} s{self.num_stages}")
+
+
+def row_bucket(rows: int) -> int:
+    """The batch bucket a row count is configured by: the next power of two."""
+    return next_pow2(rows)
+
+
+def heuristic_config(n: int, k: int, rows: int, num_sms: int) -> GemvConfig:
+    """A configuration for a shape the table does not list: tiles of 64 outputs, K split until
+    the grid covers the SMs twice (each split at least 1024 wide)."""
+    block_n, block_k = 64, 256
+    split = 1
+    while -(-n // block_n) * split < 2 * num_sms and k // (2 * split) >= 1024 and split < 16:
+        split *= 2
+    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split, use_dot=rows > 2,
+                      num_warps=4, num_stages=3 if rows > 2 else 2)
+
+
+def load_table(path: str | os.PathLike | None = None) -> dict[str, dict[str, GemvConfig]]:
+    """{"NxK": {bucket: GemvConfig}} from a table file (``TABLE_ENV`` or the shipped one by default)."""
+    path = Path(path or os.environ.get(TABLE_ENV) or DEFAULT_TABLE)
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e}): rewrite it with benchmarks/bench_fp8_gemv.py or delete it") from e
+    known = {f.name for f in fields(GemvConfig)}
+    table = {}
+    for shape, buckets in raw.get("configs", {}).items():
+        table[shape] = {}
+        for bucket, entry in buckets.items():
+            unknown = set(entry) - known
+            if unknown:
+                raise ValueError(f"{path}: {shape} bucket {bucket} has unknown fields {sorted(unknown)}: "
+                                 f"the fields are {sorted(known)}")
+            table[shape][bucket] = GemvConfig(**entry)
+    return table
+
+
+def table_json(configs: dict[str, dict[str, GemvConfig]], **about) -> str:
+    """The table file's text: ``about`` (device, how it was made) beside the configs."""
+    body = {shape: {bucket: asdict(c) for bucket, c in buckets.items()} for shape, buckets in configs.items()}
+    return json.dumps({**about, "configs": body}, indent=1) + "\n"
+
+
+class GemvWorkspace:
+    """The split-K partial sums (float32, FP8_GEMV_WORKSPACE_ROWS rows of the widest layer) and
+    one arrival counter per tile of the widest layer, shared by every fp8 layer of a model:
+    layers run one after another on one stream. Zero between calls."""
+
+    def __init__(self, max_out_features: int, device: torch.device):
+        self.max_out_features = max_out_features
+        self.partials = torch.zeros(FP8_GEMV_WORKSPACE_ROWS * max_out_features, dtype=torch.float32, device=device)
+        self.counters = torch.zeros(-(-max_out_features // FP8_GEMV_MIN_BLOCK_N), dtype=torch.int32, device=device)
+        assert self.nbytes() == fp8_gemv_workspace_bytes(max_out_features)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.partials, self.counters))
+
+
+def fitted_split(config: GemvConfig, rows: int, n: int, k: int, workspace: GemvWorkspace) -> int:
+    """config.split_k, lowered to what the workspace holds (two passes keep split · rows · N
+    partials) and to at most one BLOCK_K step per split."""
+    split = min(config.split_k, max(1, -(-k // config.block_k)))
+    if config.reduce == "two_pass":
+        split = min(split, workspace.partials.numel() // (rows * n))
+    return max(1, split)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _partial_product(x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, k_start, k_end, stride_xm, stride_wn,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         USE_DOT: tl.constexpr, EVEN: tl.constexpr):
+        """sum over k in [k_start, k_end) of x[m, k] · w[n, k], float32 [BLOCK_M, BLOCK_N]."""
+        offs_k = tl.arange(0, BLOCK_K)
+        if USE_DOT:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        elif BLOCK_M == 1:
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # summed over K once, after the loop
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            k = k0 + offs_k
+            w_ptrs = w_ptr + offs_n[:, None] * stride_wn + k[None, :]
+            x_ptrs = x_ptr + offs_m[:, None] * stride_xm + k[None, :]
+            if EVEN:
+                w = tl.load(w_ptrs)
+                x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            else:
+                k_mask = k < k_end
+                w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            if USE_DOT:  # [BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M]: the weight is the wide operand
+                acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
+            elif BLOCK_M == 1:
+                acc += w.to(tl.float32) * x.to(tl.float32)
+            else:
+                acc += tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
+        if USE_DOT:
+            return tl.trans(acc)
+        elif BLOCK_M == 1:
+            return tl.reshape(tl.sum(acc, axis=1), [1, BLOCK_N])
+        else:
+            return acc
+
+    @triton.jit
+    def _store_scaled(acc, scale_ptr, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, stride_om,
+                      HAS_BIAS: tl.constexpr):
+        """out[m, n] = acc · scale[n] (+ bias[n]), in out's dtype."""
+        y = acc * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=m_mask[:, None] & n_mask[None, :])
+
+    @triton.jit(do_not_specialize=["M", "split_k"])
+    def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_per_split,
+                         split_k, stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+                         TWO_PASS: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        n_mask = offs_n < N
+        m_mask = offs_m < M
+        k_start = pid_k * k_per_split
+        k_end = tl.minimum(k_start + k_per_split, K)
+        pdl_wait(PDL)
+        acc = _partial_product(x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, k_start, k_end, stride_xm,
+                               stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, EVEN)
+        tile = offs_m[:, None] * N + offs_n[None, :]
+        tile_mask = m_mask[:, None] & n_mask[None, :]
+        if split_k == 1:
+            _store_scaled(acc, scale_ptr, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, stride_om, HAS_BIAS)
+        else:
+            if TWO_PASS:
+                tl.store(ws_ptr + pid_k * M * N + tile, acc, mask=tile_mask)
+            else:
+                tl.atomic_add(ws_ptr + tile, acc, mask=tile_mask, sem="relaxed")
+                # Every thread's adds are issued before the counter's release; the last split in
+                # reads the sums with atomics, from L2, after its acquire.
+                tl.debug_barrier()
+                arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+                if arrived == split_k - 1:
+                    # Exchanged as int32 bits (the same on the device; Triton's interpreter exchanges integers only).
+                    bits = ws_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+                    total = tl.atomic_xchg(bits + tile, tl.zeros_like(tile), mask=tile_mask).to(tl.float32,
+                                                                                                bitcast=True)
+                    tl.atomic_xchg(count_ptr + pid_n, 0)
+                    _store_scaled(total, scale_ptr, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, stride_om,
+                                  HAS_BIAS)
+
+    @triton.jit(do_not_specialize=["M", "split_k"])
+    def _fp8_gemv_reduce_kernel(ws_ptr, scale_ptr, bias_ptr, out_ptr, M, N, split_k, stride_om,
+                                HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+        """The second pass: out[m] = the splits' partial sums, scaled."""
+        pid_n = tl.program_id(0)
+        m = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        pdl_wait(PDL)
+        acc = tl.zeros([1, BLOCK_N], dtype=tl.float32)
+        for s in range(0, split_k):
+            part = ws_ptr + (s * M + m) * N + offs_n
+            acc += tl.load(part, mask=n_mask, other=0.0)[None, :]
+            tl.store(part, tl.zeros([BLOCK_N], dtype=tl.float32), mask=n_mask)  # zero again, as the atomic way needs
+        offs_m = m + tl.arange(0, 1)
+        _store_scaled(acc, scale_ptr, bias_ptr, out_ptr, offs_m, offs_n, offs_m < M, n_mask, stride_om, HAS_BIAS)
+
+
+def triton_fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                    workspace: GemvWorkspace, config: GemvConfig) -> torch.Tensor:
+    """x [rows, K] (model dtype) times ``weight`` [N, K] float8_e4m3fn scaled per row by ``weight_scale``
+    [N, 1] float32, plus ``bias``: [rows, N] in x's dtype. Allocates only the output."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    rows, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    if rows * n > workspace.partials.numel() or n > workspace.max_out_features:
+        raise ValueError(f"fp8 GEMV: {rows} rows x {n} outputs do not fit the workspace of "
+                         f"{workspace.max_out_features} outputs (at most {GEMV_MAX_ROWS} rows)")
+    use_dot = config.use_dot and x.dtype in (torch.bfloat16, torch.float16)  # tl.dot of float32 would be tf32
+    block_m = max(DOT_MIN_ROWS, next_pow2(rows)) if use_dot else next_pow2(rows)
+    split = fitted_split(config, rows, n, k, workspace)
+    k_per_split = -(-(-(-k // split)) // config.block_k) * config.block_k
+    split = -(-k // k_per_split)  # no split left without work
+    two_pass = config.reduce == "two_pass" and split > 1
+    even = k % config.block_k == 0 and n % config.block_n == 0
+    pdl = pdl_options(x.device)
+    has_bias = bias is not None
+    grid = (triton.cdiv(n, config.block_n), split)
+    _fp8_gemv_kernel[grid](x, weight, weight_scale, bias if has_bias else weight_scale, out, workspace.partials,
+                           workspace.counters, rows, n, k, k_per_split, split, x.stride(0), weight.stride(0),
+                           out.stride(0), HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=config.block_n,
+                           BLOCK_K=config.block_k, USE_DOT=use_dot, TWO_PASS=two_pass, EVEN=even, **pdl,
+                           num_warps=config.num_warps, num_stages=config.num_stages)
+    if two_pass:
+        block = 256
+        _fp8_gemv_reduce_kernel[(triton.cdiv(n, block), rows)](
+            workspace.partials, weight_scale, bias if has_bias else weight_scale, out, rows, n, split, out.stride(0),
+            HAS_BIAS=has_bias, BLOCK_N=block, **pdl, num_warps=4)
+    return out
+
+
+class Fp8Gemv:
+    """The GEMV path of a model's fp8 layers: one workspace, the configuration table, and what ran
+    (``chosen``: "NxK bucket B" -> the configuration's description, filled as buckets are first
+    launched: eagerly or while CUDA graphs are captured)."""
+
+    def __init__(self, max_out_features: int, device: torch.device, table: dict | None = None):
+        self.workspace = GemvWorkspace(max_out_features, device)
+        self.table = load_table() if table is None else table
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        self.chosen: dict[str, str] = {}
+        self._configs: dict[tuple[int, int, int], GemvConfig] = {}
+
+    def config(self, n: int, k: int, rows: int) -> GemvConfig:
+        bucket = row_bucket(rows)
+        key = (n, k, bucket)
+        if key not in self._configs:
+            config = self.table.get(f"{n}x{k}", {}).get(str(bucket)) or heuristic_config(n, k, rows, self.num_sms)
+            self._configs[key] = config
+            self.chosen[f"{n}x{k} rows<={bucket}"] = config.describe()
+        return self._configs[key]
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                 bias: torch.Tensor | None, config: GemvConfig) -> torch.Tensor:
+        return triton_fp8_gemv(x, weight, weight_scale, bias, self.workspace, config)
