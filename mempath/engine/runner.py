@@ -20,6 +20,7 @@ from mempath.engine.request import Request
 from mempath.engine.sampler import Sampler, SamplerOutput
 from mempath.kv.block_table import BlockTableRows
 from mempath.model.llama import AttentionMetadata, CausalLM
+from mempath.model.quant import fp8_gemv_bytes
 from mempath.model.spec import ModelSpec
 from mempath.structured.bitmask import GrammarBitmask
 
@@ -118,8 +119,8 @@ class ModelRunner:
         return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * itemsize
 
     def workspace_bytes(self) -> int:
-        """Bytes of the static step buffers and the decode split workspace."""
-        total = self.buffers.nbytes() + self.grammar_bitmask.nbytes()
+        """Bytes of the static step buffers and the decode split workspaces (attention's, fp8 GEMV's)."""
+        total = self.buffers.nbytes() + self.grammar_bitmask.nbytes() + fp8_gemv_bytes(self.model)
         if self.decode_workspace is not None:
             total += sum(t.numel() * t.element_size() for t in self.decode_workspace)
         return total

@@ -86,14 +86,13 @@ def row_bucket(rows: int) -> int:
 
 
 def heuristic_config(n: int, k: int, rows: int, num_sms: int) -> GemvConfig:
-    """A configuration for a shape the table does not list: tiles of 64 outputs, K split until
-    the grid covers the SMs twice (each split at least 1024 wide)."""
-    block_n, block_k = 64, 256
+    """A configuration for a shape the table does not list (not measured): tiles of 64 outputs by
+    128 of K, multiply-adds at one row and the tensor cores above, K split until the grid covers
+    the SMs twice (each split at least 512 wide)."""
     split = 1
-    while -(-n // block_n) * split < 2 * num_sms and k // (2 * split) >= 1024 and split < 16:
+    while -(-n // 64) * split < 2 * num_sms and k // (2 * split) >= 512 and split < 16:
         split *= 2
-    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split, use_dot=rows > 2,
-                      num_warps=4, num_stages=3 if rows > 2 else 2)
+    return GemvConfig(block_n=64, block_k=128, split_k=split, use_dot=rows > 1, num_warps=4, num_stages=3)
 
 
 def load_table(path: str | os.PathLike | None = None) -> dict[str, dict[str, GemvConfig]]:
@@ -120,8 +119,12 @@ def load_table(path: str | os.PathLike | None = None) -> dict[str, dict[str, Gem
 
 def table_json(configs: dict[str, dict[str, GemvConfig]], **about) -> str:
     """The table file's text: ``about`` (device, how it was made) beside the configs."""
-    body = {shape: {bucket: asdict(c) for bucket, c in buckets.items()} for shape, buckets in configs.items()}
-    return json.dumps({**about, "configs": body}, indent=1) + "\n"
+    lines = [json.dumps({**about, "configs": {}}, indent=1)[:-len('{}\n}')] + "{"]
+    for i, (shape, buckets) in enumerate(configs.items()):
+        lines.append(f'  "{shape}": {{')  # one configuration a line, so a sweep's diff reads per bucket
+        lines.append(",\n".join(f'   "{bucket}": {json.dumps(asdict(c))}' for bucket, c in buckets.items()))
+        lines.append("  }" + ("," if i < len(configs) - 1 else ""))
+    return "\n".join(lines) + "\n }\n}\n"
 
 
 class GemvWorkspace:

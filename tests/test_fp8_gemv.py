@@ -1,0 +1,230 @@
+"""The weight-only fp8 GEMV of decode batches (mempath.kernels.fp8_gemv_triton): its twin, the kernel
+against the twin (Triton's interpreter on the CPU, compiled on CUDA, CUDA-graph capture), the
+configuration table, the dispatch by batch size, and the workspace's bytes against the plan's."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mempath.memory.formulas import fp8_gemv_workspace_bytes, fp8_workspace_bytes, read_shape
+from mempath.model import quant
+from mempath.model.quant import fp8_gemv_torch, quantize_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+# (N, K): uneven against every block size below, and even.
+SHAPES = ((80, 200), (64, 256))
+
+
+def gemv_configs():
+    from mempath.kernels.fp8_gemv_triton import GemvConfig
+    return [GemvConfig(block_n=32, block_k=32),  # multiply-adds, no split
+            GemvConfig(block_n=32, block_k=32, split_k=3),  # atomic split, a short last split
+            GemvConfig(block_n=16, block_k=64, split_k=2, reduce="two_pass"),
+            GemvConfig(block_n=32, block_k=32, split_k=2, use_dot=True),
+            GemvConfig(block_n=16, block_k=32, split_k=4, use_dot=True, reduce="two_pass")]
+
+
+def check_fp8_gemv(device: str, dtypes, rows_list=(1, 3, 16), seed: int = 0, shapes=SHAPES, configs=None) -> None:
+    """Every configuration gives the twin's result within float32 accumulation (then one rounding
+    to x's dtype), with a bias every other call, and leaves the shared workspace zero, in any
+    order of calls."""
+    from mempath.kernels.fp8_gemv_triton import GemvWorkspace, triton_fp8_gemv
+    gen = torch.Generator().manual_seed(seed)
+    workspace = GemvWorkspace(max(n for n, _ in shapes), torch.device(device))
+    for dtype in dtypes:
+        for n, k in shapes:
+            w = torch.randn(n, k, generator=gen) * 0.05
+            wq, scale = (t.to(device) for t in quantize_rows(w))
+            bias = torch.randn(n, generator=gen).to(dtype).to(device)
+            for rows in rows_list:
+                x = torch.randn(rows, k, generator=gen).to(dtype).to(device)
+                for i, config in enumerate(configs or gemv_configs()):
+                    b = bias if (i + rows) % 2 else None
+                    out = triton_fp8_gemv(x, wq, scale, b, workspace, config)
+                    ref = fp8_gemv_torch(x, wq, scale, b)
+                    assert out.dtype == dtype and out.shape == (rows, n)
+                    ulp = torch.finfo(dtype).eps if dtype != torch.float32 else 1e-5
+                    torch.testing.assert_close(out.float(), ref.float(), rtol=2 * ulp, atol=2 * ulp,
+                                               msg=lambda m: f"{dtype} {rows}x{n}x{k} {config}: {m}")
+                    assert not workspace.partials.any() and not workspace.counters.any(), config
+
+
+def run_interpreted(code: str) -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_fp8_gemv_torch_is_the_weight_only_product():
+    gen = torch.Generator().manual_seed(0)
+    x, w, bias = torch.randn(3, 64, generator=gen), torch.randn(48, 64, generator=gen) * 0.05, torch.randn(48)
+    wq, scale = quantize_rows(w)
+    expected = x.double() @ (wq.double() * scale.double()).t() + bias.double()  # x itself: no input quantization
+    torch.testing.assert_close(fp8_gemv_torch(x, wq, scale, bias).double(), expected, rtol=1e-6, atol=1e-6)
+    assert fp8_gemv_torch(x.bfloat16(), wq, scale, None).dtype == torch.bfloat16
+
+
+def test_interpreted_gemv_matches_twin():
+    """The CPU's check of the kernel: float16 (the tensor-core product: the interpreter multiplies
+    bfloat16 tiles as raw bits) and bfloat16 (multiply-adds only), every way of splitting K."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the GPU test runs the compiled kernel")
+    run_interpreted(
+        "import sys, torch; sys.path.insert(0, 'tests'); from test_triton_interpret import _patch_interpreter_for_numpy; "
+        "_patch_interpreter_for_numpy(); from tests.test_fp8_gemv import check_fp8_gemv, gemv_configs; "
+        "check_fp8_gemv('cpu', (torch.float16,), rows_list=(1, 3), shapes=((80, 200),)); "
+        "check_fp8_gemv('cpu', (torch.float16,), rows_list=(16,), shapes=((64, 256),), configs=gemv_configs()[::4]); "
+        "check_fp8_gemv('cpu', (torch.bfloat16,), rows_list=(2,), shapes=((80, 200),), "
+        "configs=[c for c in gemv_configs() if not c.use_dot])")
+
+
+# ---------------------------------------------------------------- the configuration table
+
+
+def test_shipped_table_covers_the_8b_projections_in_every_bucket():
+    from mempath.kernels.fp8_gemv_triton import DEFAULT_TABLE, load_table
+    table = load_table(DEFAULT_TABLE)
+    for shape in ("6144x4096", "4096x4096", "28672x4096", "4096x14336"):  # qkv, o, gate_up, down
+        assert sorted(table[shape], key=int) == ["1", "2", "4", "8", "16"]
+
+
+def test_table_lookup_by_bucket_then_the_heuristic(tmp_path):
+    from mempath.kernels.fp8_gemv_triton import Fp8Gemv, GemvConfig, heuristic_config, load_table, table_json
+    mine = {"64x256": {"4": GemvConfig(block_n=16, split_k=2), "8": GemvConfig(kernel="scaled_mm")}}
+    path = tmp_path / "t.json"
+    path.write_text(table_json(mine, device="test"))
+    assert load_table(path) == mine
+    gemv = Fp8Gemv(64, torch.device("cpu"), load_table(path))
+    assert gemv.config(64, 256, 3) == mine["64x256"]["4"]  # 3 rows: bucket 4
+    assert gemv.config(64, 256, 5).kernel == "scaled_mm"
+    assert gemv.config(64, 512, 1) == heuristic_config(64, 512, 1, gemv.num_sms)  # not listed
+    assert gemv.chosen == {"64x256 rows<=4": "gemv fma n16 k256 split2 atomic w4 s3", "64x256 rows<=8": "_scaled_mm",
+                           "64x512 rows<=1": gemv.config(64, 512, 1).describe()}
+
+
+def test_bad_tables_are_refused_in_one_line(tmp_path):
+    from mempath.kernels.fp8_gemv_triton import load_table
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"configs": {"64x256": {"1": {"block_n": 64, "blockk": 128}}}}))
+    with pytest.raises(ValueError, match=r"64x256 bucket 1 has unknown fields \['blockk'\]: the fields are"):
+        load_table(path)
+    path.write_text(json.dumps({"configs": {"64x256": {"1": {"block_n": 48}}}}))
+    with pytest.raises(ValueError, match=r"block_n \(>= 16\) and block_k \(>= 16\) must be powers of two"):
+        load_table(path)
+    path.write_text("{")
+    with pytest.raises(ValueError, match=r"not JSON .*: rewrite it with benchmarks/bench_fp8_gemv.py or delete it$"):
+        load_table(path)
+
+
+def test_heuristic_splits_k_until_the_sms_are_covered():
+    from mempath.kernels.fp8_gemv_triton import heuristic_config
+    assert heuristic_config(4096, 4096, 1, 132).split_k == 8  # 64 tiles x 8 = 512 programs
+    assert heuristic_config(28672, 4096, 1, 132).split_k == 1  # 448 tiles already
+    assert heuristic_config(4096, 14336, 16, 132).split_k == 8
+    assert heuristic_config(64, 256, 1, 132).split_k == 1  # too short to split
+
+
+def test_two_pass_splits_fit_the_workspace():
+    from mempath.kernels.fp8_gemv_triton import GemvConfig, GemvWorkspace, fitted_split
+    workspace = GemvWorkspace(4096, torch.device("cpu"))  # 32 rows of 4096 partial sums
+    two_pass = GemvConfig(split_k=16, reduce="two_pass", block_k=128)
+    assert fitted_split(two_pass, 16, 4096, 4096, workspace) == 2
+    assert fitted_split(two_pass, 1, 4096, 4096, workspace) == 16
+    assert fitted_split(GemvConfig(split_k=16, block_k=128), 16, 4096, 4096, workspace) == 16  # atomic: M x N
+    assert fitted_split(GemvConfig(split_k=16, block_k=128), 1, 4096, 256, workspace) == 2  # one step of K each
+
+
+# ---------------------------------------------------------------- dispatch and memory
+
+
+def test_decode_batches_take_the_gemv_and_larger_ones_scaled_mm(monkeypatch):
+    from mempath.kernels.fp8_gemv_triton import Fp8Gemv, GemvConfig
+    ran = []
+    monkeypatch.setattr(quant, "fp8_linear_scaled_mm", lambda *a, **k: ran.append("scaled_mm"))
+    gemv = Fp8Gemv(64, torch.device("cpu"), {"64x32": {"2": GemvConfig(kernel="scaled_mm")}})
+    monkeypatch.setattr(Fp8Gemv, "__call__", lambda self, *a: ran.append("gemv"))
+    w, scale = quantize_rows(torch.randn(64, 32))
+    for rows in (1, 2, 3, 16, 17):
+        quant.fp8_linear_cuda(torch.randn(rows, 32), w, scale, None, gemv)
+    assert ran == ["gemv", "scaled_mm", "gemv", "gemv", "scaled_mm"]
+
+
+def test_workspace_bytes_are_the_plans():
+    from mempath.kernels.fp8_gemv_triton import GemvWorkspace
+    assert GemvWorkspace(28672, torch.device("cpu")).nbytes() == fp8_gemv_workspace_bytes(28672)
+    shape = read_shape(json.loads((ROOT / "mempath" / "assets" / "mempath-tiny" / "config.json").read_text()))
+    assert fp8_workspace_bytes(shape) == 0  # not quantized
+    shape.quantization = "fp8"
+    widest = max(shape.num_heads * shape.head_dim + 2 * shape.num_kv_heads * shape.head_dim,
+                 2 * shape.intermediate_size)
+    assert fp8_workspace_bytes(shape) == fp8_gemv_workspace_bytes(widest) == 4 * 32 * widest + 4 * -(-widest // 16)
+
+
+def test_cpu_models_have_no_gemv_workspace(tmp_path):
+    from tests.conftest import make_model
+    from mempath import LLM
+    make_model(tmp_path, "llama")
+    llm = LLM(str(tmp_path), quantization="fp8", show_progress=False)
+    assert llm.engine.model.fp8_gemv is None and quant.fp8_gemv_bytes(llm.engine.model) == 0
+
+
+# ---------------------------------------------------------------- CUDA
+
+
+needs_fp8_gpu = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                                   reason="needs a CUDA GPU of compute capability 8.9+")
+
+
+@needs_fp8_gpu
+def test_gpu_gemv_matches_twin():
+    pytest.importorskip("triton")
+    check_fp8_gemv("cuda", (torch.bfloat16, torch.float16, torch.float32), rows_list=(1, 2, 3, 8, 16))
+
+
+@needs_fp8_gpu
+@pytest.mark.parametrize("reduce", ["atomic", "two_pass"])
+def test_gpu_gemv_is_captured_by_a_cuda_graph(reduce):
+    from mempath.kernels.fp8_gemv_triton import GemvConfig, GemvWorkspace, triton_fp8_gemv
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    wq, scale = quantize_rows(torch.randn(1024, 4096, device="cuda", generator=gen) * 0.02)
+    x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
+    workspace = GemvWorkspace(1024, torch.device("cuda"))
+    config = GemvConfig(block_n=64, block_k=128, split_k=8, use_dot=True, reduce=reduce)
+    eager = triton_fp8_gemv(x, wq, scale, None, workspace, config)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):  # warm-up off the default stream, as capture wants
+        triton_fp8_gemv(x, wq, scale, None, workspace, config)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_fp8_gemv(x, wq, scale, None, workspace, config)
+    for _ in range(3):
+        x.copy_(torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16, generator=gen))
+        graph.replay()
+        torch.testing.assert_close(out.float(), fp8_gemv_torch(x, wq, scale, None).float(), rtol=1e-2, atol=1e-2)
+    assert not workspace.partials.any() and not workspace.counters.any()
+    assert eager.shape == out.shape
+
+
+@needs_fp8_gpu
+def test_gpu_engine_runs_the_gemv_and_counts_its_workspace(tmp_path):
+    from tests.conftest import make_model
+    from mempath import LLM, SamplingParams
+    make_model(tmp_path, "llama", dtype=torch.bfloat16)
+    llm = LLM(str(tmp_path), quantization="fp8", show_progress=False, gpu_memory_utilization=0.3, max_num_seqs=4)
+    model = llm.engine.model
+    assert model.fp8_gemv is not None
+    out = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].token_ids) == 8
+    assert any(v.startswith("gemv") for v in model.fp8_gemv.chosen.values()), model.fp8_gemv.chosen
+    shape = read_shape(json.loads((tmp_path / "config.json").read_text()))
+    shape.quantization = "fp8"
+    assert quant.fp8_gemv_bytes(model) == fp8_workspace_bytes(shape)
+    assert llm.engine.ledger.get("step_buffers") >= quant.fp8_gemv_bytes(model)
