@@ -1,0 +1,226 @@
+"""The weight-only fp8 GEMV (mempath.kernels.fp8_gemv_triton) on a model's projections: checked, swept, tabled.
+
+    python benchmarks/bench_fp8_gemv.py                          # Llama-3.1-8B shape, rows 1 2 4 8 16 (CUDA)
+    python benchmarks/bench_fp8_gemv.py --quick --out /tmp/t.json   # a smaller grid, another table
+
+For each quantized projection of the shape (fused q/k/v, o, fused gate/up, down: the LM head
+stays bf16) and each batch of rows:
+
+1. check: the table's configuration (the shipped or --table one) and every candidate of the
+   sweep against the PyTorch twin (fp8_gemv_torch); a candidate that differs, fails to compile
+   or leaves the workspace dirty is dropped and counted;
+2. sweep: every candidate (block sizes, split-K, atomic or two-pass reduce, warps, stages,
+   multiply-adds or tensor cores, and _scaled_mm itself), timed with triton.testing.do_bench
+   (L2 flushed before each call: in a decode step the weights are never in L2), beside bf16
+   torch.matmul and the current fp8 path (Triton quantization + _scaled_mm) at the same shape,
+   in GB/s of weight read against the device-to-device copy bandwidth measured in the run
+   (bytes read + written per second: the weight-read limit bench_fp8_weights.py uses);
+3. write the best configuration per (shape, row bucket) to --out (default: the shipped table,
+   mempath/assets/fp8_gemv_configs.json, which the engine reads; commit it).
+
+Then the sum of the four projections over the layers at each batch, fp8 GEMV against bf16:
+the projections' share of a decode step. Prints tables and one ``RESULT`` JSON line.
+"""
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from mempath.kernels.fp8_gemv_triton import (DEFAULT_TABLE, GemvConfig, GemvWorkspace, heuristic_config,  # noqa: E402
+                                            load_table, row_bucket, table_json, triton_fp8_gemv)
+from mempath.kernels.quant_triton import triton_quantize_rows  # noqa: E402
+from mempath.model.quant import FP8_MAX, MIN_SCALE, fp8_gemv_torch, fp8_linear_scaled_mm, quantize_rows  # noqa: E402
+
+CONFIGS = ROOT / "tests" / "data" / "configs"
+# --smoke: the script end to end on the CPU, kernels in Triton's interpreter (run it with
+# TRITON_INTERPRET=1), on a toy shape, in float16 (the interpreter multiplies bfloat16 tiles as raw bits).
+SMOKE_SHAPE = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 2, "num_key_value_heads": 1,
+               "num_hidden_layers": 2}
+DEVICE, DTYPE = "cuda", torch.bfloat16
+# (block_n, block_k, num_warps, num_stages): multiply-adds in registers (up to 4 rows) and tensor cores.
+FMA_TILES = [(32, 256, 4, 2), (64, 128, 4, 2), (64, 256, 8, 2), (128, 128, 8, 2), (16, 512, 4, 2), (32, 512, 8, 3)]
+DOT_TILES = [(64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 4, 3), (128, 256, 8, 3), (64, 128, 4, 5), (128, 128, 8, 4),
+             (32, 256, 4, 4)]
+QUICK_FMA, QUICK_DOT = FMA_TILES[:3], DOT_TILES[:4]
+
+
+def projections(config: dict) -> dict[str, tuple[int, int]]:
+    """name -> (N, K) of the fp8 layers, as mempath.model.llama builds them (q/k/v and gate/up fused)."""
+    h, i = config["hidden_size"], config["intermediate_size"]
+    heads, kv = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    d = config.get("head_dim") or h // heads
+    return {"qkv_proj": (heads * d + 2 * kv * d, h), "o_proj": (h, heads * d), "gate_up_proj": (2 * i, h),
+            "down_proj": (h, i)}
+
+
+def candidates(n: int, k: int, rows: int, num_sms: int, quick: bool) -> list[GemvConfig]:
+    """The sweep's grid at one shape and batch: splits whose grid covers half to eight times the SMs
+    (and split 1), each split at least one K block, atomic and two-pass; and _scaled_mm."""
+    out = [GemvConfig(kernel="scaled_mm")]
+    tiles = [(t, False) for t in (QUICK_FMA if quick else FMA_TILES) if rows <= 4]
+    tiles += [(t, True) for t in (QUICK_DOT if quick else DOT_TILES) if rows >= 2]
+    for (bn, bk, warps, stages), use_dot in tiles:
+        for split in (1, 2, 4, 8, 16):
+            programs = -(-n // bn) * split
+            if split > 1 and (programs > 8 * num_sms or k // split < bk or programs < num_sms // 2):
+                continue
+            for reduce in (("atomic", "two_pass") if split > 1 else ("atomic",)):
+                out.append(GemvConfig(block_n=bn, block_k=bk, split_k=split, num_warps=warps, num_stages=stages,
+                                      use_dot=use_dot, reduce=reduce))
+    return out
+
+
+class Layer:
+    """One projection's weights: bf16, fp8 with scales, and the callables the sweep times."""
+
+    def __init__(self, n: int, k: int, workspace: GemvWorkspace):
+        gen = torch.Generator(device=DEVICE).manual_seed(n * 7 + k)
+        self.n, self.k, self.workspace = n, k, workspace
+        self.w16 = torch.randn(n, k, device=DEVICE, dtype=DTYPE, generator=gen) * 0.02
+        self.wq, self.scale = quantize_rows(self.w16)
+        self.fp8_bytes = n * k + 4 * n
+
+    def run(self, x: torch.Tensor, config: GemvConfig) -> torch.Tensor:
+        if config.kernel == "scaled_mm":
+            return fp8_linear_scaled_mm(x, self.wq, self.scale, None, quantize=lambda t: triton_quantize_rows(
+                t, fp8_max=FP8_MAX, min_scale=MIN_SCALE))
+        return triton_fp8_gemv(x, self.wq, self.scale, None, self.workspace, config)
+
+    def check(self, x: torch.Tensor, config: GemvConfig, ref: torch.Tensor) -> str | None:
+        """None when ``config`` gives the twin's result and leaves the workspace zero, else why not."""
+        try:
+            out = self.run(x, config)
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - a config that does not compile is reported, not fatal
+            return f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        if config.kernel == "scaled_mm":
+            return None  # its own arithmetic (quantized input): tests/test_fp8_weights.py checks it
+        err = (out.float() - ref.float()).abs().max().item()
+        tol = 2 * torch.finfo(DTYPE).eps * max(1.0, ref.float().abs().max().item())
+        if not err <= tol:
+            return f"max |error| {err:.3g} > {tol:.3g}"
+        if self.workspace.partials.any() or self.workspace.counters.any():
+            return "workspace not zero after the call"
+        return None
+
+
+def time_us(fn) -> float:
+    if DEVICE == "cpu":
+        start = time.perf_counter()
+        fn()
+        return 1e6 * (time.perf_counter() - start)
+    from triton.testing import do_bench
+    return 1e3 * do_bench(fn, warmup=5, rep=20, return_mode="median")
+
+
+def sweep_point(layer: Layer, rows: int, table_config: GemvConfig, num_sms: int, quick: bool) -> dict:
+    """Check and time every candidate at one shape and batch; the best, the table's, and the baselines."""
+    x = torch.randn(rows, layer.k, device=DEVICE, dtype=DTYPE)
+    ref = fp8_gemv_torch(x, layer.wq, layer.scale, None)
+    table_error = layer.check(x, table_config, ref)
+    timed, failed = [], []
+    for config in candidates(layer.n, layer.k, rows, num_sms, quick):
+        error = layer.check(x, config, ref)
+        if error:
+            failed.append(f"{config.describe()}: {error}")
+            continue
+        timed.append((time_us(lambda: layer.run(x, config)), config))
+    best_us, best = min(timed, key=lambda t: t[0])
+    return {"rows": rows, "best": best, "best_us": best_us,
+            "table": table_config, "table_error": table_error,
+            "table_us": None if table_error else time_us(lambda: layer.run(x, table_config)),
+            "bf16_us": time_us(lambda: x @ layer.w16.t()),
+            "scaled_mm_us": next((t for t, c in timed if c.kernel == "scaled_mm"), float("nan")),
+            "candidates": len(timed), "failed": failed}
+
+
+def gbps(nbytes: int, us: float) -> float:
+    return nbytes / us / 1e3
+
+
+def main() -> None:
+    from bench_engine import copy_bandwidth, print_table
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="llama-3.1-8b", help="a config in tests/data/configs")
+    parser.add_argument("--rows", default="1,2,4,8,16")
+    parser.add_argument("--out", default=str(DEFAULT_TABLE), help="where the best configurations go")
+    parser.add_argument("--table", default=str(DEFAULT_TABLE), help="the table whose configurations are checked")
+    parser.add_argument("--quick", action="store_true", help="a third of the grid")
+    parser.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1: a toy shape, --quick, timings meaningless")
+    args = parser.parse_args()
+    started = time.time()
+    global DEVICE, DTYPE
+    if args.smoke:
+        DEVICE, DTYPE, args.quick, args.shape = "cpu", torch.float16, True, "smoke"
+    config = SMOKE_SHAPE if args.smoke else json.loads((CONFIGS / f"{args.shape}.json").read_text())
+    rows_list = [int(r) for r in args.rows.split(",")]
+    num_sms = 4 if args.smoke else torch.cuda.get_device_properties(0).multi_processor_count
+    bandwidth = 1e9 if args.smoke else copy_bandwidth()
+    read_bw = bandwidth  # bytes read + written per second by a copy: the rate a read-only stream gets too
+    table = load_table(args.table)
+    shapes = projections(config)
+    workspace = GemvWorkspace(max(n for n, _ in shapes.values()), torch.device(DEVICE))
+    device_name = "cpu (Triton's interpreter)" if args.smoke else torch.cuda.get_device_name()
+    print(f"{device_name}: {num_sms} SMs, copy bandwidth {bandwidth / 1e12:.2f} TB/s "
+          f"(read + written, the weight-read limit of bench_fp8_weights.py); shape {args.shape}, rows {rows_list}")
+    results, best_table = {}, {}
+    for name, (n, k) in shapes.items():
+        layer = Layer(n, k, workspace)
+        shape_started = time.time()
+        rows_out = []
+        for rows in rows_list:
+            table_config = table.get(f"{n}x{k}", {}).get(str(row_bucket(rows))) or heuristic_config(n, k, rows, num_sms)
+            point = sweep_point(layer, rows, table_config, num_sms, args.quick)
+            rows_out.append(point)
+            best_table.setdefault(f"{n}x{k}", {})[str(row_bucket(rows))] = point["best"]
+        results[name] = rows_out
+        print(f"\n{name} {n}x{k}: fp8 weight {layer.fp8_bytes / 1e6:.1f} MB ({time.time() - shape_started:.0f} s)")
+        table_rows = [("rows", "best", "us", "GB/s", "% of copy", "table's us", "bf16 us", "_scaled_mm us",
+                       "x bf16", "x _scaled_mm", "checked", "dropped")]
+        for p in rows_out:
+            table_col = f"{p['table_us']:.1f}" if p["table_us"] else f"WRONG: {p['table_error']}"
+            table_rows.append((p["rows"], p["best"].describe(), f"{p['best_us']:.1f}",
+                               f"{gbps(layer.fp8_bytes, p['best_us']):.0f}",
+                               f"{100 * layer.fp8_bytes / (p['best_us'] * 1e-6) / read_bw:.0f}%", table_col,
+                               f"{p['bf16_us']:.1f}", f"{p['scaled_mm_us']:.1f}", f"{p['bf16_us'] / p['best_us']:.2f}",
+                               f"{p['scaled_mm_us'] / p['best_us']:.2f}", p["candidates"], len(p["failed"])))
+        print_table(table_rows)
+        for p in rows_out:
+            for line in p["failed"][:5]:
+                print(f"  dropped at {p['rows']} rows: {line}")
+        del layer
+    layers = config["num_hidden_layers"]
+    print(f"\nthe projections of one decode step ({layers} layers; LM head, attention and norms not included):")
+    step_rows = [("rows", "fp8 best ms", "bf16 ms", "x bf16", "fp8 weight-read limit ms")]
+    fp8_step_bytes = layers * sum(n * k + 4 * n for n, k in shapes.values())
+    summary = {}
+    for i, rows in enumerate(rows_list):
+        fp8_ms = layers * sum(results[name][i]["best_us"] for name in shapes) / 1e3
+        bf16_ms = layers * sum(results[name][i]["bf16_us"] for name in shapes) / 1e3
+        summary[rows] = {"fp8_ms": fp8_ms, "bf16_ms": bf16_ms}
+        step_rows.append((rows, f"{fp8_ms:.3f}", f"{bf16_ms:.3f}", f"{bf16_ms / fp8_ms:.2f}",
+                          f"{1e3 * fp8_step_bytes / read_bw:.3f}"))
+    print_table(step_rows)
+    Path(args.out).write_text(table_json(
+        best_table, device=device_name,
+        made_by=f"benchmarks/bench_fp8_gemv.py --shape {args.shape} --rows {args.rows}{' --quick' if args.quick else ''}",
+        shapes={f"{n}x{k}": f"{name} ({args.shape})" for name, (n, k) in shapes.items()}))
+    print(f"\nbest configurations written to {args.out} ({time.time() - started:.0f} s in all)")
+    print("RESULT " + json.dumps({
+        "bench": "fp8_gemv", "shape": args.shape, "device": device_name, "copy_bandwidth": bandwidth,
+        "step_projections": summary, "table_wrong": sum(p["table_error"] is not None for r in results.values() for p in r),
+        "points": {name: [{"rows": p["rows"], "best": p["best"].describe(), "best_us": p["best_us"],
+                           "table_us": p["table_us"], "bf16_us": p["bf16_us"], "scaled_mm_us": p["scaled_mm_us"],
+                           "dropped": len(p["failed"])} for p in r] for name, r in results.items()}}))
+
+
+if __name__ == "__main__":
+    main()
