@@ -14,11 +14,13 @@ load_format="dummy": its fp8 weights are the same draws quantized.
 latency: batch-1 decode ms/token of bf16 and fp8 weights on a shape (load_format dummy),
 each beside its weight-read limit (the bytes a decode step reads: every weight but the
 input embedding, over the device-to-device copy bandwidth measured in the same run,
-bench_engine.copy_bandwidth), and their greedy agreement. Prints tables and one
-``RESULT`` JSON line.
+bench_engine.copy_bandwidth), and their greedy agreement; then which kernel each fp8 layer
+shape ran at each batch bucket (the weight-only GEMV's configuration, or _scaled_mm). Prints
+tables and one ``RESULT`` JSON line.
 """
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -32,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from mempath import LLM, SamplingParams  # noqa: E402
+from mempath.kernels.fp8_gemv_triton import DEFAULT_TABLE, GEMV_MAX_ROWS, TABLE_ENV  # noqa: E402
 from mempath.model.llama import AttentionMetadata  # noqa: E402
 
 TINY = str(ROOT / "mempath" / "assets" / "mempath-tiny")
@@ -127,6 +130,15 @@ def decode_ms(llm, prompt: list[int], new_tokens: int) -> tuple[float, list[int]
     return 1e3 * float(np.median(runs)), out.token_ids
 
 
+def fp8_kernels(llm) -> dict[str, str]:
+    """What each fp8 layer shape ran, by batch bucket (filled as the buckets first ran: eagerly or
+    at graph capture); batches over GEMV_MAX_ROWS rows, here the prompt, always run _scaled_mm."""
+    gemv = llm.engine.model.fp8_gemv
+    kernels = dict(gemv.chosen) if gemv is not None else {"every batch": "_scaled_mm (no Triton kernels)"}
+    kernels[f"rows>{GEMV_MAX_ROWS}"] = "_scaled_mm, input quantized by the Triton kernel"
+    return kernels
+
+
 def bench_latency(args) -> dict:
     from bench_engine import copy_bandwidth, model_dir, print_table
     bandwidth = copy_bandwidth()
@@ -145,6 +157,8 @@ def bench_latency(args) -> dict:
         ms, tokens = decode_ms(llm, prompt, args.new_tokens)
         measured[name] = {"ms_per_token": ms, "weight_bytes": weights, "bytes_read_per_token": read,
                           "limit_ms": 1e3 * read / bandwidth, "tokens": tokens}
+        if quantization:
+            measured[name]["kernels"] = fp8_kernels(llm)
         del llm
         torch.cuda.empty_cache()
     bf16, fp8 = measured["bf16"], measured["fp8"]
@@ -158,6 +172,10 @@ def bench_latency(args) -> dict:
           f"bandwidth {bandwidth / 1e12:.2f} TB/s, {torch.cuda.get_device_name()}")
     print_table(rows)
     speedup = bf16["ms_per_token"] / fp8["ms_per_token"]
+    print("fp8 kernels that ran (GEMV configurations from "
+          f"{os.environ.get(TABLE_ENV) or DEFAULT_TABLE.relative_to(ROOT)}):")
+    for shape, kernel in fp8["kernels"].items():
+        print(f"  {shape}: {kernel}")
     print(f"fp8 / bf16 tokens/s: {speedup:.2f}x; greedy tokens identical for the first {same} of {args.new_tokens} "
           f"(fp8 weights are the bf16 dummy weights quantized)")
     for m in measured.values():
@@ -176,7 +194,10 @@ def main() -> None:
     lat.add_argument("--prompt-len", type=int, default=128)
     lat.add_argument("--new-tokens", type=int, default=256)
     lat.add_argument("--enforce-eager", action="store_true")
+    lat.add_argument("--table", help=f"an fp8 GEMV configuration table (default: {TABLE_ENV} or the shipped one)")
     args = parser.parse_args()
+    if getattr(args, "table", None):
+        os.environ[TABLE_ENV] = str(Path(args.table).resolve())
     if args.bench == "accuracy":
         torch.set_num_threads(1)
     result = bench_accuracy(args) if args.bench == "accuracy" else bench_latency(args)

@@ -152,8 +152,9 @@ def test_decode_batches_take_the_gemv_and_larger_ones_scaled_mm(monkeypatch):
     monkeypatch.setattr(Fp8Gemv, "__call__", lambda self, *a: ran.append("gemv"))
     w, scale = quantize_rows(torch.randn(64, 32))
     for rows in (1, 2, 3, 16, 17):
-        quant.fp8_linear_cuda(torch.randn(rows, 32), w, scale, None, gemv)
-    assert ran == ["gemv", "scaled_mm", "gemv", "gemv", "scaled_mm"]
+        quant.fp8_linear_cuda(torch.randn(rows, 32, dtype=torch.bfloat16), w, scale, None, gemv)
+    quant.fp8_linear_cuda(torch.randn(1, 32), w, scale, None, gemv)  # float32
+    assert ran == ["gemv", "scaled_mm", "gemv", "gemv", "scaled_mm", "scaled_mm"]
 
 
 def test_workspace_bytes_are_the_plans():

@@ -93,10 +93,11 @@ def fp8_linear_cuda(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
                     gemv, quantize=quantize_rows) -> torch.Tensor:
     """CUDA with the Triton kernels: decode batches (at most GEMV_MAX_ROWS rows) run the weight-only
     GEMV (``gemv``: a kernels.fp8_gemv_triton.Fp8Gemv) with the configuration its table gives the
-    shape and batch bucket; larger batches, and buckets the table sends there, _scaled_mm."""
+    shape and batch bucket; larger batches, buckets the table sends there and float32 activations
+    (the GEMV's tensor-core product takes 16-bit ones), _scaled_mm."""
     from mempath.kernels.fp8_gemv_triton import GEMV_MAX_ROWS
     rows = x.shape[0]
-    if 0 < rows <= GEMV_MAX_ROWS:
+    if 0 < rows <= GEMV_MAX_ROWS and x.dtype != torch.float32:
         config = gemv.config(weight.shape[0], weight.shape[1], rows)
         if config.kernel == "gemv":
             return gemv(x, weight, weight_scale, bias, config)
