@@ -22,10 +22,10 @@ SHAPES = ((80, 200), (64, 256))
 def gemv_configs():
     from mempath.kernels.fp8_gemv_triton import GemvConfig
     return [GemvConfig(block_n=32, block_k=32),  # multiply-adds, no split
-            GemvConfig(block_n=32, block_k=32, split_k=3),  # atomic split, a short last split
+            GemvConfig(block_n=32, block_k=32, split_k=3, prefetch=True),  # atomic split, a short last split
             GemvConfig(block_n=16, block_k=64, split_k=2, reduce="two_pass"),
             GemvConfig(block_n=32, block_k=32, split_k=2, use_dot=True),
-            GemvConfig(block_n=16, block_k=32, split_k=4, use_dot=True, reduce="two_pass")]
+            GemvConfig(block_n=16, block_k=32, split_k=4, use_dot=True, reduce="two_pass", prefetch=True)]
 
 
 def check_fp8_gemv(device: str, dtypes, rows_list=(1, 3, 16), seed: int = 0, shapes=SHAPES, configs=None) -> None:

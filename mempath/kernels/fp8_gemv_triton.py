@@ -62,6 +62,7 @@ class GemvConfig:
     num_stages: int = 3
     use_dot: bool = False
     reduce: str = "atomic"  # or "two_pass"
+    prefetch: bool = False  # the next weight tile loaded during the current one's product
     kernel: str = "gemv"
 
     def __post_init__(self):
@@ -77,7 +78,8 @@ class GemvConfig:
         if self.kernel == "scaled_mm":
             return "_scaled_mm"
         return (f"gemv {'dot' if self.use_dot else 'fma'} n{self.block_n} k{self.block_k} split{self.split_k}"
-                f"{' ' + self.reduce if self.split_k > 1 else ''} w{self.num_warps} s{self.num_stages}")
+                f"{' ' + self.reduce if self.split_k > 1 else ''} w{self.num_warps} s{self.num_stages}"
+                f"{' prefetch' if self.prefetch else ''}")
 
 
 def row_bucket(rows: int) -> int:
@@ -154,11 +156,28 @@ def fitted_split(config: GemvConfig, rows: int, n: int, k: int, workspace: GemvW
 if HAS_TRITON:
 
     @triton.jit
+    def _load_weight_tile(w_ptr, offs_n, n_mask, k0, k_end, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          EVEN: tl.constexpr):
+        """w[offs_n, k0:k0 + BLOCK_K] in fp8; zeros past k_end (and past N unless EVEN)."""
+        k = k0 + tl.arange(0, BLOCK_K)
+        w_ptrs = w_ptr + offs_n[:, None] * stride_wn + k[None, :]
+        if EVEN:  # whole tiles: the mask is one predicate per tile, so the loads stay vectorized
+            return tl.load(w_ptrs, mask=(tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.int32) + k0) < k_end, other=0.0)
+        return tl.load(w_ptrs, mask=n_mask[:, None] & (k < k_end)[None, :], other=0.0)
+
+    @triton.jit
     def _partial_product(x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, k_start, k_end, stride_xm, stride_wn,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         USE_DOT: tl.constexpr, EVEN: tl.constexpr):
-        """sum over k in [k_start, k_end) of x[m, k] · w[n, k], float32 [BLOCK_M, BLOCK_N]."""
+                         USE_DOT: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+        """sum over k in [k_start, k_end) of x[m, k] · w[n, k], float32 [BLOCK_M, BLOCK_N].
+
+        With PREFETCH the next weight tile is loaded while the current one is multiplied (two
+        tiles in registers), and the first one before the wait for the previous kernel: weights
+        are never written by a step, so they may be read while it finishes."""
         offs_k = tl.arange(0, BLOCK_K)
+        if PREFETCH:
+            w_next = _load_weight_tile(w_ptr, offs_n, n_mask, k_start, k_end, stride_wn, BLOCK_N, BLOCK_K, EVEN)
+        pdl_wait(PDL)
         if USE_DOT:
             acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         elif BLOCK_M == 1:
@@ -166,16 +185,18 @@ if HAS_TRITON:
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
+            if PREFETCH:
+                w = w_next
+                w_next = _load_weight_tile(w_ptr, offs_n, n_mask, k0 + BLOCK_K, k_end, stride_wn, BLOCK_N, BLOCK_K,
+                                           EVEN)
+            else:
+                w = _load_weight_tile(w_ptr, offs_n, n_mask, k0, k_end, stride_wn, BLOCK_N, BLOCK_K, EVEN)
             k = k0 + offs_k
-            w_ptrs = w_ptr + offs_n[:, None] * stride_wn + k[None, :]
             x_ptrs = x_ptr + offs_m[:, None] * stride_xm + k[None, :]
             if EVEN:
-                w = tl.load(w_ptrs)
                 x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
             else:
-                k_mask = k < k_end
-                w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-                x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                x = tl.load(x_ptrs, mask=m_mask[:, None] & (k < k_end)[None, :], other=0.0)
             if USE_DOT:  # [BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M]: the weight is the wide operand
                 acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
             elif BLOCK_M == 1:
@@ -203,7 +224,7 @@ if HAS_TRITON:
     def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_per_split,
                          split_k, stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-                         TWO_PASS: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
+                         TWO_PASS: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -212,9 +233,8 @@ if HAS_TRITON:
         m_mask = offs_m < M
         k_start = pid_k * k_per_split
         k_end = tl.minimum(k_start + k_per_split, K)
-        pdl_wait(PDL)
         acc = _partial_product(x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, k_start, k_end, stride_xm,
-                               stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, EVEN)
+                               stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, EVEN, PREFETCH, PDL)
         tile = offs_m[:, None] * N + offs_n[None, :]
         tile_mask = m_mask[:, None] & n_mask[None, :]
         if split_k == 1:
@@ -281,7 +301,8 @@ def triton_fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     _fp8_gemv_kernel[grid](x, weight, weight_scale, bias if has_bias else weight_scale, out, workspace.partials,
                            workspace.counters, rows, n, k, k_per_split, split, x.stride(0), weight.stride(0),
                            out.stride(0), HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=config.block_n,
-                           BLOCK_K=config.block_k, USE_DOT=use_dot, TWO_PASS=two_pass, EVEN=even, **pdl,
+                           BLOCK_K=config.block_k, USE_DOT=use_dot, TWO_PASS=two_pass, EVEN=even,
+                           PREFETCH=config.prefetch, **pdl,
                            num_warps=config.num_warps, num_stages=config.num_stages)
     if two_pass:
         block = 256
