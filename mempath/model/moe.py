@@ -327,6 +327,12 @@ def offloaded_weights(model) -> dict[str, torch.Tensor]:
     return stores
 
 
+def expert_slot_bytes(model) -> int:
+    """Device bytes of the expert slots when fewer than all experts are resident (else 0: they are weights)."""
+    return sum(t.numel() * t.element_size() for block in model.moe_blocks() if block.experts.cache.host
+               for t in (block.experts.gate_up_proj, block.experts.down_proj))
+
+
 def expert_cache_stats(model) -> dict:
     """Every MoE layer's cache counters, summed, and per layer; {"enabled": False} for a dense model.
 
