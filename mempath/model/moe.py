@@ -85,14 +85,25 @@ class MoEBlock(nn.Module):
         return weights, expert_ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, expert_ids = self.route(x)
+        if self.uses_grouped_kernel():
+            experts = self.experts
+            return experts.kernels.grouped_experts(x, weights, expert_ids, experts.gate_up_proj, experts.down_proj,
+                                                   experts.kernels.silu_and_mul)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             # The groups' sizes are read on the host; a captured graph would replay stale ones.
-            raise RuntimeError("MoE layers cannot run inside a CUDA graph until the grouped-GEMM kernel "
-                               "lands: run the model with enforce_eager=True (--enforce-eager)")
-        weights, expert_ids = self.route(x)
+            raise RuntimeError("a MoE layer with fewer experts resident than all copies its misses on the "
+                               "host's decision and cannot run inside a CUDA graph: run it eagerly")
         order, counts = dispatch(expert_ids, self.num_experts)
         sorted_out = self.experts(x[order // self.top_k], counts)
         return combine(sorted_out, weights, order, self.top_k, x.dtype)
+
+    def uses_grouped_kernel(self) -> bool:
+        """The fused path (kernels/moe_triton.py): its kernels are here and every expert is resident.
+
+        It reads nothing on the host, so it counts no cache lookups: with every expert
+        resident each one would be a hit."""
+        return self.experts.kernels.grouped_experts is not None and not self.experts.cache.host
 
     def stats(self) -> dict:
         return {**self.experts.cache.stats(),
