@@ -233,6 +233,19 @@ def resolve_expert_cache_size(shape: ModelShape, dtype_bytes: int, size: int | N
     return None if size == experts else size
 
 
+def moe_missed_bytes_per_token(shape: ModelShape, dtype_bytes: int, hit_rate: float) -> float:
+    """Expert bytes one decoded token (batch 1) copies to the device: M·k·(1 − hit rate) experts of 3·h·I_e·b."""
+    per_expert = 3 * shape.hidden_size * shape.moe_intermediate_size * dtype_bytes
+    return shape.num_moe_layers * shape.num_experts_per_tok * (1.0 - hit_rate) * per_expert
+
+
+def moe_offload_tokens_per_second(shape: ModelShape, dtype_bytes: int, hit_rate: float, h2d_bytes_per_s: float,
+                                  resident_step_seconds: float) -> float:
+    """Batch-1 decode tokens/s with an expert cache: the step with every expert resident plus the
+    misses' copies at the host-to-device bandwidth (the copies do not overlap the compute)."""
+    return 1.0 / (resident_step_seconds + moe_missed_bytes_per_token(shape, dtype_bytes, hit_rate) / h2d_bytes_per_s)
+
+
 def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> int:
     """2 (K and V) · L · n_kv · d · b. Every layer keeps full KV: Mistral's sliding
     window is not used to trim the cache, so this is an upper bound for Mistral."""
