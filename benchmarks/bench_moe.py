@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 from mempath import LLM, SamplingParams  # noqa: E402
 from mempath.memory.formulas import (expert_bytes, moe_missed_bytes_per_token,  # noqa: E402
                                      moe_offload_tokens_per_second, read_shape, weight_bytes)
-from mempath.model.moe import expert_cache_stats, synthetic_router_bias  # noqa: E402
+from mempath.model.moe import expert_cache_stats, set_expert_prefetch, synthetic_router_bias  # noqa: E402
 from mempath.tools.plan import plan_memory  # noqa: E402
 
 CONFIGS = ROOT / "tests" / "data" / "configs"
@@ -82,16 +82,24 @@ def sync(llm: LLM) -> None:
         torch.cuda.synchronize()
 
 
-def decode(llm: LLM, args) -> tuple[float, list[int]]:
-    """(batch-1 decode tokens/s over output_len tokens after one warm-up request, the tokens)."""
+def decode(llm: LLM, args) -> tuple[float, list[int], dict]:
+    """(decode tokens/s of one request after its prefill step, its tokens, the expert counters at the
+    first decode step): one warm-up request first; the prompt's step is neither timed nor counted."""
     prompt = np.random.default_rng(0).integers(0, llm.engine.spec.vocab_size, args.prompt_len).tolist()
     llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
-    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    engine = llm.engine
+    engine.add_request(prompt, SamplingParams(max_tokens=args.output_len + 1, temperature=0, ignore_eos=True))
+    tokens = []
+    engine.step()  # the prefill (and its first token)
     sync(llm)
+    counters = expert_cache_stats(engine.model)
     start = time.perf_counter()
-    tokens = llm.generate([prompt], params, use_tqdm=False)[0].token_ids
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                tokens = output.token_ids
     sync(llm)
-    return args.output_len / (time.perf_counter() - start), tokens
+    return args.output_len / (time.perf_counter() - start), tokens, counters
 
 
 def twin_path(llm: LLM) -> None:
@@ -149,31 +157,41 @@ def part_offload(args, config: dict, bandwidth: dict) -> list[dict]:
     plan = plan_memory(path, dtype=args.dtype, moe_expert_cache_gb=slots_gb)
     twin_all = engine(path, args, enforce_eager=True)
     twin_path(twin_all)
-    resident_rate, resident_tokens = decode(twin_all, args)
+    resident_rate, resident_tokens, _ = decode(twin_all, args)
     del twin_all
     out = []
-    for router in ("model", "skewed"):
-        llm = engine(path, args, moe_expert_cache_gb=slots_gb)
-        if router == "skewed":
-            synthetic_router_bias(llm.engine.model, skew=1.0, seed=0)
-        before = expert_cache_stats(llm.engine.model)
-        rate, tokens = decode(llm, args)
+    for router, prefetch in (("model", True), ("model", False), ("skewed", True), ("skewed", False)):
+        if prefetch:  # the same engine runs with prefetch on, then off
+            llm = engine(path, args, moe_expert_cache_gb=slots_gb)
+            if router == "skewed":
+                synthetic_router_bias(llm.engine.model, skew=1.0, seed=0)
+        set_expert_prefetch(llm.engine.model, prefetch and llm.engine.device.type == "cuda")
+        rate, tokens, before = decode(llm, args)
         after = expert_cache_stats(llm.engine.model)
         hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
-        hit_rate = hits / (hits + misses)
-        missed = moe_missed_bytes_per_token(shape, b, hit_rate)
-        bound = bandwidth["h2d_GBps"] * 1e9 / missed if missed else float("inf")
-        predicted = moe_offload_tokens_per_second(shape, b, hit_rate, bandwidth["h2d_GBps"] * 1e9, 1.0 / resident_rate)
+        prefetched = after["prefetched"] - before["prefetched"]
+        used = after["prefetch_used"] - before["prefetch_used"]
+        hit_rate = hits / (hits + misses)  # a prefetched expert found in its slot is a hit
+        # The bound: the bytes this run copied (misses and prefetches) at the pinned bandwidth.
+        copied = (after["bytes_loaded"] - before["bytes_loaded"]) / args.output_len
+        bound = bandwidth["h2d_GBps"] * 1e9 / copied if copied else float("inf")
+        # The planner's prediction: the miss rate of the cache without prefetch, copies not overlapped.
+        miss_rate = (misses + prefetched) / (hits + misses)
+        predicted = moe_offload_tokens_per_second(shape, b, 1 - miss_rate, bandwidth["h2d_GBps"] * 1e9,
+                                                  1.0 / resident_rate)
         same = tokens == resident_tokens if router == "model" else None
         out.append(result(
-            "offload", model=config["architectures"][0], router=after["router"], weight_budget_GB=args.weight_budget / 1e9,
+            "offload", model=config["architectures"][0], router=after["router"], prefetch=prefetch,
+            prefetched_per_token=prefetched / args.output_len, prefetch_accuracy=used / prefetched if prefetched else None,
+            weight_budget_GB=args.weight_budget / 1e9,
             experts_per_layer=after["num_slots"], of=shape.num_experts, planned_resident_weight_GB=plan.resident_weight_bytes / 1e9,
-            decode_tok_s=rate, hit_rate=hit_rate, bound_tok_s=bound,
-            copied_GB_per_token=(after["bytes_loaded"] - before["bytes_loaded"]) / 1e9 / args.output_len,
-            of_bound=rate / bound, predicted_tok_s=predicted, predicted_error=(predicted - rate) / rate,
+            decode_tok_s=rate, hit_rate=hit_rate, bound_tok_s=bound, copied_GB_per_token=copied / 1e9,
+            missed_GB_per_token_formula=moe_missed_bytes_per_token(shape, b, 1 - miss_rate) / 1e9,
+            of_bound=rate / bound if copied else None, predicted_tok_s=predicted, predicted_error=(predicted - rate) / rate,
             all_resident_twin_tok_s=resident_rate, tokens_identical_to_all_resident=same,
             target_tok_s=17 if router == "model" else 40))
-        del llm
+        if not prefetch:
+            del llm
     return out
 
 
@@ -189,7 +207,7 @@ def part_resident(args, configs: list[dict], bandwidth: dict) -> list[dict]:
         plan = plan_memory(path, dtype=args.dtype)
         llm = engine(path, args)
         graphs = bool(llm.engine.runner.graphs)
-        rate, grouped_tokens = decode(llm, args)
+        rate, _, _ = decode(llm, args)
         del llm
         active_bytes = plan.active_params * b
         limit = bandwidth["device_read_GBps"] * 1e9 / active_bytes

@@ -384,7 +384,9 @@ def expert_cache_families(cache: dict | None, name: str):
     for key, metric, doc in (("hits", "hits", "Routed experts found in a device slot (one per layer and step)."),
                              ("misses", "misses", "Routed experts copied into a device slot from host memory."),
                              ("evictions", "evictions", "Experts a copy displaced from their slot."),
-                             ("bytes_loaded", "bytes_copied", "Bytes of experts copied from host memory to the device.")):
+                             ("bytes_loaded", "bytes_copied", "Bytes of experts copied from host memory to the device."),
+                             ("prefetched", "prefetched", "Experts copied ahead on the next layer's router's prediction."),
+                             ("prefetch_used", "prefetch_used", "Prefetched experts the forward they were copied for used.")):
         family = CounterMetricFamily(f"mempath:moe_expert_cache_{metric}", doc, labels=["model_name"])
         family.add_metric([name], cache[key])
         yield family
