@@ -64,6 +64,11 @@ class EngineConfig:
     # per-channel weight and per-token activation scales (docs/quantization.md); None: as
     # the checkpoint is (an fp8 checkpoint's quantization_config is read without it).
     quantization: str | None = None
+    # Mixture-of-experts models (docs/moe.md): experts per MoE layer resident on the device,
+    # the rest in pinned host memory and copied into slots when routed (None: all resident);
+    # or the same as device GiB for the slots, which start-up turns into experts per layer.
+    moe_expert_cache_size: int | None = None
+    moe_expert_cache_gb: float | None = None
 
     def __post_init__(self):
         if self.block_size == "auto":
@@ -99,6 +104,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be auto, {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be fp8 (or None: as the checkpoint is), got {self.quantization!r}")
+        self._validate_expert_cache()
         self._check_device()
         self._validate_tiers()
         self.speculative_config = parse_speculative_config(self.speculative_config)
@@ -129,6 +135,17 @@ class EngineConfig:
         if device.index is not None and device.index >= count:
             raise ValueError(f"device {self.device}: PyTorch sees {count} CUDA device(s), cuda:0 to "
                              f"cuda:{count - 1}")
+
+    def _validate_expert_cache(self) -> None:
+        """The model-free checks; start-up checks the size against the model's experts (model/moe.py)."""
+        size, gb = self.moe_expert_cache_size, self.moe_expert_cache_gb
+        if size is not None and gb is not None:
+            raise ValueError("moe_expert_cache_size and moe_expert_cache_gb both given: give the experts per "
+                             "layer or the GiB for them, not both")
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"moe_expert_cache_size must be a whole number of experts per layer >= 1, got {size!r}")
+        if gb is not None and not gb > 0:
+            raise ValueError(f"moe_expert_cache_gb must be > 0 GiB, got {gb!r}")
 
     def _validate_tiers(self) -> None:
         if self.cpu_kv_gb < 0 or self.disk_kv_gb < 0:

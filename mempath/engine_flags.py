@@ -19,7 +19,7 @@ ENGINE_OPTIONS = ("dtype", "device", "seed", "block_size", "max_model_len", "max
                   "enable_prefix_caching", "enforce_eager", "cpu_kv_gb", "disk_kv_path", "disk_kv_gb",
                   "disk_write_policy", "preemption_mode", "cpu_kv_cache_bytes", "load_format", "async_scheduling",
                   "kv_cache_dtype", "tokenizer", "generation_config", "enable_chunked_prefill", "max_logprobs",
-                  "speculative_config", "quantization")
+                  "speculative_config", "quantization", "moe_expert_cache_size", "moe_expert_cache_gb")
 
 ONE_DEVICE = "mempath runs a model on one device"
 LOCAL_ONLY = ("mempath loads a local directory: download it first (huggingface-cli download MODEL "
@@ -123,6 +123,19 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
                                "does not have: use the unquantized checkpoint",
                         help="fp8: weights of the linear layers in float8_e4m3fn, quantized at load "
                              "(default: as the checkpoint is; docs/quantization.md)")
+
+    add_expert_cache_arguments(parser)
+
+
+def add_expert_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    """Mixture-of-experts models: how many experts per layer stay on the device (docs/moe.md)."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--moe-expert-cache-size", type=int, default=None, metavar="N",
+                       help="experts per MoE layer resident on the device, the rest in pinned host memory and "
+                            "copied in when routed (default: all; from top_k to the experts per layer)")
+    group.add_argument("--moe-expert-cache-gb", type=float, default=None, metavar="GiB",
+                       help="device GiB for the expert slots of all MoE layers instead: start-up turns it into "
+                            "experts per layer (--moe-expert-cache-size)")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, model_flag: bool = True) -> None:

@@ -161,11 +161,13 @@ def test_the_allocator_is_capped_at_what_the_budget_leaves_it(monkeypatch, caplo
     assert device.fraction * TOTAL == pytest.approx(TOTAL // 2 + startup_module.ALLOCATOR_SEGMENTS)
 
 
-@pytest.mark.parametrize("moe", [False, True])
+@pytest.mark.parametrize("moe", [None, "grouped kernel", "partial cache"])
 def test_graphs_are_planned_only_where_they_can_be_captured(moe):
-    """A MoE layer reads its expert groups on the host: no decode graphs, no graph memory reserved."""
+    """A MoE layer with fewer experts resident than all copies them on the host's decision: no decode
+    graphs, no graph memory reserved; with every expert resident the grouped kernel is captured."""
     from mempath.engine.runner import ModelRunner
+    block = SimpleNamespace(uses_grouped_kernel=lambda: moe == "grouped kernel")
     runner = SimpleNamespace(device=torch.device("cuda"), config=SimpleNamespace(enforce_eager=False),
-                             max_num_seqs=16, model=SimpleNamespace(moe_blocks=lambda: [object()] if moe else []))
+                             max_num_seqs=16, model=SimpleNamespace(moe_blocks=lambda: [block] if moe else []))
     sizes = ModelRunner.graph_sizes(runner)
-    assert sizes == ([] if moe else [1, 2, 4, 8, 16])
+    assert sizes == ([] if moe == "partial cache" else [1, 2, 4, 8, 16])

@@ -446,7 +446,8 @@ def test_synthetic_router_bias_gives_locality_and_the_same_tokens_for_every_cach
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_cuda_eager_matches_cpu_for_every_cache_size(arch, model_factory, references):
-    """The PyTorch MoE path on CUDA, eager (graphs cannot capture it yet), experts from pinned memory."""
+    """Both MoE paths on CUDA, eager: the grouped kernel with every expert resident, then the PyTorch
+    path with 2 of 8 resident, experts from pinned memory."""
     path, _ = model_factory(arch)
     llm = LLM(path, dtype="float32", device="cuda", enforce_eager=True, show_progress=False,
               enable_prefix_caching=False, max_num_seqs=8, max_num_batched_tokens=64)

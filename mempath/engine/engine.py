@@ -18,6 +18,7 @@ from mempath.engine.scheduler import Scheduler
 from mempath.engine.spec.decoder import SpecOutput
 from mempath.engine.startup import StageObserver, Startup, no_observer
 from mempath.memory.oom import MempathOutOfMemoryError, oom_guard
+from mempath.model.moe import expert_cache_stats
 from mempath.outputs import RequestOutput
 from mempath.sampling import SamplingParams
 from mempath.structured.grammar import GrammarCompiler
@@ -200,4 +201,5 @@ class LLMEngine:
             "draft_ledger": self.draft_ledger.as_dict() if self.draft_ledger is not None else None,
             "num_loading": len(self.scheduler.loading),
             "tiers": self.kv.tiers.stats() if self.kv.tiers is not None else {"enabled": False},
+            "expert_cache": expert_cache_stats(self.model),  # MoE models (docs/moe.md); {"enabled": False} else
         }

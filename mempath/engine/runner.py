@@ -294,11 +294,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def graph_sizes(self) -> list[int]:
-        """The decode batch sizes that get a CUDA graph (none when eager, on the CPU, or for MoE).
-
-        A MoE layer reads its expert group sizes on the host, which a graph cannot capture.
+        """The decode batch sizes that get a CUDA graph (none when eager, on the CPU, or for a MoE
+        model with fewer experts resident than all: its copies are host decisions, docs/moe.md).
         """
-        if self.device.type != "cuda" or self.config.enforce_eager or self.model.moe_blocks():
+        eager_moe = any(not block.uses_grouped_kernel() for block in self.model.moe_blocks())
+        if self.device.type != "cuda" or self.config.enforce_eager or eager_moe:
             return []
         return graph_batch_sizes(min(self.max_num_seqs, MAX_GRAPH_BATCH))
 

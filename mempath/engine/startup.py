@@ -20,8 +20,10 @@ from mempath.engine.probes import Probes
 from mempath.engine.runner import ModelRunner
 from mempath.kv.manager import KVCacheManager, blocks_for
 from mempath.memory.budget import DeviceBudget
+from mempath.memory.formulas import resolve_expert_cache_size, shape_from_spec
 from mempath.memory.ledger import Pathway, format_bytes
 from mempath.memory.oom import oom_guard
+from mempath.model.moe import expert_slot_bytes
 from mempath.model.spec import ConfigFields, ModelSpec
 from mempath.model.loader import (checkpoint_dtype, digest_cache_file, load_model, read_config,
                                   read_json_object, weights_digest)
@@ -108,6 +110,9 @@ class Startup:
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.spec)
         self.dtype = config.torch_dtype(checkpoint_dtype(self.hf_config))
         self.dtype_name = str(self.dtype).removeprefix("torch.")
+        self.expert_cache_size = resolve_expert_cache_size(
+            shape_from_spec(self.spec), self.dtype.itemsize, config.moe_expert_cache_size,
+            config.moe_expert_cache_gb, str(Path(config.model) / "config.json"))
         self.tenant = Path(config.model).name or config.model
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -180,10 +185,20 @@ class Startup:
         with self._guard("load"), self.stage("load weights", Pathway.WEIGHTS.value):
             self.model, self.spec, self.load_report = load_model(
                 config.model, self.dtype, device, self.max_model_len, show_progress,
-                dummy=config.load_format == "dummy", spec=self.spec, quantization=config.quantization)
+                dummy=config.load_format == "dummy", spec=self.spec, quantization=config.quantization,
+                expert_cache_size=self.expert_cache_size)
         fp8 = ", fp8 linear layers" if self.spec.quantization else ""
-        self.budget.grant(self.tenant, Pathway.WEIGHTS, self.load_report.weight_bytes, "measured",
-                          f"{self.load_report.tensors_loaded} tensors, {self.dtype_name}{fp8}")
+        slots = expert_slot_bytes(self.model)
+        self.budget.grant(self.tenant, Pathway.WEIGHTS, self.load_report.weight_bytes - slots, "measured",
+                          f"{self.load_report.tensors_loaded} tensors, {self.dtype_name}{fp8}"
+                          + (", less the expert slots" if slots else ""))
+        if slots:
+            layers = len(self.model.moe_blocks())
+            self.budget.grant(self.tenant, Pathway.EXPERT_CACHE, slots, "measured",
+                              f"{self.expert_cache_size} of {self.spec.num_experts} experts x {layers} MoE layers")
+            self.ledger.record(Pathway.EXPERT_HOST, self.load_report.host_weight_bytes, "cpu", "measured",
+                               f"all {self.spec.num_experts} experts x {layers} layers, "
+                               f"{'pinned' if device.type == 'cuda' else 'pageable'}")
         if device.type == "cuda":
             measured = torch.cuda.memory_allocated(device) - before
             log.info("weights: %s of parameters, %s allocated on the device",

@@ -41,7 +41,10 @@ class Kernels:
     - ``rope_and_store(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> q``:
       q and k rotated, k and v stored in their slots (negative slots skipped);
     - ``silu_and_mul(x) -> out``;
-    - ``attention(q, k_cache, v_cache, meta, scale) -> out`` over the paged cache.
+    - ``attention(q, k_cache, v_cache, meta, scale) -> out`` over the paged cache;
+    - ``grouped_experts(x, router_weights, expert_ids, gate_up_proj, down_proj, silu_and_mul) -> out``:
+      a MoE layer's experts with every expert resident, no host read (None: the PyTorch
+      twin in mempath.model.moe, which reads the group sizes on the host).
     """
 
     rms_norm: Callable
@@ -49,6 +52,7 @@ class Kernels:
     silu_and_mul: Callable
     attention: Callable
     triton: bool  # the Triton kernels (the runner sizes their decode workspace and compiles them)
+    grouped_experts: Callable | None = None
 
 
 def torch_kernels() -> Kernels:
@@ -58,7 +62,9 @@ def torch_kernels() -> Kernels:
 def triton_kernels() -> Kernels:
     from mempath.kernels.attention_triton import attend_triton
     from mempath.kernels.elementwise_triton import rope_and_store_triton, triton_rms_norm, triton_silu_and_mul
-    return Kernels(triton_rms_norm, rope_and_store_triton, triton_silu_and_mul, attend_triton, triton=True)
+    from mempath.kernels.moe_triton import triton_grouped_experts
+    return Kernels(triton_rms_norm, rope_and_store_triton, triton_silu_and_mul, attend_triton, triton=True,
+                   grouped_experts=triton_grouped_experts)
 
 
 def kernels_for(device: torch.device) -> Kernels:

@@ -223,6 +223,53 @@ def expert_bytes(shape: ModelShape, dtype_bytes: int, cache_size: int | None = N
     return total, total // shape.num_experts * resident
 
 
+def expert_cache_size_for_bytes(shape: ModelShape, dtype_bytes: int, nbytes: int) -> int:
+    """Experts per layer whose slots fit in ``nbytes`` of device memory: nbytes // (M·3·h·I_e·b),
+    at most E (0 when not even one expert per layer fits)."""
+    per_layer_expert = 3 * shape.hidden_size * shape.moe_intermediate_size * dtype_bytes
+    return min(shape.num_experts, nbytes // (shape.num_moe_layers * per_layer_expert))
+
+
+def resolve_expert_cache_size(shape: ModelShape, dtype_bytes: int, size: int | None, gb: float | None,
+                              source: str) -> int | None:
+    """The engine's experts per layer from --moe-expert-cache-size or --moe-expert-cache-gb (None: all).
+
+    Refused in one line: either flag on a dense model, fewer than the k experts one token
+    routes to (every token's experts would not fit in one wave's slots), more than the model has.
+    """
+    flag = ("--moe-expert-cache-size", size) if size is not None else ("--moe-expert-cache-gb", gb)
+    if flag[1] is None:
+        return None
+    if not shape.num_experts:
+        raise ValueError(f"{flag[0]} {flag[1]:g}: {source} describes a dense model ({shape.architecture}, no "
+                         f"experts): drop the flag")
+    k, experts = shape.num_experts_per_tok, shape.num_experts
+    per_expert = expert_bytes(shape, dtype_bytes)[0] // experts  # one expert of every MoE layer
+    if gb is not None:
+        size = expert_cache_size_for_bytes(shape, dtype_bytes, int(gb * (1 << 30)))
+        if size < k:
+            raise ValueError(f"--moe-expert-cache-gb {gb:g} holds {size} experts per layer, fewer than the {k} "
+                             f"each token routes to: give at least {k * per_expert / (1 << 30):.2f} GiB")
+        return None if size == experts else size
+    if not k <= size <= experts:
+        raise ValueError(f"--moe-expert-cache-size {size}: must be from {k} (the experts each token routes to) "
+                         f"to {experts} (the experts per layer in {source})")
+    return None if size == experts else size
+
+
+def moe_missed_bytes_per_token(shape: ModelShape, dtype_bytes: int, hit_rate: float) -> float:
+    """Expert bytes one decoded token (batch 1) copies to the device: M·k·(1 − hit rate) experts of 3·h·I_e·b."""
+    per_expert = 3 * shape.hidden_size * shape.moe_intermediate_size * dtype_bytes
+    return shape.num_moe_layers * shape.num_experts_per_tok * (1.0 - hit_rate) * per_expert
+
+
+def moe_offload_tokens_per_second(shape: ModelShape, dtype_bytes: int, hit_rate: float, h2d_bytes_per_s: float,
+                                  resident_step_seconds: float) -> float:
+    """Batch-1 decode tokens/s with an expert cache: the step with every expert resident plus the
+    misses' copies at the host-to-device bandwidth (the copies do not overlap the compute)."""
+    return 1.0 / (resident_step_seconds + moe_missed_bytes_per_token(shape, dtype_bytes, hit_rate) / h2d_bytes_per_s)
+
+
 def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> int:
     """2 (K and V) · L · n_kv · d · b. Every layer keeps full KV: Mistral's sliding
     window is not used to trim the cache, so this is an upper bound for Mistral."""

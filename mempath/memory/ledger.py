@@ -22,6 +22,8 @@ class Pathway(str, enum.Enum):
     KV_CPU = "kv_cpu"  # the host KV tier
     KV_DISK = "kv_disk"  # the disk KV tier
     KV_TRANSFER_STAGING = "kv_transfer_staging"  # the tiers' device staging buffers
+    EXPERT_CACHE = "expert_cache"  # MoE expert slots on the device, when fewer than all experts are resident
+    EXPERT_HOST = "expert_host"  # every expert's weights in host memory, the slots' source
 
     def __str__(self) -> str:
         return self.value

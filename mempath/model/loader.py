@@ -24,7 +24,7 @@ from mempath.constants import CHECKPOINT_DTYPES
 from mempath.kernels.dispatch import kernels_for
 from mempath.model.llama import CausalLM
 from mempath.model.spec import CheckpointError, ModelSpec, describe, json_kind
-from mempath.model.moe import offloaded_weights, set_expert_cache_size
+from mempath.model.moe import offloaded_weights, set_expert_cache_size, set_expert_prefetch
 from mempath.model.quant import (FP8_DTYPE, check_fp8_device, copy_quantized, copy_scale, quantized_targets,
                                  set_fp8_matmul)
 
@@ -255,6 +255,8 @@ def build_model(spec: ModelSpec, max_positions: int, dtype: torch.dtype, device:
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary.build(device)
+    if expert_cache_size is not None and device.type == "cuda":
+        set_expert_prefetch(model, True)  # the slots were shaped on the meta device
     set_fp8_matmul(model, device)
     return model.eval().requires_grad_(False)
 

@@ -49,6 +49,10 @@ def dispatch(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
     return order, torch.bincount(flat, minlength=num_experts)
 
 
+def counts_dtype() -> torch.dtype:
+    return torch.int64  # torch.bincount's, so the group sizes and the predictions concatenate
+
+
 def combine(sorted_out: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, top_k: int,
             dtype: torch.dtype) -> torch.Tensor:
     """Weight each pair's output, put the pairs back in (token, choice) order, sum over the k choices."""
@@ -85,14 +89,45 @@ class MoEBlock(nn.Module):
         return weights, expert_ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, expert_ids = self.route(x)
+        if self.uses_grouped_kernel():
+            experts = self.experts
+            return experts.kernels.grouped_experts(x, weights, expert_ids, experts.gate_up_proj, experts.down_proj,
+                                                   experts.kernels.silu_and_mul)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             # The groups' sizes are read on the host; a captured graph would replay stale ones.
-            raise RuntimeError("MoE layers cannot run inside a CUDA graph until the grouped-GEMM kernel "
-                               "lands: run the model with enforce_eager=True (--enforce-eager)")
-        weights, expert_ids = self.route(x)
+            raise RuntimeError("a MoE layer with fewer experts resident than all copies its misses on the "
+                               "host's decision and cannot run inside a CUDA graph: run it eagerly")
         order, counts = dispatch(expert_ids, self.num_experts)
-        sorted_out = self.experts(x[order // self.top_k], counts)
+        following = self.__dict__.get("next_moe")  # a plain attribute: not a submodule
+        if following is not None and following.experts.cache.prefetch:
+            # The next layer's router on this layer's input predicts its experts; read with
+            # this layer's group sizes (one host read), copied while this layer computes.
+            predicted = following.predict_experts(x)
+            sizes_and_next = torch.cat([counts, predicted]).tolist()
+            sizes, next_sizes = sizes_and_next[:self.num_experts], sizes_and_next[self.num_experts:]
+            following.experts.prefetch(sorted((e for e, n in enumerate(next_sizes) if n),
+                                              key=lambda e: -next_sizes[e]))
+        else:
+            sizes = counts.tolist()  # the one host sync: where each group starts
+        sorted_out = self.experts(x[order // self.top_k], sizes)
         return combine(sorted_out, weights, order, self.top_k, x.dtype)
+
+    def predict_experts(self, x: torch.Tensor) -> torch.Tensor:
+        """Tokens per expert this layer's router would pick for ``x`` (the router bias not advanced)."""
+        logits = self.gate(x)
+        if self.router_bias is not None:
+            logits = self.router_bias.apply(logits)
+        expert_ids = torch.topk(logits, self.top_k, dim=-1).indices.reshape(-1)  # softmax keeps the order
+        return torch.zeros(self.num_experts, dtype=counts_dtype(), device=x.device).scatter_add_(
+            0, expert_ids, torch.ones_like(expert_ids))
+
+    def uses_grouped_kernel(self) -> bool:
+        """The fused path (kernels/moe_triton.py): its kernels are here and every expert is resident.
+
+        It reads nothing on the host, so it counts no cache lookups: with every expert
+        resident each one would be a hit."""
+        return self.experts.kernels.grouped_experts is not None and not self.experts.cache.host
 
     def stats(self) -> dict:
         return {**self.experts.cache.stats(),
@@ -116,9 +151,10 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.cache = ExpertCache(num_experts, num_experts)
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Each expert's group of rows through its MLP; ``x`` is sorted by expert, ``counts`` sizes the groups."""
-        sizes = counts.tolist()  # the one host sync: where each group starts
+    def forward(self, x: torch.Tensor, counts) -> torch.Tensor:
+        """Each expert's group of rows through its MLP; ``x`` is sorted by expert, ``counts`` (a tensor or
+        the list read from it) sizes the groups."""
+        sizes = counts.tolist() if torch.is_tensor(counts) else counts
         starts = [0]
         for size in sizes:
             starts.append(starts[-1] + size)
@@ -135,6 +171,40 @@ class Experts(nn.Module):
             finally:
                 cache.release(slots)
         return out
+
+    def prefetch(self, experts: list[int]) -> None:
+        """Start copying the predicted experts that are not resident into slots (most tokens first).
+
+        On CUDA on the cache's copy stream, each slot's copy marked by an event its first
+        reader waits on; on the CPU at once (the path stays synchronous). At most
+        num_slots experts, evicted by the cache's rule, never one of the predicted.
+        """
+        cache = self.cache
+        wanted = experts[:cache.num_slots]
+        missing = [e for e in wanted if cache.slot_of[e] < 0]
+        if not missing:
+            cache.note_prefetched([])
+            return
+        stream = None
+        if self.gate_up_proj.is_cuda:
+            if cache.copy_stream is None:
+                cache.copy_stream = torch.cuda.Stream(self.gate_up_proj.device)
+            stream = cache.copy_stream
+            stream.wait_stream(torch.cuda.current_stream())  # the slots' last readers are done
+        loaded = []
+        for expert in missing:
+            slot = cache.claim_for_prefetch(expert, set(wanted))
+            if stream is None:
+                cache.bytes_loaded += self.load_into_slot(expert, slot)
+            else:
+                with torch.cuda.stream(stream):
+                    cache.bytes_loaded += self.load_into_slot(expert, slot)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                cache.pending[slot] = event
+            cache.book(expert, slot)
+            loaded.append(expert)
+        cache.note_prefetched(loaded)
 
     def load_into_slot(self, expert: int, slot: int) -> int:
         """Copy one expert from the host store into a device slot; returns the bytes copied."""
@@ -175,6 +245,8 @@ class Experts(nn.Module):
                 slots = torch.empty((num_slots, *t.shape[1:]), dtype=t.dtype, device=device)
                 setattr(self, name, nn.Parameter(slots, requires_grad=False))
         self.cache = ExpertCache(self.num_experts, num_slots, host)
+        # On by default on CUDA (set_expert_prefetch; the loader sets it once the meta model is placed).
+        self.cache.prefetch = bool(host) and device.type == "cuda"
 
     def _full_weights(self) -> dict[str, torch.Tensor]:
         """Every expert's weights: the parameters when all are resident, else the host store."""
@@ -209,6 +281,11 @@ class ExpertCache:
         self.slot_of = list(range(self.num_experts)) if identity else [-1] * self.num_experts
         self.expert_in = list(range(self.num_slots)) if identity else [-1] * self.num_slots
         self.in_use: set[int] = set()
+        self.prefetch = False  # copy the next forward's predicted experts ahead (Experts.prefetch)
+        self.copy_stream = None  # CUDA: where prefetch copies run
+        self.pending: dict[int, object] = {}  # slot -> the CUDA event its prefetch copy records
+        self.prefetched_now: list[int] = []  # experts the last prefetch loaded, checked at the next forward
+        self.prefetched = self.prefetch_used = 0
         self.clock = 0  # forward passes of this layer
         self.last_use = [0] * self.num_experts
         self.routed_tokens = [0] * self.num_experts
@@ -217,6 +294,8 @@ class ExpertCache:
     def record_routing(self, tokens_per_expert: list[int]) -> None:
         """One forward's routing: its active experts become the most recent, and more frequent."""
         self.clock += 1
+        self.prefetch_used += sum(1 for e in self.prefetched_now if tokens_per_expert[e])
+        self.prefetched_now = []
         for expert, tokens in enumerate(tokens_per_expert):
             if tokens:
                 self.last_use[expert] = self.clock
@@ -243,20 +322,42 @@ class ExpertCache:
                 slot = self.slot_of[expert]
                 if slot >= 0:
                     self.hits += 1
+                    self._wait_for_copy(slot)
                 else:
                     self.misses += 1
                     slot = self._victim(wanted)
+                    self._wait_for_copy(slot)  # a prefetch still writing it
                     self._evict(slot)
                     # Booked only once copied: a copy that fails leaves the slot free, not
                     # holding half of one expert under another's name.
                     self.bytes_loaded += load(expert, slot)
-                    self.expert_in[slot], self.slot_of[expert] = expert, slot
+                    self.book(expert, slot)
                 self.in_use.add(slot)
                 slots.append(slot)
         except BaseException:
             self.release(slots)
             raise
         return slots
+
+    def book(self, expert: int, slot: int) -> None:
+        self.expert_in[slot], self.slot_of[expert] = expert, slot
+
+    def claim_for_prefetch(self, expert: int, wanted: set[int]) -> int:
+        """A slot for a predicted expert: free, else the lowest-scoring one not predicted; emptied."""
+        slot = self._victim(wanted)
+        self._wait_for_copy(slot)
+        self._evict(slot)
+        return slot
+
+    def note_prefetched(self, experts: list[int]) -> None:
+        self.prefetched += len(experts)
+        self.prefetched_now = experts
+
+    def _wait_for_copy(self, slot: int) -> None:
+        """Make the compute stream wait for the slot's prefetch copy, if one is in flight (CUDA)."""
+        event = self.pending.pop(slot, None)
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
 
     def _evict(self, slot: int) -> None:
         old = self.expert_in[slot]
@@ -300,6 +401,9 @@ class ExpertCache:
             "evictions": self.evictions,
             "bytes_loaded": self.bytes_loaded,
             "host_bytes": sum(t.numel() * t.element_size() for t in self.host.values()),
+            "prefetched": self.prefetched,  # experts copied ahead on the next layer's router's prediction
+            "prefetch_used": self.prefetch_used,  # of those, routed to by the forward they were copied for
+            "prefetch_accuracy": self.prefetch_used / self.prefetched if self.prefetched else None,
         }
 
 
@@ -313,8 +417,17 @@ def set_expert_cache_size(model, num_slots: int | None, pin_memory: bool = True)
     are read) and on a loaded one. Not on CUDA after decode graphs were captured: they
     would keep reading the old weights.
     """
-    for block in model.moe_blocks():
+    blocks = model.moe_blocks()
+    for block, following in zip(blocks, blocks[1:] + [None]):
         block.experts.set_resident(num_slots, pin_memory)
+        block.__dict__["next_moe"] = following  # not a submodule: the next layer predicts from here
+
+
+def set_expert_prefetch(model, enabled: bool) -> None:
+    """Copy each MoE layer's predicted experts ahead, from the layer before (default: on CUDA with
+    fewer experts resident than all; on the CPU the copies run at once, so it only tests the logic)."""
+    for block in model.moe_blocks():
+        block.experts.cache.prefetch = enabled and bool(block.experts.cache.host)
 
 
 def offloaded_weights(model) -> dict[str, torch.Tensor]:
@@ -327,6 +440,12 @@ def offloaded_weights(model) -> dict[str, torch.Tensor]:
     return stores
 
 
+def expert_slot_bytes(model) -> int:
+    """Device bytes of the expert slots when fewer than all experts are resident (else 0: they are weights)."""
+    return sum(t.numel() * t.element_size() for block in model.moe_blocks() if block.experts.cache.host
+               for t in (block.experts.gate_up_proj, block.experts.down_proj))
+
+
 def expert_cache_stats(model) -> dict:
     """Every MoE layer's cache counters, summed, and per layer; {"enabled": False} for a dense model.
 
@@ -336,7 +455,8 @@ def expert_cache_stats(model) -> dict:
     if not layers:
         return {"enabled": False}
     totals = {key: sum(layer[key] for layer in layers)
-              for key in ("hits", "misses", "evictions", "bytes_loaded", "host_bytes")}
+              for key in ("hits", "misses", "evictions", "bytes_loaded", "host_bytes", "prefetched", "prefetch_used")}
+    totals["prefetch_accuracy"] = totals["prefetch_used"] / totals["prefetched"] if totals["prefetched"] else None
     totals["resident_experts"] = sum(layer["resident"] for layer in layers)
     lookups = totals["hits"] + totals["misses"]
     return {"enabled": True, "num_experts": layers[0]["num_experts"], "num_slots": layers[0]["num_slots"],
@@ -368,6 +488,11 @@ class SyntheticRouterBias:
         self.rank_of = torch.randperm(num_experts, generator=self.generator)
         self.calls = 0
 
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """The current bias added, without counting a forward pass (the next layer's prediction)."""
+        bias = -self.skew * torch.log1p(self.rank_of.to(torch.float32))
+        return logits + bias.to(device=logits.device, dtype=logits.dtype)
+
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         if self.calls % self.drift_every == 0:
@@ -376,8 +501,7 @@ class SyntheticRouterBias:
             hot_expert = int((self.rank_of == hot_rank).nonzero())
             cold_expert = int((self.rank_of == cold_rank).nonzero())
             self.rank_of[hot_expert], self.rank_of[cold_expert] = cold_rank, hot_rank
-        bias = -self.skew * torch.log1p(self.rank_of.to(torch.float32))
-        return logits + bias.to(device=logits.device, dtype=logits.dtype)
+        return self.apply(logits)
 
     def describe(self) -> str:
         return f"synthetic (skew {self.skew}, {self.hot} hot, drift every {self.drift_every})"

@@ -274,6 +274,7 @@ class _SnapshotCollector:
         if stats.get("tiers", {}).get("enabled"):
             yield from _tier_families(stats["tiers"], name)
         yield from spec_decode_families(stats.get("spec_decode"), name)
+        yield from expert_cache_families(stats.get("expert_cache"), name)
 
     def _memory_families(self, stats: dict, name: str, gauge):
         """KV blocks, every pathway's bytes, and the disk tier's failures."""
@@ -373,3 +374,23 @@ def spec_decode_families(spec: dict | None, name: str):
                                labels=["model_name"])
     chosen.add_metric([name], spec["chosen_k"])
     yield chosen
+
+
+def expert_cache_families(cache: dict | None, name: str):
+    """A MoE model's expert cache (docs/moe.md), summed over its layers: lookups that found the
+    expert in a device slot or copied it in, the bytes copied, the experts resident now."""
+    if not cache or not cache.get("enabled"):
+        return
+    for key, metric, doc in (("hits", "hits", "Routed experts found in a device slot (one per layer and step)."),
+                             ("misses", "misses", "Routed experts copied into a device slot from host memory."),
+                             ("evictions", "evictions", "Experts a copy displaced from their slot."),
+                             ("bytes_loaded", "bytes_copied", "Bytes of experts copied from host memory to the device."),
+                             ("prefetched", "prefetched", "Experts copied ahead on the next layer's router's prediction."),
+                             ("prefetch_used", "prefetch_used", "Prefetched experts the forward they were copied for used.")):
+        family = CounterMetricFamily(f"mempath:moe_expert_cache_{metric}", doc, labels=["model_name"])
+        family.add_metric([name], cache[key])
+        yield family
+    resident = GaugeMetricFamily("mempath:moe_expert_cache_resident_experts",
+                                 "Experts held in device slots, summed over the MoE layers.", labels=["model_name"])
+    resident.add_metric([name], cache["resident_experts"])
+    yield resident

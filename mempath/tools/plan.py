@@ -16,8 +16,8 @@ from pathlib import Path
 
 from mempath.constants import DEFAULT_BLOCK_SIZE
 from mempath.memory.formulas import (CUBLAS_WORKSPACE_BYTES_SM90, ModelShape, check_serving_settings,
-                                     count_params, expert_bytes, read_shape, resolve_dtype, serving_figures,
-                                     weight_bytes)
+                                     count_params, expert_bytes, read_shape, resolve_dtype,
+                                     resolve_expert_cache_size, serving_figures, weight_bytes)
 from mempath.tools.advice import advise
 from mempath.tools.training import plan_training
 
@@ -216,7 +216,7 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
                 micro_batch: int = 1, seq_len: int | None = None, checkpointing: str = "none",
                 checkpoint_layers=(), lora_rank: int = 0,
                 lora_targets=("q_proj", "v_proj"), moe_expert_cache_size: int | None = None,
-                quantization: str | None = None) -> MemoryPlan:
+                quantization: str | None = None, moe_expert_cache_gb: float | None = None) -> MemoryPlan:
     """Plan every pathway's bytes for serving (and, with train=True, training) a model.
 
     Capacity, when gpu_mem_bytes is given (no device is probed here; `run_plan` does
@@ -243,7 +243,8 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
 
     Mixture-of-experts models: moe_expert_cache_size experts per layer stay on the
     device (None: all) and the KV budget is taken after the resident weights only
-    (resident_weight_bytes); the others' bytes are in host memory.
+    (resident_weight_bytes); the others' bytes are in host memory. moe_expert_cache_gb
+    gives the slots' device GiB instead, turned into experts per layer as the engine does.
 
     quantization="fp8" (or an fp8 checkpoint's quantization_config) counts the projections'
     weights as the engine holds them: one byte each plus a float32 scale per output channel.
@@ -259,6 +260,9 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
     _check_settings(shape, gpu_mem_bytes, host_mem_bytes, gpu_memory_utilization, max_model_len, max_num_seqs,
                     max_num_batched_tokens, block_size, context_bytes)
 
+    if moe_expert_cache_gb is not None:
+        moe_expert_cache_size = resolve_expert_cache_size(shape, b, moe_expert_cache_size, moe_expert_cache_gb,
+                                                          source) or shape.num_experts
     params = count_params(shape)
     pathway_bytes = weight_bytes(shape, b)
     experts = _plan_experts(shape, b, params, pathway_bytes["total"], moe_expert_cache_size)

@@ -162,7 +162,8 @@ def run_plan(args: argparse.Namespace) -> int:
             train=args.train, optimizer=args.optimizer, micro_batch=args.micro_batch,
             seq_len=args.seq_len, checkpointing=args.checkpointing,
             checkpoint_layers=parse_layers(args.checkpoint_layers), lora_rank=args.lora_rank,
-            lora_targets=args.lora_targets)
+            lora_targets=args.lora_targets, moe_expert_cache_size=args.moe_expert_cache_size,
+            moe_expert_cache_gb=args.moe_expert_cache_gb)
     except ValueError as e:
         print(f"mempath plan: error: {e}", file=sys.stderr)
         return 2

@@ -27,18 +27,22 @@ class Row:
 def weight_rows(plan, model, meter, load: StageRecord | None) -> list[Row]:
     """Each weight pathway of the plan against the bytes of the loaded parameters."""
     groups = {"embedding": 0, "attention": 0, "mlp": 0, "norms": 0, "lm_head": 0}
+    if plan.num_experts:
+        groups["experts"] = 0
     seen = set()
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in seen:
             continue  # a tied head shares the embedding's storage
         seen.add(id(p))
-        groups[_weight_group(name)] += p.numel() * p.element_size()
+        groups[_weight_group(name, plan.num_experts)] += p.numel() * p.element_size()
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    rows = [Row(f"weights.{group}", getattr(plan, f"{'norm' if group == 'norms' else group}_bytes"),
-                nbytes, f"plan: {'norm' if group == 'norms' else group}_bytes", "parameter tensor bytes")
+    # The experts' parameters are the resident ones: every expert, or the cache's slots.
+    plan_field = {"norms": "norm_bytes", "experts": "resident_expert_bytes"}
+    rows = [Row(f"weights.{group}", getattr(plan, plan_field.get(group, f"{group}_bytes")),
+                nbytes, f"plan: {plan_field.get(group, f'{group}_bytes')}", "parameter tensor bytes")
             for group, nbytes in groups.items()]
     if load is not None:
-        rows.append(Row("weights", plan.weight_bytes, load.delta - buffers, "plan: weight_bytes",
+        rows.append(Row("weights", plan.resident_weight_bytes, load.delta - buffers, "plan: resident_weight_bytes",
                         f"{meter.source} of the load stage minus buffers",
                         f"load delta {format_bytes(load.delta)}, buffers {format_bytes(buffers)}"))
     spec = model.spec
@@ -49,7 +53,9 @@ def weight_rows(plan, model, meter, load: StageRecord | None) -> list[Row]:
     return rows
 
 
-def _weight_group(name: str) -> str:
+def _weight_group(name: str, num_experts: int = 0) -> str:
+    if num_experts and ".experts." in name:
+        return "experts"
     if "embed_tokens" in name:
         return "embedding"
     if name.startswith("lm_head"):
@@ -79,6 +85,7 @@ def comparison_rows(engine, plan, probe_plan, recorder, forward, growth) -> list
         rows.append(Row("cuda_graphs", plan.cuda_graph_bytes, graphs.bytes,
                         f"plan: cuda_graph_bytes (batch <= {plan.cuda_graph_batch})",
                         f"engine ledger: {graphs.detail}"))
+    rows += expert_cache_rows(engine, plan)
     # Figures the plan has no formula for: measured or derived by the engine alone.
     for name in (Pathway.STEP_BUFFERS, Pathway.NON_TORCH, Pathway.TORCH_OTHER, Pathway.OUTSIDE_TORCH_GROWTH):
         entry = engine.ledger.entries.get(name)
@@ -110,6 +117,19 @@ def comparison_rows(engine, plan, probe_plan, recorder, forward, growth) -> list
                         "plan: kv_bytes_per_block x blocks the live tokens need",
                         "engine: kv_blocks_used x KV tensor bytes per block",
                         f"step {top['step']}, {top['tokens']} tokens in the cache"))
+    return rows
+
+
+def expert_cache_rows(engine, plan) -> list[Row]:
+    """A MoE model's expert slots and host store (fewer resident than all) against the plan."""
+    rows = []
+    for pathway, predicted, field_name in ((Pathway.EXPERT_CACHE, plan.resident_expert_bytes, "resident_expert_bytes"),
+                                           (Pathway.EXPERT_HOST, plan.host_expert_bytes, "host_expert_bytes")):
+        entry = engine.ledger.entries.get(pathway)
+        if entry is not None:
+            rows.append(Row(pathway.value, predicted, entry.bytes,
+                            f"plan: {field_name} ({plan.expert_cache_size} experts/layer resident)",
+                            f"engine ledger ({entry.device}, {entry.source})", entry.detail))
     return rows
 
 

@@ -120,6 +120,7 @@ def _measure_serving(engine, model_dir, recorder: Recorder, torch_device: torch.
     """The probe forward, KV growth, the leak check and the device-level figures, with the plans they
     are compared with; the engine's ledger and stats."""
     from mempath.memory.formulas import cublas_workspace_bytes
+    from mempath.model.moe import expert_cache_stats
     from mempath.tools.plan import detect_gpu_mem, plan_memory
 
     config, meter = engine.config, recorder.meter
@@ -134,7 +135,8 @@ def _measure_serving(engine, model_dir, recorder: Recorder, torch_device: torch.
         gpu_memory_utilization=config.gpu_memory_utilization,
         max_model_len=engine.max_model_len, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens, block_size=config.block_size,
-        cuda_graphs=not config.enforce_eager, fused_kernels=fused, quantization=config.quantization)
+        cuda_graphs=not config.enforce_eager, fused_kernels=fused, quantization=config.quantization,
+        moe_expert_cache_size=expert_cache_stats(engine.model).get("num_slots"))
     seqs = max(1, min(probe_seqs, config.max_num_seqs, probe_tokens))
     # The step buffers hold max-num-batched-tokens tokens and max-model-len per sequence.
     tokens = max(seqs, min(probe_tokens, config.max_num_batched_tokens, probe_capacity(engine),

@@ -1,0 +1,252 @@
+"""Mixture-of-experts decode on the H200 (random bf16 weights): the expert cache and the grouped kernel.
+
+    python benchmarks/bench_moe.py                         # CUDA: every part, the issue #21 targets
+    python benchmarks/bench_moe.py --parts pinned,offload  # some parts
+    python benchmarks/bench_moe.py --tiny                  # CPU: tiny shapes, checks the script runs
+
+Parts (``--parts``, comma-separated):
+
+pinned    the pinned host-to-device bandwidth, copying one expert (all three projections
+          of one layer) at a time as the cache does, and the device's read bandwidth
+          (a large device-to-device copy), both measured in this run.
+offload   the Qwen3-30B-A3B shape with a 16 GB weight budget (the non-expert weights plus
+          --moe-expert-cache-gb for the slots), batch-1 decode tokens/s with the model's
+          (random, almost uniform) router and with the synthetic skewed router
+          (mempath.model.moe.synthetic_router_bias, skew 1.0): each against the bound
+          missed-bytes-per-token / pinned bandwidth and against the planner's prediction
+          (memory.formulas.moe_offload_tokens_per_second, from the hit rate and the
+          all-resident step time measured here). Tokens are compared with an all-resident
+          run on the same PyTorch expert path (the same arithmetic) and with the grouped
+          kernel's run (other bf16 rounding: agreement is reported, not required).
+resident  Qwen3-30B-A3B and Mixtral-8x7B shapes with every expert resident (the grouped
+          kernel, decode CUDA graphs), batch-1 decode tokens/s against the active-weight
+          read limit (bytes one token reads / the device read bandwidth).
+
+Each result is one JSON line (prefix ``RESULT``), naming the router that produced it.
+"""
+import argparse
+import dataclasses
+import gc
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mempath import LLM, SamplingParams  # noqa: E402
+from mempath.memory.formulas import (expert_bytes, moe_missed_bytes_per_token,  # noqa: E402
+                                     moe_offload_tokens_per_second, read_shape, weight_bytes)
+from mempath.model.moe import expert_cache_stats, set_expert_prefetch, synthetic_router_bias  # noqa: E402
+from mempath.tools.plan import plan_memory  # noqa: E402
+
+CONFIGS = ROOT / "tests" / "data" / "configs"
+QWEN3_30B = json.loads((CONFIGS / "qwen3-30b-a3b.json").read_text())
+MIXTRAL = json.loads((CONFIGS / "mixtral-8x7b-v0.1.json").read_text())
+TINY = {"hidden_size": 64, "moe_intermediate_size": 48, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "num_experts": 16,
+        "num_experts_per_tok": 4}
+TINY_MIXTRAL = {**TINY, "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 48}
+WEIGHT_BUDGET = 16e9  # the issue's weight budget for the offloaded Qwen3-30B-A3B
+
+
+def result(part: str, **figures) -> dict:
+    line = {"part": part, **figures}
+    print("RESULT " + json.dumps(line), flush=True)
+    return line
+
+
+def model_dir(name: str, config: dict) -> str:
+    directory = Path(tempfile.mkdtemp(prefix=f"mempath-moe-{name}-"))
+    (directory / "config.json").write_text(json.dumps(config))
+    return str(directory)
+
+
+def engine(path: str, args, **extra) -> LLM:
+    """An engine; the previous one (engines hold reference cycles) is collected first."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return LLM(path, load_format="dummy", dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+               max_num_seqs=4, max_num_batched_tokens=args.max_model_len, enable_prefix_caching=False,
+               show_progress=False, **extra)
+
+
+def sync(llm: LLM) -> None:
+    if llm.engine.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def decode(llm: LLM, args) -> tuple[float, list[int], dict]:
+    """(decode tokens/s of one request after its prefill step, its tokens, the expert counters at the
+    first decode step): one warm-up request first; the prompt's step is neither timed nor counted."""
+    prompt = np.random.default_rng(0).integers(0, llm.engine.spec.vocab_size, args.prompt_len).tolist()
+    llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+    engine = llm.engine
+    engine.add_request(prompt, SamplingParams(max_tokens=args.output_len + 1, temperature=0, ignore_eos=True))
+    tokens = []
+    engine.step()  # the prefill (and its first token)
+    sync(llm)
+    counters = expert_cache_stats(engine.model)
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                tokens = output.token_ids
+    sync(llm)
+    return args.output_len / (time.perf_counter() - start), tokens, counters
+
+
+def twin_path(llm: LLM) -> None:
+    """Run every MoE layer on the PyTorch expert path (the offloaded runs' arithmetic)."""
+    for block in llm.engine.model.moe_blocks():
+        block.experts.kernels = dataclasses.replace(block.experts.kernels, grouped_experts=None)
+
+
+# ---------------------------------------------------------------- pinned / device bandwidth
+
+
+def part_pinned(args, shape) -> dict:
+    per_expert = 3 * shape.hidden_size * shape.moe_intermediate_size
+    device = torch.device(args.device)
+    pin = device.type == "cuda"
+    host = torch.empty(args.copies, per_expert, dtype=torch.bfloat16, pin_memory=pin).normal_()
+    slot = torch.empty(per_expert, dtype=torch.bfloat16, device=device)
+    for i in range(4):
+        slot.copy_(host[i], non_blocking=True)
+    synchronize(device)
+    start = time.perf_counter()
+    for i in range(args.copies):
+        slot.copy_(host[i], non_blocking=True)
+    synchronize(device)
+    h2d = args.copies * per_expert * 2 / (time.perf_counter() - start)
+    big = torch.empty(args.device_copy_bytes // 2, dtype=torch.bfloat16, device=device)
+    other = torch.empty_like(big)
+    other.copy_(big)
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(5):
+        other.copy_(big)
+    synchronize(device)
+    read = 5 * big.numel() * 2 / (time.perf_counter() - start)  # each copy reads the tensor once (and writes it)
+    del big, other, host, slot
+    return result("pinned", expert_bytes=per_expert * 2, h2d_GBps=h2d / 1e9, device_read_GBps=read / 1e9,
+                  pinned=pin, copies=args.copies)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------- offloaded experts
+
+
+def part_offload(args, config: dict, bandwidth: dict) -> list[dict]:
+    path = model_dir("offload", config)
+    shape = read_shape(config)
+    b = torch.finfo(getattr(torch, args.dtype)).bits // 8
+    every, _ = expert_bytes(shape, b)
+    non_expert = weight_bytes(shape, b)["total"] - every
+    slots_gb = (args.weight_budget - non_expert) / (1 << 30)
+    plan = plan_memory(path, dtype=args.dtype, moe_expert_cache_gb=slots_gb)
+    twin_all = engine(path, args, enforce_eager=True)
+    twin_path(twin_all)
+    resident_rate, resident_tokens, _ = decode(twin_all, args)
+    del twin_all
+    out = []
+    for router, prefetch in (("model", True), ("model", False), ("skewed", True), ("skewed", False)):
+        if prefetch:  # the same engine runs with prefetch on, then off
+            llm = engine(path, args, moe_expert_cache_gb=slots_gb)
+            if router == "skewed":
+                synthetic_router_bias(llm.engine.model, skew=1.0, seed=0)
+        set_expert_prefetch(llm.engine.model, prefetch and llm.engine.device.type == "cuda")
+        rate, tokens, before = decode(llm, args)
+        after = expert_cache_stats(llm.engine.model)
+        hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
+        prefetched = after["prefetched"] - before["prefetched"]
+        used = after["prefetch_used"] - before["prefetch_used"]
+        hit_rate = hits / (hits + misses)  # a prefetched expert found in its slot is a hit
+        # The bound: the bytes this run copied (misses and prefetches) at the pinned bandwidth.
+        copied = (after["bytes_loaded"] - before["bytes_loaded"]) / args.output_len
+        bound = bandwidth["h2d_GBps"] * 1e9 / copied if copied else float("inf")
+        # The planner's prediction: the miss rate of the cache without prefetch, copies not overlapped.
+        miss_rate = (misses + prefetched) / (hits + misses)
+        predicted = moe_offload_tokens_per_second(shape, b, 1 - miss_rate, bandwidth["h2d_GBps"] * 1e9,
+                                                  1.0 / resident_rate)
+        same = tokens == resident_tokens if router == "model" else None
+        out.append(result(
+            "offload", model=config["architectures"][0], router=after["router"], prefetch=prefetch,
+            prefetched_per_token=prefetched / args.output_len, prefetch_accuracy=used / prefetched if prefetched else None,
+            weight_budget_GB=args.weight_budget / 1e9,
+            experts_per_layer=after["num_slots"], of=shape.num_experts, planned_resident_weight_GB=plan.resident_weight_bytes / 1e9,
+            decode_tok_s=rate, hit_rate=hit_rate, bound_tok_s=bound, copied_GB_per_token=copied / 1e9,
+            missed_GB_per_token_formula=moe_missed_bytes_per_token(shape, b, 1 - miss_rate) / 1e9,
+            of_bound=rate / bound if copied else None, predicted_tok_s=predicted, predicted_error=(predicted - rate) / rate,
+            all_resident_twin_tok_s=resident_rate, tokens_identical_to_all_resident=same,
+            target_tok_s=17 if router == "model" else 40))
+        if not prefetch:
+            del llm
+    return out
+
+
+# ---------------------------------------------------------------- every expert resident
+
+
+def part_resident(args, configs: list[dict], bandwidth: dict) -> list[dict]:
+    out = []
+    for config in configs:
+        path = model_dir("resident", config)
+        shape = read_shape(config)
+        b = torch.finfo(getattr(torch, args.dtype)).bits // 8
+        plan = plan_memory(path, dtype=args.dtype)
+        llm = engine(path, args)
+        graphs = bool(llm.engine.runner.graphs)
+        rate, _, _ = decode(llm, args)
+        del llm
+        active_bytes = plan.active_params * b
+        limit = bandwidth["device_read_GBps"] * 1e9 / active_bytes
+        out.append(result("resident", model=config["architectures"][0], router="model", decode_tok_s=rate,
+                          cuda_graphs=graphs, active_GB_per_token=active_bytes / 1e9, read_limit_tok_s=limit,
+                          of_limit=rate / limit, target_of_limit=0.8, layers=shape.num_layers))
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", default="pinned,offload,resident")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (checks the script runs)")
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--output-len", type=int, default=64)
+    args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    if not parts <= {"pinned", "offload", "resident"}:
+        parser.error(f"--parts takes pinned, offload, resident; got {args.parts}")
+    args.device = "cpu" if args.tiny else "cuda"
+    args.dtype = "float32" if args.tiny else "bfloat16"
+    args.max_model_len = 256 if args.tiny else 1024
+    args.copies = 16 if args.tiny else 400
+    args.device_copy_bytes = 64 << 20 if args.tiny else 8 << 30
+    qwen = {**QWEN3_30B, **TINY} if args.tiny else QWEN3_30B
+    mixtral = {**MIXTRAL, **TINY_MIXTRAL} if args.tiny else MIXTRAL
+    if args.tiny:
+        non_expert = weight_bytes(read_shape(qwen), 4)["total"] - expert_bytes(read_shape(qwen), 4)[0]
+        args.weight_budget = non_expert + expert_bytes(read_shape(qwen), 4)[0] * 6 // 16  # 6 of 16 experts
+    else:
+        args.weight_budget = WEIGHT_BUDGET
+    # The bandwidths the bounds use are this run's, whatever parts are asked for.
+    bandwidth = part_pinned(args, read_shape(qwen))
+    if "offload" in parts:
+        part_offload(args, qwen, bandwidth)
+    if "resident" in parts:
+        part_resident(args, [qwen, mixtral], bandwidth)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

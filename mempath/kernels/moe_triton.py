@@ -1,0 +1,127 @@
+"""A MoE layer's routed experts in two grouped-GEMM launches (gate/up, then down), capturable in a CUDA graph.
+
+The PyTorch twin is ``mempath.model.moe.Experts.forward`` with ``combine``: the same
+groups, one matmul per expert and projection, with the group sizes read on the host.
+Here nothing is read on the host, so a decode CUDA graph can hold the layer:
+
+- ``align_to_blocks`` sorts the (token, choice) pairs by expert on the device and pads
+  each expert's group to a multiple of BLOCK_M (the idea of vLLM's
+  ``moe_align_block_size``): a row block then belongs to one expert, and a block→expert
+  map says which (-1: past the last group). The number of blocks has a bound that
+  depends only on the shapes, ``cdiv(pairs, BLOCK_M) + min(pairs, E)``, so the grid is
+  fixed for a captured batch size and the empty blocks return at once.
+- ``_grouped_gemm_kernel``: each program takes one row block and one column tile,
+  loads its expert from the map, gathers its rows (the token's hidden state for
+  gate/up, the pair's activation for down) and writes the pair's output row, the
+  down projection's already weighted by the router.
+
+Float32 inputs are multiplied in IEEE float32 (no TF32), so the oracle comparison is
+against the twin's float32 arithmetic, not a lower precision.
+"""
+import torch
+
+from mempath.kernels.common import HAS_TRITON
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, pair_ptr, block_expert_ptr, weight_ptr, n, k,
+                             stride_am, stride_be, stride_bn, stride_bk, stride_cm, ROWS_PER_A: tl.constexpr,
+                             WEIGHTED: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        block = tl.program_id(0)
+        expert = tl.load(block_expert_ptr + block).to(tl.int64)
+        if expert < 0:
+            return
+        pairs = tl.load(pair_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        row_ok = pairs >= 0
+        a_rows = tl.where(row_ok, pairs // ROWS_PER_A, 0)  # gate/up reads the token's row, down the pair's
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < n
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :]
+        b_ptrs = b_ptr + expert * stride_be + cols[None, :] * stride_bn + ks[:, None] * stride_bk
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for start in range(0, k, BLOCK_K):
+            k_ok = start + ks < k
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K * stride_bk
+        if WEIGHTED:
+            acc = acc * tl.load(weight_ptr + tl.where(row_ok, pairs, 0), mask=row_ok, other=0.0).to(tl.float32)[:, None]
+        c_ptrs = c_ptr + tl.where(row_ok, pairs, 0)[:, None] * stride_cm + cols[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def block_m_for(num_pairs: int) -> int:
+    """Rows per block: 16 for decode-sized batches (few rows per expert), 64 for prefill."""
+    return 16 if num_pairs <= 1024 else 64
+
+
+def align_to_blocks(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pair index of each padded row, -1 for padding; expert of each row block, -1 past the groups).
+
+    All on the device, no host read: the padded groups' ends come from a cumulative sum
+    of the tokens per expert rounded up to ``block_m``, and each row finds its expert by
+    a search over those ends.
+    """
+    flat = expert_ids.reshape(-1)
+    num_pairs = flat.numel()
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    num_blocks = -(-num_pairs // block_m) + min(num_pairs, num_experts)
+    rows = torch.arange(num_blocks * block_m, device=flat.device)
+    expert_of_row = torch.searchsorted(padded_end, rows, right=True)
+    in_groups = expert_of_row < num_experts
+    expert = expert_of_row.clamp(max=num_experts - 1)
+    local = rows - (padded_end - padded)[expert]
+    real = in_groups & (local < counts[expert])
+    sorted_position = (torch.cumsum(counts, 0) - counts)[expert] + local
+    pair_of_row = torch.where(real, order[sorted_position.clamp(max=num_pairs - 1)], -1)
+    block_expert = torch.where(in_groups[::block_m], expert_of_row[::block_m], -1)
+    return pair_of_row, block_expert
+
+
+def _grouped_gemm(a, weights, out, pair_of_row, block_expert, block_m, rows_per_a, router_weights=None):
+    """out[pair] = a[pair // rows_per_a] @ weights[expert].T (times the pair's router weight)."""
+    n, k = weights.shape[1], weights.shape[2]
+    block_n = 64 if n >= 64 else 32
+    grid = (block_expert.numel(), triton.cdiv(n, block_n))
+    _grouped_gemm_kernel[grid](
+        a, weights, out, pair_of_row, block_expert, router_weights if router_weights is not None else out, n, k,
+        a.stride(0), weights.stride(0), weights.stride(1), weights.stride(2), out.stride(0),
+        ROWS_PER_A=rows_per_a, WEIGHTED=router_weights is not None, IEEE=a.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32 if k < 64 else 64, num_warps=4)
+
+
+def triton_grouped_experts(x: torch.Tensor, router_weights: torch.Tensor, expert_ids: torch.Tensor,
+                           gate_up_proj: torch.Tensor, down_proj: torch.Tensor, silu_and_mul) -> torch.Tensor:
+    """Every token's k experts' SiLU-gated MLPs, weighted and summed: [T, h] in x's dtype.
+
+    ``gate_up_proj [E, 2I, h]``, ``down_proj [E, h, I]`` hold every expert (all resident);
+    ``router_weights`` and ``expert_ids`` are the router's top k, [T, k].
+    """
+    tokens, top_k = expert_ids.shape
+    num_pairs = tokens * top_k
+    block_m = block_m_for(num_pairs)
+    pair_of_row, block_expert = align_to_blocks(expert_ids, gate_up_proj.shape[0], block_m)
+    x = x.contiguous()
+    gate_up = x.new_empty(num_pairs, gate_up_proj.shape[1])
+    _grouped_gemm(x, gate_up_proj, gate_up, pair_of_row, block_expert, block_m, top_k)
+    activated = silu_and_mul(gate_up).contiguous()
+    del gate_up
+    # Weighted outputs in float32 (the twin weights in the weights' dtype, float32 for Mixtral), summed over k.
+    out = torch.empty(num_pairs, down_proj.shape[1], dtype=torch.float32, device=x.device)
+    _grouped_gemm(activated, down_proj, out, pair_of_row, block_expert, block_m, 1,
+                  router_weights.reshape(-1).contiguous())
+    return out.view(tokens, top_k, -1).sum(dim=1).to(x.dtype)

@@ -1,0 +1,89 @@
+"""The grouped-GEMM MoE kernel (kernels/moe_triton.py) against its PyTorch twin (model/moe.py).
+
+On the CPU through Triton's interpreter (TRITON_INTERPRET=1, in a child process: the
+variable must be set before Triton compiles anything); on CUDA directly.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from mempath.kernels.common import HAS_TRITON
+
+COMPARE = textwrap.dedent("""
+    import torch
+    from mempath.kernels.dispatch import torch_kernels
+    from mempath.kernels.moe_triton import align_to_blocks, triton_grouped_experts
+    from mempath.model.moe import Experts, combine, dispatch
+
+    def twin(x, weights, ids, gate_up, down):
+        experts = Experts(gate_up.shape[0], x.shape[1], down.shape[2], torch_kernels())
+        experts.gate_up_proj.data, experts.down_proj.data = gate_up, down
+        order, counts = dispatch(ids, gate_up.shape[0])
+        return combine(experts(x[order // ids.shape[1]], counts), weights, order, ids.shape[1], x.dtype)
+
+    def check(tokens, experts, top_k, hidden, inter, dtype, device, skip_expert=None, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(tokens, hidden, generator=g).to(device, dtype)
+        gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.1).to(device, dtype)
+        down = (torch.randn(experts, hidden, inter, generator=g) * 0.1).to(device, dtype)
+        scores = torch.rand(tokens, experts, generator=g)
+        if skip_expert is not None:
+            scores[:, skip_expert] = -1  # an expert no token routes to
+        weights, ids = torch.topk(torch.softmax(scores, -1), top_k, dim=-1)
+        weights, ids = weights.to(device), ids.to(device)
+        pair_of_row, block_expert = align_to_blocks(ids, experts, 16)
+        real = pair_of_row[pair_of_row >= 0].sort().values
+        assert torch.equal(real.cpu(), torch.arange(tokens * top_k)), "every pair once"
+        rows_expert = block_expert.repeat_interleave(16)
+        flat = ids.reshape(-1)
+        assert torch.equal(rows_expert[pair_of_row >= 0], flat[pair_of_row[pair_of_row >= 0]]), "a block is one expert's"
+        ours = triton_grouped_experts(x, weights, ids, gate_up, down, torch_kernels().silu_and_mul)
+        expected = twin(x, weights, ids, gate_up, down)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert ours.dtype == expected.dtype and ours.shape == expected.shape
+        err = (ours.float() - expected.float()).abs().max().item()
+        assert err <= tol * max(1.0, expected.float().abs().max().item()), (tokens, experts, top_k, dtype, err)
+
+    def run_all(device, dtypes):
+        for dtype in dtypes:
+            check(1, 8, 2, 64, 48, dtype, device)                      # decode, batch 1
+            check(37, 8, 2, 64, 48, dtype, device, skip_expert=3)       # an empty group, ragged groups
+            check(5, 16, 4, 32, 40, dtype, device, seed=1)              # K, N not multiples of the tiles
+            check(600, 8, 2, 64, 48, dtype, device, seed=2)             # prefill-sized: 64-row blocks
+    """)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+def test_kernel_matches_the_twin_in_the_interpreter():
+    script = COMPARE + "\nrun_all('cpu', [torch.float32])\nprint('ok')\n"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kernel_matches_the_twin_on_cuda():
+    namespace = {}
+    exec(COMPARE, namespace)
+    namespace["run_all"]("cuda", [torch.float32, torch.bfloat16])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_grouped_kernel_is_captured_in_a_cuda_graph(model_factory):
+    """All experts resident: decode graphs capture the MoE layers and give the eager tokens."""
+    from mempath import LLM, SamplingParams
+    path, _ = model_factory("qwen3_moe")
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = [[1, 5, 9, 33, 7], list(range(10, 47))]
+    graphs = LLM(path, dtype="float32", device="cuda", show_progress=False)
+    assert graphs.engine.runner.graphs, "a MoE model with every expert resident gets decode graphs"
+    eager = LLM(path, dtype="float32", device="cuda", show_progress=False, enforce_eager=True)
+    tokens = [o.token_ids for o in graphs.generate(prompts, params, use_tqdm=False)]
+    assert tokens == [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    partial = LLM(path, dtype="float32", device="cuda", show_progress=False, moe_expert_cache_size=2)
+    assert not partial.engine.runner.graphs  # misses are host decisions: eager
+    assert [o.token_ids for o in partial.generate(prompts, params, use_tqdm=False)] == tokens
