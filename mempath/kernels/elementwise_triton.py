@@ -11,6 +11,8 @@ from mempath.kernels.common import HAS_TRITON, kv_fp8_max, next_pow2, pdl_option
 
 # Rotary and the KV write as one kernel (False: two; for A/B measurements).
 FUSE_ROPE_AND_STORE = True
+# Qwen3's per-head q/k norms inside that kernel (False: two norm kernels before it; A/B).
+FUSE_QK_NORM = True
 
 if HAS_TRITON:
     import triton
@@ -239,8 +241,8 @@ def rope_and_store_triton(positions, q, k, v, cos, sin, k_cache, v_cache, slot_m
 def qk_norm_rope_and_store_triton(positions, q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache,
                                   slot_mapping) -> torch.Tensor:
     """Twin of ``elementwise_torch.qk_norm_rope_and_store_torch``: one launch (with
-    FUSE_ROPE_AND_STORE off, the two norms then ``rope_and_store_triton``); returns q."""
-    if FUSE_ROPE_AND_STORE:
+    FUSE_QK_NORM or FUSE_ROPE_AND_STORE off, the two norms then ``rope_and_store_triton``); returns q."""
+    if FUSE_QK_NORM and FUSE_ROPE_AND_STORE:
         triton_rope_and_store(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, (q_weight, k_weight, eps))
         return q
     q = triton_rms_norm(q.reshape(-1, q.shape[-1]), q_weight, eps)[0].view(q.shape)
