@@ -81,6 +81,11 @@ def _set_rope_store(on: bool):
     elementwise_triton.FUSE_ROPE_AND_STORE = on
 
 
+def _set_qk_norm(on: bool):
+    from mempath.kernels import elementwise_triton
+    elementwise_triton.FUSE_QK_NORM = on
+
+
 def _set_pdl(on: bool):
     from mempath.kernels import common
     common.USE_PDL = on
@@ -92,7 +97,8 @@ def _set_cublas(default: bool):
 
 # --variants NAME: the same measurement with one choice flipped, in the same run:
 # a fast-path piece turned off, or an alternative we did not adopt.
-VARIANTS = {"no-fused-rope-store": _set_rope_store, "no-pdl": _set_pdl, "cublaslt": _set_cublas}
+VARIANTS = {"no-fused-rope-store": _set_rope_store, "no-fused-qk-norm": _set_qk_norm, "no-pdl": _set_pdl,
+            "cublaslt": _set_cublas}
 
 
 def copy_weights(llm, hf) -> None:

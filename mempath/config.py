@@ -21,7 +21,8 @@ class EngineConfig:
     seed: int = 0
     block_size: int | str = 16  # tokens per KV block, a power of two, or "auto" (AUTO_BLOCK_SIZE)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    max_num_seqs: int = 256
+    # None: constants.default_max_num_seqs of the device (1024 on a GPU of 70 GiB or more, else 256).
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int = 8192
     gpu_memory_utilization: float = 0.9
     # Bytes of KV cache when the device is the CPU (vLLM's VLLM_CPU_KVCACHE_SPACE).
@@ -77,7 +78,7 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two or 'auto', got {self.block_size!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
@@ -106,11 +107,20 @@ class EngineConfig:
             raise ValueError(f"quantization must be fp8 (or None: as the checkpoint is), got {self.quantization!r}")
         self._validate_expert_cache()
         self._check_device()
+        if self.max_num_seqs is None:
+            self.max_num_seqs = constants.default_max_num_seqs(self._gpu_total_bytes())
         self._validate_tiers()
         self.speculative_config = parse_speculative_config(self.speculative_config)
         if self.speculative_config is not None and self.tiers_enabled:
             raise ValueError("speculative decoding with KV tiers is not supported yet (the tiers hold the "
                              "target's KV only): drop speculative_config or cpu_kv_gb")
+
+    def _gpu_total_bytes(self) -> int | None:
+        """Total memory of the CUDA device this engine will run on (None on the CPU)."""
+        if self.device == "cpu" or (self.device == "auto" and not torch.cuda.is_available()):
+            return None
+        device = torch.device("cuda" if self.device == "auto" else self.device)
+        return torch.cuda.get_device_properties(device.index or 0).total_memory
 
     def _check_device(self) -> None:
         """Refuse here, with the fix, a device torch would fail on later with a traceback."""

@@ -20,6 +20,21 @@ KV_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m
 # Decode graphs are captured for batch sizes up to 512 (larger batches run eagerly:
 # launch overhead is amortised there), all sharing one memory pool.
 MAX_GRAPH_BATCH = 512
+# max_num_seqs when none is given: vLLM V1's offline default on H100-class GPUs (70 GiB or
+# more) and 256 on smaller ones and the CPU. On the H200 (BENCHMARKS.md, "Realistic mix")
+# 1,024 took a 1,000-request mix from 8.4k to 10.1k output tok/s on the Llama-3.1-8B shape
+# and from 13.6k to 21.0k on Qwen3-0.6B; its step buffers, workspaces and sampler rows are
+# in the plan (what a smaller GPU would rather give to KV blocks).
+MAX_NUM_SEQS_LARGE_GPU = 1024
+MAX_NUM_SEQS_SMALL = 256
+LARGE_GPU_BYTES = 70 << 30
+
+
+def default_max_num_seqs(gpu_total_bytes: int | None) -> int:
+    """The max_num_seqs an engine on a device of this total memory gets (None: the CPU)."""
+    return MAX_NUM_SEQS_LARGE_GPU if gpu_total_bytes and gpu_total_bytes >= LARGE_GPU_BYTES else MAX_NUM_SEQS_SMALL
+
+
 # The default and what --block-size auto picks. Measured on an H200 (BENCHMARKS.md, "Block
 # size"): 8-token blocks were the slowest; 16..256 within noise of each other, and larger
 # blocks waste more of each sequence's last block and match cached prefixes more

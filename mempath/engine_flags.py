@@ -100,15 +100,26 @@ def block_size_arg(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected a power of two or 'auto', got {text!r}") from None
 
 
+def max_num_seqs_arg(text: str) -> int | None:
+    """--max-num-seqs: a number, or auto (None: the engine picks it for the device)."""
+    if text == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {text!r}") from None
+
+
 def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags that size the engine's memory: dtype, KV blocks, batch limits, budget, graphs."""
-    d = EngineConfig(model="")
+    d = EngineConfig(model="", device="cpu")  # the defaults, without touching a GPU
     parser.add_argument("--dtype", default=d.dtype, help="auto | float32 | float16 | bfloat16")
     parser.add_argument("--block-size", type=block_size_arg, default=d.block_size,
                         help="tokens per KV block (power of two) or auto (16: measured, see BENCHMARKS.md)")
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len,
                         help="longest prompt + output (default: the model's max_position_embeddings)")
-    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most requests running at once")
+    parser.add_argument("--max-num-seqs", type=max_num_seqs_arg, default="auto",
+                        help="most requests running at once; auto: 1024 on a GPU of 70 GiB or more, else 256")
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                         help="most tokens one step computes")
     parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,

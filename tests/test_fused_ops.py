@@ -78,6 +78,42 @@ def check_rope_and_store(ops, tops, device, dtype, exact):
             compare(out[written], ref[written], exact)
 
 
+def check_qk_norm_rope_and_store(ops, tops, device, dtype, exact):
+    """Qwen3's per-head q/k norms inside the rotary + KV write: the twin's q and cache, and on CUDA an
+    fp8 cache too (the interpreter rounds to fp8 differently: test_fp8_kv checks it on the fp8 grid)."""
+    cache_dtypes = (dtype, torch.float8_e4m3fn) if device == "cuda" else (dtype,)
+    for tokens, heads, kv_heads, dim, block in ((1, 4, 2, 64, 16), (9, 6, 2, 64, 8), (17, 16, 8, 128, 16)):
+        for cache_dtype in cache_dtypes:
+            qkv = 3 * torch.randn(tokens, (heads + 2 * kv_heads) * dim, device=device, dtype=dtype)
+            q, k, v = (t.view(tokens, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1))
+            q_weight, k_weight = ((1 + 0.2 * torch.randn(dim, device=device)).to(dtype) for _ in range(2))
+            positions = torch.randint(0, 500, (tokens,), device=device)
+            inv = 1.0 / (1000000 ** (torch.arange(0, dim, 2, device=device).float() / dim))
+            emb = torch.cat([torch.arange(512, device=device).float()[:, None] * inv[None, :]] * 2, -1)
+            cos, sin = emb.cos(), emb.sin()
+            num_blocks = tokens // block + 3
+            slots = torch.randperm(num_blocks * block, device=device)[:tokens]
+            slots[torch.arange(tokens, device=device) % 4 == 3] = -1
+            caches = [torch.full((num_blocks, block, kv_heads, dim), float("nan"), device=device,
+                                 dtype=dtype).to(cache_dtype) for _ in range(4)]
+            ref_q = ops.qk_norm_rope_and_store_torch(positions, q.clone(), k.clone(), v, q_weight, k_weight, 1e-6,
+                                                     cos, sin, caches[0], caches[1], slots)
+            out_q = tops.qk_norm_rope_and_store_triton(positions, q, k, v, q_weight, k_weight, 1e-6, cos, sin,
+                                                       caches[2], caches[3], slots)
+            assert out_q.data_ptr() == q.data_ptr()  # in place, in the qkv buffer
+            compare(out_q, ref_q, exact)
+            for out, ref in ((caches[2], caches[0]), (caches[3], caches[1])):
+                out, ref = out.to(dtype), ref.to(dtype)
+                assert torch.equal(out.isnan(), ref.isnan())  # same slots written
+                written = ~ref.isnan()
+                if cache_dtype == dtype:
+                    compare(out[written], ref[written], exact)
+                elif exact:  # the same values quantized: the same bytes
+                    assert torch.equal(out[written], ref[written])
+                else:  # an ulp before quantizing may round to the next fp8 step (3 mantissa bits)
+                    torch.testing.assert_close(out[written], ref[written], rtol=0.13, atol=2 ** -9)
+
+
 def check_silu_and_mul(ops, tops, device, dtype, exact):
     for rows, cols in ((1, 128), (5, 768), (64, 3000)):
         x = torch.randn(rows, 2 * cols, device=device, dtype=dtype)
@@ -95,7 +131,7 @@ def compare(out, ref, exact):
         torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)
 
 
-CHECKS = [check_rms_norm, check_rope, check_rope_and_store, check_silu_and_mul]
+CHECKS = [check_rms_norm, check_rope, check_rope_and_store, check_qk_norm_rope_and_store, check_silu_and_mul]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -142,6 +178,30 @@ def test_rope_kernels_equal_the_twin_bit_for_bit():
         for path in ("fused", "two kernels"):
             for name, a, b in zip(("q", "k cache", "v cache"), outs[path], outs["twin"]):
                 assert torch.equal(a, b), f"{dtype} {path} {name}: max diff {(a.float() - b.float()).abs().max()}"
+
+
+def test_qwen3_runs_its_qk_norms_inside_the_rotary_and_kv_write(model_factory, monkeypatch):
+    """One op per layer for Qwen3's q/k norms + rotary + KV write (on the H200 profile of the
+    Qwen3-0.6B shape the norms of the strided heads were a copy and a kernel each), and the
+    greedy tokens still transformers'."""
+    from collections import Counter
+
+    from conftest import hf_greedy
+    from mempath import LLM, SamplingParams
+    path, hf = model_factory("qwen3")
+    llm = LLM(path, dtype="float32", show_progress=False)
+    kernels = llm.engine.model.kernels
+    calls = Counter()
+    for name in ("rms_norm", "rope_and_store", "qk_norm_rope_and_store"):
+        def counted(*args, _name=name, _fn=getattr(kernels, name), **kwargs):
+            calls[_name] += 1
+            return _fn(*args, **kwargs)
+        monkeypatch.setattr(kernels, name, counted)
+    prompt = [5, 17, 42, 8, 99, 3]
+    out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    layers, steps = hf.config.num_hidden_layers, 6
+    assert calls == {"qk_norm_rope_and_store": layers * steps, "rms_norm": (2 * layers + 1) * steps}
+    assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, 6)
 
 
 def _run_interpreted() -> dict:

@@ -232,16 +232,17 @@ def test_advice_proposes_the_fp8_kv_cache_only_where_it_helps():
 
 def test_host_tier_advice_is_capped_by_the_host_memory():
     """256 sequences of 131,072 tokens need ~4 TiB of KV: no --cpu-kv-gb 4040 on a 64 GiB host."""
-    small_host = plan_memory(load("llama-3.1-8b"), gpu_mem_bytes=80 * GiB, host_mem_bytes=64 * GiB)
+    small_host = plan_memory(load("llama-3.1-8b"), gpu_mem_bytes=80 * GiB, host_mem_bytes=64 * GiB,
+                             max_num_seqs=256)
     line = next(line for line in small_host.advice if line.startswith("max-num-seqs 256"))
     proposed = [int(n) for n in re.findall(r"--cpu-kv-gb (\d+)", line)]
     assert proposed and max(proposed) <= 0.7 * 64, line
     assert "64.00 GiB" in line, line
-    big_host = plan_memory(load("llama-3.1-8b"), gpu_mem_bytes=80 * GiB, host_mem_bytes=1 << 44)
+    big_host = plan_memory(load("llama-3.1-8b"), gpu_mem_bytes=80 * GiB, host_mem_bytes=1 << 44, max_num_seqs=256)
     line = next(line for line in big_host.advice if line.startswith("max-num-seqs 256"))
     needed = math.ceil((big_host.kv_bytes_wanted - big_host.kv_budget_bytes) / GiB)
     assert f"--cpu-kv-gb {needed}" in line, line
-    unknown_host = plan_memory(load("llama-3.1-8b"), gpu_mem_bytes=80 * GiB)
+    unknown_host = plan_memory(load("llama-3.1-8b"), gpu_mem_bytes=80 * GiB, max_num_seqs=256)
     assert not any("--cpu-kv-gb" in line for line in unknown_host.advice)
 
 
@@ -429,3 +430,16 @@ def test_auto_dtype_reads_either_config_key():
     assert plan_memory(no_dtype).dtype == "bfloat16"
     assert plan_memory({**no_dtype, "dtype": "float16"}).dtype == "float16"
     assert plan_memory({**TINY, "torch_dtype": "float32"}).weight_bytes == 4 * TINY_PARAMS
+
+
+def test_max_num_seqs_defaults_to_1024_on_a_large_gpu_as_the_engine_does():
+    """vLLM V1's default: 1024 on a GPU of 70 GiB or more, 256 on smaller ones and the CPU; the plan
+    counts the step buffers and sampler rows of the number the engine will run."""
+    from mempath.config import EngineConfig
+    large = plan_memory(load("llama-3.1-8b"), gpu_mem_bytes=80 * GiB, max_model_len=8192)
+    small = plan_memory(load("llama-3.1-8b"), gpu_mem_bytes=24 * GiB, max_model_len=8192)
+    assert (large.max_num_seqs, small.max_num_seqs, plan_memory(load("llama-3.1-8b")).max_num_seqs) == (1024, 256, 256)
+    explicit = plan_memory(load("llama-3.1-8b"), gpu_mem_bytes=80 * GiB, max_model_len=8192, max_num_seqs=256)
+    assert large.workspace_bytes > explicit.workspace_bytes
+    assert EngineConfig(model="", device="cpu").max_num_seqs == 256
+    assert EngineConfig(model="", device="cpu", max_num_seqs=7).max_num_seqs == 7

@@ -77,7 +77,7 @@ def test_every_refused_flag_says_why_in_help(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for flag in REFUSED:
         assert flag in text
-    for default in ("(default: 256)", "(default: 0.9)", "(default: 8192)", "(default: auto)", "(default: 20)"):
+    for default in ("else 256 (default: auto)", "(default: 0.9)", "(default: 8192)", "(default: auto)", "(default: 20)"):
         assert default in text
     assert "--no-enable-prefix-caching" in text and "--no-enable-chunked-prefill" in text
 

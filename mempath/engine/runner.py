@@ -153,11 +153,11 @@ class ModelRunner:
         buf = self.buffers
         buf.wait_until_reusable()
         num_seqs = len(batch.requests)
+        self.table_rows.write(buf.tables, batch.requests)  # first: _fill_mixed reads the slots' blocks there
         if max(batch.num_new_tokens) == 1:
             t, rows, max_seq_len = self._fill_decode(batch.requests, sampling, tokens_from is not None)
         else:
             t, rows, max_seq_len = self._fill_mixed(batch, sampling)
-        self.table_rows.write(buf.tables, batch.requests)
         if pad_to is not None and pad_to > num_seqs:
             # Padding rows of a captured decode graph: write nothing, read one slot of block 0.
             pad = slice(num_seqs, pad_to)
@@ -206,30 +206,35 @@ class ModelRunner:
         return n, rows, max(positions) + 1
 
     def _fill_mixed(self, batch: ScheduledBatch, sampling: set[int]):
+        """Rows of any length: the tokens gathered into one list, then positions, slots and
+        offsets as whole-array operations over the batch (a step carrying a prefill has up to
+        max_num_seqs rows, and per-row numpy writes cost more than the arrays). The slots'
+        blocks are read from the block tables already written into ``buffers.tables``."""
         bs = self.block_size
         buf = self.buffers
-        t = rows = max_seq_len = 0
-        buf.qsl[0] = 0
-        for b, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
-            start = request.num_computed_tokens
-            end = start + num_new
-            buf.input_ids[t:t + num_new] = request.token_ids[start:end]
-            if num_new == 1:
-                buf.positions[t] = start
-                buf.slots[t] = request.block_table[start // bs] * bs + start % bs
-            else:
-                pos = self.arange[start:end]
-                buf.positions[t:t + num_new] = pos
-                table = np.asarray(request.block_table, dtype=np.int64)
-                buf.slots[t:t + num_new] = table[pos // bs] * bs + pos % bs
-            t += num_new
-            buf.qsl[b + 1] = t
-            buf.seq_lens[b] = end
-            max_seq_len = max(max_seq_len, end)
-            if id(request) in sampling:
-                buf.rows[rows] = t - 1
-                rows += 1
-        return t, rows, max_seq_len
+        requests = batch.requests
+        n = len(requests)
+        counts = np.asarray(batch.num_new_tokens, dtype=np.int64)
+        starts = np.fromiter((r.num_computed_tokens for r in requests), dtype=np.int64, count=n)
+        ends = starts + counts
+        ids: list[int] = []
+        for request, start, end in zip(requests, starts.tolist(), ends.tolist()):
+            ids += request.token_ids[start:end]
+        t = len(ids)
+        buf.input_ids[:t] = ids
+        qsl = buf.qsl[:n + 1]
+        qsl[0] = 0
+        np.cumsum(counts, out=qsl[1:])
+        positions = self.arange[:t] + np.repeat(starts - qsl[:n], counts)
+        buf.positions[:t] = positions
+        blocks = buf.tables[np.repeat(self.arange[:n], counts), positions // bs].astype(np.int64)
+        buf.slots[:t] = blocks * bs + positions % bs
+        buf.seq_lens[:n] = ends
+        last = qsl[1:] - 1
+        if len(sampling) != n:
+            last = last[[i for i, r in enumerate(requests) if id(r) in sampling]]
+        buf.rows[:len(last)] = last
+        return t, len(last), int(ends.max())
 
     # ----------------------------------------------------------------- running
     @torch.inference_mode()

@@ -2,7 +2,8 @@
 
 The rule: a model is built with one :class:`Kernels` (``kernels_for(device)``: Triton on
 CUDA when Triton is installed, else the PyTorch twins), and every op of every layer —
-RMSNorm, rotary + KV write, SiLU-and-mul, paged attention — goes through it. Why one
+RMSNorm, rotary + KV write (with Qwen3's q/k norms), SiLU-and-mul, paged attention — goes
+through it. Why one
 object, chosen at build time, rather than a per-call test of each tensor's device:
 
 - one place says which path runs, so the runner (which sizes the decode workspace and
@@ -24,7 +25,8 @@ from typing import Callable
 import torch
 
 from mempath.kernels.attention_torch import attend_torch
-from mempath.kernels.elementwise_torch import rms_norm_torch, rope_and_store_torch, silu_and_mul_torch
+from mempath.kernels.elementwise_torch import (qk_norm_rope_and_store_torch, rms_norm_torch, rope_and_store_torch,
+                                               silu_and_mul_torch)
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,8 @@ class Kernels:
       residual the Triton kernel updates it in place and writes into ``out`` (default ``x``);
     - ``rope_and_store(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> q``:
       q and k rotated, k and v stored in their slots (negative slots skipped);
+    - ``qk_norm_rope_and_store(positions, q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache,
+      slot_mapping) -> q``: the same after a per-head RMSNorm of q and k (Qwen3), one launch on Triton;
     - ``silu_and_mul(x) -> out``;
     - ``attention(q, k_cache, v_cache, meta, scale) -> out`` over the paged cache;
     - ``grouped_experts(x, router_weights, expert_ids, gate_up_proj, down_proj, silu_and_mul) -> out``:
@@ -51,20 +55,23 @@ class Kernels:
     rope_and_store: Callable
     silu_and_mul: Callable
     attention: Callable
+    qk_norm_rope_and_store: Callable
     triton: bool  # the Triton kernels (the runner sizes their decode workspace and compiles them)
     grouped_experts: Callable | None = None
 
 
 def torch_kernels() -> Kernels:
-    return Kernels(rms_norm_torch, rope_and_store_torch, silu_and_mul_torch, attend_torch, triton=False)
+    return Kernels(rms_norm_torch, rope_and_store_torch, silu_and_mul_torch, attend_torch,
+                   qk_norm_rope_and_store_torch, triton=False)
 
 
 def triton_kernels() -> Kernels:
     from mempath.kernels.attention_triton import attend_triton
-    from mempath.kernels.elementwise_triton import rope_and_store_triton, triton_rms_norm, triton_silu_and_mul
+    from mempath.kernels.elementwise_triton import (qk_norm_rope_and_store_triton, rope_and_store_triton,
+                                                    triton_rms_norm, triton_silu_and_mul)
     from mempath.kernels.moe_triton import triton_grouped_experts
-    return Kernels(triton_rms_norm, rope_and_store_triton, triton_silu_and_mul, attend_triton, triton=True,
-                   grouped_experts=triton_grouped_experts)
+    return Kernels(triton_rms_norm, rope_and_store_triton, triton_silu_and_mul, attend_triton,
+                   qk_norm_rope_and_store_triton, triton=True, grouped_experts=triton_grouped_experts)
 
 
 def kernels_for(device: torch.device) -> Kernels:

@@ -1,5 +1,5 @@
 """The decoder's elementwise work in plain PyTorch: RMSNorm (with the residual add),
-rotary embedding (+ the KV write) and SiLU-and-multiply.
+rotary embedding (+ the KV write; + Qwen3's per-head q/k RMSNorm before it) and SiLU-and-multiply.
 
 The CPU path and the oracle of the fused Triton kernels (elementwise_triton.py), which
 round exactly where these bodies do (to the activation dtype after the normalisation,
@@ -41,6 +41,15 @@ def rope_and_store_torch(positions, q, k, v, cos, sin, k_cache, v_cache, slot_ma
     q, k = apply_rope_torch(positions, q, k, cos, sin)
     write_kv(k, v, k_cache, v_cache, slot_mapping)
     return q
+
+
+def qk_norm_rope_and_store_torch(positions, q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache,
+                                 slot_mapping):
+    """Per-head RMSNorm of ``q [T, H, D]`` and ``k [T, Hkv, D]`` (Qwen3's q_norm / k_norm, one
+    ``D``-wide weight each), then ``rope_and_store_torch``; returns the rotated q."""
+    q = rms_norm_torch(q, q_weight, eps)[0]
+    k = rms_norm_torch(k, k_weight, eps)[0]
+    return rope_and_store_torch(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,8 @@ from mempath.kernels.common import HAS_TRITON, kv_fp8_max, next_pow2, pdl_option
 
 # Rotary and the KV write as one kernel (False: two; for A/B measurements).
 FUSE_ROPE_AND_STORE = True
+# Qwen3's per-head q/k norms inside that kernel (False: two norm kernels before it; A/B).
+FUSE_QK_NORM = True
 
 if HAS_TRITON:
     import triton
@@ -61,18 +63,27 @@ if HAS_TRITON:
         return (a1 + b1).to(dtype), (a2 + b2).to(dtype)
 
     @triton.jit
-    def _rotate_heads(src, stride_src, dst, stride_dst, n_heads, c, s, dtype,
+    def _rotate_heads(src, stride_src, dst, stride_dst, n_heads, c, s, dtype, norm_w, eps,
                       HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr,
-                      DST_FP8_MAX: tl.constexpr):
+                      DST_FP8_MAX: tl.constexpr, NORM: tl.constexpr):
         """Rotate one token's heads from ``src`` into ``dst`` (may be the same rows), rounded
         to the activation ``dtype`` and then stored in ``dst``'s dtype (quantized as the KV
-        write does when ``dst`` is an fp8 cache)."""
+        write does when ``dst`` is an fp8 cache). With ``NORM``, each head is first
+        RMS-normalised with the ``2 * HALF``-wide weight ``norm_w``, rounded where
+        ``rms_norm_torch`` rounds (Qwen3's q_norm / k_norm)."""
         d = tl.arange(0, HALF_PAD)
         heads = tl.arange(0, HEADS_PAD)
         mask = (heads[:, None] < n_heads) & (d[None, :] < HALF)
         src_ptr = src + heads[:, None] * stride_src + d[None, :]
         x1 = tl.load(src_ptr, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(src_ptr + HALF, mask=mask, other=0.0).to(tl.float32)
+        if NORM:
+            w1 = tl.load(norm_w + d, mask=d < HALF, other=0.0).to(tl.float32)
+            w2 = tl.load(norm_w + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
+            variance = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
+            inv = 1.0 / tl.sqrt(variance + eps)
+            x1 = (w1[None, :] * (x1 * inv[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            x2 = (w2[None, :] * (x2 * inv[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         y1, y2 = _rotate(x1, x2, c, s, dtype)
         dst_ptr = dst + heads[:, None] * stride_dst + d[None, :]
         tl.store(dst_ptr, to_cache_dtype(y1, dst.dtype.element_ty, DST_FP8_MAX), mask=mask)
@@ -81,22 +92,25 @@ if HAS_TRITON:
     @triton.jit
     def _rope_store_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
-                           stride_slot, num_q_heads, num_kv_heads,
+                           stride_slot, num_q_heads, num_kv_heads, q_norm_ptr, k_norm_ptr, eps,
                            HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr,
-                           KV_HEADS_PAD: tl.constexpr, KV_FP8_MAX: tl.constexpr, PDL: tl.constexpr):
-        # One program per token: rotate its q heads in place, rotate its k heads into
-        # the k cache and copy its v heads into the v cache (the rotated k is never
-        # written back to the qkv buffer: only the cache reads it).
+                           KV_HEADS_PAD: tl.constexpr, KV_FP8_MAX: tl.constexpr, QK_NORM: tl.constexpr,
+                           PDL: tl.constexpr):
+        # One program per token: (normalise and) rotate its q heads in place, rotate its
+        # k heads into the k cache and copy its v heads into the v cache (the rotated k is
+        # never written back to the qkv buffer: only the cache reads it).
         pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64)
         dtype = q_ptr.dtype.element_ty
         c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, t, stride_cos, dtype, HALF, HALF_PAD)
         q = q_ptr + t * stride_qt
-        _rotate_heads(q, stride_qh, q, stride_qh, num_q_heads, c, s, dtype, HALF, HALF_PAD, HEADS_PAD, 0.0)
+        _rotate_heads(q, stride_qh, q, stride_qh, num_q_heads, c, s, dtype, q_norm_ptr, eps,
+                      HALF, HALF_PAD, HEADS_PAD, 0.0, QK_NORM)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
             _rotate_heads(k_ptr + t * stride_kt, stride_kh, k_cache_ptr + slot * stride_slot, 2 * HALF,
-                          num_kv_heads, c, s, dtype, HALF, HALF_PAD, KV_HEADS_PAD, KV_FP8_MAX)
+                          num_kv_heads, c, s, dtype, k_norm_ptr, eps, HALF, HALF_PAD, KV_HEADS_PAD, KV_FP8_MAX,
+                          QK_NORM)
             d = tl.arange(0, HALF_PAD)
             heads = tl.arange(0, KV_HEADS_PAD)
             mask = (heads[:, None] < num_kv_heads) & (d[None, :] < HALF)
@@ -115,8 +129,10 @@ if HAS_TRITON:
         dtype = q_ptr.dtype.element_ty
         c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, t, stride_cos, dtype, HALF, HALF_PAD)
         q, k = q_ptr + t * stride_qt, k_ptr + t * stride_kt
-        _rotate_heads(q, stride_qh, q, stride_qh, num_q_heads, c, s, dtype, HALF, HALF_PAD, HEADS_PAD, 0.0)
-        _rotate_heads(k, stride_kh, k, stride_kh, num_k_heads, c, s, dtype, HALF, HALF_PAD, HEADS_PAD, 0.0)
+        _rotate_heads(q, stride_qh, q, stride_qh, num_q_heads, c, s, dtype, q_ptr, 0.0,
+                      HALF, HALF_PAD, HEADS_PAD, 0.0, False)
+        _rotate_heads(k, stride_kh, k, stride_kh, num_k_heads, c, s, dtype, k_ptr, 0.0,
+                      HALF, HALF_PAD, HEADS_PAD, 0.0, False)
 
     @triton.jit
     def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr,
@@ -178,12 +194,15 @@ def triton_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: 
 
 def triton_rope_and_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          slot_mapping: torch.Tensor) -> None:
+                          slot_mapping: torch.Tensor, qk_norm: tuple | None = None) -> None:
     """Fused twin of ``elementwise_torch.rope_and_store_torch``: q rotated in place, rotated k and v in their slots
-    (quantized as ``attention_torch.quantize_kv`` does for an fp8 cache).
+    (quantized as ``attention_torch.quantize_kv`` does for an fp8 cache). ``qk_norm``: ``(q_weight,
+    k_weight, eps)``, Qwen3's per-head RMSNorm of q and k first (the twin is
+    ``qk_norm_rope_and_store_torch``; q holds the normalised, rotated values after).
 
-    One launch where rotary + KV write took two: at batch 1 these kernels last a
-    few microseconds each, so the launch, not the bytes, is the cost.
+    One launch where rotary + KV write took two (and with the q/k norms, five: each norm
+    also needed a copy of its strided heads): at batch 1 these kernels last a few
+    microseconds each, so the launch, not the bytes, is the cost.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     if num_tokens == 0:
@@ -195,13 +214,15 @@ def triton_rope_and_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Ten
     assert positions.is_contiguous() and slot_mapping.is_contiguous()
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[-2:] == (num_kv_heads, head_dim)
     assert v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype
+    q_weight, k_weight, eps = qk_norm if qk_norm is not None else (q, k, 0.0)
+    assert qk_norm is None or q_weight.shape == k_weight.shape == (head_dim,)
     half = head_dim // 2
     _rope_store_kernel[(num_tokens,)](
         positions, q, k, v, cos, sin, slot_mapping, k_cache, v_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
-        num_kv_heads * head_dim, num_q_heads, num_kv_heads,
+        num_kv_heads * head_dim, num_q_heads, num_kv_heads, q_weight, k_weight, eps,
         HALF=half, HALF_PAD=next_pow2(half), HEADS_PAD=next_pow2(num_q_heads),
-        KV_HEADS_PAD=next_pow2(num_kv_heads), KV_FP8_MAX=kv_fp8_max(k_cache.dtype),
+        KV_HEADS_PAD=next_pow2(num_kv_heads), KV_FP8_MAX=kv_fp8_max(k_cache.dtype), QK_NORM=qk_norm is not None,
         **pdl_options(q.device), num_warps=4,
         enable_fp_fusion=False)
 
@@ -215,6 +236,18 @@ def rope_and_store_triton(positions, q, k, v, cos, sin, k_cache, v_cache, slot_m
         triton_rope(positions, q, k, cos, sin)
         triton_write_kv(k, v, k_cache, v_cache, slot_mapping)
     return q
+
+
+def qk_norm_rope_and_store_triton(positions, q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache,
+                                  slot_mapping) -> torch.Tensor:
+    """Twin of ``elementwise_torch.qk_norm_rope_and_store_torch``: one launch (with
+    FUSE_QK_NORM or FUSE_ROPE_AND_STORE off, the two norms then ``rope_and_store_triton``); returns q."""
+    if FUSE_QK_NORM and FUSE_ROPE_AND_STORE:
+        triton_rope_and_store(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, (q_weight, k_weight, eps))
+        return q
+    q = triton_rms_norm(q.reshape(-1, q.shape[-1]), q_weight, eps)[0].view(q.shape)
+    k = triton_rms_norm(k.reshape(-1, k.shape[-1]), k_weight, eps)[0].view(k.shape)
+    return rope_and_store_triton(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
 
 
 def triton_silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -134,17 +134,24 @@ class Attention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None:
-            width = self.head_dim if self.qk_norm_per_head else None
-            q = self.q_norm(q.reshape(-1, width or self.q_size))
-            k = self.k_norm(k.reshape(-1, width or self.kv_size))
-        if self.clip_qkv is not None:
-            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q = self.kernels.rope_and_store(positions, q, k, v, self.rotary.cos, self.rotary.sin, self.k_cache,
-                                        self.v_cache, meta.slot_mapping)
+        cache = (self.rotary.cos, self.rotary.sin, self.k_cache, self.v_cache, meta.slot_mapping)
+        if self.q_norm is not None and self.qk_norm_per_head and self.clip_qkv is None:
+            # Qwen3: the per-head norms run inside the rotary + KV write (one launch, where
+            # a norm of the strided heads took a copy and a kernel each for q and for k).
+            q = self.kernels.qk_norm_rope_and_store(
+                positions, q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim),
+                v.view(-1, self.num_kv_heads, self.head_dim), self.q_norm.weight, self.k_norm.weight,
+                self.q_norm.eps, *cache)
+        else:
+            if self.q_norm is not None:
+                width = self.head_dim if self.qk_norm_per_head else None
+                q = self.q_norm(q.reshape(-1, width or self.q_size))
+                k = self.k_norm(k.reshape(-1, width or self.kv_size))
+            if self.clip_qkv is not None:
+                q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+            q = self.kernels.rope_and_store(positions, q.view(-1, self.num_heads, self.head_dim),
+                                            k.view(-1, self.num_kv_heads, self.head_dim),
+                                            v.view(-1, self.num_kv_heads, self.head_dim), *cache)
         out = self.kernels.attention(q, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 

@@ -14,7 +14,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from mempath.constants import DEFAULT_BLOCK_SIZE
+from mempath.constants import DEFAULT_BLOCK_SIZE, default_max_num_seqs
 from mempath.memory.formulas import (CUBLAS_WORKSPACE_BYTES_SM90, ModelShape, check_serving_settings,
                                      count_params, expert_bytes, read_shape, resolve_dtype,
                                      resolve_expert_cache_size, serving_figures, weight_bytes)
@@ -208,7 +208,7 @@ def detect_gpu_mem() -> int | None:
 def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | None = None,
                 host_mem_bytes: int | None = None,
                 gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
-                max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                max_num_seqs: int | None = None, max_num_batched_tokens: int = 8192,
                 block_size: int = DEFAULT_BLOCK_SIZE, cuda_graphs: bool = True,
                 fused_kernels: bool = True, context_bytes: int = 0,
                 cublas_workspace: int = CUBLAS_WORKSPACE_BYTES_SM90, train: bool = False,
@@ -257,6 +257,8 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
         shape = dataclasses.replace(shape, quantization=quantization)
     dtype_name, b = resolve_dtype(dtype, shape)
     max_model_len = shape.max_position_embeddings if max_model_len is None else max_model_len
+    if max_num_seqs is None:  # the engine's default for this device
+        max_num_seqs = default_max_num_seqs(gpu_mem_bytes)
     _check_settings(shape, gpu_mem_bytes, host_mem_bytes, gpu_memory_utilization, max_model_len, max_num_seqs,
                     max_num_batched_tokens, block_size, context_bytes)
 

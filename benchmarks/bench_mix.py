@@ -1,0 +1,341 @@
+"""Offline throughput on a realistic request mix, against the compute limit measured in the same run.
+
+    python benchmarks/bench_mix.py --shape llama-3.1-8b                 # 1,000 requests, engine defaults
+    python benchmarks/bench_mix.py --shape qwen3-0.6b --max-num-seqs 256,512,1024 \\
+        --max-num-batched-tokens 8192,16384                             # a sweep: every pair, one engine each
+    python benchmarks/bench_mix.py --shape llama-3.1-8b --hf-seconds 60 # transformers CB beside it, capped
+    python benchmarks/bench_mix.py --sharegpt ShareGPT_V3.json --tokenizer DIR --shape llama-3.1-8b
+    python benchmarks/bench_mix.py --tiny                               # CPU, the shipped model (tests)
+
+The mix: ``--requests`` prompts of random token ids, all submitted at once, EOS ignored;
+input and output lengths lognormal (seeded; medians 200 / 150, inputs at most 2,048,
+outputs at most 1,024), or with ``--sharegpt`` the first human turn and the first reply
+of each conversation of a ShareGPT-format JSON file, counted with ``--tokenizer`` (the
+ids are random: only the lengths are the file's, as the weights are random too).
+
+Each engine run prints output and total tok/s, TTFT p50/p99, MFU: the mix's matmul
+FLOPs (2 x parameters per token, input and output) over its wall time, against the bf16
+matmul rate of one large ``torch.matmul`` timed with CUDA events in this run; the compute
+limit (those FLOPs at that rate); and the split of each step between host and device:
+host milliseconds per step in the scheduler, the runner (input preparation and launches)
+and the output processor, against the device time between CUDA events recorded around
+each step's work (``gpu busy``: that time over the wall time). Models are random bf16
+weights of the real shapes (tests/data/configs, ``load_format="dummy"``).
+``--out FILE`` appends one JSON line per result.
+"""
+import argparse
+import gc
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from mempath import LLM, SamplingParams  # noqa: E402
+
+TINY = ROOT / "mempath" / "assets" / "mempath-tiny"
+SHAPES = ("llama-3.1-8b", "qwen3-0.6b", "qwen2.5-7b-instruct", "mistral-7b-v0.1")
+
+
+@dataclass
+class MixSpec:
+    """The lengths of a synthetic mix: lognormal around the medians, clipped to [1, cap]."""
+
+    input_median: float = 200
+    output_median: float = 150
+    input_sigma: float = 1.0
+    output_sigma: float = 0.75
+    input_cap: int = 2048
+    output_cap: int = 1024
+
+
+# --tiny: the same shape of mix scaled to the shipped model's 1,024 positions and a CPU.
+TINY_MIX = MixSpec(input_median=24, output_median=12, input_cap=160, output_cap=48)
+
+
+def lognormal_lengths(n: int, median: float, sigma: float, cap: int, rng: np.random.Generator) -> list[int]:
+    return [int(x) for x in np.clip(np.rint(rng.lognormal(np.log(median), sigma, n)), 1, cap)]
+
+
+def synthetic_mix(n: int, seed: int, vocab: int, mix: MixSpec) -> tuple[list[list[int]], list[int]]:
+    """Prompts of random token ids and their output lengths (both seeded)."""
+    rng = np.random.default_rng(seed)
+    inputs = lognormal_lengths(n, mix.input_median, mix.input_sigma, mix.input_cap, rng)
+    outputs = lognormal_lengths(n, mix.output_median, mix.output_sigma, mix.output_cap, rng)
+    return [rng.integers(0, vocab, p).tolist() for p in inputs], outputs
+
+
+def sharegpt_lengths(path: str, tokenizer, n: int, mix: MixSpec) -> list[tuple[int, int]]:
+    """(input, output) token counts of the first ``n`` usable conversations of a ShareGPT file:
+    the first human turn and the reply after it, clipped to the mix's caps; conversations with
+    fewer than two turns or an empty turn are skipped (as vLLM's benchmark does)."""
+    pairs = []
+    for conversation in json.loads(Path(path).read_text()):
+        turns = conversation.get("conversations") or conversation.get("conversation") or []
+        if len(turns) < 2 or not turns[0].get("value") or not turns[1].get("value"):
+            continue
+        prompt_len = len(tokenizer(turns[0]["value"])["input_ids"])
+        output_len = len(tokenizer(turns[1]["value"])["input_ids"])
+        if prompt_len < 1 or output_len < 1:
+            continue
+        pairs.append((min(prompt_len, mix.input_cap), min(output_len, mix.output_cap)))
+        if len(pairs) == n:
+            break
+    if not pairs:
+        raise SystemExit(f"{path}: no conversation with a human turn and a reply (ShareGPT format: "
+                         f'[{{"conversations": [{{"from": "human", "value": ...}}, {{"from": "gpt", ...}}]}}])')
+    return pairs
+
+
+def sharegpt_mix(path: str, tokenizer_dir: str, n: int, seed: int, vocab: int, mix: MixSpec):
+    from transformers import AutoTokenizer
+    pairs = sharegpt_lengths(path, AutoTokenizer.from_pretrained(tokenizer_dir), n, mix)
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, p).tolist() for p, _ in pairs], [o for _, o in pairs]
+
+
+def matmul_rate(device: torch.device, dtype: torch.dtype, size: int = 8192) -> float:
+    """FLOP/s of one large square matmul (median of 10 after 3 warm-ups), CUDA events on a GPU."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    times = []
+    for _ in range(13):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.matmul(a, b)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t = time.perf_counter()
+            torch.matmul(a, b)
+            times.append(time.perf_counter() - t)
+    del a, b
+    return 2 * size ** 3 / float(np.median(times[3:]))
+
+
+@dataclass
+class StepClock:
+    """Host seconds per engine step and its parts, and device seconds between CUDA events
+    recorded around each step's work (an event is timestamped when the device reaches it, so
+    a step's interval starts once the previous step's work is done: the gaps are host time)."""
+
+    steps: int = 0
+    mixed_steps: int = 0
+    host: float = 0.0
+    schedule: float = 0.0
+    runner: float = 0.0
+    outputs: float = 0.0
+    events: list = field(default_factory=list)
+
+    def attach(self, engine) -> None:
+        """Wrap the engine's step, its scheduler, runner and output processor (this instance only)."""
+        cuda = engine.device.type == "cuda"
+
+        def timed(fn, part, device_events=False):
+            def wrapper(*args, **kwargs):
+                if device_events:
+                    batch = args[0]
+                    self.mixed_steps += any(n > 1 for n in batch.num_new_tokens)
+                    start = torch.cuda.Event(enable_timing=True) if cuda else None
+                    if start is not None:
+                        start.record()
+                t = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    setattr(self, part, getattr(self, part) + time.perf_counter() - t)
+                    if device_events and cuda:
+                        end = torch.cuda.Event(enable_timing=True)
+                        end.record()
+                        self.events.append((start, end))
+            return wrapper
+
+        step = engine.step
+
+        def counted_step():
+            self.steps += 1
+            return step()
+
+        engine.step = timed(counted_step, "host")
+        engine.scheduler.schedule_step = timed(engine.scheduler.schedule_step, "schedule")
+        engine.runner.execute = timed(engine.runner.execute, "runner", device_events=True)
+        engine.outputs.emit = timed(engine.outputs.emit, "outputs")
+
+    def device_seconds(self) -> float | None:
+        if not self.events:
+            return None
+        torch.cuda.synchronize()
+        return sum(start.elapsed_time(end) for start, end in self.events) / 1e3
+
+
+def summarize(input_tokens: int, output_tokens: int, seconds: float, ttfts: list[float], params: int,
+              rate: float, clock: StepClock | None = None, device_seconds: float | None = None) -> dict:
+    """The figures of one run (pure arithmetic: tests/test_bench_mix.py checks it)."""
+    total = input_tokens + output_tokens
+    flops = 2 * params * total
+    limit = flops / rate
+    result = {"input_tokens": input_tokens, "output_tokens": output_tokens, "seconds": seconds,
+              "output_tok_s": output_tokens / seconds, "total_tok_s": total / seconds,
+              "ttft_p50": float(np.percentile(ttfts, 50)), "ttft_p99": float(np.percentile(ttfts, 99)),
+              "params": params, "matmul_flop_s": rate, "mix_flops": flops,
+              "compute_limit_s": limit, "limit_output_tok_s": output_tokens / limit, "mfu": limit / seconds}
+    if clock is not None and clock.steps:
+        per_step = {part: 1e3 * getattr(clock, part) / clock.steps
+                    for part in ("host", "schedule", "runner", "outputs")}
+        result.update(steps=clock.steps, mixed_steps=clock.mixed_steps,
+                      host_ms_per_step=per_step["host"], schedule_ms_per_step=per_step["schedule"],
+                      runner_ms_per_step=per_step["runner"], outputs_ms_per_step=per_step["outputs"])
+        if device_seconds is not None:
+            result.update(device_ms_per_step=1e3 * device_seconds / clock.steps, gpu_busy=device_seconds / seconds)
+    return result
+
+
+def engine_options(args) -> dict:
+    if args.tiny:
+        return dict(model=str(TINY), dtype="float32", max_model_len=256)
+    from bench_engine import model_dir
+    return dict(model=model_dir(args.shape), load_format="dummy", dtype="bfloat16",
+                max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+                enforce_eager=args.enforce_eager)
+
+
+def run_mempath(args, prompts, output_lens, rate: float, max_num_seqs: int | None,
+                max_num_batched_tokens: int | None) -> dict:
+    """One engine on the whole mix, after a short warm-up; the engine is released before returning."""
+    limits = {k: v for k, v in (("max_num_seqs", max_num_seqs),
+                                ("max_num_batched_tokens", max_num_batched_tokens)) if v is not None}
+    llm = LLM(show_progress=False, **engine_options(args), **limits)
+    engine = llm.engine
+    llm.generate(prompts[:8], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    engine.kv.pool.reset_prefix_cache()
+    clock = StepClock()
+    clock.attach(engine)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in output_lens]
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    result = summarize(sum(len(p) for p in prompts), sum(len(o.token_ids) for o in outs), seconds,
+                       [o.time_to_first_token for o in outs], sum(p.numel() for p in engine.model.parameters()),
+                       rate, clock, clock.device_seconds())
+    stats = llm.stats()
+    result.update(max_num_seqs=engine.config.max_num_seqs,
+                  max_num_batched_tokens=engine.config.max_num_batched_tokens,
+                  kv_blocks=stats["kv_blocks_total"], preemptions=stats["num_preemptions"])
+    del llm, engine, outs
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+def run_transformers(args, prompts, output_lens) -> dict:
+    """transformers' continuous batching (init_continuous_batching) on the first --hf-requests
+    requests, stopped after --hf-seconds (tokens of unfinished requests count: they stream)."""
+    from bench_engine import run_hf_continuous_batching
+    n = args.hf_requests
+    hf_args = argparse.Namespace(shape=args.shape, hf_timeout=args.hf_seconds)
+    return {"requests": len(prompts[:n]), **run_hf_continuous_batching(hf_args, prompts[:n], output_lens[:n])}
+
+
+def print_row(label: str, r: dict) -> None:
+    split = ""
+    if "host_ms_per_step" in r:
+        split = (f"; {r['steps']} steps ({r['mixed_steps']} with prefill), host {r['host_ms_per_step']:.2f} ms/step "
+                 f"(scheduler {r['schedule_ms_per_step']:.2f}, runner {r['runner_ms_per_step']:.2f}, "
+                 f"outputs {r['outputs_ms_per_step']:.2f})")
+        if "device_ms_per_step" in r:
+            split += f", device {r['device_ms_per_step']:.2f} ms/step, gpu busy {100 * r['gpu_busy']:.0f}%"
+    print(f"{label}: {r['output_tok_s']:,.0f} output tok/s, {r['total_tok_s']:,.0f} total tok/s in "
+          f"{r['seconds']:.1f} s; TTFT p50 {r['ttft_p50']:.2f} s, p99 {r['ttft_p99']:.2f} s; "
+          f"MFU {100 * r['mfu']:.1f}% (compute limit {r['compute_limit_s']:.1f} s = "
+          f"{r['limit_output_tok_s']:,.0f} output tok/s){split}", flush=True)
+
+
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="llama-3.1-8b", choices=SHAPES)
+    parser.add_argument("--tiny", action="store_true", help="the shipped model on the CPU, a scaled-down mix")
+    parser.add_argument("--requests", type=int, default=None, help="default 1000 (--tiny: 12)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sharegpt", help="a ShareGPT-format JSON file: take the lengths from it")
+    parser.add_argument("--tokenizer", help="the tokenizer that counts --sharegpt's tokens (a directory or hub name)")
+    parser.add_argument("--max-num-seqs", type=int_list, default=[None], help="comma-separated: a sweep")
+    parser.add_argument("--max-num-batched-tokens", type=int_list, default=[None], help="comma-separated: a sweep")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--hf-seconds", type=float, default=0.0, help="run transformers CB for at most this long")
+    parser.add_argument("--hf-requests", type=int, default=200, help="transformers CB on this many of the requests")
+    parser.add_argument("--out", help="append one JSON line per result to this file")
+    args = parser.parse_args(argv)
+    if args.requests is None:
+        args.requests = 12 if args.tiny else 1000
+    if args.sharegpt and not args.tokenizer:
+        parser.error("--sharegpt needs --tokenizer (the model's tokenizer directory counts the file's tokens)")
+    if args.tiny and args.hf_seconds:
+        parser.error("--hf-seconds runs transformers on a GPU shape; leave it out with --tiny")
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    mix = TINY_MIX if args.tiny else MixSpec()
+    from mempath.model.loader import read_config
+    vocab = read_config(engine_options(args)["model"])["vocab_size"]
+    if args.sharegpt:
+        prompts, output_lens = sharegpt_mix(args.sharegpt, args.tokenizer, args.requests, args.seed, vocab, mix)
+    else:
+        prompts, output_lens = synthetic_mix(args.requests, args.seed, vocab, mix)
+    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    rate = matmul_rate(device, torch.float32 if device.type == "cpu" else torch.bfloat16,
+                       size=512 if device.type == "cpu" else 8192)
+    shape = "mempath-tiny" if args.tiny else args.shape
+    print(f"mix: {shape}, {len(prompts)} requests ({'ShareGPT ' + args.sharegpt if args.sharegpt else 'lognormal'}, "
+          f"seed {args.seed}), {sum(map(len, prompts)):,} input and {sum(output_lens):,} output tokens; "
+          f"input median {np.median([len(p) for p in prompts]):.0f}, output median {np.median(output_lens):.0f}; "
+          f"matmul {rate / 1e12:.1f} TFLOP/s on {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}",
+          flush=True)
+    common = {"bench": "mix", "shape": shape, "requests": len(prompts), "seed": args.seed,
+              "source": args.sharegpt or "lognormal", "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    results = []
+    for seqs in args.max_num_seqs:
+        for tokens in args.max_num_batched_tokens:
+            r = {**common, "engine": "mempath", **run_mempath(args, prompts, output_lens, rate, seqs, tokens)}
+            print_row(f"mempath max_num_seqs={r['max_num_seqs']} max_num_batched_tokens={r['max_num_batched_tokens']}",
+                      r)
+            results.append(r)
+    if args.hf_seconds > 0:
+        try:
+            hf = run_transformers(args, prompts, output_lens)
+        except Exception as error:  # report, don't lose our own figures
+            hf = {"error": f"{type(error).__name__}: {error}"}
+        print(f"transformers CB on {args.hf_requests} requests: " + (
+            hf["error"] if "error" in hf else
+            f"{hf['tok_s']:,.0f} output tok/s ({hf['output_tokens']:,} tokens in {hf['seconds']:.0f} s, "
+            f"{hf['finished']} finished)"))
+        results.append({**common, "engine": "transformers-cb", **hf})
+    if args.out:
+        with open(args.out, "a") as f:
+            for r in results:
+                f.write(json.dumps(r) + "\n")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""benchmarks/bench_mix.py: the mix it draws and the arithmetic of what it reports (CPU, the shipped model)."""
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import bench_mix  # noqa: E402
+
+
+def test_the_lognormal_mix_is_seeded_capped_and_near_its_medians():
+    mix = bench_mix.MixSpec()
+    prompts, outputs = bench_mix.synthetic_mix(1000, 0, 5000, mix)
+    again, outputs_again = bench_mix.synthetic_mix(1000, 0, 5000, mix)
+    assert prompts == again and outputs == outputs_again
+    lengths = [len(p) for p in prompts]
+    assert 1 <= min(lengths) and max(lengths) <= 2048 and 1 <= min(outputs) and max(outputs) <= 1024
+    assert 170 <= np.median(lengths) <= 230 and 130 <= np.median(outputs) <= 170
+    assert all(0 <= t < 5000 for p in prompts[:50] for t in p)
+
+
+def test_sharegpt_lengths_take_the_first_turn_and_its_reply(tmp_path):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(bench_mix.TINY)
+    data = [{"conversations": [{"from": "human", "value": "def f(x):"}]},  # no reply: skipped
+            {"conversations": [{"from": "human", "value": "import os"}, {"from": "gpt", "value": "x " * 3000}]},
+            {"conversations": [{"from": "human", "value": "print(1)"}, {"from": "gpt", "value": "ok"}]}]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    pairs = bench_mix.sharegpt_lengths(str(path), tokenizer, 10, bench_mix.MixSpec())
+    assert pairs == [(len(tokenizer("import os")["input_ids"]), 1024),
+                     (len(tokenizer("print(1)")["input_ids"]), len(tokenizer("ok")["input_ids"]))]
+    path.write_text("[]")
+    with pytest.raises(SystemExit, match="no conversation"):
+        bench_mix.sharegpt_lengths(str(path), tokenizer, 10, bench_mix.MixSpec())
+
+
+def test_summarize_arithmetic():
+    clock = bench_mix.StepClock(steps=10, mixed_steps=2, host=0.5, schedule=0.1, runner=0.3, outputs=0.05)
+    r = bench_mix.summarize(300, 200, 2.0, [0.1, 0.2, 0.3, 0.4], params=1000, rate=1e6, clock=clock,
+                            device_seconds=1.5)
+    assert r["output_tok_s"] == 100 and r["total_tok_s"] == 250
+    assert r["mix_flops"] == 2 * 1000 * 500 and r["compute_limit_s"] == 1.0 and r["mfu"] == 0.5
+    assert r["limit_output_tok_s"] == 200
+    assert r["host_ms_per_step"] == 50 and r["runner_ms_per_step"] == 30 and r["device_ms_per_step"] == 150
+    assert r["gpu_busy"] == 0.75
+    assert r["ttft_p50"] == pytest.approx(0.25) and r["ttft_p50"] <= r["ttft_p99"] <= 0.4
+
+
+def test_tiny_run_reports_what_it_generated(tmp_path):
+    out = tmp_path / "mix.jsonl"
+    results = bench_mix.main(["--tiny", "--requests", "5", "--max-num-seqs", "2,4", "--out", str(out)])
+    prompts, outputs = bench_mix.synthetic_mix(5, 0, 8192, bench_mix.TINY_MIX)
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["max_num_seqs"] for r in lines] == [2, 4] and len(results) == 2
+    for r in lines:
+        assert r["output_tokens"] == sum(outputs) and r["input_tokens"] == sum(map(len, prompts))
+        assert r["output_tok_s"] == pytest.approx(r["output_tokens"] / r["seconds"])
+        assert r["compute_limit_s"] == pytest.approx(2 * r["params"] * (r["input_tokens"] + r["output_tokens"])
+                                                     / r["matmul_flop_s"])
+        assert r["mfu"] == pytest.approx(r["compute_limit_s"] / r["seconds"])
+        # Every step goes through the clock, and its parts fit inside the step's host time.
+        assert r["steps"] >= max(outputs) and r["mixed_steps"] >= 1
+        assert r["schedule_ms_per_step"] + r["runner_ms_per_step"] + r["outputs_ms_per_step"] <= r["host_ms_per_step"]
+        assert "gpu_busy" not in r  # no device events on the CPU
