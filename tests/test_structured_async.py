@@ -106,3 +106,17 @@ def test_a_token_the_grammar_rejects_fails_that_request_alone(engines, monkeypat
         regex="Q{20}")), free])
     assert outs[0].finish_reason == "error" and "not allowed by the request's grammar" in outs[0].error
     assert outs[1].token_ids == alone[0].token_ids and outs[1].finish_reason == "length"
+
+
+def test_grammar_rows_stay_ahead_beside_speculative_decoding(engines):
+    """Speculation never proposes for a grammar row, so a step of grammar rows alone is not
+    read back for it: it stays in flight as without speculative_config, with the same output."""
+    _, slow = engines
+    llm = LLM(str(ASSETS / DEFAULT_MODEL), show_progress=False, device="cpu",
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
+    params = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True,
+                             structured_outputs=Structured(regex="[a-z ]+")) for _ in range(2)]
+    got, ahead = run(llm, ["x", "def f"], params)
+    want, _ = run(slow, ["x", "def f"], params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert ahead >= 12
