@@ -11,7 +11,6 @@ logits in place once both are done (its CPU function on the CPU). Rows of reques
 without a grammar, or whose request has finished, are all ones.
 """
 import os
-import time
 
 import numpy as np
 import torch
@@ -44,9 +43,6 @@ class GrammarBitmask:
         self.copied = torch.cuda.Event() if pin else None  # the host rows may be rewritten after it
         self.read = torch.cuda.Event() if pin else None  # the device rows may be rewritten after it
         self._matchers = None  # xgrammar.BatchGrammarMatcher, made with the first grammar row
-        # Host time in fill() and the number of calls: bench_structured prints their ratio.
-        self.fill_seconds = 0.0
-        self.num_fills = 0
         assert self.nbytes() == grammar_bitmask_bytes(vocab_size, max_rows)
 
     def nbytes(self) -> int:
@@ -63,14 +59,11 @@ class GrammarBitmask:
         rows = len(grammars)
         if self.copied is not None:
             self.copied.synchronize()
-        start = time.perf_counter()
         self.fill(grammars)
         for row in np.flatnonzero(~self.host_np[:rows].any(axis=1)):
             grammars[row].error = ("the grammar allows no next token (the output so far cannot be "
                                    "continued in this vocabulary)")
             self.host_np[row] = -1
-        self.fill_seconds += time.perf_counter() - start
-        self.num_fills += 1
         mask = self.device_rows[:rows]
         if self.copy_stream is not None:
             self._upload(rows)
