@@ -7,6 +7,7 @@ import re
 
 import jsonschema
 import pytest
+import torch
 
 from mempath import LLM, SamplingParams
 from mempath.assets import ASSETS, DEFAULT_MODEL
@@ -120,3 +121,24 @@ def test_grammar_rows_stay_ahead_beside_speculative_decoding(engines):
     want, _ = run(slow, ["x", "def f"], params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert ahead >= 12
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_the_gpu_grammar_steps_run_ahead_on_cuda_graphs_and_allocate_nothing_per_step():
+    """Grammar rows alone, decode steps replayed from CUDA graphs: every step after the first
+    decode runs ahead, the masks land through the side stream before the sampling, every
+    output validates, and device memory stays flat once warm."""
+    llm = LLM(str(ASSETS / DEFAULT_MODEL), show_progress=False, max_num_seqs=32)
+    cases = schemas(seed=3, count=32)
+    params = [SamplingParams(max_tokens=max_output_chars(s) + 2, temperature=0, structured_outputs=Structured(json=s))
+              for s in cases]
+    llm.generate(["x"] * len(params), params, use_tqdm=False)  # warm: compiles, allocator
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["num_alloc_retries"], torch.cuda.memory_reserved()
+    outs, ahead = run(llm, ["x"] * len(params), params)
+    torch.cuda.synchronize()
+    assert (torch.cuda.memory_stats()["num_alloc_retries"], torch.cuda.memory_reserved()) == before
+    assert ahead >= max(len(o.token_ids) for o in outs) - 3
+    for schema, out in zip(cases, outs):
+        assert out.finish_reason == "stop", out.error
+        jsonschema.validate(json.loads(out.text), schema)
