@@ -5,7 +5,7 @@ buffers (pinned host, device) are allocated once with the step buffers, for
 max_num_seqs rows (``memory.formulas.grammar_bitmask_bytes``). The runner calls
 ``apply`` after it has launched the forward and the logits: on CUDA those are still
 running when the host fills the rows. The rows are filled in one call to xgrammar's
-batched fill (its threads, the GIL released), go over in one asynchronous copy on a
+batched fill (its threads; xgrammar's calls release the GIL), go over in one asynchronous copy on a
 side stream, so the copy too overlaps the forward, and xgrammar's kernel masks the
 logits in place once both are done (its CPU function on the CPU). Rows of requests
 without a grammar, or whose request has finished, are all ones.
@@ -17,9 +17,9 @@ import torch
 
 from mempath.memory.formulas import grammar_bitmask_bytes
 
-# xgrammar's threads for a batch of rows. One row's mask is ~12 µs at a 128k vocabulary
-# (BENCHMARKS.md), so 64 rows cost ~0.8 ms on one thread; past 8 the hand-out costs more
-# than the threads save, and the host has the engine's other work to do.
+# xgrammar's threads for a batch of rows (half the host's cores, at most this many). 64 rows
+# of a JSON schema at a 128k vocabulary took 2.5 ms on one thread (BENCHMARKS.md), against a
+# 5.8 ms 8B-shape step on the H200; the cap leaves cores to the server's and tiers' threads.
 MAX_FILL_THREADS = 8
 
 
