@@ -107,37 +107,22 @@ def test_compiled_grammars_are_cached_by_schema(llm):
 
 
 def test_a_grammar_with_no_allowed_token_fails_that_request_alone(llm, monkeypatch):
-    from mempath.structured.grammar import RequestGrammar
-    real_fill = RequestGrammar.fill
+    from mempath.structured.bitmask import GrammarBitmask
+    real_fill = GrammarBitmask.fill
+    fills = []
 
-    def dead_end(self, bitmask, row):
-        real_fill(self, bitmask, row)
-        if len(self.matcher_tokens) >= 2:
-            bitmask[row] = 0
-        self.matcher_tokens.append(row)
+    def dead_end(self, grammars):
+        real_fill(self, grammars)
+        if len(fills) >= 2:
+            self.host_np[0] = 0  # row 0 is the grammar request's while both run
+        fills.append(len(grammars))
 
-    monkeypatch.setattr(RequestGrammar, "matcher_tokens", [], raising=False)
-    monkeypatch.setattr(RequestGrammar, "fill", dead_end)
+    monkeypatch.setattr(GrammarBitmask, "fill", dead_end)
     outs = llm.generate(["x", "y"], [SamplingParams(max_tokens=30, temperature=0, structured_outputs=Structured(
         regex="[a-z]{10}")), SamplingParams(max_tokens=5, temperature=0)], use_tqdm=False)
     assert outs[0].finish_reason == "error" and "allows no next token" in outs[0].error
     assert outs[1].finish_reason == "length" and len(outs[1].token_ids) == 5
     assert llm.engine.kv.pool.num_used == 0
-
-
-def test_grammar_steps_are_not_left_in_flight(caplog):
-    """Async scheduling: a grammar row's next mask needs its newest token, so its steps run
-    synchronously (one log line says so), and free requests still run ahead."""
-    llm = LLM(str(ASSETS / DEFAULT_MODEL), show_progress=False, device="cpu", async_scheduling=True)
-    llm.generate("x", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    ahead = llm.engine.num_steps_ahead
-    assert ahead > 0
-    with caplog.at_level("INFO", logger="mempath.engine.scheduler"):
-        out = llm.generate("x", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
-                                               structured_outputs=Structured(regex="[a-z ]+")))[0]
-    assert llm.engine.num_steps_ahead == ahead
-    assert re.fullmatch("[a-z ]+", out.text) and out.finish_reason == "length" and len(out.token_ids) == 8
-    assert sum("async scheduling is off" in r.message for r in caplog.records) == 1
 
 
 def test_a_finished_grammar_stops_even_with_ignore_eos(llm):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -33,16 +34,28 @@ class PendingTokens:
 
     ``tokens`` stays on the device so that the next step can read its inputs from it;
     ``host`` is the pinned buffer the copy lands in, ``ready`` marks its arrival.
+    ``deliver`` hands them to their requests (``emit``, the engine's output processing:
+    stops, grammars advanced, finished requests freed) once, whoever asks first: the
+    engine after the next step is launched, or that step itself before it fills its
+    grammar masks.
     """
     sampling: list[Request]
     tokens: torch.Tensor
     host: torch.Tensor
     ready: "torch.cuda.Event | None"
+    emit: Callable[[list[Request], list[int]], list] | None = None
+    outputs: list | None = None  # what emit returned
 
     def token_ids(self) -> list[int]:
         if self.ready is not None:
             self.ready.synchronize()
         return self.host.tolist()
+
+    def deliver(self) -> list:
+        if self.outputs is None:
+            self.outputs = []  # never twice, even if emit raises
+            self.outputs = self.emit(self.sampling, self.token_ids())
+        return self.outputs
 
 
 @dataclass

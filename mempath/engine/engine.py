@@ -158,6 +158,7 @@ class LLMEngine:
                 outputs.append(self.outputs.finished(victim))
         elif result is not None:
             if plan.defer:
+                result.emit = self._emit_tokens
                 self.in_flight = result
             elif isinstance(result, SpecOutput):
                 outputs += self._emit_speculative(result)
@@ -176,7 +177,10 @@ class LLMEngine:
         return outputs
 
     def _emit_pending(self, pending: PendingTokens) -> list[RequestOutput]:
-        return self.outputs.emit(pending.sampling, pending.token_ids(), [None] * len(pending.sampling))
+        return pending.deliver()  # unless a grammar step has already delivered them
+
+    def _emit_tokens(self, sampling: list[Request], token_ids: list[int]) -> list[RequestOutput]:
+        return self.outputs.emit(sampling, token_ids, [None] * len(sampling))
 
     # ----------------------------------------------------------------- visibility
     def stats(self) -> dict:

@@ -261,9 +261,17 @@ class ModelRunner:
                 return None
             logits = self.model.compute_logits(hidden[logits_rows])
         buf = self.buffers
+        tokens_on_device = tokens_from is not None
+        if tokens_on_device and any(r.grammar is not None for r in sampling):
+            # A grammar row's mask needs its newest token in its matcher: with the forward
+            # queued, the previous step's tokens are read back and handed to their requests
+            # now (the matchers advance, stops finish requests), then the masks are filled,
+            # and only then is the sampling queued.
+            tokens_from[0].deliver()
+            tokens_on_device = False
         # Each sampling row's last input token is its newest token, on the device even when
         # the host does not have it yet (tokens_from): the penalties read it from there.
-        adjust = self.mask_and_adjust(logits, sampling, tokens_from is not None,
+        adjust = self.mask_and_adjust(logits, sampling, tokens_on_device,
                                       lambda: buf.input_ids_d.index_select(0, buf.rows_d[:len(sampling)]))
         params, generators = [r.params for r in sampling], [r.generator for r in sampling]
         if not defer:
@@ -281,9 +289,12 @@ class ModelRunner:
         """Before sampling ``logits`` (a row per request of ``sampling``): grammar rows masked in
         place, and this step's logit edits (penalties, logit_bias, min_tokens, bad_words) for the
         sampler; ``tokens_on_device`` and ``last_tokens``: see ``build_adjustments``."""
-        if any(r.grammar is not None for r in sampling):
+        # A finished request's row (its stop token was in flight when this step was scheduled)
+        # samples a surplus token that is dropped: no mask.
+        grammars = [r.grammar if not r.is_finished else None for r in sampling]
+        if any(g is not None for g in grammars):
             # Here the forward is queued, not finished: the host fills the masks meanwhile.
-            self.grammar_bitmask.apply(logits, [r.grammar for r in sampling])
+            self.grammar_bitmask.apply(logits, grammars)
         return build_adjustments(sampling, tokens_on_device, last_tokens, self.spec.vocab_size, self.device)
 
     def _graph_size(self, batch: ScheduledBatch, sampling: list[Request]) -> int | None:

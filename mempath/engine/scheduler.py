@@ -50,7 +50,6 @@ class Scheduler:
         self.paused: set[Request] = set()  # not scheduled until resumed (running, loading or parked)
         self.parked: list[Request] = []  # paused and without blocks: back to the queue's front on resume
         self.num_preemptions = 0
-        self.logged_grammar_sync = False
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -132,24 +131,13 @@ class Scheduler:
     # dropped; requests that end by length are known in advance and not scheduled.
     # Anything else (new requests to admit, loads landing, a block shortage that may
     # preempt) goes through the ordinary schedule once the in-flight tokens are read.
+    # A step with grammar rows is left in flight too: the step after it reads its tokens
+    # back before its own masks are filled (ModelRunner.execute), while its forward runs.
 
     def _can_defer(self, batch: ScheduledBatch, sampling: list[Request]) -> bool:
         return (self.async_scheduling and len(sampling) == len(batch.requests)
                 and all(n == 1 for n in batch.num_new_tokens)
-                and all(r.params.logprobs is None for r in sampling)
-                and not self._has_grammar(sampling))
-
-    def _has_grammar(self, sampling: list[Request]) -> bool:
-        """A structured-output row's next mask needs its newest token on the host, so a step
-        holding one is never left in flight (the same rule gives speculative decoding K = 0
-        draft tokens for such rows: docs/structured.md)."""
-        if not any(r.grammar is not None for r in sampling):
-            return False
-        if self.async_scheduling and not self.logged_grammar_sync:
-            self.logged_grammar_sync = True
-            log.info("async scheduling is off for steps with structured-output requests: each "
-                     "one's next token mask depends on its newest token")
-        return True
+                and all(r.params.logprobs is None for r in sampling))
 
     def _schedule_ahead(self, previous: PendingTokens) -> tuple[ScheduledBatch, list[int]] | None:
         """The next decode step of the in-flight requests, or None when the ordinary schedule is needed."""
@@ -281,7 +269,8 @@ class Scheduler:
         """Advance each request by what the step computed and publish its full blocks."""
         for request, num_new in zip(batch.requests, batch.num_new_tokens):
             request.num_computed_tokens += num_new
-            self.kv.cache_full_blocks(request)
+            if not request.is_finished:  # a grammar step may finish requests: their blocks are freed
+                self.kv.cache_full_blocks(request)
 
     def finish(self, request: Request, reason: str) -> None:
         """Take a request out of the queues and give its blocks back."""

@@ -36,11 +36,16 @@ class RequestGrammar:
         self.matcher = matcher
         self.error: str | None = None  # set when no token is allowed: the request fails with it
 
-    def fill(self, bitmask, row: int) -> None:
-        self.matcher.fill_next_token_bitmask(bitmask, row)
-
     def accept(self, token_id: int) -> bool:
-        return self.matcher.accept_token(token_id)
+        """Advance by the request's newest token; ValueError if the grammar does not allow it.
+
+        The token was sampled under this grammar's mask, so a refusal means the mask was not
+        applied to its row: the request fails with this line rather than go on off-grammar.
+        """
+        if not self.matcher.accept_token(token_id):
+            raise ValueError(f"token {token_id} is not allowed by the request's grammar, yet it was "
+                             f"sampled: the mask was not applied to its row (a bug in mempath)")
+        return True
 
     @property
     def finished(self) -> bool:

@@ -184,7 +184,8 @@ class SpeculativeDecoder:
 
     def _wants_to_speculate(self, batch: ScheduledBatch, sampling: list[Request]) -> bool:
         # A step scheduled ahead: every row a decode whose input token is still in flight.
-        rows = batch.requests
+        # Rows that never speculate (grammar, logit edits, logprobs) do not read it back.
+        rows = [r for r in batch.requests if plain_sampling_only(r)]
         if not rows or len(rows) > SPEC_MAX_ROWS:
             return False
         self.pending_k = self._choose_k(rows)
