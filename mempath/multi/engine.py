@@ -1,0 +1,123 @@
+"""MultiEngine: several models' LLMEngines stepped by one loop over one shared KV page pool.
+
+Each model keeps its own scheduler, runner, sampler and graphs (an LLMEngine each); a
+request names its model and lives in that model's engine. ``step`` steps every model
+that has work once, in a fixed order: one model's step is one batch through its weights,
+and models cannot share a batch, so taking turns is what bounds the wait of a model's
+requests behind another's (one step of each other busy model), and a model with a burst
+cannot starve another of steps. A model without work is skipped, so a lone busy model
+steps as often as it would alone.
+
+When a model needs pages and the pool has none free to it, the victim policy below
+chooses across models before its own scheduler preempts one of its own requests: the
+model furthest above its guaranteed share (``kv_min_share``) gives up its newest request
+(its scheduler's own victim rule, preempt by recompute), provided it would stay further
+above its share than the asking model will be, or the asking model runs nothing at all
+(else it could never start). That drives the split towards equal excess over the
+guarantees under contention, and a model never loses pages below its guarantee.
+"""
+from __future__ import annotations
+
+from mempath.engine.engine import LLMEngine
+from mempath.multi.pages import PagePool, TenantPages
+from mempath.outputs import RequestOutput
+from mempath.sampling import SamplingParams
+
+
+class UnknownModelError(ValueError):
+    """A request named a model that is not served (the server answers 404, as vLLM does)."""
+
+
+class MultiEngine:
+    def __init__(self, engines: dict[str, LLMEngine], pool: PagePool):
+        self.engines = engines
+        self.pool = pool
+        self.owner: dict[str, LLMEngine] = {}  # request id -> the engine it runs in
+        self.num_cross_preemptions = 0
+        for name, engine in engines.items():
+            engine.kv.pool.reclaim = self._reclaim
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.engines)
+
+    def engine(self, model: str | None) -> LLMEngine:
+        """The named model's engine; None: the first model's."""
+        if model is None:
+            return next(iter(self.engines.values()))
+        engine = self.engines.get(model)
+        if engine is None:
+            raise UnknownModelError(f"The model `{model}` does not exist; the served models: {', '.join(self.engines)}")
+        return engine
+
+    # ----------------------------------------------------------------- requests
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                    model: str | None = None) -> str:
+        if request_id in self.owner:
+            raise ValueError(f"request id {request_id!r} is already running")
+        engine = self.engine(model)
+        engine.add_request(prompt, params, request_id)
+        self.owner[request_id] = engine
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        engine = self.owner.pop(request_id, None)
+        return engine.abort_request(request_id) if engine is not None else None
+
+    def has_unfinished_requests(self) -> bool:
+        return any(e.has_unfinished_requests() for e in self.engines.values())
+
+    def has_runnable_requests(self) -> bool:
+        return any(e.has_runnable_requests() for e in self.engines.values())
+
+    def step(self) -> list[RequestOutput]:
+        """One step of every model with work, in turn."""
+        outputs = []
+        for engine in self.engines.values():
+            if engine.has_runnable_requests():
+                outputs += engine.step()
+        for output in outputs:
+            if output.finished:
+                self.owner.pop(output.request_id, None)
+        return outputs
+
+    def close(self) -> None:
+        for engine in self.engines.values():
+            engine.close()
+
+    # ----------------------------------------------------------------- the victim policy
+    def _excess(self, view: TenantPages, extra: int = 0) -> int:
+        return view.num_used + extra - self.pool.guaranteed()
+
+    def _reclaim(self, asking: TenantPages, n: int) -> bool:
+        """Preempt other models' requests until ``asking`` may take ``n`` pages; whether it may."""
+        asking_engine = self.engines[asking.name]
+        while asking.num_free < n:
+            victim = self._victim(asking, n, runs_nothing=not asking_engine.scheduler.running)
+            if victim is None:
+                return False
+            victim.scheduler.preempt_newest()
+            self.num_cross_preemptions += 1
+        return True
+
+    def _victim(self, asking: TenantPages, n: int, runs_nothing: bool) -> LLMEngine | None:
+        """The other model furthest above its guarantee, if it may give pages to ``asking``."""
+        others = [e for name, e in self.engines.items() if name != asking.name and e.scheduler.running]
+        if not others:
+            return None
+        victim = max(others, key=lambda e: self._excess(e.kv.pool))
+        excess = self._excess(victim.kv.pool)
+        if excess <= 0 or not (runs_nothing or excess > self._excess(asking, n)):
+            return None
+        return victim
+
+    # ----------------------------------------------------------------- visibility
+    def stats(self) -> dict:
+        """Every model's engine stats, and the pool's split between them."""
+        return {
+            "models": {name: engine.stats() for name, engine in self.engines.items()},
+            "kv_pages": {"total": self.pool.num_pages, "page_bytes": self.pool.page_bytes,
+                         "free": self.pool.pages.num_free, "guaranteed_per_model": self.pool.guaranteed(),
+                         "used_by_model": self.pool.split()},
+            "num_cross_model_preemptions": self.num_cross_preemptions,
+        }
