@@ -143,7 +143,7 @@ def test_prefix_cache_keys_include_the_model(two_models):
 def test_bad_input_one_line(two_models):
     llama, qwen = two_models
     llm = together(two_models, num_gpu_blocks_override=8)
-    with pytest.raises(UnknownModelError, match="`c` does not exist; the served models: a, b"):
+    with pytest.raises(UnknownModelError, match="the model 'c' does not exist; this server serves 'a', 'b'"):
         llm.generate([1, 2, 3], GREEDY, model="c")
     with pytest.raises(ValueError, match="use --kv-min-share 0.50 or less"):
         LLM([llama, qwen], dtype="float32", show_progress=False, kv_min_share=0.6)

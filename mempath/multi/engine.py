@@ -41,13 +41,38 @@ class MultiEngine:
     def names(self) -> list[str]:
         return list(self.engines)
 
+    @property
+    def first(self) -> LLMEngine:
+        return next(iter(self.engines.values()))
+
+    @property
+    def device(self):
+        return self.first.device
+
+    @property
+    def tokenizer(self):
+        return self.first.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.first.max_model_len
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(e.num_prompt_tokens for e in self.engines.values())
+
+    def commit_host_kv(self) -> None:
+        for engine in self.engines.values():  # the views overlap; the largest model's covers every page
+            engine.commit_host_kv()
+
     def engine(self, model: str | None) -> LLMEngine:
         """The named model's engine; None: the first model's."""
         if model is None:
             return next(iter(self.engines.values()))
         engine = self.engines.get(model)
         if engine is None:
-            raise UnknownModelError(f"The model `{model}` does not exist; the served models: {', '.join(self.engines)}")
+            served = ", ".join(f"'{name}'" for name in self.engines)
+            raise UnknownModelError(f"the model '{model}' does not exist; this server serves {served}")
         return engine
 
     # ----------------------------------------------------------------- requests
@@ -63,6 +88,14 @@ class MultiEngine:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         engine = self.owner.pop(request_id, None)
         return engine.abort_request(request_id) if engine is not None else None
+
+    def pause_request(self, request_id: str) -> None:
+        if request_id in self.owner:
+            self.owner[request_id].pause_request(request_id)
+
+    def resume_request(self, request_id: str) -> None:
+        if request_id in self.owner:
+            self.owner[request_id].resume_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return any(e.has_unfinished_requests() for e in self.engines.values())
@@ -113,11 +146,27 @@ class MultiEngine:
 
     # ----------------------------------------------------------------- visibility
     def stats(self) -> dict:
-        """Every model's engine stats, and the pool's split between them."""
+        """LLMEngine.stats()'s figures over all models (KV in pages of the shared pool; the ledger's
+        rows named 'model: pathway'), each model's own under ``models``, the pool's split under ``kv_pages``."""
+        per_model = {name: engine.stats() for name, engine in self.engines.items()}
+        summed = {key: sum(s[key] for s in per_model.values()) for key in SUMMED_STATS}
+        pages = self.pool.pages
+        ledgers = self.first.budget.ledgers
         return {
-            "models": {name: engine.stats() for name, engine in self.engines.items()},
+            **summed,
+            "kv_blocks_total": pages.num_blocks, "kv_blocks_used": pages.num_used, "kv_blocks_free": pages.num_free,
+            "kv_blocks_cached": pages.num_cached, "kv_usage": pages.num_used / pages.num_blocks,
+            "ledger": {f"{tenant}: {pathway}": entry for tenant, ledger in ledgers.items()
+                       for pathway, entry in ledger.as_dict().items()},
+            "spec_decode": None, "draft_ledger": None, "tiers": {"enabled": False},
+            "models": per_model,
             "kv_pages": {"total": self.pool.num_pages, "page_bytes": self.pool.page_bytes,
-                         "free": self.pool.pages.num_free, "guaranteed_per_model": self.pool.guaranteed(),
+                         "free": pages.num_free, "guaranteed_per_model": self.pool.guaranteed(),
                          "used_by_model": self.pool.split()},
             "num_cross_model_preemptions": self.num_cross_preemptions,
         }
+
+
+SUMMED_STATS = ("num_running", "num_waiting", "num_paused", "num_loading", "prefix_cache_queries",
+                "prefix_cache_hits", "num_preemptions", "steps_launched_ahead", "prompt_tokens",
+                "generation_tokens")
