@@ -111,6 +111,38 @@ class LLM:
         return [RequestOutput.grouped([results[r if isinstance(r, str) else r.request_id] for r in group])
                 for group in groups]
 
+    def pipeline(self, prompts, first: str, second: str, template: str = "{output}",
+                 sampling_params: SamplingParams | None = None, second_sampling_params: SamplingParams | None = None):
+        """Model ``first`` answers each prompt; its answer, through ``template`` (``{output}``, and
+        ``{prompt}`` for the prompt), is model ``second``'s prompt (docs/multi_model.md, "Hand-off").
+
+        One PipelineOutput per prompt (``.first``, ``.second``, ``.text``: the second's answer). A
+        prompt that fails in the first model ends there: ``.second`` is that failure.
+        """
+        from mempath.multi.pipeline import PipelineOutput
+        if not self.engines:
+            raise ValueError("pipeline() needs several models: LLM([A, B], ...)")
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        prompt_list = [prompts] if single else list(prompts)
+        first_params = sampling_params or self.get_default_sampling_params(first)
+        second_params = second_sampling_params or self.get_default_sampling_params(second)
+        ids = [f"pipe-{next(self._ids)}" for _ in prompt_list]
+        added = []
+        try:
+            for prompt, request_id in zip(prompt_list, ids):
+                added.append(self.engine.add_pipeline(prompt, first_params, request_id, first, second, template,
+                                                      second_params))
+        except ValueError:
+            for request_id in ids[:len(added)]:
+                self.engine.abort_request(request_id)
+            raise
+        results = {}
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.finished:
+                    results[output.request_id] = output
+        return [PipelineOutput(p.first_output or results[i], results[i]) for p, i in zip(added, ids)]
+
     def _add_samples(self, engine: LLMEngine, prompt, params: SamplingParams, single: bool) -> list:
         """Add one engine request per sample; a refused one is its finished error output instead of its id."""
         group = []

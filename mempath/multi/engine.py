@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from mempath.engine.engine import LLMEngine
 from mempath.multi.pages import PagePool, TenantPages
+from mempath.multi.pipeline import (Pipeline, Template, count_device_reads, handoff_text, handoff_token_ids,
+                                    same_vocabulary)
 from mempath.outputs import RequestOutput
 from mempath.sampling import SamplingParams
 
@@ -33,7 +35,10 @@ class MultiEngine:
         self.engines = engines
         self.pool = pool
         self.owner: dict[str, LLMEngine] = {}  # request id -> the engine it runs in
+        self.pipelines: dict[str, Pipeline] = {}  # request id -> its hand-off, while its first model runs
         self.num_cross_preemptions = 0
+        self.num_handoff_device_reads = 0  # reads of tensor data on the hand-off path (pipeline.py)
+        self.vocabulary_pairs: dict[tuple[str, str], bool] = {}
         for name, engine in engines.items():
             engine.kv.pool.reclaim = self._reclaim
 
@@ -85,7 +90,20 @@ class MultiEngine:
         self.owner[request_id] = engine
         return request_id
 
+    def add_pipeline(self, prompt: str | list[int], params: SamplingParams, request_id: str, first: str,
+                     second: str, template: str, second_params: SamplingParams) -> Pipeline:
+        """A request that ``first`` answers, whose answer through ``template`` ``second`` then
+        answers (pipeline.py); its outputs are the second model's, under ``request_id``."""
+        self.engine(second)
+        pipeline = Pipeline(second, Template.parse(template), second_params)
+        if params.n != 1 or second_params.n != 1:
+            raise ValueError("a pipeline hands one answer on: use n=1 in both models' sampling parameters")
+        self.add_request(prompt, params, request_id, model=first)
+        self.pipelines[request_id] = pipeline
+        return pipeline
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
+        self.pipelines.pop(request_id, None)
         engine = self.owner.pop(request_id, None)
         return engine.abort_request(request_id) if engine is not None else None
 
@@ -108,15 +126,48 @@ class MultiEngine:
         outputs = []
         for engine in self.engines.values():
             if engine.has_runnable_requests():
-                outputs += engine.step()
+                outputs += [o for o in engine.step() if not self._handed_off(o)]
         for output in outputs:
             if output.finished:
                 self.owner.pop(output.request_id, None)
         return outputs
 
+    def _handed_off(self, output: RequestOutput) -> bool:
+        """A first model's output of a pipeline is not the request's: once it finishes well, the
+        second model's request starts (in this loop, so before the second model's next step)."""
+        pipeline = self.pipelines.get(output.request_id)
+        if pipeline is None:
+            return False
+        if not output.finished:
+            return True
+        del self.pipelines[output.request_id]
+        if output.finish_reason in ("error", "abort"):
+            return False  # the pipeline ends with the first model's failure
+        pipeline.first_output = output
+        first, second = self.owner.pop(output.request_id), self.engines[pipeline.second]
+        with count_device_reads() as reads:
+            if self._same_vocabulary(first, pipeline.second):
+                prompt = handoff_token_ids(pipeline.template, output, first.tokenizer, second.tokenizer)
+            else:
+                prompt = handoff_text(pipeline.template, output, first.tokenizer)
+        self.num_handoff_device_reads += reads.count
+        try:
+            self.add_request(prompt, pipeline.params, output.request_id, model=pipeline.second)
+        except ValueError as error:  # B's prompt too long for it, say: the pipeline ends with that error
+            output.error, output.outputs[0].finish_reason = str(error), "error"
+            return False
+        return True
+
     def close(self) -> None:
         for engine in self.engines.values():
             engine.close()
+
+    def _same_vocabulary(self, first: LLMEngine, second: str) -> bool:
+        """Whether the models' tokenizers agree, compared once per pair of models."""
+        key = (next(name for name, e in self.engines.items() if e is first), second)
+        if key not in self.vocabulary_pairs:
+            self.vocabulary_pairs[key] = same_vocabulary(first.tokenizer, self.engines[second].tokenizer)
+        return self.vocabulary_pairs[key]
 
     # ----------------------------------------------------------------- the victim policy
     def _excess(self, view: TenantPages, extra: int = 0) -> int:
