@@ -76,3 +76,43 @@ def test_no_model_goes_to_the_first_and_metrics_serve(server):
     assert response.status_code == 200 and response.json()["model"] == "small"
     assert httpx.get(f"{server.url}/metrics").status_code == 200
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def post_pipeline(server, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/pipelines", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                      timeout=60)
+
+
+def test_pipeline_route_answers_with_the_second_model(server, paths):
+    llama, qwen = paths
+    second = list(server.app.apps)[1]
+    first_params = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    second_params = {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    prompt = "def read_config(path):"
+    first_text = LLM(llama, show_progress=False, **OPTIONS).generate(
+        prompt, SamplingParams(**first_params), use_tqdm=False)[0].text
+    expected = LLM(qwen, show_progress=False, **OPTIONS).generate(
+        f"Summary: {first_text}\nAnswer:", SamplingParams(**second_params), use_tqdm=False)[0].text
+    response = post_pipeline(server, {"model": "small", "prompt": prompt, **first_params, "then": {
+        "model": second, "template": "Summary: {output}\nAnswer:", **second_params}})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["model"] == second and body["choices"][0]["text"] == expected
+    server.wait_until_idle()
+    assert server.engine.pool.pages.num_used == 0 and not server.engine.pipelines
+
+
+@pytest.mark.parametrize("then, status, param", [
+    (None, 400, "then"),
+    ({"model": "nope", "template": "{output}"}, 404, "then.model"),
+    ({"model": "small", "template": "{answer}"}, 400, "then.template"),
+    ({"model": "small", "template": "{output}", "n": 2}, 400, "then.n"),
+    ({"model": "small", "template": "{output}", "temperature": "hot"}, 400, "then.temperature"),
+])
+def test_pipeline_route_refuses_bad_fields(server, then, status, param):
+    body = {"model": "small", "prompt": "x", "max_tokens": 2}
+    if then is not None:
+        body["then"] = then
+    response = post_pipeline(server, body)
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["param"] == param

@@ -21,7 +21,7 @@ from mempath.server.app import install_error_handlers, install_guards
 from mempath.server.async_engine import AsyncEngine
 from mempath.server.calls import api_key_checker
 from mempath.server.protocol import APIError
-from mempath.server.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS
+from mempath.server.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, DEFAULT_MAX_N
 
 
 class ModelClient:
@@ -144,7 +144,9 @@ def build_multi_server_app(models: list[str], engine_options: dict, served_model
     from mempath.multi.engine import MultiEngine
     from mempath.multi.names import served_models
     from mempath.multi.startup import build_engines
+    from mempath.multi.pipeline_route import pipeline_router
     from mempath.server.app import build_app
+    from mempath.server.calls import Limits
     from mempath.server.metrics import ServerMetrics
     if engine_options.get("tokenizer"):
         raise ValueError("--tokenizer names one tokenizer; with several models each uses the one in its directory")
@@ -164,9 +166,15 @@ def build_multi_server_app(models: list[str], engine_options: dict, served_model
     shared = AsyncEngine(multi, metrics, stream_stall_timeout=stream_stall_timeout,
                          log_stats_interval=log_stats_interval)
     listed = [(name, engine.max_model_len) for name, engine in engines.items()]
-    apps = {name: build_app(ModelClient(shared, name, engine), name, api_key=api_key, sampling_defaults=defaults[name],
-                            models_listed=listed, **limits, **http_options)
-            for name, engine in engines.items()}
+    apps = {}
+    for name, engine in engines.items():
+        client = ModelClient(shared, name, engine)
+        route_limits = Limits(max_tokens=limits.get("max_tokens_limit") or engine.max_model_len,
+                              max_n=limits.get("max_n", DEFAULT_MAX_N),
+                              max_body_bytes=limits.get("max_body_bytes", DEFAULT_MAX_BODY_BYTES))
+        apps[name] = build_app(client, name, api_key=api_key, sampling_defaults=defaults[name], models_listed=listed,
+                               extra_routers=[pipeline_router(client, names, api_key, route_limits, defaults)],
+                               **limits, **http_options)
     guard_options = {k: http_options[k] for k in ("bind_host", "allowed_origins", "max_header_bytes", "max_headers")
                      if k in http_options}
     app = MultiModelApp(shared, apps, unknown_model_app(names, api_key, guard_options),

@@ -55,7 +55,8 @@ def build_app(engine_client: AsyncEngine, served_model_name: str, api_key: str |
               allowed_origins: Sequence[str] = (), max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
               max_headers: int = DEFAULT_MAX_HEADERS, sampling_defaults: dict | None = None,
               root_path: str = "", enable_docs: bool = True, tool_call_parser: str | None = None,
-              enable_auto_tool_choice: bool = False, models_listed: Sequence[tuple[str, int]] = ()) -> FastAPI:
+              enable_auto_tool_choice: bool = False, models_listed: Sequence[tuple[str, int]] = (),
+              extra_routers: Sequence[APIRouter] = ()) -> FastAPI:
     """The FastAPI app; its lifespan starts and stops the engine thread.
 
     ``bind_host``: the address the server listens on; a loopback one turns on the
@@ -67,6 +68,7 @@ def build_app(engine_client: AsyncEngine, served_model_name: str, api_key: str |
     names, None: the chat template's format) and ``enable_auto_tool_choice``:
     server/tool_choice.py. ``models_listed``: (name, max_model_len) of every model /v1/models
     lists, when this app is one of several models' (mempath/multi/http.py); empty: this one.
+    ``extra_routers``: routes beside the OpenAI ones (several models' /v1/pipelines).
     """
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
         raise ValueError(f"--tool-call-parser must be one of {', '.join(PARSERS)}, got {tool_call_parser!r}")
@@ -117,6 +119,8 @@ def build_app(engine_client: AsyncEngine, served_model_name: str, api_key: str |
                                      tools, listed))
     app.include_router(responses_router(engine_client, served_model_name, api_key, limits, defaults))
     app.include_router(tokens_router(engine_client, served_model_name, api_key, limits))
+    for router in extra_routers:
+        app.include_router(router)
     return app
 
 

@@ -230,6 +230,18 @@ class AsyncEngine:
         await asyncio.wrap_future(self._submit(command, admit=not queue.admitted))
         queue.admitted = True
 
+    async def add_pipeline(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                           queue: UpdateQueue, first: str, second: str, template: str,
+                           second_params: SamplingParams) -> None:
+        """Queue a MultiEngine pipeline (mempath/multi/pipeline.py): its Updates are the second model's."""
+        route = _Route(asyncio.get_running_loop(), queue)
+
+        def command():
+            self.engine.add_pipeline(prompt, params, request_id, first, second, template, second_params)
+            self._routes[request_id] = route
+        await asyncio.wrap_future(self._submit(command, admit=not queue.admitted))
+        queue.admitted = True
+
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks; safe from any thread, a no-op once it is done."""
         try:
