@@ -18,10 +18,14 @@ guarantees under contention, and a model never loses pages below its guarantee.
 """
 from __future__ import annotations
 
+import time
+
 from mempath.engine.engine import LLMEngine
 from mempath.multi.pages import PagePool, TenantPages
 from mempath.multi.pipeline import (Pipeline, Template, count_device_reads, handoff_text, handoff_token_ids,
-                                    same_vocabulary)
+                                    same_vocabulary, special_prefix)
+
+MAX_CACHED_LITERALS = 1024  # template pieces' token ids kept (a client sends few distinct templates)
 from mempath.outputs import RequestOutput
 from mempath.sampling import SamplingParams
 
@@ -39,6 +43,10 @@ class MultiEngine:
         self.num_cross_preemptions = 0
         self.num_handoff_device_reads = 0  # reads of tensor data on the hand-off path (pipeline.py)
         self.vocabulary_pairs: dict[tuple[str, str], bool] = {}
+        self.prefixes: dict[LLMEngine, list[int]] = {}
+        self.literal_ids: dict[tuple[str, str], list[int]] = {}
+        self.num_handoffs = 0
+        self.handoff_seconds = 0.0
         for name, engine in engines.items():
             engine.kv.pool.reclaim = self._reclaim
 
@@ -145,9 +153,11 @@ class MultiEngine:
             return False  # the pipeline ends with the first model's failure
         pipeline.first_output = output
         first, second = self.owner.pop(output.request_id), self.engines[pipeline.second]
+        start = time.perf_counter()
         with count_device_reads() as reads:
             if self._same_vocabulary(first, pipeline.second):
-                prompt = handoff_token_ids(pipeline.template, output, first.tokenizer, second.tokenizer)
+                prompt = handoff_token_ids(pipeline.template, output, self._prefix(first), self._prefix(second),
+                                           lambda text: self._literal_ids(pipeline.second, text))
             else:
                 prompt = handoff_text(pipeline.template, output, first.tokenizer)
         self.num_handoff_device_reads += reads.count
@@ -156,7 +166,23 @@ class MultiEngine:
         except ValueError as error:  # B's prompt too long for it, say: the pipeline ends with that error
             output.error, output.outputs[0].finish_reason = str(error), "error"
             return False
+        self.num_handoffs += 1
+        self.handoff_seconds += time.perf_counter() - start  # building B's prompt and adding its request
         return True
+
+    def _prefix(self, engine: LLMEngine) -> list[int]:
+        if engine not in self.prefixes:
+            self.prefixes[engine] = special_prefix(engine.tokenizer)
+        return self.prefixes[engine]
+
+    def _literal_ids(self, model: str, text: str) -> list[int]:
+        """A template piece's ids in the model's tokenizer, cached (templates repeat)."""
+        key = (model, text)
+        if key not in self.literal_ids:
+            if len(self.literal_ids) >= MAX_CACHED_LITERALS:
+                self.literal_ids.clear()
+            self.literal_ids[key] = self.engines[model].tokenizer.encode(text, add_special_tokens=False)
+        return self.literal_ids[key]
 
     def close(self) -> None:
         for engine in self.engines.values():
@@ -215,6 +241,8 @@ class MultiEngine:
                          "free": pages.num_free, "guaranteed_per_model": self.pool.guaranteed(),
                          "used_by_model": self.pool.split()},
             "num_cross_model_preemptions": self.num_cross_preemptions,
+            "handoffs": {"count": self.num_handoffs, "seconds_total": self.handoff_seconds,
+                         "device_reads": self.num_handoff_device_reads},
         }
 
 

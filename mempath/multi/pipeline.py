@@ -85,13 +85,15 @@ def special_prefix(tokenizer) -> list[int]:
     return tokenizer.encode("", add_special_tokens=True) if tokenizer is not None else []
 
 
-def handoff_token_ids(template: Template, first: RequestOutput, first_tokenizer, second_tokenizer) -> list[int]:
-    """B's prompt ids from A's finished output, for tokenizers with the same vocabulary."""
-    ids = list(special_prefix(second_tokenizer))
-    a_prefix = special_prefix(first_tokenizer)
+def handoff_token_ids(template: Template, first: RequestOutput, a_prefix: list[int], b_prefix: list[int],
+                      encode_literal) -> list[int]:
+    """B's prompt ids from A's finished output, for tokenizers with the same vocabulary: the
+    special prefixes are A's and B's (``special_prefix``), ``encode_literal`` B's ids of a
+    literal piece (cached by the caller: a tokenizer call costs more than the rest)."""
+    ids = list(b_prefix)
     for kind, value in template.pieces:
         if kind == "literal":
-            ids += second_tokenizer.encode(value, add_special_tokens=False)
+            ids += encode_literal(value)
         elif value == "output":
             ids += first.outputs[0].token_ids
         else:
