@@ -149,10 +149,11 @@ def part_b(llm: LLM, vocab: int, args) -> dict:
     """Hand-off cost per pipeline, one tokenizer and two."""
     engine, out = llm.engine, {}
     rng = np.random.default_rng(7)
-    prompts = [rng.integers(8, vocab - 8, 256).tolist() for _ in range(args.pipelines)]
-    first = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    prompts = [rng.integers(8, vocab - 8, min(256, args.prompt_len)).tolist() for _ in range(args.pipelines)]
+    first = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     second = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     for label, target in (("same_tokenizer", "big"), ("other_tokenizer", "small2")):
+        llm.pipeline(prompts[:1], "small", target, TEMPLATE, first, second)  # first-time costs: vocabularies compared, pieces tokenized
         count, seconds, reads = engine.num_handoffs, engine.handoff_seconds, engine.num_handoff_device_reads
         start = time.perf_counter()
         llm.pipeline(prompts, "small", target, TEMPLATE, first, second)

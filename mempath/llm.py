@@ -165,20 +165,23 @@ class LLM:
         return group
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, chat_template: str | None = None,
+             model: str | None = None) -> list[RequestOutput]:
         """Apply the chat template (``chat_template``, else the tokenizer's) to one conversation or a list."""
-        if self.tokenizer is None:
-            raise ValueError(f"{self.config.model} has no tokenizer")
-        if not (chat_template or getattr(self.tokenizer, "chat_template", None)):
-            raise ValueError(f"{self.config.model} has no chat template in its tokenizer_config.json")
+        engine = self._engine_for(model)
+        tokenizer, name = engine.tokenizer, engine.config.model
+        if tokenizer is None:
+            raise ValueError(f"{name} has no tokenizer")
+        if not (chat_template or getattr(tokenizer, "chat_template", None)):
+            raise ValueError(f"{name} has no chat template in its tokenizer_config.json")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.tokenizer.apply_chat_template(
+        prompts = [tokenizer.apply_chat_template(
             conv, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template)
             for conv in conversations]
         # The template already contains the special tokens: tokenize without adding more.
-        token_lists = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        outputs = self.generate(token_lists, sampling_params, use_tqdm) if len(token_lists) > 1 else \
-            self.generate(token_lists[0], sampling_params, use_tqdm)
+        token_lists = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        outputs = self.generate(token_lists, sampling_params, use_tqdm, model) if len(token_lists) > 1 else \
+            self.generate(token_lists[0], sampling_params, use_tqdm, model)
         for output, text in zip(outputs, prompts):
             output.prompt = text
         return outputs

@@ -72,8 +72,10 @@ def test_greedy_together_equals_alone(two_models):
     assert [done[f"r{i}"] for i in range(0, len(requests), 2)] == expected_a
     assert [done[f"r{i}"] for i in range(1, len(requests), 2)] == expected_b
     assert_all_free(llm.engine)
-    # And through generate(model=...), one model at a time.
+    # And through generate(model=...), one model at a time; chat() through the named model's template.
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False, model="b")] == expected_b
+    chat = llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False, model="b")[0]
+    assert chat.prompt_token_ids == llm.engines["b"].tokenizer.encode("<s>user: hi\n<s>assistant:", add_special_tokens=False)
 
 
 def test_split_moves_under_alternating_load(two_models):
