@@ -3,6 +3,8 @@
 # STEPS picks what runs, e.g. STEPS="tests latency". Steps and their rough H200 cost:
 #   tests (~3 min)  latency (~1 min, +0.5 per --variants entry)  tput-qwen3, tput-llama (~1.5 min each with HF_TIMEOUT=40)
 #   blocks (~3 min)  multiturn (~5 min)  diagnose (~2 min, three shapes)  serve (needs .whl, below)
+#   pending, fp8-gemv, fp8-latency, mix-qwen3, mix-llama, mix-tokens, structured, moe-offload, moe-resident,
+#   spec-a, spec-c, multi (the open issues, below)
 #   profile (~1 min: kernel table at batch 1)  profile-workload (~1 min: host/device split of the throughput run)
 # For `serve`, carry fastapi/uvicorn/starlette/pydantic(+core)/anyio/h11/sniffio/annotated-types/
 # typing-inspection/prometheus-client as wheels in .whl (see ../.library/device/README.md).
@@ -41,6 +43,25 @@ step multiturn-doc 220 python3 benchmarks/bench_multiturn.py --shape llama-3.1-8
 step profile 100 python3 benchmarks/profile_steps.py decode --shape llama-3.1-8b --batch 1 --context 128
 mv "$LOGS/profile.log" "$LOGS/profile-decode.log" 2>/dev/null
 step profile-workload 100 python3 benchmarks/profile_steps.py workload --shape qwen3-0.6b
+# The open issues' H200 checks (#16, #17, #19, #20, #21, #15), built on the CPU and not yet run on a GPU.
+# `pending` runs their GPU tests (about 4 min); each benchmark step is about 2-4 min. Steps that
+# import xgrammar or the server need the .whl wheels installed first (STEPS="wheels ...").
+if want wheels; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=.:/tmp/site
+fi
+step pending 300 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu or GPU or CUDA or triton" \
+  tests/test_fp8_gemv.py tests/test_fp8_weights.py tests/test_moe.py tests/test_moe_triton.py tests/test_moe_prefetch.py \
+  tests/test_fused_ops.py tests/test_structured_async.py tests/test_structured.py tests/test_spec_interactions.py
+step fp8-gemv 200 python3 benchmarks/bench_fp8_gemv.py --out "$LOGS/fp8_gemv_configs.json"
+step fp8-latency 200 python3 benchmarks/bench_fp8_weights.py latency --shape llama-3.1-8b --new-tokens 128 \
+  --table "$( [ -s "$LOGS/fp8_gemv_configs.json" ] && echo "$LOGS/fp8_gemv_configs.json" || echo mempath/assets/fp8_gemv_configs.json )"
+step mix-qwen3 200 python3 benchmarks/bench_mix.py --shape qwen3-0.6b --max-num-seqs 256,1024
+step mix-llama 240 python3 benchmarks/bench_mix.py --shape llama-3.1-8b --max-num-seqs 256,1024
+step mix-tokens 200 python3 benchmarks/bench_mix.py --shape llama-3.1-8b --max-num-seqs 1024 --max-num-batched-tokens 8192,16384
+step structured 300 python3 benchmarks/bench_structured.py --schemas 20
+step moe-offload 300 python3 benchmarks/bench_moe.py --parts pinned,offload
+step moe-resident 300 python3 benchmarks/bench_moe.py --parts pinned,resident
 if want diagnose; then
   for shape in qwen3-0.6b llama-3.1-8b phi-3-mini-4k-instruct; do
     d=$(mktemp -d); cp "tests/data/configs/$shape.json" "$d/config.json"

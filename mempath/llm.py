@@ -14,9 +14,23 @@ log = logging.getLogger(__name__)
 
 
 class LLM:
-    """``LLM(model_dir, **engine_options)``; options are EngineConfig's fields."""
+    """``LLM(model_dir, **engine_options)``; options are EngineConfig's fields.
 
-    def __init__(self, model: str | None = None, show_progress: bool = True, **engine_options):
+    ``LLM([A, B], ...)`` (or ``models=[...]``) serves several models on one device, sharing
+    one KV page pool (docs/multi_model.md): each entry a directory or ``NAME=DIR``, or
+    named by ``served_model_name`` (one per model); ``kv_min_share`` is the fraction of the
+    pool each model is guaranteed. ``generate(..., model=NAME)`` picks one; the first by default.
+    """
+
+    def __init__(self, model: str | list[str] | None = None, show_progress: bool = True, *,
+                 models: list[str] | None = None, served_model_name: list[str] | None = None,
+                 kv_min_share: float = 0.0, **engine_options):
+        if isinstance(model, (list, tuple)) or models is not None:
+            self._init_several(list(models if models is not None else model), served_model_name, kv_min_share,
+                               show_progress, engine_options)
+            return
+        if served_model_name is not None or kv_min_share:
+            raise TypeError("served_model_name and kv_min_share are for several models: LLM([A, B], ...)")
         if model is None:
             from mempath.assets import default_model_path
             model = default_model_path()
@@ -24,15 +38,48 @@ class LLM:
         self.sampling_defaults = generation_defaults(model, self.config.generation_config)  # before the load
         self.engine = LLMEngine(self.config, show_progress=show_progress)
         self.engine.outputs.emit_progress = False  # generate() only collects finished requests
+        self.engines: dict[str, LLMEngine] = {}  # several models' engines by name (empty: one model)
+        self.defaults_by_model: dict[str, dict] = {}
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
-    def get_default_sampling_params(self) -> SamplingParams:
+    def _init_several(self, models: list[str], served_names, kv_min_share: float, show_progress: bool,
+                      engine_options: dict) -> None:
+        from mempath.multi.engine import MultiEngine
+        from mempath.multi.names import served_models
+        from mempath.multi.startup import build_engines
+        if not models:
+            raise ValueError("LLM(models=[...]): name at least one model directory")
+        if engine_options.get("tokenizer"):
+            raise ValueError("tokenizer names one tokenizer; with several models each uses the one in its directory")
+        pairs = served_models(models, served_names)
+        engines, pool = build_engines(pairs, engine_options, show_progress, kv_min_share)
+        self.engine = MultiEngine(engines, pool)
+        self.engines = engines
+        for engine in engines.values():
+            engine.outputs.emit_progress = False
+        first = next(iter(engines.values()))
+        self.config, self.tokenizer = first.config, first.tokenizer
+        self.defaults_by_model = {name: generation_defaults(e.config.model, e.config.generation_config)
+                                  for name, e in engines.items()}
+        self.sampling_defaults = next(iter(self.defaults_by_model.values()))
+        self._ids = itertools.count()
+
+    def _engine_for(self, model: str | None) -> LLMEngine:
+        """The model's engine: None is the first; one model answers to None only."""
+        if not self.engines:
+            if model is not None:
+                raise ValueError(f"this LLM serves one model ({self.config.model}); leave model out")
+            return self.engine
+        return self.engine.engine(model)
+
+    def get_default_sampling_params(self, model: str | None = None) -> SamplingParams:
         """SamplingParams with the generation config's defaults (--generation-config), as vLLM's."""
-        return SamplingParams(**self.sampling_defaults)
+        self._engine_for(model)  # an unknown model is refused here, before its defaults are looked up
+        return SamplingParams(**(self.defaults_by_model.get(model) or self.sampling_defaults))
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, model: str | None = None) -> list[RequestOutput]:
         """Generate for one prompt or a list (strings or token-id lists): one RequestOutput per prompt.
 
         As in vLLM, each output holds its ``n`` samples in ``outputs`` (``out.outputs[i].text``);
@@ -44,12 +91,13 @@ class LLM:
         single = isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         prompt_list = [prompts] if single else list(prompts)
+        engine = self._engine_for(model)
         if sampling_params is None:
-            sampling_params = self.get_default_sampling_params()
+            sampling_params = self.get_default_sampling_params(model)
         param_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompt_list)
         if len(param_list) != len(prompt_list):
             raise ValueError(f"got {len(prompt_list)} prompts but {len(param_list)} SamplingParams")
-        groups = [self._add_samples(prompt, p, single) for prompt, p in zip(prompt_list, param_list)]
+        groups = [self._add_samples(engine, prompt, p, single) for prompt, p in zip(prompt_list, param_list)]
         results = {r.request_id: r for group in groups for r in group if isinstance(r, RequestOutput)}
         total = sum(len(group) for group in groups)
         bar = tqdm(total=total, desc="Generating", unit="req", disable=not use_tqdm or total < 2)
@@ -63,7 +111,39 @@ class LLM:
         return [RequestOutput.grouped([results[r if isinstance(r, str) else r.request_id] for r in group])
                 for group in groups]
 
-    def _add_samples(self, prompt, params: SamplingParams, single: bool) -> list:
+    def pipeline(self, prompts, first: str, second: str, template: str = "{output}",
+                 sampling_params: SamplingParams | None = None, second_sampling_params: SamplingParams | None = None):
+        """Model ``first`` answers each prompt; its answer, through ``template`` (``{output}``, and
+        ``{prompt}`` for the prompt), is model ``second``'s prompt (docs/multi_model.md, "Hand-off").
+
+        One PipelineOutput per prompt (``.first``, ``.second``, ``.text``: the second's answer). A
+        prompt that fails in the first model ends there: ``.second`` is that failure.
+        """
+        from mempath.multi.pipeline import PipelineOutput
+        if not self.engines:
+            raise ValueError("pipeline() needs several models: LLM([A, B], ...)")
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        prompt_list = [prompts] if single else list(prompts)
+        first_params = sampling_params or self.get_default_sampling_params(first)
+        second_params = second_sampling_params or self.get_default_sampling_params(second)
+        ids = [f"pipe-{next(self._ids)}" for _ in prompt_list]
+        added = []
+        try:
+            for prompt, request_id in zip(prompt_list, ids):
+                added.append(self.engine.add_pipeline(prompt, first_params, request_id, first, second, template,
+                                                      second_params))
+        except ValueError:
+            for request_id in ids[:len(added)]:
+                self.engine.abort_request(request_id)
+            raise
+        results = {}
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.finished:
+                    results[output.request_id] = output
+        return [PipelineOutput(p.first_output or results[i], results[i]) for p, i in zip(added, ids)]
+
+    def _add_samples(self, engine: LLMEngine, prompt, params: SamplingParams, single: bool) -> list:
         """Add one engine request per sample; a refused one is its finished error output instead of its id."""
         group = []
         for index in range(params.n):
@@ -73,7 +153,7 @@ class LLM:
                 seed = None if params.seed is None else params.seed + index
                 sample_params = SamplingParams(**{**params.__dict__, "n": 1, "seed": seed})
             try:
-                self.engine.add_request(prompt, sample_params, request_id)
+                engine.add_request(prompt, sample_params, request_id)
                 group.append(request_id)
             except ValueError as error:
                 if single:
@@ -85,20 +165,23 @@ class LLM:
         return group
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, chat_template: str | None = None,
+             model: str | None = None) -> list[RequestOutput]:
         """Apply the chat template (``chat_template``, else the tokenizer's) to one conversation or a list."""
-        if self.tokenizer is None:
-            raise ValueError(f"{self.config.model} has no tokenizer")
-        if not (chat_template or getattr(self.tokenizer, "chat_template", None)):
-            raise ValueError(f"{self.config.model} has no chat template in its tokenizer_config.json")
+        engine = self._engine_for(model)
+        tokenizer, name = engine.tokenizer, engine.config.model
+        if tokenizer is None:
+            raise ValueError(f"{name} has no tokenizer")
+        if not (chat_template or getattr(tokenizer, "chat_template", None)):
+            raise ValueError(f"{name} has no chat template in its tokenizer_config.json")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.tokenizer.apply_chat_template(
+        prompts = [tokenizer.apply_chat_template(
             conv, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template)
             for conv in conversations]
         # The template already contains the special tokens: tokenize without adding more.
-        token_lists = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        outputs = self.generate(token_lists, sampling_params, use_tqdm) if len(token_lists) > 1 else \
-            self.generate(token_lists[0], sampling_params, use_tqdm)
+        token_lists = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        outputs = self.generate(token_lists, sampling_params, use_tqdm, model) if len(token_lists) > 1 else \
+            self.generate(token_lists[0], sampling_params, use_tqdm, model)
         for output, text in zip(outputs, prompts):
             output.prompt = text
         return outputs

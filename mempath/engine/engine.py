@@ -27,8 +27,10 @@ log = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, show_progress: bool = True, stage: StageObserver = no_observer):
-        parts = Startup(config, stage).run(show_progress)
+    def __init__(self, config: EngineConfig, show_progress: bool = True, stage: StageObserver = no_observer,
+                 parts: Startup | None = None):
+        # ``parts``: built by another start-up (several models on one device: mempath/multi/startup.py).
+        parts = parts if parts is not None else Startup(config, stage).run(show_progress)
         self.config = config
         self.device, self.dtype, self.dtype_name = parts.device, parts.dtype, parts.dtype_name
         self.hf_config, self.spec, self.max_model_len = parts.hf_config, parts.spec, parts.max_model_len

@@ -223,6 +223,14 @@ class Scheduler:
                 return j
         return len(self.running) - 1
 
+    def preempt_newest(self) -> Request | None:
+        """Preempt the request ``_victim_index`` picks, for room another model needs (mempath/multi)."""
+        if not self.running:
+            return None
+        request = self.running.pop(self._victim_index())
+        self.preempt(request)
+        return request
+
     def _preempt_paused(self) -> bool:
         """Preempt the newest paused running request; False if none runs."""
         if not self.running:

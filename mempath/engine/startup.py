@@ -100,7 +100,8 @@ def kv_capacity_lines(device_type: str, kv: KVCacheManager, block_size: int, max
 class Startup:
     """The parts under construction; ``run`` builds them, LLMEngine takes them."""
 
-    def __init__(self, config: EngineConfig, stage: StageObserver = no_observer):
+    def __init__(self, config: EngineConfig, stage: StageObserver = no_observer,
+                 budget: DeviceBudget | None = None, tenant: str | None = None):
         self.config = config
         self.stage = stage
         self.device = config.torch_device()
@@ -113,12 +114,15 @@ class Startup:
         self.expert_cache_size = resolve_expert_cache_size(
             shape_from_spec(self.spec), self.dtype.itemsize, config.moe_expert_cache_size,
             config.moe_expert_cache_gb, str(Path(config.model) / "config.json"))
-        self.tenant = Path(config.model).name or config.model
+        self.tenant = tenant or Path(config.model).name or config.model
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             # The whole budget until start-up has measured what it may leave PyTorch (cap_device_memory).
             torch.cuda.set_per_process_memory_fraction(config.gpu_memory_utilization, self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+        if budget is not None:  # another tenant of a device shared by several models (mempath/multi)
+            self.budget = budget
+        elif self.device.type == "cuda":
             self.budget = DeviceBudget.of_cuda(self.device, config.gpu_memory_utilization)
         else:
             self.budget = DeviceBudget(self.device.type, None)
@@ -130,7 +134,15 @@ class Startup:
         return oom_guard(stage, self.ledger, self.config, dtype=self.dtype_name, **kwargs)
 
     def run(self, show_progress: bool) -> "Startup":
-        config, stage = self.config, self.stage
+        self.prepare(show_progress)
+        num_blocks = self.size_kv_cache()
+        self.allocate_kv_cache(num_blocks)
+        self.finish(num_blocks)
+        return self
+
+    def prepare(self, show_progress: bool) -> None:
+        """Everything before the KV cache: weights, tokenizer, runner, the draft."""
+        config = self.config
         self.load_weights(show_progress)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         if self.tokenizer is None and config.tokenizer:
@@ -144,7 +156,9 @@ class Startup:
                           "static inputs and decode split workspace")
         if self.spec_config is not None:
             self.load_draft(show_progress)
-        num_blocks = self.size_kv_cache()
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        config, stage = self.config, self.stage
         with self._guard("kv_allocation", requested_bytes=num_blocks * self.kv_bytes_per_block()), \
                 stage("kv allocation", Pathway.KV_CACHE.value):
             self.runner.allocate_kv_cache(num_blocks)
@@ -156,18 +170,17 @@ class Startup:
             draft_kv = self.draft_runner.kv_cache
             self.budget.grant(self.draft_tenant, Pathway.KV_CACHE, draft_kv.numel() * draft_kv.element_size(),
                               "measured", f"{num_blocks} blocks x {config.block_size} tokens, the target's block tables")
+
+    def finish(self, num_blocks: int) -> None:
+        """Everything after the KV cache: kernels, graphs, the KV manager, the allocator's cap."""
+        config, stage = self.config, self.stage
         if self.runner.use_triton:
             with stage("compile kernels", None):
                 self.probes.compile_kernels(num_blocks)
                 if self.draft_runner is not None:
                     Probes(config, self.draft_runner, self.max_model_len).compile_kernels(num_blocks)
         self.capture_graphs()
-        if config.tiers_enabled:
-            with stage("attach tiers", None):
-                self.kv = self.kv_manager_with_tiers(num_blocks)
-        else:
-            self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                     draft_kv=self.draft_runner is not None)
+        self.kv = self.make_kv_manager(num_blocks)
         if self.spec_config is not None:
             self.build_spec_decoder()
         if self.device.type == "cuda":
@@ -177,7 +190,13 @@ class Startup:
         log.info("memory by pathway:\n%s", self.ledger.table())
         if self.draft_ledger is not None:
             log.info("memory by pathway, %s:\n%s", self.draft_tenant, self.draft_ledger.table())
-        return self
+
+    def make_kv_manager(self, num_blocks: int) -> KVCacheManager:
+        if self.config.tiers_enabled:
+            with self.stage("attach tiers", None):
+                return self.kv_manager_with_tiers(num_blocks)
+        return KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching,
+                              draft_kv=self.draft_runner is not None)
 
     def load_weights(self, show_progress: bool) -> None:
         config, device = self.config, self.device
@@ -291,11 +310,16 @@ class Startup:
         in_use = total - free  # our weights, context and allocator, plus other processes
         reserved = torch.cuda.memory_reserved(self.device)
         grant, tenant = self.budget.grant, self.tenant
-        grant(tenant, Pathway.NON_TORCH, in_use - reserved, "derived",
+        # The other tenants (a draft, the other models of a shared device): what they were
+        # granted of these process-wide figures is theirs, not this tenant's.
+        others = [ledger for name, ledger in self.budget.ledgers.items() if name != tenant]
+
+        def held_by_others(*pathways: Pathway) -> int:
+            return sum(ledger.get(p) for ledger in others for p in pathways)
+        grant(tenant, Pathway.NON_TORCH, in_use - reserved - held_by_others(Pathway.NON_TORCH), "derived",
               "device used - torch reserved (context, other processes)")
-        draft = self.draft_ledger.get(Pathway.WEIGHTS) + self.draft_ledger.get(Pathway.STEP_BUFFERS) \
-            if self.draft_ledger is not None else 0
-        grant(tenant, Pathway.TORCH_OTHER, reserved - self.ledger.get(Pathway.WEIGHTS) - self.ledger.get(Pathway.STEP_BUFFERS) - draft,
+        grant(tenant, Pathway.TORCH_OTHER, reserved - self.ledger.get(Pathway.WEIGHTS) - self.ledger.get(Pathway.STEP_BUFFERS)
+              - held_by_others(Pathway.WEIGHTS, Pathway.STEP_BUFFERS, Pathway.TORCH_OTHER),
               "derived", "torch reserved at the profile - weights - step buffers (model buffers, allocator rounding)")
         grant(tenant, Pathway.ACTIVATION_PEAK, activation_peak, "measured",
               "the profile step's peak as the allocator reserved it")

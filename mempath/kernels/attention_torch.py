@@ -48,13 +48,15 @@ def write_kv(
     """Store ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into their slots."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
+    # Indexed by (block, offset), not through a flattened view: a model sharing a page pool
+    # with others (mempath/multi) has blocks a page apart, and such a cache has no flat view.
+    blocks, offsets = slots // k_cache.shape[1], slots % k_cache.shape[1]
     for rows, cache in ((key, k_cache), (value, v_cache)):
-        flat = cache.view(-1, cache.shape[-2], cache.shape[-1])
         stored = quantize_kv(rows[keep], cache.dtype)
         if is_fp8(cache.dtype):
-            # PyTorch's CPU index_copy_ has no float8 kernel; the bytes are the same.
-            flat, stored = flat.view(torch.uint8), stored.view(torch.uint8)
-        flat.index_copy_(0, slots, stored)
+            # PyTorch's CPU indexing kernels have no float8 variant; the bytes are the same.
+            cache, stored = cache.view(torch.uint8), stored.view(torch.uint8)
+        cache[blocks, offsets] = stored
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:

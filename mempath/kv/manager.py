@@ -47,13 +47,18 @@ class Preemption:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 tiers: TierConfig | None = None, draft_kv: bool = False):
+                 tiers: TierConfig | None = None, draft_kv: bool = False, pool: BlockPool | None = None,
+                 hash_seed: bytes | None = None):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         # A draft model keeps its own KV under the same block tables (speculative decoding):
         # a block is published only once both models' KV in it is computed.
         self.draft_kv = draft_kv
-        self.pool = BlockPool(num_blocks)
+        # Several models on one device share one pool of pages (mempath/multi): ``pool`` is
+        # this model's view of it, and ``hash_seed`` starts its hash chains so that its
+        # prefix-cache keys never match another model's.
+        self.pool = pool if pool is not None else BlockPool(num_blocks)
+        self.hash_seed = hash_seed
         self.tiers = TierCoordinator(self.pool, block_size, tiers) if tiers is not None else None
 
     def _take(self, n: int) -> list[int]:
@@ -166,9 +171,8 @@ class KVCacheManager:
         num_cached_tokens = len(cached_blocks) * self.block_size
         num_new_blocks = self.blocks_for(num_cached_tokens + num_new_tokens) - len(cached_blocks)
         # Cached blocks sitting in the free queue stop being free once taken.
-        free_after_touch = self.pool.num_free - sum(
-            1 for b in cached_blocks if self.pool.ref_counts[b] == 0)
-        if num_new_blocks > free_after_touch:
+        taken_from_free = sum(1 for b in cached_blocks if self.pool.ref_counts[b] == 0)
+        if not self.pool.can_allocate(num_new_blocks + taken_from_free):
             return False
         self.pool.touch(cached_blocks)
         replace_table(request, cached_blocks + self._take(num_new_blocks))
@@ -180,7 +184,7 @@ class KVCacheManager:
     def append_slots(self, request, num_new_tokens: int) -> bool:
         """Make room for num_new_tokens more tokens of a running request."""
         needed = self.blocks_for(request.num_computed_tokens + num_new_tokens) - len(request.block_table)
-        if needed > self.pool.num_free:
+        if needed > 0 and not self.pool.can_allocate(needed):
             return False
         if needed > 0:
             grow_table(request, self._take(needed))
@@ -242,7 +246,7 @@ class KVCacheManager:
         hashes, token_ids, block_size = request.block_hashes, request.token_ids, self.block_size
         while (len(hashes) + 1) * block_size <= len(token_ids):
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else self.hash_seed
             hashes.append(hash_block(parent, token_ids[i * block_size:(i + 1) * block_size]))
 
     # ------------------------------------------------------------ speculation

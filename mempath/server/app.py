@@ -55,7 +55,8 @@ def build_app(engine_client: AsyncEngine, served_model_name: str, api_key: str |
               allowed_origins: Sequence[str] = (), max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
               max_headers: int = DEFAULT_MAX_HEADERS, sampling_defaults: dict | None = None,
               root_path: str = "", enable_docs: bool = True, tool_call_parser: str | None = None,
-              enable_auto_tool_choice: bool = False) -> FastAPI:
+              enable_auto_tool_choice: bool = False, models_listed: Sequence[tuple[str, int]] = (),
+              extra_routers: Sequence[APIRouter] = ()) -> FastAPI:
     """The FastAPI app; its lifespan starts and stops the engine thread.
 
     ``bind_host``: the address the server listens on; a loopback one turns on the
@@ -65,7 +66,9 @@ def build_app(engine_client: AsyncEngine, served_model_name: str, api_key: str |
     prefix a proxy serves this under (--root-path). ``enable_docs``: /docs and
     /openapi.json (--disable-fastapi-docs turns them off). ``tool_call_parser`` (vLLM's
     names, None: the chat template's format) and ``enable_auto_tool_choice``:
-    server/tool_choice.py.
+    server/tool_choice.py. ``models_listed``: (name, max_model_len) of every model /v1/models
+    lists, when this app is one of several models' (mempath/multi/http.py); empty: this one.
+    ``extra_routers``: routes beside the OpenAI ones (several models' /v1/pipelines).
     """
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
         raise ValueError(f"--tool-call-parser must be one of {', '.join(PARSERS)}, got {tool_call_parser!r}")
@@ -111,10 +114,13 @@ def build_app(engine_client: AsyncEngine, served_model_name: str, api_key: str |
         return {"version": __version__}
 
     defaults = dict(sampling_defaults or {})
+    listed = list(models_listed) or [(served_model_name, engine_client.max_model_len)]
     app.include_router(openai_router(engine_client, served_model_name, api_key, limits, created, defaults,
-                                     tools))
+                                     tools, listed))
     app.include_router(responses_router(engine_client, served_model_name, api_key, limits, defaults))
     app.include_router(tokens_router(engine_client, served_model_name, api_key, limits))
+    for router in extra_routers:
+        app.include_router(router)
     return app
 
 
@@ -125,13 +131,15 @@ class ToolSettings:
 
 
 def openai_router(engine_client: AsyncEngine, served_model_name: str, api_key: str | None,
-                  limits: Limits, created: int, sampling_defaults: dict, tools: ToolSettings) -> APIRouter:
+                  limits: Limits, created: int, sampling_defaults: dict, tools: ToolSettings,
+                  listed: list[tuple[str, int]]) -> APIRouter:
     """/v1: models, completions, chat completions, behind the API key when one is set."""
     api = APIRouter(prefix="/v1", dependencies=[Depends(api_key_checker(api_key))])
 
     @api.get("/models")
     async def list_models():
-        return models_body(served_model_name, engine_client.max_model_len, created)
+        bodies = [models_body(name, max_model_len, created) for name, max_model_len in listed]
+        return {"object": "list", "data": [model for body in bodies for model in body["data"]]}
 
     @api.post("/completions")
     async def create_completion(request: Request):

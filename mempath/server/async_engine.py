@@ -15,6 +15,9 @@ than ``stream_stall_timeout`` seconds.
 
 With ``log_stats_interval`` the engine thread also writes the periodic stats line
 (``server/stats_log.py``), waking for it only while there is something to report.
+
+The engine may be a MultiEngine (several models, mempath/multi): requests then name
+their model, and the per-model parts (output processors) are set up on each model's engine.
 """
 import asyncio
 import concurrent.futures
@@ -152,17 +155,24 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+def model_engines(engine) -> list[LLMEngine]:
+    """The LLMEngines behind an engine: a MultiEngine's models, or the engine itself."""
+    return list(engine.engines.values()) if hasattr(engine, "engines") else [engine]
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, metrics=None,
                  stream_stall_timeout: float = DEFAULT_STREAM_STALL_TIMEOUT,
                  backlog_tokens: int = STREAM_BACKLOG_TOKENS, log_stats_interval: float | None = None):
         self.engine = engine
-        # Every update carries its own logprobs: the engine need not keep a request's history.
-        engine.outputs.keep_all_logprobs = False
+        self.model_engines = model_engines(engine)
+        for part in self.model_engines:
+            # Every update carries its own logprobs: the engine need not keep a request's history.
+            part.outputs.keep_all_logprobs = False
+            if metrics is not None:
+                part.outputs.on_finish = self._record_request
         engine.commit_host_kv()  # RSS stays flat over the server's life instead of creeping up
         self.metrics = metrics
-        if metrics is not None:
-            engine.outputs.on_finish = self._record_request
         self.stats_log = None if not log_stats_interval else StatsLog(
             log_stats_interval, "GPU" if engine.device.type == "cuda" else "CPU")
         self.tokenizer = engine.tokenizer
@@ -212,10 +222,23 @@ class AsyncEngine:
 
     # ----------------------------------------------------------------- event-loop side
     async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                          queue: UpdateQueue) -> None:
-        """Queue a request; its Updates will be put on `queue`. Raises the engine's ValueError."""
+                          queue: UpdateQueue, model: str | None = None) -> None:
+        """Queue a request (for the named model of a MultiEngine); its Updates will be put on
+        `queue`. Raises the engine's ValueError."""
         route = _Route(asyncio.get_running_loop(), queue)
-        command = lambda: self._add(prompt, params, request_id, route)  # noqa: E731
+        command = lambda: self._add(prompt, params, request_id, route, model)  # noqa: E731
+        await asyncio.wrap_future(self._submit(command, admit=not queue.admitted))
+        queue.admitted = True
+
+    async def add_pipeline(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                           queue: UpdateQueue, first: str, second: str, template: str,
+                           second_params: SamplingParams) -> None:
+        """Queue a MultiEngine pipeline (mempath/multi/pipeline.py): its Updates are the second model's."""
+        route = _Route(asyncio.get_running_loop(), queue)
+
+        def command():
+            self.engine.add_pipeline(prompt, params, request_id, first, second, template, second_params)
+            self._routes[request_id] = route
         await asyncio.wrap_future(self._submit(command, admit=not queue.admitted))
         queue.admitted = True
 
@@ -343,8 +366,11 @@ class AsyncEngine:
                 if future is not None:
                     future.set_result(result)
 
-    def _add(self, prompt, params: SamplingParams, request_id: str, route: _Route) -> None:
-        self.engine.add_request(prompt, params, request_id)
+    def _add(self, prompt, params: SamplingParams, request_id: str, route: _Route, model: str | None) -> None:
+        if model is None:
+            self.engine.add_request(prompt, params, request_id)
+        else:
+            self.engine.add_request(prompt, params, request_id, model=model)
         self._routes[request_id] = route
 
     def _close_route(self, request_id: str) -> _Route | None:
@@ -387,7 +413,7 @@ class AsyncEngine:
 
     def _tokens_processed(self) -> int:
         """Prompt tokens computed and tokens generated so far: the engine's counters."""
-        return self.engine.num_prompt_tokens + self.engine.outputs.num_generation_tokens
+        return self.engine.num_prompt_tokens + sum(e.outputs.num_generation_tokens for e in self.model_engines)
 
     def _record_request(self, request) -> None:
         """The output processor's on_finish: a finished request's phases into the histograms."""

@@ -17,17 +17,21 @@ log = logging.getLogger(__name__)
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     from mempath.engine_flags import Refuse, add_engine_arguments
-    parser.add_argument("positional", nargs="?", default=None, metavar="MODEL",
-                        help="model directory (default: the built-in mempath-tiny)")
+    parser.add_argument("positional", nargs="*", default=[], metavar="MODEL",
+                        help="model directory (default: the built-in mempath-tiny); several (DIR or NAME=DIR) "
+                             "serve several models on one device (docs/multi_model.md)")
     add_engine_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 for all)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("MEMPATH_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1 (default: $MEMPATH_API_KEY)")
-    parser.add_argument("--served-model-name", default=None,
+    parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="the name clients pass as 'model' (default: the model directory's name); "
-                             "one name (vLLM takes several)")
+                             "one name per model (vLLM takes several names for one model)")
+    parser.add_argument("--kv-min-share", type=float, default=0.0,
+                        help="with several models: the fraction of the shared KV pool each one is "
+                             "guaranteed whatever the others use (default 0)")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="largest request body accepted (413 above)")
     parser.add_argument("--max-tokens-limit", type=int, default=None,
@@ -96,14 +100,19 @@ def read_chat_template(value: str | None) -> str | None:
                      f"give an existing file or the template's text")
 
 
-def resolve_model(args) -> str:
+def resolve_models(args) -> list[str]:
     if args.positional and args.model:
         raise ValueError("give the model either as --model or as the first argument, not both")
-    model = args.positional or args.model
-    if model is None:
+    models = args.positional or ([args.model] if args.model else [])
+    if not models:
         from mempath.assets import default_model_path
-        model = default_model_path()
-    return model
+        models = [default_model_path()]
+    names = args.served_model_name
+    if names and len(models) == 1 and len(names) > 1:
+        raise ValueError("--served-model-name: one name per model (several names for one model are not served)")
+    if len(models) == 1 and args.kv_min_share:
+        raise ValueError("--kv-min-share is for several models on one device (mempath serve A B ...)")
+    return models
 
 
 def check_serve_arguments(args) -> None:
@@ -203,18 +212,26 @@ def run_serve(args) -> int:
     check_serve_arguments(args)
     log_stats_interval = enable_stats_logging(args)
     check_port_free(args.host, args.port)  # before the model loads: a busy port fails in a second
-    model = resolve_model(args)
+    models = resolve_models(args)
     request_log.setLevel(logging.INFO if args.enable_log_requests else logging.WARNING)
-    app, name = build_server_app(model, engine_options(args), args.served_model_name, args.api_key,
-                                 args.max_body_bytes, args.max_tokens_limit, args.max_n,
-                                 bind_host=args.host, allowed_origins=args.allowed_origins,
-                                 max_header_bytes=args.max_header_bytes, max_headers=args.max_headers,
-                                 stream_stall_timeout=args.stream_stall_timeout,
-                                 log_stats_interval=log_stats_interval,
-                                 chat_template=read_chat_template(args.chat_template),
-                                 root_path=args.root_path, enable_docs=not args.disable_fastapi_docs,
-                                 tool_call_parser=args.tool_call_parser,
-                                 enable_auto_tool_choice=args.enable_auto_tool_choice)
+    http_options = dict(bind_host=args.host, allowed_origins=args.allowed_origins,
+                        max_header_bytes=args.max_header_bytes, max_headers=args.max_headers,
+                        root_path=args.root_path, enable_docs=not args.disable_fastapi_docs,
+                        tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice)
+    if len(models) > 1:
+        from mempath.multi.http import build_multi_server_app
+        limits = dict(max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit, max_n=args.max_n)
+        app, names = build_multi_server_app(models, engine_options(args), args.served_model_name, args.kv_min_share,
+                                            args.api_key, limits, True, args.stream_stall_timeout,
+                                            log_stats_interval, read_chat_template(args.chat_template), http_options)
+        name = "', '".join(names)
+    else:
+        served = args.served_model_name[0] if args.served_model_name else None
+        app, name = build_server_app(models[0], engine_options(args), served, args.api_key,
+                                     args.max_body_bytes, args.max_tokens_limit, args.max_n,
+                                     stream_stall_timeout=args.stream_stall_timeout,
+                                     log_stats_interval=log_stats_interval,
+                                     chat_template=read_chat_template(args.chat_template), **http_options)
     if args.host not in LOOPBACK_HOSTS and not args.api_key:
         log.warning("serving on %s without --api-key: anyone who can reach this port can use it",
                     args.host)

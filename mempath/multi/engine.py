@@ -1,0 +1,251 @@
+"""MultiEngine: several models' LLMEngines stepped by one loop over one shared KV page pool.
+
+Each model keeps its own scheduler, runner, sampler and graphs (an LLMEngine each); a
+request names its model and lives in that model's engine. ``step`` steps every model
+that has work once, in a fixed order: one model's step is one batch through its weights,
+and models cannot share a batch, so taking turns is what bounds the wait of a model's
+requests behind another's (one step of each other busy model), and a model with a burst
+cannot starve another of steps. A model without work is skipped, so a lone busy model
+steps as often as it would alone.
+
+When a model needs pages and the pool has none free to it, the victim policy below
+chooses across models before its own scheduler preempts one of its own requests: the
+model furthest above its guaranteed share (``kv_min_share``) gives up its newest request
+(its scheduler's own victim rule, preempt by recompute), provided it would stay further
+above its share than the asking model will be, or the asking model runs nothing at all
+(else it could never start). That drives the split towards equal excess over the
+guarantees under contention, and a model never loses pages below its guarantee.
+"""
+from __future__ import annotations
+
+import time
+
+from mempath.engine.engine import LLMEngine
+from mempath.multi.pages import PagePool, TenantPages
+from mempath.multi.pipeline import (Pipeline, Template, count_device_reads, handoff_text, handoff_token_ids,
+                                    same_vocabulary, special_prefix)
+
+MAX_CACHED_LITERALS = 1024  # template pieces' token ids kept (a client sends few distinct templates)
+from mempath.outputs import RequestOutput
+from mempath.sampling import SamplingParams
+
+
+class UnknownModelError(ValueError):
+    """A request named a model that is not served (the server answers 404, as vLLM does)."""
+
+
+class MultiEngine:
+    def __init__(self, engines: dict[str, LLMEngine], pool: PagePool):
+        self.engines = engines
+        self.pool = pool
+        self.owner: dict[str, LLMEngine] = {}  # request id -> the engine it runs in
+        self.pipelines: dict[str, Pipeline] = {}  # request id -> its hand-off, while its first model runs
+        self.num_cross_preemptions = 0
+        self.num_handoff_device_reads = 0  # reads of tensor data on the hand-off path (pipeline.py)
+        self.vocabulary_pairs: dict[tuple[str, str], bool] = {}
+        self.prefixes: dict[LLMEngine, list[int]] = {}
+        self.literal_ids: dict[tuple[str, str], list[int]] = {}
+        self.num_handoffs = 0
+        self.handoff_seconds = 0.0
+        for name, engine in engines.items():
+            engine.kv.pool.reclaim = self._reclaim
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.engines)
+
+    @property
+    def first(self) -> LLMEngine:
+        return next(iter(self.engines.values()))
+
+    @property
+    def device(self):
+        return self.first.device
+
+    @property
+    def tokenizer(self):
+        return self.first.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.first.max_model_len
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(e.num_prompt_tokens for e in self.engines.values())
+
+    def commit_host_kv(self) -> None:
+        for engine in self.engines.values():  # the views overlap; the largest model's covers every page
+            engine.commit_host_kv()
+
+    def engine(self, model: str | None) -> LLMEngine:
+        """The named model's engine; None: the first model's."""
+        if model is None:
+            return next(iter(self.engines.values()))
+        engine = self.engines.get(model)
+        if engine is None:
+            served = ", ".join(f"'{name}'" for name in self.engines)
+            raise UnknownModelError(f"the model '{model}' does not exist; this server serves {served}")
+        return engine
+
+    # ----------------------------------------------------------------- requests
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                    model: str | None = None) -> str:
+        if request_id in self.owner:
+            raise ValueError(f"request id {request_id!r} is already running")
+        engine = self.engine(model)
+        engine.add_request(prompt, params, request_id)
+        self.owner[request_id] = engine
+        return request_id
+
+    def add_pipeline(self, prompt: str | list[int], params: SamplingParams, request_id: str, first: str,
+                     second: str, template: str, second_params: SamplingParams) -> Pipeline:
+        """A request that ``first`` answers, whose answer through ``template`` ``second`` then
+        answers (pipeline.py); its outputs are the second model's, under ``request_id``."""
+        self.engine(second)
+        pipeline = Pipeline(second, Template.parse(template), second_params)
+        if params.n != 1 or second_params.n != 1:
+            raise ValueError("a pipeline hands one answer on: use n=1 in both models' sampling parameters")
+        self.add_request(prompt, params, request_id, model=first)
+        self.pipelines[request_id] = pipeline
+        return pipeline
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        self.pipelines.pop(request_id, None)
+        engine = self.owner.pop(request_id, None)
+        return engine.abort_request(request_id) if engine is not None else None
+
+    def pause_request(self, request_id: str) -> None:
+        if request_id in self.owner:
+            self.owner[request_id].pause_request(request_id)
+
+    def resume_request(self, request_id: str) -> None:
+        if request_id in self.owner:
+            self.owner[request_id].resume_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return any(e.has_unfinished_requests() for e in self.engines.values())
+
+    def has_runnable_requests(self) -> bool:
+        return any(e.has_runnable_requests() for e in self.engines.values())
+
+    def step(self) -> list[RequestOutput]:
+        """One step of every model with work, in turn."""
+        outputs = []
+        for engine in self.engines.values():
+            if engine.has_runnable_requests():
+                outputs += [o for o in engine.step() if not self._handed_off(o)]
+        for output in outputs:
+            if output.finished:
+                self.owner.pop(output.request_id, None)
+        return outputs
+
+    def _handed_off(self, output: RequestOutput) -> bool:
+        """A first model's output of a pipeline is not the request's: once it finishes well, the
+        second model's request starts (in this loop, so before the second model's next step)."""
+        pipeline = self.pipelines.get(output.request_id)
+        if pipeline is None:
+            return False
+        if not output.finished:
+            return True
+        del self.pipelines[output.request_id]
+        if output.finish_reason in ("error", "abort"):
+            return False  # the pipeline ends with the first model's failure
+        pipeline.first_output = output
+        first, second = self.owner.pop(output.request_id), self.engines[pipeline.second]
+        start = time.perf_counter()
+        with count_device_reads() as reads:
+            if self._same_vocabulary(first, pipeline.second):
+                prompt = handoff_token_ids(pipeline.template, output, self._prefix(first), self._prefix(second),
+                                           lambda text: self._literal_ids(pipeline.second, text))
+            else:
+                prompt = handoff_text(pipeline.template, output, first.tokenizer)
+        self.num_handoff_device_reads += reads.count
+        try:
+            self.add_request(prompt, pipeline.params, output.request_id, model=pipeline.second)
+        except ValueError as error:  # B's prompt too long for it, say: the pipeline ends with that error
+            output.error, output.outputs[0].finish_reason = str(error), "error"
+            return False
+        self.num_handoffs += 1
+        self.handoff_seconds += time.perf_counter() - start  # building B's prompt and adding its request
+        return True
+
+    def _prefix(self, engine: LLMEngine) -> list[int]:
+        if engine not in self.prefixes:
+            self.prefixes[engine] = special_prefix(engine.tokenizer)
+        return self.prefixes[engine]
+
+    def _literal_ids(self, model: str, text: str) -> list[int]:
+        """A template piece's ids in the model's tokenizer, cached (templates repeat)."""
+        key = (model, text)
+        if key not in self.literal_ids:
+            if len(self.literal_ids) >= MAX_CACHED_LITERALS:
+                self.literal_ids.clear()
+            self.literal_ids[key] = self.engines[model].tokenizer.encode(text, add_special_tokens=False)
+        return self.literal_ids[key]
+
+    def close(self) -> None:
+        for engine in self.engines.values():
+            engine.close()
+
+    def _same_vocabulary(self, first: LLMEngine, second: str) -> bool:
+        """Whether the models' tokenizers agree, compared once per pair of models."""
+        key = (next(name for name, e in self.engines.items() if e is first), second)
+        if key not in self.vocabulary_pairs:
+            self.vocabulary_pairs[key] = same_vocabulary(first.tokenizer, self.engines[second].tokenizer)
+        return self.vocabulary_pairs[key]
+
+    # ----------------------------------------------------------------- the victim policy
+    def _excess(self, view: TenantPages, extra: int = 0) -> int:
+        return view.num_used + extra - self.pool.guaranteed()
+
+    def _reclaim(self, asking: TenantPages, n: int) -> bool:
+        """Preempt other models' requests until ``asking`` may take ``n`` pages; whether it may."""
+        asking_engine = self.engines[asking.name]
+        while asking.num_free < n:
+            victim = self._victim(asking, n, runs_nothing=not asking_engine.scheduler.running)
+            if victim is None:
+                return False
+            victim.scheduler.preempt_newest()
+            self.num_cross_preemptions += 1
+        return True
+
+    def _victim(self, asking: TenantPages, n: int, runs_nothing: bool) -> LLMEngine | None:
+        """The other model furthest above its guarantee, if it may give pages to ``asking``."""
+        others = [e for name, e in self.engines.items() if name != asking.name and e.scheduler.running]
+        if not others:
+            return None
+        victim = max(others, key=lambda e: self._excess(e.kv.pool))
+        excess = self._excess(victim.kv.pool)
+        if excess <= 0 or not (runs_nothing or excess > self._excess(asking, n)):
+            return None
+        return victim
+
+    # ----------------------------------------------------------------- visibility
+    def stats(self) -> dict:
+        """LLMEngine.stats()'s figures over all models (KV in pages of the shared pool; the ledger's
+        rows named 'model: pathway'), each model's own under ``models``, the pool's split under ``kv_pages``."""
+        per_model = {name: engine.stats() for name, engine in self.engines.items()}
+        summed = {key: sum(s[key] for s in per_model.values()) for key in SUMMED_STATS}
+        pages = self.pool.pages
+        ledgers = self.first.budget.ledgers
+        return {
+            **summed,
+            "kv_blocks_total": pages.num_blocks, "kv_blocks_used": pages.num_used, "kv_blocks_free": pages.num_free,
+            "kv_blocks_cached": pages.num_cached, "kv_usage": pages.num_used / pages.num_blocks,
+            "ledger": {f"{tenant}: {pathway}": entry for tenant, ledger in ledgers.items()
+                       for pathway, entry in ledger.as_dict().items()},
+            "spec_decode": None, "draft_ledger": None, "tiers": {"enabled": False},
+            "models": per_model,
+            "kv_pages": {"total": self.pool.num_pages, "page_bytes": self.pool.page_bytes,
+                         "free": pages.num_free, "guaranteed_per_model": self.pool.guaranteed(),
+                         "used_by_model": self.pool.split()},
+            "num_cross_model_preemptions": self.num_cross_preemptions,
+            "handoffs": {"count": self.num_handoffs, "seconds_total": self.handoff_seconds,
+                         "device_reads": self.num_handoff_device_reads},
+        }
+
+
+SUMMED_STATS = ("num_running", "num_waiting", "num_paused", "num_loading", "prefix_cache_queries",
+                "prefix_cache_hits", "num_preemptions", "steps_launched_ahead", "prompt_tokens",
+                "generation_tokens")

@@ -1,0 +1,111 @@
+"""Start-up of several models on one device: every model's parts, one budget, one KV page pool.
+
+Each model is a tenant of one DeviceBudget and goes through engine/startup.py's stages
+with its own runner, graphs and sampler. The stages that size and allocate the KV cache
+run once for all of them: every model's other pathways are granted first (on CUDA each
+model's profile step measures its own peak), then what the budget leaves becomes whole
+pages of one shared pool (mempath/multi/pages.py), one allocation, which every model's
+KV cache views (mempath/multi/layout.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+
+from mempath.config import EngineConfig
+from mempath.engine.engine import LLMEngine
+from mempath.engine.startup import Startup
+from mempath.kv.manager import KVCacheManager
+from mempath.memory.ledger import Pathway, format_bytes
+from mempath.multi.layout import allocate_pages, attach_pages, kv_bytes_per_token, page_layout
+from mempath.multi.pages import PagePool, TenantPages
+
+log = logging.getLogger(__name__)
+
+POOL_TENANT = "shared KV pages"  # the budget's tenant for the page pool every model's KV is carved from
+
+
+class TenantStartup(Startup):
+    """One model of several: its KV manager works over its view of the shared pool, and the
+    allocator's cap is set once, after the last model (build_engines)."""
+    pages: TenantPages
+
+    def make_kv_manager(self, num_blocks: int) -> KVCacheManager:
+        seed = hashlib.blake2b(self.tenant.encode(), digest_size=16).digest()
+        return KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching,
+                              pool=self.pages, hash_seed=seed)
+
+    def cap_device_memory(self) -> None:
+        pass
+
+
+def refuse_unshared_options(config: EngineConfig) -> None:
+    """Options whose memory is not yet carved from the shared pool: one line each."""
+    if config.tiers_enabled:
+        raise ValueError("the KV tiers (cpu_kv_gb, disk_kv_path) serve one model; with several models "
+                         "leave them off (--cpu-kv-gb 0)")
+    if config.speculative_config is not None:
+        raise ValueError("speculative_config serves one model; with several models leave it off")
+
+
+def build_engines(models: list[tuple[str, str]], options: dict, show_progress: bool = True,
+                  kv_min_share: float = 0.0) -> tuple[dict[str, LLMEngine], PagePool]:
+    """``models``: (served name, directory) pairs; ``options``: EngineConfig's fields, for all of them.
+
+    Async scheduling is off: a model's tokens are read back before the next model steps, so
+    that the victim policy may preempt any model's requests (none has a step in flight).
+    """
+    options = {**options, "async_scheduling": False}
+    configs = [EngineConfig.from_kwargs(path, **options) for _, path in models]
+    for config in configs:
+        refuse_unshared_options(config)
+    first = TenantStartup(configs[0], tenant=models[0][0])
+    startups = [first] + [TenantStartup(c, budget=first.budget, tenant=name)
+                          for (name, _), c in zip(models[1:], configs[1:])]
+    per_token = [kv_bytes_per_token(s.spec, s.config.kv_torch_dtype(s.dtype)) for s in startups]
+    page_bytes, block_sizes = page_layout(per_token, configs[0].block_size)
+    for startup, block_size in zip(startups, block_sizes):
+        startup.config = dataclasses.replace(startup.config, block_size=block_size)
+    for startup in startups:
+        startup.prepare(show_progress)
+    num_pages = size_page_pool(startups, page_bytes)
+    pool = PagePool(num_pages, page_bytes, kv_min_share)
+    with first._guard("kv_allocation", requested_bytes=num_pages * page_bytes):
+        pages = allocate_pages(num_pages, page_bytes, first.device)
+    first.budget.grant(POOL_TENANT, Pathway.KV_CACHE, pages.numel(), "measured",
+                       f"{num_pages} pages of {format_bytes(page_bytes)}, every model's blocks")
+    for startup in startups:
+        attach_pages(startup.runner, pages)
+        startup.pages = pool.view(startup.tenant)
+        startup.finish(num_pages)
+    if first.device.type == "cuda":
+        Startup.cap_device_memory(first)  # the process's figure, granted once: to the first model
+        for startup in startups[1:]:
+            startup.ledger.discard(Pathway.NON_TORCH)
+    log.info("KV page pool: %d pages of %s; block sizes %s", num_pages, format_bytes(page_bytes),
+             ", ".join(f"{s.tenant} {s.config.block_size}" for s in startups))
+    engines = {s.tenant: LLMEngine(s.config, parts=s) for s in startups}
+    return engines, pool
+
+
+def size_page_pool(startups: list[TenantStartup], page_bytes: int) -> int:
+    """Pages the pool holds: the override, the CPU KV size, or on CUDA what the budget leaves
+    once every model's profile step has granted its pathways."""
+    config = startups[0].config
+    if config.num_gpu_blocks_override is not None:
+        return config.num_gpu_blocks_override
+    if startups[0].device.type != "cuda":
+        num_pages = config.cpu_kv_cache_bytes // page_bytes
+    else:
+        for i, startup in enumerate(startups):
+            startup.size_kv_cache()  # profiles the model and grants it every pathway but KV
+            startup.ledger.discard(Pathway.KV_CACHE)
+            if i:  # room for what grows outside PyTorch is the process's: granted once
+                startup.ledger.discard(Pathway.OUTSIDE_TORCH_GROWTH)
+        num_pages = max(0, startups[0].budget.remaining()) // page_bytes
+    if num_pages < 1:
+        raise ValueError(f"no memory is left for the shared KV pool (one page needs {format_bytes(page_bytes)}); "
+                         f"raise --gpu-memory-utilization or serve fewer or smaller models")
+    return num_pages
+
