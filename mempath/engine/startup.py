@@ -318,9 +318,11 @@ class Startup:
             return sum(ledger.get(p) for ledger in others for p in pathways)
         grant(tenant, Pathway.NON_TORCH, in_use - reserved - held_by_others(Pathway.NON_TORCH), "derived",
               "device used - torch reserved (context, other processes)")
-        grant(tenant, Pathway.TORCH_OTHER, reserved - self.ledger.get(Pathway.WEIGHTS) - self.ledger.get(Pathway.STEP_BUFFERS)
-              - held_by_others(Pathway.WEIGHTS, Pathway.STEP_BUFFERS, Pathway.TORCH_OTHER),
-              "derived", "torch reserved at the profile - weights - step buffers (model buffers, allocator rounding)")
+        own = (Pathway.WEIGHTS, Pathway.EXPERT_CACHE, Pathway.STEP_BUFFERS)
+        grant(tenant, Pathway.TORCH_OTHER, reserved - sum(self.ledger.get(p) for p in own)
+              - held_by_others(*own, Pathway.TORCH_OTHER),
+              "derived", "torch reserved at the profile - weights - expert slots - step buffers "
+              "(model buffers, allocator rounding)")
         grant(tenant, Pathway.ACTIVATION_PEAK, activation_peak, "measured",
               "the profile step's peak as the allocator reserved it")
         if num_graphs:
