@@ -187,8 +187,10 @@ class SpeculativeDecoder:
         rows = batch.requests
         if not rows or len(rows) > SPEC_MAX_ROWS:
             return False
-        self.pending_k = self._choose_k(rows)
-        return self.pending_k > 0
+        self.pending_k = None  # chosen afresh every step: a K = 0 is not carried forward
+        k = self._choose_k(rows)
+        self.pending_k = k or None
+        return k > 0
 
     def _choose_k(self, rows: list[Request]) -> int:
         if not self.config.adaptive:
@@ -196,12 +198,25 @@ class SpeculativeDecoder:
         if self.pending_k is not None:
             k, self.pending_k = self.pending_k, None
             return k
-        k = self.cost.choose([self.rate(r) for r in rows], draft_free=self.draft is None)
+        catch_up = self._catch_up_seconds(rows)
+        k = self.cost.choose([self.rate(r) for r in rows], draft_free=self.draft is None, overhead=catch_up)
         self.steps_at_zero = self.steps_at_zero + 1 if k == 0 else 0
-        if self.steps_at_zero >= PROBE_EVERY:
+        # Probing refreshes the acceptance rates: worth it only where speculation could pay at all.
+        if self.steps_at_zero >= PROBE_EVERY and self.cost.could_pay(len(rows), self.draft is None, catch_up):
             self.steps_at_zero = 0
             k = 1
         return k
+
+    def _catch_up_seconds(self, rows: list[Request]) -> float:
+        """The draft's catch-up over the tokens it has no KV for (built only once a request
+        speculates), spread over the steps the rows have left: charged to every K > 0."""
+        if self.draft is None:
+            return 0.0
+        behind = sum(r.num_tokens - 1 - r.num_draft_computed for r in rows)
+        if behind <= 0:
+            return 0.0
+        steps_left = max(1, min(r.params.max_tokens - r.num_output_tokens for r in rows))
+        return self.cost.draft_prefill_time(behind) / steps_left
 
     def _plan(self, batch: ScheduledBatch, sampling: list[Request]) -> dict:
         """request -> its proposals' count (draft model) or its proposed tokens (n-gram)."""
@@ -268,15 +283,14 @@ class SpeculativeDecoder:
         return torch.where(greedy, row_argmax(logits), drawn), probs
 
     def _catch_up_rows(self, batch: ScheduledBatch, plan: dict) -> list[Row]:
-        """The draft's first forward: every row's tokens the draft has no KV for yet, up to
-        what the target holds after this step (a speculating row: all its tokens); a row
-        whose catch-up does not fit the draft's buffers this step stops speculating."""
+        """The draft's first forward: each speculating row's tokens the draft has no KV for yet
+        (rows that do not speculate leave the draft idle); a row whose catch-up does not fit
+        the draft's buffers this step stops speculating (it keeps what was computed)."""
         rows, room = [], self.draft.max_tokens
-        for request, n in zip(batch.requests, batch.num_new_tokens):
-            end = request.num_tokens if request in plan else request.num_computed_tokens + n
-            begin = request.num_draft_computed
+        for request in [r for r in batch.requests if r in plan]:
+            end, begin = request.num_tokens, request.num_draft_computed
             take = min(end - begin, room)
-            if request in plan and take < end - begin:
+            if take < end - begin:
                 del plan[request]
                 self.kv.trim_lookahead(request)
             if take <= 0:
