@@ -31,6 +31,8 @@ class SpecCostModel:
         self.smoothing = smoothing
         self.draft: dict[int, float] = {}  # bucket -> seconds of one draft forward (one token per row)
         self.verify: dict[int, dict[int, float]] = {}  # bucket -> query length -> seconds
+        # Set where the verify runs on CUDA graphs of max_k + 1 tokens a row: every K >= 1 costs that.
+        self.fixed_verify_len: int | None = None
 
     # ------------------------------------------------------------ measurements
     def _blend(self, old: float | None, new: float) -> float:
@@ -40,7 +42,11 @@ class SpecCostModel:
         b = bucket(batch_size)
         self.draft[b] = self._blend(self.draft.get(b), seconds)
 
+    def _verify_len(self, query_len: int) -> int:
+        return self.fixed_verify_len if self.fixed_verify_len is not None and query_len > 1 else query_len
+
     def observe_verify(self, batch_size: int, query_len: int, seconds: float) -> None:
+        query_len = self._verify_len(query_len)
         table = self.verify.setdefault(bucket(batch_size), {})
         table[query_len] = self._blend(table.get(query_len), seconds)
 
@@ -55,6 +61,7 @@ class SpecCostModel:
         table = self._nearest(self.verify, bucket(batch_size))
         if not table:
             return None
+        query_len = self._verify_len(query_len)
         if query_len in table:
             return table[query_len]
         lower = [q for q in table if q < query_len]
