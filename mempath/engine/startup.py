@@ -258,10 +258,33 @@ class Startup:
               spec_workspace_bytes(rows, sc.num_speculative_tokens, self.spec.vocab_size, 0), "derived",
               f"float32 p and q of {rows} speculating rows x {sc.num_speculative_tokens} positions")
 
+    def grant_spec_graphs_estimate(self, per_graph: int) -> None:
+        """Room for the speculative step's CUDA graphs, granted to the draft tenant before KV sizing."""
+        from mempath.engine.spec.decoder import SPEC_MAX_ROWS, spec_graph_bytes
+        from mempath.memory.formulas import cublas_workspace_bytes, shape_from_spec
+        major, _ = torch.cuda.get_device_capability(self.device)
+        draft = shape_from_spec(self.draft_runner.spec) if self.draft_runner is not None else None
+        pool, count = spec_graph_bytes(shape_from_spec(self.spec), draft, min(self.config.max_num_seqs, SPEC_MAX_ROWS),
+                                       self.spec_config.num_speculative_tokens, self.dtype.itemsize,
+                                       cublas_workspace_bytes(major))
+        self.budget.grant(self.draft_tenant, Pathway.CUDA_GRAPHS, pool, "derived",
+                          "memory.formulas.cuda_graph_bytes of the verify and draft graphs, until captured")
+        self.budget.grant(self.draft_tenant, Pathway.CUDA_GRAPHS_DRIVER, per_graph * count, "derived",
+                          f"{count} graphs x driver memory of one trial decode capture")
+
     def build_spec_decoder(self) -> None:
         from mempath.engine.spec.decoder import SpeculativeDecoder
         self.spec_decoder = SpeculativeDecoder(self.spec_config, self.runner, self.draft_runner, self.kv,
                                                self.max_model_len)
+        if not self.config.enforce_eager:
+            with self._guard("cuda_graphs"), self.stage("speculative cuda graph capture", Pathway.CUDA_GRAPHS.value):
+                graph_bytes = self.spec_decoder.capture_graphs()
+            if self.spec_decoder.num_graphs():
+                self.budget.grant(self.draft_tenant, Pathway.CUDA_GRAPHS, graph_bytes, "measured",
+                                  f"{self.spec_decoder.num_graphs()} verify and draft graphs, up to {self.spec_decoder.verify_graphs.sizes[-1]} rows")
+            else:
+                self.draft_ledger.discard(Pathway.CUDA_GRAPHS)
+                self.draft_ledger.discard(Pathway.CUDA_GRAPHS_DRIVER)
         if self.spec_config.adaptive:
             with self.stage("calibrate speculation", None):
                 self.spec_decoder.calibrate(self.config.max_num_seqs)
@@ -303,7 +326,8 @@ class Startup:
         activation_peak = self.measure_step_peak()
         num_graphs = len(self.runner.graph_sizes())
         # Trial captures replay a decode step over the probe's KV cache: before it is freed.
-        graph_driver_bytes = self.runner.graph_overhead_per_graph() * num_graphs
+        per_graph = self.runner.graph_overhead_per_graph()
+        graph_driver_bytes = per_graph * num_graphs
         self.runner.allocate_kv_cache(0)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
@@ -332,6 +356,8 @@ class Startup:
         if graph_driver_bytes:
             grant(tenant, Pathway.CUDA_GRAPHS_DRIVER, graph_driver_bytes, "derived",
                   f"{num_graphs} graphs x driver memory of one trial capture")
+        if num_graphs and self.draft_ledger is not None:  # speculation: its graphs too
+            self.grant_spec_graphs_estimate(per_graph)
         if self.config.tiers_enabled:
             grant(tenant, Pathway.KV_TRANSFER_STAGING, self.tier_staging_bytes(per_block), "derived",
                   "one staging buffer per direction, until the tiers are attached")

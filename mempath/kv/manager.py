@@ -51,19 +51,24 @@ class KVCacheManager:
                  hash_seed: bytes | None = None):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        # A draft model keeps its own KV under the same block tables (speculative decoding):
-        # a block is published only once both models' KV in it is computed.
+        # A draft model keeps its own KV under the same block tables (speculative decoding),
+        # built only when a request speculates: a block is published once the target's KV in
+        # it is computed, and marks whether the draft's KV in it is computed too.
         self.draft_kv = draft_kv
         # Several models on one device share one pool of pages (mempath/multi): ``pool`` is
         # this model's view of it, and ``hash_seed`` starts its hash chains so that its
         # prefix-cache keys never match another model's.
         self.pool = pool if pool is not None else BlockPool(num_blocks)
         self.hash_seed = hash_seed
+        self.draft_ready = bytearray(self.pool.num_blocks)
         self.tiers = TierCoordinator(self.pool, block_size, tiers) if tiers is not None else None
 
     def _take(self, n: int) -> list[int]:
         """n free device blocks; with tiers, the cached content they held is demoted first."""
-        return self.tiers.allocate_device(n) if self.tiers is not None else self.pool.allocate(n)
+        ids = self.tiers.allocate_device(n) if self.tiers is not None else self.pool.allocate(n)
+        for block_id in ids:
+            self.draft_ready[block_id] = 0
+        return ids
 
     @property
     def num_blocks(self) -> int:
@@ -177,7 +182,9 @@ class KVCacheManager:
         self.pool.touch(cached_blocks)
         replace_table(request, cached_blocks + self._take(num_new_blocks))
         request.num_computed_tokens = num_cached_tokens
-        request.num_draft_computed = num_cached_tokens  # a cached block holds both models' KV
+        # The draft's KV covers the cached blocks up to the first one it was never computed in.
+        ready = next((i for i, b in enumerate(cached_blocks) if not self.draft_ready[b]), len(cached_blocks))
+        request.num_draft_computed = ready * self.block_size
         request.num_registered_blocks = len(cached_blocks)
         return True
 
@@ -231,8 +238,6 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         computed = request.num_computed_tokens
-        if self.draft_kv:
-            computed = min(computed, request.num_draft_computed)
         if computed // self.block_size <= request.num_registered_blocks:
             return  # no block filled up since the last call: the common decode step
         self._hash_full_blocks(request)
@@ -257,6 +262,13 @@ class KVCacheManager:
     def advance_draft(self, request, num_draft_computed: int) -> None:
         """The draft model's KV now covers the request's first ``num_draft_computed`` tokens."""
         request.num_draft_computed = num_draft_computed
+        self._mark_draft_ready(request)
+
+    def _mark_draft_ready(self, request) -> None:
+        # Blocks of final tokens (none past num_tokens) that the draft's KV fills.
+        full = min(request.num_draft_computed, request.num_tokens) // self.block_size
+        for block_id in request.block_table[:full]:
+            self.draft_ready[block_id] = 1
 
     def accept_speculation(self, request, num_accepted: int, draft_end: int) -> None:
         """A verify step kept ``num_accepted`` proposed tokens after the row's own token (which
@@ -268,6 +280,7 @@ class KVCacheManager:
         request.num_computed_tokens += num_accepted
         if self.draft_kv:
             request.num_draft_computed = min(draft_end, request.num_computed_tokens)
+            self._mark_draft_ready(request)
         self.trim_lookahead(request)
         self.cache_full_blocks(request)
 

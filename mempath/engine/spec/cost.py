@@ -31,6 +31,8 @@ class SpecCostModel:
         self.smoothing = smoothing
         self.draft: dict[int, float] = {}  # bucket -> seconds of one draft forward (one token per row)
         self.verify: dict[int, dict[int, float]] = {}  # bucket -> query length -> seconds
+        # Set where the verify runs on CUDA graphs of max_k + 1 tokens a row: every K >= 1 costs that.
+        self.fixed_verify_len: int | None = None
 
     # ------------------------------------------------------------ measurements
     def _blend(self, old: float | None, new: float) -> float:
@@ -40,7 +42,11 @@ class SpecCostModel:
         b = bucket(batch_size)
         self.draft[b] = self._blend(self.draft.get(b), seconds)
 
+    def _verify_len(self, query_len: int) -> int:
+        return self.fixed_verify_len if self.fixed_verify_len is not None and query_len > 1 else query_len
+
     def observe_verify(self, batch_size: int, query_len: int, seconds: float) -> None:
+        query_len = self._verify_len(query_len)
         table = self.verify.setdefault(bucket(batch_size), {})
         table[query_len] = self._blend(table.get(query_len), seconds)
 
@@ -55,6 +61,7 @@ class SpecCostModel:
         table = self._nearest(self.verify, bucket(batch_size))
         if not table:
             return None
+        query_len = self._verify_len(query_len)
         if query_len in table:
             return table[query_len]
         lower = [q for q in table if q < query_len]
@@ -69,27 +76,44 @@ class SpecCostModel:
         value = table[a] + (table[b] - table[a]) * (query_len - a) / (b - a)
         return max(value, min(table.values()) if query_len > a else 0.0) or None
 
+    def draft_prefill_time(self, num_tokens: int) -> float:
+        """Seconds of a draft forward over ``num_tokens`` tokens (a catch-up): the measured
+        forward of as many one-token rows, linear past the largest bucket measured."""
+        if not self.draft:
+            return 0.0
+        largest = max(self.draft)
+        if num_tokens > largest:
+            return self.draft[largest] * num_tokens / largest
+        return self.draft_time(num_tokens)
+
     # ------------------------------------------------------------ the choice
-    def step_time(self, batch_size: int, k: int, draft_free: bool = False) -> float | None:
+    def step_time(self, batch_size: int, k: int, draft_free: bool = False, overhead: float = 0.0) -> float | None:
+        """Seconds of a step with K proposals per row; ``overhead``: added to any K > 0 (the draft's catch-up)."""
         verify = self.verify_time(batch_size, k + 1)
         draft = 0.0 if draft_free or k == 0 else self.draft_time(batch_size)
-        return None if verify is None or draft is None else k * draft + verify
+        if verify is None or draft is None:
+            return None
+        return k * draft + verify + (overhead if k else 0.0)
 
     def predicted_speedup(self, batch_size: int, k: int, acceptances: list[float],
-                          draft_free: bool = False) -> float | None:
+                          draft_free: bool = False, overhead: float = 0.0) -> float | None:
         """Expected tokens per second with K proposals over plain decoding's, for these rows."""
-        plain, spec = self.step_time(batch_size, 0), self.step_time(batch_size, k, draft_free)
+        plain, spec = self.step_time(batch_size, 0), self.step_time(batch_size, k, draft_free, overhead)
         if plain is None or spec is None or spec <= 0:
             return None
         tokens = sum(expected_tokens(a, k) for a in acceptances)
         return (tokens / spec) / (len(acceptances) / plain)
 
-    def choose(self, acceptances: list[float], draft_free: bool = False) -> int:
+    def choose(self, acceptances: list[float], draft_free: bool = False, overhead: float = 0.0) -> int:
         """The best K for rows with these acceptance rates (0: plain decoding pays best)."""
         b = len(acceptances)
         best_k, best = 0, self.min_gain
         for k in range(1, self.max_k + 1):
-            gain = self.predicted_speedup(b, k, acceptances, draft_free)
+            gain = self.predicted_speedup(b, k, acceptances, draft_free, overhead)
             if gain is not None and gain > best:
                 best_k, best = k, gain
         return best_k
+
+    def could_pay(self, batch_size: int, draft_free: bool = False, overhead: float = 0.0) -> bool:
+        """Whether some K would beat plain decoding at this batch size if every proposal were kept."""
+        return self.choose([1.0] * batch_size, draft_free, overhead) > 0

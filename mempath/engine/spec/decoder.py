@@ -21,6 +21,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from mempath.engine.batch import ScheduledBatch, StepPlan
@@ -28,14 +29,17 @@ from mempath.engine.request import Request
 from mempath.engine.sampler import SamplerOutput, row_argmax, to_device
 from mempath.engine.spec.config import SpeculativeConfig
 from mempath.engine.spec.cost import SpecCostModel
+from mempath.engine.spec.graphs import RowGraphs, row_buckets
 from mempath.engine.spec.ngram import propose_ngram
 from mempath.engine.spec.rejection import filtered_probs, greedy_accept, rejection_sample, sample_probs
-from mempath.engine.spec.rows import Row, RowBuffers, forward_rows, sync, time_forward
+from mempath.engine.spec.rows import Row, RowBuffers, forward_rows, time_forward
+from mempath.memory.formulas import cuda_graph_bytes
 
 log = logging.getLogger(__name__)
 
 SPEC_MAX_ROWS = 64  # larger decode batches run plainly: compute-bound, speculation does not pay
-PROBE_EVERY = 64  # after this many steps at K = 0, one step at K = 1 refreshes the acceptance rates
+PROBE_EVERY = 64  # after this many steps at K = 0, one row speculates at K = 1 to refresh the acceptance rates
+MAX_PROBE_EVERY = 4096  # each probe that does not turn speculation on waits 4x longer for the next
 PRIOR_ACCEPTANCE = 0.6  # before anything is measured
 PRIOR_WEIGHT = 4.0  # proposals' worth of the global rate in a request's running rate
 
@@ -44,6 +48,18 @@ def spec_workspace_bytes(max_rows: int, k: int, vocab: int, max_tokens: int) -> 
     """The step's largest speculative temporaries: the draft's and the target's float32
     probabilities of every speculating row, and the logit-row index buffers."""
     return max_rows * (2 * k + 1) * vocab * 4 + 2 * max_tokens * 8
+
+
+def spec_graph_bytes(target, draft, max_rows: int, k: int, dtype_bytes: int, cublas_workspace: int) -> tuple[int, int]:
+    """(bytes, count) of the speculative step's CUDA graphs (graphs.py) for ModelShapes ``target``
+    and ``draft`` (None: n-gram): each family's pool and logits as the decode graphs' formula
+    counts them (an upper bound: they share the decode graphs' pool), and how many graphs."""
+    total = cuda_graph_bytes(target, max_rows * (k + 1), dtype_bytes, cublas_workspace)
+    families = 1
+    if draft is not None:
+        total += cuda_graph_bytes(draft, 2 * max_rows, dtype_bytes, cublas_workspace)
+        families = 3
+    return total, families * len(row_buckets(max_rows))
 
 
 @dataclass
@@ -90,24 +106,65 @@ class SpeculativeDecoder:
         self.rates = weakref.WeakKeyDictionary()  # request -> [kept, proposed]
         self.global_rate = PRIOR_ACCEPTANCE
         self.steps_at_zero = 0
+        self.probe_every = PROBE_EVERY
+        self.probing = False  # this step's K = 1 is a probe: one row speculates
         self.pending_k: int | None = None  # chosen on an asynchronous step for the next one
         self._interval = None  # the last step's (batch size, K, start, draft seconds)
         self.force_accept = False  # benchmarks: keep every proposal (the cost model's check)
         self.accept_rule = None  # tests: a deliberately wrong rule (see rejection_sample)
+        # CUDA graphs (graphs.py): the verify, the draft's catch-up and its proposal steps.
+        self.verify_graphs = self.catch_up_graphs = self.step_graphs = None
+        self.use_graphs = True  # benchmarks: False runs the speculative step eagerly
+        # The draft's device time, read once the step's tokens are on the host (no sync between).
+        self.timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
+            if self.device.type == "cuda" else None
 
     def workspace_bytes(self) -> int:
         return self.target_rows.nbytes() + (self.draft_rows.nbytes() if self.draft_rows else 0)
 
     @torch.inference_mode()
+    def capture_graphs(self) -> int:
+        """CUDA graphs of the verify step and the draft's forwards (where the runners capture
+        decode graphs: CUDA, not enforce_eager, no MoE), in the target's decode graph pool;
+        return the device bytes they added (pool growth and their logit outputs)."""
+        rows = min(self.target.max_num_seqs, SPEC_MAX_ROWS)
+        if not self.target.graph_sizes() or self.target.max_tokens < rows * (self.max_k + 1):
+            return 0
+        device = self.device
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_reserved(device)
+        pool = next(iter(self.target.graphs.values())).pool() if self.target.graphs else None
+        self.verify_graphs = RowGraphs(self.target, self.max_k + 1, True, rows)
+        pool = self.verify_graphs.capture(pool)
+        if self.draft is not None and self.draft.graph_sizes():
+            self.catch_up_graphs = RowGraphs(self.draft, 2, False, rows)
+            pool = self.catch_up_graphs.capture(pool)
+            self.step_graphs = RowGraphs(self.draft, 1, False, rows)
+            self.step_graphs.capture(pool)
+        # A verify replays at max_k + 1 tokens a row whatever K is: the cost model prices it so.
+        self.cost.fixed_verify_len = self.max_k + 1
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # the warm-ups' blocks: the graphs hold their pool
+        return torch.cuda.memory_reserved(device) - before
+
+    def num_graphs(self) -> int:
+        return sum(len(g.graphs) for g in (self.verify_graphs, self.catch_up_graphs, self.step_graphs) if g)
+
+    @torch.inference_mode()
     def calibrate(self, max_num_seqs: int) -> None:
-        """Time draft and verify forwards per batch bucket, for the cost model's first choices."""
+        """Time draft and verify forwards per batch bucket, for the cost model's first choices
+        (on their graphs where captured)."""
         start = time.perf_counter()
         b = 1
         while b <= min(max_num_seqs, SPEC_MAX_ROWS):
             for q in (1, self.max_k + 1):
-                if b * q <= self.target.max_tokens:
+                if q > 1 and self.verify_graphs is not None and b in self.verify_graphs.graphs:
+                    self.cost.observe_verify(b, q, self.verify_graphs.replay_seconds(b))
+                elif b * q <= self.target.max_tokens:
                     self.cost.observe_verify(b, q, time_forward(self.target, self.target_rows, b, q))
-            if self.draft is not None:
+            if self.step_graphs is not None and b in self.step_graphs.graphs:
+                self.cost.observe_draft(b, self.step_graphs.replay_seconds(b))
+            elif self.draft is not None:
                 self.cost.observe_draft(b, time_forward(self.draft, self.draft_rows, b, 1))
             b *= 2
         log.info("speculation: draft and verify steps calibrated in %.1f s", time.perf_counter() - start)
@@ -188,8 +245,10 @@ class SpeculativeDecoder:
         rows = [r for r in batch.requests if plain_sampling_only(r)]
         if not rows or len(rows) > SPEC_MAX_ROWS:
             return False
-        self.pending_k = self._choose_k(rows)
-        return self.pending_k > 0
+        self.pending_k = None  # chosen afresh every step: a K = 0 is not carried forward
+        k = self._choose_k(rows)
+        self.pending_k = k or None
+        return k > 0
 
     def _choose_k(self, rows: list[Request]) -> int:
         if not self.config.adaptive:
@@ -197,12 +256,29 @@ class SpeculativeDecoder:
         if self.pending_k is not None:
             k, self.pending_k = self.pending_k, None
             return k
-        k = self.cost.choose([self.rate(r) for r in rows], draft_free=self.draft is None)
+        self.probing = False
+        catch_up = self._catch_up_seconds(rows)
+        k = self.cost.choose([self.rate(r) for r in rows], draft_free=self.draft is None, overhead=catch_up)
         self.steps_at_zero = self.steps_at_zero + 1 if k == 0 else 0
-        if self.steps_at_zero >= PROBE_EVERY:
+        if k:
+            self.probe_every = PROBE_EVERY
+        # Probing refreshes the acceptance rates: worth it only where speculation could pay at all.
+        elif self.steps_at_zero >= self.probe_every and self.cost.could_pay(len(rows), self.draft is None, catch_up):
             self.steps_at_zero = 0
-            k = 1
+            self.probe_every = min(MAX_PROBE_EVERY, 4 * self.probe_every)
+            self.probing, k = True, 1
         return k
+
+    def _catch_up_seconds(self, rows: list[Request]) -> float:
+        """The draft's catch-up over the tokens it has no KV for (built only once a request
+        speculates), spread over the steps the rows have left: charged to every K > 0."""
+        if self.draft is None:
+            return 0.0
+        behind = sum(r.num_tokens - 1 - r.num_draft_computed for r in rows)
+        if behind <= 0:
+            return 0.0
+        steps_left = max(1, min(r.params.max_tokens - r.num_output_tokens for r in rows))
+        return self.cost.draft_prefill_time(behind) / steps_left
 
     def _plan(self, batch: ScheduledBatch, sampling: list[Request]) -> dict:
         """request -> its proposals' count (draft model) or its proposed tokens (n-gram)."""
@@ -216,6 +292,9 @@ class SpeculativeDecoder:
             self.stats.k_counts[0] += 1
             return {}
         k = self._choose_k(rows)
+        if self.probing:  # the row the draft is least behind on
+            rows = [min(rows, key=lambda r: r.num_tokens - r.num_draft_computed)]
+            self.probing = False
         self.stats.last_k = k
         self.stats.k_counts[k] += 1
         room = self.target.max_tokens - batch.total_tokens
@@ -235,6 +314,8 @@ class SpeculativeDecoder:
         return plan
 
     def _speculate(self, batch: ScheduledBatch, sampling: list[Request], plan: dict, start: float) -> SpecOutput:
+        if self.timing is not None:
+            self.timing[0].record()
         if self.draft is not None:
             proposed = self._propose_with_draft(batch, plan)
             if proposed is None:
@@ -247,16 +328,18 @@ class SpeculativeDecoder:
             k = max(num)
             drafts = torch.tensor([plan[r] + [0] * (k - len(plan[r])) for r in spec_rows], dtype=torch.int64)
             drafts, draft_probs = drafts.to(self.device), None
-        sync(self.device)
+        if self.timing is not None:
+            self.timing[1].record()
         drafted = time.perf_counter()
-        output = self._verify(batch, sampling, spec_rows, num, drafts, draft_probs)
+        output = self._verify(batch, sampling, spec_rows, num, drafts, draft_probs)  # reads the tokens back
         done = time.perf_counter()
+        draft_seconds = drafted - start if self.timing is None else self.timing[0].elapsed_time(self.timing[1]) / 1e3
         s = self.stats
         s.num_spec_steps += 1
-        s.draft_seconds += drafted - start
-        s.verify_seconds += done - drafted
+        s.draft_seconds += draft_seconds
+        s.verify_seconds += done - start - draft_seconds
         if len(spec_rows) == len(batch):
-            self._open_interval(batch, max(num), start, drafted - start if self.draft is not None else 0.0)
+            self._open_interval(batch, max(num), start, draft_seconds if self.draft is not None else 0.0)
         return output
 
     def _propose(self, logits: torch.Tensor, params: list) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -269,15 +352,14 @@ class SpeculativeDecoder:
         return torch.where(greedy, row_argmax(logits), drawn), probs
 
     def _catch_up_rows(self, batch: ScheduledBatch, plan: dict) -> list[Row]:
-        """The draft's first forward: every row's tokens the draft has no KV for yet, up to
-        what the target holds after this step (a speculating row: all its tokens); a row
-        whose catch-up does not fit the draft's buffers this step stops speculating."""
+        """The draft's first forward: each speculating row's tokens the draft has no KV for yet
+        (rows that do not speculate leave the draft idle); a row whose catch-up does not fit
+        the draft's buffers this step stops speculating (it keeps what was computed)."""
         rows, room = [], self.draft.max_tokens
-        for request, n in zip(batch.requests, batch.num_new_tokens):
-            end = request.num_tokens if request in plan else request.num_computed_tokens + n
-            begin = request.num_draft_computed
+        for request in [r for r in batch.requests if r in plan]:
+            end, begin = request.num_tokens, request.num_draft_computed
             take = min(end - begin, room)
-            if request in plan and take < end - begin:
+            if take < end - begin:
                 del plan[request]
                 self.kv.trim_lookahead(request)
             if take <= 0:
@@ -291,7 +373,7 @@ class SpeculativeDecoder:
         (None when no row is caught up enough to propose this step)."""
         rows = self._catch_up_rows(batch, plan)
         spec_rows = [r for r in batch.requests if r in plan]
-        logits = forward_rows(self.draft, self.draft_rows, rows)
+        logits = self._draft_forward(self.catch_up_graphs, rows)
         for row in rows:
             self.kv.advance_draft(row.request, row.start + len(row.token_ids))
         if not spec_rows:
@@ -316,48 +398,73 @@ class SpeculativeDecoder:
             step_rows = [Row(spec_rows[i], spec_rows[i].num_tokens + j, [0], 1) for i in active]
             feed = (torch.arange(len(active), device=self.device),
                     drafts[to_device(active, torch.int64, self.device), j])
-            logits = forward_rows(self.draft, self.draft_rows, step_rows, device_tokens=feed)
+            logits = self._draft_forward(self.step_graphs, step_rows, feed)
         return spec_rows, drafts, probs
 
+    def _draft_forward(self, graphs: RowGraphs | None, rows: list[Row], feed=None) -> torch.Tensor:
+        """The draft's logits at each row's last token: replayed where a graph fits, else eager.
+        A proposal step's device tokens sit at the same flat index (its row) either way."""
+        size = graphs.size_for(rows) if graphs is not None and self.use_graphs else None
+        if size is None:
+            return forward_rows(self.draft, self.draft_rows, rows, device_tokens=feed)
+        return graphs.run(rows, size, feed)
+
     def _verify_rows(self, batch: ScheduledBatch, sampling: list[Request], spec_rows: list[Request],
-                     num: list[int], drafts: torch.Tensor):
-        """The target's rows, and where the proposals go in its input (flat index, token).
-        spec_rows are in batch order, so the flat indices and the proposals line up."""
+                     num: list[int]) -> list[Row]:
+        """The target's rows: a speculating row its last token and its proposals (placeholders,
+        fed on the device), the others as scheduled."""
         sampling_ids, proposed = {id(r) for r in sampling}, dict(zip(spec_rows, num))
-        rows, index, t = [], [], 0
+        rows = []
         for request, n in zip(batch.requests, batch.num_new_tokens):
             if request in proposed:
                 k = proposed[request]
                 rows.append(Row(request, request.num_tokens - 1, [request.token_ids[-1]] + [0] * k, k + 1))
-                index += range(t + 1, t + 1 + k)
-                t += k + 1
             else:
                 start = request.num_computed_tokens
                 rows.append(Row(request, start, request.token_ids[start:start + n], int(id(request) in sampling_ids)))
-                t += n
+        return rows
+
+    def _proposal_feed(self, rows: list[Row], offsets: list[int], speculating: set, num: list[int],
+                       drafts: torch.Tensor):
+        """(flat input indices, proposals): each speculating row's proposals after its own token.
+        Speculating rows are in batch order, as ``num`` and ``drafts`` are."""
+        spec_offsets = [off for row, off in zip(rows, offsets) if row.request in speculating]
+        index = [off + 1 + j for off, k in zip(spec_offsets, num) for j in range(k)]
         flat = [i * drafts.shape[1] + j for i, k in enumerate(num) for j in range(k)]
-        feed = (to_device(index, torch.int64, self.device),
+        return (to_device(index, torch.int64, self.device),
                 drafts.reshape(-1)[to_device(flat, torch.int64, self.device)])
-        return rows, feed
 
     def _verify(self, batch, sampling, spec_rows, num, drafts, draft_probs) -> SpecOutput:
-        """One target forward over every row; rejection sampling for the speculating ones."""
-        rows, feed = self._verify_rows(batch, sampling, spec_rows, num, drafts)
-        logits = forward_rows(self.target, self.target_rows, rows, device_tokens=feed)
+        """One target forward over every row (its graph when every row speculates); rejection
+        sampling for the speculating ones."""
+        rows = self._verify_rows(batch, sampling, spec_rows, num)
+        speculating = set(spec_rows)
         k = drafts.shape[1]
-        spec_index, plain_index, offset = [], [], 0
-        for row in rows:
-            if row.request in spec_rows:
-                # Positions past a row's own proposals repeat its last: never read (num_proposed masks them).
-                spec_index += [offset + min(j, row.num_logits - 1) for j in range(k + 1)]
-            elif row.num_logits:
-                plain_index.append(offset)
-            offset += row.num_logits
+        graphs = self.verify_graphs if self.use_graphs and len(spec_rows) == len(rows) else None
+        size = graphs.size_for(rows) if graphs is not None else None
+        spec_index, plain_index = [], []
+        if size is not None:
+            offsets = graphs.offsets(rows)
+            logits = graphs.run(rows, size, self._proposal_feed(rows, offsets, speculating, num, drafts))
+            # Positions past a row's own proposals repeat its last: never read (num_proposed masks them).
+            spec_index = [off + min(j, n) for off, n in zip(offsets, num) for j in range(k + 1)]
+        else:
+            offsets = np.cumsum([0] + [len(row.token_ids) for row in rows[:-1]]).tolist()
+            logits = forward_rows(self.target, self.target_rows, rows,
+                                  device_tokens=self._proposal_feed(rows, offsets, speculating, num, drafts))
+            offset = 0
+            for row in rows:
+                if row.request in speculating:
+                    spec_index += [offset + min(j, row.num_logits - 1) for j in range(k + 1)]
+                elif row.num_logits:
+                    plain_index.append(offset)
+                offset += row.num_logits
         target = logits[to_device(spec_index, torch.int64, self.device)]
         params = [r.params for r in spec_rows]
         argmax = row_argmax(target).view(len(spec_rows), k + 1)
         if self.force_accept:
-            emitted = [drafts[i, :n].tolist() + [int(argmax[i, n])] for i, n in enumerate(num)]
+            kept = torch.cat([drafts, argmax], dim=1).tolist()  # one read of both
+            emitted = [row[:n] + [row[k + n]] for row, n in zip(kept, num)]
         elif draft_probs is None and all(p.greedy for p in params):
             emitted = greedy_accept(argmax, drafts, num)
         else:

@@ -108,7 +108,9 @@ def rejection_sample(target_probs: torch.Tensor, target_argmax: torch.Tensor, dr
 
 def greedy_accept(target_argmax: torch.Tensor, draft_tokens: torch.Tensor, num_proposed: list[int]) -> list[list[int]]:
     """All rows greedy: keep proposals while they equal the target's argmax, then its argmax."""
-    argmax, drafts = target_argmax.tolist(), draft_tokens.tolist()
+    k1 = target_argmax.shape[1]
+    both = torch.cat([target_argmax, draft_tokens], dim=1).tolist()  # one read back of the step's tokens
+    argmax, drafts = [row[:k1] for row in both], [row[k1:] for row in both]
     out = []
     for row, k in enumerate(num_proposed):
         n = 0

@@ -63,8 +63,9 @@ def forward_rows(runner, row_buf: RowBuffers, rows: list[Row],
         buf.seq_lens[b] = end
         max_seq_len, max_query = max(max_seq_len, end), max(max_query, n)
     runner.table_rows.write(buf.tables, [row.request for row in rows])
-    buf.upload(t, len(rows), 0)
+    # Before the upload: its event then also marks when rows_h may be rewritten.
     row_buf.rows_d[:r].copy_(row_buf.rows_h[:r], non_blocking=True)
+    buf.upload(t, len(rows), 0)
     if device_tokens is not None:
         index, values = device_tokens
         buf.input_ids_d.index_copy_(0, index, values)
@@ -94,8 +95,8 @@ def time_forward(runner, row_buf: RowBuffers, num_seqs: int, query_len: int, rep
     buf.qsl[:num_seqs + 1] = np.arange(num_seqs + 1) * query_len
     buf.seq_lens[:num_seqs] = query_len
     row_buf.rows[:t] = np.arange(t)
-    buf.upload(t, num_seqs, 0)
     row_buf.rows_d[:t].copy_(row_buf.rows_h[:t], non_blocking=True)
+    buf.upload(t, num_seqs, 0)
     meta = AttentionMetadata(
         slot_mapping=buf.slots_d[:t], block_tables=buf.tables_d[:num_seqs],
         query_start_loc=buf.qsl_d[:num_seqs + 1], seq_lens=buf.seq_lens_d[:num_seqs],
