@@ -4,7 +4,7 @@
 #   tests (~3 min)  latency (~1 min, +0.5 per --variants entry)  tput-qwen3, tput-llama (~1.5 min each with HF_TIMEOUT=40)
 #   blocks (~3 min)  multiturn (~5 min)  diagnose (~2 min, three shapes)  serve (needs .whl, below)
 #   pending, fp8-gemv, fp8-latency, mix-qwen3, mix-llama, mix-tokens, structured, moe-offload, moe-resident,
-#   spec-a, spec-c, multi (the open issues, below)
+#   spec-a, spec-bc, multi (the open issues, below; STEPS="wheels pending ..." for those needing xgrammar)
 #   profile (~1 min: kernel table at batch 1)  profile-workload (~1 min: host/device split of the throughput run)
 # For `serve`, carry fastapi/uvicorn/starlette/pydantic(+core)/anyio/h11/sniffio/annotated-types/
 # typing-inspection/prometheus-client as wheels in .whl (see ../.library/device/README.md).
