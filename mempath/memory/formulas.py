@@ -263,6 +263,13 @@ def moe_missed_bytes_per_token(shape: ModelShape, dtype_bytes: int, hit_rate: fl
     return shape.num_moe_layers * shape.num_experts_per_tok * (1.0 - hit_rate) * per_expert
 
 
+# The planner's rates for a MoE decode prediction when the user gives none (mempath plan --h2d-gbps,
+# --device-read-gbps): an H200's pinned host-to-device copies (diagnose measured ~54 GB/s) and a
+# read rate short of its HBM's 4.8 TB/s peak. bench_moe.py measures both on the machine.
+ASSUMED_H2D_BYTES_PER_S = 54e9
+ASSUMED_DEVICE_READ_BYTES_PER_S = 4.0e12
+
+
 def moe_offload_tokens_per_second(shape: ModelShape, dtype_bytes: int, hit_rate: float, h2d_bytes_per_s: float,
                                   resident_step_seconds: float) -> float:
     """Batch-1 decode tokens/s with an expert cache: the step with every expert resident plus the
