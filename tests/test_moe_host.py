@@ -1,6 +1,7 @@
 """A missed expert run on the host (--moe-cpu-experts): the cost model's choice on given rates,
 and outputs identical to the all-resident run with every miss on the host (CPU, tiny random models)."""
 import pytest
+import torch
 
 from mempath import LLM
 from mempath.engine_flags import add_engine_arguments, engine_options
@@ -83,3 +84,21 @@ def test_cpu_experts_flag():
     assert engine_options(parser.parse_args(["--moe-cpu-experts", "auto"]))["moe_cpu_experts"] == "auto"
     with pytest.raises(SystemExit):
         parser.parse_args(["--moe-cpu-experts", "maybe"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_host_path_and_measured_cost_model(model_factory, references):
+    """On CUDA in float32: every miss on the host gives the all-resident tokens (tiny model: the host's
+    and the device's float32 matmuls agree to the token); auto measures its rates and keeps the slots sane."""
+    path, _ = model_factory("mixtral")
+    for policy in ("always", "auto"):
+        llm = LLM(path, dtype="float32", device="cuda", show_progress=False, enable_prefix_caching=False,
+                  gpu_memory_utilization=0.3, moe_expert_cache_size=2, moe_cpu_experts=policy)
+        assert generate(llm) == references["mixtral"], policy
+        check_caches(llm.engine.model)
+        cache = llm.stats()["expert_cache"]
+        if policy == "always":
+            assert cache["host_experts"] == cache["misses"] > 0  # prefetched experts found in a slot are hits
+        else:
+            assert isinstance(cache["host_token_limit"], int) and cache["host_token_limit"] >= 0
+        del llm

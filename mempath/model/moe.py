@@ -483,8 +483,13 @@ def expert_cache_stats(model) -> dict:
     lookups = totals["hits"] + totals["misses"]
     return {"enabled": True, "num_experts": layers[0]["num_experts"], "num_slots": layers[0]["num_slots"],
             **totals, "hit_rate": totals["hits"] / lookups if lookups else None,
-            "router": layers[0]["router"], "cpu_experts": model.moe_blocks()[0].experts.cpu_experts,
-            "layers": layers}
+            "router": layers[0]["router"], **_cpu_experts_stats(model.moe_blocks()[0].experts), "layers": layers}
+
+
+def _cpu_experts_stats(experts) -> dict:
+    """The miss policy (moe_host.py) and, under auto, the measured token count up to which a miss runs on the host."""
+    return {"cpu_experts": experts.cpu_experts,
+            "host_token_limit": experts.host_token_limit if experts.cpu_experts == "auto" else None}
 
 
 # ---------------------------------------------------------------- synthetic routing (benchmarks only)
