@@ -162,7 +162,7 @@ def part_offload(args, config: dict, bandwidth: dict) -> list[dict]:
     out = []
     for router, prefetch in (("model", True), ("model", False), ("skewed", True), ("skewed", False)):
         if prefetch:  # the same engine runs with prefetch on, then off
-            llm = engine(path, args, moe_expert_cache_gb=slots_gb)
+            llm = engine(path, args, moe_expert_cache_gb=slots_gb, moe_cpu_experts=args.cpu_experts)
             if router == "skewed":
                 synthetic_router_bias(llm.engine.model, skew=1.0, seed=0)
         set_expert_prefetch(llm.engine.model, prefetch and llm.engine.device.type == "cuda")
@@ -189,6 +189,8 @@ def part_offload(args, config: dict, bandwidth: dict) -> list[dict]:
             missed_GB_per_token_formula=moe_missed_bytes_per_token(shape, b, 1 - miss_rate) / 1e9,
             of_bound=rate / bound if copied else None, predicted_tok_s=predicted, predicted_error=(predicted - rate) / rate,
             all_resident_twin_tok_s=resident_rate, tokens_identical_to_all_resident=same,
+            cpu_experts=args.cpu_experts, host_token_limit=after["host_token_limit"],
+            host_experts_per_token=(after["host_experts"] - before["host_experts"]) / args.output_len,
             target_tok_s=17 if router == "model" else 40))
         if not prefetch:
             del llm
@@ -223,6 +225,8 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (checks the script runs)")
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--cpu-experts", default="never", choices=("never", "auto", "always"),
+                        help="the offloaded runs' --moe-cpu-experts (where a missed expert runs)")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     if not parts <= {"pinned", "offload", "resident"}:

@@ -70,6 +70,9 @@ class EngineConfig:
     # or the same as device GiB for the slots, which start-up turns into experts per layer.
     moe_expert_cache_size: int | None = None
     moe_expert_cache_gb: float | None = None
+    # Where a missed expert runs (docs/moe.md): never (copied into a slot), always (on the host,
+    # from its pinned copy) or auto (the cheaper by a cost model measured at start-up).
+    moe_cpu_experts: str = "never"
 
     def __post_init__(self):
         if self.block_size == "auto":
@@ -156,6 +159,8 @@ class EngineConfig:
             raise ValueError(f"moe_expert_cache_size must be a whole number of experts per layer >= 1, got {size!r}")
         if gb is not None and not gb > 0:
             raise ValueError(f"moe_expert_cache_gb must be > 0 GiB, got {gb!r}")
+        if self.moe_cpu_experts not in ("never", "auto", "always"):
+            raise ValueError(f"moe_cpu_experts must be never, auto or always, got {self.moe_cpu_experts!r}")
 
     def _validate_tiers(self) -> None:
         if self.cpu_kv_gb < 0 or self.disk_kv_gb < 0:

@@ -19,7 +19,8 @@ ENGINE_OPTIONS = ("dtype", "device", "seed", "block_size", "max_model_len", "max
                   "enable_prefix_caching", "enforce_eager", "cpu_kv_gb", "disk_kv_path", "disk_kv_gb",
                   "disk_write_policy", "preemption_mode", "cpu_kv_cache_bytes", "load_format", "async_scheduling",
                   "kv_cache_dtype", "tokenizer", "generation_config", "enable_chunked_prefill", "max_logprobs",
-                  "speculative_config", "quantization", "moe_expert_cache_size", "moe_expert_cache_gb")
+                  "speculative_config", "quantization", "moe_expert_cache_size", "moe_expert_cache_gb",
+                  "moe_cpu_experts")
 
 ONE_DEVICE = "mempath runs a model on one device"
 LOCAL_ONLY = ("mempath loads a local directory: download it first (huggingface-cli download MODEL "
@@ -179,6 +180,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, model_flag: bool = Tru
                              "A request's own values win")
     parser.add_argument("--load-format", default=d.load_format, choices=("auto", "dummy"),
                         help="dummy: random weights of the config's shapes (benchmarks)")
+    parser.add_argument("--moe-cpu-experts", default=d.moe_cpu_experts, choices=("never", "auto", "always"),
+                        help="MoE with --moe-expert-cache-size/-gb: where a missed expert runs. never: copied "
+                             "into a device slot; always: on the host from its pinned copy; auto: the cheaper "
+                             "by a cost model measured at start-up (docs/moe.md)")
     add_tier_arguments(parser, d)
     add_refused_arguments(parser)
 

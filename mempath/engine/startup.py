@@ -24,6 +24,7 @@ from mempath.memory.formulas import resolve_expert_cache_size, shape_from_spec
 from mempath.memory.ledger import Pathway, format_bytes
 from mempath.memory.oom import oom_guard
 from mempath.model.moe import expert_slot_bytes
+from mempath.model.moe_host import check_cpu_experts, set_cpu_experts
 from mempath.model.spec import ConfigFields, ModelSpec
 from mempath.model.loader import (checkpoint_dtype, digest_cache_file, load_model, read_config,
                                   read_json_object, weights_digest)
@@ -114,6 +115,7 @@ class Startup:
         self.expert_cache_size = resolve_expert_cache_size(
             shape_from_spec(self.spec), self.dtype.itemsize, config.moe_expert_cache_size,
             config.moe_expert_cache_gb, str(Path(config.model) / "config.json"))
+        check_cpu_experts(config.moe_cpu_experts, self.expert_cache_size)
         self.tenant = tenant or Path(config.model).name or config.model
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -206,6 +208,7 @@ class Startup:
                 config.model, self.dtype, device, self.max_model_len, show_progress,
                 dummy=config.load_format == "dummy", spec=self.spec, quantization=config.quantization,
                 expert_cache_size=self.expert_cache_size)
+            set_cpu_experts(self.model, config.moe_cpu_experts)
         fp8 = ", fp8 linear layers" if self.spec.quantization else ""
         slots = expert_slot_bytes(self.model)
         self.budget.grant(self.tenant, Pathway.WEIGHTS, self.load_report.weight_bytes - slots, "measured",

@@ -263,6 +263,13 @@ def moe_missed_bytes_per_token(shape: ModelShape, dtype_bytes: int, hit_rate: fl
     return shape.num_moe_layers * shape.num_experts_per_tok * (1.0 - hit_rate) * per_expert
 
 
+# The planner's rates for a MoE decode prediction when the user gives none (mempath plan --h2d-gbps,
+# --device-read-gbps): an H200's pinned host-to-device copies (diagnose measured ~54 GB/s) and a
+# read rate short of its HBM's 4.8 TB/s peak. bench_moe.py measures both on the machine.
+ASSUMED_H2D_BYTES_PER_S = 54e9
+ASSUMED_DEVICE_READ_BYTES_PER_S = 4.0e12
+
+
 def moe_offload_tokens_per_second(shape: ModelShape, dtype_bytes: int, hit_rate: float, h2d_bytes_per_s: float,
                                   resident_step_seconds: float) -> float:
     """Batch-1 decode tokens/s with an expert cache: the step with every expert resident plus the
@@ -350,7 +357,8 @@ def decoder_peak_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, fused: 
     Not modelled: the PyTorch RMSNorm's float32 temporaries on 16-bit input. They
     matter only for Qwen3's wide q/k norms on the PyTorch path (measured on the CPU,
     Qwen3-0.6B shape in bf16: +50%); the fused CUDA kernels make none.
-    Mixture-of-experts layers replace the MLP phase with moe_phase_bytes.
+    Mixture-of-experts layers replace the MLP phase with the larger of moe_phase_bytes (the
+    PyTorch path) and moe_grouped_phase_bytes (the grouped kernel's), so either path fits.
     """
     h, i, d = shape.hidden_size, shape.intermediate_size, shape.head_dim
     q, kv = shape.num_heads * d, shape.num_kv_heads * d
@@ -359,7 +367,8 @@ def decoder_peak_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, fused: 
     if not shape.num_moe_layers:
         return tokens * dtype_bytes * (streams + max(attention, mlp))
     dense = tokens * dtype_bytes * mlp if shape.num_moe_layers < shape.num_layers else 0
-    phase = max(tokens * dtype_bytes * attention, dense, moe_phase_bytes(shape, tokens, dtype_bytes, fused))
+    moe = max(moe_phase_bytes(shape, tokens, dtype_bytes, fused), moe_grouped_phase_bytes(shape, tokens, dtype_bytes, fused))
+    phase = max(tokens * dtype_bytes * attention, dense, moe)
     return tokens * dtype_bytes * streams + phase
 
 
@@ -380,6 +389,33 @@ def moe_phase_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, fused: boo
     per_token = k * 20 + max(dtype_bytes * (2 * k * h + group), dtype_bytes * (3 * k * h + h),
                              experts * (dtype_bytes + 4))
     return experts * 8 + tokens * per_token
+
+
+def moe_grouped_phase_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, fused: bool = True) -> int:
+    """Bytes a MoE block on the grouped-kernel path (kernels/moe_triton.py) holds at its peak, beside the streams.
+
+    With P = T·k pairs, BLOCK_M rows per block (16 up to 1,024 pairs, 64 above),
+    B = cdiv(P, BLOCK_M) + min(P, E) blocks and R = B·BLOCK_M padded rows:
+        routing:  logits T·E·b, float32 softmax T·E·4, top-k values and ids, the sum T·4;
+                  then kept: ids T·k·8 and weights T·k·4 (float32: an upper bound)
+        maps:     align_to_blocks' pair of each row R·8 and expert of each block B·8; while it
+                  runs, at most 8 int64 arrays of R rows (a bound, not the measured 7.8)
+        gate/up:  the pairs' gate/up P·2I_e and activation P·I_e (+ silu(gate) P·I_e unfused), ·b
+        down+sum: activation P·I_e·b, float32 outputs P·h·4, their sum over k T·h·4 and, for a
+                  16-bit model, that sum in the model dtype T·h·b
+    Equal to the allocations the code makes (tests/test_moe_grouped_memory.py, the launches faked).
+    """
+    h, i, k, experts = shape.hidden_size, shape.moe_intermediate_size, shape.num_experts_per_tok, shape.num_experts
+    pairs = tokens * k
+    block_m = 16 if pairs <= 1024 else 64  # kernels/moe_triton.py block_m_for
+    blocks = -(-pairs // block_m) + min(pairs, experts)
+    rows = blocks * block_m
+    routing = pairs * 12
+    routing_peak = tokens * (experts * (dtype_bytes + 4) + 4) + pairs * (dtype_bytes + 8)
+    maps = rows * 8 + blocks * 8
+    gate_up = pairs * i * dtype_bytes * (3 if fused else 4)
+    down_and_sum = pairs * i * dtype_bytes + pairs * h * 4 + tokens * h * (4 + (dtype_bytes if dtype_bytes != 4 else 0))
+    return max(routing_peak, routing + pairs * 16 + 8 * rows * 8, routing + maps + max(gate_up, down_and_sum))
 
 
 

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mempath.kernels.dispatch import Kernels
+from mempath.model import moe_host
 
 
 
@@ -150,6 +151,8 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.cache = ExpertCache(num_experts, num_experts)
+        self.cpu_experts = "never"  # where a miss runs: moe_host.set_cpu_experts
+        self.host_token_limit = 0  # a miss routed at most this many tokens runs on the host
 
     def forward(self, x: torch.Tensor, counts) -> torch.Tensor:
         """Each expert's group of rows through its MLP; ``x`` is sorted by expert, ``counts`` (a tensor or
@@ -161,7 +164,15 @@ class Experts(nn.Module):
         out = x.new_empty(x.shape[0], self.down_proj.shape[1])
         cache = self.cache
         cache.record_routing(sizes)
-        for wave in cache.waves([e for e, size in enumerate(sizes) if size]):
+        active = [e for e, size in enumerate(sizes) if size]
+        if cache.host and self.host_token_limit:
+            on_host = [e for e in active if cache.slot_of[e] < 0 and sizes[e] <= self.host_token_limit]
+            for expert in on_host:
+                rows = slice(starts[expert], starts[expert + 1])
+                out[rows] = moe_host.run_on_host(self, x[rows], expert)
+                cache.note_host_run(sizes[expert])
+            active = [e for e in active if e not in on_host]  # a handful: a list is fine
+        for wave in cache.waves(active):
             slots = cache.acquire(wave, self.load_into_slot)
             try:
                 for expert, slot in zip(wave, slots):
@@ -262,7 +273,8 @@ class ExpertCache:
     Slots are handed out per wave (``waves``, ``acquire``) and given back after it
     (``release``); an acquired slot is never evicted, so a wave's experts stay put
     while its groups run. Counters: a *hit* is an active expert found in a slot, a
-    *miss* one that had to be copied in (``bytes_loaded``), an *eviction* a miss that
+    *miss* one that was not: copied in (``bytes_loaded``) or run on the host
+    (``host_experts``, ``host_tokens``; moe_host.py); an *eviction* a copy that
     displaced another expert.
     """
 
@@ -290,6 +302,13 @@ class ExpertCache:
         self.last_use = [0] * self.num_experts
         self.routed_tokens = [0] * self.num_experts
         self.hits = self.misses = self.evictions = self.bytes_loaded = 0
+        self.host_experts = self.host_tokens = 0
+
+    def note_host_run(self, tokens: int) -> None:
+        """A miss run on the host's copy of the expert instead of copied into a slot."""
+        self.misses += 1
+        self.host_experts += 1
+        self.host_tokens += tokens
 
     def record_routing(self, tokens_per_expert: list[int]) -> None:
         """One forward's routing: its active experts become the most recent, and more frequent."""
@@ -404,6 +423,8 @@ class ExpertCache:
             "prefetched": self.prefetched,  # experts copied ahead on the next layer's router's prediction
             "prefetch_used": self.prefetch_used,  # of those, routed to by the forward they were copied for
             "prefetch_accuracy": self.prefetch_used / self.prefetched if self.prefetched else None,
+            "host_experts": self.host_experts,  # misses run on the host (--moe-cpu-experts)
+            "host_tokens": self.host_tokens,  # the tokens those carried
         }
 
 
@@ -455,13 +476,20 @@ def expert_cache_stats(model) -> dict:
     if not layers:
         return {"enabled": False}
     totals = {key: sum(layer[key] for layer in layers)
-              for key in ("hits", "misses", "evictions", "bytes_loaded", "host_bytes", "prefetched", "prefetch_used")}
+              for key in ("hits", "misses", "evictions", "bytes_loaded", "host_bytes", "prefetched", "prefetch_used",
+                          "host_experts", "host_tokens")}
     totals["prefetch_accuracy"] = totals["prefetch_used"] / totals["prefetched"] if totals["prefetched"] else None
     totals["resident_experts"] = sum(layer["resident"] for layer in layers)
     lookups = totals["hits"] + totals["misses"]
     return {"enabled": True, "num_experts": layers[0]["num_experts"], "num_slots": layers[0]["num_slots"],
             **totals, "hit_rate": totals["hits"] / lookups if lookups else None,
-            "router": layers[0]["router"], "layers": layers}
+            "router": layers[0]["router"], **_cpu_experts_stats(model.moe_blocks()[0].experts), "layers": layers}
+
+
+def _cpu_experts_stats(experts) -> dict:
+    """The miss policy (moe_host.py) and, under auto, the measured token count up to which a miss runs on the host."""
+    return {"cpu_experts": experts.cpu_experts,
+            "host_token_limit": experts.host_token_limit if experts.cpu_experts == "auto" else None}
 
 
 # ---------------------------------------------------------------- synthetic routing (benchmarks only)

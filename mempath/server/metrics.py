@@ -386,7 +386,10 @@ def expert_cache_families(cache: dict | None, name: str):
                              ("evictions", "evictions", "Experts a copy displaced from their slot."),
                              ("bytes_loaded", "bytes_copied", "Bytes of experts copied from host memory to the device."),
                              ("prefetched", "prefetched", "Experts copied ahead on the next layer's router's prediction."),
-                             ("prefetch_used", "prefetch_used", "Prefetched experts the forward they were copied for used.")):
+                             ("prefetch_used", "prefetch_used", "Prefetched experts the forward they were copied for used."),
+                             ("host_experts", "host_experts", "Missed experts run on the host instead of copied "
+                                                              "(--moe-cpu-experts)."),
+                             ("host_tokens", "host_tokens", "Tokens of the missed experts run on the host.")):
         family = CounterMetricFamily(f"mempath:moe_expert_cache_{metric}", doc, labels=["model_name"])
         family.add_metric([name], cache[key])
         yield family

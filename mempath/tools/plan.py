@@ -17,7 +17,9 @@ from pathlib import Path
 from mempath.constants import DEFAULT_BLOCK_SIZE, default_max_num_seqs
 from mempath.memory.formulas import (CUBLAS_WORKSPACE_BYTES_SM90, ModelShape, check_serving_settings,
                                      count_params, expert_bytes, read_shape, resolve_dtype,
-                                     resolve_expert_cache_size, serving_figures, weight_bytes)
+                                     resolve_expert_cache_size, serving_figures, weight_bytes,
+                                     ASSUMED_DEVICE_READ_BYTES_PER_S, ASSUMED_H2D_BYTES_PER_S,
+                                     moe_offload_tokens_per_second)
 from mempath.tools.advice import advise
 from mempath.tools.training import plan_training
 
@@ -95,6 +97,12 @@ class MemoryPlan:
     resident_weight_bytes: int = 0  # what the device holds: weight_bytes less the experts not resident
     host_expert_bytes: int = 0  # with fewer resident, host memory holds every expert (slots copy from it)
     active_params: int = 0  # parameters one token reads: all but the routed experts, plus k of them per layer
+    # batch-1 decode with fewer experts resident (None otherwise): the uniform router's hit rate
+    # (resident fraction), the misses' copies at moe_h2d_bytes_per_s, the active weights' read
+    moe_hit_rate: float | None = None
+    moe_decode_tokens_per_s: float | None = None
+    moe_h2d_bytes_per_s: float = ASSUMED_H2D_BYTES_PER_S
+    moe_device_read_bytes_per_s: float = ASSUMED_DEVICE_READ_BYTES_PER_S
     # training (zeros unless train=True)
     train: bool = False
     optimizer: str = "adamw-fp32"
@@ -216,7 +224,9 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
                 micro_batch: int = 1, seq_len: int | None = None, checkpointing: str = "none",
                 checkpoint_layers=(), lora_rank: int = 0,
                 lora_targets=("q_proj", "v_proj"), moe_expert_cache_size: int | None = None,
-                quantization: str | None = None, moe_expert_cache_gb: float | None = None) -> MemoryPlan:
+                quantization: str | None = None, moe_expert_cache_gb: float | None = None,
+                moe_h2d_bytes_per_s: float = ASSUMED_H2D_BYTES_PER_S,
+                moe_device_read_bytes_per_s: float = ASSUMED_DEVICE_READ_BYTES_PER_S) -> MemoryPlan:
     """Plan every pathway's bytes for serving (and, with train=True, training) a model.
 
     Capacity, when gpu_mem_bytes is given (no device is probed here; `run_plan` does
@@ -245,6 +255,9 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
     device (None: all) and the KV budget is taken after the resident weights only
     (resident_weight_bytes); the others' bytes are in host memory. moe_expert_cache_gb
     gives the slots' device GiB instead, turned into experts per layer as the engine does.
+    With fewer resident, moe_decode_tokens_per_s predicts batch-1 decode from the uniform
+    router's hit rate (the resident fraction), moe_h2d_bytes_per_s for the misses' copies
+    and moe_device_read_bytes_per_s for the active weights (moe_offload_tokens_per_second).
 
     quantization="fp8" (or an fp8 checkpoint's quantization_config) counts the projections'
     weights as the engine holds them: one byte each plus a float32 scale per output channel.
@@ -262,12 +275,9 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
     _check_settings(shape, gpu_mem_bytes, host_mem_bytes, gpu_memory_utilization, max_model_len, max_num_seqs,
                     max_num_batched_tokens, block_size, context_bytes)
 
-    if moe_expert_cache_gb is not None:
-        moe_expert_cache_size = resolve_expert_cache_size(shape, b, moe_expert_cache_size, moe_expert_cache_gb,
-                                                          source) or shape.num_experts
-    params = count_params(shape)
-    pathway_bytes = weight_bytes(shape, b)
-    experts = _plan_experts(shape, b, params, pathway_bytes["total"], moe_expert_cache_size)
+    params, pathway_bytes = count_params(shape), weight_bytes(shape, b)
+    experts = _plan_experts(shape, b, params, pathway_bytes["total"], moe_expert_cache_size, moe_expert_cache_gb,
+                            source, (moe_h2d_bytes_per_s, moe_device_read_bytes_per_s))
     serving = serving_figures(shape, b, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                               cuda_graphs=cuda_graphs, fused_kernels=fused_kernels,
@@ -319,9 +329,14 @@ def _plan_training(plan: MemoryPlan, shape: ModelShape, **settings) -> None:
         plan.train_fits = plan.train_total_bytes <= plan.budget_bytes
 
 
-def _plan_experts(shape: ModelShape, b: int, params: dict[str, int], total_bytes: int,
-                  cache_size: int | None) -> dict:
+def _plan_experts(shape: ModelShape, b: int, params: dict[str, int], total_bytes: int, cache_size: int | None,
+                  cache_gb: float | None, source: str, rates: tuple[float, float]) -> dict:
     """The plan's mixture-of-experts fields; resident_weight_bytes and active_params for any model."""
+    if cache_gb is not None:
+        cache_size = resolve_expert_cache_size(shape, b, cache_size, cache_gb, source) or shape.num_experts
+    for name, rate in zip(("moe_h2d_bytes_per_s", "moe_device_read_bytes_per_s"), rates):
+        if not rate > 0:
+            raise ValueError(f"{name} must be > 0 bytes/s, got {rate!r}")
     if cache_size is not None and not shape.num_experts:
         raise ValueError(f"moe_expert_cache_size is {cache_size} but {shape.architecture} is a dense model "
                          f"(no experts): leave it unset")
@@ -331,7 +346,13 @@ def _plan_experts(shape: ModelShape, b: int, params: dict[str, int], total_bytes
                          f"per layer), got {cache_size!r}")
     total, resident = expert_bytes(shape, b, cache_size)
     active = params["experts"] // shape.num_experts * shape.num_experts_per_tok if shape.num_experts else 0
-    return {
+    active_params = params["total"] - params["experts"] + active
+    prediction = {"moe_h2d_bytes_per_s": rates[0], "moe_device_read_bytes_per_s": rates[1]}
+    if resident < total:
+        hit_rate = cache_size / shape.num_experts  # the uniform router's: random weights route almost uniformly
+        prediction.update(moe_hit_rate=hit_rate, moe_decode_tokens_per_s=moe_offload_tokens_per_second(
+            shape, b, hit_rate, rates[0], active_params * b / rates[1]))
+    return {**prediction,
         "num_experts": shape.num_experts,
         "num_experts_per_tok": shape.num_experts_per_tok,
         "expert_cache_size": shape.num_experts if cache_size is None else cache_size,
@@ -340,7 +361,7 @@ def _plan_experts(shape: ModelShape, b: int, params: dict[str, int], total_bytes
         "resident_expert_bytes": resident,
         "resident_weight_bytes": total_bytes - total + resident,
         "host_expert_bytes": total if resident < total else 0,
-        "active_params": params["total"] - params["experts"] + active,
+        "active_params": active_params,
     }
 
 

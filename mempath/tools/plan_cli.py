@@ -8,6 +8,7 @@ import sys
 
 from mempath.constants import DEFAULT_BLOCK_SIZE
 from mempath.engine_flags import add_memory_arguments
+from mempath.memory.formulas import ASSUMED_DEVICE_READ_BYTES_PER_S, ASSUMED_H2D_BYTES_PER_S
 from mempath.memory.ledger import format_bytes
 from mempath.tools.plan import MemoryPlan, detect_gpu_mem, parse_size_flag, plan_memory
 from mempath.tools.training import CHECKPOINTING, OPTIMIZERS
@@ -41,6 +42,7 @@ def format_plan(plan: MemoryPlan) -> str:
            _row("in host memory (every expert)", p.host_expert_bytes),
            _row("read per token (k experts/layer)", p.active_params * p.dtype_bytes, p.active_params)]
           if p.num_experts else []),
+        *([_moe_decode_line(p)] if p.moe_decode_tokens_per_s is not None else []),
         "",
         "KV cache",
         _row("per token", p.kv_bytes_per_token),
@@ -62,6 +64,14 @@ def format_plan(plan: MemoryPlan) -> str:
     out.append("advice")
     out += [f"  - {line}" for line in p.advice]
     return "\n".join(out)
+
+
+def _moe_decode_line(p: MemoryPlan) -> str:
+    return (f"  predicted batch-1 decode {p.moe_decode_tokens_per_s:.1f} tok/s: hit rate {p.moe_hit_rate:.0%} = "
+            f"the resident fraction {p.expert_cache_size}/{p.num_experts} (the uniform router's; a router with "
+            f"locality hits more), misses copied at {p.moe_h2d_bytes_per_s / 1e9:.0f} GB/s pinned host->device, "
+            f"{p.moe_device_read_bytes_per_s / 1e9:.0f} GB/s device read for the active weights, not overlapped "
+            f"(--h2d-gbps, --device-read-gbps)")
 
 
 def _capacity_lines(p: MemoryPlan) -> list[str]:
@@ -144,6 +154,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-rank", type=int, default=0)
     parser.add_argument("--lora-targets", default="q_proj,v_proj", help="comma list or all-linear")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--h2d-gbps", type=float, default=ASSUMED_H2D_BYTES_PER_S / 1e9,
+                        help="MoE with fewer experts resident: pinned host-to-device GB/s for the predicted "
+                             "decode tok/s (default: an H200's; benchmarks/bench_moe.py measures it)")
+    parser.add_argument("--device-read-gbps", type=float, default=ASSUMED_DEVICE_READ_BYTES_PER_S / 1e9,
+                        help="the device's weight-read GB/s for the same prediction")
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -163,7 +178,8 @@ def run_plan(args: argparse.Namespace) -> int:
             seq_len=args.seq_len, checkpointing=args.checkpointing,
             checkpoint_layers=parse_layers(args.checkpoint_layers), lora_rank=args.lora_rank,
             lora_targets=args.lora_targets, moe_expert_cache_size=args.moe_expert_cache_size,
-            moe_expert_cache_gb=args.moe_expert_cache_gb)
+            moe_expert_cache_gb=args.moe_expert_cache_gb, moe_h2d_bytes_per_s=args.h2d_gbps * 1e9,
+            moe_device_read_bytes_per_s=args.device_read_gbps * 1e9)
     except ValueError as e:
         print(f"mempath plan: error: {e}", file=sys.stderr)
         return 2

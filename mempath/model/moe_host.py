@@ -1,0 +1,133 @@
+"""A missed expert run on the host instead of copied to the device: the policy and its cost model.
+
+With fewer experts resident than all (docs/moe.md), a routed expert that is in no slot
+is normally copied in from the host store. For a few tokens it can be cheaper to send
+the tokens to the weights than the weights to the tokens: the host multiplies the
+tokens' rows by the expert's host copy and sends the results back. ``HostExpertCost``
+compares the two per expert and step:
+
+- copy: the expert's bytes, ``3·h·I_e·b``, over the pinned host-to-device bandwidth;
+- host: ``2·3·h·I_e·t`` FLOPs at the host's matmul rate, plus the t hidden states'
+  round trip (``2·t·h·b`` bytes over the same link) and one synchronisation.
+
+The rates are measured once, when the policy is set (``measure_host_cost``). The model
+is per step: it does not credit a copy with the hits it may bring later steps.
+"""
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mempath.kernels.elementwise_torch import silu_and_mul_torch
+
+CPU_EXPERT_POLICIES = ("never", "auto", "always")
+
+
+@dataclass(frozen=True)
+class HostExpertCost:
+    """Rates that decide where a missed expert runs; times in seconds for one expert of one layer."""
+
+    h2d_bytes_per_s: float  # pinned host-to-device copies (one expert at a time)
+    host_flops_per_s: float  # the host's matmul rate in the model dtype, decode-sized rows
+    sync_seconds: float  # one device -> host -> device round trip of a row: the host path's fixed cost
+
+    def copy_seconds(self, hidden: int, intermediate: int, dtype_bytes: int) -> float:
+        return 3 * hidden * intermediate * dtype_bytes / self.h2d_bytes_per_s
+
+    def host_seconds(self, tokens: int, hidden: int, intermediate: int, dtype_bytes: int) -> float:
+        return tokens * self._host_seconds_per_token(hidden, intermediate, dtype_bytes) + self.sync_seconds
+
+    def runs_on_host(self, tokens: int, hidden: int, intermediate: int, dtype_bytes: int) -> bool:
+        return self.host_seconds(tokens, hidden, intermediate, dtype_bytes) < self.copy_seconds(
+            hidden, intermediate, dtype_bytes)
+
+    def host_token_limit(self, hidden: int, intermediate: int, dtype_bytes: int) -> int:
+        """The most tokens for which the host is cheaper than the copy (0: never)."""
+        spare = self.copy_seconds(hidden, intermediate, dtype_bytes) - self.sync_seconds
+        if spare <= 0:
+            return 0
+        limit = max(0, math.ceil(spare / self._host_seconds_per_token(hidden, intermediate, dtype_bytes)) - 1)
+        while limit and not self.runs_on_host(limit, hidden, intermediate, dtype_bytes):  # rounding at the edge
+            limit -= 1
+        return limit
+
+    def _host_seconds_per_token(self, hidden: int, intermediate: int, dtype_bytes: int) -> float:
+        return 6 * hidden * intermediate / self.host_flops_per_s + 2 * hidden * dtype_bytes / self.h2d_bytes_per_s
+
+
+def _seconds_per_call(fn, min_seconds: float = 0.02, cuda: bool = False) -> float:
+    fn()  # warm-up (allocator, kernel choice)
+    calls, start = 0, time.perf_counter()
+    while True:
+        fn()
+        calls += 1
+        if cuda:
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_seconds:
+            return elapsed / calls
+
+
+def measure_host_cost(experts) -> HostExpertCost:
+    """The rates on this machine, measured with one layer's experts (a CUDA one with a host store).
+
+    The copies go into slot 0, which gets its expert back afterwards, so nothing is
+    allocated on the device beyond one row."""
+    host, cache = experts.cache.host, experts.cache
+    gate_up, down = host["gate_up_proj"][0], host["down_proj"][0]
+    rows = torch.randn(4, gate_up.shape[1], dtype=gate_up.dtype)
+    flops = 2 * rows.shape[0] * (gate_up.numel() + down.numel())
+    host_seconds = _seconds_per_call(lambda: F.linear(silu_and_mul_torch(F.linear(rows, gate_up)), down))
+    evicted = cache.expert_in[0]
+    copy_seconds = _seconds_per_call(lambda: experts.load_into_slot(0, 0), cuda=True)
+    if evicted >= 0:
+        experts.load_into_slot(evicted, 0)  # what the slot held before (a free slot's bytes are junk anyway)
+    row = torch.zeros(1, gate_up.shape[1], dtype=gate_up.dtype, device=experts.gate_up_proj.device)
+    sync_seconds = _seconds_per_call(lambda: row.to("cpu").to(row.device), cuda=True)
+    return HostExpertCost(h2d_bytes_per_s=experts.expert_bytes() / copy_seconds,
+                          host_flops_per_s=flops / host_seconds, sync_seconds=sync_seconds)
+
+
+def check_cpu_experts(policy: str, expert_cache_size: int | None) -> None:
+    """Before loading: a policy other than never needs fewer experts resident than all (else no miss)."""
+    if policy not in CPU_EXPERT_POLICIES:
+        raise ValueError(f"moe_cpu_experts must be never, auto or always, got {policy!r}")
+    if policy != "never" and expert_cache_size is None:
+        raise ValueError(f"--moe-cpu-experts {policy}: every expert is resident, so none misses: drop the flag "
+                         f"or keep fewer experts on the device (--moe-expert-cache-size)")
+
+
+def set_cpu_experts(model, policy: str) -> None:
+    """Where each MoE layer runs a missed expert: ``never`` (copy it in), ``always`` (on the host) or
+    ``auto`` (the cheaper by HostExpertCost, measured here once; on a CPU device ``auto`` is
+    ``never``: the slots are host memory, there is no link to save).
+
+    Refused in one line for a policy other than never when every expert is resident (no misses)."""
+    blocks = [block for block in model.moe_blocks() if block.experts.cache.host]
+    check_cpu_experts(policy, blocks[0].experts.cache.num_slots if blocks else None)
+    limit = {"never": 0, "always": math.inf}.get(policy)
+    if limit is None:
+        experts = blocks[0].experts
+        if experts.gate_up_proj.is_cuda:
+            cost = measure_host_cost(experts)
+            limit = cost.host_token_limit(experts.gate_up_proj.shape[2], experts.intermediate_size,
+                                          experts.gate_up_proj.element_size())
+        else:
+            limit = 0
+    for block in model.moe_blocks():
+        block.experts.cpu_experts = policy
+        block.experts.host_token_limit = limit
+
+
+def run_on_host(experts, rows: torch.Tensor, expert: int) -> torch.Tensor:
+    """One expert's MLP of ``rows`` from its host weights, returned on rows' device.
+
+    On CUDA the two copies are the path's only synchronisation: the copy to the host
+    waits for the compute stream to produce the rows, the copy back is an ordinary
+    host-to-device copy the stream orders before the rows' next reader."""
+    host = experts.cache.host
+    on_host = rows.to("cpu")
+    out = F.linear(silu_and_mul_torch(F.linear(on_host, host["gate_up_proj"][expert])), host["down_proj"][expert])
+    return out.to(rows.device)

@@ -1,0 +1,104 @@
+"""A missed expert run on the host (--moe-cpu-experts): the cost model's choice on given rates,
+and outputs identical to the all-resident run with every miss on the host (CPU, tiny random models)."""
+import pytest
+import torch
+
+from mempath import LLM
+from mempath.engine_flags import add_engine_arguments, engine_options
+from mempath.model.moe import expert_cache_stats, set_expert_cache_size
+from mempath.model.moe_host import HostExpertCost, set_cpu_experts
+from tests.test_moe import check_caches, generate, references  # noqa: F401 (fixture)
+
+# Qwen3-30B-A3B's expert: h 2048, I_e 768, bf16 -> 9,437,184 bytes, 9,437,184 FLOPs per token.
+H, I, B = 2048, 768, 2
+
+
+def test_cost_model_runs_a_miss_on_the_host_while_computing_beats_copying():
+    # Copy: 9.437 MB / 50 GB/s = 189 us. Host: 94.4 us per token at 100 GFLOP/s (+ 0.16 us of
+    # hidden-state round trip) plus a 20 us sync -> 1 token 114 us (host), 2 tokens 209 us (copy).
+    cost = HostExpertCost(h2d_bytes_per_s=50e9, host_flops_per_s=100e9, sync_seconds=20e-6)
+    assert cost.copy_seconds(H, I, B) == pytest.approx(188.7e-6, rel=1e-3)
+    assert cost.host_seconds(1, H, I, B) == pytest.approx(114.5e-6, rel=1e-3)
+    assert cost.host_token_limit(H, I, B) == 1
+    assert cost.runs_on_host(1, H, I, B) and not cost.runs_on_host(2, H, I, B)
+    # Ten times the host rate: up to 17 tokens (17 * 9.6 us + 20 us < 189 us < 18 * 9.6 us + 20 us).
+    fast = HostExpertCost(h2d_bytes_per_s=50e9, host_flops_per_s=1e12, sync_seconds=20e-6)
+    assert fast.host_token_limit(H, I, B) == 17
+    # A sync slower than the copy: never on the host.
+    slow_sync = HostExpertCost(h2d_bytes_per_s=50e9, host_flops_per_s=1e12, sync_seconds=1e-3)
+    assert slow_sync.host_token_limit(H, I, B) == 0 and not slow_sync.runs_on_host(1, H, I, B)
+
+
+@pytest.mark.parametrize("arch,sizes", [("mixtral", (5, 2, 1)), ("qwen3_moe", (3,))])
+def test_every_miss_on_the_host_gives_the_all_resident_tokens(arch, sizes, model_factory, references):
+    path, _ = model_factory(arch)
+    llm = LLM(path, dtype="float32", device="cpu", show_progress=False, enable_prefix_caching=False)
+    for size in sizes:
+        set_expert_cache_size(llm.engine.model, size)
+        set_cpu_experts(llm.engine.model, "always")
+        assert generate(llm) == references[arch], f"{size} experts resident"
+        check_caches(llm.engine.model)
+        stats = expert_cache_stats(llm.engine.model)
+        # Nothing is copied: the slots stay empty and every lookup is a miss run on the host.
+        assert stats["bytes_loaded"] == 0 and stats["hits"] == 0 and stats["resident_experts"] == 0
+        assert stats["host_experts"] == stats["misses"] > 0
+        assert stats["host_tokens"] >= stats["host_experts"]
+    set_cpu_experts(llm.engine.model, "never")
+    assert generate(llm) == references[arch]
+    stats = expert_cache_stats(llm.engine.model)
+    assert stats["host_experts"] == 0 or stats["bytes_loaded"] > 0  # counters carry on; copies resumed
+
+
+def test_engine_option_runs_misses_on_the_host_and_counts_them(model_factory, references):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from mempath.server.metrics import ServerMetrics
+    path, _ = model_factory("mixtral")
+    llm = LLM(path, dtype="float32", device="cpu", show_progress=False, enable_prefix_caching=False,
+              moe_expert_cache_size=2, moe_cpu_experts="always")
+    assert generate(llm) == references["mixtral"]
+    stats = llm.stats()
+    cache = stats["expert_cache"]
+    assert cache["cpu_experts"] == "always" and cache["host_experts"] > 0 and cache["bytes_loaded"] == 0
+    text = ServerMetrics("m", 16).render(stats).decode()
+    samples = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    assert samples["mempath:moe_expert_cache_host_experts_total"] == cache["host_experts"]
+    assert samples["mempath:moe_expert_cache_host_tokens_total"] == cache["host_tokens"]
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"moe_cpu_experts": "sometimes"}, r"moe_cpu_experts must be never, auto or always, got 'sometimes'"),
+    ({"moe_cpu_experts": "auto"}, r"--moe-cpu-experts auto: every expert is resident, so none misses: .*\(--moe-expert-cache-size\)"),
+])
+def test_bad_cpu_experts_settings_are_refused_in_one_line(options, message, model_factory):
+    path, _ = model_factory("mixtral")
+    with pytest.raises(ValueError, match=message):
+        LLM(path, dtype="float32", device="cpu", show_progress=False, **options)
+
+
+def test_cpu_experts_flag():
+    import argparse
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert engine_options(parser.parse_args([]))["moe_cpu_experts"] == "never"
+    assert engine_options(parser.parse_args(["--moe-cpu-experts", "auto"]))["moe_cpu_experts"] == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--moe-cpu-experts", "maybe"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_host_path_and_measured_cost_model(model_factory, references):
+    """On CUDA in float32: every miss on the host gives the all-resident tokens (tiny model: the host's
+    and the device's float32 matmuls agree to the token); auto measures its rates and keeps the slots sane."""
+    path, _ = model_factory("mixtral")
+    for policy in ("always", "auto"):
+        llm = LLM(path, dtype="float32", device="cuda", show_progress=False, enable_prefix_caching=False,
+                  gpu_memory_utilization=0.3, moe_expert_cache_size=2, moe_cpu_experts=policy)
+        assert generate(llm) == references["mixtral"], policy
+        check_caches(llm.engine.model)
+        cache = llm.stats()["expert_cache"]
+        if policy == "always":
+            assert cache["host_experts"] == cache["misses"] > 0  # prefetched experts found in a slot are hits
+        else:
+            assert isinstance(cache["host_token_limit"], int) and cache["host_token_limit"] >= 0
+        del llm
