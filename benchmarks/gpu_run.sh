@@ -51,7 +51,7 @@ if want wheels; then
   export PYTHONPATH=.:/tmp/site
 fi
 step pending 300 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu or GPU or CUDA or triton" \
-  tests/test_fp8_gemv.py tests/test_fp8_weights.py tests/test_moe.py tests/test_moe_triton.py tests/test_moe_prefetch.py \
+  tests/test_fp8_gemv.py tests/test_fp8_weights.py tests/test_moe.py tests/test_moe_triton.py tests/test_moe_prefetch.py tests/test_moe_host.py \
   tests/test_fused_ops.py tests/test_structured_async.py tests/test_structured.py tests/test_spec_interactions.py \
   tests/test_spec_graphs.py tests/test_spec_decode.py tests/test_spec_idle_draft.py tests/test_gpu_engine.py \
   tests/test_gpu_budget.py tests/test_multi_model_gpu.py
@@ -66,6 +66,7 @@ step spec-a 300 python3 benchmarks/bench_spec.py --parts a
 step spec-bc 420 python3 benchmarks/bench_spec.py --parts bc
 step multi 300 python3 benchmarks/bench_multi_model.py
 step moe-offload 300 python3 benchmarks/bench_moe.py --parts pinned,offload
+step moe-offload-host 420 python3 benchmarks/bench_moe.py --parts pinned,offload --cpu-experts auto
 step moe-resident 300 python3 benchmarks/bench_moe.py --parts pinned,resident
 if want diagnose; then
   for shape in qwen3-0.6b llama-3.1-8b phi-3-mini-4k-instruct; do
