@@ -138,7 +138,7 @@ def test_an_abort_while_compiling_leaves_no_request_behind(client, monkeypatch, 
 
     async def scenario():
         queue = UpdateQueue()
-        params = greedy(50, ignore_eos=True, structured_outputs=Structured(regex=f"[g-i]+{how}"))
+        params = greedy(800, ignore_eos=True, structured_outputs=Structured(regex=f"[g-i]+{how}"))
         adding = asyncio.create_task(client.add_request("x", params, f"gone-{how}", queue))
         await asyncio.sleep(SLOW / 5)
         if how == "abort":
@@ -149,10 +149,12 @@ def test_an_abort_while_compiling_leaves_no_request_behind(client, monkeypatch, 
             with pytest.raises(asyncio.CancelledError):
                 await adding
         await asyncio.sleep(SLOW)  # past the compile's end
-        await settled(client)
+        await client.stats()  # after every command submitted before it
+        return queue
 
-    asyncio.run(scenario())
+    queue = asyncio.run(scenario())
     assert not client.engine.has_unfinished_requests() and client.engine.kv.pool.num_used == 0
+    assert queue._backlogs == {}  # it never ran
 
 
 def test_the_same_schema_at_once_compiles_once_and_two_compile_in_parallel(client, monkeypatch):

@@ -262,7 +262,7 @@ class AsyncEngine:
                                                              params.structured_outputs)
         finally:
             with self._wake:
-                aborted = self._compiling.pop(request_id)
+                aborted = self._compiling.pop(request_id, False)
         return not aborted
 
     async def add_pipeline(self, prompt: str | list[int], params: SamplingParams, request_id: str,
