@@ -97,6 +97,8 @@ class LLM:
         param_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompt_list)
         if len(param_list) != len(prompt_list):
             raise ValueError(f"got {len(prompt_list)} prompts but {len(param_list)} SamplingParams")
+        if engine.inputs.grammars is not None:  # a batch's grammars compile in parallel, not one by one as added
+            engine.inputs.grammars.compile_all([p.structured_outputs for p in param_list if p.structured_outputs])
         groups = [self._add_samples(engine, prompt, p, single) for prompt, p in zip(prompt_list, param_list)]
         results = {r.request_id: r for group in groups for r in group if isinstance(r, RequestOutput)}
         total = sum(len(group) for group in groups)

@@ -16,12 +16,17 @@ than ``stream_stall_timeout`` seconds.
 With ``log_stats_interval`` the engine thread also writes the periodic stats line
 (``server/stats_log.py``), waking for it only while there is something to report.
 
+Grammars (structured outputs) are compiled before a request reaches the engine thread,
+in a small pool of this class's (``add_request``), so a compile never stalls the other
+requests' decode; xgrammar's tokenizer preprocessing runs in that pool at start-up.
+
 The engine may be a MultiEngine (several models, mempath/multi): requests then name
 their model, and the per-model parts (output processors) are set up on each model's engine.
 """
 import asyncio
 import concurrent.futures
 import dataclasses
+import importlib.util
 import logging
 import threading
 import time
@@ -34,6 +39,7 @@ from mempath.outputs import RequestOutput
 from mempath.sampling import SamplingParams
 from mempath.server.settings import DEFAULT_STREAM_STALL_TIMEOUT
 from mempath.server.stats_log import StatsLog
+from mempath.structured.grammar import COMPILE_THREADS
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +194,8 @@ class AsyncEngine:
         self._admitting = True
         self._thread: threading.Thread | None = None
         self.num_step_errors = 0
+        self._grammar_pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, "mempath-grammar")
+        self._compiling: dict[str, bool] = {}  # request id -> aborted meanwhile; under _wake
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -195,6 +203,10 @@ class AsyncEngine:
             return
         self._thread = threading.Thread(target=self._run, name="mempath-engine", daemon=True)
         self._thread.start()
+        if importlib.util.find_spec("xgrammar") is not None:
+            for part in self.model_engines:
+                if part.inputs.grammars is not None:
+                    self._grammar_pool.submit(_prepare_grammars, part.inputs.grammars)
 
     def drain(self, timeout: float) -> asyncio.Future:
         """Stop admitting requests now; the result completes once every request has finished,
@@ -215,6 +227,7 @@ class AsyncEngine:
             self._wake.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def is_alive(self) -> bool:
@@ -226,9 +239,31 @@ class AsyncEngine:
         """Queue a request (for the named model of a MultiEngine); its Updates will be put on
         `queue`. Raises the engine's ValueError."""
         route = _Route(asyncio.get_running_loop(), queue)
+        if params.structured_outputs is not None and not await self._compile_grammar(params, request_id, model):
+            return  # aborted while its grammar compiled: it never reaches the engine
         command = lambda: self._add(prompt, params, request_id, route, model)  # noqa: E731
         await asyncio.wrap_future(self._submit(command, admit=not queue.admitted))
         queue.admitted = True
+
+    async def _compile_grammar(self, params: SamplingParams, request_id: str, model: str | None) -> bool:
+        """Compile the request's grammar in the pool, into the compiler's cache, where the engine
+        thread's add finds it; False if the request was aborted meanwhile. Raises its ValueError."""
+        try:
+            grammars = self.engine.engine(model).inputs.grammars if hasattr(self.engine, "engines") \
+                else self.engine.inputs.grammars
+        except ValueError:
+            return True  # an unknown model: the engine's add refuses it
+        if grammars is None:
+            return True  # the engine's add refuses it
+        with self._wake:
+            self._compiling[request_id] = False
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._grammar_pool, grammars.compile,
+                                                             params.structured_outputs)
+        finally:
+            with self._wake:
+                aborted = self._compiling.pop(request_id, False)
+        return not aborted
 
     async def add_pipeline(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                            queue: UpdateQueue, first: str, second: str, template: str,
@@ -244,6 +279,10 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks; safe from any thread, a no-op once it is done."""
+        with self._wake:
+            if request_id in self._compiling:
+                self._compiling[request_id] = True  # add_request drops it once its grammar is compiled
+                return
         try:
             self._submit(lambda: self._abort(request_id), wait=False)
         except EngineDeadError:
@@ -350,11 +389,13 @@ class AsyncEngine:
             pending = list(self._inbox)
             self._inbox.clear()
         for _, future in pending:
-            if future is not None:
+            if future is not None and future.set_running_or_notify_cancel():
                 future.set_exception(EngineDeadError(SHUTTING_DOWN))
 
     def _run_commands(self, commands) -> None:
         for command, future in commands:
+            if future is not None and not future.set_running_or_notify_cancel():
+                continue  # its caller was cancelled (a client gone) before the command ran
             try:
                 result = command()
             except Exception as error:  # noqa: BLE001 - handed to the caller
@@ -493,3 +534,11 @@ class AsyncEngine:
         if route.queue.call_when_taken(request_id, lambda: self._resume_soon(request_id)):
             self.engine.pause_request(request_id)
             self._stalls[request_id] = time.monotonic() + self.stream_stall_timeout
+
+
+def _prepare_grammars(grammars) -> None:
+    """Start-up, in the grammar pool: xgrammar's tokenizer preprocessing, before the first request needs it."""
+    try:
+        grammars.prepare()
+    except Exception:  # noqa: BLE001 - the first structured request sets it up (and says why it cannot)
+        log.exception("setting up xgrammar at start-up failed")
