@@ -52,7 +52,7 @@ if want wheels; then
 fi
 step pending 300 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu or GPU or CUDA or triton" \
   tests/test_fp8_gemv.py tests/test_fp8_weights.py tests/test_moe.py tests/test_moe_triton.py tests/test_moe_prefetch.py tests/test_moe_host.py \
-  tests/test_fused_ops.py tests/test_structured_async.py tests/test_structured.py tests/test_spec_interactions.py \
+  tests/test_fused_ops.py tests/test_structured_async.py tests/test_structured.py tests/test_structured_compile.py tests/test_spec_interactions.py \
   tests/test_spec_graphs.py tests/test_spec_decode.py tests/test_spec_idle_draft.py tests/test_gpu_engine.py \
   tests/test_gpu_budget.py tests/test_multi_model_gpu.py
 step fp8-gemv 200 python3 benchmarks/bench_fp8_gemv.py --out "$LOGS/fp8_gemv_configs.json"
@@ -62,6 +62,7 @@ step mix-qwen3 200 python3 benchmarks/bench_mix.py --shape qwen3-0.6b --max-num-
 step mix-llama 240 python3 benchmarks/bench_mix.py --shape llama-3.1-8b --max-num-seqs 256,1024
 step mix-tokens 200 python3 benchmarks/bench_mix.py --shape llama-3.1-8b --max-num-seqs 1024 --max-num-batched-tokens 8192,16384
 step structured 300 python3 benchmarks/bench_structured.py --schemas 20
+step grammar-stall 200 python3 benchmarks/bench_grammar_stall.py
 step spec-a 300 python3 benchmarks/bench_spec.py --parts a
 step spec-bc 420 python3 benchmarks/bench_spec.py --parts bc
 step multi 300 python3 benchmarks/bench_multi_model.py
