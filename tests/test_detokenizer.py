@@ -118,6 +118,21 @@ def test_a_split_character_is_held_back_until_whole_and_flush_returns_a_broken_o
     assert detok.flush() == "\ufffd"
 
 
+def test_byte_fallback_that_rewrites_earlier_text_takes_the_slow_rule_then_the_stream_again():
+    """"A" then a stray byte decode to "��" together: the stream refuses, the slow rule cuts by length."""
+    tokenizer = metaspace_tokenizer()
+    vocab = tokenizer.get_vocab()
+    word = min(token for token in vocab if token.startswith("▁") and token[1:].isalpha() and len(token) > 3)
+    ids = [vocab["<0x41>"], vocab["<0xFB>"], vocab[word], vocab[word], vocab[word]]
+    fast = FastIncrementalDetokenizer(tokenizer.backend_tokenizer, skip_special_tokens=False)
+    slow = SlowIncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+    fast_steps = [fast.delta(i) for i in ids[:3]]
+    assert fast_steps == [slow.delta(i) for i in ids[:3]]
+    assert fast_steps[0] == "A" and "\ufffd" in fast_steps[2]
+    assert fast.stream is not None  # started again once nothing was held back
+    assert [fast.delta(i) for i in ids[3:]] == [slow.delta(i) for i in ids[3:]] == [" " + word[1:]] * 2
+
+
 def test_a_metaspace_first_output_word_loses_its_space_and_later_words_keep_theirs():
     """As the slow path always did: the prompt is not context, so "▁word" first is "word"."""
     tokenizer = metaspace_tokenizer()

@@ -65,7 +65,7 @@ class FastIncrementalDetokenizer(SlowIncrementalDetokenizer):
     U+FFFD) inside the Rust tokenizer, so both give the same text. Like the slow one
     it starts at the first output token, the prompt not replayed into it: a Metaspace
     tokenizer's first output word loses its leading space in both. The window is
-    mirrored here (a token or two) for `flush` and for the rare token the stream refuses.
+    mirrored here (mostly a token or two) for `flush` and for the rare token the stream refuses.
     """
 
     def __init__(self, backend: Tokenizer, skip_special_tokens: bool = True):
