@@ -1,40 +1,96 @@
 """Incremental detokenization and stop-string matching for one request at a time."""
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 
-class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas.
+def incremental_detokenizer(tokenizer, skip_special_tokens: bool = True):
+    """The fast detokenizer where the tokenizer is Rust-backed, else the slow one.
 
-    Decoding only the ids since `prefix_offset` keeps the work per token small;
-    decoding them with a few tokens of left context keeps word boundaries (leading
-    spaces) right; holding back text that ends in U+FFFD waits for the rest of a
-    multi-byte character split across tokens.
+    The fast one decodes with the backend alone, so it is only taken where
+    transformers' decode adds nothing to the backend's (no space clean-up).
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if isinstance(backend, Tokenizer) and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return FastIncrementalDetokenizer(backend, skip_special_tokens)
+    return SlowIncrementalDetokenizer(tokenizer, skip_special_tokens)
+
+
+class SlowIncrementalDetokenizer:
+    """Text deltas by decoding a short window of ids twice per token (any tokenizer).
+
+    The window holds the ids since the start of the last text returned: decoding
+    them as left context keeps word boundaries (leading spaces) right, and the text
+    is the window's decode less that of the ids already returned, so a token costs
+    the same however long the output. Text that ends in U+FFFD is held back until
+    the rest of a multi-byte character split across tokens comes.
     """
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
-        self.tokenizer = tokenizer
+        self.decode = tokenizer.decode
         self.skip_special_tokens = skip_special_tokens
-        self.prefix_offset = 0
-        self.read_offset = 0
+        self.window: list[int] = []
+        self.read = 0  # how many of the window's ids the text already returned covers
 
-    def delta(self, token_ids: list[int]) -> str:
-        decode = self.tokenizer.decode
-        skip = self.skip_special_tokens
-        prefix = decode(token_ids[self.prefix_offset:self.read_offset], skip_special_tokens=skip)
-        full = decode(token_ids[self.prefix_offset:], skip_special_tokens=skip)
+    def delta(self, token_id: int) -> str:
+        self.window.append(token_id)
+        return self._step()
+
+    def flush(self) -> str:
+        """Whatever is still held back, once no more tokens will come."""
+        prefix, full = self._decode_window()
+        self.read = len(self.window)
+        return full[len(prefix):]
+
+    def _step(self) -> str:
+        prefix, full = self._decode_window()
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(token_ids)
+            self._advance()
             return full[len(prefix):]
         return ""
 
-    def flush(self, token_ids: list[int]) -> str:
-        """Whatever is still held back, once no more tokens will come."""
+    def _advance(self) -> None:
+        del self.window[:self.read]
+        self.read = len(self.window)
+
+    def _decode_window(self) -> tuple[str, str]:
         skip = self.skip_special_tokens
-        prefix = self.tokenizer.decode(token_ids[self.prefix_offset:self.read_offset],
-                                       skip_special_tokens=skip)
-        full = self.tokenizer.decode(token_ids[self.prefix_offset:], skip_special_tokens=skip)
-        self.read_offset = len(token_ids)
-        return full[len(prefix):]
+        return (self.decode(self.window[:self.read], skip_special_tokens=skip),
+                self.decode(self.window, skip_special_tokens=skip))
+
+
+class FastIncrementalDetokenizer(SlowIncrementalDetokenizer):
+    """Text deltas from a `tokenizers.decoders.DecodeStream`: one Rust step per token.
+
+    The stream runs the slow detokenizer's rule (the same window, the same held-back
+    U+FFFD) inside the Rust tokenizer, so both give the same text. Like the slow one
+    it starts at the first output token, the prompt not replayed into it: a Metaspace
+    tokenizer's first output word loses its leading space in both. The window is
+    mirrored here (mostly a token or two) for `flush` and for the rare token the stream refuses.
+    """
+
+    def __init__(self, backend: Tokenizer, skip_special_tokens: bool = True):
+        super().__init__(backend, skip_special_tokens)
+        self.backend = backend
+        self.stream: DecodeStream | None = DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def delta(self, token_id: int) -> str:
+        self.window.append(token_id)
+        if self.stream is not None:
+            try:
+                text = self.stream.step(self.backend, token_id)
+            except Exception:
+                # The text returned no longer prefixes the window's decode (byte-fallback
+                # bytes that became one invalid sequence): the slow rule cuts by length.
+                self.stream = None
+            else:
+                if text is None:
+                    return ""
+                self._advance()
+                return text
+        text = self._step()
+        if self.read == len(self.window):  # nothing held back: a stream can start from the window
+            self.stream = DecodeStream(self.window, skip_special_tokens=self.skip_special_tokens)
+        return text
 
 
 def find_stop(text: str, stops: list[str], new_chars: int) -> tuple[int, str] | None:

@@ -7,7 +7,8 @@ import logging
 import time
 from typing import Callable
 
-from mempath.engine.detokenizer import IncrementalDetokenizer, find_stop
+from mempath.engine.detokenizer import (FastIncrementalDetokenizer, SlowIncrementalDetokenizer, find_stop,
+                                        incremental_detokenizer)
 from mempath.engine.request import Request
 from mempath.outputs import RequestOutput
 
@@ -22,7 +23,7 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.finish = finish  # the scheduler's: frees the request's blocks
         self.requests: dict[str, Request] = {}
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.detokenizers: dict[str, FastIncrementalDetokenizer | SlowIncrementalDetokenizer] = {}
         # Every token is reported (streaming callers); offline callers that only want
         # finished requests turn this off and save an output object per token.
         self.emit_progress = True
@@ -36,7 +37,7 @@ class OutputProcessor:
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
         if self.tokenizer is not None:
-            self.detokenizers[request.request_id] = IncrementalDetokenizer(
+            self.detokenizers[request.request_id] = incremental_detokenizer(
                 self.tokenizer, request.params.skip_special_tokens)
 
     def emit(self, sampling: list[Request], token_ids: list[int], logprobs: list) -> list[RequestOutput]:
@@ -73,12 +74,12 @@ class OutputProcessor:
         new_text = ""
         detok = self.detokenizers.get(request.request_id)
         if detok is not None:
-            new_text = detok.delta(request.token_ids[request.num_prompt_tokens:])
+            new_text = detok.delta(token_id)
             request.output_text += new_text
         reason, new_text = self._stop_reason(request, token_id, new_text)
         if reason is not None:
             if detok is not None and reason != "stop":
-                tail = detok.flush(request.token_ids[request.num_prompt_tokens:])
+                tail = detok.flush()
                 request.output_text += tail
                 new_text += tail
             self.finish(request, reason)
