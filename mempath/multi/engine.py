@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 
 from mempath.engine.engine import LLMEngine
-from mempath.multi.pages import PagePool, TenantPages
+from mempath.multi.pages import POOL_TENANT, PagePool, TenantPages
 from mempath.multi.pipeline import (Pipeline, Template, count_device_reads, handoff_text, handoff_token_ids,
                                     same_vocabulary, special_prefix)
 
@@ -41,6 +41,7 @@ class MultiEngine:
         self.owner: dict[str, LLMEngine] = {}  # request id -> the engine it runs in
         self.pipelines: dict[str, Pipeline] = {}  # request id -> its hand-off, while its first model runs
         self.num_cross_preemptions = 0
+        self.cross_preemptions_by_model = {name: 0 for name in engines}  # requests of that model preempted
         self.num_handoff_device_reads = 0  # reads of tensor data on the hand-off path (pipeline.py)
         self.vocabulary_pairs: dict[tuple[str, str], bool] = {}
         self.prefixes: dict[LLMEngine, list[int]] = {}
@@ -208,7 +209,11 @@ class MultiEngine:
                 return False
             victim.scheduler.preempt_newest()
             self.num_cross_preemptions += 1
+            self.cross_preemptions_by_model[self._name_of(victim)] += 1
         return True
+
+    def _name_of(self, engine: LLMEngine) -> str:
+        return next(name for name, e in self.engines.items() if e is engine)
 
     def _victim(self, asking: TenantPages, n: int, runs_nothing: bool) -> LLMEngine | None:
         """The other model furthest above its guarantee, if it may give pages to ``asking``."""
@@ -239,8 +244,11 @@ class MultiEngine:
             "models": per_model,
             "kv_pages": {"total": self.pool.num_pages, "page_bytes": self.pool.page_bytes,
                          "free": pages.num_free, "guaranteed_per_model": self.pool.guaranteed(),
+                         "guaranteed_by_model": {name: self.pool.guaranteed() for name in self.engines},
                          "used_by_model": self.pool.split()},
+            "pool_ledger": ledgers[POOL_TENANT].as_dict() if POOL_TENANT in ledgers else {},
             "num_cross_model_preemptions": self.num_cross_preemptions,
+            "cross_model_preemptions_by_model": dict(self.cross_preemptions_by_model),
             "handoffs": {"count": self.num_handoffs, "seconds_total": self.handoff_seconds,
                          "device_reads": self.num_handoff_device_reads},
         }

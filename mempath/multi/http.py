@@ -30,7 +30,7 @@ class ModelClient:
     def __init__(self, shared: AsyncEngine, name: str, engine):
         self.shared, self.name = shared, name
         self.tokenizer, self.max_model_len = engine.tokenizer, engine.max_model_len
-        self.metrics = shared.metrics
+        self.metrics = ModelMetrics(shared.metrics, name)
 
     async def add_request(self, prompt, params, request_id: str, queue) -> None:
         await self.shared.add_request(prompt, params, request_id, queue, model=self.name)
@@ -53,6 +53,19 @@ class ModelClient:
 
     def drain(self, timeout: float):
         return self.shared.drain(timeout)
+
+
+class ModelMetrics:
+    """What build_app reads of the metrics, with its events in this model's series."""
+
+    def __init__(self, metrics, name: str):
+        self.metrics, self.name = metrics, name
+
+    def render(self, stats: dict) -> bytes:
+        return self.metrics.render(stats)
+
+    def record_disconnect(self, stage: str) -> int:
+        return self.metrics.record_disconnect(stage, model=self.name)
 
 
 def unknown_model_app(served: list[str], api_key: str | None, http_options: dict) -> FastAPI:
@@ -161,8 +174,7 @@ def build_multi_server_app(models: list[str], engine_options: dict, served_model
             engine.tokenizer.chat_template = chat_template
     multi = MultiEngine(engines, pool)
     names = list(engines)
-    # One aggregate series for all models (the names joined): per-model labels are not there yet.
-    metrics = ServerMetrics.for_engine(",".join(names), multi.first)
+    metrics = ServerMetrics.for_models(engines)  # each model's series under its name (docs/server.md, "Metrics")
     shared = AsyncEngine(multi, metrics, stream_stall_timeout=stream_stall_timeout,
                          log_stats_interval=log_stats_interval)
     listed = [(name, engine.max_model_len) for name, engine in engines.items()]

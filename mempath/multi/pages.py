@@ -18,6 +18,8 @@ from typing import Callable
 
 from mempath.kv.block_pool import BlockPool
 
+POOL_TENANT = "shared KV pages"  # the device budget's tenant for the pool every model's KV is carved from
+
 
 class PagePool:
     """The pages every model shares, and each model's guaranteed minimum of them."""
