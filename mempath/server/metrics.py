@@ -387,6 +387,18 @@ def multi_model_families(stats: dict, process_name: str) -> list:
     for model, value in stats["cross_model_preemptions_by_model"].items():
         preempted.add_metric([model], value)
     families.append(preempted)
+    sleep = stats["sleep"]  # --sleep-after (mempath/multi/sleep.py)
+    asleep = GaugeMetricFamily("mempath:model_asleep", "1 while the model is asleep (idle past --sleep-after: "
+                               "no guaranteed KV pages), else 0.", labels=["model_name"])
+    for model in sleep["sleeps_by_model"]:
+        asleep.add_metric([model], int(model in sleep["asleep"]))
+    families.append(asleep)
+    for key, metric, doc in (("sleeps_by_model", "mempath:model_sleeps", "Times the model fell asleep."),
+                             ("wakes_by_model", "mempath:model_wakes", "Times a request woke the model.")):
+        family = CounterMetricFamily(metric, doc, labels=["model_name"])
+        for model, value in sleep[key].items():
+            family.add_metric([model], value)
+        families.append(family)
     for metric, doc, value in (("mempath:kv_pages_free", "Free KV pages of the shared pool.", pages["free"]),
                                ("mempath:kv_pages_total", "KV pages in the shared pool.", pages["total"]),
                                ("mempath:kv_page_bytes", "Bytes of one KV page.", pages["page_bytes"])):
