@@ -19,18 +19,20 @@ class LLM:
     ``LLM([A, B], ...)`` (or ``models=[...]``) serves several models on one device, sharing
     one KV page pool (docs/multi_model.md): each entry a directory or ``NAME=DIR``, or
     named by ``served_model_name`` (one per model); ``kv_min_share`` is the fraction of the
-    pool each model is guaranteed. ``generate(..., model=NAME)`` picks one; the first by default.
+    pool each model is guaranteed, ``sleep_after`` the seconds idle after which a model gives
+    that guarantee up until its next request. ``generate(..., model=NAME)`` picks one; the first by default.
     """
 
     def __init__(self, model: str | list[str] | None = None, show_progress: bool = True, *,
                  models: list[str] | None = None, served_model_name: list[str] | None = None,
-                 kv_min_share: float = 0.0, **engine_options):
+                 kv_min_share: float = 0.0, sleep_after: float | None = None, **engine_options):
         if isinstance(model, (list, tuple)) or models is not None:
             self._init_several(list(models if models is not None else model), served_model_name, kv_min_share,
-                               show_progress, engine_options)
+                               show_progress, engine_options, sleep_after)
             return
-        if served_model_name is not None or kv_min_share:
-            raise TypeError("served_model_name and kv_min_share are for several models: LLM([A, B], ...)")
+        if served_model_name is not None or kv_min_share or sleep_after is not None:
+            raise TypeError("served_model_name, kv_min_share and sleep_after are for several models: "
+                            "LLM([A, B], ...)")
         if model is None:
             from mempath.assets import default_model_path
             model = default_model_path()
@@ -44,17 +46,19 @@ class LLM:
         self._ids = itertools.count()
 
     def _init_several(self, models: list[str], served_names, kv_min_share: float, show_progress: bool,
-                      engine_options: dict) -> None:
+                      engine_options: dict, sleep_after: float | None = None) -> None:
         from mempath.multi.engine import MultiEngine
         from mempath.multi.names import served_models
+        from mempath.multi.sleep import check_sleep_after
         from mempath.multi.startup import build_engines
         if not models:
             raise ValueError("LLM(models=[...]): name at least one model directory")
         if engine_options.get("tokenizer"):
             raise ValueError("tokenizer names one tokenizer; with several models each uses the one in its directory")
         pairs = served_models(models, served_names)
+        check_sleep_after(sleep_after)
         engines, pool = build_engines(pairs, engine_options, show_progress, kv_min_share)
-        self.engine = MultiEngine(engines, pool)
+        self.engine = MultiEngine(engines, pool, sleep_after)
         self.engines = engines
         for engine in engines.values():
             engine.outputs.emit_progress = False

@@ -4,6 +4,7 @@ import concurrent.futures
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from mempath import LLM, SamplingParams
 from mempath.multi.http import build_multi_server_app
@@ -26,9 +27,27 @@ def server(paths):
     app, names = build_multi_server_app([f"small={llama}", qwen], OPTIONS, None, 0.25, API_KEY, {}, False,
                                         30.0, None, None, {"bind_host": "127.0.0.1"})
     assert names == ["small", qwen.rstrip("/").rsplit("/", 1)[-1]]
-    running = RunningServer(app, names[0])
+    running = MultiModelServer(app, names[0])
     yield running
     running.stop()
+
+
+class MultiModelServer(RunningServer):
+    def series(self) -> dict[tuple, float]:
+        """{(name, model_name, sorted other label items): value}"""
+        values = {}
+        for family in text_string_to_metric_families(httpx.get(f"{self.url}/metrics").text):
+            for sample in family.samples:
+                labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
+                values[(sample.name, sample.labels.get("model_name"), labels)] = sample.value
+        return values
+
+    def metrics(self) -> dict[tuple, float]:
+        """RunningServer.metrics' keys, each value summed over the models (idle: every model's is 0)."""
+        values = {}
+        for (name, _, labels), value in self.series().items():
+            values[(name, labels)] = values.get((name, labels), 0) + value
+        return values
 
 
 def alone_text(path) -> str:
@@ -116,3 +135,72 @@ def test_pipeline_route_refuses_bad_fields(server, then, status, param):
     response = post_pipeline(server, body)
     assert response.status_code == status, response.text
     assert response.json()["error"]["param"] == param
+
+
+def model_series(series: dict, model: str) -> dict[tuple, float]:
+    """The series of one model, keyed (name, other labels); the process's figures left out."""
+    return {(name, labels): value for (name, owner, labels), value in series.items() if owner == model}
+
+
+# Request-driven series: they move with a model's own requests and with nothing else.
+REQUEST_SERIES = ("mempath:prompt_tokens_total", "mempath:generation_tokens_total",
+                  "mempath:time_to_first_token_seconds_count", "mempath:e2e_request_latency_seconds_count",
+                  "mempath:request_queue_time_seconds_count", "mempath:request_prompt_tokens_sum",
+                  "mempath:iteration_tokens_total_count")
+
+
+def test_metrics_each_model_its_own_series(server):
+    """Requests to one model move that model's counters and histograms only (vLLM's model_name rule)."""
+    names = list(server.app.apps)
+    client = server.client()
+    for model, other in (names, names[::-1]):
+        before = server.wait_until_idle() and server.series()
+        for _ in range(2):
+            client.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        server.wait_until_idle()
+        after = server.series()
+        for name in REQUEST_SERIES:
+            assert after[(name, model, ())] > before[(name, model, ())], (name, model)
+            assert after[(name, other, ())] == before[(name, other, ())], (name, other)
+        assert after[("mempath:prompt_tokens_total", model, ())] - before[("mempath:prompt_tokens_total", model, ())] \
+            == 2 * len(PROMPT)
+        success = ("mempath:request_success_total", model, (("finished_reason", "length"),))
+        assert after[success] == before[success] + 2
+
+
+def test_metrics_state_and_ledger_per_model_and_the_pool(server):
+    names = list(server.app.apps)
+    series = server.series()
+    engines = server.engine.engines
+    for name in names:
+        own = model_series(series, name)
+        assert own[("mempath:kv_pages_used", ())] == 0
+        assert own[("mempath:kv_pages_guaranteed", ())] == server.engine.pool.guaranteed() == 6  # 0.25 of 24
+        assert own[("mempath:num_cross_model_preemptions_total", ())] == 0
+        assert own[("mempath:kv_blocks_total", ())] == 24
+        # The model's own ledger: its weights, under its own name.
+        weights = [v for (metric, labels), v in own.items()
+                   if metric == "mempath:memory_bytes" and ("pathway", "weights") in labels]
+        assert weights == [engines[name].ledger.as_dict()["weights"]["bytes"]]
+    process = model_series(series, ",".join(names))
+    assert process[("mempath:kv_pages_total", ())] == 24 and process[("mempath:kv_pages_free", ())] == 24
+    pool_bytes = [v for (metric, labels), v in process.items() if metric == "mempath:memory_bytes"]
+    assert pool_bytes == [24 * server.engine.pool.page_bytes]
+    # Every series names a model, or the models together (the process's figures).
+    owners = {owner for (metric, owner, _) in series if metric.startswith("mempath:") and metric != "mempath:cache_config_info"}
+    assert owners == {*names, ",".join(names)}
+
+
+def test_one_model_metrics_keep_their_series():
+    """One model: every series under its one name, none of the shared pool's."""
+    from mempath.server.metrics import ServerMetrics
+    llm = LLM("mempath/assets/mempath-tiny", show_progress=False, num_gpu_blocks_override=8)
+    llm.generate([1, 2, 3], SamplingParams(max_tokens=2), use_tqdm=False)
+    metrics = ServerMetrics.for_engine("tiny", llm.engine)
+    text = metrics.render({**llm.engine.stats(), "device": "cpu"}).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert not [name for name in families if name.startswith("mempath:kv_pages") or "cross_model" in name]
+    for name in ("mempath:kv_blocks", "mempath:memory_bytes", "mempath:num_requests_running",
+                 "mempath:time_to_first_token_seconds", "mempath:request_queue_time_seconds"):
+        assert {s.labels["model_name"] for s in families[name].samples} == {"tiny"}

@@ -21,9 +21,10 @@ from __future__ import annotations
 import time
 
 from mempath.engine.engine import LLMEngine
-from mempath.multi.pages import PagePool, TenantPages
+from mempath.multi.pages import POOL_TENANT, PagePool, TenantPages
 from mempath.multi.pipeline import (Pipeline, Template, count_device_reads, handoff_text, handoff_token_ids,
                                     same_vocabulary, special_prefix)
+from mempath.multi.sleep import IdleSleep
 
 MAX_CACHED_LITERALS = 1024  # template pieces' token ids kept (a client sends few distinct templates)
 from mempath.outputs import RequestOutput
@@ -35,12 +36,17 @@ class UnknownModelError(ValueError):
 
 
 class MultiEngine:
-    def __init__(self, engines: dict[str, LLMEngine], pool: PagePool):
+    def __init__(self, engines: dict[str, LLMEngine], pool: PagePool, sleep_after: float | None = None,
+                 clock=time.monotonic):
+        """``sleep_after``: seconds idle after which a model gives up its KV guarantee (sleep.py);
+        ``clock``: the time the idle seconds are read from."""
         self.engines = engines
         self.pool = pool
+        self.sleep = IdleSleep(pool, list(engines), sleep_after, clock)
         self.owner: dict[str, LLMEngine] = {}  # request id -> the engine it runs in
         self.pipelines: dict[str, Pipeline] = {}  # request id -> its hand-off, while its first model runs
         self.num_cross_preemptions = 0
+        self.cross_preemptions_by_model = {name: 0 for name in engines}  # requests of that model preempted
         self.num_handoff_device_reads = 0  # reads of tensor data on the hand-off path (pipeline.py)
         self.vocabulary_pairs: dict[tuple[str, str], bool] = {}
         self.prefixes: dict[LLMEngine, list[int]] = {}
@@ -94,6 +100,7 @@ class MultiEngine:
         if request_id in self.owner:
             raise ValueError(f"request id {request_id!r} is already running")
         engine = self.engine(model)
+        self.sleep.active(self._name_of(engine))
         engine.add_request(prompt, params, request_id)
         self.owner[request_id] = engine
         return request_id
@@ -130,7 +137,8 @@ class MultiEngine:
         return any(e.has_runnable_requests() for e in self.engines.values())
 
     def step(self) -> list[RequestOutput]:
-        """One step of every model with work, in turn."""
+        """One step of every model with work, in turn; the idle ones may fall asleep first."""
+        self.sleep.tick([name for name, e in self.engines.items() if e.has_unfinished_requests()])
         outputs = []
         for engine in self.engines.values():
             if engine.has_runnable_requests():
@@ -197,7 +205,7 @@ class MultiEngine:
 
     # ----------------------------------------------------------------- the victim policy
     def _excess(self, view: TenantPages, extra: int = 0) -> int:
-        return view.num_used + extra - self.pool.guaranteed()
+        return view.num_used + extra - self.pool.guaranteed(view.name)
 
     def _reclaim(self, asking: TenantPages, n: int) -> bool:
         """Preempt other models' requests until ``asking`` may take ``n`` pages; whether it may."""
@@ -208,7 +216,11 @@ class MultiEngine:
                 return False
             victim.scheduler.preempt_newest()
             self.num_cross_preemptions += 1
+            self.cross_preemptions_by_model[self._name_of(victim)] += 1
         return True
+
+    def _name_of(self, engine: LLMEngine) -> str:
+        return next(name for name, e in self.engines.items() if e is engine)
 
     def _victim(self, asking: TenantPages, n: int, runs_nothing: bool) -> LLMEngine | None:
         """The other model furthest above its guarantee, if it may give pages to ``asking``."""
@@ -239,8 +251,12 @@ class MultiEngine:
             "models": per_model,
             "kv_pages": {"total": self.pool.num_pages, "page_bytes": self.pool.page_bytes,
                          "free": pages.num_free, "guaranteed_per_model": self.pool.guaranteed(),
+                         "guaranteed_by_model": {name: self.pool.guaranteed(name) for name in self.engines},
                          "used_by_model": self.pool.split()},
+            "pool_ledger": ledgers[POOL_TENANT].as_dict() if POOL_TENANT in ledgers else {},
             "num_cross_model_preemptions": self.num_cross_preemptions,
+            "cross_model_preemptions_by_model": dict(self.cross_preemptions_by_model),
+            "sleep": self.sleep.stats(),
             "handoffs": {"count": self.num_handoffs, "seconds_total": self.handoff_seconds,
                          "device_reads": self.num_handoff_device_reads},
         }

@@ -30,7 +30,7 @@ class ModelClient:
     def __init__(self, shared: AsyncEngine, name: str, engine):
         self.shared, self.name = shared, name
         self.tokenizer, self.max_model_len = engine.tokenizer, engine.max_model_len
-        self.metrics = shared.metrics
+        self.metrics = ModelMetrics(shared.metrics, name)
 
     async def add_request(self, prompt, params, request_id: str, queue) -> None:
         await self.shared.add_request(prompt, params, request_id, queue, model=self.name)
@@ -53,6 +53,19 @@ class ModelClient:
 
     def drain(self, timeout: float):
         return self.shared.drain(timeout)
+
+
+class ModelMetrics:
+    """What build_app reads of the metrics, with its events in this model's series."""
+
+    def __init__(self, metrics, name: str):
+        self.metrics, self.name = metrics, name
+
+    def render(self, stats: dict) -> bytes:
+        return self.metrics.render(stats)
+
+    def record_disconnect(self, stage: str) -> int:
+        return self.metrics.record_disconnect(stage, model=self.name)
 
 
 def unknown_model_app(served: list[str], api_key: str | None, http_options: dict) -> FastAPI:
@@ -133,16 +146,19 @@ class MultiModelApp:
 def build_multi_server_app(models: list[str], engine_options: dict, served_model_names: list[str] | None,
                            kv_min_share: float, api_key: str | None, limits: dict, show_progress: bool,
                            stream_stall_timeout: float, log_stats_interval: float | None,
-                           chat_template: str | None, http_options: dict) -> tuple[MultiModelApp, list[str]]:
+                           chat_template: str | None, http_options: dict,
+                           sleep_after: float | None = None) -> tuple[MultiModelApp, list[str]]:
     """Load every model over one page pool and build the routed app; (app, served names).
 
     ``limits``: build_app's max_body_bytes, max_tokens_limit, max_n; ``http_options``: its
     bind_host, allowed_origins, max_header_bytes, max_headers, root_path, enable_docs and
     tool options. The chat template, when given, replaces every model's tokenizer's.
+    ``sleep_after``: seconds idle after which a model gives up its KV guarantee (multi/sleep.py).
     """
     from mempath.generation_config import generation_defaults
     from mempath.multi.engine import MultiEngine
     from mempath.multi.names import served_models
+    from mempath.multi.sleep import check_sleep_after
     from mempath.multi.startup import build_engines
     from mempath.multi.pipeline_route import pipeline_router
     from mempath.server.app import build_app
@@ -151,6 +167,7 @@ def build_multi_server_app(models: list[str], engine_options: dict, served_model
     if engine_options.get("tokenizer"):
         raise ValueError("--tokenizer names one tokenizer; with several models each uses the one in its directory")
     pairs = served_models(models, served_model_names)
+    check_sleep_after(sleep_after)
     defaults = {name: generation_defaults(path, engine_options.get("generation_config", "auto"))
                 for name, path in pairs}
     engines, pool = build_engines(pairs, engine_options, show_progress, kv_min_share)
@@ -159,10 +176,9 @@ def build_multi_server_app(models: list[str], engine_options: dict, served_model
             if engine.tokenizer is None:
                 raise ValueError(f"--chat-template needs a tokenizer; {name}'s directory has none")
             engine.tokenizer.chat_template = chat_template
-    multi = MultiEngine(engines, pool)
+    multi = MultiEngine(engines, pool, sleep_after)
     names = list(engines)
-    # One aggregate series for all models (the names joined): per-model labels are not there yet.
-    metrics = ServerMetrics.for_engine(",".join(names), multi.first)
+    metrics = ServerMetrics.for_models(engines)  # each model's series under its name (docs/server.md, "Metrics")
     shared = AsyncEngine(multi, metrics, stream_stall_timeout=stream_stall_timeout,
                          log_stats_interval=log_stats_interval)
     listed = [(name, engine.max_model_len) for name, engine in engines.items()]

@@ -18,6 +18,8 @@ from typing import Callable
 
 from mempath.kv.block_pool import BlockPool
 
+POOL_TENANT = "shared KV pages"  # the device budget's tenant for the pool every model's KV is carved from
+
 
 class PagePool:
     """The pages every model shares, and each model's guaranteed minimum of them."""
@@ -27,6 +29,7 @@ class PagePool:
         self.page_bytes = page_bytes
         self.min_share = min_share
         self.tenants: dict[str, TenantPages] = {}
+        self.asleep: set[str] = set()  # models idle past --sleep-after: no guarantee (sleep.py)
 
     @property
     def num_pages(self) -> int:
@@ -41,14 +44,14 @@ class PagePool:
                              f"use --kv-min-share {1 / len(self.tenants):.2f} or less")
         return view
 
-    def guaranteed(self) -> int:
-        """Pages each model may always have, whatever the others use."""
-        return int(self.min_share * self.num_pages)
+    def guaranteed(self, name: str | None = None) -> int:
+        """Pages each model (this one, if named) may always have, whatever the others use; none asleep."""
+        return 0 if name in self.asleep else int(self.min_share * self.num_pages)
 
     def held_back_from(self, name: str) -> int:
         """Free pages kept for the other models' guarantees (what they are owed and do not use)."""
-        share = self.guaranteed()
-        return sum(max(0, share - view.num_used) for other, view in self.tenants.items() if other != name)
+        return sum(max(0, self.guaranteed(other) - view.num_used) for other, view in self.tenants.items()
+                   if other != name)
 
     def split(self) -> dict[str, int]:
         """Pages each model references now."""

@@ -19,11 +19,9 @@ from mempath.engine.startup import Startup
 from mempath.kv.manager import KVCacheManager
 from mempath.memory.ledger import Pathway, format_bytes
 from mempath.multi.layout import allocate_pages, attach_pages, kv_bytes_per_token, page_layout
-from mempath.multi.pages import PagePool, TenantPages
+from mempath.multi.pages import POOL_TENANT, PagePool, TenantPages
 
 log = logging.getLogger(__name__)
-
-POOL_TENANT = "shared KV pages"  # the budget's tenant for the page pool every model's KV is carved from
 
 
 class TenantStartup(Startup):

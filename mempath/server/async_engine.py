@@ -26,6 +26,7 @@ their model, and the per-model parts (output processors) are set up on each mode
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import importlib.util
 import logging
 import threading
@@ -155,6 +156,7 @@ class _Route:
     loop: asyncio.AbstractEventLoop
     queue: UpdateQueue
     last_token_time: float | None = None
+    model: str | None = None  # the served model whose metric series it counts in (several models)
 
 
 class EngineDeadError(RuntimeError):
@@ -166,17 +168,23 @@ def model_engines(engine) -> list[LLMEngine]:
     return list(engine.engines.values()) if hasattr(engine, "engines") else [engine]
 
 
+def model_names(engine) -> list[str | None]:
+    """model_engines' served names (a MultiEngine's), or None for the engine alone."""
+    return list(engine.engines) if hasattr(engine, "engines") else [None]
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, metrics=None,
                  stream_stall_timeout: float = DEFAULT_STREAM_STALL_TIMEOUT,
                  backlog_tokens: int = STREAM_BACKLOG_TOKENS, log_stats_interval: float | None = None):
         self.engine = engine
         self.model_engines = model_engines(engine)
-        for part in self.model_engines:
+        self.model_names = model_names(engine)
+        for part, name in zip(self.model_engines, self.model_names):
             # Every update carries its own logprobs: the engine need not keep a request's history.
             part.outputs.keep_all_logprobs = False
             if metrics is not None:
-                part.outputs.on_finish = self._record_request
+                part.outputs.on_finish = functools.partial(self._record_request, model=name)
         engine.commit_host_kv()  # RSS stays flat over the server's life instead of creeping up
         self.metrics = metrics
         self.stats_log = None if not log_stats_interval else StatsLog(
@@ -238,7 +246,7 @@ class AsyncEngine:
                           queue: UpdateQueue, model: str | None = None) -> None:
         """Queue a request (for the named model of a MultiEngine); its Updates will be put on
         `queue`. Raises the engine's ValueError."""
-        route = _Route(asyncio.get_running_loop(), queue)
+        route = _Route(asyncio.get_running_loop(), queue, model=model)
         if params.structured_outputs is not None and not await self._compile_grammar(params, request_id, model):
             return  # aborted while its grammar compiled: it never reaches the engine
         command = lambda: self._add(prompt, params, request_id, route, model)  # noqa: E731
@@ -269,7 +277,7 @@ class AsyncEngine:
                            queue: UpdateQueue, first: str, second: str, template: str,
                            second_params: SamplingParams) -> None:
         """Queue a MultiEngine pipeline (mempath/multi/pipeline.py): its Updates are the second model's."""
-        route = _Route(asyncio.get_running_loop(), queue)
+        route = _Route(asyncio.get_running_loop(), queue, model=second)
 
         def command():
             self.engine.add_pipeline(prompt, params, request_id, first, second, template, second_params)
@@ -422,7 +430,7 @@ class AsyncEngine:
         route = self._close_route(request_id)
         output = self.engine.abort_request(request_id)
         if output is not None and self.metrics is not None:
-            self.metrics.record_finish(output.finish_reason, output.total_time)
+            self.metrics.record_finish(output.finish_reason, output.total_time, model=route and route.model)
         if output is not None and route is not None:
             self._deliver(route, self._update(output))
 
@@ -442,8 +450,10 @@ class AsyncEngine:
         now = time.perf_counter()
         if self.stats_log is not None:
             self.stats_log.stepped()
-        if self.metrics is not None and self._tokens_processed() > tokens_before:
-            self.metrics.record_iteration(self._tokens_processed() - tokens_before)
+        if self.metrics is not None:
+            for name, before, after in zip(self.model_names, tokens_before, self._tokens_processed()):
+                if after > before:
+                    self.metrics.record_iteration(after - before, model=name)
         for output in outputs:
             route = self._routes.get(output.request_id)
             self._record(output, route, now)
@@ -452,14 +462,14 @@ class AsyncEngine:
             if route is not None:
                 self._deliver(route, self._update(output))
 
-    def _tokens_processed(self) -> int:
-        """Prompt tokens computed and tokens generated so far: the engine's counters."""
-        return self.engine.num_prompt_tokens + sum(e.outputs.num_generation_tokens for e in self.model_engines)
+    def _tokens_processed(self) -> list[int]:
+        """Prompt tokens computed and tokens generated so far, per model: the engines' counters."""
+        return [e.num_prompt_tokens + e.outputs.num_generation_tokens for e in self.model_engines]
 
-    def _record_request(self, request) -> None:
+    def _record_request(self, request, model: str | None = None) -> None:
         """The output processor's on_finish: a finished request's phases into the histograms."""
         try:
-            self.metrics.record_request(request)
+            self.metrics.record_request(request, model=model)
         except Exception:  # noqa: BLE001 - a metric must never fail a request
             log.exception("recording the metrics of %s failed", request.request_id)
 
@@ -467,16 +477,17 @@ class AsyncEngine:
         if self.metrics is None:
             return
         first = route is None or route.last_token_time is None
+        model = route.model if route is not None else None
         if output.new_token_ids:
             if first:
-                self.metrics.record_first_token(output.time_to_first_token, len(output.prompt_token_ids))
+                self.metrics.record_first_token(output.time_to_first_token, len(output.prompt_token_ids), model=model)
             else:
-                self.metrics.record_inter_token(now - route.last_token_time)
-            self.metrics.record_generated(len(output.new_token_ids))
+                self.metrics.record_inter_token(now - route.last_token_time, model=model)
+            self.metrics.record_generated(len(output.new_token_ids), model=model)
             if route is not None:
                 route.last_token_time = now
         if output.finished:
-            self.metrics.record_finish(output.finish_reason, output.total_time)
+            self.metrics.record_finish(output.finish_reason, output.total_time, model=model)
 
     def _fail_all(self, message: str) -> None:
         """Finish every routed request with an error and free its blocks."""
@@ -492,7 +503,8 @@ class AsyncEngine:
         except Exception:  # noqa: BLE001 - the engine is already in trouble
             log.exception("could not abort %s", request_id)
         if self.metrics is not None:
-            self.metrics.record_finish(metric_reason, output.total_time if output else None)
+            self.metrics.record_finish(metric_reason, output.total_time if output else None,
+                                       model=route and route.model)
         if route is None:
             return
         if output is not None:

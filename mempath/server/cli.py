@@ -32,6 +32,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-min-share", type=float, default=0.0,
                         help="with several models: the fraction of the shared KV pool each one is "
                              "guaranteed whatever the others use (default 0)")
+    parser.add_argument("--sleep-after", type=float, default=None, metavar="S",
+                        help="with several models: a model idle for S seconds gives its guaranteed KV pages "
+                             "to the others until its next request (default: never)")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="largest request body accepted (413 above)")
     parser.add_argument("--max-tokens-limit", type=int, default=None,
@@ -110,8 +113,8 @@ def resolve_models(args) -> list[str]:
     names = args.served_model_name
     if names and len(models) == 1 and len(names) > 1:
         raise ValueError("--served-model-name: one name per model (several names for one model are not served)")
-    if len(models) == 1 and args.kv_min_share:
-        raise ValueError("--kv-min-share is for several models on one device (mempath serve A B ...)")
+    if len(models) == 1 and (args.kv_min_share or args.sleep_after is not None):
+        raise ValueError("--kv-min-share and --sleep-after are for several models on one device (mempath serve A B ...)")
     return models
 
 
@@ -223,7 +226,8 @@ def run_serve(args) -> int:
         limits = dict(max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit, max_n=args.max_n)
         app, names = build_multi_server_app(models, engine_options(args), args.served_model_name, args.kv_min_share,
                                             args.api_key, limits, True, args.stream_stall_timeout,
-                                            log_stats_interval, read_chat_template(args.chat_template), http_options)
+                                            log_stats_interval, read_chat_template(args.chat_template), http_options,
+                                            sleep_after=args.sleep_after)
         name = "', '".join(names)
     else:
         served = args.served_model_name[0] if args.served_model_name else None

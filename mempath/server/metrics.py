@@ -77,11 +77,17 @@ def cache_config_info(engine) -> dict[str, str]:
 
 class ServerMetrics:
     def __init__(self, model_name: str, block_size: int, max_model_len: int = 131072,
-                 cache_info: dict[str, str] | None = None, memory_budget: tuple[str, int] | None = None):
+                 cache_info: dict[str, str] | None = None, memory_budget: tuple[str, int] | None = None,
+                 block_sizes: dict[str, int] | None = None):
         """``max_model_len`` bounds the token-count buckets; ``cache_info``: cache_config_info's
-        labels; ``memory_budget``: (device, bytes) of the device budget, None on the CPU."""
+        labels; ``memory_budget``: (device, bytes) of the device budget, None on the CPU.
+        ``block_sizes``: several models (mempath/multi), each model's name and block size: every
+        model's requests and state are series of its own ``model_name`` (the events' ``model=``),
+        and ``model_name`` names the process-wide series (the names joined)."""
         self.model_name = model_name
         self.block_size = block_size
+        self.block_sizes = block_sizes or {model_name: block_size}
+        self.model_names = list(self.block_sizes)
         self.memory_budget = memory_budget
         self.registry = CollectorRegistry()
         self._snapshot: dict | None = None
@@ -113,15 +119,8 @@ class ServerMetrics:
             Gauge("mempath:cache_config_info", "Information of the LLMEngine CacheConfig",
                   list(cache_info), registry=self.registry).labels(**cache_info).set(1)
         # Zero series exist from the start, so rate() works before the first request ends.
-        self.prompt_tokens.labels(model_name)
-        self.generation_tokens.labels(model_name)
-        self.ttft.labels(model_name)
-        self.itl.labels(model_name)
-        self.e2e.labels(model_name)
-        for reason in FINISH_REASONS:
-            self.request_success.labels(model_name, reason)
-        for stage in DISCONNECT_STAGES:
-            self.client_disconnects.labels(model_name, stage)
+        for name in self.model_names:
+            self._zero_series(name)
         self.num_disconnects: dict[str, int] = {}  # the counter's values, for the log line
         # vLLM serves the default registry, which holds these: process_* (CPU, memory, files), python_*.
         ProcessCollector(registry=self.registry)
@@ -129,10 +128,23 @@ class ServerMetrics:
         GCCollector(registry=self.registry)
         self.registry.register(_SnapshotCollector(self))
 
+    def _zero_series(self, name: str) -> None:
+        for family in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
+                       *self.request_histograms):
+            family.labels(name)
+        for reason in FINISH_REASONS:
+            self.request_success.labels(name, reason)
+        for stage in DISCONNECT_STAGES:
+            self.client_disconnects.labels(name, stage)
+
     def _request_histograms(self, max_model_len: int) -> None:
-        """vLLM's per-request and per-step histograms, each series there from the start."""
+        """vLLM's per-request and per-step histograms."""
+        self.request_histograms = []
+
         def request_histogram(name, doc, buckets):
-            return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry).labels(self.model_name)
+            family = Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry)
+            self.request_histograms.append(family)
+            return family
 
         self.queue_time = request_histogram("mempath:request_queue_time_seconds",
                                             "Histogram of time spent in WAITING phase for request.", E2E_BUCKETS)
@@ -162,49 +174,61 @@ class ServerMetrics:
         return cls(model_name, engine.config.block_size, engine.max_model_len, cache_config_info(engine),
                    None if budget.limit is None else (budget.device, budget.limit))
 
+    @classmethod
+    def for_models(cls, engines: dict) -> "ServerMetrics":
+        """Metrics for a server over several models (name -> LLMEngine, mempath/multi): the
+        first model's cache settings, the longest max_model_len's buckets, one budget."""
+        first = next(iter(engines.values()))
+        budget = first.budget
+        return cls(",".join(engines), first.config.block_size, max(e.max_model_len for e in engines.values()),
+                   cache_config_info(first), None if budget.limit is None else (budget.device, budget.limit),
+                   block_sizes={name: e.config.block_size for name, e in engines.items()})
+
     # ----------------------------------------------------------------- events (engine thread)
-    def record_first_token(self, ttft: float | None, num_prompt_tokens: int) -> None:
+    # ``model``: the served model the event belongs to (several models); None: the only one.
+    def record_first_token(self, ttft: float | None, num_prompt_tokens: int, model: str | None = None) -> None:
         if ttft is not None:
-            self.ttft.labels(self.model_name).observe(ttft)
-        self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
+            self.ttft.labels(model or self.model_name).observe(ttft)
+        self.prompt_tokens.labels(model or self.model_name).inc(num_prompt_tokens)
 
-    def record_inter_token(self, seconds: float) -> None:
-        self.itl.labels(self.model_name).observe(seconds)
+    def record_inter_token(self, seconds: float, model: str | None = None) -> None:
+        self.itl.labels(model or self.model_name).observe(seconds)
 
-    def record_generated(self, num_tokens: int) -> None:
-        self.generation_tokens.labels(self.model_name).inc(num_tokens)
+    def record_generated(self, num_tokens: int, model: str | None = None) -> None:
+        self.generation_tokens.labels(model or self.model_name).inc(num_tokens)
 
-    def record_iteration(self, num_tokens: int) -> None:
+    def record_iteration(self, num_tokens: int, model: str | None = None) -> None:
         """Prompt and generated tokens of one engine step."""
-        self.iteration_tokens.observe(num_tokens)
+        self.iteration_tokens.labels(model or self.model_name).observe(num_tokens)
 
-    def record_finish(self, reason: str | None, e2e: float | None) -> None:
-        self.request_success.labels(self.model_name, reason or "abort").inc()
+    def record_finish(self, reason: str | None, e2e: float | None, model: str | None = None) -> None:
+        self.request_success.labels(model or self.model_name, reason or "abort").inc()
         if e2e is not None:
-            self.e2e.labels(self.model_name).observe(e2e)
+            self.e2e.labels(model or self.model_name).observe(e2e)
 
-    def record_request(self, request) -> None:
+    def record_request(self, request, model: str | None = None) -> None:
         """A finished request's phases, from its own timestamps (engine/request.py), as vLLM
         defines them: queue = first scheduled - arrival, prefill = first token - first
         scheduled, decode = last token - first token, inference = last token - first
         scheduled. A phase the request never reached (aborted while waiting) is not observed."""
         scheduled, first, last = request.scheduled_time, request.first_token_time, request.last_token_time
+        name = model or self.model_name
         if scheduled is not None:
-            self.queue_time.observe(scheduled - request.arrival_time)
+            self.queue_time.labels(name).observe(scheduled - request.arrival_time)
             if first is not None:
-                self.prefill_time.observe(first - scheduled)
-                self.inference_time.observe(last - scheduled)
+                self.prefill_time.labels(name).observe(first - scheduled)
+                self.inference_time.labels(name).observe(last - scheduled)
         if first is not None:
-            self.decode_time.observe(last - first)
+            self.decode_time.labels(name).observe(last - first)
             if request.num_output_tokens > 1:
-                self.request_tpot.observe((last - first) / (request.num_output_tokens - 1))
-        self.request_prompt_tokens.observe(request.num_prompt_tokens)
-        self.request_generation_tokens.observe(request.num_output_tokens)
-        self.request_max_tokens.observe(request.params.max_tokens)
+                self.request_tpot.labels(name).observe((last - first) / (request.num_output_tokens - 1))
+        self.request_prompt_tokens.labels(name).observe(request.num_prompt_tokens)
+        self.request_generation_tokens.labels(name).observe(request.num_output_tokens)
+        self.request_max_tokens.labels(name).observe(request.params.max_tokens)
 
-    def record_disconnect(self, stage: str) -> int:
+    def record_disconnect(self, stage: str, model: str | None = None) -> int:
         """Count a client hang-up; the count so far at that stage."""
-        self.client_disconnects.labels(self.model_name, stage).inc()
+        self.client_disconnects.labels(model or self.model_name, stage).inc()
         self.num_disconnects[stage] = self.num_disconnects.get(stage, 0) + 1
         return self.num_disconnects[stage]
 
@@ -228,9 +252,19 @@ class _SnapshotCollector:
         stats = self.metrics._snapshot
         if stats is None:
             return
-        name = self.metrics.model_name
-        block = self.metrics.block_size
+        if "models" not in stats:
+            yield from self._model_families(stats, self.metrics.model_name, self.metrics.block_size)
+            yield from self._device_families(stats, self.metrics.model_name)
+            return
+        # Several models: each one's series from its own stats, merged into one family per metric.
+        families = [family for name, block in self.metrics.block_sizes.items()
+                    for family in self._model_families(stats["models"][name], name, block)]
+        families += self._device_families(stats, self.metrics.model_name)
+        families += multi_model_families(stats, self.metrics.model_name)
+        yield from merge_families(families)
 
+    def _model_families(self, stats: dict, name: str, block: int):
+        """One model's state: requests, KV blocks, prefix cache, preemptions, its ledger, tiers."""
         def gauge(metric, doc, value):
             family = GaugeMetricFamily(metric, doc, labels=["model_name"])
             family.add_metric([name], value)
@@ -291,20 +325,6 @@ class _SnapshotCollector:
         for pathway, entry in stats["ledger"].items():
             memory.add_metric([name, pathway, entry["device"], entry["source"]], entry["bytes"])
         yield memory
-        device_labels = ["model_name", "device"]
-        if self.metrics.memory_budget is not None:
-            device, limit = self.metrics.memory_budget
-            budget = GaugeMetricFamily("mempath:memory_budget_bytes",
-                                       "The device budget: gpu_memory_utilization x total device memory.",
-                                       labels=device_labels)
-            budget.add_metric([name, device], limit)
-            yield budget
-        if stats.get("device_memory_used_bytes") is not None:
-            used = GaugeMetricFamily("mempath:device_memory_used_bytes",
-                                     "Device memory in use as the driver reports it (total - free), "
-                                     "every process included.", labels=device_labels)
-            used.add_metric([name, stats["device"]], stats["device_memory_used_bytes"])
-            yield used
 
         # Every kind at zero from the start when there is a disk tier (kv.tiers: disk_failures).
         failures = stats.get("tiers", {}).get("disk_failures") or {}
@@ -315,6 +335,82 @@ class _SnapshotCollector:
             for kind, count in sorted(failures.items()):
                 family.add_metric([name, kind], count)
             yield family
+
+    def _device_families(self, stats: dict, name: str) -> list:
+        """The process's device: the budget and the driver's figure of memory in use."""
+        families = []
+        device_labels = ["model_name", "device"]
+        if self.metrics.memory_budget is not None:
+            device, limit = self.metrics.memory_budget
+            budget = GaugeMetricFamily("mempath:memory_budget_bytes",
+                                       "The device budget: gpu_memory_utilization x total device memory.",
+                                       labels=device_labels)
+            budget.add_metric([name, device], limit)
+            families.append(budget)
+        if stats.get("device_memory_used_bytes") is not None:
+            used = GaugeMetricFamily("mempath:device_memory_used_bytes",
+                                     "Device memory in use as the driver reports it (total - free), "
+                                     "every process included.", labels=device_labels)
+            used.add_metric([name, stats["device"]], stats["device_memory_used_bytes"])
+            families.append(used)
+        return families
+
+
+def merge_families(families):
+    """One family per metric name, holding the samples of every family of that name."""
+    merged = {}
+    for family in families:
+        if family.name in merged:
+            merged[family.name].samples.extend(family.samples)
+        else:
+            merged[family.name] = family
+    return list(merged.values())
+
+
+def multi_model_families(stats: dict, process_name: str) -> list:
+    """Several models (docs/multi_model.md): the shared page pool's split, per model, and the pool's
+    own figures, which belong to no one model, under ``process_name`` (the served names joined)."""
+    pages = stats["kv_pages"]
+    per_model = (("mempath:kv_pages_used", "KV pages of the shared pool this model's requests reference.",
+                  pages["used_by_model"]),
+                 ("mempath:kv_pages_guaranteed", "KV pages this model may always have (--kv-min-share).",
+                  pages["guaranteed_by_model"]))
+    families = []
+    for metric, doc, values in per_model:
+        family = GaugeMetricFamily(metric, doc, labels=["model_name"])
+        for model, value in values.items():
+            family.add_metric([model], value)
+        families.append(family)
+    preempted = CounterMetricFamily("mempath:num_cross_model_preemptions",
+                                    "Requests of this model preempted to give KV pages to another model.",
+                                    labels=["model_name"])
+    for model, value in stats["cross_model_preemptions_by_model"].items():
+        preempted.add_metric([model], value)
+    families.append(preempted)
+    sleep = stats["sleep"]  # --sleep-after (mempath/multi/sleep.py)
+    asleep = GaugeMetricFamily("mempath:model_asleep", "1 while the model is asleep (idle past --sleep-after: "
+                               "no guaranteed KV pages), else 0.", labels=["model_name"])
+    for model in sleep["sleeps_by_model"]:
+        asleep.add_metric([model], int(model in sleep["asleep"]))
+    families.append(asleep)
+    for key, metric, doc in (("sleeps_by_model", "mempath:model_sleeps", "Times the model fell asleep."),
+                             ("wakes_by_model", "mempath:model_wakes", "Times a request woke the model.")):
+        family = CounterMetricFamily(metric, doc, labels=["model_name"])
+        for model, value in sleep[key].items():
+            family.add_metric([model], value)
+        families.append(family)
+    for metric, doc, value in (("mempath:kv_pages_free", "Free KV pages of the shared pool.", pages["free"]),
+                               ("mempath:kv_pages_total", "KV pages in the shared pool.", pages["total"]),
+                               ("mempath:kv_page_bytes", "Bytes of one KV page.", pages["page_bytes"])):
+        family = GaugeMetricFamily(metric, doc, labels=["model_name"])
+        family.add_metric([process_name], value)
+        families.append(family)
+    memory = GaugeMetricFamily("mempath:memory_bytes", "Bytes held by each memory pathway, from the engine's ledger.",
+                               labels=["model_name", "pathway", "device", "source"])
+    for pathway, entry in stats["pool_ledger"].items():
+        memory.add_metric([process_name, pathway, entry["device"], entry["source"]], entry["bytes"])
+    families.append(memory)
+    return families
 
 
 def _tier_families(tiers: dict, name: str):

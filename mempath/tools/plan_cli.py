@@ -138,8 +138,14 @@ def parse_layers(text: str) -> list[int]:
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="model directory, config.json, or a cached hub id")
+    parser.add_argument("model", nargs="+",
+                        help="model directory, config.json, or a cached hub id; several (NAME=DIR as `mempath "
+                             "serve` reads them): their plan on one device, with one shared KV pool")
     add_memory_arguments(parser)
+    parser.add_argument("--kv-min-share", type=float, default=0.0,
+                        help="several models: the fraction of the KV pool each model is guaranteed")
+    parser.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                        help="several models: the number of KV pages, instead of what the budget leaves")
     parser.add_argument("--gpu-mem", default=None,
                         help="device memory with its unit, e.g. 80GiB, 24GB or 85899345920B; a bare "
                              "number is refused (default: the CUDA device's)")
@@ -166,9 +172,14 @@ def run_plan(args: argparse.Namespace) -> int:
         gpu_mem = parse_size_flag("--gpu-mem", args.gpu_mem) if args.gpu_mem else detect_gpu_mem()
         context = 0 if str(args.context_mem).strip() in ("", "0") else parse_size_flag("--context-mem",
                                                                                        args.context_mem)
+        if len(args.model) > 1:
+            return run_multi_plan(args, gpu_mem, context)
+        if args.kv_min_share or args.num_gpu_blocks_override is not None:
+            raise ValueError("--kv-min-share and --num-gpu-blocks-override plan several models "
+                             "(mempath plan A B ...)")
         import psutil
         plan = plan_memory(
-            args.model, dtype=args.dtype, gpu_mem_bytes=gpu_mem, host_mem_bytes=psutil.virtual_memory().total,
+            args.model[0], dtype=args.dtype, gpu_mem_bytes=gpu_mem, host_mem_bytes=psutil.virtual_memory().total,
             gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             block_size=DEFAULT_BLOCK_SIZE if args.block_size == "auto" else args.block_size,
@@ -184,4 +195,22 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"mempath plan: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    return 0
+
+
+def run_multi_plan(args: argparse.Namespace, gpu_mem: int | None, context: int) -> int:
+    """`mempath plan A B ...`: serving only (ValueErrors go to run_plan's one line)."""
+    from mempath.tools.plan_multi import format_multi_plan, plan_models
+    if args.train:
+        raise ValueError("--train plans one model: give one model")
+    plan = plan_models(args.model, kv_min_share=args.kv_min_share, gpu_mem_bytes=gpu_mem, context_bytes=context,
+                       gpu_memory_utilization=args.gpu_memory_utilization,
+                       num_gpu_blocks_override=args.num_gpu_blocks_override,
+                       block_size=DEFAULT_BLOCK_SIZE if args.block_size == "auto" else args.block_size,
+                       dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens, cuda_graphs=not args.enforce_eager,
+                       kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+                       moe_expert_cache_size=args.moe_expert_cache_size,
+                       moe_expert_cache_gb=args.moe_expert_cache_gb)
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_multi_plan(plan))
     return 0

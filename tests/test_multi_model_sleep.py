@@ -1,0 +1,123 @@
+"""--sleep-after: an idle model gives up its KV guarantee; its next request wakes it (mempath/multi/sleep.py)."""
+import pytest
+
+from mempath import LLM, SamplingParams
+from mempath.multi.engine import MultiEngine
+from mempath.server.metrics import ServerMetrics
+from tests.test_multi_model import two_models, together  # noqa: F401 - two_models: the fixture
+
+PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+LONG = [list(range(10 + i, 50 + i)) for i in range(6)]  # two pages each on a
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def burst(engine: MultiEngine, model: str, tag: str, clock: FakeClock | None = None) -> int:
+    """Run LONG on ``model`` to the end; the most pages it held (the clock moves 50 s a step)."""
+    for i, prompt in enumerate(LONG):
+        engine.add_request(prompt, PARAMS, f"{tag}{i}", model=model)
+    peak = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        peak = max(peak, engine.pool.split()[model])
+        if clock is not None:
+            clock.now += 50
+    return peak
+
+
+@pytest.fixture(scope="module")
+def loaded(two_models):  # noqa: F811
+    return together(two_models, num_gpu_blocks_override=12, kv_min_share=0.25)
+
+
+@pytest.fixture
+def sleepy(loaded):
+    """A MultiEngine over the loaded models that sleeps them after 5 s of a fake clock."""
+    clock = FakeClock()
+    return MultiEngine(loaded.engines, loaded.engine.pool, sleep_after=5, clock=clock), clock
+
+
+def test_idle_model_gives_its_guarantee_and_a_request_wakes_it(sleepy):
+    engine, clock = sleepy
+    guarantee = engine.pool.guaranteed()
+    assert guarantee == 3
+    awake_peak = burst(engine, "a", "x")
+    assert awake_peak <= 12 - guarantee  # b, awake and idle, keeps its 3 pages free
+    assert engine.sleep.stats()["sleeps_by_model"] == {"a": 0, "b": 0}
+
+    clock.now = 10  # b idle for 10 s, past sleep_after; a's next burst finds it asleep
+    asleep_peak = burst(engine, "a", "y", clock)
+    assert asleep_peak > 12 - guarantee  # the whole pool was a's
+    stats = engine.stats()
+    assert stats["sleep"]["asleep"] == ["b"] and stats["kv_pages"]["guaranteed_by_model"] == {"a": 3, "b": 0}
+    assert stats["sleep"]["sleeps_by_model"] == {"a": 0, "b": 1}  # a was busy at every step: never asleep
+
+    # A request to b while a holds every page wakes b: its guarantee holds again, and the victim
+    # policy preempts a's newest request to give b its first pages.
+    for i, prompt in enumerate(LONG):
+        engine.add_request(prompt, PARAMS, f"z{i}", model="a")
+    while engine.pool.split()["a"] < 12:
+        engine.step()
+    preempted = engine.num_cross_preemptions
+    engine.add_request(LONG[0], PARAMS, "wake", model="b")
+    stats = engine.stats()["sleep"]
+    assert stats["asleep"] == [] and stats["wakes_by_model"] == {"a": 0, "b": 1}
+    done = set()
+    while engine.has_unfinished_requests():
+        done |= {o.request_id for o in engine.step() if o.finished}
+    assert "wake" in done and engine.num_cross_preemptions > preempted
+    assert engine.pool.pages.num_used == 0 and engine.pool.split() == {"a": 0, "b": 0}
+    engine.engines["a"].kv.pool.check_invariants()
+
+
+def test_sleeps_and_wakes_on_metrics(sleepy):
+    engine, clock = sleepy
+    clock.now = 10
+    burst(engine, "a", "x")  # b falls asleep at the first step
+    metrics = ServerMetrics.for_models(engine.engines)
+    text = metrics.render({**engine.stats(), "device": "cpu"}).decode()
+    assert 'mempath:model_sleeps_total{model_name="b"} 1.0' in text
+    assert 'mempath:model_asleep{model_name="b"} 1.0' in text
+    assert 'mempath:model_asleep{model_name="a"} 0.0' in text
+    assert 'mempath:kv_pages_guaranteed{model_name="b"} 0.0' in text
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=1), "w", model="b")
+    text = metrics.render({**engine.stats(), "device": "cpu"}).decode()
+    assert 'mempath:model_wakes_total{model_name="b"} 1.0' in text
+    engine.abort_request("w")
+
+
+def test_without_sleep_after_nobody_sleeps(loaded):
+    clock = FakeClock()
+    engine = MultiEngine(loaded.engines, loaded.engine.pool, clock=clock)
+    clock.now = 1e6
+    assert burst(engine, "a", "x") <= 9 and engine.stats()["sleep"]["asleep"] == []
+
+
+def test_bad_sleep_after_one_line(two_models):  # noqa: F811
+    llama, qwen = two_models
+    for bad in (0, -1, "5"):
+        with pytest.raises(ValueError, match="sleep_after must be a number of seconds > 0"):
+            LLM([llama, qwen], dtype="float32", show_progress=False, sleep_after=bad)
+    with pytest.raises(TypeError, match="are for several models"):
+        LLM(llama, dtype="float32", show_progress=False, sleep_after=5)
+
+
+def test_serve_refuses_sleep_after_for_one_model(two_models, capsys):  # noqa: F811
+    import socket
+
+    from mempath.cli import main
+    llama, qwen = two_models
+    with socket.socket() as sock:  # a port free now: serve checks it before anything else
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    assert main(["serve", llama, "--port", port, "--sleep-after", "5"]) != 0
+    err = capsys.readouterr().err
+    assert "--sleep-after are for several models" in err and "Traceback" not in err
+    assert main(["serve", llama, qwen, "--port", port, "--sleep-after", "0"]) != 0
+    assert "sleep_after must be a number of seconds > 0" in capsys.readouterr().err
