@@ -7,8 +7,7 @@ import logging
 import time
 from typing import Callable
 
-from mempath.engine.detokenizer import (FastIncrementalDetokenizer, SlowIncrementalDetokenizer, find_stop,
-                                        incremental_detokenizer)
+from mempath.engine.detokenizer import SlowIncrementalDetokenizer, find_stop, incremental_detokenizer
 from mempath.engine.request import Request
 from mempath.outputs import RequestOutput
 
@@ -23,7 +22,7 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.finish = finish  # the scheduler's: frees the request's blocks
         self.requests: dict[str, Request] = {}
-        self.detokenizers: dict[str, FastIncrementalDetokenizer | SlowIncrementalDetokenizer] = {}
+        self.detokenizers: dict[str, SlowIncrementalDetokenizer] = {}  # or its Fast subclass
         # Every token is reported (streaming callers); offline callers that only want
         # finished requests turn this off and save an output object per token.
         self.emit_progress = True

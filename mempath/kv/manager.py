@@ -66,8 +66,9 @@ class KVCacheManager:
     def _take(self, n: int) -> list[int]:
         """n free device blocks; with tiers, the cached content they held is demoted first."""
         ids = self.tiers.allocate_device(n) if self.tiers is not None else self.pool.allocate(n)
-        for block_id in ids:
-            self.draft_ready[block_id] = 0
+        if self.draft_kv:  # only a draft ever sets the flags
+            for block_id in ids:
+                self.draft_ready[block_id] = 0
         return ids
 
     @property
