@@ -107,3 +107,19 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 @pytest.fixture(autouse=True)
 def _quiet_threads():
     torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def release_cuda() -> None:
+    """Free what dropped engines held on the device: an engine's budget is the device's less
+    what the rest of the process holds, so one left behind starves the next one's KV cache."""
+    import gc
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@pytest.fixture(autouse=True)
+def _release_cuda_after_each_test():
+    yield
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        release_cuda()

@@ -68,11 +68,19 @@ def check_rope_and_store(ops, tops, device, dtype, exact):
         slots[torch.arange(tokens, device=device) % 4 == 3] = -1  # padding rows are not written
         caches = [torch.full((num_blocks, block, kv_heads, dim), float("nan"), device=device, dtype=dtype)
                   for _ in range(4)]
+        # A shared page pool's layout (mempath/multi/layout.py): a layer's blocks a page apart,
+        # K and V of a block with other data between them, which the kernel must leave alone.
+        pages = torch.full((num_blocks, 3, block, kv_heads, dim), float("nan"), device=device, dtype=dtype)
+        q_paged = q.clone()
         ref_q = ops.rope_and_store_torch(positions, q.clone(), k.clone(), v, cos, sin, caches[0], caches[1],
                                          slots)
+        tops.triton_rope_and_store(positions, q_paged, k, v, cos, sin, pages[:, 0], pages[:, 2], slots)
         tops.triton_rope_and_store(positions, q, k, v, cos, sin, caches[2], caches[3], slots)
         compare(q, ref_q, exact)
-        for out, ref in ((caches[2], caches[0]), (caches[3], caches[1])):
+        compare(q_paged, ref_q, exact)
+        assert pages[:, 1].isnan().all()
+        for out, ref in ((caches[2], caches[0]), (caches[3], caches[1]), (pages[:, 0], caches[0]),
+                         (pages[:, 2], caches[1])):
             assert torch.equal(out.isnan(), ref.isnan())  # same slots written
             written = ~ref.isnan()
             compare(out[written], ref[written], exact)
@@ -101,13 +109,13 @@ def check_qk_norm_rope_and_store(ops, tops, device, dtype, exact):
             out_q = tops.qk_norm_rope_and_store_triton(positions, q, k, v, q_weight, k_weight, 1e-6, cos, sin,
                                                        caches[2], caches[3], slots)
             assert out_q.data_ptr() == q.data_ptr()  # in place, in the qkv buffer
-            compare(out_q, ref_q, exact)
+            compare(out_q, ref_q, exact, norm_ulp=True)
             for out, ref in ((caches[2], caches[0]), (caches[3], caches[1])):
                 out, ref = out.to(dtype), ref.to(dtype)
                 assert torch.equal(out.isnan(), ref.isnan())  # same slots written
                 written = ~ref.isnan()
                 if cache_dtype == dtype:
-                    compare(out[written], ref[written], exact)
+                    compare(out[written], ref[written], exact, norm_ulp=True)
                 elif exact:  # the same values quantized: the same bytes
                     assert torch.equal(out[written], ref[written])
                 else:  # an ulp before quantizing may round to the next fp8 step (3 mantissa bits)
@@ -120,9 +128,20 @@ def check_silu_and_mul(ops, tops, device, dtype, exact):
         compare(tops.triton_silu_and_mul(x), ops.silu_and_mul_torch(x), exact)
 
 
-def compare(out, ref, exact):
-    """exact: bit for bit (float16: within two units in the last place of ref's largest value)."""
-    if exact and out.dtype == torch.float16:
+def compare(out, ref, exact, norm_ulp=False):
+    """exact: bit for bit (float16: within two units in the last place of ref's largest value).
+
+    ``norm_ulp``: after a per-head RMSNorm, bfloat16 within one unit in the last place of each
+    element, at under 1% of them: the kernel sums a head's squares in two halves, PyTorch in
+    one, so the float32 sums can differ in their last bit and round to neighbouring bfloat16
+    values (seen on the H200, 2026-12-01: 0.0039 at values below 1).
+    """
+    if exact and norm_ulp and out.dtype == torch.bfloat16:
+        ulp = ref.float().abs() * torch.finfo(torch.bfloat16).eps
+        off = (out.float() - ref.float()).abs()
+        assert (off <= ulp).all(), off.max()
+        assert (off > 0).float().mean().item() < 0.01, (off > 0).float().mean()
+    elif exact and out.dtype == torch.float16:
         ulp = ref.abs().max().item() * torch.finfo(ref.dtype).eps
         torch.testing.assert_close(out, ref, rtol=0, atol=2 * ulp)
     elif exact:

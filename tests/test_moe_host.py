@@ -7,6 +7,7 @@ from mempath import LLM
 from mempath.engine_flags import add_engine_arguments, engine_options
 from mempath.model.moe import expert_cache_stats, set_expert_cache_size
 from mempath.model.moe_host import HostExpertCost, set_cpu_experts
+from tests.conftest import release_cuda
 from tests.test_moe import check_caches, generate, references  # noqa: F401 (fixture)
 
 # Qwen3-30B-A3B's expert: h 2048, I_e 768, bf16 -> 9,437,184 bytes, 9,437,184 FLOPs per token.
@@ -102,3 +103,4 @@ def test_cuda_host_path_and_measured_cost_model(model_factory, references):
         else:
             assert isinstance(cache["host_token_limit"], int) and cache["host_token_limit"] >= 0
         del llm
+        release_cuda()

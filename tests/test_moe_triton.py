@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from mempath.kernels.common import HAS_TRITON
+from tests.conftest import release_cuda
 
 COMPARE = textwrap.dedent("""
     import torch
@@ -57,7 +58,10 @@ COMPARE = textwrap.dedent("""
     """)
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+# Where CUDA is present the compiled kernel is checked instead (as tests/test_triton_interpret.py
+# does): Triton 3.6's interpreter, on the H200, could not take this kernel's loop bound
+# (2026-12-01: "only 0-dimensional arrays can be converted to Python scalars").
+@pytest.mark.skipif(not HAS_TRITON or torch.cuda.is_available(), reason="needs Triton, and no CUDA (checked compiled there)")
 def test_kernel_matches_the_twin_in_the_interpreter():
     script = COMPARE + "\nrun_all('cpu', [torch.float32])\nprint('ok')\n"
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
@@ -79,11 +83,16 @@ def test_the_grouped_kernel_is_captured_in_a_cuda_graph(model_factory):
     path, _ = model_factory("qwen3_moe")
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     prompts = [[1, 5, 9, 33, 7], list(range(10, 47))]
+    # One engine at a time: each one's budget is the device's, less what the others hold.
     graphs = LLM(path, dtype="float32", device="cuda", show_progress=False)
     assert graphs.engine.runner.graphs, "a MoE model with every expert resident gets decode graphs"
-    eager = LLM(path, dtype="float32", device="cuda", show_progress=False, enforce_eager=True)
     tokens = [o.token_ids for o in graphs.generate(prompts, params, use_tqdm=False)]
+    del graphs
+    release_cuda()
+    eager = LLM(path, dtype="float32", device="cuda", show_progress=False, enforce_eager=True)
     assert tokens == [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    del eager
+    release_cuda()
     partial = LLM(path, dtype="float32", device="cuda", show_progress=False, moe_expert_cache_size=2)
     assert not partial.engine.runner.graphs  # misses are host decisions: eager
     assert [o.token_ids for o in partial.generate(prompts, params, use_tqdm=False)] == tokens

@@ -92,8 +92,8 @@ if HAS_TRITON:
     @triton.jit
     def _rope_store_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
-                           stride_slot, num_q_heads, num_kv_heads, q_norm_ptr, k_norm_ptr, eps,
-                           HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr,
+                           stride_block, stride_token, block_size, num_q_heads, num_kv_heads, q_norm_ptr,
+                           k_norm_ptr, eps, HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr,
                            KV_HEADS_PAD: tl.constexpr, KV_FP8_MAX: tl.constexpr, QK_NORM: tl.constexpr,
                            PDL: tl.constexpr):
         # One program per token: (normalise and) rotate its q heads in place, rotate its
@@ -108,7 +108,10 @@ if HAS_TRITON:
                       HALF, HALF_PAD, HEADS_PAD, 0.0, QK_NORM)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
-            _rotate_heads(k_ptr + t * stride_kt, stride_kh, k_cache_ptr + slot * stride_slot, 2 * HALF,
+            # The block stride is its own argument: a shared page pool (mempath/multi) lays every
+            # layer of a block in one page, so a layer's blocks are a page apart, not a block.
+            cache_offset = (slot // block_size) * stride_block + (slot % block_size) * stride_token
+            _rotate_heads(k_ptr + t * stride_kt, stride_kh, k_cache_ptr + cache_offset, 2 * HALF,
                           num_kv_heads, c, s, dtype, k_norm_ptr, eps, HALF, HALF_PAD, KV_HEADS_PAD, KV_FP8_MAX,
                           QK_NORM)
             d = tl.arange(0, HALF_PAD)
@@ -116,7 +119,7 @@ if HAS_TRITON:
             mask = (heads[:, None] < num_kv_heads) & (d[None, :] < HALF)
             cache_dtype = v_cache_ptr.dtype.element_ty
             vsrc = v_ptr + t * stride_vt + heads[:, None] * stride_vh + d[None, :]
-            vdst = v_cache_ptr + slot * stride_slot + heads[:, None] * (2 * HALF) + d[None, :]
+            vdst = v_cache_ptr + cache_offset + heads[:, None] * (2 * HALF) + d[None, :]
             tl.store(vdst, to_cache_dtype(tl.load(vsrc, mask=mask), cache_dtype, KV_FP8_MAX), mask=mask)
             tl.store(vdst + HALF, to_cache_dtype(tl.load(vsrc + HALF, mask=mask), cache_dtype, KV_FP8_MAX), mask=mask)
 
@@ -212,15 +215,15 @@ def triton_rope_and_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Ten
     assert v.shape == k.shape == (num_tokens, num_kv_heads, head_dim)
     assert positions.shape == slot_mapping.shape == (num_tokens,)
     assert positions.is_contiguous() and slot_mapping.is_contiguous()
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[-2:] == (num_kv_heads, head_dim)
-    assert v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype
+    assert k_cache.shape[-2:] == (num_kv_heads, head_dim) and k_cache.stride()[1:] == (num_kv_heads * head_dim, head_dim, 1)
+    assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride() and v_cache.dtype == k_cache.dtype
     q_weight, k_weight, eps = qk_norm if qk_norm is not None else (q, k, 0.0)
     assert qk_norm is None or q_weight.shape == k_weight.shape == (head_dim,)
     half = head_dim // 2
     _rope_store_kernel[(num_tokens,)](
         positions, q, k, v, cos, sin, slot_mapping, k_cache, v_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
-        num_kv_heads * head_dim, num_q_heads, num_kv_heads, q_weight, k_weight, eps,
+        k_cache.stride(0), k_cache.stride(1), k_cache.shape[1], num_q_heads, num_kv_heads, q_weight, k_weight, eps,
         HALF=half, HALF_PAD=next_pow2(half), HEADS_PAD=next_pow2(num_q_heads),
         KV_HEADS_PAD=next_pow2(num_kv_heads), KV_FP8_MAX=kv_fp8_max(k_cache.dtype), QK_NORM=qk_norm is not None,
         **pdl_options(q.device), num_warps=4,
