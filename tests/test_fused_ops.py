@@ -131,13 +131,14 @@ def check_silu_and_mul(ops, tops, device, dtype, exact):
 def compare(out, ref, exact, norm_ulp=False):
     """exact: bit for bit (float16: within two units in the last place of ref's largest value).
 
-    ``norm_ulp``: after a per-head RMSNorm, bfloat16 within one unit in the last place of each
-    element, at under 1% of them: the kernel sums a head's squares in two halves, PyTorch in
-    one, so the float32 sums can differ in their last bit and round to neighbouring bfloat16
-    values (seen on the H200, 2026-12-01: 0.0039 at values below 1).
+    ``norm_ulp``: after a per-head RMSNorm, bfloat16 within one unit in the last place of
+    1.0 (or of the element, where larger), at under 1% of the elements: the kernel sums a
+    head's squares in two halves, PyTorch in one, so the float32 sums can differ in their last
+    bit and a normalised value (of order 1) round to its bfloat16 neighbour; the rotation then
+    carries that unit into outputs smaller than 1 (seen on the H200, 2026-12-01: 0.0039).
     """
     if exact and norm_ulp and out.dtype == torch.bfloat16:
-        ulp = ref.float().abs() * torch.finfo(torch.bfloat16).eps
+        ulp = ref.float().abs().clamp(min=1.0) * torch.finfo(torch.bfloat16).eps
         off = (out.float() - ref.float()).abs()
         assert (off <= ulp).all(), off.max()
         assert (off > 0).float().mean().item() < 0.01, (off > 0).float().mean()
@@ -208,7 +209,8 @@ def test_qwen3_runs_its_qk_norms_inside_the_rotary_and_kv_write(model_factory, m
     from conftest import hf_greedy
     from mempath import LLM, SamplingParams
     path, hf = model_factory("qwen3")
-    llm = LLM(path, dtype="float32", show_progress=False)
+    # Eager: a replayed CUDA graph calls no Python, so its steps would not be counted.
+    llm = LLM(path, dtype="float32", show_progress=False, enforce_eager=True)
     kernels = llm.engine.model.kernels
     calls = Counter()
     for name in ("rms_norm", "rope_and_store", "qk_norm_rope_and_store"):
