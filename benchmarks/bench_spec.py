@@ -125,13 +125,16 @@ def part_b(args, target: str, draft: str, plain: dict) -> dict:
 
 def part_c(args, target: str, draft: str, plain: dict) -> dict:
     llm = engine(target, args, draft=draft, k=4, adaptive=True)
-    rows, out = [("batch", "plain tok/s", "adaptive tok/s", "ratio", "chosen K counts")], {}
+    rows, out = [("batch", "plain tok/s", "adaptive tok/s", "ratio", "chosen K counts", "probes")], {}
+    stats = llm.engine.spec_decoder.stats
     for b in args.batches:
-        before = list(llm.engine.spec_decoder.stats.k_counts)
+        before, probes_before = list(stats.k_counts), stats.num_probes
         spec = tokens_per_second(llm, b, args)
-        counts = [n - m for n, m in zip(llm.engine.spec_decoder.stats.k_counts, before)]
-        out[b] = {"plain_tok_s": plain[b], "adaptive_tok_s": spec, "ratio": spec / plain[b], "k_counts": counts}
-        rows.append((b, f"{plain[b]:.1f}", f"{spec:.1f}", f"{spec / plain[b]:.3f}", counts))
+        counts = [n - m for n, m in zip(stats.k_counts, before)]
+        probes = stats.num_probes - probes_before
+        out[b] = {"plain_tok_s": plain[b], "adaptive_tok_s": spec, "ratio": spec / plain[b], "k_counts": counts,
+                  "probes": probes}
+        rows.append((b, f"{plain[b]:.1f}", f"{spec:.1f}", f"{spec / plain[b]:.3f}", counts, probes))
     print_table("(c) adaptive speculation (1B-shape draft, random weights) vs plain; target >= 0.98x", rows)
     return out
 

@@ -90,3 +90,27 @@ def test_a_request_whose_cached_prefix_has_no_draft_kv_catches_the_draft_up(mode
     stats = llm.stats()
     assert stats["spec_decode"]["acceptance_rate"] > 0.9
     assert stats["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("draft_step,probes", [(4e-3, 0), (1e-5, 1)])
+def test_a_probe_waits_until_the_time_at_k_zero_pays_for_it(draft_step, probes, model_factory):
+    """A probe (one row at K = 1) costs its catch-up, a draft step and a wider verify: it runs
+    only once PROBE_BUDGET of the time decoded at K = 0 covers that. 10 ms plain steps: a probe
+    of about 8.5 ms needs 1.7 s (170 steps, more than this request has), one of 20 us waits
+    only for PROBE_EVERY steps."""
+    from mempath.engine.spec.decoder import PROBE_BUDGET, PROBE_EVERY
+    path, _ = model_factory("llama")
+    draft, _ = model_factory("llama", seed=7, num_hidden_layers=1)
+    llm = LLM(path, dtype="float32", show_progress=False,
+              speculative_config={"model": draft, "num_speculative_tokens": 4})
+    decoder = llm.engine.spec_decoder
+    decoder.global_rate = 0.0  # nothing is ever kept: choose() keeps K = 0, only probes speculate
+    cost = decoder.cost
+    cost.smoothing = 0.0
+    for b in range(0, 9):
+        cost.draft[bucket(1 << b)] = draft_step
+        cost.verify.setdefault(bucket(1 << b), {}).update({1: 0.01, 2: 0.0105, 5: 0.012})
+    assert cost.could_pay(1, overhead=draft_step)
+    assert LONG.max_tokens > PROBE_EVERY and (draft_step < 1e-4 or 0.0085 > PROBE_BUDGET * 0.01 * LONG.max_tokens)
+    llm.generate(PROMPTS[:1], LONG, use_tqdm=False)
+    assert llm.stats()["spec_decode"]["num_probes"] == probes

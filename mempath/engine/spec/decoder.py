@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 SPEC_MAX_ROWS = 64  # larger decode batches run plainly: compute-bound, speculation does not pay
 PROBE_EVERY = 64  # after this many steps at K = 0, one row speculates at K = 1 to refresh the acceptance rates
 MAX_PROBE_EVERY = 4096  # each probe that does not turn speculation on waits 4x longer for the next
+# A probe's extra time (its row's draft catch-up, the draft step, the wider verify) is at most
+# this fraction of the time decoded at K = 0 since the last one: on the H200 (2026-12-01) a
+# probe cost about 1% of a 256-token run at batch 4-16, the margin of the never-slower target.
+PROBE_BUDGET = 0.005
 PRIOR_ACCEPTANCE = 0.6  # before anything is measured
 PRIOR_WEIGHT = 4.0  # proposals' worth of the global rate in a request's running rate
 
@@ -78,6 +82,7 @@ class SpecStats:
         self.num_spec_steps = self.num_plain_steps = 0
         self.last_k = 0
         self.k_counts = [0] * (max_k + 1)
+        self.num_probes = 0  # K = 1 steps of one row taken to refresh the acceptance rates
         self.draft_seconds = self.verify_seconds = 0.0
 
     def as_dict(self) -> dict:
@@ -86,7 +91,7 @@ class SpecStats:
                 "num_accepted_tokens_per_pos": list(self.accepted_per_pos),
                 "acceptance_rate": self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None,
                 "mean_acceptance_length": 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None,
-                "chosen_k": self.last_k, "chosen_k_counts": list(self.k_counts),
+                "chosen_k": self.last_k, "chosen_k_counts": list(self.k_counts), "num_probes": self.num_probes,
                 "num_spec_steps": self.num_spec_steps, "num_plain_steps": self.num_plain_steps,
                 "draft_seconds": self.draft_seconds, "verify_seconds": self.verify_seconds}
 
@@ -106,6 +111,7 @@ class SpeculativeDecoder:
         self.rates = weakref.WeakKeyDictionary()  # request -> [kept, proposed]
         self.global_rate = PRIOR_ACCEPTANCE
         self.steps_at_zero = 0
+        self.seconds_at_zero = 0.0  # predicted plain-decoding time of those steps
         self.probe_every = PROBE_EVERY
         self.probing = False  # this step's K = 1 is a probe: one row speculates
         self.pending_k: int | None = None  # chosen on an asynchronous step for the next one
@@ -259,15 +265,31 @@ class SpeculativeDecoder:
         self.probing = False
         catch_up = self._catch_up_seconds(rows)
         k = self.cost.choose([self.rate(r) for r in rows], draft_free=self.draft is None, overhead=catch_up)
-        self.steps_at_zero = self.steps_at_zero + 1 if k == 0 else 0
         if k:
+            self.steps_at_zero, self.seconds_at_zero = 0, 0.0
             self.probe_every = PROBE_EVERY
-        # Probing refreshes the acceptance rates: worth it only where speculation could pay at all.
-        elif self.steps_at_zero >= self.probe_every and self.cost.could_pay(len(rows), self.draft is None, catch_up):
-            self.steps_at_zero = 0
+            return k
+        self.steps_at_zero += 1
+        self.seconds_at_zero += self.cost.step_time(len(rows), 0) or 0.0
+        # Probing refreshes the acceptance rates: worth it only where speculation could pay at all,
+        # and only once the time at K = 0 pays for it.
+        if (self.steps_at_zero >= self.probe_every and self.cost.could_pay(len(rows), self.draft is None, catch_up)
+                and self._probe_seconds(rows) <= PROBE_BUDGET * self.seconds_at_zero):
+            self.steps_at_zero, self.seconds_at_zero = 0, 0.0
             self.probe_every = min(MAX_PROBE_EVERY, 4 * self.probe_every)
+            self.stats.num_probes += 1
             self.probing, k = True, 1
         return k
+
+    def _probe_seconds(self, rows: list[Request]) -> float:
+        """A probe's time over a plain step's: one row (the draft's least behind) at K = 1, its catch-up whole."""
+        behind = 0
+        if self.draft is not None:
+            behind = max(0, min(r.num_tokens - 1 - r.num_draft_computed for r in rows))
+        catch_up = self.cost.draft_prefill_time(behind) if behind else 0.0
+        spec = self.cost.step_time(len(rows), 1, self.draft is None, catch_up)
+        plain = self.cost.step_time(len(rows), 0)
+        return 0.0 if spec is None or plain is None else max(0.0, spec - plain)
 
     def _catch_up_seconds(self, rows: list[Request]) -> float:
         """The draft's catch-up over the tokens it has no KV for (built only once a request
