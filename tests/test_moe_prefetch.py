@@ -37,6 +37,33 @@ def test_a_prefetch_fills_slots_from_the_host_store_and_counts_what_the_next_for
     cache.check()
 
 
+@pytest.mark.parametrize("used_per_prefetch,stops", [(1, True), (2, False)])
+def test_prefetch_stops_where_the_forward_seldom_uses_what_it_copied(used_per_prefetch, stops):
+    """Three experts copied ahead per forward, one or two of them used: 1/3 is under
+    PREFETCH_MIN_ACCURACY, so prefetch turns itself off once PREFETCH_JUDGED_AFTER are judged;
+    2/3 keeps it on. Turning it on again starts a new judgement."""
+    from mempath.model.moe import PREFETCH_JUDGED_AFTER, PREFETCH_MIN_ACCURACY
+    experts = Experts(8, 16, 12, torch_kernels())
+    experts.set_resident(3)
+    cache = experts.cache
+    cache.prefetch = True
+    assert 1 / 3 < PREFETCH_MIN_ACCURACY <= 2 / 3
+    forwards = 0
+    while cache.prefetch and forwards < 2 * PREFETCH_JUDGED_AFTER:
+        wanted = [(3 * forwards + i) % 8 for i in range(3)]  # none resident: all three copied
+        experts.prefetch(wanted)
+        routed = [0] * 8
+        for expert in wanted[:used_per_prefetch]:
+            routed[expert] = 1
+        cache.record_routing(routed)
+        forwards += 1
+    assert cache.prefetch is not stops and cache.stats()["prefetch_stopped"] is stops
+    if stops:
+        assert cache.judged_prefetched >= PREFETCH_JUDGED_AFTER
+        assert forwards == -(-PREFETCH_JUDGED_AFTER // 3)  # judged as soon as enough were copied
+    cache.check()
+
+
 @pytest.mark.parametrize("size", [2, 4])
 def test_prefetch_keeps_the_tokens_and_the_lookups(size, model_factory):
     path, _ = model_factory("qwen3_moe", num_hidden_layers=4, mlp_only_layers=[])

@@ -96,3 +96,52 @@ def test_the_grouped_kernel_is_captured_in_a_cuda_graph(model_factory):
     partial = LLM(path, dtype="float32", device="cuda", show_progress=False, moe_expert_cache_size=2)
     assert not partial.engine.runner.graphs  # misses are host decisions: eager
     assert [o.token_ids for o in partial.generate(prompts, params, use_tqdm=False)] == tokens
+
+
+def per_pair_grouped_experts(x, router_weights, expert_ids, gate_up_proj, down_proj, silu_and_mul,
+                             block_m=None, per_pair=False):
+    """A PyTorch stand-in with the grouped kernel's contract: each (token, choice) pair through its
+    expert's weights (an index into the stacked ``[E, ...]`` weights), weighted in float32, summed
+    over the choices unless ``per_pair``. Row by row, as the kernel computes each pair alone."""
+    pairs = []
+    for t in range(expert_ids.shape[0]):
+        for j in range(expert_ids.shape[1]):
+            e = expert_ids[t, j]
+            act = silu_and_mul(x[t:t + 1] @ gate_up_proj[e].T)
+            pairs.append((act @ down_proj[e].T).float() * router_weights[t, j].float())
+    out = torch.cat(pairs)
+    if per_pair:
+        return out
+    return out.view(*expert_ids.shape, -1).sum(dim=1).to(x.dtype)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_a_partial_cache_runs_the_grouped_path_over_its_slots(arch, model_factory, monkeypatch):
+    """With fewer experts resident the grouped kernel still runs, over the slots (expert ids
+    mapped to slot ids; in waves where the active experts outnumber the slots): the all-resident
+    grouped run's tokens for every cache size, the misses counted, no slot left in use. On the
+    CPU with a per-pair stand-in for the Triton kernel."""
+    import dataclasses
+
+    from mempath import LLM
+    from mempath.model.moe import expert_cache_stats, set_expert_cache_size
+    from tests.test_moe import check_caches, generate
+    path, _ = model_factory(arch)
+    llm = LLM(path, dtype="float32", device="cpu", show_progress=False, enable_prefix_caching=False)
+    calls = []
+
+    def counted(x, weights, ids, gate_up, down, silu, **options):
+        calls.append(gate_up.shape[0])
+        return per_pair_grouped_experts(x, weights, ids, gate_up, down, silu, **options)
+
+    for block in llm.engine.model.moe_blocks():
+        block.experts.kernels = dataclasses.replace(block.experts.kernels, grouped_experts=counted)
+    everything = generate(llm)
+    assert calls and set(calls) == {8}  # every expert resident: the slots are the experts
+    for size in (5, 2):
+        set_expert_cache_size(llm.engine.model, size)
+        calls.clear()
+        assert generate(llm) == everything, f"{size} experts resident"
+        stats = expert_cache_stats(llm.engine.model)
+        assert set(calls) == {size} and stats["misses"] > 0 and stats["bytes_loaded"] > 0
+        check_caches(llm.engine.model)

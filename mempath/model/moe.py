@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mempath.kernels.dispatch import Kernels
+from mempath.kernels.moe_triton import block_m_for
 from mempath.model import moe_host
 
 
@@ -111,6 +112,8 @@ class MoEBlock(nn.Module):
                                               key=lambda e: -next_sizes[e]))
         else:
             sizes = counts.tolist()  # the one host sync: where each group starts
+        if self.experts.runs_grouped_over_slots(sizes):
+            return self.experts.grouped_over_slots(x, weights, expert_ids, sizes)
         sorted_out = self.experts(x[order // self.top_k], sizes)
         return combine(sorted_out, weights, order, self.top_k, x.dtype)
 
@@ -182,6 +185,57 @@ class Experts(nn.Module):
             finally:
                 cache.release(slots)
         return out
+
+    def runs_grouped_over_slots(self, sizes: list[int]) -> bool:
+        """Whether this forward's experts run in the grouped kernel over the slots: the kernel is
+        here and no miss runs on the host (moe_host.py)."""
+        if self.kernels.grouped_experts is None or (self.cache.host and self.host_token_limit):
+            return False
+        return any(sizes)
+
+    def grouped_over_slots(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
+                           sizes: list[int]) -> torch.Tensor:
+        """The routed experts in the grouped kernel, reading their slots: per wave, the misses
+        copied in, then the wave's (token, choice) pairs with their expert ids mapped to slot
+        ids on the device.
+
+        Each pair's output is its own products, whatever the slot numbering or the wave, and
+        the pairs are summed as the all-resident kernel sums them, so the tokens are the
+        all-resident grouped run's (tests/test_moe_triton.py). One wave (every active expert
+        fits): the two launches and nothing else.
+        """
+        cache, kernels = self.cache, self.kernels
+        cache.record_routing(sizes)
+        waves = cache.waves([e for e, size in enumerate(sizes) if size])
+        device = expert_ids.device
+        if len(waves) == 1:
+            slots = cache.acquire(waves[0], self.load_into_slot)
+            try:
+                slot_ids = torch.tensor(cache.slot_of, dtype=expert_ids.dtype).to(device)[expert_ids]
+                return kernels.grouped_experts(x, weights, slot_ids, self.gate_up_proj, self.down_proj,
+                                               kernels.silu_and_mul)
+            finally:
+                cache.release(slots)
+        tokens, top_k = expert_ids.shape
+        flat_ids, flat_weights = expert_ids.reshape(-1), weights.reshape(-1)
+        order = torch.sort(flat_ids, stable=True).indices  # pairs by expert: each expert's pairs a range
+        starts = [0]
+        for size in sizes:
+            starts.append(starts[-1] + size)
+        block_m = block_m_for(tokens * top_k)
+        pairs = torch.empty(tokens * top_k, x.shape[1], dtype=torch.float32, device=device)
+        for wave in waves:
+            slots = cache.acquire(wave, self.load_into_slot)
+            try:
+                rows = torch.cat([order[starts[e]:starts[e + 1]] for e in wave])
+                slot_ids = torch.tensor(cache.slot_of, dtype=flat_ids.dtype).to(device)[flat_ids[rows]]
+                out = kernels.grouped_experts(x[rows // top_k], flat_weights[rows, None], slot_ids[:, None],
+                                              self.gate_up_proj, self.down_proj, kernels.silu_and_mul,
+                                              block_m=block_m, per_pair=True)
+                pairs[rows] = out
+            finally:
+                cache.release(slots)
+        return pairs.view(tokens, top_k, -1).sum(dim=1).to(x.dtype)
 
     def prefetch(self, experts: list[int]) -> None:
         """Start copying the predicted experts that are not resident into slots (most tokens first).
@@ -266,6 +320,12 @@ class Experts(nn.Module):
         return {"gate_up_proj": self.gate_up_proj.data, "down_proj": self.down_proj.data}
 
 
+# Prefetch is judged once a layer has prefetched this many experts, and stops below this
+# fraction used by the forward they were copied for.
+PREFETCH_JUDGED_AFTER = 64
+PREFETCH_MIN_ACCURACY = 0.5
+
+
 @dataclass(eq=False)
 class ExpertCache:
     """Which expert each device slot of one layer holds, and how routing has used them.
@@ -294,6 +354,8 @@ class ExpertCache:
         self.expert_in = list(range(self.num_slots)) if identity else [-1] * self.num_slots
         self.in_use: set[int] = set()
         self.prefetch = False  # copy the next forward's predicted experts ahead (Experts.prefetch)
+        self.judged_prefetched = self.judged_used = 0  # since prefetch was last turned on
+        self.prefetch_stopped = False  # turned off for missing too often (record_routing)
         self.copy_stream = None  # CUDA: where prefetch copies run
         self.pending: dict[int, object] = {}  # slot -> the CUDA event its prefetch copy records
         self.prefetched_now: list[int] = []  # experts the last prefetch loaded, checked at the next forward
@@ -313,8 +375,18 @@ class ExpertCache:
     def record_routing(self, tokens_per_expert: list[int]) -> None:
         """One forward's routing: its active experts become the most recent, and more frequent."""
         self.clock += 1
-        self.prefetch_used += sum(1 for e in self.prefetched_now if tokens_per_expert[e])
+        used = sum(1 for e in self.prefetched_now if tokens_per_expert[e])
+        self.prefetch_used += used
+        self.judged_prefetched += len(self.prefetched_now)
+        self.judged_used += used
         self.prefetched_now = []
+        # A prefetched expert the forward does not route to cost a copy and evicted one that
+        # might have been a hit: on the H200 (2026-12-01, random weights, 6.6% of prefetches
+        # used) prefetch made decode 26% slower than none. It stops where it misses that often.
+        if (self.prefetch and self.judged_prefetched >= PREFETCH_JUDGED_AFTER
+                and self.judged_used < PREFETCH_MIN_ACCURACY * self.judged_prefetched):
+            self.prefetch = False
+            self.prefetch_stopped = True
         for expert, tokens in enumerate(tokens_per_expert):
             if tokens:
                 self.last_use[expert] = self.clock
@@ -423,6 +495,7 @@ class ExpertCache:
             "prefetched": self.prefetched,  # experts copied ahead on the next layer's router's prediction
             "prefetch_used": self.prefetch_used,  # of those, routed to by the forward they were copied for
             "prefetch_accuracy": self.prefetch_used / self.prefetched if self.prefetched else None,
+            "prefetch_stopped": self.prefetch_stopped,  # turned off: under PREFETCH_MIN_ACCURACY
             "host_experts": self.host_experts,  # misses run on the host (--moe-cpu-experts)
             "host_tokens": self.host_tokens,  # the tokens those carried
         }
@@ -448,7 +521,10 @@ def set_expert_prefetch(model, enabled: bool) -> None:
     """Copy each MoE layer's predicted experts ahead, from the layer before (default: on CUDA with
     fewer experts resident than all; on the CPU the copies run at once, so it only tests the logic)."""
     for block in model.moe_blocks():
-        block.experts.cache.prefetch = enabled and bool(block.experts.cache.host)
+        cache = block.experts.cache
+        cache.prefetch = enabled and bool(cache.host)
+        cache.judged_prefetched = cache.judged_used = 0
+        cache.prefetch_stopped = False
 
 
 def offloaded_weights(model) -> dict[str, torch.Tensor]:
