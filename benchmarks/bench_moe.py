@@ -17,9 +17,8 @@ offload   the Qwen3-30B-A3B shape with a 16 GB weight budget (the non-expert wei
           (mempath.model.moe.synthetic_router_bias, skew 1.0): each against the bound
           missed-bytes-per-token / pinned bandwidth and against the planner's prediction
           (memory.formulas.moe_offload_tokens_per_second, from the hit rate and the
-          all-resident step time measured here). The offloaded runs use the grouped kernel
-          over the cache's slots; their tokens are compared with an all-resident eager run of
-          the same kernel (the same arithmetic: they must be identical).
+          all-resident step time measured here). Tokens are compared with an all-resident
+          run on the same PyTorch expert path (the same arithmetic: they must be identical).
 resident  Qwen3-30B-A3B and Mixtral-8x7B shapes with every expert resident (the grouped
           kernel, decode CUDA graphs), batch-1 decode tokens/s against the active-weight
           read limit (bytes one token reads / the device read bandwidth).
@@ -27,6 +26,7 @@ resident  Qwen3-30B-A3B and Mixtral-8x7B shapes with every expert resident (the 
 Each result is one JSON line (prefix ``RESULT``), naming the router that produced it.
 """
 import argparse
+import dataclasses
 import gc
 import json
 import sys
@@ -78,6 +78,12 @@ def engine(path: str, args, **extra) -> LLM:
     return LLM(path, load_format="dummy", dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                max_num_seqs=4, max_num_batched_tokens=args.max_model_len, enable_prefix_caching=False,
                show_progress=False, **extra)
+
+
+def twin_path(llm: LLM) -> None:
+    """Run every MoE layer on the PyTorch expert path (the offloaded runs' arithmetic)."""
+    for block in llm.engine.model.moe_blocks():
+        block.experts.kernels = dataclasses.replace(block.experts.kernels, grouped_experts=None)
 
 
 def sync(llm: LLM) -> None:
@@ -156,9 +162,10 @@ def part_offload(args, config: dict, bandwidth: dict) -> list[dict]:
     non_expert = weight_bytes(shape, b)["total"] - every
     slots_gb = (args.weight_budget - non_expert) / (1 << 30)
     plan = plan_memory(path, dtype=args.dtype, moe_expert_cache_gb=slots_gb)
-    resident = engine(path, args, enforce_eager=True)  # the offloaded runs' kernels, with every expert resident
-    resident_rate, resident_tokens, _ = decode(resident, args)
-    del resident
+    twin_all = engine(path, args, enforce_eager=True)
+    twin_path(twin_all)
+    resident_rate, resident_tokens, _ = decode(twin_all, args)
+    del twin_all
     out = []
     for router, prefetch in (("model", True), ("model", False), ("skewed", True), ("skewed", False)):
         if prefetch:  # the same engine runs with prefetch on, then off
@@ -188,7 +195,7 @@ def part_offload(args, config: dict, bandwidth: dict) -> list[dict]:
             decode_tok_s=rate, hit_rate=hit_rate, bound_tok_s=bound, copied_GB_per_token=copied / 1e9,
             missed_GB_per_token_formula=moe_missed_bytes_per_token(shape, b, 1 - miss_rate) / 1e9,
             of_bound=rate / bound if copied else None, predicted_tok_s=predicted, predicted_error=(predicted - rate) / rate,
-            all_resident_eager_tok_s=resident_rate, tokens_identical_to_all_resident=same,
+            all_resident_twin_tok_s=resident_rate, tokens_identical_to_all_resident=same,
             cpu_experts=args.cpu_experts, host_token_limit=after["host_token_limit"],
             host_experts_per_token=(after["host_experts"] - before["host_experts"]) / args.output_len,
             target_tok_s=17 if router == "model" else 40))

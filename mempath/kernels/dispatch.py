@@ -46,11 +46,9 @@ class Kernels:
       slot_mapping) -> q``: the same after a per-head RMSNorm of q and k (Qwen3), one launch on Triton;
     - ``silu_and_mul(x) -> out``;
     - ``attention(q, k_cache, v_cache, meta, scale) -> out`` over the paged cache;
-    - ``grouped_experts(x, router_weights, expert_ids, gate_up_proj, down_proj, silu_and_mul,
-      block_m=None, per_pair=False) -> out``: a MoE layer's experts in two grouped launches, no
-      host read, over every expert or a cache's slots (None: the PyTorch twin in
-      mempath.model.moe, which reads the group sizes on the host); ``per_pair``: each
-      (token, choice) pair's weighted float32 output, unsummed.
+    - ``grouped_experts(x, router_weights, expert_ids, gate_up_proj, down_proj, silu_and_mul) -> out``:
+      a MoE layer's experts with every expert resident, no host read (None: the PyTorch
+      twin in mempath.model.moe, which reads the group sizes on the host).
     """
 
     rms_norm: Callable

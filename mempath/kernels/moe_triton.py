@@ -105,19 +105,15 @@ def _grouped_gemm(a, weights, out, pair_of_row, block_expert, block_m, rows_per_
 
 
 def triton_grouped_experts(x: torch.Tensor, router_weights: torch.Tensor, expert_ids: torch.Tensor,
-                           gate_up_proj: torch.Tensor, down_proj: torch.Tensor, silu_and_mul,
-                           block_m: int | None = None, per_pair: bool = False) -> torch.Tensor:
+                           gate_up_proj: torch.Tensor, down_proj: torch.Tensor, silu_and_mul) -> torch.Tensor:
     """Every token's k experts' SiLU-gated MLPs, weighted and summed: [T, h] in x's dtype.
 
-    ``gate_up_proj [E, 2I, h]``, ``down_proj [E, h, I]`` hold the experts ``expert_ids`` index
-    (every expert, or a cache's slots); ``router_weights`` and ``expert_ids`` are the router's
-    top k, [T, k]. ``per_pair``: each pair's weighted output instead, [T * k, h] in float32,
-    unsummed (a cache too small for one wave sums its waves' pairs itself); ``block_m``: rows
-    per block, for a wave to tile as the whole batch would (block_m_for of its pairs).
+    ``gate_up_proj [E, 2I, h]``, ``down_proj [E, h, I]`` hold every expert (all resident);
+    ``router_weights`` and ``expert_ids`` are the router's top k, [T, k].
     """
     tokens, top_k = expert_ids.shape
     num_pairs = tokens * top_k
-    block_m = block_m or block_m_for(num_pairs)
+    block_m = block_m_for(num_pairs)
     pair_of_row, block_expert = align_to_blocks(expert_ids, gate_up_proj.shape[0], block_m)
     x = x.contiguous()
     gate_up = x.new_empty(num_pairs, gate_up_proj.shape[1])
@@ -128,6 +124,4 @@ def triton_grouped_experts(x: torch.Tensor, router_weights: torch.Tensor, expert
     out = torch.empty(num_pairs, down_proj.shape[1], dtype=torch.float32, device=x.device)
     _grouped_gemm(activated, down_proj, out, pair_of_row, block_expert, block_m, 1,
                   router_weights.reshape(-1).contiguous())
-    if per_pair:
-        return out
     return out.view(tokens, top_k, -1).sum(dim=1).to(x.dtype)

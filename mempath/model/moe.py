@@ -33,7 +33,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from mempath.kernels.dispatch import Kernels
-from mempath.kernels.moe_triton import block_m_for
 from mempath.model import moe_host
 
 
@@ -112,8 +111,6 @@ class MoEBlock(nn.Module):
                                               key=lambda e: -next_sizes[e]))
         else:
             sizes = counts.tolist()  # the one host sync: where each group starts
-        if self.experts.runs_grouped_over_slots(sizes):
-            return self.experts.grouped_over_slots(x, weights, expert_ids, sizes)
         sorted_out = self.experts(x[order // self.top_k], sizes)
         return combine(sorted_out, weights, order, self.top_k, x.dtype)
 
@@ -185,57 +182,6 @@ class Experts(nn.Module):
             finally:
                 cache.release(slots)
         return out
-
-    def runs_grouped_over_slots(self, sizes: list[int]) -> bool:
-        """Whether this forward's experts run in the grouped kernel over the slots: the kernel is
-        here and no miss runs on the host (moe_host.py)."""
-        if self.kernels.grouped_experts is None or (self.cache.host and self.host_token_limit):
-            return False
-        return any(sizes)
-
-    def grouped_over_slots(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
-                           sizes: list[int]) -> torch.Tensor:
-        """The routed experts in the grouped kernel, reading their slots: per wave, the misses
-        copied in, then the wave's (token, choice) pairs with their expert ids mapped to slot
-        ids on the device.
-
-        Each pair's output is its own products, whatever the slot numbering or the wave, and
-        the pairs are summed as the all-resident kernel sums them, so the tokens are the
-        all-resident grouped run's (tests/test_moe_triton.py). One wave (every active expert
-        fits): the two launches and nothing else.
-        """
-        cache, kernels = self.cache, self.kernels
-        cache.record_routing(sizes)
-        waves = cache.waves([e for e, size in enumerate(sizes) if size])
-        device = expert_ids.device
-        if len(waves) == 1:
-            slots = cache.acquire(waves[0], self.load_into_slot)
-            try:
-                slot_ids = torch.tensor(cache.slot_of, dtype=expert_ids.dtype).to(device)[expert_ids]
-                return kernels.grouped_experts(x, weights, slot_ids, self.gate_up_proj, self.down_proj,
-                                               kernels.silu_and_mul)
-            finally:
-                cache.release(slots)
-        tokens, top_k = expert_ids.shape
-        flat_ids, flat_weights = expert_ids.reshape(-1), weights.reshape(-1)
-        order = torch.sort(flat_ids, stable=True).indices  # pairs by expert: each expert's pairs a range
-        starts = [0]
-        for size in sizes:
-            starts.append(starts[-1] + size)
-        block_m = block_m_for(tokens * top_k)
-        pairs = torch.empty(tokens * top_k, x.shape[1], dtype=torch.float32, device=device)
-        for wave in waves:
-            slots = cache.acquire(wave, self.load_into_slot)
-            try:
-                rows = torch.cat([order[starts[e]:starts[e + 1]] for e in wave])
-                slot_ids = torch.tensor(cache.slot_of, dtype=flat_ids.dtype).to(device)[flat_ids[rows]]
-                out = kernels.grouped_experts(x[rows // top_k], flat_weights[rows, None], slot_ids[:, None],
-                                              self.gate_up_proj, self.down_proj, kernels.silu_and_mul,
-                                              block_m=block_m, per_pair=True)
-                pairs[rows] = out
-            finally:
-                cache.release(slots)
-        return pairs.view(tokens, top_k, -1).sum(dim=1).to(x.dtype)
 
     def prefetch(self, experts: list[int]) -> None:
         """Start copying the predicted experts that are not resident into slots (most tokens first).
