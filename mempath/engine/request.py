@@ -37,6 +37,7 @@ class Request:
         self.block_hashes: list[bytes] = []  # of each full block of token_ids
         self.num_registered_blocks = 0  # leading blocks already in the prefix cache
         self.num_draft_computed = 0  # tokens whose draft-model KV is in the cache (speculation)
+        self.num_draft_marked_blocks = 0  # leading blocks flagged draft-ready (since the table was last replaced)
         self.num_preemptions = 0
         # Set while swapped out: the host-tier blocks holding its KV, and how many tokens they hold.
         self.swapped: tuple[list[int], int] | None = None

@@ -14,6 +14,7 @@ import numpy as np
 def replace_table(request, blocks: list[int]) -> None:
     """Give the request a new block table (never the list it had)."""
     request.block_table = list(blocks)
+    request.num_draft_marked_blocks = 0  # the new table's blocks are flagged afresh
 
 
 def grow_table(request, blocks: list[int]) -> None:

@@ -266,10 +266,14 @@ class KVCacheManager:
         self._mark_draft_ready(request)
 
     def _mark_draft_ready(self, request) -> None:
-        # Blocks of final tokens (none past num_tokens) that the draft's KV fills.
+        # Blocks of final tokens (none past num_tokens) that the draft's KV fills; those before
+        # num_draft_marked_blocks are flagged already (a held block's flag cannot change).
         full = min(request.num_draft_computed, request.num_tokens) // self.block_size
-        for block_id in request.block_table[:full]:
-            self.draft_ready[block_id] = 1
+        start = request.num_draft_marked_blocks
+        if full > start:
+            for block_id in request.block_table[start:full]:
+                self.draft_ready[block_id] = 1
+            request.num_draft_marked_blocks = full
 
     def accept_speculation(self, request, num_accepted: int, draft_end: int) -> None:
         """A verify step kept ``num_accepted`` proposed tokens after the row's own token (which
