@@ -106,3 +106,25 @@ def test_cli_several_model_flags_refused_for_one(tmp_path, capsys):
                "--out", str(tmp_path / "r")])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "--kv-min-share" in err[0], err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_two_models_on_cuda(two_models):
+    """Each model's profile step and graphs measured under its name; the pool's split on the device."""
+    llama, qwen = two_models
+    report = diagnose_models([f"a={llama}", f"b={qwen}"], device="cuda", dtype="float32", probe_tokens=256,
+                             probe_seqs=4, leak_requests=3, growth_requests=2, out_dir=None,
+                             gpu_memory_utilization=0.3, max_model_len=256)
+    for section in report["models"]:
+        rows = {r["pathway"]: r for r in section["pathways"]}
+        for name in ROWS + ("activation_peak (engine profile step)", "cuda_graphs"):
+            assert rows[name]["measured"] is not None, (section["name"], name)
+        for exact in ("weights.attention", "kv growth (peak during generation)"):
+            assert rows[exact]["error_pct"] == 0.0, (section["name"], rows[exact])
+        assert f"{section['name']}: profile step" in {s["name"] for s in section["stages"]}
+        assert section["leak"]["kv_blocks_used_after"] == 0
+    shared = report["shared_kv_pages"]
+    rows = {r["pathway"]: r for r in shared["rows"]}
+    assert rows["shared KV pages"]["measured"] == shared["num_pages"] * shared["page_bytes"]
+    assert all(m["pages"]["max"] > 0 and m["pages"]["final"] == 0 for m in shared["models"].values())
+    assert shared["split"]["all_free_at_end"]

@@ -56,11 +56,11 @@ def diagnose_models(models: list[str], *, served_model_name: list[str] | None = 
     """Start ``models`` (directories or NAME=DIR) on one device, measure each, run the alternating
     workload over the shared pool, and return the report dict (written to ``out_dir`` as
     diagnose.json and diagnose.html when given)."""
+    from mempath.config import EngineConfig
     from mempath.multi.engine import MultiEngine
     from mempath.multi.names import served_models
     from mempath.multi.pages import POOL_TENANT
     from mempath.multi.startup import build_engines
-    from mempath.config import EngineConfig
     from mempath.tools.diagnose.run import build_report, indexed_device, measure_serving
 
     if len(models) < 2:
@@ -91,10 +91,10 @@ def diagnose_models(models: list[str], *, served_model_name: list[str] | None = 
             for (name, path), engine in zip(pairs, engines.values()):
                 tenant = TenantRecorder(recorder, name)
                 measured = measure_serving(engine, path, tenant, torch_device, probe_tokens, probe_seqs,
-                                            leak_requests, growth_requests)
+                                           leak_requests, growth_requests)
                 measured["rows"] = _tenant_rows(measured["rows"], engine, measured["plan"], pool.num_pages)
                 section = build_report(f"{name} ({path})", engine.config, torch_device, tenant, host_before,
-                                  bandwidth, measured)
+                                       bandwidth, measured)
                 sections.append({"name": name, **section})
             with recorder.stage(f"{POOL_TENANT}: alternating workload", "kv_cache"):
                 split = run_split_workload(multi, split_requests)

@@ -79,10 +79,11 @@ def write_multi_html(report: dict, path: str | Path) -> None:
     for section in report["models"]:
         body += [f"<h1>{e(section['name'])}</h1>"] + html_sections(section)
     shared = report["shared_kv_pages"]
+    split = shared["split"]
     body += ["<h1>Shared KV pages</h1>", f"<p>{e(shared_header(shared))}</p>", _pathway_table(shared["rows"]),
              "<pre>" + e("\n".join(model_page_lines(shared))) + "</pre>",
-             f"<p class=\"{'ok' if shared['split']['all_free_at_end'] else 'bad'}\">{e(split_verdict(shared['split']))}</p>",
-             _chart("split", split_svg(shared["split"]),
+             f"<p class=\"{'ok' if split['all_free_at_end'] else 'bad'}\">{e(split_verdict(split))}</p>",
+             _chart("split", split_svg(split),
                     "Pages each model holds after every step of the alternating workload (stacked)."),
              "<h2>Pool ledger</h2>", _ledger_table(shared["ledger"])]
     Path(path).write_text(html_document(body))

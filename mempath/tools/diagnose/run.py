@@ -71,7 +71,7 @@ def diagnose(model_dir: str, *, device: str = "auto", dtype: str = "auto", train
                 from mempath.tools.diagnose.report import require_plotting
                 require_plotting()
             measured = measure_serving(engine, model_dir, recorder, torch_device, probe_tokens, probe_seqs,
-                                        leak_requests, growth_requests)
+                                       leak_requests, growth_requests)
             del engine
             gc.collect()
             if torch_device.type == "cuda":
