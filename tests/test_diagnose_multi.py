@@ -128,3 +128,22 @@ def test_two_models_on_cuda(two_models):
     assert rows["shared KV pages"]["measured"] == shared["num_pages"] * shared["page_bytes"]
     assert all(m["pages"]["max"] > 0 and m["pages"]["final"] == 0 for m in shared["models"].values())
     assert shared["split"]["all_free_at_end"]
+
+
+def test_cli_passes_the_models_and_prints_every_section(report, monkeypatch, capsys, tmp_path):
+    """`mempath diagnose A B`: the names, share and engine flags reach diagnose_models; the table is printed."""
+    import mempath.tools.diagnose.multi as multi
+    seen = {}
+
+    def fake(models, **kwargs):
+        seen.update(kwargs, models=models)
+        return report
+
+    monkeypatch.setattr(multi, "diagnose_models", fake)
+    rc = main(["diagnose", "/m/x", "/m/y", "--served-model-name", "a", "b", "--kv-min-share", "0.25",
+               "--device", "cpu", "--max-model-len", "96", "--out", str(tmp_path)])
+    assert rc == 0
+    assert seen["models"] == ["/m/x", "/m/y"] and seen["served_model_name"] == ["a", "b"]
+    assert seen["kv_min_share"] == 0.25 and seen["max_model_len"] == 96 and seen["device"] == "cpu"
+    out = capsys.readouterr().out
+    assert out.count("pathway ") == 2 and "shared KV pages:" in out and "json: " in out
