@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(add_parser("serve", help="OpenAI-compatible HTTP server"))
     from mempath.tools.plan_cli import add_plan_arguments
     add_plan_arguments(add_parser("plan", help="predict memory per pathway (no GPU needed)"))
-    from mempath.tools.diagnose.run import add_diagnose_arguments
+    from mempath.tools.diagnose.cli import add_diagnose_arguments
     add_diagnose_arguments(add_parser("diagnose", help="measure memory per pathway against the plan"))
     return parser
 
@@ -124,7 +124,7 @@ def runs_on_the_cpu(device: str) -> bool:
 
 
 def run_command(args) -> int:
-    from mempath.tools.diagnose.run import run_diagnose
+    from mempath.tools.diagnose.cli import run_diagnose
     from mempath.tools.plan_cli import run_plan
     from mempath.server.cli import run_serve
     commands = {"generate": run_generate, "chat": run_chat, "serve": run_serve, "plan": run_plan,

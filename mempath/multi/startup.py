@@ -12,10 +12,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+from typing import Callable
 
 from mempath.config import EngineConfig
 from mempath.engine.engine import LLMEngine
-from mempath.engine.startup import Startup
+from mempath.engine.startup import Startup, StageObserver, no_observer
 from mempath.kv.manager import KVCacheManager
 from mempath.memory.ledger import Pathway, format_bytes
 from mempath.multi.layout import allocate_pages, attach_pages, kv_bytes_per_token, page_layout
@@ -48,8 +49,10 @@ def refuse_unshared_options(config: EngineConfig) -> None:
 
 
 def build_engines(models: list[tuple[str, str]], options: dict, show_progress: bool = True,
-                  kv_min_share: float = 0.0) -> tuple[dict[str, LLMEngine], PagePool]:
-    """``models``: (served name, directory) pairs; ``options``: EngineConfig's fields, for all of them.
+                  kv_min_share: float = 0.0, stage_for: Callable[[str], StageObserver] = lambda tenant: no_observer,
+                  ) -> tuple[dict[str, LLMEngine], PagePool]:
+    """``models``: (served name, directory) pairs; ``options``: EngineConfig's fields, for all of them;
+    ``stage_for(tenant)``: the start-up observer of a model's stages, or of the pool's (POOL_TENANT).
 
     Async scheduling is off: a model's tokens are read back before the next model steps, so
     that the victim policy may preempt any model's requests (none has a step in flight).
@@ -58,8 +61,8 @@ def build_engines(models: list[tuple[str, str]], options: dict, show_progress: b
     configs = [EngineConfig.from_kwargs(path, **options) for _, path in models]
     for config in configs:
         refuse_unshared_options(config)
-    first = TenantStartup(configs[0], tenant=models[0][0])
-    startups = [first] + [TenantStartup(c, budget=first.budget, tenant=name)
+    first = TenantStartup(configs[0], stage_for(models[0][0]), tenant=models[0][0])
+    startups = [first] + [TenantStartup(c, stage_for(name), budget=first.budget, tenant=name)
                           for (name, _), c in zip(models[1:], configs[1:])]
     per_token = [kv_bytes_per_token(s.spec, s.config.kv_torch_dtype(s.dtype)) for s in startups]
     page_bytes, block_sizes = page_layout(per_token, configs[0].block_size)
@@ -69,7 +72,8 @@ def build_engines(models: list[tuple[str, str]], options: dict, show_progress: b
         startup.prepare(show_progress)
     num_pages = size_page_pool(startups, page_bytes)
     pool = PagePool(num_pages, page_bytes, kv_min_share)
-    with first._guard("kv_allocation", requested_bytes=num_pages * page_bytes):
+    with first._guard("kv_allocation", requested_bytes=num_pages * page_bytes), \
+            stage_for(POOL_TENANT)("kv allocation", Pathway.KV_CACHE.value):
         pages = allocate_pages(num_pages, page_bytes, first.device)
     first.budget.grant(POOL_TENANT, Pathway.KV_CACHE, pages.numel(), "measured",
                        f"{num_pages} pages of {format_bytes(page_bytes)}, every model's blocks")

@@ -316,11 +316,21 @@ def write_html(report: dict, path: str | Path) -> None:
 
 
 def render_html(report: dict) -> str:
+    return html_document(["<h1>mempath diagnose</h1>"] + html_sections(report))
+
+
+def html_document(body: list[str]) -> str:
+    return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>mempath diagnose</title>"
+            f"<style>{_STYLE}</style></head><body>{''.join(body)}</body></html>\n")
+
+
+def html_sections(report: dict) -> list[str]:
+    """One model's report: its rows, charts, stages, leak check and ledger."""
     stage_pathways = {s["name"]: s["pathway"] for s in report["stages"]}
     e = html.escape
     device = report["device"]
     body = [
-        f"<h1>mempath diagnose</h1><p>{e(report['model'])} on {e(device['type'])} "
+        f"<p>{e(report['model'])} on {e(device['type'])} "
         f"({e(str(device.get('name', '')))}), {e(report['dtype'])}. Device bytes: "
         f"{e(report['measurement']['device_bytes'])}.</p>",
         "<h2>Predicted vs measured</h2>", _pathway_table(report["pathways"]),
@@ -350,8 +360,7 @@ def render_html(report: dict) -> str:
     body += ["<h2>What the plan cannot know</h2><ul>"]
     body += [f"<li>{e(line)}</li>" for line in summary_lines(report)] + ["</ul>"]
     body += ["<h2>Engine ledger</h2>", _ledger_table(report["ledger"])]
-    return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>mempath diagnose</title>"
-            f"<style>{_STYLE}</style></head><body>{''.join(body)}</body></html>\n")
+    return body
 
 
 ERROR_NOTE = ("error = (measured − predicted) / predicted; negative: less was measured than planned. "

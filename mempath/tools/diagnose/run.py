@@ -13,10 +13,8 @@ Every figure carries its source; nothing is filled in by assumption.
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import os
-import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
@@ -51,7 +49,7 @@ def diagnose(model_dir: str, *, device: str = "auto", dtype: str = "auto", train
     from mempath.model.spec import ModelSpec
     from mempath.model.loader import read_config
 
-    config = EngineConfig.from_kwargs(model_dir, device=_indexed(device), dtype=dtype, **engine_options)
+    config = EngineConfig.from_kwargs(model_dir, device=indexed_device(device), dtype=dtype, **engine_options)
     # A broken config.json is refused before anything is measured.
     ModelSpec.from_hf_config(read_config(config.model), source=str(Path(config.model) / "config.json"))
     torch_device = config.torch_device()
@@ -72,8 +70,8 @@ def diagnose(model_dir: str, *, device: str = "auto", dtype: str = "auto", train
             if out_dir is not None:  # after the load (a broken model is refused first), before measuring
                 from mempath.tools.diagnose.report import require_plotting
                 require_plotting()
-            measured = _measure_serving(engine, model_dir, recorder, torch_device, probe_tokens, probe_seqs,
-                                        leak_requests, growth_requests)
+            measured = measure_serving(engine, model_dir, recorder, torch_device, probe_tokens, probe_seqs,
+                                       leak_requests, growth_requests)
             del engine
             gc.collect()
             if torch_device.type == "cuda":
@@ -82,7 +80,7 @@ def diagnose(model_dir: str, *, device: str = "auto", dtype: str = "auto", train
                 _measure_training(measured, model_dir, recorder, torch_device, probe_tokens)
     finally:
         recorder.stop()
-    report = _report(model_dir, config, torch_device, recorder, host_before, bandwidth, measured)
+    report = build_report(model_dir, config, torch_device, recorder, host_before, bandwidth, measured)
     if out_dir is not None:
         if progress is not None:
             progress(f"mempath diagnose: {recorder.now():6.1f} s  writing the report to {out_dir}")
@@ -90,7 +88,7 @@ def diagnose(model_dir: str, *, device: str = "auto", dtype: str = "auto", train
     return report
 
 
-def _report(model_dir, config, torch_device: torch.device, recorder: Recorder, host_before: dict,
+def build_report(model_dir, config, torch_device: torch.device, recorder: Recorder, host_before: dict,
             bandwidth: dict, measured: dict) -> dict:
     return {
         "mempath_diagnose": 1,
@@ -115,7 +113,7 @@ def _report(model_dir, config, torch_device: torch.device, recorder: Recorder, h
     }
 
 
-def _measure_serving(engine, model_dir, recorder: Recorder, torch_device: torch.device, probe_tokens: int,
+def measure_serving(engine, model_dir, recorder: Recorder, torch_device: torch.device, probe_tokens: int,
                      probe_seqs: int, leak_requests: int, growth_requests: int) -> dict:
     """The probe forward, KV growth, the leak check and the device-level figures, with the plans they
     are compared with; the engine's ledger and stats."""
@@ -171,7 +169,7 @@ def _measure_training(measured: dict, model_dir, recorder: Recorder, torch_devic
     measured["rows"] += train_rows(train_plan, measured["training"], recorder.meter)
 
 
-def _indexed(device: str) -> str:
+def indexed_device(device: str) -> str:
     """"cuda" or "auto" on a CUDA machine as "cuda:N": the engine's set_device needs an index."""
     if device in ("auto", "cuda") and torch.cuda.is_available():
         return f"cuda:{torch.cuda.current_device()}"
@@ -247,46 +245,3 @@ def _write_outputs(report: dict, out_dir: Path, snapshot: bool) -> None:
     report["files"]["html"] = str(out_dir / "diagnose.html")
     write_json(report, out_dir / "diagnose.json")
     write_html(report, out_dir / "diagnose.html")
-
-
-# ---------------------------------------------------------------- CLI
-
-def add_diagnose_arguments(parser: argparse.ArgumentParser) -> None:
-    from mempath.engine_flags import add_engine_arguments
-    parser.add_argument("model", help="model directory (config.json + safetensors)")
-    add_engine_arguments(parser, model_flag=False)
-    parser.add_argument("--train", action="store_true",
-                        help="also measure gradients and AdamW state (transformers model, float32)")
-    parser.add_argument("--probe-tokens", type=int, default=2048, help="tokens in the probe forward")
-    parser.add_argument("--probe-seqs", type=int, default=8, help="sequences the probe tokens are split into")
-    parser.add_argument("--leak-requests", type=int, default=8, help="identical requests for the leak check")
-    parser.add_argument("--out", dest="out_dir", default="mempath-diagnose",
-                        help="folder for diagnose.json and diagnose.html")
-    parser.add_argument("--snapshot", action="store_true",
-                        help="also dump a CUDA memory snapshot for pytorch.org/memory_viz")
-    parser.add_argument("--open", action="store_true", help="open the HTML report in a browser")
-
-
-def run_diagnose(args: argparse.Namespace) -> int:
-    from mempath.memory.oom import MempathOutOfMemoryError
-    from mempath.engine_flags import engine_options
-    from mempath.tools.diagnose.report import format_table
-    options = engine_options(args)
-    device, dtype = options.pop("device"), options.pop("dtype")
-    try:
-        report = diagnose(args.model, device=device, dtype=dtype, train=args.train,
-                          probe_tokens=args.probe_tokens, probe_seqs=args.probe_seqs,
-                          leak_requests=args.leak_requests, out_dir=args.out_dir,
-                          snapshot=args.snapshot, show_progress=True,
-                          progress=lambda line: print(line, file=sys.stderr, flush=True), **options)
-    except MempathOutOfMemoryError as error:
-        print(f"mempath diagnose: {error}", file=sys.stderr)
-        return 3
-    except ValueError as error:
-        print(f"mempath diagnose: error: {error}", file=sys.stderr)
-        return 2
-    print(format_table(report))
-    if args.open and report["files"].get("html"):
-        import webbrowser
-        webbrowser.open(Path(report["files"]["html"]).resolve().as_uri())
-    return 0
