@@ -54,7 +54,7 @@ step pending 300 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu or GPU
   tests/test_fp8_gemv.py tests/test_fp8_weights.py tests/test_moe.py tests/test_moe_triton.py tests/test_moe_prefetch.py tests/test_moe_host.py \
   tests/test_fused_ops.py tests/test_structured_async.py tests/test_structured.py tests/test_structured_compile.py tests/test_spec_interactions.py \
   tests/test_spec_graphs.py tests/test_spec_decode.py tests/test_spec_idle_draft.py tests/test_gpu_engine.py \
-  tests/test_gpu_budget.py tests/test_multi_model_gpu.py
+  tests/test_gpu_budget.py tests/test_multi_model_gpu.py tests/test_diagnose_multi.py
 # The GPU tests of what changed since the last `pending` run (2026-12-01: the MoE slot path).
 step retest 200 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu or GPU or CUDA or triton" \
   tests/test_moe_triton.py tests/test_moe_prefetch.py tests/test_moe_host.py tests/test_spec_idle_draft.py
