@@ -97,6 +97,15 @@ def model_factory(tmp_path_factory):
     return factory
 
 
+@pytest.fixture(scope="session")
+def two_models(model_factory):
+    """Two models to serve together (tests/test_multi_model*.py): a Llama and a Qwen3 of another
+    vocabulary and twice the KV per token (in a shared page pool the Llama's blocks hold 32 tokens)."""
+    llama, _ = model_factory("llama")
+    qwen, _ = model_factory("qwen3", vocab_size=384, seed=1)
+    return llama, qwen
+
+
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                          max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,

@@ -11,14 +11,6 @@ from mempath.tools.diagnose.multi_report import format_multi_table
 
 
 @pytest.fixture(scope="module")
-def two_models(model_factory):
-    """A Llama and a Qwen3 (other vocabulary, twice the KV per token: the Llama's blocks hold 32 tokens)."""
-    llama, _ = model_factory("llama")
-    qwen, _ = model_factory("qwen3", vocab_size=384, seed=1)
-    return llama, qwen
-
-
-@pytest.fixture(scope="module")
 def report(two_models, tmp_path_factory):
     pytest.importorskip("matplotlib", reason="the HTML report plots with matplotlib (a dependency)")
     llama, qwen = two_models

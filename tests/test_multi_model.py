@@ -11,14 +11,6 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 PROMPTS = [[5, 17, 33, 9, 101, 7, 64], [200, 3, 3, 45, 12], list(range(20, 60)), [8] * 33]
 
 
-@pytest.fixture(scope="module")
-def two_models(model_factory):
-    """A Llama and a Qwen3 (other vocabulary, twice the KV per token: the Llama's blocks hold 32 tokens)."""
-    llama, _ = model_factory("llama")
-    qwen, _ = model_factory("qwen3", vocab_size=384, seed=1)
-    return llama, qwen
-
-
 def alone(path, prompts, **options):
     llm = LLM(path, dtype="float32", show_progress=False, **options)
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]

@@ -10,13 +10,6 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 PROMPTS = [[5, 17, 33, 9, 101, 7, 64], list(range(20, 90)), [8] * 40, [200, 3, 3, 45, 12]]
 
 
-@pytest.fixture(scope="module")
-def two_models(model_factory):
-    llama, _ = model_factory("llama")
-    qwen, _ = model_factory("qwen3", vocab_size=384, seed=1)
-    return llama, qwen
-
-
 def test_greedy_together_equals_alone_with_graphs(two_models):
     """Each model alone at the block size it gets in the pool (the kernels' tiles follow the block size)."""
     llama, qwen = two_models

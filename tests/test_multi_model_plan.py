@@ -9,13 +9,6 @@ from mempath.tools.plan import plan_memory
 from mempath.tools.plan_multi import plan_models
 
 
-@pytest.fixture(scope="module")
-def two_models(model_factory):
-    llama, _ = model_factory("llama")
-    qwen, _ = model_factory("qwen3", vocab_size=384, seed=1)
-    return llama, qwen
-
-
 def test_plan_agrees_with_the_engine_ledger(two_models):
     """Every figure the plan derives that the CPU engine also has: page, block sizes, weights, pool, KV."""
     llama, qwen = two_models

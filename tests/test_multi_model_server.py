@@ -15,15 +15,8 @@ PROMPT = [5, 17, 33, 9, 101, 7, 64, 12, 40]
 
 
 @pytest.fixture(scope="module")
-def paths(model_factory):
-    llama, _ = model_factory("llama")
-    qwen, _ = model_factory("qwen3", vocab_size=384, seed=1)
-    return llama, qwen
-
-
-@pytest.fixture(scope="module")
-def server(paths):
-    llama, qwen = paths
+def server(two_models):
+    llama, qwen = two_models
     app, names = build_multi_server_app([f"small={llama}", qwen], OPTIONS, None, 0.25, API_KEY, {}, False,
                                         30.0, None, None, {"bind_host": "127.0.0.1"})
     assert names == ["small", qwen.rstrip("/").rsplit("/", 1)[-1]]
@@ -55,13 +48,13 @@ def alone_text(path) -> str:
     return llm.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)[0].text
 
 
-def test_models_lists_every_model(server, paths):
+def test_models_lists_every_model(server, two_models):
     names = [m.id for m in server.client().models.list().data]
     assert names == list(server.app.apps) and len(names) == 2 and names[0] == "small"
 
 
-def test_requests_go_to_their_model(server, paths):
-    llama, qwen = paths
+def test_requests_go_to_their_model(server, two_models):
+    llama, qwen = two_models
     client = server.client()
     second = list(server.app.apps)[1]
 
@@ -102,8 +95,8 @@ def post_pipeline(server, body: dict) -> httpx.Response:
                       timeout=60)
 
 
-def test_pipeline_route_answers_with_the_second_model(server, paths):
-    llama, qwen = paths
+def test_pipeline_route_answers_with_the_second_model(server, two_models):
+    llama, qwen = two_models
     second = list(server.app.apps)[1]
     first_params = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
     second_params = {"max_tokens": 5, "temperature": 0, "ignore_eos": True}

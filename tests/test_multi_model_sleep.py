@@ -4,7 +4,7 @@ import pytest
 from mempath import LLM, SamplingParams
 from mempath.multi.engine import MultiEngine
 from mempath.server.metrics import ServerMetrics
-from tests.test_multi_model import two_models, together  # noqa: F401 - two_models: the fixture
+from tests.test_multi_model import together
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 LONG = [list(range(10 + i, 50 + i)) for i in range(6)]  # two pages each on a

@@ -30,7 +30,6 @@ def add_diagnose_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_diagnose(args: argparse.Namespace) -> int:
-    from mempath.memory.oom import MempathOutOfMemoryError
     from mempath.engine_flags import engine_options
     from mempath.tools.diagnose.report import format_table
     from mempath.tools.diagnose.run import diagnose
@@ -42,20 +41,29 @@ def run_diagnose(args: argparse.Namespace) -> int:
         print("mempath diagnose: error: --kv-min-share and --served-model-name are for several models "
               "(mempath diagnose A B ...)", file=sys.stderr)
         return 2
+    return run_and_print(lambda: diagnose(
+        args.model[0], device=device, dtype=dtype, train=args.train, probe_tokens=args.probe_tokens,
+        probe_seqs=args.probe_seqs, leak_requests=args.leak_requests, out_dir=args.out_dir,
+        snapshot=args.snapshot, show_progress=True, progress=progress, **options), format_table, args.open)
+
+
+def progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def run_and_print(measure, format_report, open_html: bool) -> int:
+    """Run a diagnose, print its table (and open its HTML): 0, or one line and 3 (out of memory) or 2."""
+    from mempath.memory.oom import MempathOutOfMemoryError
     try:
-        report = diagnose(args.model[0], device=device, dtype=dtype, train=args.train,
-                          probe_tokens=args.probe_tokens, probe_seqs=args.probe_seqs,
-                          leak_requests=args.leak_requests, out_dir=args.out_dir,
-                          snapshot=args.snapshot, show_progress=True,
-                          progress=lambda line: print(line, file=sys.stderr, flush=True), **options)
+        report = measure()
     except MempathOutOfMemoryError as error:
         print(f"mempath diagnose: {error}", file=sys.stderr)
         return 3
     except ValueError as error:
         print(f"mempath diagnose: error: {error}", file=sys.stderr)
         return 2
-    print(format_table(report))
-    if args.open and report["files"].get("html"):
+    print(format_report(report))
+    if open_html and report["files"].get("html"):
         import webbrowser
         webbrowser.open(Path(report["files"]["html"]).resolve().as_uri())
     return 0
@@ -63,25 +71,15 @@ def run_diagnose(args: argparse.Namespace) -> int:
 
 def run_multi_diagnose(args: argparse.Namespace, device: str, dtype: str, options: dict) -> int:
     """`mempath diagnose A B ...` (multi.py): each model's section, then the shared KV pages'."""
-    from mempath.memory.oom import MempathOutOfMemoryError
     from mempath.tools.diagnose.multi import diagnose_models
     from mempath.tools.diagnose.multi_report import format_multi_table
-    try:
+
+    def measure() -> dict:
         if args.train or args.snapshot:
             raise ValueError("--train and --snapshot measure one model: give one model")
-        report = diagnose_models(args.model, served_model_name=args.served_model_name,
-                                 kv_min_share=args.kv_min_share, device=device, dtype=dtype,
-                                 probe_tokens=args.probe_tokens, probe_seqs=args.probe_seqs,
-                                 leak_requests=args.leak_requests, out_dir=args.out_dir, show_progress=True,
-                                 progress=lambda line: print(line, file=sys.stderr, flush=True), **options)
-    except MempathOutOfMemoryError as error:
-        print(f"mempath diagnose: {error}", file=sys.stderr)
-        return 3
-    except ValueError as error:
-        print(f"mempath diagnose: error: {error}", file=sys.stderr)
-        return 2
-    print(format_multi_table(report))
-    if args.open:
-        import webbrowser
-        webbrowser.open(Path(report["files"]["html"]).resolve().as_uri())
-    return 0
+        return diagnose_models(args.model, served_model_name=args.served_model_name,
+                               kv_min_share=args.kv_min_share, device=device, dtype=dtype,
+                               probe_tokens=args.probe_tokens, probe_seqs=args.probe_seqs,
+                               leak_requests=args.leak_requests, out_dir=args.out_dir, show_progress=True,
+                               progress=progress, **options)
+    return run_and_print(measure, format_multi_table, args.open)
