@@ -60,3 +60,18 @@ def test_ngram_lookup():
     assert propose_ngram(tokens, 3, 1, 3) == [8, 1, 2]
     assert propose_ngram([1, 2, 3, 4], 3, 1, 3) == []
     assert propose_ngram([9, 9, 9], 2, 1, 2) == [9]  # the latest match: its continuation is one token
+
+
+def test_could_pay_is_choose_with_every_proposal_kept():
+    """could_pay answers without a pass over the rows; on random timing tables it agrees with
+    choose() over all-ones acceptances (the definition), with and without a draft and an overhead."""
+    import random
+    rng = random.Random(0)
+    for _ in range(500):
+        model = SpecCostModel(4)
+        for b in (1, 2, 4, 8):
+            model.draft[b] = rng.uniform(1e-4, 1e-2)
+            lengths = rng.sample([1, 2, 3, 5], rng.randint(1, 4))
+            model.verify[b] = {q: rng.uniform(1e-3, 1e-2) for q in lengths}
+        batch, free, overhead = rng.choice([1, 3, 4, 8, 16]), rng.random() < 0.3, rng.choice([0.0, 1e-3])
+        assert model.could_pay(batch, free, overhead) == (model.choose([1.0] * batch, free, overhead) > 0)

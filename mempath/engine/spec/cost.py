@@ -115,5 +115,13 @@ class SpecCostModel:
         return best_k
 
     def could_pay(self, batch_size: int, draft_free: bool = False, overhead: float = 0.0) -> bool:
-        """Whether some K would beat plain decoding at this batch size if every proposal were kept."""
-        return self.choose([1.0] * batch_size, draft_free, overhead) > 0
+        """Whether some K would beat plain decoding at this batch size if every proposal were kept
+        (``choose`` of all-ones acceptances, whose tokens per row are K + 1: no pass over the rows)."""
+        plain = self.step_time(batch_size, 0)
+        if plain is None:
+            return False
+        for k in range(1, self.max_k + 1):
+            spec = self.step_time(batch_size, k, draft_free, overhead)
+            if spec is not None and spec > 0 and (k + 1) * plain / spec > self.min_gain:
+                return True
+        return False
