@@ -3,6 +3,8 @@ import pytest
 import torch
 
 from mempath import LLM, SamplingParams
+from tests.conftest import release_cuda
+from tests.test_multi_model import run_all, together
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -13,31 +15,24 @@ PROMPTS = [[5, 17, 33, 9, 101, 7, 64], list(range(20, 90)), [8] * 40, [200, 3, 3
 def test_greedy_together_equals_alone_with_graphs(two_models):
     """Each model alone at the block size it gets in the pool (the kernels' tiles follow the block size)."""
     llama, qwen = two_models
-    together = LLM([f"a={llama}", f"b={qwen}"], dtype="float32", show_progress=False, gpu_memory_utilization=0.3)
-    sizes = {name: e.config.block_size for name, e in together.engines.items()}
-    engine = together.engine
-    for i, prompt in enumerate(PROMPTS):
-        for model in ("a", "b"):
-            engine.add_request(prompt, GREEDY, f"{model}{i}", model=model)
-    done = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                done[output.request_id] = output.outputs[0].token_ids
-    assert all(e.runner.graphs for e in together.engines.values())
-    assert engine.pool.pages.num_used == 0
-    del together, engine
+    llm = together(two_models, gpu_memory_utilization=0.3)
+    sizes = {name: e.config.block_size for name, e in llm.engines.items()}
+    requests = [(model, prompt) for prompt in PROMPTS for model in ("a", "b")]
+    done = run_all(llm.engine, requests, GREEDY)
+    assert all(e.runner.graphs for e in llm.engines.values())
+    assert llm.engine.pool.pages.num_used == 0
+    del llm
+    release_cuda()
     for model, path in (("a", llama), ("b", qwen)):
         alone = LLM(path, dtype="float32", show_progress=False, gpu_memory_utilization=0.3, block_size=sizes[model])
         expected = [o.outputs[0].token_ids for o in alone.generate(PROMPTS, GREEDY, use_tqdm=False)]
-        assert [done[f"{model}{i}"] for i in range(len(PROMPTS))] == expected
+        assert [done[f"r{i}"] for i, (m, _) in enumerate(requests) if m == model] == expected
         del alone
+        release_cuda()
 
 
 def test_no_device_allocation_while_the_split_moves(two_models):
-    llama, qwen = two_models
-    llm = LLM([f"a={llama}", f"b={qwen}"], dtype="float32", show_progress=False, gpu_memory_utilization=0.3,
-              num_gpu_blocks_override=64)
+    llm = together(two_models, gpu_memory_utilization=0.3, num_gpu_blocks_override=64)
     engine = llm.engine
     gen = torch.Generator().manual_seed(0)
 
