@@ -278,3 +278,34 @@ def test_activation_peak_prediction_on_the_cpu_path(tmp_path):
     print(errors)
     assert abs(errors["decoder forward peak"]) <= 10
     assert abs(errors["decoder layer peak"]) <= 10
+
+
+@pytest.mark.parametrize("name,content", [("diagnose.json", '{"mine": 1}\n'), ("diagnose.html", "<p>my notes</p>")])
+def test_a_file_no_diagnose_wrote_is_never_overwritten(name, content, tmp_path, model_factory, capsys):
+    """--out into a folder holding the user's own diagnose.json (or .html): one line naming the
+    file and the fix, before anything loads; the file stays."""
+    from mempath.cli import main
+    path, _ = model_factory("llama")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / name).write_text(content)
+    assert main(["diagnose", path, "--device", "cpu", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"mempath diagnose: error: --out {out}: {name} is there and is not a mempath diagnose "
+                       f"report; give another --out folder, or move the file")
+    assert (out / name).read_text() == content and sorted(p.name for p in out.iterdir()) == [name]
+
+
+def test_a_report_replaces_an_earlier_report(report, tmp_path):
+    """The folder of an earlier run is reused: its files are a report's, so they are replaced."""
+    from mempath.tools.diagnose.report import refuse_foreign_outputs
+    out = Path(report["files"]["json"]).parent
+    refuse_foreign_outputs(out, snapshot=True)  # no error: the earlier report's JSON and HTML
+    (out / "memory_snapshot.pickle").write_bytes(b"\x80")  # beside a report: one of a run's files
+    refuse_foreign_outputs(out, snapshot=True)
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "memory_snapshot.pickle").write_bytes(b"mine")  # no report beside it: not ours
+    refuse_foreign_outputs(alone)  # a run without --snapshot does not write it
+    with pytest.raises(ValueError, match=r"memory_snapshot.pickle is there and is not a mempath diagnose report"):
+        refuse_foreign_outputs(alone, snapshot=True)

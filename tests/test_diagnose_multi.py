@@ -139,3 +139,11 @@ def test_cli_passes_the_models_and_prints_every_section(report, monkeypatch, cap
     assert seen["kv_min_share"] == 0.25 and seen["max_model_len"] == 96 and seen["device"] == "cpu"
     out = capsys.readouterr().out
     assert out.count("pathway ") == 2 and "shared KV pages:" in out and "json: " in out
+
+
+def test_several_models_never_overwrite_a_file_no_diagnose_wrote(two_models, tmp_path):
+    llama, qwen = two_models
+    (tmp_path / "diagnose.json").write_text("[1, 2]\n")
+    with pytest.raises(ValueError, match=r"diagnose.json is there and is not a mempath diagnose report"):
+        diagnose_models([f"a={llama}", f"b={qwen}"], device="cpu", out_dir=tmp_path)
+    assert (tmp_path / "diagnose.json").read_text() == "[1, 2]\n"

@@ -69,6 +69,9 @@ def diagnose_models(models: list[str], *, served_model_name: list[str] | None = 
     for name, path in pairs:
         if not (Path(path) / "config.json").is_file():
             raise ValueError(f"model {name!r}: {path} has no config.json; give a model directory (DIR or NAME=DIR)")
+    if out_dir is not None:
+        from mempath.tools.diagnose.report import refuse_foreign_outputs
+        refuse_foreign_outputs(out_dir)
     options = {**engine_options, "device": indexed_device(device), "dtype": dtype}
     config = EngineConfig.from_kwargs(pairs[0][1], **options)  # bad options: refused before anything loads
     torch_device = config.torch_device()

@@ -104,6 +104,37 @@ def summary_lines(report: dict) -> list[str]:
 
 # ---------------------------------------------------------------- JSON
 
+REPORT_FILES = ("diagnose.json", "diagnose.html", "memory_snapshot.pickle")
+
+
+def refuse_foreign_outputs(out_dir: str | Path, snapshot: bool = False) -> None:
+    """Raise the one-line ValueError if ``out_dir`` holds a file this run would write that no
+    diagnose wrote: a report replaces only an earlier report (its JSON's "mempath_diagnose" key,
+    its HTML's title; with ``snapshot``, a memory snapshot beside such a JSON)."""
+    out_dir = Path(out_dir)
+    ours = {"diagnose.json": _is_report_json(out_dir / "diagnose.json")}
+    ours["diagnose.html"] = _is_report_html(out_dir / "diagnose.html")
+    ours["memory_snapshot.pickle"] = ours["diagnose.json"]
+    for name in REPORT_FILES if snapshot else REPORT_FILES[:2]:
+        if (out_dir / name).exists() and not ours[name]:
+            raise ValueError(f"--out {out_dir}: {name} is there and is not a mempath diagnose report; "
+                             f"give another --out folder, or move the file")
+
+
+def _is_report_json(path: Path) -> bool:
+    try:
+        return "mempath_diagnose" in json.loads(path.read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def _is_report_html(path: Path) -> bool:
+    try:
+        return "<title>mempath diagnose</title>" in path.read_text(errors="replace")[:4096]
+    except OSError:
+        return False
+
+
 def write_json(report: dict, path: str | Path) -> None:
     Path(path).write_text(json.dumps(report, indent=2, default=str) + "\n")
 

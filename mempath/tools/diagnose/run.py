@@ -49,7 +49,11 @@ def diagnose(model_dir: str, *, device: str = "auto", dtype: str = "auto", train
     from mempath.model.spec import ModelSpec
     from mempath.model.loader import read_config
 
+    from mempath.tools.diagnose.report import refuse_foreign_outputs
+
     config = EngineConfig.from_kwargs(model_dir, device=indexed_device(device), dtype=dtype, **engine_options)
+    if out_dir is not None:
+        refuse_foreign_outputs(out_dir, snapshot)
     # A broken config.json is refused before anything is measured.
     ModelSpec.from_hf_config(read_config(config.model), source=str(Path(config.model) / "config.json"))
     torch_device = config.torch_device()
