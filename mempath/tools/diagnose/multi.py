@@ -22,6 +22,7 @@ import torch
 from mempath.memory.ledger import format_bytes
 from mempath.tools.diagnose.meters import CpuMeter, CudaMeter, Recorder, engine_stage_observer, read_host_memory
 from mempath.tools.diagnose.probes import measure_bandwidth
+from mempath.tools.diagnose.report import refuse_foreign_outputs
 from mempath.tools.diagnose.rows import Row
 
 MiB = 1 << 20
@@ -58,20 +59,11 @@ def diagnose_models(models: list[str], *, served_model_name: list[str] | None = 
     diagnose.json and diagnose.html when given)."""
     from mempath.config import EngineConfig
     from mempath.multi.engine import MultiEngine
-    from mempath.multi.names import served_models
     from mempath.multi.pages import POOL_TENANT
     from mempath.multi.startup import build_engines
     from mempath.tools.diagnose.run import build_report, indexed_device, measure_serving
 
-    if len(models) < 2:
-        raise ValueError("diagnose_models measures several models; measure one with diagnose()")
-    pairs = served_models(models, served_model_name)
-    for name, path in pairs:
-        if not (Path(path) / "config.json").is_file():
-            raise ValueError(f"model {name!r}: {path} has no config.json; give a model directory (DIR or NAME=DIR)")
-    if out_dir is not None:
-        from mempath.tools.diagnose.report import refuse_foreign_outputs
-        refuse_foreign_outputs(out_dir)
+    pairs = checked_models(models, served_model_name, out_dir)
     options = {**engine_options, "device": indexed_device(device), "dtype": dtype}
     config = EngineConfig.from_kwargs(pairs[0][1], **options)  # bad options: refused before anything loads
     torch_device = config.torch_device()
@@ -113,6 +105,20 @@ def diagnose_models(models: list[str], *, served_model_name: list[str] | None = 
             progress(f"mempath diagnose: {recorder.now():6.1f} s  writing the report to {out_dir}")
         write_multi_outputs(report, Path(out_dir))
     return report
+
+
+def checked_models(models: list[str], served_model_name: list[str] | None, out_dir) -> list[tuple[str, str]]:
+    """(name, directory) of each model, or the one-line ValueError of a bad argument, before anything loads."""
+    from mempath.multi.names import served_models
+    if len(models) < 2:
+        raise ValueError("diagnose_models measures several models; measure one with diagnose()")
+    pairs = served_models(models, served_model_name)
+    for name, path in pairs:
+        if not (Path(path) / "config.json").is_file():
+            raise ValueError(f"model {name!r}: {path} has no config.json; give a model directory (DIR or NAME=DIR)")
+    if out_dir is not None:
+        refuse_foreign_outputs(out_dir)
+    return pairs
 
 
 def _tenant_rows(rows: list[Row], engine, plan, num_pages: int) -> list[Row]:
