@@ -55,9 +55,9 @@ step pending 300 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu or GPU
   tests/test_fused_ops.py tests/test_structured_async.py tests/test_structured.py tests/test_structured_compile.py tests/test_spec_interactions.py \
   tests/test_spec_graphs.py tests/test_spec_decode.py tests/test_spec_idle_draft.py tests/test_gpu_engine.py \
   tests/test_gpu_budget.py tests/test_multi_model_gpu.py tests/test_diagnose_multi.py
-# The GPU tests of what changed since the last `pending` run (2026-12-01: the MoE slot path).
+# The GPU tests of what changed since the last `pending` run (2026-12-01: two-model diagnose, the shared two-model fixture).
 step retest 200 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu or GPU or CUDA or triton" \
-  tests/test_moe_triton.py tests/test_moe_prefetch.py tests/test_moe_host.py tests/test_spec_idle_draft.py
+  tests/test_diagnose_multi.py tests/test_multi_model_gpu.py
 step fp8-gemv 200 python3 benchmarks/bench_fp8_gemv.py --out "$LOGS/fp8_gemv_configs.json"
 step fp8-latency 200 python3 benchmarks/bench_fp8_weights.py latency --shape llama-3.1-8b --new-tokens 128 \
   --table "$( [ -s "$LOGS/fp8_gemv_configs.json" ] && echo "$LOGS/fp8_gemv_configs.json" || echo mempath/assets/fp8_gemv_configs.json )"
