@@ -45,7 +45,13 @@ MAX_PROBE_EVERY = 4096  # each probe that does not turn speculation on waits 4x 
 # probe cost about 1% of a 256-token run at batch 4-16, the margin of the never-slower target.
 PROBE_BUDGET = 0.005
 PRIOR_ACCEPTANCE = 0.6  # before anything is measured
-PRIOR_WEIGHT = 4.0  # proposals' worth of the global rate in a request's running rate
+PRIOR_WEIGHT = 4.0  # proposals' worth of the global rate in a request's running rate (and of the first guess in it)
+# The global rate counts proposals, each row's weight decaying by this factor per row recorded
+# since (about the last 50 rows): a few rejected proposals move it as far as they should.
+GLOBAL_DECAY = 0.98
+# A K = 0 choice stands this many steps while the rows and their rates are unchanged (only the
+# smoothed step times move meanwhile): choosing afresh is a pass over every row each step.
+RECHOOSE_EVERY = 16
 
 
 def spec_workspace_bytes(max_rows: int, k: int, vocab: int, max_tokens: int) -> int:
@@ -109,11 +115,15 @@ class SpeculativeDecoder:
         self.cost = SpecCostModel(self.max_k)
         self.stats = SpecStats(self.max_k)
         self.rates = weakref.WeakKeyDictionary()  # request -> [kept, proposed]
-        self.global_rate = PRIOR_ACCEPTANCE
+        self.kept_sum, self.proposed_sum = PRIOR_ACCEPTANCE * PRIOR_WEIGHT, PRIOR_WEIGHT  # decayed
+        self.rates_version = 0  # bumped by every record: a standing K = 0 is chosen afresh
+        self.standing_zero = None  # (rates version, rows' signature, steps it still stands)
         self.steps_at_zero = 0
         self.seconds_at_zero = 0.0  # predicted plain-decoding time of those steps
         self.probe_every = PROBE_EVERY
         self.probing = False  # this step's K = 1 is a probe: one row speculates
+        self.probe_cost = 0.0  # the last probe's measured time over a plain step
+        self.probe_step = False  # the step being planned is a probe
         self.pending_k: int | None = None  # chosen on an asynchronous step for the next one
         self._interval = None  # the last step's (batch size, K, start, draft seconds)
         self.force_accept = False  # benchmarks: keep every proposal (the cost model's check)
@@ -176,6 +186,10 @@ class SpeculativeDecoder:
         log.info("speculation: draft and verify steps calibrated in %.1f s", time.perf_counter() - start)
 
     # ------------------------------------------------------------ acceptance
+    @property
+    def global_rate(self) -> float:
+        return self.kept_sum / self.proposed_sum
+
     def rate(self, request: Request) -> float:
         kept, proposed = self.rates.get(request, (0, 0))
         return (kept + PRIOR_WEIGHT * self.global_rate) / (proposed + PRIOR_WEIGHT)
@@ -184,7 +198,9 @@ class SpeculativeDecoder:
         entry = self.rates.setdefault(request, [0, 0])
         entry[0] += kept
         entry[1] += proposed
-        self.global_rate += 0.2 * (kept / proposed - self.global_rate)
+        self.kept_sum = GLOBAL_DECAY * self.kept_sum + kept
+        self.proposed_sum = GLOBAL_DECAY * self.proposed_sum + proposed
+        self.rates_version += 1
         s = self.stats
         s.num_drafts += 1
         s.num_draft_tokens += proposed
@@ -262,18 +278,22 @@ class SpeculativeDecoder:
         if self.pending_k is not None:
             k, self.pending_k = self.pending_k, None
             return k
-        self.probing = False
-        catch_up = self._catch_up_seconds(rows)
-        k = self.cost.choose([self.rate(r) for r in rows], draft_free=self.draft is None, overhead=catch_up)
-        if k:
-            self.steps_at_zero, self.seconds_at_zero = 0, 0.0
-            self.probe_every = PROBE_EVERY
-            return k
+        self.probing, k = False, 0
+        if not self._zero_stands(rows):
+            catch_up = self._catch_up_seconds(rows)
+            k = self.cost.choose([self.rate(r) for r in rows], draft_free=self.draft is None, overhead=catch_up)
+            if k:
+                self.standing_zero = None
+                self.steps_at_zero, self.seconds_at_zero = 0, 0.0
+                self.probe_every = PROBE_EVERY
+                return k
+            self.standing_zero = (self.rates_version, len(rows), sum(map(id, rows)), RECHOOSE_EVERY - 1)
         self.steps_at_zero += 1
         self.seconds_at_zero += self.cost.step_time(len(rows), 0) or 0.0
         # Probing refreshes the acceptance rates: worth it only where speculation could pay at all,
         # and only once the time at K = 0 pays for it.
-        if (self.steps_at_zero >= self.probe_every and self.cost.could_pay(len(rows), self.draft is None, catch_up)
+        if (self.steps_at_zero >= self.probe_every
+                and self.cost.could_pay(len(rows), self.draft is None, self._catch_up_seconds(rows))
                 and self._probe_seconds(rows) <= PROBE_BUDGET * self.seconds_at_zero):
             self.steps_at_zero, self.seconds_at_zero = 0, 0.0
             self.probe_every = min(MAX_PROBE_EVERY, 4 * self.probe_every)
@@ -281,15 +301,24 @@ class SpeculativeDecoder:
             self.probing, k = True, 1
         return k
 
+    def _zero_stands(self, rows: list[Request]) -> bool:
+        """Whether the last K = 0 choice still holds for these rows (and counts this step against it)."""
+        standing = self.standing_zero
+        if standing is None or standing[3] <= 0 or standing[:3] != (self.rates_version, len(rows), sum(map(id, rows))):
+            return False
+        self.standing_zero = standing[:3] + (standing[3] - 1,)
+        return True
+
     def _probe_seconds(self, rows: list[Request]) -> float:
-        """A probe's time over a plain step's: one row (the draft's least behind) at K = 1, its catch-up whole."""
+        """A probe's time over a plain step's: one row (the draft's least behind) at K = 1, its
+        catch-up whole; no less than the last probe measured."""
         behind = 0
         if self.draft is not None:
             behind = max(0, min(r.num_tokens - 1 - r.num_draft_computed for r in rows))
         catch_up = self.cost.draft_prefill_time(behind) if behind else 0.0
         spec = self.cost.step_time(len(rows), 1, self.draft is None, catch_up)
         plain = self.cost.step_time(len(rows), 0)
-        return 0.0 if spec is None or plain is None else max(0.0, spec - plain)
+        return max(self.probe_cost, 0.0 if spec is None or plain is None else spec - plain)
 
     def _catch_up_seconds(self, rows: list[Request]) -> float:
         """The draft's catch-up over the tokens it has no KV for (built only once a request
@@ -309,11 +338,13 @@ class SpeculativeDecoder:
         # that asks for them runs plainly.
         records_prompt_logprobs = any(r.prompt_logprobs is not None and r.num_computed_tokens < r.num_prompt_tokens
                                       for r in batch.requests)
+        self.probe_step = False
         if not rows or len(rows) > SPEC_MAX_ROWS or records_prompt_logprobs:
             self.stats.last_k = 0
             self.stats.k_counts[0] += 1
             return {}
         k = self._choose_k(rows)
+        self.probe_step = self.probing
         if self.probing:  # the row the draft is least behind on
             rows = [min(rows, key=lambda r: r.num_tokens - r.num_draft_computed)]
             self.probing = False
@@ -362,6 +393,8 @@ class SpeculativeDecoder:
         s.verify_seconds += done - start - draft_seconds
         if len(spec_rows) == len(batch):
             self._open_interval(batch, max(num), start, draft_seconds if self.draft is not None else 0.0)
+        if self.probe_step:  # synchronous (the tokens were read back): its wall time is its cost
+            self.probe_cost = max(0.0, done - start - (self.cost.step_time(len(batch), 0) or 0.0))
         return output
 
     def _propose(self, logits: torch.Tensor, params: list) -> tuple[torch.Tensor, torch.Tensor | None]:
