@@ -4,7 +4,7 @@
 #   tests (~3 min)  latency (~1 min, +0.5 per --variants entry)  tput-qwen3, tput-llama (~1.5 min each with HF_TIMEOUT=40)
 #   blocks (~3 min)  multiturn (~5 min)  diagnose (~2 min, three shapes)  serve (needs .whl, below)
 #   pending, fp8-gemv, fp8-latency, mix-qwen3, mix-llama, mix-tokens, structured, moe-offload, moe-resident,
-#   spec-a, spec-bc, multi (the open issues, below; STEPS="wheels pending ..." for those needing xgrammar)
+#   spec-a, spec-bc, multi, sleep-tests, sleep (the open issues, below; STEPS="wheels pending ..." for those needing xgrammar)
 #   profile (~1 min: kernel table at batch 1)  profile-workload (~1 min: host/device split of the throughput run)
 # For `serve`, carry fastapi/uvicorn/starlette/pydantic(+core)/anyio/h11/sniffio/annotated-types/
 # typing-inspection/prometheus-client as wheels in .whl (see ../.library/device/README.md).
@@ -58,6 +58,9 @@ step pending 300 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu or GPU
 # The GPU tests of what changed since the last `pending` run (2026-12-01: two-model diagnose, the shared two-model fixture).
 step retest 200 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu or GPU or CUDA or triton" \
   tests/test_diagnose_multi.py tests/test_multi_model_gpu.py
+# --sleep-offload-weights (#15): its tests on CUDA (weight arenas, graphs over restored weights), then the wake benchmark.
+step sleep-tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_multi_model_weights_sleep.py tests/test_multi_model_sleep.py
+step sleep 240 python3 benchmarks/bench_sleep.py
 step fp8-gemv 200 python3 benchmarks/bench_fp8_gemv.py --out "$LOGS/fp8_gemv_configs.json"
 step fp8-latency 200 python3 benchmarks/bench_fp8_weights.py latency --shape llama-3.1-8b --new-tokens 128 \
   --table "$( [ -s "$LOGS/fp8_gemv_configs.json" ] && echo "$LOGS/fp8_gemv_configs.json" || echo mempath/assets/fp8_gemv_configs.json )"

@@ -73,6 +73,10 @@ class EngineConfig:
     # Where a missed expert runs (docs/moe.md): never (copied into a slot), always (on the host,
     # from its pinned copy) or auto (the cheaper by a cost model measured at start-up).
     moe_cpu_experts: str = "never"
+    # The weights in one arena (mempath/memory/arena.py) whose device bytes can be released
+    # and taken back at the same addresses: set for every model by --sleep-offload-weights
+    # (mempath/multi/sleep.py), so an asleep model's weights can wait in host memory.
+    weights_arena: bool = False
 
     def __post_init__(self):
         if self.block_size == "auto":
@@ -159,6 +163,9 @@ class EngineConfig:
             raise ValueError(f"moe_expert_cache_size must be a whole number of experts per layer >= 1, got {size!r}")
         if gb is not None and not gb > 0:
             raise ValueError(f"moe_expert_cache_gb must be > 0 GiB, got {gb!r}")
+        if self.weights_arena and (size is not None or gb is not None):
+            raise ValueError("--sleep-offload-weights moves whole models' weights; with experts in host memory "
+                             "(moe_expert_cache_size / moe_expert_cache_gb) leave it off")
         if self.moe_cpu_experts not in ("never", "auto", "always"):
             raise ValueError(f"moe_cpu_experts must be never, auto or always, got {self.moe_cpu_experts!r}")
 

@@ -20,19 +20,25 @@ class LLM:
     one KV page pool (docs/multi_model.md): each entry a directory or ``NAME=DIR``, or
     named by ``served_model_name`` (one per model); ``kv_min_share`` is the fraction of the
     pool each model is guaranteed, ``sleep_after`` the seconds idle after which a model gives
-    that guarantee up until its next request. ``generate(..., model=NAME)`` picks one; the first by default.
+    that guarantee up until its next request, and with ``sleep_offload_weights`` its weights
+    wait in host memory meanwhile. ``generate(..., model=NAME)`` picks one; the first by default.
     """
 
     def __init__(self, model: str | list[str] | None = None, show_progress: bool = True, *,
                  models: list[str] | None = None, served_model_name: list[str] | None = None,
-                 kv_min_share: float = 0.0, sleep_after: float | None = None, **engine_options):
+                 kv_min_share: float = 0.0, sleep_after: float | None = None, sleep_offload_weights: bool = False,
+                 **engine_options):
         if isinstance(model, (list, tuple)) or models is not None:
+            from mempath.multi.sleep import check_offload_weights
+            check_offload_weights(sleep_offload_weights, sleep_after)
+            if sleep_offload_weights:
+                engine_options = {**engine_options, "weights_arena": True}
             self._init_several(list(models if models is not None else model), served_model_name, kv_min_share,
                                show_progress, engine_options, sleep_after)
             return
-        if served_model_name is not None or kv_min_share or sleep_after is not None:
-            raise TypeError("served_model_name, kv_min_share and sleep_after are for several models: "
-                            "LLM([A, B], ...)")
+        if served_model_name is not None or kv_min_share or sleep_after is not None or sleep_offload_weights:
+            raise TypeError("served_model_name, kv_min_share, sleep_after and sleep_offload_weights are for "
+                            "several models: LLM([A, B], ...)")
         if model is None:
             from mempath.assets import default_model_path
             model = default_model_path()

@@ -118,6 +118,6 @@ def test_serve_refuses_sleep_after_for_one_model(two_models, capsys):  # noqa: F
         port = str(sock.getsockname()[1])
     assert main(["serve", llama, "--port", port, "--sleep-after", "5"]) != 0
     err = capsys.readouterr().err
-    assert "--sleep-after are for several models" in err and "Traceback" not in err
+    assert "--sleep-after and --sleep-offload-weights are for several models" in err and "Traceback" not in err
     assert main(["serve", llama, qwen, "--port", port, "--sleep-after", "0"]) != 0
     assert "sleep_after must be a number of seconds > 0" in capsys.readouterr().err

@@ -19,6 +19,7 @@ from mempath.config import EngineConfig
 from mempath.engine.probes import Probes
 from mempath.engine.runner import ModelRunner
 from mempath.kv.manager import KVCacheManager, blocks_for
+from mempath.memory.arena import mapped_bytes
 from mempath.memory.budget import DeviceBudget
 from mempath.memory.formulas import resolve_expert_cache_size, shape_from_spec
 from mempath.memory.ledger import Pathway, format_bytes
@@ -207,13 +208,14 @@ class Startup:
             self.model, self.spec, self.load_report = load_model(
                 config.model, self.dtype, device, self.max_model_len, show_progress,
                 dummy=config.load_format == "dummy", spec=self.spec, quantization=config.quantization,
-                expert_cache_size=self.expert_cache_size)
+                expert_cache_size=self.expert_cache_size, weights_arena=config.weights_arena)
             set_cpu_experts(self.model, config.moe_cpu_experts)
         fp8 = ", fp8 linear layers" if self.spec.quantization else ""
         slots = expert_slot_bytes(self.model)
         self.budget.grant(self.tenant, Pathway.WEIGHTS, self.load_report.weight_bytes - slots, "measured",
                           f"{self.load_report.tensors_loaded} tensors, {self.dtype_name}{fp8}"
-                          + (", less the expert slots" if slots else ""))
+                          + (", less the expert slots" if slots else "")
+                          + (", in an arena outside PyTorch's allocator" if config.weights_arena else ""))
         if slots:
             layers = len(self.model.moe_blocks())
             self.budget.grant(self.tenant, Pathway.EXPERT_CACHE, slots, "measured",
@@ -334,8 +336,11 @@ class Startup:
         self.runner.allocate_kv_cache(0)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        in_use = total - free  # our weights, context and allocator, plus other processes
-        reserved = torch.cuda.memory_reserved(self.device)
+        # Weights in arenas (memory/arena.py) are device memory outside PyTorch's allocator,
+        # granted as WEIGHTS: not "outside PyTorch" here, and not in what PyTorch reserved.
+        arenas = mapped_bytes()
+        in_use = total - free - arenas  # our context and allocator, plus other processes
+        reserved = torch.cuda.memory_reserved(self.device) + arenas
         grant, tenant = self.budget.grant, self.tenant
         # The other tenants (a draft, the other models of a shared device): what they were
         # granted of these process-wide figures is theirs, not this tenant's.
@@ -472,14 +477,15 @@ class Startup:
         torch.cuda.empty_cache()  # the warm-ups' cached blocks: serving reserves its own
         free, total = torch.cuda.mem_get_info(self.device)
         reserved = torch.cuda.memory_reserved(self.device)
-        outside = total - free - reserved
+        outside = total - free - reserved  # with the weights in arenas, which PyTorch may not take
         cap = self.budget.limit - outside - OUTSIDE_TORCH_GROWTH
         # Never below what start-up holds plus room for fresh segments: a budget start-up
         # already passed is reported below, and serving must still be able to run a step.
         allowed = max(cap, reserved + ALLOCATOR_SEGMENTS)
         torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, allowed / total)), self.device)
-        self.budget.grant(self.tenant, Pathway.NON_TORCH, outside, "measured",
-                          "device used - torch reserved after start-up (context, kernels, graphs, other processes)")
+        self.budget.grant(self.tenant, Pathway.NON_TORCH, outside - mapped_bytes(), "measured",
+                          "device used - torch reserved - weight arenas after start-up "
+                          "(context, kernels, graphs, other processes)")
         if reserved > cap:
             log.warning("after start-up PyTorch holds %s, more than the %s the budget leaves it "
                         "(gpu_memory_utilization %.2f): lower --max-num-batched-tokens or --max-num-seqs, "

@@ -24,6 +24,7 @@ class Pathway(str, enum.Enum):
     KV_TRANSFER_STAGING = "kv_transfer_staging"  # the tiers' device staging buffers
     EXPERT_CACHE = "expert_cache"  # MoE expert slots on the device, when fewer than all experts are resident
     EXPERT_HOST = "expert_host"  # every expert's weights in host memory, the slots' source
+    WEIGHTS_HOST = "weights_host"  # an asleep model's weights in host memory (--sleep-offload-weights)
 
     def __str__(self) -> str:
         return self.value

@@ -18,10 +18,13 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
 from tqdm.auto import tqdm
 
 from mempath.constants import CHECKPOINT_DTYPES
 from mempath.kernels.dispatch import kernels_for
+from mempath.memory.arena import aligned, make_arena
+from mempath.memory.arena import view as arena_view
 from mempath.model.llama import CausalLM
 from mempath.model.spec import CheckpointError, ModelSpec, describe, json_kind
 from mempath.model.moe import offloaded_weights, set_expert_cache_size, set_expert_prefetch
@@ -231,12 +234,14 @@ def _load_refusal(spec, need, total, free, where, positions, dtype, source) -> s
 
 
 def build_model(spec: ModelSpec, max_positions: int, dtype: torch.dtype, device: torch.device,
-                expert_cache_size: int | None = None) -> CausalLM:
+                expert_cache_size: int | None = None, weights_arena: bool = False) -> CausalLM:
     """Allocate the model's parameters once, uninitialised, on the target device.
 
     ``expert_cache_size``: experts per MoE layer kept on the device (None: all); the
     others' weights go to host memory, pinned on CUDA (mempath.model.moe). The model runs
-    the kernels for ``device`` (mempath.kernels.dispatch.kernels_for).
+    the kernels for ``device`` (mempath.kernels.dispatch.kernels_for). ``weights_arena``:
+    parameters and buffers as views of one arena (``model.weights_arena``, memory/arena.py)
+    whose device bytes can be released and restored at the same addresses; else None.
     """
     kernels = kernels_for(device)
     previous = torch.get_default_dtype()
@@ -251,7 +256,9 @@ def build_model(spec: ModelSpec, max_positions: int, dtype: torch.dtype, device:
     if spec.tie_word_embeddings:
         # to_empty would give the tied head its own storage; share it instead.
         del model.lm_head.weight
-    model = model.to_empty(device=device)
+    arena = place_in_arena(model, device) if weights_arena else None
+    model = model if weights_arena else model.to_empty(device=device)
+    model.weights_arena = arena
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary.build(device)
@@ -259,6 +266,20 @@ def build_model(spec: ModelSpec, max_positions: int, dtype: torch.dtype, device:
         set_expert_prefetch(model, True)  # the slots were shaped on the meta device
     set_fp8_matmul(model, device)
     return model.eval().requires_grad_(False)
+
+
+def place_in_arena(model: nn.Module, device: torch.device):
+    """What to_empty does, into one arena: each meta parameter and buffer a view of its bytes."""
+    slots = [(module, table, name, t) for module in model.modules()
+             for table in (module._parameters, module._buffers) for name, t in table.items()
+             if t is not None and t.is_meta]
+    arena = make_arena(sum(aligned(t.numel() * t.element_size()) for *_, t in slots), device)
+    offset = 0
+    for module, table, name, t in slots:
+        placed = arena_view(arena, offset, t.shape, t.dtype)
+        table[name] = nn.Parameter(placed, requires_grad=False) if table is module._parameters else placed
+        offset += aligned(t.numel() * t.element_size())
+    return arena
 
 
 def _expert_target(params: dict[str, torch.Tensor], match: re.Match, spec: ModelSpec):
@@ -473,8 +494,8 @@ def fill_dummy_weights(model: CausalLM, seed: int = 0) -> LoadReport:
 def load_model(model_dir: str | Path, dtype: torch.dtype | None, device: torch.device,
                max_positions: int | None = None, show_progress: bool = True, dummy: bool = False,
                expert_cache_size: int | None = None, spec: ModelSpec | None = None,
-               quantization: str | None = None):
-    """Build the model on `device` and stream the weights into it.
+               quantization: str | None = None, weights_arena: bool = False):
+    """Build the model on `device` and stream the weights into it (``weights_arena``: build_model's).
 
     ``spec``: the caller's ModelSpec of this model's config.json (the engine reads it once);
     None: read here. ``expert_cache_size``: experts per MoE layer resident on `device`
@@ -495,7 +516,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | None, device: torch.d
     positions = max_positions or spec.max_position_embeddings
     check_load_fits(spec, positions, dtype, device, dummy=dummy, checkpoint_dtype=ckpt_dtype, source=source,
                     expert_cache_size=expert_cache_size)
-    model = build_model(spec, positions, dtype, device, expert_cache_size)
+    model = build_model(spec, positions, dtype, device, expert_cache_size, weights_arena)
     report = fill_dummy_weights(model) if dummy else load_weights(model, model_dir, show_progress)
     report.checkpoint_dtype = ckpt_dtype
     return model, spec, report

@@ -24,7 +24,7 @@ from mempath.engine.engine import LLMEngine
 from mempath.multi.pages import POOL_TENANT, PagePool, TenantPages
 from mempath.multi.pipeline import (Pipeline, Template, count_device_reads, handoff_text, handoff_token_ids,
                                     same_vocabulary, special_prefix)
-from mempath.multi.sleep import IdleSleep
+from mempath.multi.sleep import IdleSleep, WeightsOffload
 
 MAX_CACHED_LITERALS = 1024  # template pieces' token ids kept (a client sends few distinct templates)
 from mempath.outputs import RequestOutput
@@ -42,7 +42,10 @@ class MultiEngine:
         ``clock``: the time the idle seconds are read from."""
         self.engines = engines
         self.pool = pool
-        self.sleep = IdleSleep(pool, list(engines), sleep_after, clock)
+        # Models loaded with their weights in arenas (--sleep-offload-weights) sleep with them in host memory.
+        arenas = all(e.model.weights_arena is not None for e in engines.values())
+        self.sleep = IdleSleep(pool, list(engines), sleep_after, clock,
+                               WeightsOffload(engines) if arenas and sleep_after is not None else None)
         self.owner: dict[str, LLMEngine] = {}  # request id -> the engine it runs in
         self.pipelines: dict[str, Pipeline] = {}  # request id -> its hand-off, while its first model runs
         self.num_cross_preemptions = 0

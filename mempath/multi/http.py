@@ -147,18 +147,20 @@ def build_multi_server_app(models: list[str], engine_options: dict, served_model
                            kv_min_share: float, api_key: str | None, limits: dict, show_progress: bool,
                            stream_stall_timeout: float, log_stats_interval: float | None,
                            chat_template: str | None, http_options: dict,
-                           sleep_after: float | None = None) -> tuple[MultiModelApp, list[str]]:
+                           sleep_after: float | None = None,
+                           sleep_offload_weights: bool = False) -> tuple[MultiModelApp, list[str]]:
     """Load every model over one page pool and build the routed app; (app, served names).
 
     ``limits``: build_app's max_body_bytes, max_tokens_limit, max_n; ``http_options``: its
     bind_host, allowed_origins, max_header_bytes, max_headers, root_path, enable_docs and
     tool options. The chat template, when given, replaces every model's tokenizer's.
-    ``sleep_after``: seconds idle after which a model gives up its KV guarantee (multi/sleep.py).
+    ``sleep_after``: seconds idle after which a model gives up its KV guarantee (multi/sleep.py),
+    ``sleep_offload_weights``: and its weights wait in host memory.
     """
     from mempath.generation_config import generation_defaults
     from mempath.multi.engine import MultiEngine
     from mempath.multi.names import served_models
-    from mempath.multi.sleep import check_sleep_after
+    from mempath.multi.sleep import check_offload_weights, check_sleep_after
     from mempath.multi.startup import build_engines
     from mempath.multi.pipeline_route import pipeline_router
     from mempath.server.app import build_app
@@ -168,6 +170,9 @@ def build_multi_server_app(models: list[str], engine_options: dict, served_model
         raise ValueError("--tokenizer names one tokenizer; with several models each uses the one in its directory")
     pairs = served_models(models, served_model_names)
     check_sleep_after(sleep_after)
+    check_offload_weights(sleep_offload_weights, sleep_after)
+    if sleep_offload_weights:
+        engine_options = {**engine_options, "weights_arena": True}
     defaults = {name: generation_defaults(path, engine_options.get("generation_config", "auto"))
                 for name, path in pairs}
     engines, pool = build_engines(pairs, engine_options, show_progress, kv_min_share)

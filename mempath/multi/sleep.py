@@ -9,17 +9,29 @@ the others hold come back as their requests finish, or, when the woken model ask
 pages none of which are free to it, through the victim policy (engine.py), which
 preempts the model furthest above its guarantee.
 
-Only the pages sleep. The weights stay on the device: each model's decode CUDA graphs
-were captured against its weights' addresses, so moving them to host memory and back
-would need them back at the same addresses (vLLM's sleep mode keeps them so with a
-virtual-memory allocator, CuMemAllocator) or the graphs captured again on every wake.
+With ``--sleep-offload-weights`` the weights sleep too (WeightsOffload): every model's
+weights were loaded into one arena (memory/arena.py); falling asleep copies it to pinned
+host memory and gives its device bytes back, and the wake copies it back to the same
+addresses, where the model's CUDA graphs read them (they were captured against those
+addresses; vLLM's sleep mode keeps them so with its CuMemAllocator). The wake is one
+host-to-device copy of the weights, on the engine thread before the waking request is
+added: the other models' steps wait for it. The freed device bytes go back to the device
+(another process, a training job); the shared KV pool keeps its size. The pinned copy is
+allocated at the first sleep and kept (in the ledger as weights_host), so later sleeps
+and wakes are copies only.
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable
 
+import torch
+
+from mempath.memory.ledger import Pathway, format_bytes
 from mempath.multi.pages import PagePool
+
+log = logging.getLogger(__name__)
 
 
 def check_sleep_after(sleep_after: float | None) -> None:
@@ -30,22 +42,81 @@ def check_sleep_after(sleep_after: float | None) -> None:
                          f"(leave --sleep-after out to keep every model awake)")
 
 
+def check_offload_weights(offload_weights: bool, sleep_after: float | None) -> None:
+    if offload_weights and sleep_after is None:
+        raise ValueError("--sleep-offload-weights moves an asleep model's weights to host memory: "
+                         "give --sleep-after S too (the seconds idle before a model sleeps)")
+
+
+class WeightsOffload:
+    """Asleep models' weights in pinned host memory, their arenas' device bytes given back."""
+
+    def __init__(self, engines: dict):
+        self.engines = engines  # name -> LLMEngine, each loaded with weights_arena
+        self.host: dict[str, torch.Tensor] = {}
+        self.awake_entry: dict[str, object] = {}  # name -> its WEIGHTS ledger entry while awake
+        self.last_wake_seconds: dict[str, float | None] = {name: None for name in engines}
+        self.wake_bytes = {name: 0 for name in engines}  # bytes copied back by every wake
+
+    def offloaded(self) -> list[str]:
+        return sorted(self.awake_entry)
+
+    def offload(self, name: str) -> None:
+        engine = self.engines[name]
+        arena = engine.model.weights_arena
+        if name in self.awake_entry or not arena.is_mapped:
+            return
+        host = self.host.get(name)
+        if host is None:
+            try:
+                host = torch.empty(arena.nbytes, dtype=torch.uint8, pin_memory=engine.device.type == "cuda")
+            except RuntimeError as error:
+                log.warning("model %s stays on the device asleep: %s of pinned host memory for its weights "
+                            "could not be allocated (%s)", name, format_bytes(arena.nbytes), str(error).splitlines()[0])
+                return
+            self.host[name] = host
+            engine.ledger.record(Pathway.WEIGHTS_HOST, host.nbytes, "cpu", "measured",
+                                 "the weights' copy while asleep (--sleep-offload-weights), kept once made")
+        host.copy_(arena.tensor)
+        arena.unmap()  # waits for the copy
+        self.awake_entry[name] = engine.ledger.entries[Pathway.WEIGHTS.value]
+        engine.budget.grant(name, Pathway.WEIGHTS, 0, "measured", "asleep: in host memory (weights_host)")
+
+    def restore(self, name: str) -> None:
+        entry = self.awake_entry.pop(name, None)
+        if entry is None:
+            return
+        engine = self.engines[name]
+        arena, host = engine.model.weights_arena, self.host[name]
+        start = time.perf_counter()
+        arena.map()
+        arena.tensor.copy_(host, non_blocking=True)
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
+        self.last_wake_seconds[name] = time.perf_counter() - start
+        self.wake_bytes[name] += arena.nbytes
+        engine.ledger.entries[Pathway.WEIGHTS.value] = entry
+
+
 class IdleSleep:
     """When each model last had work; puts the idle ones to sleep and wakes them, counting both."""
 
     def __init__(self, pool: PagePool, names: list[str], sleep_after: float | None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, weights: WeightsOffload | None = None):
         check_sleep_after(sleep_after)
         self.pool, self.sleep_after, self.clock = pool, sleep_after, clock
+        self.weights = weights  # --sleep-offload-weights, else None
         now = clock()
         self.last_active = {name: now for name in names}
         self.num_sleeps = {name: 0 for name in names}
         self.num_wakes = {name: 0 for name in names}
 
     def active(self, name: str) -> None:
-        """A request for ``name`` arrived: it is awake from now on."""
+        """A request for ``name`` arrived: it is awake from now on (its weights back first)."""
         self.last_active[name] = self.clock()
         if name in self.pool.asleep:
+            if self.weights is not None:
+                self.weights.restore(name)
             self.pool.asleep.discard(name)
             self.num_wakes[name] += 1
 
@@ -60,7 +131,15 @@ class IdleSleep:
             elif name not in self.pool.asleep and now - self.last_active[name] >= self.sleep_after:
                 self.pool.asleep.add(name)
                 self.num_sleeps[name] += 1
+                if self.weights is not None:
+                    self.weights.offload(name)
 
     def stats(self) -> dict:
-        return {"sleep_after": self.sleep_after, "asleep": sorted(self.pool.asleep),
-                "sleeps_by_model": dict(self.num_sleeps), "wakes_by_model": dict(self.num_wakes)}
+        stats = {"sleep_after": self.sleep_after, "asleep": sorted(self.pool.asleep),
+                 "sleeps_by_model": dict(self.num_sleeps), "wakes_by_model": dict(self.num_wakes),
+                 "offload_weights": self.weights is not None}
+        if self.weights is not None:
+            stats.update(weights_offloaded=self.weights.offloaded(),
+                         last_wake_seconds_by_model=dict(self.weights.last_wake_seconds),
+                         wake_bytes_by_model=dict(self.weights.wake_bytes))
+        return stats

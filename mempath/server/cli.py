@@ -15,6 +15,22 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 log = logging.getLogger(__name__)
 
 
+def add_several_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Naming and sharing the device between several models (docs/multi_model.md)."""
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="the name clients pass as 'model' (default: the model directory's name); "
+                             "one name per model (vLLM takes several names for one model)")
+    parser.add_argument("--kv-min-share", type=float, default=0.0,
+                        help="with several models: the fraction of the shared KV pool each one is "
+                             "guaranteed whatever the others use (default 0)")
+    parser.add_argument("--sleep-after", type=float, default=None, metavar="S",
+                        help="with several models: a model idle for S seconds gives its guaranteed KV pages "
+                             "to the others until its next request (default: never)")
+    parser.add_argument("--sleep-offload-weights", action="store_true",
+                        help="with --sleep-after: an asleep model's weights wait in pinned host memory and their "
+                             "device memory goes back to the device; its next request copies them back first")
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     from mempath.engine_flags import Refuse, add_engine_arguments
     parser.add_argument("positional", nargs="*", default=[], metavar="MODEL",
@@ -26,15 +42,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("MEMPATH_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1 (default: $MEMPATH_API_KEY)")
-    parser.add_argument("--served-model-name", nargs="+", default=None,
-                        help="the name clients pass as 'model' (default: the model directory's name); "
-                             "one name per model (vLLM takes several names for one model)")
-    parser.add_argument("--kv-min-share", type=float, default=0.0,
-                        help="with several models: the fraction of the shared KV pool each one is "
-                             "guaranteed whatever the others use (default 0)")
-    parser.add_argument("--sleep-after", type=float, default=None, metavar="S",
-                        help="with several models: a model idle for S seconds gives its guaranteed KV pages "
-                             "to the others until its next request (default: never)")
+    add_several_model_arguments(parser)
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="largest request body accepted (413 above)")
     parser.add_argument("--max-tokens-limit", type=int, default=None,
@@ -113,8 +121,9 @@ def resolve_models(args) -> list[str]:
     names = args.served_model_name
     if names and len(models) == 1 and len(names) > 1:
         raise ValueError("--served-model-name: one name per model (several names for one model are not served)")
-    if len(models) == 1 and (args.kv_min_share or args.sleep_after is not None):
-        raise ValueError("--kv-min-share and --sleep-after are for several models on one device (mempath serve A B ...)")
+    if len(models) == 1 and (args.kv_min_share or args.sleep_after is not None or args.sleep_offload_weights):
+        raise ValueError("--kv-min-share, --sleep-after and --sleep-offload-weights are for several models on one "
+                         "device (mempath serve A B ...)")
     return models
 
 
@@ -227,7 +236,8 @@ def run_serve(args) -> int:
         app, names = build_multi_server_app(models, engine_options(args), args.served_model_name, args.kv_min_share,
                                             args.api_key, limits, True, args.stream_stall_timeout,
                                             log_stats_interval, read_chat_template(args.chat_template), http_options,
-                                            sleep_after=args.sleep_after)
+                                            sleep_after=args.sleep_after,
+                                            sleep_offload_weights=args.sleep_offload_weights)
         name = "', '".join(names)
     else:
         served = args.served_model_name[0] if args.served_model_name else None

@@ -399,6 +399,20 @@ def multi_model_families(stats: dict, process_name: str) -> list:
         for model, value in sleep[key].items():
             family.add_metric([model], value)
         families.append(family)
+    if sleep["offload_weights"]:  # --sleep-offload-weights
+        offloaded = GaugeMetricFamily("mempath:model_weights_offloaded", "1 while the model's weights wait in "
+                                      "host memory (asleep with --sleep-offload-weights), else 0.", labels=["model_name"])
+        wake = GaugeMetricFamily("mempath:model_wake_seconds", "Seconds the model's last wake took to copy its "
+                                 "weights back to the device.", labels=["model_name"])
+        for model in sleep["sleeps_by_model"]:
+            offloaded.add_metric([model], int(model in sleep["weights_offloaded"]))
+            if sleep["last_wake_seconds_by_model"][model] is not None:
+                wake.add_metric([model], sleep["last_wake_seconds_by_model"][model])
+        woken = CounterMetricFamily("mempath:model_wake_bytes", "Weight bytes copied back to the device by wakes.",
+                                    labels=["model_name"])
+        for model, value in sleep["wake_bytes_by_model"].items():
+            woken.add_metric([model], value)
+        families += [offloaded, wake, woken]
     for metric, doc, value in (("mempath:kv_pages_free", "Free KV pages of the shared pool.", pages["free"]),
                                ("mempath:kv_pages_total", "KV pages in the shared pool.", pages["total"]),
                                ("mempath:kv_page_bytes", "Bytes of one KV page.", pages["page_bytes"])):

@@ -1,0 +1,128 @@
+"""--sleep-offload-weights: an asleep model's weights wait in host memory and come back where
+they were (mempath/multi/sleep.py, mempath/memory/arena.py)."""
+import pytest
+import torch
+
+from mempath import LLM, SamplingParams
+from mempath.memory.ledger import Pathway
+from mempath.multi.engine import MultiEngine
+from mempath.server.metrics import ServerMetrics
+from tests.test_multi_model import together
+from tests.test_multi_model_sleep import FakeClock, burst
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+PROMPT = list(range(20, 44))
+
+
+def answer(engine, model: str, request_id: str) -> list[int]:
+    engine.add_request(PROMPT, GREEDY, request_id, model=model)
+    tokens = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.request_id == request_id and output.finished:
+                tokens = output.outputs[0].token_ids
+    return tokens
+
+
+def storages(model) -> set[int]:
+    return {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+
+@pytest.fixture(scope="module")
+def offloading(two_models):  # noqa: F811
+    return together(two_models, num_gpu_blocks_override=12, sleep_after=5, sleep_offload_weights=True)
+
+
+def test_every_parameter_is_a_view_of_the_arena_and_greedy_output_is_unchanged(two_models, offloading):
+    llama, _ = two_models
+    b = offloading.engines["a"]
+    assert storages(b.model) == {b.model.weights_arena.tensor.untyped_storage().data_ptr()}
+    plain = LLM(llama, dtype="float32", show_progress=False).generate([PROMPT], GREEDY, use_tqdm=False)
+    arena = offloading.generate([PROMPT], GREEDY, use_tqdm=False, model="a")
+    assert arena[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+
+
+def test_asleep_weights_leave_the_device_and_a_request_brings_them_back(offloading):
+    clock = FakeClock()
+    engine = MultiEngine(offloading.engines, offloading.engine.pool, sleep_after=5, clock=clock)
+    b = engine.engines["b"]
+    arena = b.model.weights_arena
+    weights = b.ledger.get(Pathway.WEIGHTS)
+    before = answer(engine, "b", "b0")
+    a_before = answer(engine, "a", "a0")
+
+    clock.now = 10  # b idle past sleep_after: it falls asleep at a's next step, its weights with it
+    burst(engine, "a", "x")
+    stats = engine.stats()["sleep"]
+    assert stats["asleep"] == ["b"] and stats["weights_offloaded"] == ["b"]
+    assert not arena.is_mapped and arena.tensor.untyped_storage().nbytes() == 0
+    assert b.ledger.get(Pathway.WEIGHTS) == 0 and b.ledger.get(Pathway.WEIGHTS_HOST) == arena.nbytes
+    assert answer(engine, "a", "a1") == a_before  # the awake model is untouched
+
+    assert answer(engine, "b", "b1") == before  # the request woke b: its weights came back unchanged
+    stats = engine.stats()["sleep"]
+    assert stats["weights_offloaded"] == [] and stats["wakes_by_model"]["b"] == 1
+    assert stats["wake_bytes_by_model"] == {"a": 0, "b": arena.nbytes}
+    assert stats["last_wake_seconds_by_model"]["b"] > 0
+    assert arena.is_mapped and b.ledger.get(Pathway.WEIGHTS) == weights
+
+    text = ServerMetrics.for_models(engine.engines).render({**engine.stats(), "device": "cpu"}).decode()
+    assert 'mempath:model_weights_offloaded{model_name="b"} 0.0' in text
+    assert f'mempath:model_wake_bytes_total{{model_name="b"}} {float(arena.nbytes)}' in text
+    assert 'mempath:model_wake_seconds{model_name="b"}' in text
+
+
+def test_a_second_sleep_reuses_the_host_copy(offloading):
+    clock = FakeClock()
+    engine = MultiEngine(offloading.engines, offloading.engine.pool, sleep_after=5, clock=clock)
+    for _ in range(2):
+        clock.now += 10
+        burst(engine, "a", f"x{clock.now}")
+        engine.add_request(PROMPT, GREEDY, f"w{clock.now}", model="b")
+        while engine.has_unfinished_requests():
+            engine.step()
+    hosts = engine.sleep.weights.host
+    assert engine.stats()["sleep"]["wakes_by_model"]["b"] == 2 and list(hosts) == ["b"]
+    assert hosts["b"].numel() == engine.engines["b"].model.weights_arena.nbytes
+
+
+def test_offload_without_sleep_after_or_with_one_model_is_refused_in_one_line(two_models, capsys):  # noqa: F811
+    llama, qwen = two_models
+    with pytest.raises(ValueError, match="give --sleep-after S too"):
+        LLM([llama, qwen], dtype="float32", show_progress=False, sleep_offload_weights=True)
+    with pytest.raises(TypeError, match="are for several models"):
+        LLM(llama, dtype="float32", show_progress=False, sleep_offload_weights=True)
+    from mempath.cli import main
+    assert main(["serve", llama, "--sleep-offload-weights"]) != 0
+    err = capsys.readouterr().err
+    assert "--sleep-offload-weights are for several models" in err and "Traceback" not in err
+
+
+def test_an_arena_with_experts_in_host_memory_is_refused_in_one_line(model_factory):
+    path, _ = model_factory("qwen3_moe")
+    with pytest.raises(ValueError, match="--sleep-offload-weights moves whole models. weights; with experts"):
+        LLM(path, dtype="float32", show_progress=False, weights_arena=True, moe_expert_cache_size=2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_wake_keeps_the_addresses_the_graphs_read(two_models):  # noqa: F811
+    """On CUDA the weights come back at the same addresses (the driver's virtual memory), so the
+    decode graphs captured before the sleep decode the same tokens after it, and the device gets
+    the weights' bytes back while the model sleeps."""
+    from mempath.memory.arena import mapped_bytes
+    llama, qwen = two_models
+    llm = LLM([f"a={llama}", f"b={qwen}"], dtype="float32", show_progress=False, sleep_after=5,
+              sleep_offload_weights=True, max_num_seqs=4)
+    clock = FakeClock()
+    engine = MultiEngine(llm.engines, llm.engine.pool, sleep_after=5, clock=clock)
+    b = engine.engines["b"]
+    assert b.runner.graphs, "the test needs b's decode graphs"
+    pointers = {p.data_ptr() for p in b.model.parameters()}
+    before = answer(engine, "b", "b0")
+    mapped = mapped_bytes()
+    clock.now = 10
+    burst(engine, "a", "x")
+    torch.cuda.synchronize()
+    assert mapped_bytes() == mapped - b.model.weights_arena.nbytes
+    assert answer(engine, "b", "b1") == before
+    assert {p.data_ptr() for p in b.model.parameters()} == pointers and mapped_bytes() == mapped
