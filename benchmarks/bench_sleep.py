@@ -64,9 +64,11 @@ def answer(engine: MultiEngine, model: str, request_id: str) -> list[int]:
 
 
 def pinned_bandwidth(nbytes: int, device: torch.device) -> float | None:
-    """Bytes/s of one pinned host-to-device copy of ``nbytes`` (best of three), None off CUDA."""
+    """Bytes/s of a pinned host-to-device copy of ``nbytes``, at most 1 GiB (best of three; the
+    KV pool leaves PyTorch no room for a copy of a whole model), None off CUDA."""
     if device.type != "cuda":
         return None
+    nbytes = min(nbytes, 1 << 30)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     target = torch.empty(nbytes, dtype=torch.uint8, device=device)
     best = float("inf")

@@ -55,7 +55,9 @@ def test_asleep_weights_leave_the_device_and_a_request_brings_them_back(offloadi
     burst(engine, "a", "x")
     stats = engine.stats()["sleep"]
     assert stats["asleep"] == ["b"] and stats["weights_offloaded"] == ["b"]
-    assert not arena.is_mapped and arena.tensor.untyped_storage().nbytes() == 0
+    assert not arena.is_mapped
+    if arena.device.type == "cpu":  # the CPU arena's storage is resized to nothing
+        assert arena.tensor.untyped_storage().nbytes() == 0
     assert b.ledger.get(Pathway.WEIGHTS) == 0 and b.ledger.get(Pathway.WEIGHTS_HOST) == arena.nbytes
     assert answer(engine, "a", "a1") == a_before  # the awake model is untouched
 
@@ -81,9 +83,15 @@ def test_a_second_sleep_reuses_the_host_copy(offloading):
         engine.add_request(PROMPT, GREEDY, f"w{clock.now}", model="b")
         while engine.has_unfinished_requests():
             engine.step()
-    hosts = engine.sleep.weights.host
-    assert engine.stats()["sleep"]["wakes_by_model"]["b"] == 2 and list(hosts) == ["b"]
-    assert hosts["b"].numel() == engine.engines["b"].model.weights_arena.nbytes
+    a, b = engine.engines["a"].asleep_weights, engine.engines["b"].asleep_weights
+    host = b.host
+    clock.now += 10
+    burst(engine, "a", "again")
+    assert engine.stats()["sleep"]["weights_offloaded"] == ["b"] and b.host is host  # the same copy
+    assert a.host is None and b.host.numel() == engine.engines["b"].model.weights_arena.nbytes
+    engine.add_request(PROMPT, GREEDY, "last", model="b")  # leave b awake for the next test
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def test_offload_without_sleep_after_or_with_one_model_is_refused_in_one_line(two_models, capsys):  # noqa: F811
@@ -117,6 +125,10 @@ def test_cuda_wake_keeps_the_addresses_the_graphs_read(two_models):  # noqa: F81
     engine = MultiEngine(llm.engines, llm.engine.pool, sleep_after=5, clock=clock)
     b = engine.engines["b"]
     assert b.runner.graphs, "the test needs b's decode graphs"
+    for e in engine.engines.values():  # weights outside PyTorch's allocator are not also "outside PyTorch"
+        assert all(entry.bytes >= 0 for entry in e.ledger.entries.values()), e.ledger.table()
+    budget = engine.first.budget
+    assert budget.granted() <= budget.limit
     pointers = {p.data_ptr() for p in b.model.parameters()}
     before = answer(engine, "b", "b0")
     mapped = mapped_bytes()

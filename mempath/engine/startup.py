@@ -340,7 +340,7 @@ class Startup:
         # granted as WEIGHTS: not "outside PyTorch" here, and not in what PyTorch reserved.
         arenas = mapped_bytes()
         in_use = total - free - arenas  # our context and allocator, plus other processes
-        reserved = torch.cuda.memory_reserved(self.device) + arenas
+        reserved = torch.cuda.memory_reserved(self.device)
         grant, tenant = self.budget.grant, self.tenant
         # The other tenants (a draft, the other models of a shared device): what they were
         # granted of these process-wide figures is theirs, not this tenant's.
@@ -351,7 +351,7 @@ class Startup:
         grant(tenant, Pathway.NON_TORCH, in_use - reserved - held_by_others(Pathway.NON_TORCH), "derived",
               "device used - torch reserved (context, other processes)")
         own = (Pathway.WEIGHTS, Pathway.EXPERT_CACHE, Pathway.STEP_BUFFERS)
-        grant(tenant, Pathway.TORCH_OTHER, reserved - sum(self.ledger.get(p) for p in own)
+        grant(tenant, Pathway.TORCH_OTHER, reserved + arenas - sum(self.ledger.get(p) for p in own)
               - held_by_others(*own, Pathway.TORCH_OTHER),
               "derived", "torch reserved at the profile - weights - expert slots - step buffers "
               "(model buffers, allocator rounding)")

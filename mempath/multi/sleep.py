@@ -48,54 +48,65 @@ def check_offload_weights(offload_weights: bool, sleep_after: float | None) -> N
                          "give --sleep-after S too (the seconds idle before a model sleeps)")
 
 
+class AsleepWeights:
+    """One model's weights while it may sleep: the pinned copy and the ledger entry of its device bytes.
+    Kept on the engine (``engine.asleep_weights``), so whatever steps the engine sees its state."""
+
+    def __init__(self):
+        self.host: torch.Tensor | None = None
+        self.awake_entry = None  # the WEIGHTS ledger entry, while the device bytes are given back
+        self.last_wake_seconds: float | None = None
+        self.wake_bytes = 0  # copied back by every wake
+
+
 class WeightsOffload:
     """Asleep models' weights in pinned host memory, their arenas' device bytes given back."""
 
     def __init__(self, engines: dict):
         self.engines = engines  # name -> LLMEngine, each loaded with weights_arena
-        self.host: dict[str, torch.Tensor] = {}
-        self.awake_entry: dict[str, object] = {}  # name -> its WEIGHTS ledger entry while awake
-        self.last_wake_seconds: dict[str, float | None] = {name: None for name in engines}
-        self.wake_bytes = {name: 0 for name in engines}  # bytes copied back by every wake
+        for engine in engines.values():
+            if getattr(engine, "asleep_weights", None) is None:
+                engine.asleep_weights = AsleepWeights()
+
+    def state(self, name: str) -> AsleepWeights:
+        return self.engines[name].asleep_weights
 
     def offloaded(self) -> list[str]:
-        return sorted(self.awake_entry)
+        return sorted(name for name, e in self.engines.items() if not e.model.weights_arena.is_mapped)
 
     def offload(self, name: str) -> None:
-        engine = self.engines[name]
+        engine, state = self.engines[name], self.state(name)
         arena = engine.model.weights_arena
-        if name in self.awake_entry or not arena.is_mapped:
+        if not arena.is_mapped:
             return
-        host = self.host.get(name)
-        if host is None:
+        if state.host is None:
             try:
-                host = torch.empty(arena.nbytes, dtype=torch.uint8, pin_memory=engine.device.type == "cuda")
+                state.host = torch.empty(arena.nbytes, dtype=torch.uint8, pin_memory=engine.device.type == "cuda")
             except RuntimeError as error:
                 log.warning("model %s stays on the device asleep: %s of pinned host memory for its weights "
                             "could not be allocated (%s)", name, format_bytes(arena.nbytes), str(error).splitlines()[0])
                 return
-            self.host[name] = host
-            engine.ledger.record(Pathway.WEIGHTS_HOST, host.nbytes, "cpu", "measured",
+            engine.ledger.record(Pathway.WEIGHTS_HOST, state.host.nbytes, "cpu", "measured",
                                  "the weights' copy while asleep (--sleep-offload-weights), kept once made")
-        host.copy_(arena.tensor)
+        state.host.copy_(arena.tensor)
         arena.unmap()  # waits for the copy
-        self.awake_entry[name] = engine.ledger.entries[Pathway.WEIGHTS.value]
+        state.awake_entry = engine.ledger.entries[Pathway.WEIGHTS.value]
         engine.budget.grant(name, Pathway.WEIGHTS, 0, "measured", "asleep: in host memory (weights_host)")
 
     def restore(self, name: str) -> None:
-        entry = self.awake_entry.pop(name, None)
-        if entry is None:
+        """The weights back at their addresses, before anything runs the model again."""
+        engine, state = self.engines[name], self.state(name)
+        arena = engine.model.weights_arena
+        if arena.is_mapped:
             return
-        engine = self.engines[name]
-        arena, host = engine.model.weights_arena, self.host[name]
         start = time.perf_counter()
         arena.map()
-        arena.tensor.copy_(host, non_blocking=True)
+        arena.tensor.copy_(state.host, non_blocking=True)
         if engine.device.type == "cuda":
             torch.cuda.synchronize(engine.device)
-        self.last_wake_seconds[name] = time.perf_counter() - start
-        self.wake_bytes[name] += arena.nbytes
-        engine.ledger.entries[Pathway.WEIGHTS.value] = entry
+        state.last_wake_seconds = time.perf_counter() - start
+        state.wake_bytes += arena.nbytes
+        engine.ledger.entries[Pathway.WEIGHTS.value] = state.awake_entry
 
 
 class IdleSleep:
@@ -114,9 +125,9 @@ class IdleSleep:
     def active(self, name: str) -> None:
         """A request for ``name`` arrived: it is awake from now on (its weights back first)."""
         self.last_active[name] = self.clock()
+        if self.weights is not None:
+            self.weights.restore(name)
         if name in self.pool.asleep:
-            if self.weights is not None:
-                self.weights.restore(name)
             self.pool.asleep.discard(name)
             self.num_wakes[name] += 1
 
@@ -139,7 +150,8 @@ class IdleSleep:
                  "sleeps_by_model": dict(self.num_sleeps), "wakes_by_model": dict(self.num_wakes),
                  "offload_weights": self.weights is not None}
         if self.weights is not None:
+            states = {name: self.weights.state(name) for name in self.last_active}
             stats.update(weights_offloaded=self.weights.offloaded(),
-                         last_wake_seconds_by_model=dict(self.weights.last_wake_seconds),
-                         wake_bytes_by_model=dict(self.weights.wake_bytes))
+                         last_wake_seconds_by_model={n: s.last_wake_seconds for n, s in states.items()},
+                         wake_bytes_by_model={n: s.wake_bytes for n, s in states.items()})
         return stats
