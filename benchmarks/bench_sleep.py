@@ -8,8 +8,9 @@ Both models are served together with their weights in arenas (memory/arena.py). 
 turn is put to sleep (the other model runs a burst past --sleep-after, on a fake clock) and
 woken by a request, ``--repeats`` times: per model, the first sleep (which allocates the
 pinned copy), later sleeps, each wake, the device memory given back while asleep (from
-cudaMemGetInfo), and whether the woken model's greedy tokens (its CUDA graphs replaying
-over the restored weights) equal those before the first sleep.
+cudaMemGetInfo), whether the restored weights' bytes equal those before the first sleep
+(a checksum), and whether the woken model's greedy tokens (its CUDA graphs replaying over
+the restored weights) equal those of the same request before it (both from the prefix cache).
 
 Prints a table and one JSON line (prefix ``RESULT``).
 """
@@ -90,6 +91,11 @@ def device_free(device: torch.device) -> int | None:
     return torch.cuda.mem_get_info(device)[0]
 
 
+def checksum(arena) -> int:
+    """The arena's bytes as int64 words, summed (wrapping: exact, whatever the order)."""
+    return int(arena.tensor.view(torch.int64).sum())
+
+
 def cycle(engine: MultiEngine, clock: Clock, sleeper: str, other: str, tag: str) -> dict:
     """``sleeper`` falls asleep during a step of ``other``, then a request wakes it."""
     device = engine.device
@@ -104,9 +110,10 @@ def cycle(engine: MultiEngine, clock: Clock, sleeper: str, other: str, tag: str)
     assert engine.stats()["sleep"]["weights_offloaded"] == [sleeper], engine.stats()["sleep"]
     tokens = answer(engine, sleeper, f"{tag}-wake")
     seconds = engine.stats()["sleep"]["last_wake_seconds_by_model"][sleeper]
+    restored = checksum(engine.engines[sleeper].model.weights_arena)
     for name in engine.names:
         engine.sleep.last_active[name] = clock.now  # nobody else sleeps meanwhile
-    return {"sleep_and_one_step_s": sleep_and_step, "wake_s": seconds, "tokens": tokens,
+    return {"sleep_and_one_step_s": sleep_and_step, "wake_s": seconds, "tokens": tokens, "checksum": restored,
             "freed_bytes": None if free_awake is None else free_asleep - free_awake}
 
 
@@ -124,26 +131,30 @@ def main() -> None:
     clock = Clock()
     engine = MultiEngine(llm.engines, llm.engine.pool, sleep_after=5, clock=clock)
     rows = [("model", "weights", "first sleep + step s", "sleep + step s (median)", "wake ms (median)",
-             "bound ms", "wake / bound", "freed GiB", "same tokens")]
+             "bound ms", "wake / bound", "freed GiB", "same tokens", "same weights")]
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "models": {}}
     for sleeper, other in (("big", "small"), ("small", "big")):
+        answer(engine, sleeper, f"{sleeper}-cold")  # from here on the prompt's full blocks come from the prefix cache
         before = answer(engine, sleeper, f"{sleeper}-before")
         arena = engine.engines[sleeper].model.weights_arena
+        weights = checksum(arena)
         bandwidth = pinned_bandwidth(arena.nbytes, engine.device)
         runs = [cycle(engine, clock, sleeper, other, f"{sleeper}{i}") for i in range(args.repeats)]
         wake = float(np.median([r["wake_s"] for r in runs]))
         later = float(np.median([r["sleep_and_one_step_s"] for r in runs[1:]])) if len(runs) > 1 else None
         bound = arena.nbytes / bandwidth if bandwidth else None
         same = all(r["tokens"] == before for r in runs)
+        same_weights = all(r["checksum"] == weights for r in runs)
         freed = [r["freed_bytes"] for r in runs]
         result["models"][sleeper] = {"arena_bytes": arena.nbytes, "pinned_bandwidth": bandwidth,
                                      "bound_s": bound, "wake_s": [r["wake_s"] for r in runs], "wake_median_s": wake,
                                      "first_sleep_and_step_s": runs[0]["sleep_and_one_step_s"],
-                                     "later_sleep_and_step_s": later, "freed_bytes": freed, "same_tokens": same}
+                                     "later_sleep_and_step_s": later, "freed_bytes": freed, "same_tokens": same,
+                                     "same_weights": same_weights}
         rows.append((sleeper, f"{arena.nbytes / 2**30:.2f} GiB", f"{runs[0]['sleep_and_one_step_s']:.2f}",
                      "-" if later is None else f"{later:.3f}", f"{wake * 1e3:.1f}",
                      "-" if bound is None else f"{bound * 1e3:.1f}", "-" if bound is None else f"{wake / bound:.2f}",
-                     "-" if freed[0] is None else f"{np.median(freed) / 2**30:.2f}", same))
+                     "-" if freed[0] is None else f"{np.median(freed) / 2**30:.2f}", same, same_weights))
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     print("sleep and wake with --sleep-offload-weights (bound: weights bytes / pinned H2D bandwidth, this run)")
     for n, row in enumerate(rows):

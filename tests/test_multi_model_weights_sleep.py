@@ -30,7 +30,8 @@ def storages(model) -> set[int]:
 
 @pytest.fixture(scope="module")
 def offloading(two_models):  # noqa: F811
-    return together(two_models, num_gpu_blocks_override=12, sleep_after=5, sleep_offload_weights=True)
+    # Its own engine never sleeps a model during a test (the tests' engines run on a fake clock).
+    return together(two_models, num_gpu_blocks_override=12, sleep_after=1e6, sleep_offload_weights=True)
 
 
 def test_every_parameter_is_a_view_of_the_arena_and_greedy_output_is_unchanged(two_models, offloading):
@@ -119,7 +120,7 @@ def test_cuda_wake_keeps_the_addresses_the_graphs_read(two_models):  # noqa: F81
     the weights' bytes back while the model sleeps."""
     from mempath.memory.arena import mapped_bytes
     llama, qwen = two_models
-    llm = LLM([f"a={llama}", f"b={qwen}"], dtype="float32", show_progress=False, sleep_after=5,
+    llm = LLM([f"a={llama}", f"b={qwen}"], dtype="float32", show_progress=False, sleep_after=1e6,
               sleep_offload_weights=True, max_num_seqs=4)
     clock = FakeClock()
     engine = MultiEngine(llm.engines, llm.engine.pool, sleep_after=5, clock=clock)
