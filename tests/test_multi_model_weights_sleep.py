@@ -2,6 +2,7 @@
 they were (mempath/multi/sleep.py, mempath/memory/arena.py)."""
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from mempath import LLM, SamplingParams
 from mempath.memory.ledger import Pathway
@@ -71,8 +72,16 @@ def test_asleep_weights_leave_the_device_and_a_request_brings_them_back(offloadi
 
     text = ServerMetrics.for_models(engine.engines).render({**engine.stats(), "device": "cpu"}).decode()
     assert 'mempath:model_weights_offloaded{model_name="b"} 0.0' in text
-    assert f'mempath:model_wake_bytes_total{{model_name="b"}} {float(arena.nbytes)}' in text
-    assert 'mempath:model_wake_seconds{model_name="b"}' in text
+    samples = {(s.name, s.labels.get("model_name")): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    assert samples[("mempath:model_wake_bytes_total", "b")] == arena.nbytes
+    assert samples[("mempath:model_wake_seconds", "b")] == stats["last_wake_seconds_by_model"]["b"]
+
+
+def test_the_pinned_copies_are_made_at_start_up(offloading):
+    for engine in offloading.engines.values():
+        assert engine.asleep_weights.host.numel() == engine.model.weights_arena.nbytes
+        assert engine.ledger.get(Pathway.WEIGHTS_HOST) == engine.model.weights_arena.nbytes
 
 
 def test_a_second_sleep_reuses_the_host_copy(offloading):
@@ -89,7 +98,7 @@ def test_a_second_sleep_reuses_the_host_copy(offloading):
     clock.now += 10
     burst(engine, "a", "again")
     assert engine.stats()["sleep"]["weights_offloaded"] == ["b"] and b.host is host  # the same copy
-    assert a.host is None and b.host.numel() == engine.engines["b"].model.weights_arena.nbytes
+    assert a.host is not b.host and b.host.numel() == engine.engines["b"].model.weights_arena.nbytes
     engine.add_request(PROMPT, GREEDY, "last", model="b")  # leave b awake for the next test
     while engine.has_unfinished_requests():
         engine.step()

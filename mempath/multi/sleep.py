@@ -16,13 +16,12 @@ addresses, where the model's CUDA graphs read them (they were captured against t
 addresses; vLLM's sleep mode keeps them so with its CuMemAllocator). The wake is one
 host-to-device copy of the weights, on the engine thread before the waking request is
 added: the other models' steps wait for it. The freed device bytes go back to the device
-(another process, a training job); the shared KV pool keeps its size. The pinned copy is
-allocated at the first sleep and kept (in the ledger as weights_host), so later sleeps
-and wakes are copies only.
+(another process, a training job); the shared KV pool keeps its size. Each model's pinned
+copy is allocated at start-up and kept (in the ledger as weights_host), so a sleep and a
+wake are copies only.
 """
 from __future__ import annotations
 
-import logging
 import time
 from typing import Callable
 
@@ -30,8 +29,6 @@ import torch
 
 from mempath.memory.ledger import Pathway, format_bytes
 from mempath.multi.pages import PagePool
-
-log = logging.getLogger(__name__)
 
 
 def check_sleep_after(sleep_after: float | None) -> None:
@@ -63,10 +60,26 @@ class WeightsOffload:
     """Asleep models' weights in pinned host memory, their arenas' device bytes given back."""
 
     def __init__(self, engines: dict):
+        """Allocates every model's pinned copy now, at start-up: pinning 15 GiB took 7-16 s on the
+        H200's host (2026-12-02), a stall of every model if it came with the first sleep."""
         self.engines = engines  # name -> LLMEngine, each loaded with weights_arena
-        for engine in engines.values():
+        for name, engine in engines.items():
             if getattr(engine, "asleep_weights", None) is None:
                 engine.asleep_weights = AsleepWeights()
+                engine.asleep_weights.host = self._host_copy(name, engine)
+
+    @staticmethod
+    def _host_copy(name: str, engine) -> torch.Tensor:
+        nbytes = engine.model.weights_arena.nbytes
+        try:
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=engine.device.type == "cuda")
+        except RuntimeError as error:
+            raise ValueError(f"--sleep-offload-weights needs {format_bytes(nbytes)} of pinned host memory for "
+                             f"{name}'s weights, which could not be allocated ({str(error).splitlines()[0]}): "
+                             f"free host memory or leave --sleep-offload-weights off") from None
+        engine.ledger.record(Pathway.WEIGHTS_HOST, host.nbytes, "cpu", "measured",
+                             "the weights' copy while asleep (--sleep-offload-weights), pinned at start-up")
+        return host
 
     def state(self, name: str) -> AsleepWeights:
         return self.engines[name].asleep_weights
@@ -79,15 +92,6 @@ class WeightsOffload:
         arena = engine.model.weights_arena
         if not arena.is_mapped:
             return
-        if state.host is None:
-            try:
-                state.host = torch.empty(arena.nbytes, dtype=torch.uint8, pin_memory=engine.device.type == "cuda")
-            except RuntimeError as error:
-                log.warning("model %s stays on the device asleep: %s of pinned host memory for its weights "
-                            "could not be allocated (%s)", name, format_bytes(arena.nbytes), str(error).splitlines()[0])
-                return
-            engine.ledger.record(Pathway.WEIGHTS_HOST, state.host.nbytes, "cpu", "measured",
-                                 "the weights' copy while asleep (--sleep-offload-weights), kept once made")
         state.host.copy_(arena.tensor)
         arena.unmap()  # waits for the copy
         state.awake_entry = engine.ledger.entries[Pathway.WEIGHTS.value]
