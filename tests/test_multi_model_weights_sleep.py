@@ -104,6 +104,26 @@ def test_a_second_sleep_reuses_the_host_copy(offloading):
         engine.step()
 
 
+def test_an_idle_server_puts_its_models_to_sleep_without_a_step(offloading):
+    """No request at all: the server's loop still wakes when a model's --sleep-after is due."""
+    import time
+    from mempath.server.async_engine import AsyncEngine
+    engine = MultiEngine(offloading.engines, offloading.engine.pool, sleep_after=0.2)
+    client = AsyncEngine(engine)
+    client.start()
+    try:
+        deadline = time.monotonic() + 10
+        while engine.sleep.stats()["weights_offloaded"] != ["a", "b"]:
+            assert time.monotonic() < deadline, engine.sleep.stats()
+            time.sleep(0.05)
+    finally:
+        client.shutdown()
+    assert engine.stats()["sleep"]["asleep"] == ["a", "b"]
+    for name in ("a", "b"):  # awake again for the tests after this one
+        engine.sleep.active(name)
+    assert engine.sleep.stats()["weights_offloaded"] == []
+
+
 def test_offload_without_sleep_after_or_with_one_model_is_refused_in_one_line(two_models, capsys):  # noqa: F811
     llama, qwen = two_models
     with pytest.raises(ValueError, match="give --sleep-after S too"):

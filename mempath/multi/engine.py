@@ -139,9 +139,18 @@ class MultiEngine:
     def has_runnable_requests(self) -> bool:
         return any(e.has_runnable_requests() for e in self.engines.values())
 
+    def seconds_to_sleep(self) -> float | None:
+        """Seconds until an idle model falls asleep (the server's loop waits no longer); None: never."""
+        deadline = self.sleep.next_deadline()
+        return None if deadline is None else deadline - self.sleep.clock()
+
+    def tick_idle(self) -> None:
+        """Between steps, or with nothing to step: models idle past --sleep-after fall asleep."""
+        self.sleep.tick([name for name, e in self.engines.items() if e.has_unfinished_requests()])
+
     def step(self) -> list[RequestOutput]:
         """One step of every model with work, in turn; the idle ones may fall asleep first."""
-        self.sleep.tick([name for name, e in self.engines.items() if e.has_unfinished_requests()])
+        self.tick_idle()
         outputs = []
         for engine in self.engines.values():
             if engine.has_runnable_requests():

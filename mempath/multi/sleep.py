@@ -149,6 +149,13 @@ class IdleSleep:
                 if self.weights is not None:
                     self.weights.offload(name)
 
+    def next_deadline(self) -> float | None:
+        """When (on ``clock``) the next awake model falls asleep if nothing asks for it; None: never."""
+        if self.sleep_after is None:
+            return None
+        awake = [t for name, t in self.last_active.items() if name not in self.pool.asleep]
+        return min(awake) + self.sleep_after if awake else None
+
     def stats(self) -> dict:
         stats = {"sleep_after": self.sleep_after, "asleep": sorted(self.pool.asleep),
                  "sleeps_by_model": dict(self.num_sleeps), "wakes_by_model": dict(self.num_wakes),

@@ -347,6 +347,8 @@ class AsyncEngine:
             self._run_commands(commands)
             if self.engine.has_runnable_requests():
                 self._step()
+            elif hasattr(self.engine, "tick_idle"):  # several models: an idle server still puts them to sleep
+                self.engine.tick_idle()
             self._enforce_deadlines()
             if self.stats_log is not None:
                 self.stats_log.maybe_log(self.engine.stats, time.monotonic())
@@ -359,12 +361,15 @@ class AsyncEngine:
             log.exception("closing the engine failed")
 
     def _next_deadline(self) -> float | None:
-        """Seconds until a stalled stream, the drain or the stats line is due; None if nothing waits."""
+        """Seconds until a stalled stream, the drain, the stats line or a model's sleep is due; None if nothing waits."""
         deadlines = list(self._stalls.values())
         if self._drain is not None:
             deadlines.append(self._drain[0])
         if self.stats_log is not None and self.stats_log.deadline() is not None:
             deadlines.append(self.stats_log.deadline())
+        to_sleep = self.engine.seconds_to_sleep() if hasattr(self.engine, "seconds_to_sleep") else None
+        if to_sleep is not None:
+            deadlines.append(time.monotonic() + max(0.0, to_sleep))
         return min(deadlines) - time.monotonic() if deadlines else None
 
     def _enforce_deadlines(self) -> None:
