@@ -5,7 +5,7 @@
 #   blocks (~3 min)  multiturn (~5 min)  diagnose (~2 min, three shapes)  serve (needs .whl, below)
 #   pending, fp8-gemv, fp8-latency, mix-qwen3, mix-llama, mix-tokens, structured, moe-offload, moe-resident,
 #   spec-a, spec-bc, multi, sleep-tests, sleep (the open issues, below; STEPS="wheels pending ..." for those needing xgrammar)
-#   profile (~1 min: kernel table at batch 1)  profile-workload (~1 min: host/device split of the throughput run)
+#   profile (~1 min: kernel table at batch 1), profile-moe, profile-mistral  profile-workload (~1 min: host/device split of the throughput run)
 # For `serve`, carry fastapi/uvicorn/starlette/pydantic(+core)/anyio/h11/sniffio/annotated-types/
 # typing-inspection/prometheus-client as wheels in .whl (see ../.library/device/README.md).
 set -u
@@ -42,6 +42,9 @@ step multiturn-doc 220 python3 benchmarks/bench_multiturn.py --shape llama-3.1-8
   --first-user-tokens 6500 --user-tokens 64 --cpu-kv-gb 48 --cpu-kv-gb-with-disk 8
 step profile 100 python3 benchmarks/profile_steps.py decode --shape llama-3.1-8b --batch 1 --context 128
 mv "$LOGS/profile.log" "$LOGS/profile-decode.log" 2>/dev/null
+# Batch-1 decode kernel tables of the shapes furthest from their read limit (#21: MoE at 21%, #17: Mistral at 75%).
+step profile-moe 150 python3 benchmarks/profile_steps.py decode --shape qwen3-30b-a3b --batch 1 --context 128
+step profile-mistral 100 python3 benchmarks/profile_steps.py decode --shape mistral-7b-v0.1 --batch 1 --context 512
 step profile-workload 100 python3 benchmarks/profile_steps.py workload --shape qwen3-0.6b
 # The open issues' H200 checks (#16, #17, #19, #20, #21, #15), built on the CPU and not yet run on a GPU.
 # `pending` runs their GPU tests (about 4 min); each benchmark step is about 2-4 min. Steps that
