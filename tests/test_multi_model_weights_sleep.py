@@ -1,5 +1,8 @@
 """--sleep-offload-weights: an asleep model's weights wait in host memory and come back where
 they were (mempath/multi/sleep.py, mempath/memory/arena.py)."""
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
@@ -11,18 +14,9 @@ from mempath.server.metrics import ServerMetrics
 from tests.test_multi_model import together
 from tests.test_multi_model_sleep import FakeClock, burst
 
-GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-PROMPT = list(range(20, 44))
-
-
-def answer(engine, model: str, request_id: str) -> list[int]:
-    engine.add_request(PROMPT, GREEDY, request_id, model=model)
-    tokens = None
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.request_id == request_id and output.finished:
-                tokens = output.outputs[0].token_ids
-    return tokens
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_sleep  # noqa: E402
+from bench_sleep import GREEDY, PROMPT, answer  # noqa: E402
 
 
 def storages(model) -> set[int]:
@@ -140,6 +134,14 @@ def test_an_arena_with_experts_in_host_memory_is_refused_in_one_line(model_facto
     path, _ = model_factory("qwen3_moe")
     with pytest.raises(ValueError, match="--sleep-offload-weights moves whole models. weights; with experts"):
         LLM(path, dtype="float32", show_progress=False, weights_arena=True, moe_expert_cache_size=2)
+
+
+def test_the_wake_benchmark_runs_on_tiny_shapes(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["bench_sleep.py", "--tiny", "--repeats", "2"])
+    bench_sleep.main()
+    result = [line for line in capsys.readouterr().out.splitlines() if line.startswith("RESULT ")]
+    models = __import__("json").loads(result[0][len("RESULT "):])["models"]
+    assert all(m["same_tokens"] and m["same_weights"] and len(m["wake_s"]) == 2 for m in models.values())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

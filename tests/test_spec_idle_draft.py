@@ -92,6 +92,20 @@ def test_a_request_whose_cached_prefix_has_no_draft_kv_catches_the_draft_up(mode
     assert stats["kv_blocks_used"] == 0
 
 
+def probing_engine(path: str, draft: str, draft_step: float, verify: dict, **kwargs) -> LLM:
+    """An adaptive engine on these step times (seconds) whose proposals are never kept: K = 0
+    is always chosen, so only probes speculate."""
+    llm = LLM(path, dtype="float32", show_progress=False,
+              speculative_config={"model": draft, "num_speculative_tokens": 4}, **kwargs)
+    decoder = llm.engine.spec_decoder
+    decoder.kept_sum = 0.0
+    decoder.cost.smoothing = 0.0
+    for b in range(0, 9):
+        decoder.cost.draft[bucket(1 << b)] = draft_step
+        decoder.cost.verify.setdefault(bucket(1 << b), {}).update(verify)
+    return llm
+
+
 @pytest.mark.parametrize("draft_step,probes", [(4e-3, 0), (1e-5, 1)])
 def test_a_probe_waits_until_the_time_at_k_zero_pays_for_it(draft_step, probes, model_factory):
     """A probe (one row at K = 1) costs its catch-up, a draft step and a wider verify: it runs
@@ -101,15 +115,8 @@ def test_a_probe_waits_until_the_time_at_k_zero_pays_for_it(draft_step, probes, 
     from mempath.engine.spec.decoder import PROBE_BUDGET, PROBE_EVERY
     path, _ = model_factory("llama")
     draft, _ = model_factory("llama", seed=7, num_hidden_layers=1)
-    llm = LLM(path, dtype="float32", show_progress=False,
-              speculative_config={"model": draft, "num_speculative_tokens": 4})
-    decoder = llm.engine.spec_decoder
-    decoder.kept_sum = 0.0  # nothing is ever kept: choose() keeps K = 0, only probes speculate
-    cost = decoder.cost
-    cost.smoothing = 0.0
-    for b in range(0, 9):
-        cost.draft[bucket(1 << b)] = draft_step
-        cost.verify.setdefault(bucket(1 << b), {}).update({1: 0.01, 2: 0.0105, 5: 0.012})
+    llm = probing_engine(path, draft, draft_step, {1: 0.01, 2: 0.0105, 5: 0.012})
+    cost = llm.engine.spec_decoder.cost
     assert cost.could_pay(1, overhead=draft_step)
     assert LONG.max_tokens > PROBE_EVERY and (draft_step < 1e-4 or 0.0085 > PROBE_BUDGET * 0.01 * LONG.max_tokens)
     llm.generate(PROMPTS[:1], LONG, use_tqdm=False)
@@ -167,15 +174,8 @@ def test_a_probe_that_cost_more_than_predicted_makes_the_next_wait_longer(model_
     long = SamplingParams(max_tokens=PROBE_EVERY * 6, temperature=0.0, ignore_eos=True)
     counts = []
     for slow in (False, True):
-        llm = LLM(path, dtype="float32", show_progress=False, max_model_len=long.max_tokens + 64,
-                  speculative_config={"model": draft, "num_speculative_tokens": 4})
+        llm = probing_engine(path, draft, 1e-5, {1: 0.01, 2: 0.0101, 5: 0.0101}, max_model_len=long.max_tokens + 64)
         decoder = llm.engine.spec_decoder
-        decoder.kept_sum = 0.0  # nothing is ever kept: choose() keeps K = 0, only probes speculate
-        cost = decoder.cost
-        cost.smoothing = 0.0
-        for b in range(0, 9):
-            cost.draft[bucket(1 << b)] = 1e-5
-            cost.verify.setdefault(bucket(1 << b), {}).update({1: 0.01, 2: 0.0101, 5: 0.0101})
         if slow:
             propose = decoder._propose_with_draft
 
