@@ -58,10 +58,9 @@ step pending 300 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu or GPU
   tests/test_fused_ops.py tests/test_structured_async.py tests/test_structured.py tests/test_structured_compile.py tests/test_spec_interactions.py \
   tests/test_spec_graphs.py tests/test_spec_decode.py tests/test_spec_idle_draft.py tests/test_gpu_engine.py \
   tests/test_gpu_budget.py tests/test_multi_model_gpu.py tests/test_diagnose_multi.py
-# The GPU tests of what changed since the last `pending` run (2026-12-02: the adaptive K choice, start-up's accounting).
+# The GPU tests of what changed since the last `pending` run (2026-12-02: the fused MoE routing and alignment).
 step retest 200 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu or GPU or CUDA or triton" \
-  tests/test_spec_graphs.py tests/test_spec_decode.py tests/test_spec_idle_draft.py tests/test_gpu_budget.py \
-  tests/test_multi_model_gpu.py
+  tests/test_moe_triton.py tests/test_moe.py
 # --sleep-offload-weights (#15): its tests on CUDA (weight arenas, graphs over restored weights), then the wake benchmark.
 step sleep-tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_multi_model_weights_sleep.py tests/test_multi_model_sleep.py
 step sleep 240 python3 benchmarks/bench_sleep.py

@@ -49,7 +49,37 @@ COMPARE = textwrap.dedent("""
         err = (ours.float() - expected.float()).abs().max().item()
         assert err <= tol * max(1.0, expected.float().abs().max().item()), (tokens, experts, top_k, dtype, err)
 
+    def check_align(tokens, experts, top_k, block_m, device, seed=0):
+        from mempath.kernels.moe_triton import align_fused
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).to(device)
+        if tokens > 2:
+            ids[: tokens // 2] = ids[0]  # crowded experts: groups longer than a block
+        want = align_to_blocks(ids, experts, block_m)
+        got = align_fused(ids, experts, block_m)
+        assert all(torch.equal(w.cpu(), g_.cpu()) for w, g_ in zip(want, got)), (tokens, experts, top_k, want, got)
+
+    def check_route(tokens, experts, top_k, norm, dtype, weights_dtype, device, seed=0):
+        from mempath.kernels.moe_triton import triton_route
+        from mempath.model.moe import route_torch
+        logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
+        want_w, want_i = route_torch(logits, top_k, norm, weights_dtype)
+        got_w, got_i = triton_route(logits, top_k, norm, weights_dtype)
+        assert got_w.dtype == want_w.dtype and torch.equal(got_i.sort(-1).values, want_i.sort(-1).values)
+        order_w = want_w.gather(-1, want_i.argsort(-1)).float()
+        order_g = got_w.gather(-1, got_i.argsort(-1)).float()
+        tol = 1e-6 if weights_dtype == torch.float32 else 1e-2
+        assert (order_w - order_g).abs().max().item() <= tol, (tokens, experts, top_k, dtype)
+
     def run_all(device, dtypes):
+        check_align(1, 128, 8, 16, device)                                # Qwen3-30B-A3B decode, batch 1
+        check_align(16, 128, 8, 16, device, seed=1)                        # 128 pairs: the fused bound
+        check_align(3, 8, 2, 16, device, seed=2)                           # Mixtral-like, few experts
+        check_align(7, 60, 4, 16, device, seed=3)                          # experts not a power of two
+        for dtype in dtypes:
+            check_route(5, 128, 8, True, dtype, dtype, device)             # Qwen3-MoE: renormalised
+            check_route(4, 8, 2, True, dtype, torch.float32, device)       # Mixtral: float32 weights
+            check_route(3, 60, 4, False, dtype, dtype, device, seed=1)     # not renormalised
         for dtype in dtypes:
             check(1, 8, 2, 64, 48, dtype, device)                      # decode, batch 1
             check(37, 8, 2, 64, 48, dtype, device, skip_expert=3)       # an empty group, ragged groups

@@ -48,7 +48,9 @@ class Kernels:
     - ``attention(q, k_cache, v_cache, meta, scale) -> out`` over the paged cache;
     - ``grouped_experts(x, router_weights, expert_ids, gate_up_proj, down_proj, silu_and_mul) -> out``:
       a MoE layer's experts with every expert resident, no host read (None: the PyTorch
-      twin in mempath.model.moe, which reads the group sizes on the host).
+      twin in mempath.model.moe, which reads the group sizes on the host);
+    - ``moe_route(logits, top_k, norm_topk_prob, weights_dtype) -> (weights, ids)``: the router's
+      softmax and top k in one launch, beside grouped_experts (None: ``route_torch``).
     """
 
     rms_norm: Callable
@@ -58,6 +60,7 @@ class Kernels:
     qk_norm_rope_and_store: Callable
     triton: bool  # the Triton kernels (the runner sizes their decode workspace and compiles them)
     grouped_experts: Callable | None = None
+    moe_route: Callable | None = None
 
 
 def torch_kernels() -> Kernels:
@@ -69,9 +72,10 @@ def triton_kernels() -> Kernels:
     from mempath.kernels.attention_triton import attend_triton
     from mempath.kernels.elementwise_triton import (qk_norm_rope_and_store_triton, rope_and_store_triton,
                                                     triton_rms_norm, triton_silu_and_mul)
-    from mempath.kernels.moe_triton import triton_grouped_experts
+    from mempath.kernels.moe_triton import triton_grouped_experts, triton_route
     return Kernels(triton_rms_norm, rope_and_store_triton, triton_silu_and_mul, attend_triton,
-                   qk_norm_rope_and_store_triton, triton=True, grouped_experts=triton_grouped_experts)
+                   qk_norm_rope_and_store_triton, triton=True, grouped_experts=triton_grouped_experts,
+                   moe_route=triton_route)
 
 
 def kernels_for(device: torch.device) -> Kernels:

@@ -60,6 +60,92 @@ if HAS_TRITON:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+    @triton.jit
+    def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride, TOP_K: tl.constexpr,
+                      NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One token: softmax over its experts in float32, the top k (ties: the lower expert), renormalised."""
+        token = tl.program_id(0).to(tl.int64)
+        experts = tl.arange(0, BLOCK_E)
+        x = tl.load(logits_ptr + token * stride + experts, mask=experts < num_experts, other=-float("inf"))
+        x = x.to(tl.float32)
+        p = tl.exp(x - tl.max(x, axis=0))
+        p = p / tl.sum(p, axis=0)
+        slots = tl.arange(0, BLOCK_K)
+        top_w = tl.zeros([BLOCK_K], dtype=tl.float32)
+        top_i = tl.zeros([BLOCK_K], dtype=tl.int64)
+        for j in tl.static_range(TOP_K):
+            best = tl.max(p, axis=0)
+            index = tl.min(tl.where(p == best, experts, BLOCK_E), axis=0)
+            top_w = tl.where(slots == j, best, top_w)
+            top_i = tl.where(slots == j, index, top_i)
+            p = tl.where(experts == index, -1.0, p)
+        if NORM:
+            top_w = top_w / tl.sum(top_w, axis=0)
+        keep = slots < TOP_K
+        tl.store(weights_ptr + token * TOP_K + slots, top_w.to(weights_ptr.dtype.element_ty), mask=keep)
+        tl.store(ids_ptr + token * TOP_K + slots, top_i, mask=keep)
+
+    @triton.jit
+    def _align_kernel(ids_ptr, pair_of_row_ptr, block_expert_ptr, num_pairs, num_experts, num_rows, num_blocks,
+                      BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+                      BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
+        """align_to_blocks in one program, for few pairs (comparisons of every pair with every pair)."""
+        pairs = tl.arange(0, BLOCK_P)
+        real = pairs < num_pairs
+        expert_of = tl.load(ids_ptr + pairs, mask=real, other=num_experts).to(tl.int32)
+        experts = tl.arange(0, BLOCK_E)
+        mine = expert_of[None, :] == experts[:, None]  # [E, P]
+        counts = tl.sum(mine.to(tl.int32), axis=1)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        padded_end = tl.cumsum(padded, axis=0)
+        group_start = tl.sum(tl.where(mine, (padded_end - padded)[:, None], 0), axis=0)  # [P]
+        # A pair's place in its group: the earlier pairs of its expert (the stable sort's order).
+        earlier = (expert_of[:, None] == expert_of[None, :]) & (pairs[None, :] < pairs[:, None])
+        rank = tl.sum(earlier.to(tl.int32), axis=1)
+        rows = tl.arange(0, BLOCK_R)
+        tl.store(pair_of_row_ptr + rows, tl.full([BLOCK_R], -1, tl.int64), mask=rows < num_rows)
+        tl.debug_barrier()
+        tl.store(pair_of_row_ptr + group_start + rank, pairs.to(tl.int64), mask=real)
+        blocks = tl.arange(0, BLOCK_B)
+        passed = (padded_end[None, :] <= (blocks * BLOCK_M)[:, None]) & (experts[None, :] < num_experts)
+        expert_of_block = tl.sum(passed.to(tl.int32), axis=1)
+        expert_of_block = tl.where(expert_of_block < num_experts, expert_of_block, -1)
+        tl.store(block_expert_ptr + blocks, expert_of_block.to(tl.int64), mask=blocks < num_blocks)
+
+
+# align_to_blocks' fifteen small kernels cost more than the experts' GEMMs at decode batches
+# (BENCHMARKS.md, the Qwen3-30B-A3B kernel table); up to this many pairs one program does it.
+FUSED_ALIGN_MAX_PAIRS = 128
+
+
+def triton_route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, weights_dtype: torch.dtype):
+    """``route_torch`` (mempath.model.moe) in one launch: (weights [T, k] in ``weights_dtype``, ids [T, k])."""
+    tokens, num_experts = logits.shape
+    logits = logits.contiguous()
+    weights = torch.empty(tokens, top_k, dtype=weights_dtype, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    if tokens:
+        _route_kernel[(tokens,)](logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
+                                 NORM=norm_topk_prob, BLOCK_E=triton.next_power_of_2(num_experts),
+                                 BLOCK_K=triton.next_power_of_2(top_k), num_warps=1)
+    return weights, ids
+
+
+def align_fused(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """align_to_blocks' result in one launch (at most FUSED_ALIGN_MAX_PAIRS pairs)."""
+    flat = expert_ids.reshape(-1).contiguous()
+    num_pairs = flat.numel()
+    num_blocks = -(-num_pairs // block_m) + min(num_pairs, num_experts)
+    pair_of_row = torch.empty(num_blocks * block_m, dtype=torch.int64, device=flat.device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int64, device=flat.device)
+    _align_kernel[(1,)](flat, pair_of_row, block_expert, num_pairs, num_experts, num_blocks * block_m, num_blocks,
+                        BLOCK_M=block_m, BLOCK_P=max(16, triton.next_power_of_2(num_pairs)),
+                        BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
+                        BLOCK_R=triton.next_power_of_2(num_blocks * block_m),
+                        BLOCK_B=max(16, triton.next_power_of_2(num_blocks)), num_warps=4)
+    return pair_of_row, block_expert
+
+
 def block_m_for(num_pairs: int) -> int:
     """Rows per block: 16 for decode-sized batches (few rows per expert), 64 for prefill."""
     return 16 if num_pairs <= 1024 else 64
@@ -114,7 +200,8 @@ def triton_grouped_experts(x: torch.Tensor, router_weights: torch.Tensor, expert
     tokens, top_k = expert_ids.shape
     num_pairs = tokens * top_k
     block_m = block_m_for(num_pairs)
-    pair_of_row, block_expert = align_to_blocks(expert_ids, gate_up_proj.shape[0], block_m)
+    align = align_fused if num_pairs <= FUSED_ALIGN_MAX_PAIRS else align_to_blocks
+    pair_of_row, block_expert = align(expert_ids, gate_up_proj.shape[0], block_m)
     x = x.contiguous()
     gate_up = x.new_empty(num_pairs, gate_up_proj.shape[1])
     _grouped_gemm(x, gate_up_proj, gate_up, pair_of_row, block_expert, block_m, top_k)

@@ -50,6 +50,15 @@ def dispatch(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
     return order, torch.bincount(flat, minlength=num_experts)
 
 
+def route_torch(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, weights_dtype: torch.dtype):
+    """Softmax in float32, the top k, renormalised where the family does: (weights, expert ids), [T, k] each."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, expert_ids = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    return weights.to(weights_dtype), expert_ids
+
+
 def counts_dtype() -> torch.dtype:
     return torch.int64  # torch.bincount's, so the group sizes and the predictions concatenate
 
@@ -81,13 +90,9 @@ class MoEBlock(nn.Module):
         logits = self.gate(x)
         if self.router_bias is not None:
             logits = self.router_bias(logits)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights /= weights.sum(dim=-1, keepdim=True)
-        if not self.routing_weights_float32:
-            weights = weights.to(logits.dtype)
-        return weights, expert_ids
+        weights_dtype = torch.float32 if self.routing_weights_float32 else logits.dtype
+        route = self.experts.kernels.moe_route if self.uses_grouped_kernel() else None
+        return (route or route_torch)(logits, self.top_k, self.norm_topk_prob, weights_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, expert_ids = self.route(x)
