@@ -86,3 +86,24 @@ def test_one_model_kv_min_share_refused(two_models, capsys):
     llama, _ = two_models
     assert main(["plan", llama, "--kv-min-share", "0.2", "--gpu-mem", "1GiB"]) == 2
     assert "plan several models" in capsys.readouterr().err
+
+
+def test_plan_counts_the_pinned_weight_copies_of_sleep_offload_weights(two_models, capsys):
+    from mempath.memory.ledger import Pathway
+    from mempath.tools.plan_multi import ARENA_GRANULARITY
+    llama, qwen = two_models
+    plan = plan_models([f"a={llama}", f"b={qwen}"], dtype="float32", max_model_len=256, num_gpu_blocks_override=20,
+                       sleep_offload_weights=True)
+    llm = LLM([f"a={llama}", f"b={qwen}"], show_progress=False, dtype="float32", max_model_len=256,
+              num_gpu_blocks_override=20, sleep_after=60, sleep_offload_weights=True)
+    for entry in plan.models:
+        copy = entry.host_weight_copy_bytes
+        assert copy % ARENA_GRANULARITY == 0 and 0 <= copy - entry.plan.weight_bytes < ARENA_GRANULARITY
+        # The CPU's arena aligns each tensor to 256 bytes, not CUDA's 2 MiB: no larger than the plan.
+        assert entry.plan.weight_bytes <= llm.engines[entry.name].ledger.get(Pathway.WEIGHTS_HOST) <= copy
+    assert main(["plan", f"a={llama}", f"b={qwen}", "--dtype", "float32", "--num-gpu-blocks-override", "20",
+                 "--sleep-offload-weights"]) == 0
+    out = capsys.readouterr().out
+    assert "pinned at start-up (--sleep-offload-weights)" in out and "a: its weights' copy while asleep" in out
+    assert main(["plan", llama, "--sleep-offload-weights"]) == 2
+    assert "--sleep-offload-weights plan several models" in capsys.readouterr().err

@@ -146,6 +146,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="several models: the fraction of the KV pool each model is guaranteed")
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None,
                         help="several models: the number of KV pages, instead of what the budget leaves")
+    parser.add_argument("--sleep-offload-weights", action="store_true",
+                        help="several models: count each model's pinned host copy of its weights (serve's flag)")
     parser.add_argument("--gpu-mem", default=None,
                         help="device memory with its unit, e.g. 80GiB, 24GB or 85899345920B; a bare "
                              "number is refused (default: the CUDA device's)")
@@ -174,9 +176,9 @@ def run_plan(args: argparse.Namespace) -> int:
                                                                                        args.context_mem)
         if len(args.model) > 1:
             return run_multi_plan(args, gpu_mem, context)
-        if args.kv_min_share or args.num_gpu_blocks_override is not None:
-            raise ValueError("--kv-min-share and --num-gpu-blocks-override plan several models "
-                             "(mempath plan A B ...)")
+        if args.kv_min_share or args.num_gpu_blocks_override is not None or args.sleep_offload_weights:
+            raise ValueError("--kv-min-share, --num-gpu-blocks-override and --sleep-offload-weights plan several "
+                             "models (mempath plan A B ...)")
         import psutil
         plan = plan_memory(
             args.model[0], dtype=args.dtype, gpu_mem_bytes=gpu_mem, host_mem_bytes=psutil.virtual_memory().total,
@@ -206,6 +208,7 @@ def run_multi_plan(args: argparse.Namespace, gpu_mem: int | None, context: int) 
     plan = plan_models(args.model, kv_min_share=args.kv_min_share, gpu_mem_bytes=gpu_mem, context_bytes=context,
                        gpu_memory_utilization=args.gpu_memory_utilization,
                        num_gpu_blocks_override=args.num_gpu_blocks_override,
+                       sleep_offload_weights=args.sleep_offload_weights,
                        block_size=DEFAULT_BLOCK_SIZE if args.block_size == "auto" else args.block_size,
                        dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, cuda_graphs=not args.enforce_eager,

@@ -17,6 +17,10 @@ from mempath.multi.layout import page_layout
 from mempath.multi.names import served_models
 from mempath.tools.plan import MemoryPlan, plan_memory
 
+# cuMemGetAllocationGranularity's answer on the H200 (2026-12-02: a 16,060,522,496-byte
+# model's arena was 16,062,087,168 bytes, 7,659 x 2 MiB).
+ARENA_GRANULARITY = 2 << 20
+
 
 @dataclass
 class ModelInPool:
@@ -26,6 +30,7 @@ class ModelInPool:
     page_fill: float  # the fraction of a page one of its blocks fills
     kv_tokens_alone: int | None = None  # the whole pool as its blocks
     kv_tokens_guaranteed: int | None = None  # its kv_min_share of the pages
+    host_weight_copy_bytes: int = 0  # --sleep-offload-weights: the pinned copy of its weights' arena
 
 
 @dataclass
@@ -41,6 +46,7 @@ class MultiPlan:
     num_pages: int | None = None
     guaranteed_pages: int | None = None
     fits: bool | None = None  # every model can hold one max-model-len sequence in the whole pool
+    sleep_offload_weights: bool = False
     advice: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -50,13 +56,17 @@ class MultiPlan:
 def plan_models(models: list[str], *, served_model_name: list[str] | None = None, kv_min_share: float = 0.0,
                 block_size: int = DEFAULT_BLOCK_SIZE, gpu_mem_bytes: int | None = None,
                 gpu_memory_utilization: float = 0.9, context_bytes: int = 0,
-                num_gpu_blocks_override: int | None = None, **settings) -> MultiPlan:
+                num_gpu_blocks_override: int | None = None, sleep_offload_weights: bool = False,
+                **settings) -> MultiPlan:
     """Plan ``models`` (directories or configs, ``NAME=DIR`` as `mempath serve` reads them) on one
     device. ``settings``: plan_memory's serving keywords, the same for every model (as the engine
     takes one value of each for all). ``num_gpu_blocks_override``: the number of pages, as the
     engine's; else, with ``gpu_mem_bytes``, what the budget leaves::
 
         pages = (budget − Σ (weights + step peak + CUDA graphs) − context) // page bytes
+
+    ``sleep_offload_weights``: each model's pinned host copy of its weights, allocated at
+    start-up (mempath/multi/sleep.py): the weights rounded up to ARENA_GRANULARITY.
     """
     if len(models) < 2:
         raise ValueError("plan_models plans several models; plan one with plan_memory")
@@ -75,7 +85,10 @@ def plan_models(models: list[str], *, served_model_name: list[str] | None = None
         plan = plan_memory(path, block_size=size, **common)
         entries.append(ModelInPool(name, plan, plan.resident_weight_bytes + plan.step_peak_bytes + plan.cuda_graph_bytes,
                                    plan.kv_bytes_per_block / page_bytes))
-    result = MultiPlan(entries, page_bytes, kv_min_share, context_bytes, gpu_mem_bytes, gpu_memory_utilization)
+        if sleep_offload_weights:
+            entries[-1].host_weight_copy_bytes = -(-plan.resident_weight_bytes // ARENA_GRANULARITY) * ARENA_GRANULARITY
+    result = MultiPlan(entries, page_bytes, kv_min_share, context_bytes, gpu_mem_bytes, gpu_memory_utilization,
+                       sleep_offload_weights=sleep_offload_weights)
     if gpu_mem_bytes is not None:
         result.budget_bytes = int(gpu_mem_bytes * gpu_memory_utilization)
         result.pool_bytes = result.budget_bytes - sum(m.device_bytes for m in entries) - context_bytes
@@ -120,6 +133,10 @@ def format_multi_plan(p: MultiPlan) -> str:
                      q.cuda_graph_bytes),
                 _row("total besides KV", m.device_bytes), ""]
     out += ["the process, once", _row("context (given; not derivable)", p.context_bytes), ""]
+    if p.sleep_offload_weights:
+        out += ["host memory, pinned at start-up (--sleep-offload-weights)",
+                *[_row(f"{m.name}: its weights' copy while asleep", m.host_weight_copy_bytes) for m in p.models],
+                _row("total", sum(m.host_weight_copy_bytes for m in p.models)), ""]
     if p.num_pages is None:
         out += ["capacity: needs --gpu-mem (no CUDA device visible)", ""]
     else:
