@@ -181,8 +181,14 @@ def test_metrics_state_and_ledger_per_model_and_the_pool(server):
     pool_bytes = [v for (metric, labels), v in process.items() if metric == "mempath:memory_bytes"]
     assert pool_bytes == [24 * server.engine.pool.page_bytes]
     # Every series names a model, or the models together (the process's figures).
-    owners = {owner for (metric, owner, _) in series if metric.startswith("mempath:") and metric != "mempath:cache_config_info"}
+    owners = {owner for (metric, owner, _) in series if metric.startswith("mempath:")}
     assert owners == {*names, ",".join(names)}
+    # Each model's cache settings, as its own series (its block size differs from the other's).
+    infos = {owner: dict(labels) for (metric, owner, labels) in series if metric == "mempath:cache_config_info"}
+    assert set(infos) == set(names)
+    for name in names:
+        assert infos[name]["block_size"] == str(engines[name].config.block_size)
+        assert infos[name]["num_gpu_blocks"] == str(engines[name].kv.num_blocks)
 
 
 def test_one_model_metrics_keep_their_series():

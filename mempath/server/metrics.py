@@ -77,10 +77,11 @@ def cache_config_info(engine) -> dict[str, str]:
 
 class ServerMetrics:
     def __init__(self, model_name: str, block_size: int, max_model_len: int = 131072,
-                 cache_info: dict[str, str] | None = None, memory_budget: tuple[str, int] | None = None,
-                 block_sizes: dict[str, int] | None = None):
+                 cache_info: dict[str, str] | dict[str, dict[str, str]] | None = None,
+                 memory_budget: tuple[str, int] | None = None, block_sizes: dict[str, int] | None = None):
         """``max_model_len`` bounds the token-count buckets; ``cache_info``: cache_config_info's
-        labels; ``memory_budget``: (device, bytes) of the device budget, None on the CPU.
+        labels (several models: each model's, by name, as a series with its ``model_name``);
+        ``memory_budget``: (device, bytes) of the device budget, None on the CPU.
         ``block_sizes``: several models (mempath/multi), each model's name and block size: every
         model's requests and state are series of its own ``model_name`` (the events' ``model=``),
         and ``model_name`` names the process-wide series (the names joined)."""
@@ -116,8 +117,12 @@ class ServerMetrics:
                                           ["stage"])
         if cache_info is not None:
             # An info metric as vLLM writes it: a gauge at 1 whose labels carry the settings.
-            Gauge("mempath:cache_config_info", "Information of the LLMEngine CacheConfig",
-                  list(cache_info), registry=self.registry).labels(**cache_info).set(1)
+            by_model = cache_info if block_sizes is not None else None
+            fields = list(next(iter(by_model.values())) if by_model else cache_info)
+            info = Gauge("mempath:cache_config_info", "Information of the LLMEngine CacheConfig",
+                         (["model_name"] if by_model else []) + fields, registry=self.registry)
+            for name, labels in (by_model or {None: cache_info}).items():
+                info.labels(**labels, **({"model_name": name} if by_model else {})).set(1)
         # Zero series exist from the start, so rate() works before the first request ends.
         for name in self.model_names:
             self._zero_series(name)
@@ -176,12 +181,13 @@ class ServerMetrics:
 
     @classmethod
     def for_models(cls, engines: dict) -> "ServerMetrics":
-        """Metrics for a server over several models (name -> LLMEngine, mempath/multi): the
-        first model's cache settings, the longest max_model_len's buckets, one budget."""
+        """Metrics for a server over several models (name -> LLMEngine, mempath/multi): each
+        model's cache settings, the longest max_model_len's buckets, one budget."""
         first = next(iter(engines.values()))
         budget = first.budget
         return cls(",".join(engines), first.config.block_size, max(e.max_model_len for e in engines.values()),
-                   cache_config_info(first), None if budget.limit is None else (budget.device, budget.limit),
+                   {name: cache_config_info(e) for name, e in engines.items()},
+                   None if budget.limit is None else (budget.device, budget.limit),
                    block_sizes={name: e.config.block_size for name, e in engines.items()})
 
     # ----------------------------------------------------------------- events (engine thread)
