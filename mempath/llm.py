@@ -29,10 +29,8 @@ class LLM:
                  kv_min_share: float = 0.0, sleep_after: float | None = None, sleep_offload_weights: bool = False,
                  **engine_options):
         if isinstance(model, (list, tuple)) or models is not None:
-            from mempath.multi.sleep import check_offload_weights
-            check_offload_weights(sleep_offload_weights, sleep_after)
-            if sleep_offload_weights:
-                engine_options = {**engine_options, "weights_arena": True}
+            from mempath.multi.sleep import offload_options
+            engine_options = offload_options(engine_options, sleep_offload_weights, sleep_after)
             self._init_several(list(models if models is not None else model), served_model_name, kv_min_share,
                                show_progress, engine_options, sleep_after)
             return

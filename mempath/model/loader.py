@@ -256,9 +256,11 @@ def build_model(spec: ModelSpec, max_positions: int, dtype: torch.dtype, device:
     if spec.tie_word_embeddings:
         # to_empty would give the tied head its own storage; share it instead.
         del model.lm_head.weight
-    arena = place_in_arena(model, device) if weights_arena else None
-    model = model if weights_arena else model.to_empty(device=device)
-    model.weights_arena = arena
+    if weights_arena:
+        model.weights_arena = place_in_arena(model, device)
+    else:
+        model = model.to_empty(device=device)
+        model.weights_arena = None
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary.build(device)

@@ -160,7 +160,7 @@ def build_multi_server_app(models: list[str], engine_options: dict, served_model
     from mempath.generation_config import generation_defaults
     from mempath.multi.engine import MultiEngine
     from mempath.multi.names import served_models
-    from mempath.multi.sleep import check_offload_weights, check_sleep_after
+    from mempath.multi.sleep import check_sleep_after, offload_options
     from mempath.multi.startup import build_engines
     from mempath.multi.pipeline_route import pipeline_router
     from mempath.server.app import build_app
@@ -170,9 +170,7 @@ def build_multi_server_app(models: list[str], engine_options: dict, served_model
         raise ValueError("--tokenizer names one tokenizer; with several models each uses the one in its directory")
     pairs = served_models(models, served_model_names)
     check_sleep_after(sleep_after)
-    check_offload_weights(sleep_offload_weights, sleep_after)
-    if sleep_offload_weights:
-        engine_options = {**engine_options, "weights_arena": True}
+    engine_options = offload_options(engine_options, sleep_offload_weights, sleep_after)
     defaults = {name: generation_defaults(path, engine_options.get("generation_config", "auto"))
                 for name, path in pairs}
     engines, pool = build_engines(pairs, engine_options, show_progress, kv_min_share)

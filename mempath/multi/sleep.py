@@ -39,10 +39,12 @@ def check_sleep_after(sleep_after: float | None) -> None:
                          f"(leave --sleep-after out to keep every model awake)")
 
 
-def check_offload_weights(offload_weights: bool, sleep_after: float | None) -> None:
+def offload_options(engine_options: dict, offload_weights: bool, sleep_after: float | None) -> dict:
+    """The engines' options for --sleep-offload-weights (their weights loaded into arenas), checked first."""
     if offload_weights and sleep_after is None:
         raise ValueError("--sleep-offload-weights moves an asleep model's weights to host memory: "
                          "give --sleep-after S too (the seconds idle before a model sleeps)")
+    return {**engine_options, "weights_arena": True} if offload_weights else engine_options
 
 
 class AsleepWeights:
