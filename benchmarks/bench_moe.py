@@ -11,14 +11,15 @@ pinned    the pinned host-to-device bandwidth, copying one expert (all three pro
           (a large device-to-device copy, bytes read + written per second), both measured
           in this run.
 offload   the Qwen3-30B-A3B shape with a 16 GB weight budget (the non-expert weights plus
-          --moe-expert-cache-gb for the slots), batch-1 decode tokens/s with the model's
-          random router (its routing is whatever random weights give: hit_rate says how
-          concentrated) and with the synthetic skewed router
-          (mempath.model.moe.synthetic_router_bias, skew 1.0): each against the bound
-          missed-bytes-per-token / pinned bandwidth and against the planner's prediction
-          (memory.formulas.moe_offload_tokens_per_second, from the hit rate and the
-          all-resident step time measured here). Tokens are compared with an all-resident
-          run on the same PyTorch expert path (the same arithmetic: they must be identical).
+          --moe-expert-cache-gb for the slots), batch-1 decode tokens/s with three routers:
+          the model's (random weights: hit_rate says how concentrated its routing is), the
+          synthetic uniform one (mempath.model.moe.synthetic_uniform_router: no locality, the
+          cache's worst case) and the synthetic skewed one (synthetic_router_bias, skew 1.0).
+          Each against the bound copied-bytes-per-token / pinned bandwidth and against the
+          planner's prediction (memory.formulas.moe_offload_tokens_per_second, from the hit
+          rate and the all-resident step time measured here). On CUDA decode runs on graphs
+          cut at the MoE layers (mempath/engine/piecewise.py); the model router's tokens are
+          compared with the all-resident run's (the same kernels: they must be identical).
 resident  Qwen3-30B-A3B and Mixtral-8x7B shapes with every expert resident (the grouped
           kernel, decode CUDA graphs), batch-1 decode tokens/s against the active-weight
           read limit (bytes one token reads / the device read bandwidth).
@@ -43,7 +44,8 @@ sys.path.insert(0, str(ROOT))
 from mempath import LLM, SamplingParams  # noqa: E402
 from mempath.memory.formulas import (expert_bytes, moe_missed_bytes_per_token,  # noqa: E402
                                      moe_offload_tokens_per_second, read_shape, weight_bytes)
-from mempath.model.moe import expert_cache_stats, set_expert_prefetch, synthetic_router_bias  # noqa: E402
+from mempath.model.moe import (expert_cache_stats, set_expert_prefetch, synthetic_router_bias,  # noqa: E402
+                               synthetic_uniform_router)
 from mempath.tools.plan import plan_memory  # noqa: E402
 
 CONFIGS = ROOT / "tests" / "data" / "configs"
@@ -78,12 +80,6 @@ def engine(path: str, args, **extra) -> LLM:
     return LLM(path, load_format="dummy", dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                max_num_seqs=4, max_num_batched_tokens=args.max_model_len, enable_prefix_caching=False,
                show_progress=False, **extra)
-
-
-def twin_path(llm: LLM) -> None:
-    """Run every MoE layer on the PyTorch expert path (the offloaded runs' arithmetic)."""
-    for block in llm.engine.model.moe_blocks():
-        block.experts.kernels = dataclasses.replace(block.experts.kernels, grouped_experts=None)
 
 
 def sync(llm: LLM) -> None:
@@ -162,46 +158,55 @@ def part_offload(args, config: dict, bandwidth: dict) -> list[dict]:
     non_expert = weight_bytes(shape, b)["total"] - every
     slots_gb = (args.weight_budget - non_expert) / (1 << 30)
     plan = plan_memory(path, dtype=args.dtype, moe_expert_cache_gb=slots_gb)
-    twin_all = engine(path, args, enforce_eager=True)
-    twin_path(twin_all)
-    resident_rate, resident_tokens, _ = decode(twin_all, args)
-    del twin_all
+    # The reference: every expert resident, the same kernels (decode graphs on CUDA). Its step
+    # time is the planner's resident step; its tokens are what the offloaded run must give.
+    resident = engine(path, args)
+    resident_rate, resident_tokens, _ = decode(resident, args)
+    del resident
+    llm = engine(path, args, moe_expert_cache_gb=slots_gb, moe_cpu_experts=args.cpu_experts)
+    set_expert_prefetch(llm.engine.model, False)  # decode graphs do not prefetch; eager steps would
     out = []
-    for router, prefetch in (("model", True), ("model", False), ("skewed", True), ("skewed", False)):
-        if prefetch:  # the same engine runs with prefetch on, then off
-            llm = engine(path, args, moe_expert_cache_gb=slots_gb, moe_cpu_experts=args.cpu_experts)
-            if router == "skewed":
-                synthetic_router_bias(llm.engine.model, skew=1.0, seed=0)
-        set_expert_prefetch(llm.engine.model, prefetch and llm.engine.device.type == "cuda")
+    for router in ("model", "uniform", "skewed"):
+        set_router(llm, router)
         rate, tokens, before = decode(llm, args)
         after = expert_cache_stats(llm.engine.model)
         hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
-        prefetched = after["prefetched"] - before["prefetched"]
-        used = after["prefetch_used"] - before["prefetch_used"]
-        hit_rate = hits / (hits + misses)  # a prefetched expert found in its slot is a hit
-        # The bound: the bytes this run copied (misses and prefetches) at the pinned bandwidth.
+        hit_rate = hits / (hits + misses)
+        # The bound: the bytes this run copied at the pinned bandwidth.
         copied = (after["bytes_loaded"] - before["bytes_loaded"]) / args.output_len
         bound = bandwidth["h2d_GBps"] * 1e9 / copied if copied else float("inf")
-        # The planner's prediction: the miss rate of the cache without prefetch, copies not overlapped.
-        miss_rate = (misses + prefetched) / (hits + misses)
-        predicted = moe_offload_tokens_per_second(shape, b, 1 - miss_rate, bandwidth["h2d_GBps"] * 1e9,
-                                                  1.0 / resident_rate)
-        same = tokens == resident_tokens if router == "model" else None
+        predicted = moe_offload_tokens_per_second(shape, b, hit_rate, bandwidth["h2d_GBps"] * 1e9, 1.0 / resident_rate)
         out.append(result(
-            "offload", model=config["architectures"][0], router=after["router"], prefetch=prefetch,
-            prefetched_per_token=prefetched / args.output_len, prefetch_accuracy=used / prefetched if prefetched else None,
-            weight_budget_GB=args.weight_budget / 1e9,
-            experts_per_layer=after["num_slots"], of=shape.num_experts, planned_resident_weight_GB=plan.resident_weight_bytes / 1e9,
+            "offload", model=config["architectures"][0], router=after["router"],
+            cuda_graphs=sorted(llm.engine.runner.graphs), weight_budget_GB=args.weight_budget / 1e9,
+            experts_per_layer=after["num_slots"], of=shape.num_experts,
+            planned_resident_weight_GB=plan.resident_weight_bytes / 1e9,
             decode_tok_s=rate, hit_rate=hit_rate, bound_tok_s=bound, copied_GB_per_token=copied / 1e9,
-            missed_GB_per_token_formula=moe_missed_bytes_per_token(shape, b, 1 - miss_rate) / 1e9,
+            missed_GB_per_token_formula=moe_missed_bytes_per_token(shape, b, hit_rate) / 1e9,
             of_bound=rate / bound if copied else None, predicted_tok_s=predicted, predicted_error=(predicted - rate) / rate,
-            all_resident_twin_tok_s=resident_rate, tokens_identical_to_all_resident=same,
+            all_resident_tok_s=resident_rate,
+            tokens_identical_to_all_resident=tokens == resident_tokens if router == "model" else None,
             cpu_experts=args.cpu_experts, host_token_limit=after["host_token_limit"],
             host_experts_per_token=(after["host_experts"] - before["host_experts"]) / args.output_len,
-            target_tok_s=17 if router == "model" else 40))
-        if not prefetch:
-            del llm
+            target_tok_s={"model": None, "uniform": 17, "skewed": 40}[router]))
+    del llm
     return out
+
+
+def set_router(llm: LLM, router: str) -> None:
+    """The routing the next run measures; decode graphs are recaptured, since the pieces hold it."""
+    model = llm.engine.model
+    if router == "model":
+        synthetic_router_bias(model, skew=None)
+    elif router == "uniform":
+        synthetic_uniform_router(model, seed=0)
+    else:
+        synthetic_router_bias(model, skew=1.0, seed=0)
+    runner = llm.engine.runner
+    if runner.graphs:
+        runner.graphs.clear()
+        torch.cuda.empty_cache()
+        runner.capture_cuda_graphs()
 
 
 # ---------------------------------------------------------------- every expert resident

@@ -61,3 +61,26 @@ def test_planner_covers_both_paths_on_the_real_shape():
     for tokens in (1, 8192):
         grouped, pytorch = moe_grouped_phase_bytes(shape, tokens, 2), moe_phase_bytes(shape, tokens, 2)
         assert 0 < grouped < pytorch  # k·(I_e·b + 4h) + 6h < 3kh·b per token at h 2048, I_e 768, b 2
+
+
+def test_the_slot_path_with_several_waves_stays_within_the_plan(monkeypatch):
+    """Fewer experts resident than a step routes to: each wave after the first holds its own pair
+    outputs beside the step's (mempath/model/moe_slots.py), which the plan counts for an offloaded shape."""
+    monkeypatch.setattr(moe_triton, "_grouped_gemm", lambda *args, **kwargs: None)
+    monkeypatch.setattr(moe_triton, "align_fused", moe_triton.align_to_blocks)
+    spec = Spec()
+    shape = dataclasses.replace(read_shape(json.loads((CONFIGS / "qwen3-30b-a3b.json").read_text())),
+                                num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+                                hidden_size=spec.hidden_size, moe_intermediate_size=spec.moe_intermediate_size)
+    kernels = dataclasses.replace(torch_kernels(), grouped_expert_pairs=moe_triton.triton_grouped_expert_pairs,
+                                  silu_and_mul=fused_silu_and_mul)
+    block = MoEBlock(spec, kernels)
+    block.experts.set_resident(4)
+    offloaded = dataclasses.replace(shape, num_expert_slots=4)
+    for tokens in (7, 96, 300):
+        x, tracker = torch.randn(tokens, spec.hidden_size), TensorBytesTracker()
+        with torch.inference_mode(), tracker:
+            block(x)
+        assert len(block.experts.cache.waves(list(range(spec.num_experts)))) > 1
+        assert moe_grouped_phase_bytes(shape, tokens, 4, True) < tracker.peak, tokens
+        assert tracker.peak <= moe_grouped_phase_bytes(offloaded, tokens, 4, True), tokens

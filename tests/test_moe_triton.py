@@ -124,5 +124,6 @@ def test_the_grouped_kernel_is_captured_in_a_cuda_graph(model_factory):
     del eager
     release_cuda()
     partial = LLM(path, dtype="float32", device="cuda", show_progress=False, moe_expert_cache_size=2)
-    assert not partial.engine.runner.graphs  # misses are host decisions: eager
+    # Misses are host decisions: the batch-1 graph is cut at every MoE layer (engine/piecewise.py).
+    assert sorted(partial.engine.runner.graphs) == [1]
     assert [o.token_ids for o in partial.generate(prompts, params, use_tqdm=False)] == tokens

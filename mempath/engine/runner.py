@@ -18,7 +18,9 @@ from mempath.engine.penalties import LogitsAdjustments, build_adjustments
 from mempath.engine.prompt_logprobs import prompt_logprob_rows, record_prompt_logprobs
 from mempath.engine.request import Request
 from mempath.engine.sampler import Sampler, SamplerOutput
+from mempath.engine.piecewise import PiecewiseGraph, cuts_at
 from mempath.kv.block_table import BlockTableRows
+from mempath.model import moe_slots
 from mempath.model.llama import AttentionMetadata, CausalLM
 from mempath.model.quant import fp8_gemv_bytes
 from mempath.model.spec import ModelSpec
@@ -103,7 +105,10 @@ class ModelRunner:
         self.arange = np.arange(max(self.max_tokens, max_model_len) + 1, dtype=np.int64)
         self.table_rows = BlockTableRows(config.max_num_seqs)  # what each row of buffers.tables holds
         self.decode_workspace = None
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph | PiecewiseGraph] = {}
+        # MoE layers with experts in host memory: decode graphs are cut at them (engine/piecewise.py).
+        self.cut_blocks = moe_slots.offloaded_blocks(model) if device.type == "cuda" else []
+        self.slot_table_bytes = moe_slots.allocate_slot_tables(model) if self.cut_blocks else 0
         self.graph_logits: torch.Tensor | None = None
         # The model's kernels decide the path (mempath.kernels.dispatch); the Triton decode
         # kernel's split workspace is allocated once, here.
@@ -119,8 +124,10 @@ class ModelRunner:
         return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * itemsize
 
     def workspace_bytes(self) -> int:
-        """Bytes of the static step buffers and the decode split workspaces (attention's, fp8 GEMV's)."""
-        total = self.buffers.nbytes() + self.grammar_bitmask.nbytes() + fp8_gemv_bytes(self.model)
+        """Bytes of the static step buffers, the decode split workspaces (attention's, fp8 GEMV's) and the
+        offloaded MoE layers' slot tables."""
+        total = (self.buffers.nbytes() + self.grammar_bitmask.nbytes() + fp8_gemv_bytes(self.model)
+                 + self.slot_table_bytes)
         if self.decode_workspace is not None:
             total += sum(t.numel() * t.element_size() for t in self.decode_workspace)
         return total
@@ -249,7 +256,8 @@ class ModelRunner:
         graph_size = self._graph_size(batch, sampling)
         if graph_size is not None:
             self.prepare(batch, {id(r) for r in sampling}, pad_to=graph_size, tokens_from=tokens_from)
-            self.graphs[graph_size].replay()
+            graph = self.graphs[graph_size]
+            graph.replay(len(batch.requests)) if isinstance(graph, PiecewiseGraph) else graph.replay()
             logits = self.graph_logits[:len(batch.requests)]
         else:
             input_ids, positions, meta, logits_rows = self.prepare(
@@ -310,13 +318,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def graph_sizes(self) -> list[int]:
-        """The decode batch sizes that get a CUDA graph (none when eager, on the CPU, or for a MoE
-        model with fewer experts resident than all: its copies are host decisions, docs/moe.md).
+        """The decode batch sizes that get a CUDA graph (none when eager or on the CPU). A MoE model with
+        fewer experts resident than all gets graphs cut at its MoE layers (engine/piecewise.py) for the
+        batches whose k experts per row fit the slots at once, none if a miss may run on the host.
         """
-        eager_moe = any(not block.uses_grouped_kernel() for block in self.model.moe_blocks())
-        if self.device.type != "cuda" or self.config.enforce_eager or eager_moe:
+        if self.device.type != "cuda" or self.config.enforce_eager:
             return []
-        return graph_batch_sizes(min(self.max_num_seqs, MAX_GRAPH_BATCH))
+        if any(block.experts.kernels.grouped_experts is None for block in self.model.moe_blocks()):
+            return []
+        sizes = graph_batch_sizes(min(self.max_num_seqs, MAX_GRAPH_BATCH))
+        limit = moe_slots.graph_rows_limit(self.model)
+        return sizes if limit is None else [size for size in sizes if size <= limit]
 
     def capture_cuda_graphs(self) -> int:
         """Capture decode steps for each bucket size; return the graph pool's bytes."""
@@ -389,6 +401,14 @@ class ModelRunner:
             max_query_len=1, max_seq_len=None, decode_workspace=self.decode_workspace)
         ids, pos = buf.input_ids_d[:size], buf.positions_d[:size]
         self.graph_logits[:size] = self.model.compute_logits(self.model(ids, pos, meta))  # warm-up
+        if self.cut_blocks:
+            pieces = PiecewiseGraph()
+
+            def step():
+                self.graph_logits[:size] = self.model.compute_logits(self.model(ids, pos, meta))
+            with cuts_at(self.cut_blocks, pieces):
+                pieces.capture(step, pool)
+            return pieces
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool):
             self.graph_logits[:size] = self.model.compute_logits(self.model(ids, pos, meta))

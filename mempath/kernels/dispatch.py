@@ -50,7 +50,10 @@ class Kernels:
       a MoE layer's experts with every expert resident, no host read (None: the PyTorch
       twin in mempath.model.moe, which reads the group sizes on the host);
     - ``moe_route(logits, top_k, norm_topk_prob, weights_dtype) -> (weights, ids)``: the router's
-      softmax and top k in one launch, beside grouped_experts (None: ``route_torch``).
+      softmax and top k in one launch, beside grouped_experts (None: ``route_torch``);
+    - ``grouped_expert_pairs(x, router_weights, ids, gate_up_proj, down_proj, silu_and_mul) -> pairs``:
+      grouped_experts before the sum over k (float32 [T·k, h]), over any stack of experts: an
+      expert cache's slots (mempath.model.moe_slots; None: the cache runs the PyTorch twin).
     """
 
     rms_norm: Callable
@@ -61,6 +64,7 @@ class Kernels:
     triton: bool  # the Triton kernels (the runner sizes their decode workspace and compiles them)
     grouped_experts: Callable | None = None
     moe_route: Callable | None = None
+    grouped_expert_pairs: Callable | None = None
 
 
 def torch_kernels() -> Kernels:
@@ -72,10 +76,10 @@ def triton_kernels() -> Kernels:
     from mempath.kernels.attention_triton import attend_triton
     from mempath.kernels.elementwise_triton import (qk_norm_rope_and_store_triton, rope_and_store_triton,
                                                     triton_rms_norm, triton_silu_and_mul)
-    from mempath.kernels.moe_triton import triton_grouped_experts, triton_route
+    from mempath.kernels.moe_triton import triton_grouped_expert_pairs, triton_grouped_experts, triton_route
     return Kernels(triton_rms_norm, rope_and_store_triton, triton_silu_and_mul, attend_triton,
                    qk_norm_rope_and_store_triton, triton=True, grouped_experts=triton_grouped_experts,
-                   moe_route=triton_route)
+                   moe_route=triton_route, grouped_expert_pairs=triton_grouped_expert_pairs)
 
 
 def kernels_for(device: torch.device) -> Kernels:

@@ -190,12 +190,14 @@ def _grouped_gemm(a, weights, out, pair_of_row, block_expert, block_m, rows_per_
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32 if k < 64 else 64, num_warps=4)
 
 
-def triton_grouped_experts(x: torch.Tensor, router_weights: torch.Tensor, expert_ids: torch.Tensor,
-                           gate_up_proj: torch.Tensor, down_proj: torch.Tensor, silu_and_mul) -> torch.Tensor:
-    """Every token's k experts' SiLU-gated MLPs, weighted and summed: [T, h] in x's dtype.
+def triton_grouped_expert_pairs(x: torch.Tensor, router_weights: torch.Tensor, expert_ids: torch.Tensor,
+                                gate_up_proj: torch.Tensor, down_proj: torch.Tensor, silu_and_mul) -> torch.Tensor:
+    """Each (token, choice) pair's expert MLP output times its router weight: float32 [T·k, h].
 
-    ``gate_up_proj [E, 2I, h]``, ``down_proj [E, h, I]`` hold every expert (all resident);
-    ``router_weights`` and ``expert_ids`` are the router's top k, [T, k].
+    ``expert_ids`` index the first dimension of ``gate_up_proj [E, 2I, h]`` and ``down_proj
+    [E, h, I]``: every expert when all are resident, the slots of an expert cache otherwise
+    (mempath/model/moe_slots.py). A pair's row is computed the same way whichever group it
+    sits in, so the two give the same bits.
     """
     tokens, top_k = expert_ids.shape
     num_pairs = tokens * top_k
@@ -207,8 +209,24 @@ def triton_grouped_experts(x: torch.Tensor, router_weights: torch.Tensor, expert
     _grouped_gemm(x, gate_up_proj, gate_up, pair_of_row, block_expert, block_m, top_k)
     activated = silu_and_mul(gate_up).contiguous()
     del gate_up
-    # Weighted outputs in float32 (the twin weights in the weights' dtype, float32 for Mixtral), summed over k.
+    # Weighted outputs in float32 (the twin weights in the weights' dtype, float32 for Mixtral).
     out = torch.empty(num_pairs, down_proj.shape[1], dtype=torch.float32, device=x.device)
     _grouped_gemm(activated, down_proj, out, pair_of_row, block_expert, block_m, 1,
                   router_weights.reshape(-1).contiguous())
-    return out.view(tokens, top_k, -1).sum(dim=1).to(x.dtype)
+    return out
+
+
+def sum_pairs(pairs: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The pairs' outputs [T·k, h] summed over each token's k choices, in their order: [T, h] in ``dtype``."""
+    return pairs.view(-1, top_k, pairs.shape[-1]).sum(dim=1).to(dtype)
+
+
+def triton_grouped_experts(x: torch.Tensor, router_weights: torch.Tensor, expert_ids: torch.Tensor,
+                           gate_up_proj: torch.Tensor, down_proj: torch.Tensor, silu_and_mul) -> torch.Tensor:
+    """Every token's k experts' SiLU-gated MLPs, weighted and summed: [T, h] in x's dtype.
+
+    ``gate_up_proj [E, 2I, h]``, ``down_proj [E, h, I]`` hold every expert (all resident);
+    ``router_weights`` and ``expert_ids`` are the router's top k, [T, k].
+    """
+    pairs = triton_grouped_expert_pairs(x, router_weights, expert_ids, gate_up_proj, down_proj, silu_and_mul)
+    return sum_pairs(pairs, expert_ids.shape[1], x.dtype)

@@ -51,6 +51,7 @@ class ModelShape:
     moe_intermediate_size: int = 0
     num_moe_layers: int = 0  # the other layers have a dense MLP of intermediate_size
     quantization: str | None = None  # "fp8": the projections in one byte per weight (weight_bytes)
+    num_expert_slots: int = 0  # experts per MoE layer on the device when fewer than all (0: all)
 
 
 
@@ -401,8 +402,12 @@ def moe_grouped_phase_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, fu
         maps:     align_to_blocks' pair of each row R·8 and expert of each block B·8; while it
                   runs, at most 8 int64 arrays of R rows (a bound, not the measured 7.8)
         gate/up:  the pairs' gate/up P·2I_e and activation P·I_e (+ silu(gate) P·I_e unfused), ·b
-        down+sum: activation P·I_e·b, float32 outputs P·h·4, their sum over k T·h·4 and, for a
-                  16-bit model, that sum in the model dtype T·h·b
+        down:     activation P·I_e·b and float32 outputs P·h·4
+        sum:      the outputs P·h·4, their sum over k T·h·4 and, for a 16-bit model, that sum
+                  in the model dtype T·h·b
+        with an expert cache (``num_expert_slots`` below the experts), a wave after the first
+        also holds its own outputs P·h·4, slot ids P·8 (two while the next is made) and mask P
+        during gate/up and down
     Equal to the allocations the code makes (tests/test_moe_grouped_memory.py, the launches faked).
     """
     h, i, k, experts = shape.hidden_size, shape.moe_intermediate_size, shape.num_experts_per_tok, shape.num_experts
@@ -413,9 +418,13 @@ def moe_grouped_phase_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, fu
     routing = pairs * 12
     routing_peak = tokens * (experts * (dtype_bytes + 4) + 4) + pairs * (dtype_bytes + 8)
     maps = rows * 8 + blocks * 8
-    gate_up = pairs * i * dtype_bytes * (3 if fused else 4)
-    down_and_sum = pairs * i * dtype_bytes + pairs * h * 4 + tokens * h * (4 + (dtype_bytes if dtype_bytes != 4 else 0))
-    return max(routing_peak, routing + pairs * 16 + 8 * rows * 8, routing + maps + max(gate_up, down_and_sum))
+    # An expert cache's later waves (mempath/model/moe_slots.py) hold their own pair outputs, slot ids
+    # and mask beside the step's pair outputs.
+    slot_waves = pairs * (h * 4 + 17) if 0 < shape.num_expert_slots < experts else 0
+    gate_up = pairs * i * dtype_bytes * (3 if fused else 4) + slot_waves
+    down = pairs * i * dtype_bytes + pairs * h * 4 + slot_waves
+    summed = pairs * h * 4 + tokens * h * (4 + (dtype_bytes if dtype_bytes != 4 else 0))
+    return max(routing_peak, routing + pairs * 16 + 8 * rows * 8, routing + maps + max(gate_up, down, summed))
 
 
 

@@ -33,8 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mempath.kernels.dispatch import Kernels
-from mempath.model import moe_host
-
+from mempath.model import moe_host, moe_slots
 
 
 def dispatch(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,7 +90,8 @@ class MoEBlock(nn.Module):
         if self.router_bias is not None:
             logits = self.router_bias(logits)
         weights_dtype = torch.float32 if self.routing_weights_float32 else logits.dtype
-        route = self.experts.kernels.moe_route if self.uses_grouped_kernel() else None
+        grouped = self.uses_grouped_kernel() or moe_slots.uses_slot_kernel(self)
+        route = self.experts.kernels.moe_route if grouped else None
         return (route or route_torch)(logits, self.top_k, self.norm_topk_prob, weights_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,6 +100,8 @@ class MoEBlock(nn.Module):
             experts = self.experts
             return experts.kernels.grouped_experts(x, weights, expert_ids, experts.gate_up_proj, experts.down_proj,
                                                    experts.kernels.silu_and_mul)
+        if moe_slots.uses_slot_kernel(self):
+            return moe_slots.forward_slots(self, x, weights, expert_ids)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             # The groups' sizes are read on the host; a captured graph would replay stale ones.
             raise RuntimeError("a MoE layer with fewer experts resident than all copies its misses on the "
@@ -261,6 +263,7 @@ class Experts(nn.Module):
                 slots = torch.empty((num_slots, *t.shape[1:]), dtype=t.dtype, device=device)
                 setattr(self, name, nn.Parameter(slots, requires_grad=False))
         self.cache = ExpertCache(self.num_experts, num_slots, host)
+        self.__dict__.pop("slot_table", None)  # moe_slots: the old cache's bookings
         # On by default on CUDA (set_expert_prefetch; the loader sets it once the meta model is placed).
         self.cache.prefetch = bool(host) and device.type == "cuda"
 
@@ -542,24 +545,61 @@ class SyntheticRouterBias:
         self.generator = torch.Generator().manual_seed(seed)
         self.rank_of = torch.randperm(num_experts, generator=self.generator)
         self.calls = 0
+        self.bias: torch.Tensor | None = None  # on the logits' device; a CUDA graph reads it in place
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """The current bias added, without counting a forward pass (the next layer's prediction)."""
-        bias = -self.skew * torch.log1p(self.rank_of.to(torch.float32))
-        return logits + bias.to(device=logits.device, dtype=logits.dtype)
+        if self.bias is None or self.bias.device != logits.device:
+            self.bias = self._host_bias().to(logits.device)
+        return logits + self.bias.to(logits.dtype)
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        if self.calls % self.drift_every == 0:
-            hot_rank = int(torch.randint(self.hot, (1,), generator=self.generator))
-            cold_rank = int(torch.randint(self.hot, len(self.rank_of), (1,), generator=self.generator))
-            hot_expert = int((self.rank_of == hot_rank).nonzero())
-            cold_expert = int((self.rank_of == cold_rank).nonzero())
-            self.rank_of[hot_expert], self.rank_of[cold_expert] = cold_rank, hot_rank
+        if not (logits.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self.advance()
         return self.apply(logits)
+
+    def advance(self) -> None:
+        """Count one forward pass; every ``drift_every`` one hot expert swaps rank with a colder one.
+
+        In a decode graph cut at the MoE layers (mempath.engine.piecewise) the host step after the
+        router calls this, so there a drift takes effect one forward pass later than eagerly."""
+        self.calls += 1
+        if self.calls % self.drift_every:
+            return
+        hot_rank = int(torch.randint(self.hot, (1,), generator=self.generator))
+        cold_rank = int(torch.randint(self.hot, len(self.rank_of), (1,), generator=self.generator))
+        hot_expert = int((self.rank_of == hot_rank).nonzero())
+        cold_expert = int((self.rank_of == cold_rank).nonzero())
+        self.rank_of[hot_expert], self.rank_of[cold_expert] = cold_rank, hot_rank
+        if self.bias is not None:
+            self.bias.copy_(self._host_bias())
+
+    def _host_bias(self) -> torch.Tensor:
+        return -self.skew * torch.log1p(self.rank_of.to(torch.float32))
 
     def describe(self) -> str:
         return f"synthetic (skew {self.skew}, {self.hot} hot, drift every {self.drift_every})"
+
+
+class SyntheticUniformRouter:
+    """SYNTHETIC: each token's k experts drawn uniformly at random, independently per layer and
+    forward pass (the router's logits replaced by uniform noise from the device's default generator,
+    which CUDA graphs replay with fresh offsets). The cache's worst case: no locality at all, a hit
+    rate of about the resident fraction. Benchmarks only: the model's routing is discarded."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.rand(logits.shape, dtype=torch.float32, device=logits.device).to(logits.dtype)
+
+    __call__ = apply
+
+    def advance(self) -> None:
+        pass
+
+    def describe(self) -> str:
+        return "synthetic uniform"
 
 
 def synthetic_router_bias(model, skew: float | None = 1.0, hot: int | None = None, drift_every: int = 32,
@@ -572,3 +612,12 @@ def synthetic_router_bias(model, skew: float | None = 1.0, hot: int | None = Non
     for index, block in enumerate(model.moe_blocks()):
         block.router_bias = None if skew is None else SyntheticRouterBias(
             block.num_experts, skew, hot or max(1, block.num_experts // 4), drift_every, seed + index)
+
+
+def synthetic_uniform_router(model, seed: int = 0) -> None:
+    """SYNTHETIC, for benchmarks: every MoE layer routes uniformly at random (SyntheticUniformRouter);
+    seeds the device's default generator. ``synthetic_router_bias(model, None)`` removes it."""
+    device = next(model.parameters()).device
+    (torch.cuda.manual_seed if device.type == "cuda" else torch.manual_seed)(seed)
+    for block in model.moe_blocks():
+        block.router_bias = SyntheticUniformRouter(seed)

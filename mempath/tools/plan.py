@@ -278,7 +278,7 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
     params, pathway_bytes = count_params(shape), weight_bytes(shape, b)
     experts = _plan_experts(shape, b, params, pathway_bytes["total"], moe_expert_cache_size, moe_expert_cache_gb,
                             source, (moe_h2d_bytes_per_s, moe_device_read_bytes_per_s))
-    serving = serving_figures(shape, b, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+    serving = serving_figures(_with_expert_slots(shape, experts), b, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                               cuda_graphs=cuda_graphs, fused_kernels=fused_kernels,
                               cublas_workspace=cublas_workspace, kv_cache_dtype=kv_cache_dtype)
@@ -308,6 +308,13 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
                        lora_rank=lora_rank, lora_targets=lora_targets)
     plan.advice = advise(plan, shape)
     return plan
+
+
+def _with_expert_slots(shape: ModelShape, experts: dict) -> ModelShape:
+    """The shape with its expert cache's slots when fewer experts are resident than all: the
+    activation peak counts the cache's waves (memory.formulas.moe_grouped_phase_bytes)."""
+    slots = experts["expert_cache_size"] if experts["host_expert_bytes"] else 0
+    return dataclasses.replace(shape, num_expert_slots=slots)
 
 
 def _plan_capacity(plan: MemoryPlan) -> None:

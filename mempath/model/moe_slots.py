@@ -1,0 +1,204 @@
+"""The expert cache on the grouped kernel: a MoE layer whose experts are partly in host memory,
+run over its slots with the same per-pair arithmetic as the all-resident layer.
+
+With fewer experts resident than all (mempath.model.moe's ExpertCache), which experts a step
+needs is known only once the router has run, and the misses are copied in on the host's
+decision. On CUDA the layer then runs like this:
+
+- **eagerly** (prefill, and decode batches without a graph): the router's expert ids are read
+  on the host, the active experts go through the cache in waves of at most ``num_slots``
+  (hits first, misses copied into the slots), and each wave is one grouped launch per
+  projection over the slots (``Kernels.grouped_expert_pairs``) with every pair's expert id
+  replaced by its slot; a pair keeps the output of the wave that holds its expert;
+- **inside a decode CUDA graph cut at each MoE layer** (mempath.engine.piecewise): the graph
+  piece before the cut ends with the router; between the pieces ``SlotStep`` reads the ids,
+  books the misses into slots and copies them in, and writes the layer's slot table (expert ->
+  slot) to the device; the piece after the cut maps the ids through that table and runs the
+  grouped kernel over the slots. A graph's batch must fit one wave: ``rows·k <= num_slots``.
+
+A pair's row is computed the same way in any group of the grouped kernel, and the sum over k
+is the all-resident layer's, so outputs are bit-identical to the all-resident model on the
+grouped kernel for every cache size. ``expert_pairs_torch`` is the kernel's twin over the
+same stacks: CPU tests run this module's bookkeeping with it.
+
+This module works on a MoEBlock passed in (duck-typed) and imports nothing from moe.py.
+"""
+import torch
+import torch.nn.functional as F
+
+from mempath.kernels.moe_triton import sum_pairs
+
+
+def expert_pairs_torch(x: torch.Tensor, router_weights: torch.Tensor, expert_ids: torch.Tensor,
+                       gate_up_proj: torch.Tensor, down_proj: torch.Tensor, silu_and_mul) -> torch.Tensor:
+    """``Kernels.grouped_expert_pairs`` in PyTorch: each pair's expert MLP times its router weight,
+    float32 [T·k, h] (the product in x's dtype, weighted in float32; exact for float32 models).
+
+    One pair at a time, as the kernel computes a row whatever group it sits in: a matmul over a
+    group's rows can round a row differently with the group's size, a vector product cannot."""
+    top_k = expert_ids.shape[1]
+    flat = expert_ids.reshape(-1).tolist()
+    weights = router_weights.reshape(-1).to(torch.float32)
+    out = torch.empty(len(flat), down_proj.shape[1], dtype=torch.float32, device=x.device)
+    for pair, expert in enumerate(flat):
+        activated = silu_and_mul(torch.mv(gate_up_proj[expert], x[pair // top_k]))
+        out[pair] = torch.mv(down_proj[expert], activated).to(torch.float32) * weights[pair]
+    return out
+
+
+def uses_slot_kernel(block) -> bool:
+    """The cache runs on the grouped kernel: it has fewer experts resident than all, the kernel is
+    there, and no miss runs on the host (--moe-cpu-experts never)."""
+    experts = block.experts
+    return (bool(experts.cache.host) and experts.kernels.grouped_expert_pairs is not None
+            and experts.cpu_experts == "never")
+
+
+class SlotTable:
+    """One layer's expert -> slot map on the device (non-resident experts point at slot 0: only a
+    padding row of a captured batch can read one, and its output is discarded), and its pinned host
+    copy. Rewritten between graph pieces when the cache's bookings change."""
+
+    def __init__(self, num_experts: int, device: torch.device):
+        pin = device.type == "cuda"
+        self.device_table = torch.zeros(num_experts, dtype=torch.int64, device=device)
+        self.host_table = torch.zeros(num_experts, dtype=torch.int64, pin_memory=pin)
+        self.written: list[int] | None = None  # the cache's slot_of as last written
+
+    def nbytes(self) -> int:
+        return self.device_table.numel() * self.device_table.element_size()
+
+    def write(self, slot_of: list[int]) -> None:
+        """Upload the cache's bookings if they changed since the last write (asynchronously: the host
+        copy is rewritten only after a later piece's read-back, which the stream orders after this)."""
+        if slot_of == self.written:
+            return
+        self.host_table.numpy()[:] = [max(slot, 0) for slot in slot_of]
+        self.device_table.copy_(self.host_table, non_blocking=True)
+        self.written = list(slot_of)
+
+
+def slot_table(block) -> SlotTable:
+    experts = block.experts
+    table = experts.__dict__.get("slot_table")
+    if table is None:
+        table = SlotTable(experts.num_experts, experts.gate_up_proj.device)
+        experts.__dict__["slot_table"] = table
+    return table
+
+
+def book_one_wave(block, expert_ids: list[int]) -> None:
+    """A captured batch's routing through the cache: hits counted, misses copied into slots.
+
+    Every active expert must fit the slots at once (the graph sizes are chosen so)."""
+    experts = block.experts
+    cache = experts.cache
+    sizes = [0] * experts.num_experts
+    for expert in expert_ids:
+        sizes[expert] += 1
+    cache.record_routing(sizes)
+    waves = cache.waves([e for e, n in enumerate(sizes) if n])
+    if len(waves) > 1:
+        raise RuntimeError(f"a captured MoE step routed to more experts than the {cache.num_slots} slots: "
+                           "its graph size should not have been captured")
+    for wave in waves:
+        cache.release(cache.acquire(wave, experts.load_into_slot))
+    slot_table(block).write(cache.slot_of)
+
+
+class SlotStep:
+    """The host's part of one MoE layer between two pieces of a captured decode step.
+
+    Made at the cut, outside any capture (it allocates its pinned landing buffer there)."""
+
+    def __init__(self, block, expert_ids: torch.Tensor):
+        self.block = block
+        self.expert_ids = expert_ids  # the piece before the cut writes it; held so nothing reuses it
+        self.landing = torch.empty(expert_ids.shape, dtype=expert_ids.dtype, pin_memory=True)
+        self.read = torch.cuda.Event()
+
+    def __call__(self, rows: int) -> None:
+        self.landing.copy_(self.expert_ids, non_blocking=True)
+        self.read.record()
+        self.read.synchronize()
+        book_one_wave(self.block, self.landing[:rows].reshape(-1).tolist())
+        if self.block.router_bias is not None:  # benchmarks' synthetic routing: its drift counts forwards
+            self.block.router_bias.advance()
+
+
+def forward_slots(block, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+    """The layer's experts over its slots (see the module docstring); [T, h] in x's dtype."""
+    experts = block.experts
+    kernel = experts.kernels.grouped_expert_pairs
+    cut = block.__dict__.get("graph_cut")
+    if cut is not None and x.is_cuda and torch.cuda.is_current_stream_capturing():
+        cut(lambda: SlotStep(block, expert_ids))
+        slot_ids = slot_table(block).device_table[expert_ids]
+        pairs = kernel(x, weights, slot_ids, experts.gate_up_proj, experts.down_proj, experts.kernels.silu_and_mul)
+        return sum_pairs(pairs, block.top_k, x.dtype)
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("a MoE layer with fewer experts resident than all copies its misses on the host's "
+                           "decision: capture it with mempath.engine.piecewise, or run it eagerly")
+    return _run_waves(block, x, weights, expert_ids, kernel)
+
+
+def _run_waves(block, x, weights, expert_ids, kernel) -> torch.Tensor:
+    experts, cache = block.experts, block.experts.cache
+    ids = _read_ids_and_prefetch(block, x, expert_ids)
+    sizes = [0] * experts.num_experts
+    for expert in ids:
+        sizes[expert] += 1
+    cache.record_routing(sizes)
+    waves = cache.waves([e for e, n in enumerate(sizes) if n])
+    pairs = None
+    for wave in waves:
+        slots = cache.acquire(wave, experts.load_into_slot)
+        try:
+            slot_of = dict(zip(wave, slots))
+            slot_ids = torch.tensor([slot_of.get(e, slots[0]) for e in ids], dtype=torch.int64)
+            out = kernel(x, weights, slot_ids.to(x.device).view_as(expert_ids), experts.gate_up_proj,
+                         experts.down_proj, experts.kernels.silu_and_mul)
+        finally:
+            cache.release(slots)
+        if pairs is None:
+            pairs = out  # every pair is rewritten by the wave holding its expert
+        else:
+            mine = torch.tensor([e in slot_of for e in ids]).to(x.device)
+            torch.where(mine.unsqueeze(1), out, pairs, out=pairs)
+        del out, slot_ids
+    slot_table(block).write(cache.slot_of)
+    return sum_pairs(pairs, block.top_k, x.dtype)
+
+
+def _read_ids_and_prefetch(block, x: torch.Tensor, expert_ids: torch.Tensor) -> list[int]:
+    """The pairs' expert ids on the host; with prefetch on, the next layer's predicted experts are
+    read in the same host read and their copies started (mempath.model.moe.Experts.prefetch)."""
+    flat = expert_ids.reshape(-1)
+    following = block.__dict__.get("next_moe")
+    if following is None or not following.experts.cache.prefetch:
+        return flat.tolist()
+    predicted = following.predict_experts(x)
+    both = torch.cat([flat, predicted.to(flat.dtype)]).tolist()
+    ids, next_sizes = both[:flat.numel()], both[flat.numel():]
+    following.experts.prefetch(sorted((e for e, n in enumerate(next_sizes) if n), key=lambda e: -next_sizes[e]))
+    return ids
+
+
+def allocate_slot_tables(model) -> int:
+    """Every slot-kernel MoE layer's slot table, allocated now (before the step loop); their device bytes."""
+    return sum(slot_table(block).nbytes() for block in model.moe_blocks() if uses_slot_kernel(block))
+
+
+def graph_rows_limit(model) -> int | None:
+    """The largest decode batch whose routing always fits one wave of every offloaded layer's slots
+    (None: no layer is offloaded), or 0 when some offloaded layer cannot run in a graph at all."""
+    offloaded = [block for block in model.moe_blocks() if block.experts.cache.host]
+    if not offloaded:
+        return None
+    if not all(uses_slot_kernel(block) for block in offloaded):
+        return 0
+    return min(block.experts.cache.num_slots // block.top_k for block in offloaded)
+
+
+def offloaded_blocks(model) -> list:
+    return [block for block in model.moe_blocks() if uses_slot_kernel(block)]
