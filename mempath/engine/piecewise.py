@@ -17,6 +17,10 @@ from contextlib import contextmanager
 
 import torch
 
+# One side stream for every capture: cuBLAS keeps a workspace per stream it runs on, so a new
+# stream per capture would put a new workspace into each graph's pool.
+_capture_stream: torch.cuda.Stream | None = None
+
 
 class PiecewiseGraph:
     """The pieces of one captured decode step and the host steps between them."""
@@ -30,8 +34,11 @@ class PiecewiseGraph:
     def capture(self, forward, pool=None) -> None:
         """Capture ``forward()`` (its MoE layers call ``cut``) on a side stream, as CUDA graphs do."""
         self._pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        global _capture_stream
         torch.cuda.synchronize()
-        stream = torch.cuda.Stream()
+        if _capture_stream is None:
+            _capture_stream = torch.cuda.Stream()
+        stream = _capture_stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             self._begin()

@@ -317,6 +317,7 @@ class ExpertCache:
         self.clock = 0  # forward passes of this layer
         self.last_use = [0] * self.num_experts
         self.routed_tokens = [0] * self.num_experts
+        self.scores = [0.0] * self.num_experts  # last_use + frequency_weight · log2(1 + routed_tokens)
         self.hits = self.misses = self.evictions = self.bytes_loaded = 0
         self.host_experts = self.host_tokens = 0
 
@@ -326,10 +327,13 @@ class ExpertCache:
         self.host_experts += 1
         self.host_tokens += tokens
 
-    def record_routing(self, tokens_per_expert: list[int]) -> None:
-        """One forward's routing: its active experts become the most recent, and more frequent."""
+    def record_routing(self, tokens_per_expert: list[int] | dict[int, int]) -> None:
+        """One forward's routing (tokens per expert: a list over all, or a dict of the active ones): its
+        active experts become the most recent, and more frequent."""
+        routed = tokens_per_expert if isinstance(tokens_per_expert, dict) else dict(
+            (e, n) for e, n in enumerate(tokens_per_expert) if n)
         self.clock += 1
-        used = sum(1 for e in self.prefetched_now if tokens_per_expert[e])
+        used = sum(1 for e in self.prefetched_now if e in routed)
         self.prefetch_used += used
         self.judged_prefetched += len(self.prefetched_now)
         self.judged_used += used
@@ -341,13 +345,14 @@ class ExpertCache:
                 and self.judged_used < PREFETCH_MIN_ACCURACY * self.judged_prefetched):
             self.prefetch = False
             self.prefetch_stopped = True
-        for expert, tokens in enumerate(tokens_per_expert):
-            if tokens:
-                self.last_use[expert] = self.clock
-                self.routed_tokens[expert] += tokens
+        for expert, tokens in routed.items():
+            self.last_use[expert] = self.clock
+            self.routed_tokens[expert] += tokens
+            # Kept up to date here, the one place its terms change: eviction reads it per candidate slot.
+            self.scores[expert] = self.clock + self.frequency_weight * math.log2(1 + self.routed_tokens[expert])
 
     def score(self, expert: int) -> float:
-        return self.last_use[expert] + self.frequency_weight * math.log2(1 + self.routed_tokens[expert])
+        return self.scores[expert]
 
     def waves(self, active: list[int]) -> list[list[int]]:
         """The active experts in waves of at most num_slots, resident ones first (so they count as hits)."""
@@ -411,12 +416,20 @@ class ExpertCache:
             self.evictions += 1
 
     def _victim(self, wanted: set[int]) -> int:
-        """A free slot, else the one whose expert (not in this wave) scores lowest."""
-        candidates = [s for s in range(self.num_slots) if s not in self.in_use and self.expert_in[s] not in wanted]
-        free = [s for s in candidates if self.expert_in[s] < 0]
-        if free:
-            return free[0]
-        return min(candidates, key=lambda s: (self.score(self.expert_in[s]), s))
+        """The first free slot, else the one whose expert (not in this wave) scores lowest (ties: the lower slot)."""
+        scores, expert_in, in_use = self.scores, self.expert_in, self.in_use
+        victim, lowest = -1, math.inf
+        for slot in range(self.num_slots):  # one pass: it runs for every miss of every layer
+            expert = expert_in[slot]
+            if slot in in_use or expert in wanted:
+                continue
+            if expert < 0:
+                return slot
+            if scores[expert] < lowest:
+                victim, lowest = slot, scores[expert]
+        if victim < 0:
+            raise ValueError("expert cache: every slot is in use or wanted by this wave")
+        return victim
 
     def release(self, slots: list[int]) -> None:
         self.in_use.difference_update(slots)

@@ -23,6 +23,7 @@ same stacks: CPU tests run this module's bookkeeping with it.
 
 This module works on a MoEBlock passed in (duck-typed) and imports nothing from moe.py.
 """
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -73,7 +74,9 @@ class SlotTable:
         copy is rewritten only after a later piece's read-back, which the stream orders after this)."""
         if slot_of == self.written:
             return
-        self.host_table.numpy()[:] = [max(slot, 0) for slot in slot_of]
+        table = self.host_table.numpy()
+        table[:] = slot_of
+        np.maximum(table, 0, out=table)
         self.device_table.copy_(self.host_table, non_blocking=True)
         self.written = list(slot_of)
 
@@ -93,16 +96,15 @@ def book_one_wave(block, expert_ids: list[int]) -> None:
     Every active expert must fit the slots at once (the graph sizes are chosen so)."""
     experts = block.experts
     cache = experts.cache
-    sizes = [0] * experts.num_experts
+    routed: dict[int, int] = {}
     for expert in expert_ids:
-        sizes[expert] += 1
-    cache.record_routing(sizes)
-    waves = cache.waves([e for e, n in enumerate(sizes) if n])
-    if len(waves) > 1:
+        routed[expert] = routed.get(expert, 0) + 1
+    cache.record_routing(routed)
+    if len(routed) > cache.num_slots:
         raise RuntimeError(f"a captured MoE step routed to more experts than the {cache.num_slots} slots: "
                            "its graph size should not have been captured")
-    for wave in waves:
-        cache.release(cache.acquire(wave, experts.load_into_slot))
+    [wave] = cache.waves(sorted(routed))
+    cache.release(cache.acquire(wave, experts.load_into_slot))
     slot_table(block).write(cache.slot_of)
 
 
@@ -115,13 +117,14 @@ class SlotStep:
         self.block = block
         self.expert_ids = expert_ids  # the piece before the cut writes it; held so nothing reuses it
         self.landing = torch.empty(expert_ids.shape, dtype=expert_ids.dtype, pin_memory=True)
+        self.landed = self.landing.numpy()
         self.read = torch.cuda.Event()
 
     def __call__(self, rows: int) -> None:
         self.landing.copy_(self.expert_ids, non_blocking=True)
         self.read.record()
         self.read.synchronize()
-        book_one_wave(self.block, self.landing[:rows].reshape(-1).tolist())
+        book_one_wave(self.block, self.landed[:rows].ravel().tolist())
         if self.block.router_bias is not None:  # benchmarks' synthetic routing: its drift counts forwards
             self.block.router_bias.advance()
 
