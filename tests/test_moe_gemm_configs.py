@@ -79,3 +79,25 @@ def test_the_fp8_gemv_table_reads_as_before(tmp_path):
     with pytest.raises(ValueError, match=r"^.*t\.json: 64x256 bucket 1 has unknown fields \['blockk'\]"):
         fp8_gemv_triton.load_table(path)
     assert fp8_gemv_triton.load_table(tmp_path / "absent.json") == {}
+
+
+# ---------------------------------------------------------------- benchmarks/bench_moe_gemm.py
+
+
+def test_the_sweep_prunes_what_cannot_fit_or_is_pointless():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_moe_gemm import DECODE_GRID, fits, layers_needed
+    smem = 227 << 10  # the H200's shared memory per block
+    assert fits(GroupedGemmConfig(128, 256, 8, 3), 1536, 2048, 16, smem)  # 3 x (16 + 128) x 256 x 2 bytes
+    assert not fits(GroupedGemmConfig(128, 256, 8, 4), 1536, 2048, 16, smem)  # a fourth stage does not fit
+    assert not fits(GroupedGemmConfig(64, 256, 4, 5), 2048, 768, 16, smem)  # 5 stages for 3 steps of K
+    assert not fits(GroupedGemmConfig(16, 64, 4, 3), 2048, 768, 16, smem)  # 4 warps on 2 MMA columns
+    assert fits(GroupedGemmConfig(16, 64, 2, 3), 2048, 768, 16, smem)
+    assert not fits(GroupedGemmConfig(128, 64, 4, 3), 96, 64, 16, smem)  # a tile wider than N
+    tiles_n, tiles_k, warps, stages = DECODE_GRID
+    assert 16 in tiles_n and max(tiles_k) == 256 and set(warps) == {2, 4, 8} and set(stages) == {2, 3, 4, 5}
+    # Rotated layers: 8 Qwen3-30B-A3B gate/up experts (50 MB) against a 50 MiB L2 need four layers.
+    assert layers_needed(8 * 1536 * 2048 * 2, 50 << 20, "cuda") == 4
+    assert layers_needed(2 * 28672 * 4096 * 2, 50 << 20, "cuda") == 1 and layers_needed(1, 1 << 20, "cpu") == 1
