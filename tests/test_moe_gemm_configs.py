@@ -41,7 +41,16 @@ def test_the_environment_variable_points_at_another_table(tmp_path, monkeypatch)
     monkeypatch.setenv("MEMPATH_MOE_GEMM_CONFIGS", str(path))
     assert load_moe_gemm_table() == mine
     monkeypatch.setenv("MEMPATH_MOE_GEMM_CONFIGS", str(tmp_path / "absent.json"))
-    assert load_moe_gemm_table() == {}  # no table: every shape its default
+    with pytest.raises(ValueError, match=r"^MEMPATH_MOE_GEMM_CONFIGS names .*absent\.json, which does not exist: "
+                                         r"point it at a table .* or unset it$"):
+        load_moe_gemm_table()
+
+
+def test_without_the_shipped_table_every_shape_gets_its_default(tmp_path, monkeypatch):
+    from mempath.kernels import moe_triton
+    monkeypatch.delenv("MEMPATH_MOE_GEMM_CONFIGS", raising=False)
+    monkeypatch.setattr(moe_triton, "DEFAULT_MOE_GEMM_TABLE", tmp_path / "not_swept_yet.json")
+    assert load_moe_gemm_table() == {}
 
 
 def test_the_choice_never_depends_on_how_many_experts_or_groups():
@@ -95,7 +104,9 @@ def test_the_sweep_prunes_what_cannot_fit_or_is_pointless():
     assert not fits(GroupedGemmConfig(64, 256, 4, 5), 2048, 768, 16, smem)  # 5 stages for 3 steps of K
     assert not fits(GroupedGemmConfig(16, 64, 4, 3), 2048, 768, 16, smem)  # 4 warps on 2 MMA columns
     assert fits(GroupedGemmConfig(16, 64, 2, 3), 2048, 768, 16, smem)
-    assert not fits(GroupedGemmConfig(128, 64, 4, 3), 96, 64, 16, smem)  # a tile wider than N
+    assert fits(GroupedGemmConfig(64, 64, 4, 2), 48, 64, 16, smem)
+    assert not fits(GroupedGemmConfig(128, 64, 4, 2), 48, 64, 16, smem)  # a tile twice as wide as N needs
+    assert not fits(GroupedGemmConfig(64, 128, 4, 2), 48, 64, 16, smem)  # a K step twice K
     tiles_n, tiles_k, warps, stages = DECODE_GRID
     assert 16 in tiles_n and max(tiles_k) == 256 and set(warps) == {2, 4, 8} and set(stages) == {2, 3, 4, 5}
     # Rotated layers: 8 Qwen3-30B-A3B gate/up experts (50 MB) against a 50 MiB L2 need four layers.

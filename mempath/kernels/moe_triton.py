@@ -166,7 +166,12 @@ def default_config(n: int, k: int) -> GroupedGemmConfig:
 
 def load_moe_gemm_table(path: str | os.PathLike | None = None) -> dict[str, dict[str, GroupedGemmConfig]]:
     """{"NxK": {block_m: GroupedGemmConfig}} from a table file (``MOE_GEMM_TABLE_ENV`` or the shipped one)."""
-    path = Path(path or os.environ.get(MOE_GEMM_TABLE_ENV) or DEFAULT_MOE_GEMM_TABLE)
+    from_env = path is None and os.environ.get(MOE_GEMM_TABLE_ENV)
+    path = Path(path or from_env or DEFAULT_MOE_GEMM_TABLE)
+    if path != DEFAULT_MOE_GEMM_TABLE and not path.exists():  # only the shipped table may be absent (not swept yet)
+        named = f"{MOE_GEMM_TABLE_ENV} names {path}" if from_env else f"the table {path}"
+        raise ValueError(f"{named}, which does not exist: point it at a table ({SWEEP} --out FILE writes one)"
+                         f"{' or unset it' if from_env else ''}")
     table = load_config_table(path, GroupedGemmConfig, "block_m", f"{SWEEP} --out {path}")
     for shape, entries in table.items():
         n, _, k = shape.partition("x")
