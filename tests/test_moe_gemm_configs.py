@@ -40,10 +40,13 @@ def test_the_environment_variable_points_at_another_table(tmp_path, monkeypatch)
     path.write_text(moe_gemm_table_json(mine))
     monkeypatch.setenv("MEMPATH_MOE_GEMM_CONFIGS", str(path))
     assert load_moe_gemm_table() == mine
+    assert grouped_gemm_config(64, 32, 16, torch.bfloat16) == mine["64x32"]["16"]  # what the kernel launches by
     monkeypatch.setenv("MEMPATH_MOE_GEMM_CONFIGS", str(tmp_path / "absent.json"))
     with pytest.raises(ValueError, match=r"^MEMPATH_MOE_GEMM_CONFIGS names .*absent\.json, which does not exist: "
                                          r"point it at a table .* or unset it$"):
         load_moe_gemm_table()
+    with pytest.raises(ValueError, match=r"^MEMPATH_MOE_GEMM_CONFIGS names .*absent\.json"):
+        grouped_gemm_config(64, 32, 16, torch.bfloat16)
 
 
 def test_without_the_shipped_table_every_shape_gets_its_default(tmp_path, monkeypatch):

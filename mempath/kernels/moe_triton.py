@@ -191,13 +191,13 @@ def moe_gemm_table_json(configs: dict[str, dict[str, GroupedGemmConfig]], **abou
 
 
 @functools.lru_cache(maxsize=4)
-def _table_at(path: str) -> dict[str, dict[str, GroupedGemmConfig]]:
-    return load_moe_gemm_table(path)
+def _table_for(env_value: str | None) -> dict[str, dict[str, GroupedGemmConfig]]:
+    return load_moe_gemm_table()
 
 
 def moe_gemm_table() -> dict[str, dict[str, GroupedGemmConfig]]:
-    """The table the engine launches by, read once per file."""
-    return _table_at(str(os.environ.get(MOE_GEMM_TABLE_ENV) or DEFAULT_MOE_GEMM_TABLE))
+    """The table the engine launches by (``MOE_GEMM_TABLE_ENV``'s or the shipped one), read once."""
+    return _table_for(os.environ.get(MOE_GEMM_TABLE_ENV))
 
 
 def grouped_gemm_config(n: int, k: int, block_m: int, dtype: torch.dtype, table: dict | None = None) -> GroupedGemmConfig:
