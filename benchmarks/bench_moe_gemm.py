@@ -13,11 +13,13 @@ Qwen3-30B-A3B and Mixtral-8x7B shapes, in bf16, with random expert ids (distinct
 - prefill: 1024 tokens (64-row blocks for both models: Mixtral's 512 tokens x 2 are 1024 pairs,
   which still run 16-row blocks), its best configuration for block_m 64.
 
-The sweep is in two stages: every tile (block_n 16-128 x block_k 32-256, 4 warps, 3 stages),
-then warps 2/4/8 x stages 2-5 on the two best tiles; configurations whose pipeline cannot fit
-in shared memory, with more stages than K steps or more warps than the tile has MMA columns for
-are not tried, and the second stage stops at each shape's share of ``--budget-s``. Each
-candidate is checked against a per-expert torch matmul (a wrong or uncompilable one is dropped).
+The sweep is in two stages: every tile (decode: block_n 16-128 x block_k 32-256; prefill:
+32-128 x 32-128) at 4 warps (2 for 16 x 16) and 3 stages (2 for two K steps), then warps
+(decode 2/4/8, prefill 4/8) x stages 2-5 on the two best tiles (prefill: the best one).
+Configurations whose pipeline cannot fit in shared memory, with more stages than K steps or
+more warps than the tile has MMA columns for are not tried; the second stage stops at each
+shape's share of ``--budget-s``, the first at the whole. Each candidate is checked against a
+per-expert torch matmul (a wrong or uncompilable one is dropped).
 
 Timing: CUDA events over CUDA-graph replays, each graph one launch per layer over R layers'
 weights (R so that R layers' active experts are at least three times the L2: the L2 is not
