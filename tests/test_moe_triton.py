@@ -71,6 +71,48 @@ COMPARE = textwrap.dedent("""
         tol = 1e-6 if weights_dtype == torch.float32 else 1e-2
         assert (order_w - order_g).abs().max().item() <= tol, (tokens, experts, top_k, dtype)
 
+    def with_config(config, fn, *args, **kwargs):
+        # fn run with every grouped GEMM launched under config (the chooser replaced).
+        from mempath.kernels import moe_triton
+        chooser = moe_triton.grouped_gemm_config
+        moe_triton.grouped_gemm_config = lambda n, k, block_m, dtype, table=None: config
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            moe_triton.grouped_gemm_config = chooser
+
+    def check_slots(tokens, experts, top_k, hidden, inter, dtype, device, seed=0):
+        # The kernel over a cache's slots (the routed experts and an idle one, in another order)
+        # gives the all-resident run's outputs bit for bit.
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(tokens, hidden, generator=g).to(device, dtype)
+        gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.1).to(device, dtype)
+        down = (torch.randn(experts, hidden, inter, generator=g) * 0.1).to(device, dtype)
+        weights, ids = torch.topk(torch.softmax(torch.rand(tokens, experts, generator=g), -1), top_k, dim=-1)
+        weights, ids = weights.to(device, dtype), ids.to(device)
+        silu = torch_kernels().silu_and_mul
+        full = triton_grouped_experts(x, weights, ids, gate_up, down, silu)
+        used = ids.unique().flip(0)
+        idle = next(e for e in range(experts) if e not in used.tolist())
+        resident = torch.cat([used, torch.tensor([idle], device=device)])
+        slot_of = torch.full((experts,), -1, dtype=torch.int64, device=device)
+        slot_of[resident] = torch.arange(resident.numel(), device=device)
+        cached = triton_grouped_experts(x, weights, slot_of[ids], gate_up[resident], down[resident], silu)
+        assert torch.equal(full, cached), (tokens, experts, top_k, (full - cached).abs().max().item())
+
+    def run_configs(device, dtype):
+        from mempath.kernels.moe_triton import GroupedGemmConfig
+        configs = [GroupedGemmConfig(block_n=16, block_k=32, num_warps=2, num_stages=2),
+                   GroupedGemmConfig(block_n=16, block_k=128, num_warps=2, num_stages=4),  # wider than K (48, 64)
+                   GroupedGemmConfig(block_n=128, block_k=16, num_warps=8, num_stages=5),
+                   GroupedGemmConfig(block_n=32, block_k=256, num_warps=4, num_stages=3)]
+        for i, config in enumerate(configs):
+            with_config(config, check, 3, 8, 2, 64, 48, dtype, device, seed=10 + i)       # gate_up 96x64, down 64x48
+            with_config(config, check, 5, 16, 4, 32, 40, dtype, device, seed=20 + i)      # tails in N and K
+        with_config(configs[0], check, 600, 8, 2, 64, 48, dtype, device, seed=30)         # 64-row blocks
+        check_slots(4, 16, 4, 64, 48, dtype, device)
+        with_config(configs[1], check_slots, 3, 8, 2, 32, 40, dtype, device, seed=1)
+
     def run_all(device, dtypes):
         check_align(1, 128, 8, 16, device)                                # Qwen3-30B-A3B decode, batch 1
         check_align(16, 128, 8, 16, device, seed=1)                        # 128 pairs: the fused bound
@@ -93,10 +135,27 @@ COMPARE = textwrap.dedent("""
 # (2026-12-01: "only 0-dimensional arrays can be converted to Python scalars").
 @pytest.mark.skipif(not HAS_TRITON or torch.cuda.is_available(), reason="needs Triton, and no CUDA (checked compiled there)")
 def test_kernel_matches_the_twin_in_the_interpreter():
-    script = COMPARE + "\nrun_all('cpu', [torch.float32])\nprint('ok')\n"
+    interpret(COMPARE + "\nrun_all('cpu', [torch.float32])\nprint('ok')\n")
+
+
+def interpret(script: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+@pytest.mark.skipif(not HAS_TRITON or torch.cuda.is_available(), reason="needs Triton, and no CUDA (checked compiled there)")
+def test_launch_configurations_match_the_twin_in_the_interpreter():
+    """Other tile shapes (block_n 16, block_k wider than K's tail) and a cache's slots: the same results."""
+    interpret(COMPARE + "\nrun_configs('cpu', torch.float32)\nprint('ok')\n")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_launch_configurations_match_the_twin_on_cuda():
+    namespace = {}
+    exec(COMPARE, namespace)
+    for dtype in (torch.float32, torch.bfloat16):
+        namespace["run_configs"]("cuda", dtype)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

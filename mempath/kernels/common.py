@@ -1,10 +1,13 @@
 """What the Triton kernels share: whether Triton is here, programmatic dependent launch, the
-fp8 KV store, and small launch arithmetic.
+fp8 KV store, small launch arithmetic, and the reading and writing of measured launch tables.
 
 Importing this module never fails: without Triton, ``HAS_TRITON`` is False and the
 ``@triton.jit`` helpers are not defined.
 """
+import json
 import os
+from dataclasses import asdict, fields
+from pathlib import Path
 
 import torch
 
@@ -34,6 +37,51 @@ def kv_fp8_max(cache_dtype: torch.dtype) -> float:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+def load_config_table(path: Path, config_type: type, key_name: str, remake: str) -> dict[str, dict[str, object]]:
+    """{"NxK": {key: config_type(**entry)}} from a table file's "configs"; {} when there is no file.
+
+    Every problem is one line naming the file, the shape and key, and the fix: ``key_name`` is
+    what the inner keys are ("bucket", "block_m"), ``remake`` the command that rewrites the table.
+    A config type's own ValueError (from ``__post_init__``) is passed on prefixed with its place.
+    """
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e}): rewrite it with {remake} or delete it") from e
+    if not isinstance(raw, dict) or not isinstance(raw.get("configs", {}), dict):
+        raise ValueError(f'{path}: the table must be a JSON object with a "configs" object: rewrite it with {remake}')
+    known = {f.name for f in fields(config_type)}
+    table = {}
+    for shape, entries in raw.get("configs", {}).items():
+        if not isinstance(entries, dict):
+            raise ValueError(f"{path}: {shape} must map {key_name} to configurations, got {entries!r}")
+        table[shape] = {}
+        for key, entry in entries.items():
+            if not isinstance(entry, dict):
+                raise ValueError(f"{path}: {shape} {key_name} {key} must be an object of fields, got {entry!r}")
+            unknown = set(entry) - known
+            if unknown:
+                raise ValueError(f"{path}: {shape} {key_name} {key} has unknown fields {sorted(unknown)}: "
+                                 f"the fields are {sorted(known)}")
+            try:
+                table[shape][key] = config_type(**entry)
+            except ValueError as e:
+                raise ValueError(f"{path}: {shape} {key_name} {key}: {e}") from e
+    return table
+
+
+def config_table_json(configs: dict[str, dict[str, object]], **about) -> str:
+    """A table file's text: ``about`` (device, how it was made) beside the configs (dataclasses)."""
+    lines = [json.dumps({**about, "configs": {}}, indent=1)[:-len('{}\n}')] + "{"]
+    for i, (shape, entries) in enumerate(configs.items()):
+        lines.append(f'  "{shape}": {{')  # one configuration a line, so a sweep's diff reads per entry
+        lines.append(",\n".join(f'   "{key}": {json.dumps(asdict(c))}' for key, c in entries.items()))
+        lines.append("  }" + ("," if i < len(configs) - 1 else ""))
+    return "\n".join(lines) + "\n }\n}\n"
 
 
 # Programmatic dependent launch (Hopper and later): a kernel may start while the

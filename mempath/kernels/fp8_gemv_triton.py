@@ -27,14 +27,14 @@ best per layer shape and batch bucket are read from a JSON table
 (``mempath/assets/fp8_gemv_configs.json``, written by benchmarks/bench_fp8_gemv.py), with a
 heuristic for shapes it does not list.
 """
-import json
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from mempath.kernels.common import HAS_TRITON, next_pow2, pdl_options
+from mempath.kernels.common import HAS_TRITON, load_config_table, next_pow2, pdl_options
+from mempath.kernels.common import config_table_json as table_json  # noqa: F401 - the fp8 table's writer
 from mempath.memory.formulas import FP8_GEMV_MIN_BLOCK_N, FP8_GEMV_WORKSPACE_ROWS, fp8_gemv_workspace_bytes
 
 if HAS_TRITON:
@@ -100,33 +100,7 @@ def heuristic_config(n: int, k: int, rows: int, num_sms: int) -> GemvConfig:
 def load_table(path: str | os.PathLike | None = None) -> dict[str, dict[str, GemvConfig]]:
     """{"NxK": {bucket: GemvConfig}} from a table file (``TABLE_ENV`` or the shipped one by default)."""
     path = Path(path or os.environ.get(TABLE_ENV) or DEFAULT_TABLE)
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not JSON ({e}): rewrite it with benchmarks/bench_fp8_gemv.py or delete it") from e
-    known = {f.name for f in fields(GemvConfig)}
-    table = {}
-    for shape, buckets in raw.get("configs", {}).items():
-        table[shape] = {}
-        for bucket, entry in buckets.items():
-            unknown = set(entry) - known
-            if unknown:
-                raise ValueError(f"{path}: {shape} bucket {bucket} has unknown fields {sorted(unknown)}: "
-                                 f"the fields are {sorted(known)}")
-            table[shape][bucket] = GemvConfig(**entry)
-    return table
-
-
-def table_json(configs: dict[str, dict[str, GemvConfig]], **about) -> str:
-    """The table file's text: ``about`` (device, how it was made) beside the configs."""
-    lines = [json.dumps({**about, "configs": {}}, indent=1)[:-len('{}\n}')] + "{"]
-    for i, (shape, buckets) in enumerate(configs.items()):
-        lines.append(f'  "{shape}": {{')  # one configuration a line, so a sweep's diff reads per bucket
-        lines.append(",\n".join(f'   "{bucket}": {json.dumps(asdict(c))}' for bucket, c in buckets.items()))
-        lines.append("  }" + ("," if i < len(configs) - 1 else ""))
-    return "\n".join(lines) + "\n }\n}\n"
+    return load_config_table(path, GemvConfig, "bucket", "benchmarks/bench_fp8_gemv.py")
 
 
 class GemvWorkspace:

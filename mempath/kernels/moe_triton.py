@@ -17,10 +17,23 @@ Here nothing is read on the host, so a decode CUDA graph can hold the layer:
 
 Float32 inputs are multiplied in IEEE float32 (no TF32), so the oracle comparison is
 against the twin's float32 arithmetic, not a lower precision.
+
+Each launch's tile and pipeline (:class:`GroupedGemmConfig`) is chosen by the GEMM's shape
+(N, K), its row block and the dtype only (``grouped_gemm_config``): never by the number of
+experts or of active groups, so an expert cache running the kernel over a subset of slots
+computes every row exactly as the all-resident run does. Measured configurations are read
+from ``mempath/assets/moe_gemm_configs.json`` (written by benchmarks/bench_moe_gemm.py,
+``MEMPATH_MOE_GEMM_CONFIGS`` names another file); a shape it does not list gets the fixed
+launch the kernel always had (``default_config``).
 """
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
 import torch
 
-from mempath.kernels.common import HAS_TRITON
+from mempath.kernels.common import HAS_TRITON, config_table_json, load_config_table
 
 if HAS_TRITON:
     import triton
@@ -113,6 +126,93 @@ if HAS_TRITON:
         tl.store(block_expert_ptr + blocks, expert_of_block.to(tl.int64), mask=blocks < num_blocks)
 
 
+DEFAULT_MOE_GEMM_TABLE = Path(__file__).resolve().parents[1] / "assets" / "moe_gemm_configs.json"
+MOE_GEMM_TABLE_ENV = "MEMPATH_MOE_GEMM_CONFIGS"  # another table's path, e.g. one just swept
+SWEEP = "benchmarks/bench_moe_gemm.py"
+
+
+@dataclass(frozen=True)
+class GroupedGemmConfig:
+    """One launch of ``_grouped_gemm_kernel``: the column tile, the K step, warps and pipeline stages."""
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3  # Triton's default on CUDA
+
+    def __post_init__(self):
+        for name in ("block_n", "block_k"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value!r}: "
+                                 f"fix the entry or re-sweep with {SWEEP}")
+        if self.num_warps not in (1, 2, 4, 8, 16) or type(self.num_warps) is not int:
+            raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps!r}: "
+                             f"fix the entry or re-sweep with {SWEEP}")
+        if type(self.num_stages) is not int or self.num_stages < 1:
+            raise ValueError(f"num_stages must be an integer >= 1, got {self.num_stages!r}: "
+                             f"fix the entry or re-sweep with {SWEEP}")
+
+    def describe(self) -> str:
+        return f"n{self.block_n} k{self.block_k} w{self.num_warps} s{self.num_stages}"
+
+
+DEFAULT_CONFIG = GroupedGemmConfig()
+
+
+def default_config(n: int, k: int) -> GroupedGemmConfig:
+    """The launch for a shape the table does not list: 64 x 64 tiles (32 where N or K is smaller), 4 warps."""
+    return GroupedGemmConfig(block_n=64 if n >= 64 else 32, block_k=64 if k >= 64 else 32)
+
+
+def load_moe_gemm_table(path: str | os.PathLike | None = None) -> dict[str, dict[str, GroupedGemmConfig]]:
+    """{"NxK": {block_m: GroupedGemmConfig}} from a table file (``MOE_GEMM_TABLE_ENV`` or the shipped one)."""
+    from_env = path is None and os.environ.get(MOE_GEMM_TABLE_ENV)
+    path = Path(path or from_env or DEFAULT_MOE_GEMM_TABLE)
+    if path != DEFAULT_MOE_GEMM_TABLE and not path.exists():  # only the shipped table may be absent (not swept yet)
+        named = f"{MOE_GEMM_TABLE_ENV} names {path}" if from_env else f"the table {path}"
+        raise ValueError(f"{named}, which does not exist: point it at a table ({SWEEP} --out FILE writes one)"
+                         f"{' or unset it' if from_env else ''}")
+    table = load_config_table(path, GroupedGemmConfig, "block_m", f"{SWEEP} --out {path}")
+    for shape, entries in table.items():
+        n, _, k = shape.partition("x")
+        if not (n.isdigit() and k.isdigit()):
+            raise ValueError(f"{path}: shape {shape!r} is not NxK (e.g. \"1536x2048\"): fix it or re-sweep with "
+                             f"{SWEEP} --out {path}")
+        for block_m in entries:
+            if not block_m.isdigit():
+                raise ValueError(f"{path}: {shape} block_m {block_m!r} is not an integer (the row block, "
+                                 f"16 or 64): fix it or re-sweep with {SWEEP} --out {path}")
+    return table
+
+
+def moe_gemm_table_json(configs: dict[str, dict[str, GroupedGemmConfig]], **about) -> str:
+    """The table file's text: ``about`` (device, how it was made) beside the configs."""
+    return config_table_json(configs, **about)
+
+
+@functools.lru_cache(maxsize=4)
+def _table_for(env_value: str | None) -> dict[str, dict[str, GroupedGemmConfig]]:
+    return load_moe_gemm_table()
+
+
+def moe_gemm_table() -> dict[str, dict[str, GroupedGemmConfig]]:
+    """The table the engine launches by (``MOE_GEMM_TABLE_ENV``'s or the shipped one), read once."""
+    return _table_for(os.environ.get(MOE_GEMM_TABLE_ENV))
+
+
+def grouped_gemm_config(n: int, k: int, block_m: int, dtype: torch.dtype, table: dict | None = None) -> GroupedGemmConfig:
+    """The launch for an [E, n, k] weight times rows in ``block_m`` blocks: the table's entry, else the default.
+
+    The table was measured on 16-bit tiles (bf16); float32 tiles take twice the shared memory
+    per stage, so they keep the default.
+    """
+    if dtype.itemsize == 2:
+        listed = (moe_gemm_table() if table is None else table).get(f"{n}x{k}", {}).get(str(block_m))
+        if listed is not None:
+            return listed
+    return default_config(n, k)
+
+
 # align_to_blocks' fifteen small kernels cost more than the experts' GEMMs at decode batches
 # (BENCHMARKS.md, the Qwen3-30B-A3B kernel table); up to this many pairs one program does it.
 FUSED_ALIGN_MAX_PAIRS = 128
@@ -178,16 +278,20 @@ def align_to_blocks(expert_ids: torch.Tensor, num_experts: int, block_m: int) ->
     return pair_of_row, block_expert
 
 
-def _grouped_gemm(a, weights, out, pair_of_row, block_expert, block_m, rows_per_a, router_weights=None):
-    """out[pair] = a[pair // rows_per_a] @ weights[expert].T (times the pair's router weight)."""
+def _grouped_gemm(a, weights, out, pair_of_row, block_expert, block_m, rows_per_a, router_weights=None,
+                  config: GroupedGemmConfig | None = None):
+    """out[pair] = a[pair // rows_per_a] @ weights[expert].T (times the pair's router weight).
+
+    ``config`` None: ``grouped_gemm_config``'s choice for the shape (the benchmark passes its candidates)."""
     n, k = weights.shape[1], weights.shape[2]
-    block_n = 64 if n >= 64 else 32
-    grid = (block_expert.numel(), triton.cdiv(n, block_n))
+    config = config or grouped_gemm_config(n, k, block_m, a.dtype)
+    grid = (block_expert.numel(), triton.cdiv(n, config.block_n))
     _grouped_gemm_kernel[grid](
         a, weights, out, pair_of_row, block_expert, router_weights if router_weights is not None else out, n, k,
         a.stride(0), weights.stride(0), weights.stride(1), weights.stride(2), out.stride(0),
         ROWS_PER_A=rows_per_a, WEIGHTED=router_weights is not None, IEEE=a.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32 if k < 64 else 64, num_warps=4)
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
+        num_stages=config.num_stages)
 
 
 def triton_grouped_expert_pairs(x: torch.Tensor, router_weights: torch.Tensor, expert_ids: torch.Tensor,
