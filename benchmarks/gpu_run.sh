@@ -76,9 +76,13 @@ step spec-a 300 python3 benchmarks/bench_spec.py --parts a
 step spec-bc 420 python3 benchmarks/bench_spec.py --parts bc
 step multi 300 python3 benchmarks/bench_multi_model.py
 step moe-offload 300 python3 benchmarks/bench_moe.py --parts pinned,offload
+# The grouped expert GEMM's launch table (#21): swept here and written where the engine reads it, so the
+# steps after it in the same call run with it; a copy comes back in $OUT to be committed.
+step moe-gemm 300 python3 benchmarks/bench_moe_gemm.py --out mempath/assets/moe_gemm_configs.json
+want moe-gemm && cp mempath/assets/moe_gemm_configs.json "$OUT/" 2>/dev/null
 # Decode graphs cut at the MoE layers of an expert cache (#21, 2026-12-02): their GPU tests.
 step slots-tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_moe_slots.py tests/test_moe_triton.py \
-  tests/test_moe.py tests/test_moe_prefetch.py tests/test_moe_host.py -k "cuda or gpu or cut"
+  tests/test_moe.py tests/test_moe_prefetch.py tests/test_moe_host.py tests/test_moe_gemm_configs.py -k "cuda or gpu or cut"
 step moe-offload-host 420 python3 benchmarks/bench_moe.py --parts pinned,offload --cpu-experts auto
 step moe-resident 300 python3 benchmarks/bench_moe.py --parts pinned,resident
 if want diagnose; then
