@@ -166,6 +166,7 @@ def part_offload(args, config: dict, bandwidth: dict) -> list[dict]:
     llm = engine(path, args, moe_expert_cache_gb=slots_gb, moe_cpu_experts=args.cpu_experts)
     set_expert_prefetch(llm.engine.model, False)  # decode graphs do not prefetch; eager steps would
     out = []
+    cut = 0.0  # seconds per MoE layer of a cut graph's host step: measured on the model router's run
     for router in ("model", "uniform", "skewed"):
         set_router(llm, router)
         rate, tokens, before = decode(llm, args)
@@ -175,7 +176,11 @@ def part_offload(args, config: dict, bandwidth: dict) -> list[dict]:
         # The bound: the bytes this run copied at the pinned bandwidth.
         copied = (after["bytes_loaded"] - before["bytes_loaded"]) / args.output_len
         bound = bandwidth["h2d_GBps"] * 1e9 / copied if copied else float("inf")
+        if router == "model" and llm.engine.runner.graphs:
+            cut = max(0.0, 1 / rate - 1 / resident_rate - copied / (bandwidth["h2d_GBps"] * 1e9)) / shape.num_moe_layers
         predicted = moe_offload_tokens_per_second(shape, b, hit_rate, bandwidth["h2d_GBps"] * 1e9, 1.0 / resident_rate)
+        predicted_with_cuts = moe_offload_tokens_per_second(shape, b, hit_rate, bandwidth["h2d_GBps"] * 1e9,
+                                                            1.0 / resident_rate, cut)
         out.append(result(
             "offload", model=config["architectures"][0], router=after["router"],
             cuda_graphs=sorted(llm.engine.runner.graphs), weight_budget_GB=args.weight_budget / 1e9,
@@ -184,6 +189,8 @@ def part_offload(args, config: dict, bandwidth: dict) -> list[dict]:
             decode_tok_s=rate, hit_rate=hit_rate, bound_tok_s=bound, copied_GB_per_token=copied / 1e9,
             missed_GB_per_token_formula=moe_missed_bytes_per_token(shape, b, hit_rate) / 1e9,
             of_bound=rate / bound if copied else None, predicted_tok_s=predicted, predicted_error=(predicted - rate) / rate,
+            cut_us_per_layer=cut * 1e6, predicted_with_cuts_tok_s=predicted_with_cuts,
+            predicted_with_cuts_error=(predicted_with_cuts - rate) / rate,
             all_resident_tok_s=resident_rate,
             tokens_identical_to_all_resident=tokens == resident_tokens if router == "model" else None,
             cpu_experts=args.cpu_experts, host_token_limit=after["host_token_limit"],

@@ -272,10 +272,13 @@ ASSUMED_DEVICE_READ_BYTES_PER_S = 4.0e12
 
 
 def moe_offload_tokens_per_second(shape: ModelShape, dtype_bytes: int, hit_rate: float, h2d_bytes_per_s: float,
-                                  resident_step_seconds: float) -> float:
-    """Batch-1 decode tokens/s with an expert cache: the step with every expert resident plus the
-    misses' copies at the host-to-device bandwidth (the copies do not overlap the compute)."""
-    return 1.0 / (resident_step_seconds + moe_missed_bytes_per_token(shape, dtype_bytes, hit_rate) / h2d_bytes_per_s)
+                                  resident_step_seconds: float, cut_seconds: float = 0.0) -> float:
+    """Batch-1 decode tokens/s with an expert cache: the step with every expert resident, plus the
+    misses' copies at the host-to-device bandwidth (the copies do not overlap the compute), plus
+    ``cut_seconds`` per MoE layer: the host step between the decode graph's pieces
+    (mempath/engine/piecewise.py: a read-back, the cache's bookkeeping, one more graph launch)."""
+    return 1.0 / (resident_step_seconds + shape.num_moe_layers * cut_seconds
+                  + moe_missed_bytes_per_token(shape, dtype_bytes, hit_rate) / h2d_bytes_per_s)
 
 
 def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> int:
