@@ -269,6 +269,9 @@ def moe_missed_bytes_per_token(shape: ModelShape, dtype_bytes: int, hit_rate: fl
 # read rate short of its HBM's 4.8 TB/s peak. bench_moe.py measures both on the machine.
 ASSUMED_H2D_BYTES_PER_S = 54e9
 ASSUMED_DEVICE_READ_BYTES_PER_S = 4.0e12
+# The host step between a cut decode graph's pieces, per MoE layer (mempath/engine/piecewise.py):
+# bench_moe.py's cut_us_per_layer on the H200 (2026-12-02, Qwen3-30B-A3B shape: 42.5 us).
+ASSUMED_CUT_SECONDS = 42e-6
 
 
 def moe_offload_tokens_per_second(shape: ModelShape, dtype_bytes: int, hit_rate: float, h2d_bytes_per_s: float,

@@ -18,7 +18,7 @@ from mempath.constants import DEFAULT_BLOCK_SIZE, default_max_num_seqs
 from mempath.memory.formulas import (CUBLAS_WORKSPACE_BYTES_SM90, ModelShape, check_serving_settings,
                                      count_params, expert_bytes, read_shape, resolve_dtype,
                                      resolve_expert_cache_size, serving_figures, weight_bytes,
-                                     ASSUMED_DEVICE_READ_BYTES_PER_S, ASSUMED_H2D_BYTES_PER_S,
+                                     ASSUMED_CUT_SECONDS, ASSUMED_DEVICE_READ_BYTES_PER_S, ASSUMED_H2D_BYTES_PER_S,
                                      moe_offload_tokens_per_second)
 from mempath.tools.advice import advise
 from mempath.tools.training import plan_training
@@ -358,7 +358,7 @@ def _plan_experts(shape: ModelShape, b: int, params: dict[str, int], total_bytes
     if resident < total:
         hit_rate = cache_size / shape.num_experts  # the uniform router's: random weights route almost uniformly
         prediction.update(moe_hit_rate=hit_rate, moe_decode_tokens_per_s=moe_offload_tokens_per_second(
-            shape, b, hit_rate, rates[0], active_params * b / rates[1]))
+            shape, b, hit_rate, rates[0], active_params * b / rates[1], ASSUMED_CUT_SECONDS))
     return {**prediction,
         "num_experts": shape.num_experts,
         "num_experts_per_tok": shape.num_experts_per_tok,
