@@ -58,8 +58,8 @@ class PiecewiseGraph:
     def pool(self):
         return self._pool
 
-    def replay(self, rows: int) -> None:
-        """Run the step for its first ``rows`` rows (the rest pad the captured batch)."""
+    def replay(self, rows: int | None = None) -> None:
+        """Run the step for its first ``rows`` rows (the rest pad the captured batch; None: all)."""
         for i, piece in enumerate(self.pieces):
             piece.replay()
             if i < len(self.host_steps):

@@ -420,8 +420,9 @@ class Startup:
         with self._guard("cuda_graphs"), self.stage("cuda graph capture", Pathway.CUDA_GRAPHS.value):
             graph_bytes = self.runner.capture_cuda_graphs()
         if self.runner.graphs:
+            cut = f", each cut at {len(self.runner.cut_blocks)} MoE layers" if self.runner.cut_blocks else ""
             self.budget.grant(self.tenant, Pathway.CUDA_GRAPHS, graph_bytes, "measured",
-                              f"{len(self.runner.graphs)} decode graphs, batch 1..{self.config.max_num_seqs}")
+                              f"{len(self.runner.graphs)} decode graphs, batch 1..{max(self.runner.graphs)}{cut}")
         else:
             self.ledger.discard(Pathway.CUDA_GRAPHS)
 

@@ -140,11 +140,13 @@ class SpeculativeDecoder:
 
     @torch.inference_mode()
     def capture_graphs(self) -> int:
-        """CUDA graphs of the verify step and the draft's forwards (where the runners capture
-        decode graphs: CUDA, not enforce_eager, no MoE), in the target's decode graph pool;
-        return the device bytes they added (pool growth and their logit outputs)."""
+        """CUDA graphs of the verify step and the draft's forwards (where the runners capture whole
+        decode graphs: CUDA, not enforce_eager, no MoE layer with experts in host memory, whose
+        graphs are cut at its host steps), in the target's decode graph pool; return the device
+        bytes they added (pool growth and their logit outputs)."""
         rows = min(self.target.max_num_seqs, SPEC_MAX_ROWS)
-        if not self.target.graph_sizes() or self.target.max_tokens < rows * (self.max_k + 1):
+        if (not self.target.graph_sizes() or self.target.cut_blocks
+                or self.target.max_tokens < rows * (self.max_k + 1)):
             return 0
         device = self.device
         torch.cuda.synchronize(device)
@@ -152,7 +154,7 @@ class SpeculativeDecoder:
         pool = next(iter(self.target.graphs.values())).pool() if self.target.graphs else None
         self.verify_graphs = RowGraphs(self.target, self.max_k + 1, True, rows)
         pool = self.verify_graphs.capture(pool)
-        if self.draft is not None and self.draft.graph_sizes():
+        if self.draft is not None and self.draft.graph_sizes() and not self.draft.cut_blocks:
             self.catch_up_graphs = RowGraphs(self.draft, 2, False, rows)
             pool = self.catch_up_graphs.capture(pool)
             self.step_graphs = RowGraphs(self.draft, 1, False, rows)
