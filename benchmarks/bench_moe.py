@@ -138,9 +138,52 @@ def part_pinned(args, shape) -> dict:
     # Bytes read + written per second, as bench_engine.copy_bandwidth counts them: the rate a
     # read-only stream (a decode step's weights) gets from the same memory.
     read = 2 * 5 * big.numel() * 2 / (time.perf_counter() - start)
-    del big, other, host, slot
+    del big, other
+    split = split_copies(args, shape, host, slot, device)
     return result("pinned", expert_bytes=per_expert * 2, h2d_GBps=h2d / 1e9, device_read_GBps=read / 1e9,
-                  pinned=pin, copies=args.copies)
+                  pinned=pin, copies=args.copies, **split, host_expert_us=host_expert_seconds(shape) * 1e6)
+
+
+def split_copies(args, shape, host, slot, device) -> dict:
+    """The cache's own copy pattern: each expert as two copies (gate/up, then down), on one stream
+    and spread over two (GB/s); on the CPU, the one-stream figure only."""
+    gate_up = 2 * shape.hidden_size * shape.moe_intermediate_size
+    figures = {}
+    for streams in ((None,), (torch.cuda.Stream(), torch.cuda.Stream())) if device.type == "cuda" else ((None,),):
+        synchronize(device)
+        start = time.perf_counter()
+        for i in range(args.copies):
+            with torch.cuda.stream(streams[i % len(streams)]) if streams[0] is not None else _nothing():
+                slot[:gate_up].copy_(host[i, :gate_up], non_blocking=True)
+                slot[gate_up:].copy_(host[i, gate_up:], non_blocking=True)
+        synchronize(device)
+        figures[f"h2d_split_{len(streams)}_stream_GBps"] = args.copies * host[0].numel() * 2 / (time.perf_counter() - start) / 1e9
+    return figures
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def host_expert_seconds(shape) -> float:
+    """One expert's MLP for one token on the host in bf16 (what --moe-cpu-experts would run), seconds."""
+    h, i = shape.hidden_size, shape.moe_intermediate_size
+    gate_up, down = torch.randn(2 * i, h, dtype=torch.bfloat16), torch.randn(h, i, dtype=torch.bfloat16)
+    x = torch.randn(1, h, dtype=torch.bfloat16)
+
+    def run():
+        a, b = torch.nn.functional.linear(x, gate_up).chunk(2, dim=-1)
+        torch.nn.functional.linear(torch.nn.functional.silu(a) * b, down)
+    run()
+    start, calls = time.perf_counter(), 0
+    while time.perf_counter() - start < 0.2:
+        run()
+        calls += 1
+    return (time.perf_counter() - start) / calls
 
 
 def synchronize(device: torch.device) -> None:
