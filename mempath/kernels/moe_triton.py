@@ -14,17 +14,20 @@ Here nothing is read on the host, so a decode CUDA graph can hold the layer:
   loads its expert from the map, gathers its rows (the token's hidden state for
   gate/up, the pair's activation for down) and writes the pair's output row, the
   down projection's already weighted by the router.
+- ``_sum_pairs_kernel`` (``triton_sum_pairs``, twin ``sum_pairs``): each token's k float32
+  pair rows added in float32 and cast to the model dtype in one launch.
 
 Float32 inputs are multiplied in IEEE float32 (no TF32), so the oracle comparison is
 against the twin's float32 arithmetic, not a lower precision.
 
 Each launch's tile and pipeline (:class:`GroupedGemmConfig`) is chosen by the GEMM's shape
-(N, K), its row block and the dtype only (``grouped_gemm_config``): never by the number of
-experts or of active groups, so an expert cache running the kernel over a subset of slots
-computes every row exactly as the all-resident run does. Measured configurations are read
-from ``mempath/assets/moe_gemm_configs.json`` (written by benchmarks/bench_moe_gemm.py,
-``MEMPATH_MOE_GEMM_CONFIGS`` names another file); a shape it does not list gets the fixed
-launch the kernel always had (``default_config``).
+(N, K), the dtype and the number of pairs (rows) of the call only (``grouped_gemm_config``):
+never by the number of experts or of active groups, so an expert cache running the kernel
+over a subset of slots, with the same pairs, computes every row exactly as the all-resident
+run does. Measured configurations are read from ``mempath/assets/moe_gemm_configs.json``
+(written by benchmarks/bench_moe_gemm.py, ``MEMPATH_MOE_GEMM_CONFIGS`` names another file),
+keyed by shape, then row block, then (decode) pairs rounded up to a power of two; a shape it
+does not list gets the fixed launch the kernel always had (``default_config``).
 """
 import functools
 import json
