@@ -75,7 +75,7 @@ COMPARE = textwrap.dedent("""
         # fn run with every grouped GEMM launched under config (the chooser replaced).
         from mempath.kernels import moe_triton
         chooser = moe_triton.grouped_gemm_config
-        moe_triton.grouped_gemm_config = lambda n, k, block_m, dtype, table=None: config
+        moe_triton.grouped_gemm_config = lambda n, k, pairs, dtype, table=None: config
         try:
             return fn(*args, **kwargs)
         finally:
