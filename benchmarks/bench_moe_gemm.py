@@ -8,8 +8,8 @@ pair's token row; down: [E, h, I] times each pair's activation, weighted by the 
 Qwen3-30B-A3B and Mixtral-8x7B shapes, in bf16, with random expert ids (distinct per token):
 
 - decode: 1, 2, 4 and 8 tokens (16-row blocks, 1-8 real rows: a read of the active experts'
-  weights); the table's entry for block_m 16 is the configuration with the least summed time
-  over these batches, since one entry serves them all;
+  weights); the table's block_m 16 entries are per bucket of pairs (tokens x top_k rounded up to
+  a power of two), each the fastest configuration at the largest batch in its bucket;
 - prefill: 1024 tokens (64-row blocks for both models: Mixtral's 512 tokens x 2 are 1024 pairs,
   which still run 16-row blocks), its best configuration for block_m 64.
 
@@ -27,7 +27,10 @@ flushed, but no launch finds its weights there, as in a decode step). The bytes 
 active experts' weights plus the activation rows, against the device read bandwidth measured
 in the same run (a 4 GiB device-to-device copy, bytes read + written per second, as
 benchmarks/bench_moe.py's pinned part counts it). One ``RESULT`` JSON line per (GEMM, batch),
-and one per model for batch 1's two launches; ``--out`` writes the table the engine reads.
+and one per model for batch 1's two launches; ``--out`` writes the table the engine reads (a
+point's ``table`` is the configuration that table launches there).
+
+    python benchmarks/bench_moe_gemm.py --from-results RUN.jsonl --out TABLE   # no GPU: a table from a run's lines
 """
 import argparse
 import json
@@ -41,8 +44,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from mempath.kernels.common import next_pow2  # noqa: E402
 from mempath.kernels.moe_triton import (GroupedGemmConfig, _grouped_gemm, align_to_blocks,  # noqa: E402
-                                        block_m_for, default_config, moe_gemm_table_json)
+                                        block_m_for, default_config, grouped_gemm_config, moe_gemm_table_json)
 
 CONFIGS = ROOT / "tests" / "data" / "configs"
 # (experts, top_k, hidden, expert intermediate) of each model.
@@ -211,6 +215,56 @@ def layers_needed(bytes_per_launch: float, l2_bytes: int, device: str) -> int:
     return 1 if device == "cpu" else max(1, min(16, -(-3 * l2_bytes // max(1, int(bytes_per_launch)))))
 
 
+def parse_config(text: str) -> GroupedGemmConfig:
+    """``GroupedGemmConfig.describe``'s text back: "n64 k256 w4 s3"."""
+    n, k, w, st = text.split()
+    return GroupedGemmConfig(int(n[1:]), int(k[1:]), int(w[1:]), int(st[1:]))
+
+
+def table_from_points(points: list[dict]) -> dict:
+    """The engine's table from RESULT points: a decode point's (block_m 16) fastest configuration under
+    its pairs bucket (of two points in a bucket, the one with more pairs), a prefill sweep's (block_m 64)
+    configuration for every bucket. Other lines (batch-1 sums, other benches) are skipped."""
+    table = {}
+    for p in sorted((p for p in points if p.get("bench") == "moe_gemm" and "gemm" in p), key=lambda p: p["pairs"]):
+        entries = table.setdefault(p["shape"], {})
+        if p["block_m"] == 16:
+            entries.setdefault("16", {})[str(next_pow2(p["pairs"]))] = parse_config(p["best_here"])
+        else:
+            entries[str(p["block_m"])] = parse_config(p["table"])
+    return {shape: table[shape] for shape in sorted(table)}
+
+
+def table_about(points: list[dict]) -> dict:
+    """The table file's note of each shape's GEMM and model."""
+    shapes = {}
+    for p in points:
+        if p.get("bench") == "moe_gemm" and "gemm" in p:
+            shapes[p["shape"]] = f"{p['gemm']} ({p['model']})"
+    return {shape: shapes[shape] for shape in sorted(shapes)}
+
+
+def from_results(results: str, out: str | None, device_name: str | None) -> int:
+    """--from-results: the table from an earlier run's RESULT lines, written to ``out``, no GPU."""
+    points = [json.loads(line.split("RESULT ", 1)[1]) for line in Path(results).read_text().splitlines()
+              if line.startswith("RESULT ")]
+    table = table_from_points(points)
+    if not table:
+        print(f"bench_moe_gemm: {results} has no moe_gemm RESULT lines (bench_moe_gemm.py prints them): "
+              "pass the output of a sweep")
+        return 2
+    text = moe_gemm_table_json(table, device=device_name or "not recorded in the RESULT lines", dtype="bfloat16",
+                               made_by=f"benchmarks/bench_moe_gemm.py --from-results {results}",
+                               timing="CUDA events over CUDA-graph replays, weights rotated over layers (3x the L2)",
+                               shapes=table_about(points))
+    if out:
+        Path(out).write_text(text)
+        print(f"table written to {out}")
+    else:
+        print(text, end="")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
@@ -221,7 +275,12 @@ def main() -> int:
     parser.add_argument("--out", help="write the best configurations here, the table the engine reads "
                                       "(e.g. mempath/assets/moe_gemm_configs.json)")
     parser.add_argument("--tiny", action="store_true", help="CPU, TRITON_INTERPRET=1: toy shapes, timings meaningless")
+    parser.add_argument("--from-results", metavar="FILE",
+                        help="no sweep: build the table from an earlier run's RESULT lines (to --out, else stdout)")
+    parser.add_argument("--device-name", help="with --from-results: the device the run measured (the table's note)")
     args = parser.parse_args()
+    if args.from_results:
+        return from_results(args.from_results, args.out, args.device_name)
     started = time.time()
     if not args.tiny and not torch.cuda.is_available():
         print("bench_moe_gemm: no CUDA device; run `TRITON_INTERPRET=1 python benchmarks/bench_moe_gemm.py --tiny` "
@@ -256,19 +315,25 @@ def main() -> int:
         deadline = started + args.budget_s * (i + 1) / len(sweeps)
         sweep = Sweep(weights, batches, top_k, gemm, dtype, device, deadline, started + args.budget_s)
         best = sweep.run(*grids[sweep.block_m], smem, keep=2 if sweep.block_m == 16 else 1)
-        table.setdefault(f"{n}x{k}", {})[str(sweep.block_m)] = best
         default = default_config(n, k)
+        points = []
         for t, launches in sweep.points.items():
             nbytes = sum(launch.bytes for launch in launches) / len(launches)
             fastest = min(sweep.times, key=lambda c: sweep.times[c][t])
-            point = {"bench": "moe_gemm", "model": model, "gemm": gemm, "shape": f"{n}x{k}", "tokens": t,
-                     "pairs": t * top_k, "block_m": sweep.block_m, "layers_rotated": layers,
-                     "active_experts": sum(launch.active for launch in launches) / len(launches), "bytes": nbytes,
-                     "best_here": fastest.describe(), "best_here_us": sweep.times[fastest][t],
-                     "table": best.describe(), "table_us": sweep.times[best][t],
-                     "default": default.describe(), "default_us": sweep.times.get(default, {}).get(t, float("nan"))}
+            points.append({"bench": "moe_gemm", "model": model, "gemm": gemm, "shape": f"{n}x{k}", "tokens": t,
+                           "pairs": t * top_k, "block_m": sweep.block_m, "layers_rotated": layers,
+                           "active_experts": sum(launch.active for launch in launches) / len(launches),
+                           "bytes": nbytes, "best_here": fastest.describe(), "best_here_us": sweep.times[fastest][t],
+                           "table": best.describe()})
+        entries = table_from_points(points)[f"{n}x{k}"]
+        table.setdefault(f"{n}x{k}", {}).update(entries)
+        for point in points:
+            t = point["tokens"]
+            launched = grouped_gemm_config(n, k, point["pairs"], dtype, {f"{n}x{k}": entries})
+            point.update(table=launched.describe(), table_us=sweep.times[launched][t], default=default.describe(),
+                         default_us=sweep.times.get(default, {}).get(t, float("nan")))
             for key in ("best_here", "table", "default"):
-                point[f"{key}_pct_of_read_bw"] = round(100 * nbytes / (point[f"{key}_us"] * 1e-6) / bandwidth, 1)
+                point[f"{key}_pct_of_read_bw"] = round(100 * point["bytes"] / (point[f"{key}_us"] * 1e-6) / bandwidth, 1)
             point.update(candidates=len(sweep.times), dropped=len(sweep.dropped), skipped_for_time=sweep.skipped)
             results.append(point)
             print("RESULT " + json.dumps(point), flush=True)

@@ -161,13 +161,38 @@ def test_the_allocator_is_capped_at_what_the_budget_leaves_it(monkeypatch, caplo
     assert device.fraction * TOTAL == pytest.approx(TOTAL // 2 + startup_module.ALLOCATOR_SEGMENTS)
 
 
-@pytest.mark.parametrize("moe", [None, "grouped kernel", "partial cache"])
-def test_graphs_are_planned_only_where_they_can_be_captured(moe):
-    """A MoE layer with fewer experts resident than all copies them on the host's decision: no decode
-    graphs, no graph memory reserved; with every expert resident the grouped kernel is captured."""
+@pytest.mark.parametrize("moe,expected", [
+    (None, [1, 2, 4, 8, 16]),
+    ("grouped kernel", [1, 2, 4, 8, 16]),
+    ("partial cache", [1, 2]),  # cut at the MoE layer: 5 slots hold the k = 2 experts of 2 rows at once
+    ("partial cache, misses on the host", []),
+    ("no grouped kernel", []),
+])
+def test_graphs_are_planned_only_where_they_can_be_captured(moe, expected):
+    """With every expert resident the grouped kernel is captured in whole-step graphs; with fewer,
+    the graphs are cut at the MoE layers (engine/piecewise.py) for the batches whose routing fits
+    the slots at once, and none when a miss may run on the host or there is no grouped kernel."""
+    import dataclasses
+
     from mempath.engine.runner import ModelRunner
-    block = SimpleNamespace(uses_grouped_kernel=lambda: moe == "grouped kernel")
+    from mempath.kernels.dispatch import torch_kernels
+    from mempath.model.moe import MoEBlock
+
+    @dataclasses.dataclass
+    class Spec:
+        num_experts: int = 8
+        num_experts_per_tok: int = 2
+        hidden_size: int = 16
+        moe_intermediate_size: int = 8
+        norm_topk_prob: bool = True
+        routing_weights_float32: bool = False
+    grouped = {} if moe == "no grouped kernel" else {"grouped_experts": print, "grouped_expert_pairs": print}
+    block = MoEBlock(Spec(), dataclasses.replace(torch_kernels(), **grouped))
+    if moe and moe.startswith("partial cache"):
+        block.experts.set_resident(5)
+        block.experts.cpu_experts = "always" if "host" in moe else "never"
+    elif moe == "no grouped kernel":
+        block.experts.set_resident(5)
     runner = SimpleNamespace(device=torch.device("cuda"), config=SimpleNamespace(enforce_eager=False),
                              max_num_seqs=16, model=SimpleNamespace(moe_blocks=lambda: [block] if moe else []))
-    sizes = ModelRunner.graph_sizes(runner)
-    assert sizes == ([] if moe == "partial cache" else [1, 2, 4, 8, 16])
+    assert ModelRunner.graph_sizes(runner) == expected

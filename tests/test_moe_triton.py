@@ -75,7 +75,7 @@ COMPARE = textwrap.dedent("""
         # fn run with every grouped GEMM launched under config (the chooser replaced).
         from mempath.kernels import moe_triton
         chooser = moe_triton.grouped_gemm_config
-        moe_triton.grouped_gemm_config = lambda n, k, block_m, dtype, table=None: config
+        moe_triton.grouped_gemm_config = lambda n, k, pairs, dtype, table=None: config
         try:
             return fn(*args, **kwargs)
         finally:
@@ -128,6 +128,66 @@ COMPARE = textwrap.dedent("""
             check(5, 16, 4, 32, 40, dtype, device, seed=1)              # K, N not multiples of the tiles
             check(600, 8, 2, 64, 48, dtype, device, seed=2)             # prefill-sized: 64-row blocks
     """)
+
+
+SUM_COMPARE = textwrap.dedent("""
+    import torch
+    from mempath.kernels.moe_triton import SUM_PAIRS_BLOCK, sum_pairs, triton_sum_pairs
+
+    def in_order(pairs, top_k, dtype):
+        # The kernel's documented arithmetic: float32 adds in the order j = 0..k-1, then the cast.
+        rows = pairs.view(-1, top_k, pairs.shape[-1])
+        acc = torch.zeros_like(rows[:, 0])
+        for j in range(top_k):
+            acc = acc + rows[:, j]
+        if dtype == torch.bfloat16 and pairs.device.type == "cpu":
+            # Triton's interpreter casts float32 to bfloat16 by truncation (CUDA rounds to nearest even).
+            return (acc.view(torch.int32) & -65536).view(torch.float32).to(dtype)
+        return acc.to(dtype)
+
+    def check_sum(device):
+        g = torch.Generator().manual_seed(0)
+        for hidden in (SUM_PAIRS_BLOCK + 37, 40):  # a tail past a block; one narrower than a block
+            for top_k in (1, 2, 8):
+                for dtype in (torch.float32, torch.bfloat16):
+                    tokens = 3
+                    pairs = (torch.randn(tokens * top_k, hidden, generator=g) * 10 ** torch.randn(1, generator=g)).to(device)
+                    got = triton_sum_pairs(pairs, top_k, dtype)
+                    assert got.dtype == dtype and got.shape == (tokens, hidden), (got.dtype, got.shape)
+                    assert torch.equal(got, in_order(pairs, top_k, dtype)), (hidden, top_k, dtype)
+                    assert torch.equal(got, triton_sum_pairs(pairs, top_k, dtype)), "the same input, the same bits"
+                    twin = sum_pairs(pairs, top_k, dtype)
+                    if top_k <= 2 and (dtype == torch.float32 or device != "cpu"):  # one rounding either way
+                        assert torch.equal(got, twin), (hidden, top_k, dtype)
+                    else:
+                        tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: the interpreter's truncation
+                        scale = twin.float().abs().max().item()
+                        assert (got.float() - twin.float()).abs().max().item() <= tol * scale, (hidden, top_k, dtype)
+        empty = triton_sum_pairs(torch.empty(0, 64, device=device), 8, torch.bfloat16)
+        assert empty.shape == (0, 64) and empty.dtype == torch.bfloat16
+    """)
+
+
+@pytest.mark.skipif(not HAS_TRITON or torch.cuda.is_available(), reason="needs Triton, and no CUDA (checked compiled there)")
+def test_sum_over_k_matches_the_twin_in_the_interpreter():
+    interpret(SUM_COMPARE + "\ncheck_sum('cpu')\nprint('ok')\n")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sum_over_k_matches_the_twin_on_cuda_and_is_captured_in_a_graph():
+    namespace = {}
+    exec(SUM_COMPARE, namespace)
+    namespace["check_sum"]("cuda")
+    from mempath.kernels.moe_triton import triton_sum_pairs
+    pairs = torch.randn(4 * 8, 2048, device="cuda")
+    eager = triton_sum_pairs(pairs, 8, torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = triton_sum_pairs(pairs, 8, torch.bfloat16)
+    pairs.mul_(2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, triton_sum_pairs(pairs, 8, torch.bfloat16)) and not torch.equal(captured, eager)
 
 
 # Where CUDA is present the compiled kernel is checked instead (as tests/test_triton_interpret.py

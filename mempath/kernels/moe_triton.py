@@ -14,30 +14,36 @@ Here nothing is read on the host, so a decode CUDA graph can hold the layer:
   loads its expert from the map, gathers its rows (the token's hidden state for
   gate/up, the pair's activation for down) and writes the pair's output row, the
   down projection's already weighted by the router.
+- ``_sum_pairs_kernel`` (``triton_sum_pairs``, twin ``sum_pairs``): each token's k float32
+  pair rows added in float32 and cast to the model dtype in one launch.
 
 Float32 inputs are multiplied in IEEE float32 (no TF32), so the oracle comparison is
 against the twin's float32 arithmetic, not a lower precision.
 
 Each launch's tile and pipeline (:class:`GroupedGemmConfig`) is chosen by the GEMM's shape
-(N, K), its row block and the dtype only (``grouped_gemm_config``): never by the number of
-experts or of active groups, so an expert cache running the kernel over a subset of slots
-computes every row exactly as the all-resident run does. Measured configurations are read
-from ``mempath/assets/moe_gemm_configs.json`` (written by benchmarks/bench_moe_gemm.py,
-``MEMPATH_MOE_GEMM_CONFIGS`` names another file); a shape it does not list gets the fixed
-launch the kernel always had (``default_config``).
+(N, K), the dtype and the number of pairs (rows) of the call only (``grouped_gemm_config``):
+never by the number of experts or of active groups, so an expert cache running the kernel
+over a subset of slots, with the same pairs, computes every row exactly as the all-resident
+run does. Measured configurations are read from ``mempath/assets/moe_gemm_configs.json``
+(written by benchmarks/bench_moe_gemm.py, ``MEMPATH_MOE_GEMM_CONFIGS`` names another file),
+keyed by shape, then row block, then (decode) pairs rounded up to a power of two; a shape it
+does not list gets the fixed launch the kernel always had (``default_config``).
 """
 import functools
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
 
-from mempath.kernels.common import HAS_TRITON, config_table_json, load_config_table
+from mempath.kernels.common import HAS_TRITON, next_pow2, pdl_options
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from mempath.kernels.common import pdl_wait
 
     @triton.jit
     def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, pair_ptr, block_expert_ptr, weight_ptr, n, k,
@@ -72,6 +78,19 @@ if HAS_TRITON:
         c_ptrs = c_ptr + tl.where(row_ok, pairs, 0)[:, None] * stride_cm + cols[None, :]
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
+
+    @triton.jit
+    def _sum_pairs_kernel(pairs_ptr, out_ptr, hidden, stride_pair, stride_out, TOP_K: tl.constexpr,
+                          BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+        """One token's BLOCK_H columns: its k pairs' rows added in float32, j = 0..k-1, then cast."""
+        token = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        ok = cols < hidden
+        pdl_wait(PDL)
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            acc += tl.load(pairs_ptr + (token * TOP_K + j) * stride_pair + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + token * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride, TOP_K: tl.constexpr,
@@ -164,52 +183,121 @@ def default_config(n: int, k: int) -> GroupedGemmConfig:
     return GroupedGemmConfig(block_n=64 if n >= 64 else 32, block_k=64 if k >= 64 else 32)
 
 
-def load_moe_gemm_table(path: str | os.PathLike | None = None) -> dict[str, dict[str, GroupedGemmConfig]]:
-    """{"NxK": {block_m: GroupedGemmConfig}} from a table file (``MOE_GEMM_TABLE_ENV`` or the shipped one)."""
+# A table's entries: {"NxK": {block_m: config, or {pairs bucket: config}}}. block_m stays the outer key
+# because a config is measured (and fits shared memory) at its row block, and an old table's one
+# config per block_m, or a prefill entry, is then simply "every bucket".
+Entry = GroupedGemmConfig | dict[str, GroupedGemmConfig]
+
+
+def load_moe_gemm_table(path: str | os.PathLike | None = None) -> dict[str, dict[str, Entry]]:
+    """{"NxK": {block_m: GroupedGemmConfig or {pairs bucket: GroupedGemmConfig}}} from a table file
+    (``MOE_GEMM_TABLE_ENV`` or the shipped one); {} when the shipped one is absent."""
     from_env = path is None and os.environ.get(MOE_GEMM_TABLE_ENV)
     path = Path(path or from_env or DEFAULT_MOE_GEMM_TABLE)
     if path != DEFAULT_MOE_GEMM_TABLE and not path.exists():  # only the shipped table may be absent (not swept yet)
         named = f"{MOE_GEMM_TABLE_ENV} names {path}" if from_env else f"the table {path}"
         raise ValueError(f"{named}, which does not exist: point it at a table ({SWEEP} --out FILE writes one)"
                          f"{' or unset it' if from_env else ''}")
-    table = load_config_table(path, GroupedGemmConfig, "block_m", f"{SWEEP} --out {path}")
-    for shape, entries in table.items():
+    remake = f"{SWEEP} --out {path}"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e}): rewrite it with {remake} or delete it") from e
+    if not isinstance(raw, dict) or not isinstance(raw.get("configs", {}), dict):
+        raise ValueError(f'{path}: the table must be a JSON object with a "configs" object: rewrite it with {remake}')
+    table = {}
+    for shape, entries in raw.get("configs", {}).items():
         n, _, k = shape.partition("x")
         if not (n.isdigit() and k.isdigit()):
             raise ValueError(f"{path}: shape {shape!r} is not NxK (e.g. \"1536x2048\"): fix it or re-sweep with "
-                             f"{SWEEP} --out {path}")
-        for block_m in entries:
+                             f"{remake}")
+        if not isinstance(entries, dict):
+            raise ValueError(f"{path}: {shape} must map block_m to configurations, got {entries!r}")
+        table[shape] = {}
+        for block_m, entry in entries.items():
             if not block_m.isdigit():
                 raise ValueError(f"{path}: {shape} block_m {block_m!r} is not an integer (the row block, "
-                                 f"16 or 64): fix it or re-sweep with {SWEEP} --out {path}")
+                                 f"16 or 64): fix it or re-sweep with {remake}")
+            table[shape][block_m] = _read_entry(entry, f"{path}: {shape} block_m {block_m}", remake)
     return table
 
 
-def moe_gemm_table_json(configs: dict[str, dict[str, GroupedGemmConfig]], **about) -> str:
-    """The table file's text: ``about`` (device, how it was made) beside the configs."""
-    return config_table_json(configs, **about)
+def _read_entry(entry, where: str, remake: str) -> Entry:
+    """One block_m's entry: a config's fields (every bucket), or pairs buckets (powers of two) to configs."""
+    if isinstance(entry, dict) and entry and any(key.isdigit() for key in entry):
+        if not all(key.isdigit() for key in entry):
+            raise ValueError(f"{where} mixes pairs buckets and fields: {sorted(entry)}: it is either one "
+                             f"configuration or buckets of them; rewrite it with {remake}")
+        for bucket in entry:
+            if int(bucket) < 1 or int(bucket) & (int(bucket) - 1):
+                raise ValueError(f"{where}: pairs bucket {bucket!r} is not a power of two (the pairs of a call "
+                                 f"rounded up): fix it or re-sweep with {remake}")
+        return {bucket: _read_config(config, f"{where} pairs {bucket}") for bucket, config in entry.items()}
+    return _read_config(entry, where)
+
+
+def _read_config(entry, where: str) -> GroupedGemmConfig:
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where} must be an object of fields, got {entry!r}")
+    known = {f.name for f in fields(GroupedGemmConfig)}
+    unknown = set(entry) - known
+    if unknown:
+        raise ValueError(f"{where} has unknown fields {sorted(unknown)}: the fields are {sorted(known)}")
+    try:
+        return GroupedGemmConfig(**entry)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from e
+
+
+def moe_gemm_table_json(configs: dict[str, dict[str, Entry]], **about) -> str:
+    """The table file's text: ``about`` (device, how it was made) beside the configs, one config a line
+    (so a sweep's diff reads per entry)."""
+    lines = [json.dumps({**about, "configs": {}}, indent=1)[:-len('{}\n}')] + "{"]
+    for i, (shape, entries) in enumerate(configs.items()):
+        lines.append(f'  "{shape}": {{')
+        parts = []
+        for block_m, entry in entries.items():
+            if isinstance(entry, GroupedGemmConfig):
+                parts.append(f'   "{block_m}": {json.dumps(asdict(entry))}')
+            else:
+                buckets = ",\n".join(f'    "{b}": {json.dumps(asdict(c))}' for b, c in entry.items())
+                parts.append(f'   "{block_m}": {{\n{buckets}\n   }}')
+        lines.append(",\n".join(parts))
+        lines.append("  }" + ("," if i < len(configs) - 1 else ""))
+    return "\n".join(lines) + "\n }\n}\n"
 
 
 @functools.lru_cache(maxsize=4)
-def _table_for(env_value: str | None) -> dict[str, dict[str, GroupedGemmConfig]]:
+def _table_for(env_value: str | None) -> dict[str, dict[str, Entry]]:
     return load_moe_gemm_table()
 
 
-def moe_gemm_table() -> dict[str, dict[str, GroupedGemmConfig]]:
+def moe_gemm_table() -> dict[str, dict[str, Entry]]:
     """The table the engine launches by (``MOE_GEMM_TABLE_ENV``'s or the shipped one), read once."""
     return _table_for(os.environ.get(MOE_GEMM_TABLE_ENV))
 
 
-def grouped_gemm_config(n: int, k: int, block_m: int, dtype: torch.dtype, table: dict | None = None) -> GroupedGemmConfig:
-    """The launch for an [E, n, k] weight times rows in ``block_m`` blocks: the table's entry, else the default.
+def grouped_gemm_config(n: int, k: int, pairs: int, dtype: torch.dtype, table: dict | None = None) -> GroupedGemmConfig:
+    """The launch for an [E, n, k] weight times ``pairs`` rows (blocks of ``block_m_for(pairs)``):
+    the table's entry, else the default.
 
+    Decode entries are per bucket, the pairs rounded up to a power of two: that bucket's config,
+    else the largest listed below it, else the smallest listed. Only the shape, the dtype and
+    the pairs decide, never the experts or active groups: an expert cache's call over its slots
+    has the all-resident call's pairs, so it gets the same launch and the same bits.
     The table was measured on 16-bit tiles (bf16); float32 tiles take twice the shared memory
     per stage, so they keep the default.
     """
     if dtype.itemsize == 2:
-        listed = (moe_gemm_table() if table is None else table).get(f"{n}x{k}", {}).get(str(block_m))
-        if listed is not None:
-            return listed
+        entry = (moe_gemm_table() if table is None else table).get(f"{n}x{k}", {}).get(str(block_m_for(pairs)))
+        if isinstance(entry, GroupedGemmConfig):
+            return entry
+        if entry:
+            bucket, listed = next_pow2(pairs), sorted(int(b) for b in entry)
+            below = [b for b in listed if b <= bucket]
+            return entry[str(below[-1] if below else listed[0])]
     return default_config(n, k)
 
 
@@ -284,7 +372,7 @@ def _grouped_gemm(a, weights, out, pair_of_row, block_expert, block_m, rows_per_
 
     ``config`` None: ``grouped_gemm_config``'s choice for the shape (the benchmark passes its candidates)."""
     n, k = weights.shape[1], weights.shape[2]
-    config = config or grouped_gemm_config(n, k, block_m, a.dtype)
+    config = config or grouped_gemm_config(n, k, out.shape[0], a.dtype)  # out: one row per pair
     grid = (block_expert.numel(), triton.cdiv(n, config.block_n))
     _grouped_gemm_kernel[grid](
         a, weights, out, pair_of_row, block_expert, router_weights if router_weights is not None else out, n, k,
@@ -321,8 +409,43 @@ def triton_grouped_expert_pairs(x: torch.Tensor, router_weights: torch.Tensor, e
 
 
 def sum_pairs(pairs: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tensor:
-    """The pairs' outputs [T·k, h] summed over each token's k choices, in their order: [T, h] in ``dtype``."""
+    """The pairs' outputs [T·k, h] summed over each token's k choices, in their order: [T, h] in ``dtype``.
+
+    ``triton_sum_pairs``'s PyTorch twin (two launches, and a float32 [T, h] beside the result)."""
     return pairs.view(-1, top_k, pairs.shape[-1]).sum(dim=1).to(dtype)
+
+
+SUM_PAIRS_BLOCK = 512  # columns per program: 4 warps of 4 float32 (one 16-byte load each)
+
+
+def triton_sum_pairs(pairs: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """``sum_pairs`` in one launch: each token's k rows of the float32 pairs [T·k, h] added in float32
+    in the order j = 0..k-1 (from 0.0), then cast to ``dtype``: [T, h], the only allocation.
+
+    Not always torch's ``sum(dim=1)`` bit for bit (torch may add k > 2 terms in another order;
+    for k <= 2 there is one rounding and they agree), but the same input always gives the same
+    bits, whatever the batch or the experts: every path that sums with this function agrees.
+    Nothing is read on the host, so a CUDA graph captures it.
+    """
+    hidden = pairs.shape[-1]
+    out = torch.empty(pairs.shape[0] // top_k, hidden, dtype=dtype, device=pairs.device)
+    if out.shape[0]:
+        _launch_sum_pairs(pairs.contiguous(), out, top_k)
+    return out
+
+
+def _launch_sum_pairs(pairs: torch.Tensor, out: torch.Tensor, top_k: int) -> None:
+    hidden = out.shape[1]
+    grid = (out.shape[0], triton.cdiv(hidden, SUM_PAIRS_BLOCK))
+    _sum_pairs_kernel[grid](pairs, out, hidden, pairs.stride(0), out.stride(0), TOP_K=top_k,
+                            BLOCK_H=SUM_PAIRS_BLOCK, **pdl_options(pairs.device), num_warps=4)
+
+
+def grouped_sum_pairs(pairs: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The sum over k for an expert cache's pairs (mempath/model/moe_slots.py): on CUDA the kernel
+    ``triton_grouped_experts`` sums with, so a cached layer keeps the all-resident bits; elsewhere
+    (the CPU, where the cache's tests run the grouped kernel's PyTorch twin) the twin."""
+    return (triton_sum_pairs if pairs.is_cuda else sum_pairs)(pairs, top_k, dtype)
 
 
 def triton_grouped_experts(x: torch.Tensor, router_weights: torch.Tensor, expert_ids: torch.Tensor,
@@ -333,4 +456,4 @@ def triton_grouped_experts(x: torch.Tensor, router_weights: torch.Tensor, expert
     ``router_weights`` and ``expert_ids`` are the router's top k, [T, k].
     """
     pairs = triton_grouped_expert_pairs(x, router_weights, expert_ids, gate_up_proj, down_proj, silu_and_mul)
-    return sum_pairs(pairs, expert_ids.shape[1], x.dtype)
+    return triton_sum_pairs(pairs, expert_ids.shape[1], x.dtype)

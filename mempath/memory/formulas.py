@@ -409,8 +409,8 @@ def moe_grouped_phase_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, fu
                   runs, at most 8 int64 arrays of R rows (a bound, not the measured 7.8)
         gate/up:  the pairs' gate/up P·2I_e and activation P·I_e (+ silu(gate) P·I_e unfused), ·b
         down:     activation P·I_e·b and float32 outputs P·h·4
-        sum:      the outputs P·h·4, their sum over k T·h·4 and, for a 16-bit model, that sum
-                  in the model dtype T·h·b
+        sum:      the outputs P·h·4 and their sum over k in the model dtype T·h·b (one kernel:
+                  triton_sum_pairs adds in float32 in registers)
         with an expert cache (``num_expert_slots`` below the experts), a wave after the first
         also holds its own outputs P·h·4, slot ids P·8 (two while the next is made) and mask P
         during gate/up and down
@@ -429,7 +429,7 @@ def moe_grouped_phase_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, fu
     slot_waves = pairs * (h * 4 + 17) if 0 < shape.num_expert_slots < experts else 0
     gate_up = pairs * i * dtype_bytes * (3 if fused else 4) + slot_waves
     down = pairs * i * dtype_bytes + pairs * h * 4 + slot_waves
-    summed = pairs * h * 4 + tokens * h * (4 + (dtype_bytes if dtype_bytes != 4 else 0))
+    summed = pairs * h * 4 + tokens * h * dtype_bytes
     return max(routing_peak, routing + pairs * 16 + 8 * rows * 8, routing + maps + max(gate_up, down, summed))
 
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from mempath.kernels.moe_triton import sum_pairs
+from mempath.kernels.moe_triton import grouped_sum_pairs
 
 
 def expert_pairs_torch(x: torch.Tensor, router_weights: torch.Tensor, expert_ids: torch.Tensor,
@@ -183,7 +183,7 @@ def forward_slots(block, x: torch.Tensor, weights: torch.Tensor, expert_ids: tor
         cut(lambda: SlotStep(block, expert_ids))
         slot_ids = slot_table(block).device_table[expert_ids]
         pairs = kernel(x, weights, slot_ids, experts.gate_up_proj, experts.down_proj, experts.kernels.silu_and_mul)
-        return sum_pairs(pairs, block.top_k, x.dtype)
+        return grouped_sum_pairs(pairs, block.top_k, x.dtype)
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("a MoE layer with fewer experts resident than all copies its misses on the host's "
                            "decision: capture it with mempath.engine.piecewise, or run it eagerly")
@@ -215,7 +215,7 @@ def _run_waves(block, x, weights, expert_ids, kernel) -> torch.Tensor:
             torch.where(mine.unsqueeze(1), out, pairs, out=pairs)
         del out, slot_ids
     slot_table(block).write(cache.slot_of)
-    return sum_pairs(pairs, block.top_k, x.dtype)
+    return grouped_sum_pairs(pairs, block.top_k, x.dtype)
 
 
 def _read_ids_and_prefetch(block, x: torch.Tensor, expert_ids: torch.Tensor) -> list[int]:
