@@ -44,7 +44,6 @@ sys.path.insert(0, str(ROOT))
 from mempath import LLM, SamplingParams  # noqa: E402
 from mempath.memory.formulas import (expert_bytes, moe_missed_bytes_per_token,  # noqa: E402
                                      moe_offload_tokens_per_second, read_shape, weight_bytes)
-from mempath.model import moe_slots  # noqa: E402
 from mempath.model.moe import (expert_cache_stats, set_expert_prefetch, synthetic_router_bias,  # noqa: E402
                                synthetic_uniform_router)
 from mempath.tools.plan import plan_memory  # noqa: E402
@@ -211,9 +210,7 @@ def part_offload(args, config: dict, bandwidth: dict) -> list[dict]:
     set_expert_prefetch(llm.engine.model, False)  # decode graphs do not prefetch; eager steps would
     out = []
     cut = 0.0  # seconds per MoE layer of a cut graph's host step: measured on the model router's run
-    # The uniform router twice: its misses' copies on the compute stream, then spread over two copy streams.
-    for router, streams in (("model", 2), ("uniform", 1), ("uniform", 2), ("skewed", 2)):
-        moe_slots.MISS_COPY_STREAMS = streams
+    for router in ("model", "uniform", "skewed"):
         set_router(llm, router)
         rate, tokens, before = decode(llm, args)
         after = expert_cache_stats(llm.engine.model)
@@ -229,7 +226,7 @@ def part_offload(args, config: dict, bandwidth: dict) -> list[dict]:
                                                             1.0 / resident_rate, cut)
         out.append(result(
             "offload", model=config["architectures"][0], router=after["router"],
-            cuda_graphs=sorted(llm.engine.runner.graphs), miss_copy_streams=streams, weight_budget_GB=args.weight_budget / 1e9,
+            cuda_graphs=sorted(llm.engine.runner.graphs), weight_budget_GB=args.weight_budget / 1e9,
             experts_per_layer=after["num_slots"], of=shape.num_experts,
             planned_resident_weight_GB=plan.resident_weight_bytes / 1e9,
             decode_tok_s=rate, hit_rate=hit_rate, bound_tok_s=bound, copied_GB_per_token=copied / 1e9,

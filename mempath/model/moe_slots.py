@@ -90,9 +90,9 @@ def slot_table(block) -> SlotTable:
     return table
 
 
-def book_one_wave(block, expert_ids: list[int], copies: "MissCopies | None" = None) -> None:
-    """A captured batch's routing through the cache: hits counted, misses copied into slots (on the
-    current stream, or spread over ``copies``' streams).
+def book_one_wave(block, expert_ids: list[int]) -> None:
+    """A captured batch's routing through the cache: hits counted, misses copied into slots on the
+    current stream (spread over two copy streams they were slower on the H200: BENCHMARKS.md).
 
     Every active expert must fit the slots at once (the graph sizes are chosen so)."""
     experts = block.experts
@@ -105,49 +105,8 @@ def book_one_wave(block, expert_ids: list[int], copies: "MissCopies | None" = No
         raise RuntimeError(f"a captured MoE step routed to more experts than the {cache.num_slots} slots: "
                            "its graph size should not have been captured")
     [wave] = cache.waves(sorted(routed))
-    load = experts.load_into_slot if copies is None else copies.loader(experts)
-    cache.release(cache.acquire(wave, load))
-    if copies is not None:
-        copies.join()
+    cache.release(cache.acquire(wave, experts.load_into_slot))
     slot_table(block).write(cache.slot_of)
-
-
-# Copy streams a cut graph's misses are spread over (1: the compute stream itself). Two engines
-# overlap one copy's start with the other's end; BENCHMARKS.md has both measured.
-MISS_COPY_STREAMS = 2
-_copy_streams: dict = {}
-
-
-class MissCopies:
-    """One step's miss copies spread round-robin over MISS_COPY_STREAMS side streams (CUDA): each
-    stream first waits for the compute stream (the slots' last readers are done), and the compute
-    stream waits for every copy before the next graph piece reads the slots. Events made once."""
-
-    def __init__(self, device: torch.device, max_copies: int, count: int):
-        streams = _copy_streams.setdefault((device, count), [torch.cuda.Stream(device) for _ in range(count)])
-        self.streams = streams
-        self.done = [torch.cuda.Event() for _ in range(max_copies)]
-        self.issued = 0
-
-    def loader(self, experts):
-        def load(expert: int, slot: int) -> int:
-            if self.issued == 0:
-                current = torch.cuda.current_stream()
-                for stream in self.streams:
-                    stream.wait_stream(current)
-            stream = self.streams[self.issued % len(self.streams)]
-            with torch.cuda.stream(stream):
-                copied = experts.load_into_slot(expert, slot)
-            self.done[self.issued].record(stream)
-            self.issued += 1
-            return copied
-        return load
-
-    def join(self) -> None:
-        current = torch.cuda.current_stream()
-        for event in self.done[:self.issued]:
-            current.wait_event(event)
-        self.issued = 0
 
 
 class SlotStep:
@@ -161,15 +120,12 @@ class SlotStep:
         self.landing = torch.empty(expert_ids.shape, dtype=expert_ids.dtype, pin_memory=True)
         self.landed = self.landing.numpy()
         self.read = torch.cuda.Event()
-        cache = block.experts.cache
-        streams = MISS_COPY_STREAMS
-        self.copies = MissCopies(expert_ids.device, cache.num_slots, streams) if streams > 1 else None
 
     def __call__(self, rows: int) -> None:
         self.landing.copy_(self.expert_ids, non_blocking=True)
         self.read.record()
         self.read.synchronize()
-        book_one_wave(self.block, self.landed[:rows].ravel().tolist(), self.copies)
+        book_one_wave(self.block, self.landed[:rows].ravel().tolist())
         if self.block.router_bias is not None:  # benchmarks' synthetic routing: its drift counts forwards
             self.block.router_bias.advance()
 
