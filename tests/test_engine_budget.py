@@ -177,17 +177,11 @@ def test_graphs_are_planned_only_where_they_can_be_captured(moe, expected):
     from mempath.engine.runner import ModelRunner
     from mempath.kernels.dispatch import torch_kernels
     from mempath.model.moe import MoEBlock
+    from tests.test_moe_grouped_memory import Spec
 
-    @dataclasses.dataclass
-    class Spec:
-        num_experts: int = 8
-        num_experts_per_tok: int = 2
-        hidden_size: int = 16
-        moe_intermediate_size: int = 8
-        norm_topk_prob: bool = True
-        routing_weights_float32: bool = False
     grouped = {} if moe == "no grouped kernel" else {"grouped_experts": print, "grouped_expert_pairs": print}
-    block = MoEBlock(Spec(), dataclasses.replace(torch_kernels(), **grouped))
+    spec = Spec(num_experts=8, num_experts_per_tok=2, hidden_size=16, moe_intermediate_size=8)
+    block = MoEBlock(spec, dataclasses.replace(torch_kernels(), **grouped))
     if moe and moe.startswith("partial cache"):
         block.experts.set_resident(5)
         block.experts.cpu_experts = "always" if "host" in moe else "never"

@@ -39,13 +39,9 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def load_config_table(path: Path, config_type: type, key_name: str, remake: str) -> dict[str, dict[str, object]]:
-    """{"NxK": {key: config_type(**entry)}} from a table file's "configs"; {} when there is no file.
-
-    Every problem is one line naming the file, the shape and key, and the fix: ``key_name`` is
-    what the inner keys are ("bucket", "block_m"), ``remake`` the command that rewrites the table.
-    A config type's own ValueError (from ``__post_init__``) is passed on prefixed with its place.
-    """
+def read_table_file(path: Path, remake: str) -> dict:
+    """A launch table file's JSON object ({} when there is no file); not JSON, or no "configs" object
+    in it, is one line naming the file and ``remake``, the command that rewrites it."""
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
@@ -54,6 +50,17 @@ def load_config_table(path: Path, config_type: type, key_name: str, remake: str)
         raise ValueError(f"{path}: not JSON ({e}): rewrite it with {remake} or delete it") from e
     if not isinstance(raw, dict) or not isinstance(raw.get("configs", {}), dict):
         raise ValueError(f'{path}: the table must be a JSON object with a "configs" object: rewrite it with {remake}')
+    return raw
+
+
+def load_config_table(path: Path, config_type: type, key_name: str, remake: str) -> dict[str, dict[str, object]]:
+    """{"NxK": {key: config_type(**entry)}} from a table file's "configs"; {} when there is no file.
+
+    Every problem is one line naming the file, the shape and key, and the fix: ``key_name`` is
+    what the inner keys are ("bucket", "block_m"), ``remake`` the command that rewrites the table.
+    A config type's own ValueError (from ``__post_init__``) is passed on prefixed with its place.
+    """
+    raw = read_table_file(path, remake)
     known = {f.name for f in fields(config_type)}
     table = {}
     for shape, entries in raw.get("configs", {}).items():

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from mempath.kernels.common import HAS_TRITON, next_pow2, pdl_options
+from mempath.kernels.common import HAS_TRITON, next_pow2, pdl_options, read_table_file
 
 if HAS_TRITON:
     import triton
@@ -199,14 +199,7 @@ def load_moe_gemm_table(path: str | os.PathLike | None = None) -> dict[str, dict
         raise ValueError(f"{named}, which does not exist: point it at a table ({SWEEP} --out FILE writes one)"
                          f"{' or unset it' if from_env else ''}")
     remake = f"{SWEEP} --out {path}"
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not JSON ({e}): rewrite it with {remake} or delete it") from e
-    if not isinstance(raw, dict) or not isinstance(raw.get("configs", {}), dict):
-        raise ValueError(f'{path}: the table must be a JSON object with a "configs" object: rewrite it with {remake}')
+    raw = read_table_file(path, remake)
     table = {}
     for shape, entries in raw.get("configs", {}).items():
         n, _, k = shape.partition("x")
