@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 from mempath import LLM, SamplingParams  # noqa: E402
 from mempath.memory.formulas import (expert_bytes, moe_missed_bytes_per_token,  # noqa: E402
                                      moe_offload_tokens_per_second, read_shape, weight_bytes)
+from mempath.model import moe_slots  # noqa: E402
 from mempath.model.moe import (expert_cache_stats, set_expert_prefetch, synthetic_router_bias,  # noqa: E402
                                synthetic_uniform_router)
 from mempath.tools.plan import plan_memory  # noqa: E402
@@ -212,7 +213,8 @@ def part_offload(args, config: dict, bandwidth: dict) -> list[dict]:
     cut = 0.0  # seconds per MoE layer of a cut graph's host step: measured on the model router's run
     for router in ("model", "uniform", "skewed"):
         set_router(llm, router)
-        rate, tokens, before = decode(llm, args)
+        with HostStepClock() as clock:
+            rate, tokens, before = decode(llm, args)
         after = expert_cache_stats(llm.engine.model)
         hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
         hit_rate = hits / (hits + misses)
@@ -238,9 +240,61 @@ def part_offload(args, config: dict, bandwidth: dict) -> list[dict]:
             tokens_identical_to_all_resident=tokens == resident_tokens if router == "model" else None,
             cpu_experts=args.cpu_experts, host_token_limit=after["host_token_limit"],
             host_experts_per_token=(after["host_experts"] - before["host_experts"]) / args.output_len,
-            target_tok_s={"model": None, "uniform": 17, "skewed": 40}[router]))
+            target_tok_s={"model": None, "uniform": 17, "skewed": 40}[router], **clock.per_layer()))
+    out.append(result("offload-store", **store_copy_rate(llm, args)))
     del llm
     return out
+
+
+class HostStepClock:
+    """Host time of the cut graphs' host steps while it is active: in all (the read-back wait
+    included) and in the cache's bookkeeping and copy issue (book_one_wave), per step."""
+
+    def __enter__(self):
+        self.steps, self.step_s, self.book_s = 0, 0.0, 0.0
+        self.inner_call, self.inner_book = moe_slots.SlotStep.__call__, moe_slots.book_one_wave
+        clock = self
+
+        def timed_step(step, rows=None):
+            start = time.perf_counter()
+            clock.inner_call(step, rows)
+            clock.step_s += time.perf_counter() - start
+            clock.steps += 1
+
+        def timed_book(*a, **k):
+            start = time.perf_counter()
+            clock.inner_book(*a, **k)
+            clock.book_s += time.perf_counter() - start
+        moe_slots.SlotStep.__call__, moe_slots.book_one_wave = timed_step, timed_book
+        return self
+
+    def __exit__(self, *exc):
+        moe_slots.SlotStep.__call__, moe_slots.book_one_wave = self.inner_call, self.inner_book
+        return False
+
+    def per_layer(self) -> dict:
+        if not self.steps:
+            return {}
+        return {"host_step_us": self.step_s / self.steps * 1e6, "host_book_us": self.book_s / self.steps * 1e6,
+                "host_steps": self.steps}
+
+
+def store_copy_rate(llm: LLM, args) -> dict:
+    """Copies of random experts from the cache's own host stores into a slot (the bench's pinned
+    rate copies a fresh 3.7 GB buffer; the stores hold every expert of every layer). The slot is
+    left holding junk, so this runs last, on an engine about to be dropped."""
+    blocks = llm.engine.model.moe_blocks()
+    if not blocks[0].experts.cache.host:
+        return {}
+    rng = np.random.default_rng(0)
+    picks = [(blocks[rng.integers(len(blocks))].experts, int(rng.integers(blocks[0].num_experts))) for _ in range(args.copies)]
+    sync(llm)
+    start = time.perf_counter()
+    for experts, expert in picks:
+        experts.load_into_slot(expert, 0)
+    sync(llm)
+    seconds = time.perf_counter() - start
+    return {"store_h2d_GBps": args.copies * blocks[0].experts.expert_bytes() / seconds / 1e9, "copies": args.copies}
 
 
 def set_router(llm: LLM, router: str) -> None:
