@@ -364,7 +364,8 @@ class Startup:
         if graph_driver_bytes:
             grant(tenant, Pathway.CUDA_GRAPHS_DRIVER, graph_driver_bytes, "derived",
                   f"{num_graphs} graphs x driver memory of one trial capture")
-        if num_graphs and self.draft_ledger is not None:  # speculation: its graphs too
+        # Speculation: its graphs too (none over a target whose decode graphs are cut at its MoE layers).
+        if num_graphs and self.draft_ledger is not None and not self.runner.cut_blocks:
             self.grant_spec_graphs_estimate(per_graph)
         if self.config.tiers_enabled:
             grant(tenant, Pathway.KV_TRANSFER_STAGING, self.tier_staging_bytes(per_block), "derived",
