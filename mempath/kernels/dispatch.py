@@ -53,7 +53,9 @@ class Kernels:
       softmax and top k in one launch, beside grouped_experts (None: ``route_torch``);
     - ``grouped_expert_pairs(x, router_weights, ids, gate_up_proj, down_proj, silu_and_mul) -> pairs``:
       grouped_experts before the sum over k (float32 [T·k, h]), over any stack of experts: an
-      expert cache's slots (mempath.model.moe_slots; None: the cache runs the PyTorch twin).
+      expert cache's slots (mempath.model.moe_slots; None: the cache runs the PyTorch twin);
+    - ``sum_expert_pairs(pairs, top_k, dtype) -> out``: those pairs summed over k and cast, as
+      grouped_experts sums them (None: ``moe_triton.sum_pairs``, its twin).
     """
 
     rms_norm: Callable
@@ -65,6 +67,7 @@ class Kernels:
     grouped_experts: Callable | None = None
     moe_route: Callable | None = None
     grouped_expert_pairs: Callable | None = None
+    sum_expert_pairs: Callable | None = None
 
 
 def torch_kernels() -> Kernels:
@@ -76,10 +79,12 @@ def triton_kernels() -> Kernels:
     from mempath.kernels.attention_triton import attend_triton
     from mempath.kernels.elementwise_triton import (qk_norm_rope_and_store_triton, rope_and_store_triton,
                                                     triton_rms_norm, triton_silu_and_mul)
-    from mempath.kernels.moe_triton import triton_grouped_expert_pairs, triton_grouped_experts, triton_route
+    from mempath.kernels.moe_triton import (triton_grouped_expert_pairs, triton_grouped_experts, triton_route,
+                                            triton_sum_pairs)
     return Kernels(triton_rms_norm, rope_and_store_triton, triton_silu_and_mul, attend_triton,
                    qk_norm_rope_and_store_triton, triton=True, grouped_experts=triton_grouped_experts,
-                   moe_route=triton_route, grouped_expert_pairs=triton_grouped_expert_pairs)
+                   moe_route=triton_route, grouped_expert_pairs=triton_grouped_expert_pairs,
+                   sum_expert_pairs=triton_sum_pairs)
 
 
 def kernels_for(device: torch.device) -> Kernels:

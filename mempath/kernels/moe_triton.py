@@ -434,13 +434,6 @@ def _launch_sum_pairs(pairs: torch.Tensor, out: torch.Tensor, top_k: int) -> Non
                             BLOCK_H=SUM_PAIRS_BLOCK, **pdl_options(pairs.device), num_warps=4)
 
 
-def grouped_sum_pairs(pairs: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tensor:
-    """The sum over k for an expert cache's pairs (mempath/model/moe_slots.py): on CUDA the kernel
-    ``triton_grouped_experts`` sums with, so a cached layer keeps the all-resident bits; elsewhere
-    (the CPU, where the cache's tests run the grouped kernel's PyTorch twin) the twin."""
-    return (triton_sum_pairs if pairs.is_cuda else sum_pairs)(pairs, top_k, dtype)
-
-
 def triton_grouped_experts(x: torch.Tensor, router_weights: torch.Tensor, expert_ids: torch.Tensor,
                            gate_up_proj: torch.Tensor, down_proj: torch.Tensor, silu_and_mul) -> torch.Tensor:
     """Every token's k experts' SiLU-gated MLPs, weighted and summed: [T, h] in x's dtype.

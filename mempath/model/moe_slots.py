@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from mempath.kernels.moe_triton import grouped_sum_pairs
+from mempath.kernels.moe_triton import sum_pairs
 
 
 def expert_pairs_torch(x: torch.Tensor, router_weights: torch.Tensor, expert_ids: torch.Tensor,
@@ -139,11 +139,16 @@ def forward_slots(block, x: torch.Tensor, weights: torch.Tensor, expert_ids: tor
         cut(lambda: SlotStep(block, expert_ids))
         slot_ids = slot_table(block).device_table[expert_ids]
         pairs = kernel(x, weights, slot_ids, experts.gate_up_proj, experts.down_proj, experts.kernels.silu_and_mul)
-        return grouped_sum_pairs(pairs, block.top_k, x.dtype)
+        return _sum(experts)(pairs, block.top_k, x.dtype)
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("a MoE layer with fewer experts resident than all copies its misses on the host's "
                            "decision: capture it with mempath.engine.piecewise, or run it eagerly")
     return _run_waves(block, x, weights, expert_ids, kernel)
+
+
+def _sum(experts):
+    """The sum over k the all-resident layer uses (Kernels.sum_expert_pairs), or its twin."""
+    return experts.kernels.sum_expert_pairs or sum_pairs
 
 
 def _run_waves(block, x, weights, expert_ids, kernel) -> torch.Tensor:
@@ -171,7 +176,7 @@ def _run_waves(block, x, weights, expert_ids, kernel) -> torch.Tensor:
             torch.where(mine.unsqueeze(1), out, pairs, out=pairs)
         del out, slot_ids
     slot_table(block).write(cache.slot_of)
-    return grouped_sum_pairs(pairs, block.top_k, x.dtype)
+    return _sum(experts)(pairs, block.top_k, x.dtype)
 
 
 def _read_ids_and_prefetch(block, x: torch.Tensor, expert_ids: torch.Tensor) -> list[int]:
