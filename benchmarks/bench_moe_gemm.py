@@ -44,9 +44,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from mempath.kernels.common import next_pow2  # noqa: E402
+from mempath.kernels.common import config_table_json, next_pow2  # noqa: E402
 from mempath.kernels.moe_triton import (GroupedGemmConfig, _grouped_gemm, align_to_blocks,  # noqa: E402
-                                        block_m_for, default_config, grouped_gemm_config, moe_gemm_table_json)
+                                        block_m_for, default_config, grouped_gemm_config)
 
 CONFIGS = ROOT / "tests" / "data" / "configs"
 # (experts, top_k, hidden, expert intermediate) of each model.
@@ -253,7 +253,7 @@ def from_results(results: str, out: str | None, device_name: str | None) -> int:
         print(f"bench_moe_gemm: {results} has no moe_gemm RESULT lines (bench_moe_gemm.py prints them): "
               "pass the output of a sweep")
         return 2
-    text = moe_gemm_table_json(table, device=device_name or "not recorded in the RESULT lines", dtype="bfloat16",
+    text = config_table_json(table, device=device_name or "not recorded in the RESULT lines", dtype="bfloat16",
                                made_by=f"benchmarks/bench_moe_gemm.py --from-results {results}",
                                timing="CUDA events over CUDA-graph replays, weights rotated over layers (3x the L2)",
                                shapes=table_about(points))
@@ -346,7 +346,7 @@ def main() -> int:
             torch.cuda.empty_cache()
     print_summary(results, batch1, bandwidth)
     if args.out:
-        Path(args.out).write_text(moe_gemm_table_json(
+        Path(args.out).write_text(config_table_json(
             table, device=device_name, dtype=str(dtype).removeprefix("torch."),
             made_by=f"benchmarks/bench_moe_gemm.py --models {','.join(shapes)} --tokens {','.join(map(str, decode))} "
                     f"--prefill-tokens {prefill}{' --tiny' if args.tiny else ''}",

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from mempath.kernels import fp8_gemv_triton
+from mempath.kernels.common import config_table_json
 from mempath.kernels.moe_triton import (DEFAULT_CONFIG, DEFAULT_MOE_GEMM_TABLE, GroupedGemmConfig, default_config,
-                                        grouped_gemm_config, load_moe_gemm_table, moe_gemm_table_json)
+                                        grouped_gemm_config, load_moe_gemm_table)
 
 
 def test_default_is_the_fixed_launch_the_kernel_always_had():
@@ -24,7 +25,7 @@ def test_a_listed_shape_gets_the_table_entry_and_others_the_default(tmp_path):
     mine = {"1536x2048": {"16": GroupedGemmConfig(block_n=16, block_k=256, num_warps=2, num_stages=4)},
             "2048x768": {"64": GroupedGemmConfig(block_n=128, block_k=64, num_warps=8, num_stages=2)}}
     path = tmp_path / "t.json"
-    path.write_text(moe_gemm_table_json(mine, device="test"))
+    path.write_text(config_table_json(mine, device="test"))
     table = load_moe_gemm_table(path)
     assert table == mine
     for pairs in (1, 8, 13, 1024):  # block_m 16
@@ -48,7 +49,7 @@ def test_decode_entries_are_per_bucket_of_pairs_rounded_up_to_a_power_of_two(tmp
     below the smallest, the smallest; block_m 64 keeps one entry."""
     mine = {"4096x14336": {"16": {"2": A, "4": B, "16": C}, "64": PREFILL}}
     path = tmp_path / "t.json"
-    path.write_text(moe_gemm_table_json(mine, device="test"))
+    path.write_text(config_table_json(mine, device="test"))
     table = load_moe_gemm_table(path)
     assert table == mine
     chosen = {pairs: grouped_gemm_config(4096, 14336, pairs, torch.bfloat16, table)
@@ -57,7 +58,7 @@ def test_decode_entries_are_per_bucket_of_pairs_rounded_up_to_a_power_of_two(tmp
 
 
 def test_the_table_file_keeps_one_config_a_line():
-    text = moe_gemm_table_json({"64x32": {"16": {"2": A, "8": B}, "64": PREFILL}}, device="test")
+    text = config_table_json({"64x32": {"16": {"2": A, "8": B}, "64": PREFILL}}, device="test")
     assert json.loads(text)["configs"]["64x32"]["16"]["8"] == dataclasses.asdict(B)
     assert sum('"block_n"' in line for line in text.splitlines()) == 3
 

@@ -61,32 +61,44 @@ def load_config_table(path: Path, config_type: type, key_name: str, remake: str)
     A config type's own ValueError (from ``__post_init__``) is passed on prefixed with its place.
     """
     raw = read_table_file(path, remake)
-    known = {f.name for f in fields(config_type)}
     table = {}
     for shape, entries in raw.get("configs", {}).items():
         if not isinstance(entries, dict):
             raise ValueError(f"{path}: {shape} must map {key_name} to configurations, got {entries!r}")
-        table[shape] = {}
-        for key, entry in entries.items():
-            if not isinstance(entry, dict):
-                raise ValueError(f"{path}: {shape} {key_name} {key} must be an object of fields, got {entry!r}")
-            unknown = set(entry) - known
-            if unknown:
-                raise ValueError(f"{path}: {shape} {key_name} {key} has unknown fields {sorted(unknown)}: "
-                                 f"the fields are {sorted(known)}")
-            try:
-                table[shape][key] = config_type(**entry)
-            except ValueError as e:
-                raise ValueError(f"{path}: {shape} {key_name} {key}: {e}") from e
+        table[shape] = {key: read_config(entry, config_type, f"{path}: {shape} {key_name} {key}")
+                        for key, entry in entries.items()}
     return table
 
 
+def read_config(entry, config_type: type, where: str):
+    """``config_type(**entry)`` for one table entry; a problem is one line starting with ``where``."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where} must be an object of fields, got {entry!r}")
+    known = {f.name for f in fields(config_type)}
+    unknown = set(entry) - known
+    if unknown:
+        raise ValueError(f"{where} has unknown fields {sorted(unknown)}: the fields are {sorted(known)}")
+    try:
+        return config_type(**entry)
+    except ValueError as e:  # the config's own check (__post_init__), prefixed with its place
+        raise ValueError(f"{where}: {e}") from e
+
+
 def config_table_json(configs: dict[str, dict[str, object]], **about) -> str:
-    """A table file's text: ``about`` (device, how it was made) beside the configs (dataclasses)."""
+    """A table file's text: ``about`` (device, how it was made) beside the configs: each a dataclass,
+    or one level of keys to dataclasses (e.g. buckets); one configuration a line, so a sweep's diff
+    reads per entry."""
     lines = [json.dumps({**about, "configs": {}}, indent=1)[:-len('{}\n}')] + "{"]
     for i, (shape, entries) in enumerate(configs.items()):
-        lines.append(f'  "{shape}": {{')  # one configuration a line, so a sweep's diff reads per entry
-        lines.append(",\n".join(f'   "{key}": {json.dumps(asdict(c))}' for key, c in entries.items()))
+        lines.append(f'  "{shape}": {{')
+        parts = []
+        for key, entry in entries.items():
+            if isinstance(entry, dict):
+                inner = ",\n".join(f'    "{k}": {json.dumps(asdict(c))}' for k, c in entry.items())
+                parts.append(f'   "{key}": {{\n{inner}\n   }}')
+            else:
+                parts.append(f'   "{key}": {json.dumps(asdict(entry))}')
+        lines.append(",\n".join(parts))
         lines.append("  }" + ("," if i < len(configs) - 1 else ""))
     return "\n".join(lines) + "\n }\n}\n"
 

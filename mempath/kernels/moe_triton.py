@@ -30,14 +30,13 @@ keyed by shape, then row block, then (decode) pairs rounded up to a power of two
 does not list gets the fixed launch the kernel always had (``default_config``).
 """
 import functools
-import json
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from mempath.kernels.common import HAS_TRITON, next_pow2, pdl_options, read_table_file
+from mempath.kernels.common import HAS_TRITON, next_pow2, pdl_options, read_config, read_table_file
 
 if HAS_TRITON:
     import triton
@@ -227,39 +226,8 @@ def _read_entry(entry, where: str, remake: str) -> Entry:
             if int(bucket) < 1 or int(bucket) & (int(bucket) - 1):
                 raise ValueError(f"{where}: pairs bucket {bucket!r} is not a power of two (the pairs of a call "
                                  f"rounded up): fix it or re-sweep with {remake}")
-        return {bucket: _read_config(config, f"{where} pairs {bucket}") for bucket, config in entry.items()}
-    return _read_config(entry, where)
-
-
-def _read_config(entry, where: str) -> GroupedGemmConfig:
-    if not isinstance(entry, dict):
-        raise ValueError(f"{where} must be an object of fields, got {entry!r}")
-    known = {f.name for f in fields(GroupedGemmConfig)}
-    unknown = set(entry) - known
-    if unknown:
-        raise ValueError(f"{where} has unknown fields {sorted(unknown)}: the fields are {sorted(known)}")
-    try:
-        return GroupedGemmConfig(**entry)
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from e
-
-
-def moe_gemm_table_json(configs: dict[str, dict[str, Entry]], **about) -> str:
-    """The table file's text: ``about`` (device, how it was made) beside the configs, one config a line
-    (so a sweep's diff reads per entry)."""
-    lines = [json.dumps({**about, "configs": {}}, indent=1)[:-len('{}\n}')] + "{"]
-    for i, (shape, entries) in enumerate(configs.items()):
-        lines.append(f'  "{shape}": {{')
-        parts = []
-        for block_m, entry in entries.items():
-            if isinstance(entry, GroupedGemmConfig):
-                parts.append(f'   "{block_m}": {json.dumps(asdict(entry))}')
-            else:
-                buckets = ",\n".join(f'    "{b}": {json.dumps(asdict(c))}' for b, c in entry.items())
-                parts.append(f'   "{block_m}": {{\n{buckets}\n   }}')
-        lines.append(",\n".join(parts))
-        lines.append("  }" + ("," if i < len(configs) - 1 else ""))
-    return "\n".join(lines) + "\n }\n}\n"
+        return {bucket: read_config(config, GroupedGemmConfig, f"{where} pairs {bucket}") for bucket, config in entry.items()}
+    return read_config(entry, GroupedGemmConfig, where)
 
 
 @functools.lru_cache(maxsize=4)
@@ -283,12 +251,24 @@ def grouped_gemm_config(n: int, k: int, pairs: int, dtype: torch.dtype, table: d
     The table was measured on 16-bit tiles (bf16); float32 tiles take twice the shared memory
     per stage, so they keep the default.
     """
-    if dtype.itemsize == 2:
-        entry = (moe_gemm_table() if table is None else table).get(f"{n}x{k}", {}).get(str(block_m_for(pairs)))
+    bucket = next_pow2(pairs)  # block_m_for(bucket) == block_m_for(pairs): 1,024 is a power of two
+    if table is None:  # the engine's table: the choice is cached, as every launch makes it
+        return _engine_choice(n, k, bucket, dtype.itemsize, os.environ.get(MOE_GEMM_TABLE_ENV))
+    return _choose(table, n, k, bucket, dtype.itemsize)
+
+
+@functools.lru_cache(maxsize=256)
+def _engine_choice(n: int, k: int, bucket: int, itemsize: int, env_value: str | None) -> GroupedGemmConfig:
+    return _choose(_table_for(env_value), n, k, bucket, itemsize)
+
+
+def _choose(table: dict, n: int, k: int, bucket: int, itemsize: int) -> GroupedGemmConfig:
+    if itemsize == 2:
+        entry = table.get(f"{n}x{k}", {}).get(str(block_m_for(bucket)))
         if isinstance(entry, GroupedGemmConfig):
             return entry
         if entry:
-            bucket, listed = next_pow2(pairs), sorted(int(b) for b in entry)
+            listed = sorted(int(b) for b in entry)
             below = [b for b in listed if b <= bucket]
             return entry[str(below[-1] if below else listed[0])]
     return default_config(n, k)
