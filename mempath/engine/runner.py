@@ -257,7 +257,10 @@ class ModelRunner:
         if graph_size is not None:
             self.prepare(batch, {id(r) for r in sampling}, pad_to=graph_size, tokens_from=tokens_from)
             graph = self.graphs[graph_size]
-            graph.replay(len(batch.requests)) if isinstance(graph, PiecewiseGraph) else graph.replay()
+            if isinstance(graph, PiecewiseGraph):
+                graph.replay(len(batch.requests))  # its host steps read the real rows' routing only
+            else:
+                graph.replay()
             logits = self.graph_logits[:len(batch.requests)]
         else:
             input_ids, positions, meta, logits_rows = self.prepare(
@@ -400,16 +403,16 @@ class ModelRunner:
             query_start_loc=buf.qsl_d[:size + 1], seq_lens=buf.seq_lens_d[:size],
             max_query_len=1, max_seq_len=None, decode_workspace=self.decode_workspace)
         ids, pos = buf.input_ids_d[:size], buf.positions_d[:size]
-        self.graph_logits[:size] = self.model.compute_logits(self.model(ids, pos, meta))  # warm-up
+
+        def step():
+            self.graph_logits[:size] = self.model.compute_logits(self.model(ids, pos, meta))
+        step()  # warm-up
         if self.cut_blocks:
             pieces = PiecewiseGraph()
-
-            def step():
-                self.graph_logits[:size] = self.model.compute_logits(self.model(ids, pos, meta))
             with cuts_at(self.cut_blocks, pieces):
                 pieces.capture(step, pool)
             return pieces
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool):
-            self.graph_logits[:size] = self.model.compute_logits(self.model(ids, pos, meta))
+            step()
         return graph

@@ -315,9 +315,9 @@ class ExpertCache:
         self.prefetched_now: list[int] = []  # experts the last prefetch loaded, checked at the next forward
         self.prefetched = self.prefetch_used = 0
         self.clock = 0  # forward passes of this layer
-        self.last_use = [0] * self.num_experts
         self.routed_tokens = [0] * self.num_experts
-        self.scores = [0.0] * self.num_experts  # last_use + frequency_weight · log2(1 + routed_tokens)
+        # Eviction's score: the forward of the expert's last use + frequency_weight · log2(1 + routed_tokens).
+        self.scores = [0.0] * self.num_experts
         self.hits = self.misses = self.evictions = self.bytes_loaded = 0
         self.host_experts = self.host_tokens = 0
 
@@ -346,13 +346,9 @@ class ExpertCache:
             self.prefetch = False
             self.prefetch_stopped = True
         for expert, tokens in routed.items():
-            self.last_use[expert] = self.clock
             self.routed_tokens[expert] += tokens
             # Kept up to date here, the one place its terms change: eviction reads it per candidate slot.
             self.scores[expert] = self.clock + self.frequency_weight * math.log2(1 + self.routed_tokens[expert])
-
-    def score(self, expert: int) -> float:
-        return self.scores[expert]
 
     def waves(self, active: list[int]) -> list[list[int]]:
         """The active experts in waves of at most num_slots, resident ones first (so they count as hits)."""

@@ -90,6 +90,14 @@ def slot_table(block) -> SlotTable:
     return table
 
 
+def count_routed(expert_ids: list[int]) -> dict[int, int]:
+    """Pairs per active expert (the cache's record of a forward)."""
+    routed: dict[int, int] = {}
+    for expert in expert_ids:
+        routed[expert] = routed.get(expert, 0) + 1
+    return routed
+
+
 def book_one_wave(block, expert_ids: list[int]) -> None:
     """A captured batch's routing through the cache: hits counted, misses copied into slots on the
     current stream (spread over two copy streams they were slower on the H200: BENCHMARKS.md).
@@ -97,9 +105,7 @@ def book_one_wave(block, expert_ids: list[int]) -> None:
     Every active expert must fit the slots at once (the graph sizes are chosen so)."""
     experts = block.experts
     cache = experts.cache
-    routed: dict[int, int] = {}
-    for expert in expert_ids:
-        routed[expert] = routed.get(expert, 0) + 1
+    routed = count_routed(expert_ids)
     cache.record_routing(routed)
     if len(routed) > cache.num_slots:
         raise RuntimeError(f"a captured MoE step routed to more experts than the {cache.num_slots} slots: "
@@ -154,11 +160,9 @@ def _sum(experts):
 def _run_waves(block, x, weights, expert_ids, kernel) -> torch.Tensor:
     experts, cache = block.experts, block.experts.cache
     ids = _read_ids_and_prefetch(block, x, expert_ids)
-    sizes = [0] * experts.num_experts
-    for expert in ids:
-        sizes[expert] += 1
-    cache.record_routing(sizes)
-    waves = cache.waves([e for e, n in enumerate(sizes) if n])
+    routed = count_routed(ids)
+    cache.record_routing(routed)
+    waves = cache.waves(sorted(routed))
     pairs = None
     for wave in waves:
         slots = cache.acquire(wave, experts.load_into_slot)
