@@ -100,16 +100,16 @@ def count_routed(expert_ids: list[int]) -> dict[int, int]:
 
 def book_one_wave(block, expert_ids: list[int]) -> None:
     """A captured batch's routing through the cache: hits counted, misses copied into slots on the
-    current stream (spread over two copy streams they were slower on the H200: BENCHMARKS.md).
+    current stream (spread over two copy streams they ran slower on the H200: BENCHMARKS.md).
 
     Every active expert must fit the slots at once (the graph sizes are chosen so)."""
     experts = block.experts
     cache = experts.cache
     routed = count_routed(expert_ids)
-    cache.record_routing(routed)
     if len(routed) > cache.num_slots:
         raise RuntimeError(f"a captured MoE step routed to more experts than the {cache.num_slots} slots: "
                            "its graph size should not have been captured")
+    cache.record_routing(routed)
     [wave] = cache.waves(sorted(routed))
     cache.release(cache.acquire(wave, experts.load_into_slot))
     slot_table(block).write(cache.slot_of)
@@ -127,7 +127,8 @@ class SlotStep:
         self.landed = self.landing.numpy()
         self.read = torch.cuda.Event()
 
-    def __call__(self, rows: int) -> None:
+    def __call__(self, rows: int | None) -> None:
+        """Book the routing of the first ``rows`` rows (None: all; the rest pad the captured batch)."""
         self.landing.copy_(self.expert_ids, non_blocking=True)
         self.read.record()
         self.read.synchronize()
