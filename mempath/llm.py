@@ -13,6 +13,12 @@ from mempath.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 
+
+def is_one_prompt(prompts) -> bool:
+    """A text, a token-id list or a vLLM prompt dict, rather than a list of them."""
+    return isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and bool(prompts)
+                                                 and isinstance(prompts[0], int))
+
 class LLM:
     """``LLM(model_dir, **engine_options)``; options are EngineConfig's fields.
 
@@ -88,7 +94,8 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, model: str | None = None) -> list[RequestOutput]:
-        """Generate for one prompt or a list (strings or token-id lists): one RequestOutput per prompt.
+        """Generate for one prompt or a list (strings, token-id lists, or vLLM's ``{"prompt": ...}`` /
+        ``{"prompt_token_ids": [...]}`` dicts): one RequestOutput per prompt.
 
         As in vLLM, each output holds its ``n`` samples in ``outputs`` (``out.outputs[i].text``);
         ``out.text`` is the first sample's. A bad request in a list comes back finished with
@@ -96,8 +103,7 @@ class LLM:
         bad single prompt raises ValueError. ``sampling_params`` (vLLM's name): one for all
         prompts or one each; None: get_default_sampling_params().
         """
-        single = isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        single = is_one_prompt(prompts)
         prompt_list = [prompts] if single else list(prompts)
         engine = self._engine_for(model)
         if sampling_params is None:
@@ -132,7 +138,7 @@ class LLM:
         from mempath.multi.pipeline import PipelineOutput
         if not self.engines:
             raise ValueError("pipeline() needs several models: LLM([A, B], ...)")
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        single = is_one_prompt(prompts)
         prompt_list = [prompts] if single else list(prompts)
         first_params = sampling_params or self.get_default_sampling_params(first)
         second_params = second_sampling_params or self.get_default_sampling_params(second)
@@ -168,9 +174,10 @@ class LLM:
             except ValueError as error:
                 if single:
                     raise
+                shown = prompt.get("prompt", prompt.get("prompt_token_ids", [])) if isinstance(prompt, dict) else prompt
                 group.append(RequestOutput.of_sample(
-                    request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
-                    prompt_token_ids=[] if isinstance(prompt, str) else list(prompt), token_ids=[], text="",
+                    request_id=request_id, prompt=shown if isinstance(shown, str) else None,
+                    prompt_token_ids=[] if isinstance(shown, str) else list(shown), token_ids=[], text="",
                     finished=True, finish_reason="error", error=str(error)))
         return group
 

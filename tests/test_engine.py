@@ -491,3 +491,25 @@ def test_a_failure_after_the_step_fails_that_request_alone(async_scheduling):
     assert done["broken"].finish_reason == "error" and "UnicodeDecodeError" in done["broken"].error
     assert done["ok"].finish_reason == "length" and done["ok"].token_ids == expected
     assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_vllm_prompt_dicts_are_prompts_and_other_fields_are_refused(llm):
+    """vLLM's TokensPrompt and TextPrompt ({"prompt_token_ids": ...}, {"prompt": ...}) are what
+    its users pass to generate(); a field we do not serve is refused in one line, not ignored."""
+    ids = [5, 6, 7, 8]
+    text = llm.engine.tokenizer.decode(ids)
+    expected = llm.generate(ids, greedy(6))[0].token_ids
+    assert llm.generate({"prompt_token_ids": ids}, greedy(6))[0].token_ids == expected
+    both = llm.generate([{"prompt_token_ids": ids}, {"prompt": text}, ids], greedy(6), use_tqdm=False)
+    assert both[0].token_ids == both[2].token_ids == expected
+    assert both[0].prompt_token_ids == ids and both[1].prompt == text
+    assert both[1].token_ids == llm.generate(text, greedy(6))[0].token_ids
+    with pytest.raises(ValueError, match="multi_modal_data.*not supported.*prompt_token_ids"):
+        llm.generate({"prompt_token_ids": ids, "multi_modal_data": {}}, greedy(2))
+    with pytest.raises(ValueError, match="one of"):
+        llm.generate({"prompt": text, "prompt_token_ids": ids}, greedy(2))
+    mixed = llm.generate([{"prompt_token_ids": ids, "mm_processor_kwargs": {}}, ids], greedy(3), use_tqdm=False)
+    assert mixed[0].outputs[0].finish_reason == "error" and "mm_processor_kwargs" in mixed[0].error
+    assert mixed[0].prompt_token_ids == ids
+    assert mixed[1].token_ids == expected[:3]
+    assert llm.stats()["kv_blocks_used"] == 0

@@ -67,7 +67,8 @@ class InputProcessor:
             request.grammar = self.grammars.matcher(params.structured_outputs)
         return request
 
-    def _prompt_tokens(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    def _prompt_tokens(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        prompt = unwrap_prompt(prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty; give at least one token of text")
@@ -94,3 +95,22 @@ class InputProcessor:
                 f"whole KV pool has {self.num_kv_blocks} ({self.num_kv_blocks * self.block_size} "
                 f"tokens); lower max_tokens, shorten the prompt, or give the KV cache more memory "
                 f"(--gpu-memory-utilization, num_gpu_blocks_override)")
+
+
+PROMPT_FIELDS = ("prompt", "prompt_token_ids")
+
+
+def unwrap_prompt(prompt):
+    """vLLM's prompt dicts (TextPrompt ``{"prompt": str}``, TokensPrompt ``{"prompt_token_ids": [...]}``)
+    as the text or ids they hold; a string or an id list as it is."""
+    if not isinstance(prompt, dict):
+        return prompt
+    unknown = sorted(set(prompt) - set(PROMPT_FIELDS))
+    if unknown:
+        raise ValueError(f"prompt field(s) {unknown} are not supported; give only 'prompt' (text) or "
+                         f"'prompt_token_ids' (token ids)")
+    given = [k for k in PROMPT_FIELDS if k in prompt]
+    if len(given) != 1:
+        raise ValueError(f"a prompt dict needs exactly one of 'prompt' (text) or 'prompt_token_ids', got {given}")
+    return prompt[given[0]]
+
