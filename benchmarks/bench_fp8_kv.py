@@ -1,0 +1,176 @@
+"""The fp8 KV cache (#20) against bf16 on a GPU: decode speed at long context, blocks in the
+same budget, and retrieval of a needle in 4k-32k tokens.
+
+    python3 benchmarks/bench_fp8_kv.py --parts decode,retrieval [--out FILE]
+
+decode: the Llama-3.1-8B shape (random bf16 weights), ``--batch`` sequences of ``--context``
+random tokens, then ``--new-tokens`` greedy tokens each, once per KV dtype. The prompts are
+prefilled first and found in the prefix cache by the timed run, so its steps are decode
+steps of the whole batch (the first one recomputes each prompt's last block). Reports the KV
+blocks each engine gets from the same ``--gpu-memory-utilization``, ms per decode step and
+output tok/s, against the read limit: the weights plus every sequence's cached K and V
+(at the run's mean context) over the device-to-device copy bandwidth measured in the same
+run. transformers is not run beside it: at this batch and context its prefill alone
+(logits of 64 x 8k positions over 128k tokens) does not fit the GPU.
+
+retrieval: the hand-built needle model (benchmarks/needle_model.py) at two sharpnesses:
+``--sharpness`` (default 8 and 10: where retrieval gets hard with length, and where it holds
+to 32k), ``--prompts`` prompts per length, bf16 weights, KV auto (bf16) and fp8, CUDA graphs
+on; and transformers (sdpa, bf16) on the same prompts as the reference.
+"""
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from mempath import LLM, SamplingParams  # noqa: E402
+
+KV_DTYPES = ("auto", "fp8")
+
+
+def kv_bytes_per_token(config: dict, kv: str) -> int:
+    """K and V of one token over every layer, in the cache's element size."""
+    heads = config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return 2 * config["num_hidden_layers"] * heads * head_dim * (1 if kv.startswith("fp8") else 2)
+
+
+def decode_read_limit_ms(weight_bytes: int, kv_token_bytes: int, batch: int, mean_context: float,
+                         bandwidth: float) -> float:
+    """The step's bytes (weights once, every sequence's cached KV) over the copy bandwidth."""
+    return 1e3 * (weight_bytes + batch * mean_context * kv_token_bytes) / bandwidth
+
+
+def run_decode(args, kv: str, prompts: list[list[int]], config: dict) -> dict:
+    from bench_engine import model_dir
+    llm = LLM(model_dir(args.shape), load_format="dummy", dtype="bfloat16", kv_cache_dtype=kv,
+              max_num_seqs=args.batch, max_model_len=args.context + args.new_tokens + 16,
+              gpu_memory_utilization=args.gpu_memory_utilization, show_progress=False)
+    stats = llm.stats()
+    start = time.perf_counter()
+    llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    prefill_s = time.perf_counter() - start
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    step_s = max(o.total_time - o.time_to_first_token for o in outs) / (args.new_tokens - 1)
+    cached = min(o.num_cached_tokens for o in outs)
+    result = {"kv_cache_dtype": kv, "kv_blocks": stats["kv_blocks_total"], "prefill_s": prefill_s,
+              "ms_per_step": 1e3 * step_s, "output_tok_s": args.batch / step_s,
+              "min_cached_prompt_tokens": cached, "weight_bytes": llm.engine.ledger.get("weights"),
+              "kv_bytes_per_token": kv_bytes_per_token(config, kv)}
+    del llm, outs
+    torch.cuda.empty_cache()
+    return result
+
+
+def bench_decode(args) -> list[dict]:
+    from bench_engine import SHAPES, copy_bandwidth
+    config = json.loads((SHAPES / f"{args.shape}.json").read_text())
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, config["vocab_size"], args.context).tolist() for _ in range(args.batch)]
+    bandwidth = copy_bandwidth()
+    mean_context = args.context + args.new_tokens / 2
+    results = []
+    for kv in KV_DTYPES:
+        r = run_decode(args, kv, prompts, config)
+        limit = decode_read_limit_ms(r["weight_bytes"], r["kv_bytes_per_token"], args.batch, mean_context, bandwidth)
+        r.update(bench="fp8-kv-decode", shape=args.shape, batch=args.batch, context=args.context,
+                 new_tokens=args.new_tokens, copy_bandwidth=bandwidth, limit_ms_per_step=limit,
+                 of_limit=limit / r["ms_per_step"])
+        results.append(r)
+    base, fp8 = results
+    print(f"\ndecode: {args.shape}, batch {args.batch}, context {args.context}, {args.new_tokens} new tokens; "
+          f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    print(f"{'KV':>6} {'blocks':>8} {'ms/step':>8} {'tok/s':>8} {'limit ms':>9} {'of limit':>9} {'prefill s':>10}")
+    for r in results:
+        print(f"{r['kv_cache_dtype']:>6} {r['kv_blocks']:>8} {r['ms_per_step']:>8.2f} {r['output_tok_s']:>8.0f} "
+              f"{r['limit_ms_per_step']:>9.2f} {100 * r['of_limit']:>8.1f}% {r['prefill_s']:>10.1f}")
+    print(f"fp8 / bf16: {fp8['output_tok_s'] / base['output_tok_s']:.2f}x tok/s, "
+          f"{fp8['kv_blocks'] / base['kv_blocks']:.3f}x blocks; every prompt found "
+          f"{min(r['min_cached_prompt_tokens'] for r in results)} of its {args.context} tokens cached")
+    return results
+
+
+def hf_answers(path: str, prompts) -> list[int]:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
+    answers = []
+    with torch.no_grad():
+        for ids, _ in prompts:
+            answers.append(int(model(torch.tensor([ids], device="cuda")).logits[0, -1].argmax()))
+    del model
+    torch.cuda.empty_cache()
+    return answers
+
+
+def bench_retrieval(args) -> list[dict]:
+    from needle_model import NeedleSpec, accuracy, build_needle_model, needle_prompts
+    results = []
+    for sharpness in args.sharpness:
+        spec = NeedleSpec(sharpness=sharpness)
+        path = str(build_needle_model(Path(tempfile.mkdtemp(prefix="mempath-needle-")), spec))
+        prompt_sets = {n: needle_prompts(spec, n, args.prompts, seed=n) for n in args.lengths}
+        row = {"bench": "fp8-kv-retrieval", "sharpness": sharpness, "prompts": args.prompts, "accuracy": {}}
+        for kv in KV_DTYPES:
+            llm = LLM(path, dtype="bfloat16", kv_cache_dtype=kv, max_model_len=max(args.lengths) + 8,
+                      gpu_memory_utilization=0.3, enable_prefix_caching=False, show_progress=False)
+            greedy = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+            for n, prompts in prompt_sets.items():
+                outs = llm.generate([ids for ids, _ in prompts], greedy, use_tqdm=False)
+                row["accuracy"].setdefault(str(n), {})[kv] = accuracy([o.token_ids[0] for o in outs], prompts)
+            del llm
+            torch.cuda.empty_cache()
+        if not args.no_hf:
+            for n, prompts in prompt_sets.items():
+                row["accuracy"][str(n)]["transformers"] = accuracy(hf_answers(path, prompts), prompts)
+        results.append(row)
+        print(f"\nretrieval, sharpness {sharpness}, {args.prompts} prompts per length:")
+        for n, acc in row["accuracy"].items():
+            print(f"  {int(n):>6} tokens: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in acc.items())
+                  + f"; fp8 - bf16 {100 * (acc['fp8'] - acc['auto']):+.1f} points")
+    return results
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", default="decode,retrieval")
+    parser.add_argument("--shape", default="llama-3.1-8b")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--sharpness", type=lambda s: [float(x) for x in s.split(",")], default=[8.0, 10.0])
+    parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 8192, 16384, 32768])
+    parser.add_argument("--prompts", type=int, default=200)
+    parser.add_argument("--no-hf", action="store_true", help="skip transformers' answers in the retrieval part")
+    parser.add_argument("--out", help="append one JSON line per result to this file")
+    args = parser.parse_args(argv)
+    parts = args.parts.split(",")
+    if not torch.cuda.is_available():
+        sys.exit("bench_fp8_kv.py times the CUDA kernels; on the CPU, tests/test_fp8_kv_retrieval.py runs the retrieval")
+    results = []
+    if "decode" in parts:
+        results += bench_decode(args)
+    if "retrieval" in parts:
+        results += bench_retrieval(args)
+    for r in results:
+        r.update(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name())
+        print("RESULT " + json.dumps(r))
+    if args.out:
+        with open(args.out, "a") as f:
+            for r in results:
+                f.write(json.dumps(r) + "\n")
+    return results
+
+
+if __name__ == "__main__":
+    main()
