@@ -2,6 +2,8 @@
 
 Shape: Llama-3.1-8B KV blocks (32 layers, 8 KV heads, head_dim 128, bf16,
 16 tokens: 2 MiB per block, scattered as 64 slices of 32 KiB over the cache).
+``--kv-cache-dtype fp8`` moves the engine's fp8 blocks instead: the same shape in
+one byte per element (the engine keeps an fp8 cache as uint8), 1 MiB per block.
 
 Paths compared, both directions, for 256 and 2048 blocks at random device ids:
   * one copy: a single pinned copy of the same bytes, contiguous on both sides
@@ -15,8 +17,14 @@ Paths compared, both directions, for 256 and 2048 blocks at random device ids:
 Then the disk tier: ``DiskBlockStore`` writes (timed to fsync) and cold reads
 (page cache dropped) of the same blocks.
 
+``--compare-kv-dtypes`` runs only the engine path, both directions, for bf16 and
+fp8 blocks side by side (the same block counts): bytes per block, GB/s, time per
+block, and fp8's time over bf16's (issue #20: fp8 blocks move half the bytes).
+
 Prints a table, then one JSON line. Usage:
-    PYTHONPATH=. python3 benchmarks/bench_transfer.py [--quick] [--disk-path DIR] [--disk-blocks N]
+    PYTHONPATH=. python3 benchmarks/bench_transfer.py [--quick] [--kv-cache-dtype {auto,fp8}]
+        [--disk-path DIR] [--disk-blocks N]
+    PYTHONPATH=. python3 benchmarks/bench_transfer.py --compare-kv-dtypes [--quick]
 """
 import argparse
 import json
@@ -35,9 +43,20 @@ from mempath.kv.tiers.host import HostBlockStore
 from mempath.kv.tiers.transfer import TransferEngine
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
-DTYPE = torch.bfloat16
+# What the device cache stores per --kv-cache-dtype: auto is the model dtype (bf16 here).
+STORAGE_DTYPES = {"auto": torch.bfloat16, "fp8": torch.uint8}
 SIZES = (256, 2048)
 REPEATS = 3
+
+
+def block_nbytes_of(dtype: torch.dtype) -> int:
+    return 2 * NUM_LAYERS * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize
+
+
+def random_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """Fill with random bytes, whatever the dtype (a copy does not care what they mean)."""
+    tensor.view(torch.uint8).random_()
+    return tensor
 
 
 def timed(fn) -> float:
@@ -52,17 +71,23 @@ def timed(fn) -> float:
     return statistics.median(times)
 
 
-def transfer_cases(num_blocks: int, staging_blocks: int) -> dict[str, float]:
-    """Seconds per path and direction for num_blocks blocks."""
+def engine_setup(num_blocks: int, staging_blocks: int, dtype: torch.dtype):
+    """A device cache of num_blocks + 64 blocks, a host store of num_blocks, the engine between
+    them, random device ids and consecutive host ids."""
     rng = np.random.default_rng(0)
-    cache = torch.randn(NUM_LAYERS, 2, num_blocks + 64, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
-                        dtype=DTYPE, device="cuda")
-    host = HostBlockStore.for_cache(cache, num_blocks * 2 * 1024 * 1024)
+    cache = random_bytes(torch.empty(NUM_LAYERS, 2, num_blocks + 64, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
+                                     dtype=dtype, device="cuda"))
+    host = HostBlockStore.for_cache(cache, num_blocks * block_nbytes_of(dtype))
     engine = TransferEngine(cache, host, staging_blocks=staging_blocks)
     gpu_ids = [int(i) for i in rng.permutation(num_blocks + 64)[:num_blocks]]
-    cpu_ids = host.allocate(num_blocks)
-    scattered = [int(i) for i in rng.permutation(cpu_ids)]
-    flat_dev = torch.empty(host.storage.shape, dtype=DTYPE, device="cuda")
+    return cache, host, engine, gpu_ids, host.allocate(num_blocks)
+
+
+def transfer_cases(num_blocks: int, staging_blocks: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
+    """Seconds per path and direction for num_blocks blocks."""
+    cache, host, engine, gpu_ids, cpu_ids = engine_setup(num_blocks, staging_blocks, dtype)
+    scattered = [int(i) for i in np.random.default_rng(1).permutation(cpu_ids)]
+    flat_dev = torch.empty(host.storage.shape, dtype=dtype, device="cuda")
     flat_host = host.storage
 
     def per_slice(to_host: bool):
@@ -101,12 +126,52 @@ def transfer_cases(num_blocks: int, staging_blocks: int) -> dict[str, float]:
     return seconds
 
 
-def disk_cases(path: str, num_blocks: int, workers: int) -> dict[str, float]:
-    host = HostBlockStore(num_blocks, (NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), DTYPE)
-    host.storage.view(torch.int16).random_()
+def engine_cases(num_blocks: int, staging_blocks: int, dtype: torch.dtype) -> dict[str, float]:
+    """Seconds of the engine path (TransferEngine), each direction, for num_blocks blocks."""
+    cache, host, engine, gpu_ids, cpu_ids = engine_setup(num_blocks, staging_blocks, dtype)
+    seconds = {"d2h": timed(lambda: engine.device_to_host(gpu_ids, cpu_ids).wait()),
+               "h2d": timed(lambda: engine.host_to_device(cpu_ids, gpu_ids).wait())}
+    del cache, engine
+    torch.cuda.empty_cache()
+    return seconds
+
+
+def compare_rows(num_blocks: int, seconds: dict[str, dict[str, float]]) -> list[dict]:
+    """Rows of the dtype comparison from {kv cache dtype: {direction: seconds}} for num_blocks
+    blocks; fp8's time over auto's per direction when both ran."""
+    rows = []
+    for kv, by_direction in seconds.items():
+        nbytes = block_nbytes_of(STORAGE_DTYPES[kv])
+        for direction, s in by_direction.items():
+            rows.append({"kv_cache_dtype": kv, "direction": direction, "blocks": num_blocks,
+                         "bytes_per_block": nbytes, "seconds": s, "gb_per_s": num_blocks * nbytes / s / 1e9,
+                         "us_per_block": s / num_blocks * 1e6})
+    for direction in seconds.get("fp8", {}):
+        if direction in seconds.get("auto", {}):
+            rows.append({"kv_cache_dtype": "fp8/auto", "direction": direction, "blocks": num_blocks,
+                         "time_ratio": seconds["fp8"][direction] / seconds["auto"][direction]})
+    return rows
+
+
+def print_comparison(rows: list[dict], staging_blocks: int) -> None:
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, engine path, staging {staging_blocks} blocks")
+    print(f"{'kv dtype':<10}{'dir':<5}{'blocks':>8}{'bytes/block':>13}{'ms':>10}{'GB/s':>8}{'us/block':>10}")
+    for r in rows:
+        if "time_ratio" in r:
+            print(f"{r['kv_cache_dtype']:<10}{r['direction']:<5}{r['blocks']:>8}   time fp8/bf16 {r['time_ratio']:.3f}")
+        else:
+            print(f"{r['kv_cache_dtype']:<10}{r['direction']:<5}{r['blocks']:>8}{r['bytes_per_block']:>13}"
+                  f"{r['seconds'] * 1e3:>10.2f}{r['gb_per_s']:>8.1f}{r['us_per_block']:>10.2f}")
+    print(json.dumps({"bench": "transfer_kv_dtypes", "device": torch.cuda.get_device_name(),
+                      "staging_blocks": staging_blocks, "rows": rows}))
+
+
+def disk_cases(path: str, num_blocks: int, workers: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
+    host = HostBlockStore(num_blocks, (NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), dtype)
+    random_bytes(host.storage)
     keys = [hash_block(None, [os.getpid(), i]) for i in range(num_blocks)]
     with DiskBlockStore(os.path.join(path, "mempath-bench-kv"), num_blocks * (host.block_nbytes + 4096),
-                        host.block_nbytes, fingerprint="bench", block_shape=host.block_shape, dtype=DTYPE,
+                        host.block_nbytes, fingerprint="bench", block_shape=host.block_shape, dtype=dtype,
                         num_workers=workers) as disk:
         try:
             start = time.perf_counter()
@@ -121,33 +186,55 @@ def disk_cases(path: str, num_blocks: int, workers: int) -> dict[str, float]:
     return {"disk write (to fsync)": write, "disk read (cold)": read}
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="256 blocks only")
+    parser.add_argument("--kv-cache-dtype", choices=tuple(STORAGE_DTYPES), default="auto",
+                        help="auto: bf16 blocks; fp8: the engine's one-byte blocks of the same shape")
+    parser.add_argument("--compare-kv-dtypes", action="store_true",
+                        help="only the engine path, both directions, for auto and fp8 blocks side by side")
     parser.add_argument("--staging-blocks", type=int, default=64)
     parser.add_argument("--disk-path", default=tempfile.gettempdir())
     parser.add_argument("--disk-blocks", type=int, default=256)
     parser.add_argument("--disk-workers", type=int, default=4)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.compare_kv_dtypes and args.kv_cache_dtype != "auto":
+        parser.error("--compare-kv-dtypes runs both KV dtypes: drop --kv-cache-dtype")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_transfer.py needs a CUDA device")
-    block_nbytes = 2 * NUM_LAYERS * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    sizes = SIZES[:1] if args.quick else SIZES
+    if args.compare_kv_dtypes:
+        rows = []
+        for num_blocks in sizes:
+            seconds = {kv: engine_cases(num_blocks, args.staging_blocks, dtype)
+                       for kv, dtype in STORAGE_DTYPES.items()}
+            rows += compare_rows(num_blocks, seconds)
+        print_comparison(rows, args.staging_blocks)
+        return
+    dtype = STORAGE_DTYPES[args.kv_cache_dtype]
+    block_nbytes = block_nbytes_of(dtype)
     rows = []
-    for num_blocks in SIZES[:1] if args.quick else SIZES:
-        for case, s in transfer_cases(num_blocks, args.staging_blocks).items():
+    for num_blocks in sizes:
+        for case, s in transfer_cases(num_blocks, args.staging_blocks, dtype).items():
             rows.append({"case": case, "blocks": num_blocks, "seconds": s,
                          "gb_per_s": None if "launch" in case else num_blocks * block_nbytes / s / 1e9})
-    for case, s in disk_cases(args.disk_path, args.disk_blocks, args.disk_workers).items():
+    for case, s in disk_cases(args.disk_path, args.disk_blocks, args.disk_workers, dtype).items():
         rows.append({"case": case, "blocks": args.disk_blocks, "seconds": s,
                      "gb_per_s": args.disk_blocks * block_nbytes / s / 1e9})
 
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, block {block_nbytes >> 20} MiB, "
-          f"staging {args.staging_blocks} blocks")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, kv {args.kv_cache_dtype} ({dtype}), "
+          f"block {block_nbytes >> 20} MiB, staging {args.staging_blocks} blocks")
     print(f"{'case':<32}{'blocks':>8}{'ms':>11}{'GB/s':>9}")
     for r in rows:
         rate = "" if r["gb_per_s"] is None else f"{r['gb_per_s']:.1f}"
         print(f"{r['case']:<32}{r['blocks']:>8}{r['seconds'] * 1e3:>11.2f}{rate:>9}")
-    print(json.dumps({"bench": "transfer", "device": torch.cuda.get_device_name(), "block_nbytes": block_nbytes,
+    print(json.dumps({"bench": "transfer", "device": torch.cuda.get_device_name(),
+                      "kv_cache_dtype": args.kv_cache_dtype, "block_nbytes": block_nbytes,
                       "staging_blocks": args.staging_blocks, "rows": rows}))
 
 

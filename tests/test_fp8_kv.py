@@ -1,5 +1,6 @@
 """The fp8 KV cache (kv_cache_dtype): the twins' arithmetic, the Triton kernels against
-the twins, and the engine (block count, accuracy, the disk tier keyed by KV dtype).
+the twins, and the engine (block count, accuracy, the disk tier keyed by KV dtype, the
+bytes the tiers move).
 
 Under ``TRITON_INTERPRET=1`` (Triton 3.x) the float32 -> fp8 downcast loses the carry
 when rounding up crosses a power of two (7.93 -> 4.0 where the GPU and torch give 8.0),
@@ -363,6 +364,96 @@ def test_disk_tier_never_serves_blocks_of_another_kv_dtype(model_factory, tmp_pa
     assert run("auto") == (32, 2)
     # The fp8 bytes came back through the host tier unchanged: the same continuation.
     assert tokens["fp8_e4m3"] == tokens["fp8"] and tokens["auto"][0] == tokens["auto"][1]
+
+
+# The model in bfloat16 on the CPU: "auto" stores two bytes per element, fp8 one, so an fp8
+# block is exactly half a bf16 block in every tier.
+TIER_DEVICE_BLOCKS, TIER_HOST_BLOCKS = 8, 2
+
+
+def bf16_block_nbytes(hf_model, block_size: int) -> int:
+    c = hf_model.config
+    head_dim = c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * head_dim * torch.bfloat16.itemsize
+
+
+def conversation_turns(llm, turns=2):
+    """Five conversations, each alone, turn after turn: each later turn finds the KV of the
+    turns before it (tokens and cached token counts per turn returned)."""
+    history = [[10 + (7 * c + i) % 200 for i in range(40)] for c in range(5)]
+    tokens, cached = [], []
+    for turn in range(turns):
+        for c in range(len(history)):
+            out = llm.generate(history[c], greedy(6), use_tqdm=False)[0]
+            tokens.append(out.token_ids)
+            cached.append(out.num_cached_tokens)
+            history[c] = history[c] + out.token_ids + [250 + turn, 251, 252]
+    return tokens, cached
+
+
+def run_through_tiers(path, kv, block_nbytes, disk_dir):
+    """The conversations with a device pool too small to keep them: their blocks go down to a
+    two-block host tier and, written through, to disk, and come back up for the next turn."""
+    llm = LLM(path, dtype="bfloat16", show_progress=False, device="cpu", kv_cache_dtype=kv,
+              num_gpu_blocks_override=TIER_DEVICE_BLOCKS, cpu_kv_gb=(TIER_HOST_BLOCKS + 0.5) * block_nbytes / (1 << 30),
+              disk_kv_path=str(disk_dir), disk_kv_gb=64 * (block_nbytes + 4096) / (1 << 30),
+              disk_write_policy="write-through")
+    tiers = llm.engine.kv.tiers
+    assert tiers.block_nbytes == block_nbytes and tiers.host.num_blocks == TIER_HOST_BLOCKS
+    tiers.rates["prefill_tokens_per_s"] = 1.0  # loading beats recomputing, whatever start-up measured
+    # Writes that end at once: which blocks the full host tier can evict (and the disk then
+    # serves) would otherwise depend on the disk's timing.
+    write_async = tiers.disk.write_async
+
+    def write_now(*args, **kwargs):
+        future = write_async(*args, **kwargs)
+        future.result()
+        return future
+
+    tiers.disk.write_async = write_now
+    tokens, cached = conversation_turns(llm)
+    stats = llm.stats()["tiers"]
+    tiers.close()
+    return tokens, cached, stats
+
+
+def disk_payload_sizes(disk_dir) -> set[int]:
+    """The payload length each block file's header declares, checked against the file's size."""
+    from mempath.kv.tiers.disk import _HEADER, _TRAILER
+    sizes = set()
+    for file in Path(disk_dir).rglob("*.kv"):
+        with open(file, "rb") as f:
+            _, _, _, payload, hash_len, layout_len = _HEADER.unpack(f.read(_HEADER.size))
+        assert file.stat().st_size == _HEADER.size + hash_len + layout_len + payload + _TRAILER.size
+        sizes.add(payload)
+    return sizes
+
+
+def test_tier_transfers_of_fp8_blocks_move_half_the_bytes_and_lose_nothing(model_factory, tmp_path):
+    path, hf_model = model_factory()
+    bf16_nbytes = bf16_block_nbytes(hf_model, 16)
+    runs = {}
+    for kv, block_nbytes in (("auto", bf16_nbytes), ("fp8", bf16_nbytes // 2)):
+        runs[kv] = run_through_tiers(path, kv, block_nbytes, tmp_path / kv)
+        assert disk_payload_sizes(tmp_path / kv) == {block_nbytes}
+    full, fp8 = runs["auto"][2], runs["fp8"][2]
+    assert full["block_nbytes"] == 2 * fp8["block_nbytes"] == bf16_nbytes
+    for direction in ("gpu_to_cpu", "cpu_to_gpu", "cpu_to_disk", "disk_to_cpu"):
+        moved_full, moved_fp8 = full["moved"][direction], fp8["moved"][direction]
+        assert moved_fp8["blocks"] > 0, direction
+        # The same workload moves the same blocks; each fp8 one is half the bytes.
+        assert moved_fp8["blocks"] == moved_full["blocks"], direction
+        assert moved_fp8["bytes"] == moved_fp8["blocks"] * bf16_nbytes // 2, direction
+        assert moved_full["bytes"] == moved_full["blocks"] * bf16_nbytes, direction
+    assert fp8["hits_blocks"]["disk"] > 0 and fp8["swaps"] == 0  # moved as cached prefixes
+    assert all(n > 0 for n in runs["fp8"][1][5:])  # every second turn found its first turn's KV
+    # Against a pool that keeps every block on the device: the same prefixes found, and the
+    # same greedy tokens, so the trip through the tiers changed no byte of them.
+    for kv, (tokens, cached, _) in runs.items():
+        llm = LLM(path, dtype="bfloat16", show_progress=False, device="cpu", kv_cache_dtype=kv,
+                  num_gpu_blocks_override=64)
+        assert conversation_turns(llm) == (tokens, cached), kv
+        assert llm.engine.kv.tiers is None
 
 
 @cuda
