@@ -6,6 +6,7 @@
     python benchmarks/bench_mix.py --shape llama-3.1-8b --hf-seconds 60 # transformers CB beside it, capped
     python benchmarks/bench_mix.py --sharegpt ShareGPT_V3.json --tokenizer DIR --shape llama-3.1-8b
     python benchmarks/bench_mix.py --tiny                               # CPU, the shipped model (tests)
+    python benchmarks/bench_mix.py --quantization none,fp8 --kv-cache-dtype auto,fp8  # weights x KV dtypes
 
 The mix: ``--requests`` prompts of random token ids, all submitted at once, EOS ignored;
 input and output lengths lognormal (seeded; medians 200 / 150, inputs at most 2,048,
@@ -25,6 +26,7 @@ weights of the real shapes (tests/data/configs, ``load_format="dummy"``).
 """
 import argparse
 import gc
+import itertools
 import json
 import sys
 import time
@@ -209,11 +211,12 @@ def engine_options(args) -> dict:
 
 
 def run_mempath(args, prompts, output_lens, rate: float, max_num_seqs: int | None,
-                max_num_batched_tokens: int | None) -> dict:
+                max_num_batched_tokens: int | None, quantization: str = "none", kv_cache_dtype: str = "auto") -> dict:
     """One engine on the whole mix, after a short warm-up; the engine is released before returning."""
     limits = {k: v for k, v in (("max_num_seqs", max_num_seqs),
                                 ("max_num_batched_tokens", max_num_batched_tokens)) if v is not None}
-    llm = LLM(show_progress=False, **engine_options(args), **limits)
+    llm = LLM(show_progress=False, **engine_options(args), **limits, kv_cache_dtype=kv_cache_dtype,
+              quantization=None if quantization == "none" else quantization)
     engine = llm.engine
     llm.generate(prompts[:8], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
     engine.kv.pool.reset_prefix_cache()
@@ -229,7 +232,7 @@ def run_mempath(args, prompts, output_lens, rate: float, max_num_seqs: int | Non
                        [o.time_to_first_token for o in outs], sum(p.numel() for p in engine.model.parameters()),
                        rate, clock, clock.device_seconds())
     stats = llm.stats()
-    result.update(max_num_seqs=engine.config.max_num_seqs,
+    result.update(quantization=quantization, kv_cache_dtype=kv_cache_dtype, max_num_seqs=engine.config.max_num_seqs,
                   max_num_batched_tokens=engine.config.max_num_batched_tokens,
                   kv_blocks=stats["kv_blocks_total"], preemptions=stats["num_preemptions"])
     del llm, engine, outs
@@ -276,6 +279,10 @@ def parse_args(argv=None):
     parser.add_argument("--tokenizer", help="the tokenizer that counts --sharegpt's tokens (a directory or hub name)")
     parser.add_argument("--max-num-seqs", type=int_list, default=[None], help="comma-separated: a sweep")
     parser.add_argument("--max-num-batched-tokens", type=int_list, default=[None], help="comma-separated: a sweep")
+    parser.add_argument("--quantization", type=lambda s: s.split(","), default=["none"],
+                        help="comma-separated weights: none (the model dtype), fp8; a sweep")
+    parser.add_argument("--kv-cache-dtype", type=lambda s: s.split(","), default=["auto"],
+                        help="comma-separated KV cache dtypes: auto, fp8; a sweep")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--enforce-eager", action="store_true")
@@ -283,6 +290,11 @@ def parse_args(argv=None):
     parser.add_argument("--hf-requests", type=int, default=200, help="transformers CB on this many of the requests")
     parser.add_argument("--out", help="append one JSON line per result to this file")
     args = parser.parse_args(argv)
+    bad = [q for q in args.quantization if q not in ("none", "fp8")] + \
+        [k for k in args.kv_cache_dtype if k not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")]
+    if bad:
+        parser.error(f"unknown --quantization / --kv-cache-dtype value(s) {bad}: quantization is none or fp8, "
+                     f"the KV dtype auto, fp8, fp8_e4m3 or fp8_e5m2")
     if args.requests is None:
         args.requests = 12 if args.tiny else 1000
     if args.sharegpt and not args.tokenizer:
@@ -314,12 +326,12 @@ def main(argv=None) -> list[dict]:
               "source": args.sharegpt or "lognormal", "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
     results = []
-    for seqs in args.max_num_seqs:
-        for tokens in args.max_num_batched_tokens:
-            r = {**common, "engine": "mempath", **run_mempath(args, prompts, output_lens, rate, seqs, tokens)}
-            print_row(f"mempath max_num_seqs={r['max_num_seqs']} max_num_batched_tokens={r['max_num_batched_tokens']}",
-                      r)
-            results.append(r)
+    for quantization, kv, seqs, tokens in itertools.product(args.quantization, args.kv_cache_dtype,
+                                                            args.max_num_seqs, args.max_num_batched_tokens):
+        r = {**common, "engine": "mempath", **run_mempath(args, prompts, output_lens, rate, seqs, tokens, quantization, kv)}
+        print_row(f"mempath weights={quantization} kv={kv} max_num_seqs={r['max_num_seqs']} "
+                  f"max_num_batched_tokens={r['max_num_batched_tokens']}", r)
+        results.append(r)
     if args.hf_seconds > 0:
         try:
             hf = run_transformers(args, prompts, output_lens)

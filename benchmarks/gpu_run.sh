@@ -4,7 +4,7 @@
 #   tests (~3 min)  latency (~1 min, +0.5 per --variants entry)  tput-qwen3, tput-llama (~1.5 min each with HF_TIMEOUT=40)
 #   blocks (~3 min)  multiturn (~5 min)  diagnose (~2 min, three shapes)  serve (needs .whl, below)
 #   pending, fp8-gemv, fp8-latency, mix-qwen3, mix-llama, mix-tokens, structured, moe-offload, moe-resident,
-#   spec-a, spec-bc, multi, sleep-tests, sleep (the open issues, below; STEPS="wheels pending ..." for those needing xgrammar)
+#   spec-a, spec-bc, multi, sleep-tests, sleep, fp8-kv-tests, fp8-kv, fp8-transfer, mix-fp8 (the open issues, below; STEPS="wheels pending ..." for those needing xgrammar)
 #   profile (~1 min: kernel table at batch 1), profile-moe, profile-mistral  profile-workload (~1 min: host/device split of the throughput run)
 # For `serve`, carry fastapi/uvicorn/starlette/pydantic(+core)/anyio/h11/sniffio/annotated-types/
 # typing-inspection/prometheus-client as wheels in .whl (see ../.library/device/README.md).
@@ -85,6 +85,15 @@ step slots-tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_moe_slo
   tests/test_moe.py tests/test_moe_prefetch.py tests/test_moe_host.py tests/test_moe_gemm_configs.py -k "cuda or gpu or cut"
 step moe-offload-host 420 python3 benchmarks/bench_moe.py --parts pinned,offload --cpu-experts auto
 step moe-resident 300 python3 benchmarks/bench_moe.py --parts pinned,resident
+# The fp8 KV cache (#20, 2026-12-02): its GPU tests (needle retrieval at 8k/32k, kernels, tier transfers), decode at
+# batch 64 x 8k and retrieval at 4k-32k against bf16, tier transfers in both dtypes; fp8 weights and KV on the mix.
+step fp8-kv-tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kv_retrieval.py tests/test_fp8_kv.py \
+  tests/test_bench_transfer.py -k "gpu or cuda"
+step fp8-kv 420 python3 benchmarks/bench_fp8_kv.py --parts decode,retrieval
+step fp8-transfer 120 python3 benchmarks/bench_transfer.py --compare-kv-dtypes --quick
+step mix-fp8 300 python3 benchmarks/bench_mix.py --shape llama-3.1-8b --max-num-seqs 1024 --quantization none,fp8
+step mix-fp8-kv 300 python3 benchmarks/bench_mix.py --shape llama-3.1-8b --max-num-seqs 1024 --kv-cache-dtype fp8 \
+  --quantization none,fp8
 if want diagnose; then
   for shape in qwen3-0.6b llama-3.1-8b phi-3-mini-4k-instruct; do
     d=$(mktemp -d); cp "tests/data/configs/$shape.json" "$d/config.json"

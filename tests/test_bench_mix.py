@@ -66,3 +66,14 @@ def test_tiny_run_reports_what_it_generated(tmp_path):
         assert r["steps"] >= max(outputs) and r["mixed_steps"] >= 1
         assert r["schedule_ms_per_step"] + r["runner_ms_per_step"] + r["outputs_ms_per_step"] <= r["host_ms_per_step"]
         assert "gpu_busy" not in r  # no device events on the CPU
+
+
+def test_tiny_run_sweeps_quantization_and_kv_dtype(tmp_path):
+    """Each (weights, KV dtype) pair is its own engine on the same mix, labelled in its result."""
+    results = bench_mix.main(["--tiny", "--requests", "3", "--quantization", "none,fp8", "--kv-cache-dtype", "auto,fp8"])
+    pairs = [(r["quantization"], r["kv_cache_dtype"]) for r in results]
+    assert pairs == [("none", "auto"), ("none", "fp8"), ("fp8", "auto"), ("fp8", "fp8")]
+    assert len({r["output_tokens"] for r in results}) == 1
+    assert results[1]["kv_blocks"] > results[0]["kv_blocks"]
+    with pytest.raises(SystemExit):
+        bench_mix.main(["--tiny", "--quantization", "int4"])
