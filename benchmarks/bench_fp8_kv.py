@@ -1,7 +1,11 @@
 """The fp8 KV cache (#20) against bf16 on a GPU: decode speed at long context, blocks in the
 same budget, and retrieval of a needle in 4k-32k tokens.
 
-    python3 benchmarks/bench_fp8_kv.py --parts decode,retrieval [--out FILE]
+    python3 benchmarks/bench_fp8_kv.py --parts kernel,decode,retrieval [--out FILE]
+
+kernel: the decode attention kernel alone at four (batch, context) cases, a bf16 cache against
+fp8 caches at each KV tile (tokens per loop iteration) and dot dtype (bf16 or fp16), with the
+KV bytes each reads per second.
 
 decode: the Llama-3.1-8B shape (random bf16 weights), ``--batch`` sequences of ``--context``
 random tokens, then ``--new-tokens`` greedy tokens each, once per KV dtype. The prompts are
@@ -72,7 +76,19 @@ def run_decode(args, kv: str, prompts: list[list[int]], config: dict) -> dict:
     return result
 
 
-def bench_decode(args) -> list[dict]:
+def set_fp8_variant(name: str) -> None:
+    """"tile128-fp16" -> the decode kernel's fp8 tile and dot dtype (module settings, read at launch)."""
+    from mempath.kernels import attention_triton as ta
+    tile, dots = name.split("-")
+    ta.DECODE_TILE_FP8, ta.FP8_DECODE_DOTS_FP16 = int(tile.removeprefix("tile")), dots == "fp16"
+
+
+def current_fp8_variant() -> str:
+    from mempath.kernels import attention_triton as ta
+    return f"tile{ta.DECODE_TILE_FP8}-{'fp16' if ta.FP8_DECODE_DOTS_FP16 else 'bf16'}"
+
+
+def bench_decode(args, extra_fp8_variant: str | None = None) -> list[dict]:
     from bench_engine import SHAPES, copy_bandwidth
     config = json.loads((SHAPES / f"{args.shape}.json").read_text())
     rng = np.random.default_rng(0)
@@ -80,23 +96,78 @@ def bench_decode(args) -> list[dict]:
     bandwidth = copy_bandwidth()
     mean_context = args.context + args.new_tokens / 2
     results = []
-    for kv in KV_DTYPES:
-        r = run_decode(args, kv, prompts, config)
+    default = current_fp8_variant()
+    runs = [("auto", None), ("fp8", default)] + ([("fp8", extra_fp8_variant)] if extra_fp8_variant
+                                                 and extra_fp8_variant != default else [])
+    for kv, variant in runs:
+        if variant:
+            set_fp8_variant(variant)
+        try:
+            r = run_decode(args, kv, prompts, config)
+        finally:
+            set_fp8_variant(default)
+        r["fp8_decode_kernel"] = variant
         limit = decode_read_limit_ms(r["weight_bytes"], r["kv_bytes_per_token"], args.batch, mean_context, bandwidth)
         r.update(bench="fp8-kv-decode", shape=args.shape, batch=args.batch, context=args.context,
                  new_tokens=args.new_tokens, copy_bandwidth=bandwidth, limit_ms_per_step=limit,
                  of_limit=limit / r["ms_per_step"])
         results.append(r)
-    base, fp8 = results
+    base, fp8 = results[0], max(results[1:], key=lambda r: r["output_tok_s"])
     print(f"\ndecode: {args.shape}, batch {args.batch}, context {args.context}, {args.new_tokens} new tokens; "
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    print(f"{'KV':>6} {'blocks':>8} {'ms/step':>8} {'tok/s':>8} {'limit ms':>9} {'of limit':>9} {'prefill s':>10}")
+    print(f"{'KV':>18} {'blocks':>8} {'ms/step':>8} {'tok/s':>8} {'limit ms':>9} {'of limit':>9} {'prefill s':>10}")
     for r in results:
-        print(f"{r['kv_cache_dtype']:>6} {r['kv_blocks']:>8} {r['ms_per_step']:>8.2f} {r['output_tok_s']:>8.0f} "
+        print(f"{r['kv_cache_dtype'] + (' ' + r['fp8_decode_kernel'] if r['fp8_decode_kernel'] else ''):>18} {r['kv_blocks']:>8} {r['ms_per_step']:>8.2f} {r['output_tok_s']:>8.0f} "
               f"{r['limit_ms_per_step']:>9.2f} {100 * r['of_limit']:>8.1f}% {r['prefill_s']:>10.1f}")
-    print(f"fp8 / bf16: {fp8['output_tok_s'] / base['output_tok_s']:.2f}x tok/s, "
+    print(f"fp8 ({fp8['fp8_decode_kernel']}) / bf16: {fp8['output_tok_s'] / base['output_tok_s']:.2f}x tok/s, "
           f"{fp8['kv_blocks'] / base['kv_blocks']:.3f}x blocks; every prompt found "
           f"{min(r['min_cached_prompt_tokens'] for r in results)} of its {args.context} tokens cached")
+    return results
+
+
+KERNEL_CASES = ((64, 8192), (1, 8192), (32, 1024), (128, 1024))
+FP8_TILES = (64, 128, 256)
+
+
+def bench_kernel(args) -> list[dict]:
+    """The decode attention kernel alone (Llama-3.1-8B heads), bf16 cache against fp8 caches at
+    each tile and dot dtype: microseconds, and the KV bytes read per second."""
+    import bench_kernels
+    from mempath.kernels import attention_triton as ta
+    defaults = (ta.DECODE_TILE_FP8, ta.FP8_DECODE_DOTS_FP16)
+    results = []
+    print("\ndecode attention kernel (us; KV TB/s; fp8 max |difference| from the default fp8 launch)")
+    try:
+        for batch, context in KERNEL_CASES:
+            pb = bench_kernels.PagedBatch([(1, context)] * batch)
+
+            def run(k_cache, v_cache):
+                return ta.triton_decode_attention(pb.query, k_cache, v_cache, pb.block_tables, pb.seq_lens, pb.scale,
+                                                  out=pb.out, max_seq_len=context)
+            kv_tokens = batch * context
+            row = {"bench": "fp8-kv-kernel", "batch": batch, "context": context,
+                   "bf16_us": 1e3 * bench_kernels.bench(lambda: run(pb.k_cache, pb.v_cache))}
+            row["bf16_tb_s"] = 2 * kv_tokens * 8 * 128 * 2 / row["bf16_us"] / 1e6
+            k8, v8 = pb.k_cache.to(torch.float8_e4m3fn), pb.v_cache.to(torch.float8_e4m3fn)
+            ta.DECODE_TILE_FP8, ta.FP8_DECODE_DOTS_FP16 = 64, False
+            reference = run(k8, v8).float().clone()
+            row["fp8"] = {}
+            for tile in FP8_TILES:
+                for fp16 in (False, True):
+                    ta.DECODE_TILE_FP8, ta.FP8_DECODE_DOTS_FP16 = tile, fp16
+                    us = 1e3 * bench_kernels.bench(lambda: run(k8, v8))
+                    err = (run(k8, v8).float() - reference).abs().max().item()
+                    row["fp8"][f"tile{tile}-{'fp16' if fp16 else 'bf16'}"] = {
+                        "us": us, "tb_s": 2 * kv_tokens * 8 * 128 / us / 1e6, "max_diff": err}
+            best = min(row["fp8"], key=lambda k: row["fp8"][k]["us"])
+            print(f"  batch {batch:3d} context {context:5d}: bf16 {row['bf16_us']:.1f} ({row['bf16_tb_s']:.2f}); "
+                  + "; ".join(f"{k} {v['us']:.1f} ({v['tb_s']:.2f}, {v['max_diff']:.1e})" for k, v in row["fp8"].items())
+                  + f"; best {best}: {row['bf16_us'] / row['fp8'][best]['us']:.2f}x bf16")
+            results.append(row)
+            del pb, k8, v8
+            torch.cuda.empty_cache()
+    finally:
+        ta.DECODE_TILE_FP8, ta.FP8_DECODE_DOTS_FP16 = defaults
     return results
 
 
@@ -158,8 +229,14 @@ def main(argv=None) -> list[dict]:
     if not torch.cuda.is_available():
         sys.exit("bench_fp8_kv.py times the CUDA kernels; on the CPU, tests/test_fp8_kv_retrieval.py runs the retrieval")
     results = []
+    best = None
+    if "kernel" in parts:
+        kernel = bench_kernel(args)
+        results += kernel
+        at_decode = min(kernel, key=lambda r: abs(r["batch"] - args.batch) + abs(r["context"] - args.context) / 128)
+        best = min(at_decode["fp8"], key=lambda k: at_decode["fp8"][k]["us"])
     if "decode" in parts:
-        results += bench_decode(args)
+        results += bench_decode(args, best)
     if "retrieval" in parts:
         results += bench_retrieval(args)
     for r in results:

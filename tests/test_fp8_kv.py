@@ -211,6 +211,21 @@ for _dt in FP8:
             lambda ta, tops, d=_dt, s=_src, g=_g: check_fp8_attention(ta, d, s, "cpu", g))
 
 
+def check_fp8_attention_variant(ta, dtype, device, tile, dots_fp16):
+    """The decode kernel at another fp8 tile and dot dtype (bf16 queries), against the twin."""
+    saved = ta.DECODE_TILE_FP8, ta.FP8_DECODE_DOTS_FP16
+    ta.DECODE_TILE_FP8, ta.FP8_DECODE_DOTS_FP16 = tile, dots_fp16
+    try:
+        check_fp8_attention(ta, dtype, torch.bfloat16 if device == "cuda" else torch.float16, device, 4)
+    finally:
+        ta.DECODE_TILE_FP8, ta.FP8_DECODE_DOTS_FP16 = saved
+
+
+# (The interpreter multiplies bfloat16 as raw bits: the float16 dots, for bfloat16 queries, run on CUDA only.)
+INTERPRETED["attention_e4m3_tile32"] = (
+    lambda ta, tops: check_fp8_attention_variant(ta, torch.float8_e4m3fn, "cpu", 32, True))
+
+
 def _run_interpreted() -> dict:
     from test_triton_interpret import _patch_interpreter_for_numpy
     _patch_interpreter_for_numpy()
@@ -262,6 +277,14 @@ def test_gpu_fp8_write_kernels_match_twin(dtype, src):
 def test_gpu_fp8_attention_matches_twin(dtype, query_dtype, group):
     from mempath.kernels import attention_triton as ta
     check_fp8_attention(ta, dtype, query_dtype, "cuda", group)
+
+
+@cuda
+@pytest.mark.parametrize("tile", [64, 128, 256])
+@pytest.mark.parametrize("dots_fp16", [False, True])
+def test_gpu_fp8_decode_tiles_and_dot_dtypes_match_twin(tile, dots_fp16):
+    from mempath.kernels import attention_triton as ta
+    check_fp8_attention_variant(ta, torch.float8_e4m3fn, "cuda", tile, dots_fp16)
 
 
 # ------------------------------------------------------------------------ the engine

@@ -58,6 +58,13 @@ LOG2E = 1.4426950408889634
 # Tokens per KV tile in the decode kernel. A split always covers a whole
 # number of tiles, so this is also the smallest split.
 DECODE_TILE = 64
+# An fp8 cache's tile: its bytes are a 16-bit tile's at twice the tokens, so one loop
+# iteration moves as much as for bf16 (BENCHMARKS.md, "fp8 KV cache: decode").
+DECODE_TILE_FP8 = 128
+# Over an fp8 cache, the decode dots multiply in float16 instead of the query's bfloat16:
+# e4m3 converts to float16 in one instruction per two values, to bfloat16 only through
+# float32. (The query is clamped to float16's range first.)
+FP8_DECODE_DOTS_FP16 = False
 # Upper bound on splits per (sequence, KV head); beyond it the merge costs
 # more than the extra parallelism brings.
 MAX_DECODE_SPLITS = 64
@@ -245,7 +252,7 @@ if HAS_TRITON:
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
         SPLIT: tl.constexpr, PRECISION: tl.constexpr, VARLEN: tl.constexpr, KV_FP8: tl.constexpr,
-        PDL: tl.constexpr,
+        DOTS_FP16: tl.constexpr, PDL: tl.constexpr,
     ):
         pdl_wait(PDL)
         seq = tl.program_id(0)
@@ -273,6 +280,8 @@ if HAS_TRITON:
                     mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
         if not KV_FP8:
             q = q.to(k_cache_ptr.dtype.element_ty)
+        elif DOTS_FP16:
+            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
         bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
         # Finite start value: rows padded past GROUP never produce inf - inf.
@@ -547,7 +556,9 @@ def triton_decode_attention(
     else:
         part_out = part_lse = out  # unused by the kernel
 
-    tile_bytes = 2 * DECODE_TILE * d_pad * k_cache.element_size()
+    kv_fp8 = is_fp8(k_cache.dtype)
+    tile = DECODE_TILE_FP8 if kv_fp8 else DECODE_TILE
+    tile_bytes = 2 * tile * d_pad * k_cache.element_size()
     pdl = pdl_options(query.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, query_start,
@@ -559,9 +570,9 @@ def triton_decode_attention(
         num_heads, num_splits,
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)),
         HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK_SIZE=block_size, TILE=DECODE_TILE,
+        BLOCK_SIZE=block_size, TILE=tile,
         SPLIT=split, PRECISION=_dot_precision(_compute_dtype(query, k_cache)), VARLEN=varlen,
-        KV_FP8=is_fp8(k_cache.dtype),
+        KV_FP8=kv_fp8, DOTS_FP16=kv_fp8 and FP8_DECODE_DOTS_FP16 and query.dtype == torch.bfloat16,
         **pdl, num_warps=4, num_stages=_pipeline_stages(tile_bytes),
     )
     if split:
@@ -571,7 +582,7 @@ def triton_decode_attention(
             num_heads, num_splits,
             HEAD_DIM=head_dim, D_PAD=d_pad,
             # One width for every split count: one compiled variant (unused splits are masked).
-            SPLITS_PAD=next_pow2(MAX_DECODE_SPLITS), TILE=DECODE_TILE, VARLEN=varlen,
+            SPLITS_PAD=next_pow2(MAX_DECODE_SPLITS), TILE=tile, VARLEN=varlen,
             **pdl,
             num_warps=4 if next_pow2(MAX_DECODE_SPLITS) * d_pad <= 8192 else 8,
         )
