@@ -89,7 +89,7 @@ step moe-resident 300 python3 benchmarks/bench_moe.py --parts pinned,resident
 # batch 64 x 8k and retrieval at 4k-32k against bf16, tier transfers in both dtypes; fp8 weights and KV on the mix.
 step fp8-kv-tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kv_retrieval.py tests/test_fp8_kv.py \
   tests/test_bench_transfer.py -k "gpu or cuda"
-step fp8-kv 420 python3 benchmarks/bench_fp8_kv.py --parts decode,retrieval
+step fp8-kv 420 python3 benchmarks/bench_fp8_kv.py --parts "${FP8_KV_PARTS:-kernel,decode,retrieval}"
 step fp8-transfer 120 python3 benchmarks/bench_transfer.py --compare-kv-dtypes --quick
 step mix-fp8 300 python3 benchmarks/bench_mix.py --shape llama-3.1-8b --max-num-seqs 1024 --quantization none,fp8
 step mix-fp8-kv 300 python3 benchmarks/bench_mix.py --shape llama-3.1-8b --max-num-seqs 1024 --kv-cache-dtype fp8 \
