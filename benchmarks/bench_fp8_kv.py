@@ -77,15 +77,18 @@ def run_decode(args, kv: str, prompts: list[list[int]], config: dict) -> dict:
 
 
 def set_fp8_variant(name: str) -> None:
-    """"tile128-fp16" -> the decode kernel's fp8 tile and dot dtype (module settings, read at launch)."""
+    """"tile128-fp16[-kq]" -> the decode kernel's fp8 tile, dot dtype and score order (module
+    settings, read at launch)."""
     from mempath.kernels import attention_triton as ta
-    tile, dots = name.split("-")
+    tile, dots, *order = name.split("-")
     ta.DECODE_TILE_FP8, ta.FP8_DECODE_DOTS_FP16 = int(tile.removeprefix("tile")), dots == "fp16"
+    ta.FP8_DECODE_KQ_FIRST = order == ["kq"]
 
 
 def current_fp8_variant() -> str:
     from mempath.kernels import attention_triton as ta
-    return f"tile{ta.DECODE_TILE_FP8}-{'fp16' if ta.FP8_DECODE_DOTS_FP16 else 'bf16'}"
+    return (f"tile{ta.DECODE_TILE_FP8}-{'fp16' if ta.FP8_DECODE_DOTS_FP16 else 'bf16'}"
+            f"{'-kq' if ta.FP8_DECODE_KQ_FIRST else ''}")
 
 
 def bench_decode(args, extra_fp8_variant: str | None = None) -> list[dict]:
@@ -126,7 +129,7 @@ def bench_decode(args, extra_fp8_variant: str | None = None) -> list[dict]:
 
 
 KERNEL_CASES = ((64, 8192), (1, 8192), (32, 1024), (128, 1024))
-FP8_TILES = (64, 128, 256)
+FP8_TILES = (64, 128)
 
 
 def bench_kernel(args) -> list[dict]:
@@ -134,7 +137,7 @@ def bench_kernel(args) -> list[dict]:
     each tile and dot dtype: microseconds, and the KV bytes read per second."""
     import bench_kernels
     from mempath.kernels import attention_triton as ta
-    defaults = (ta.DECODE_TILE_FP8, ta.FP8_DECODE_DOTS_FP16)
+    defaults = current_fp8_variant()
     results = []
     print("\ndecode attention kernel (us; KV TB/s; fp8 max |difference| from the default fp8 launch)")
     try:
@@ -149,16 +152,14 @@ def bench_kernel(args) -> list[dict]:
                    "bf16_us": 1e3 * bench_kernels.bench(lambda: run(pb.k_cache, pb.v_cache))}
             row["bf16_tb_s"] = 2 * kv_tokens * 8 * 128 * 2 / row["bf16_us"] / 1e6
             k8, v8 = pb.k_cache.to(torch.float8_e4m3fn), pb.v_cache.to(torch.float8_e4m3fn)
-            ta.DECODE_TILE_FP8, ta.FP8_DECODE_DOTS_FP16 = 64, False
+            set_fp8_variant("tile64-bf16")
             reference = run(k8, v8).float().clone()
             row["fp8"] = {}
-            for tile in FP8_TILES:
-                for fp16 in (False, True):
-                    ta.DECODE_TILE_FP8, ta.FP8_DECODE_DOTS_FP16 = tile, fp16
-                    us = 1e3 * bench_kernels.bench(lambda: run(k8, v8))
-                    err = (run(k8, v8).float() - reference).abs().max().item()
-                    row["fp8"][f"tile{tile}-{'fp16' if fp16 else 'bf16'}"] = {
-                        "us": us, "tb_s": 2 * kv_tokens * 8 * 128 / us / 1e6, "max_diff": err}
+            for name in (f"tile{t}-{d}{o}" for t in FP8_TILES for d in ("bf16", "fp16") for o in ("", "-kq")):
+                set_fp8_variant(name)
+                us = 1e3 * bench_kernels.bench(lambda: run(k8, v8))
+                err = (run(k8, v8).float() - reference).abs().max().item()
+                row["fp8"][name] = {"us": us, "tb_s": 2 * kv_tokens * 8 * 128 / us / 1e6, "max_diff": err}
             best = min(row["fp8"], key=lambda k: row["fp8"][k]["us"])
             print(f"  batch {batch:3d} context {context:5d}: bf16 {row['bf16_us']:.1f} ({row['bf16_tb_s']:.2f}); "
                   + "; ".join(f"{k} {v['us']:.1f} ({v['tb_s']:.2f}, {v['max_diff']:.1e})" for k, v in row["fp8"].items())
@@ -167,7 +168,7 @@ def bench_kernel(args) -> list[dict]:
             del pb, k8, v8
             torch.cuda.empty_cache()
     finally:
-        ta.DECODE_TILE_FP8, ta.FP8_DECODE_DOTS_FP16 = defaults
+        set_fp8_variant(defaults)
     return results
 
 

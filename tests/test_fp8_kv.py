@@ -211,19 +211,21 @@ for _dt in FP8:
             lambda ta, tops, d=_dt, s=_src, g=_g: check_fp8_attention(ta, d, s, "cpu", g))
 
 
-def check_fp8_attention_variant(ta, dtype, device, tile, dots_fp16):
-    """The decode kernel at another fp8 tile and dot dtype (bf16 queries), against the twin."""
-    saved = ta.DECODE_TILE_FP8, ta.FP8_DECODE_DOTS_FP16
-    ta.DECODE_TILE_FP8, ta.FP8_DECODE_DOTS_FP16 = tile, dots_fp16
+def check_fp8_attention_variant(ta, dtype, device, tile, dots_fp16, kq_first=False):
+    """The decode kernel at another fp8 tile, dot dtype (bf16 queries) and score order, against the twin."""
+    saved = ta.DECODE_TILE_FP8, ta.FP8_DECODE_DOTS_FP16, ta.FP8_DECODE_KQ_FIRST
+    ta.DECODE_TILE_FP8, ta.FP8_DECODE_DOTS_FP16, ta.FP8_DECODE_KQ_FIRST = tile, dots_fp16, kq_first
     try:
         check_fp8_attention(ta, dtype, torch.bfloat16 if device == "cuda" else torch.float16, device, 4)
     finally:
-        ta.DECODE_TILE_FP8, ta.FP8_DECODE_DOTS_FP16 = saved
+        ta.DECODE_TILE_FP8, ta.FP8_DECODE_DOTS_FP16, ta.FP8_DECODE_KQ_FIRST = saved
 
 
 # (The interpreter multiplies bfloat16 as raw bits: the float16 dots, for bfloat16 queries, run on CUDA only.)
 INTERPRETED["attention_e4m3_tile32"] = (
     lambda ta, tops: check_fp8_attention_variant(ta, torch.float8_e4m3fn, "cpu", 32, True))
+INTERPRETED["attention_e4m3_tile32_kq_first"] = (
+    lambda ta, tops: check_fp8_attention_variant(ta, torch.float8_e4m3fn, "cpu", 32, True, kq_first=True))
 
 
 def _run_interpreted() -> dict:
@@ -282,9 +284,10 @@ def test_gpu_fp8_attention_matches_twin(dtype, query_dtype, group):
 @cuda
 @pytest.mark.parametrize("tile", [64, 128, 256])
 @pytest.mark.parametrize("dots_fp16", [False, True])
-def test_gpu_fp8_decode_tiles_and_dot_dtypes_match_twin(tile, dots_fp16):
+@pytest.mark.parametrize("kq_first", [False, True])
+def test_gpu_fp8_decode_tiles_and_dot_dtypes_match_twin(tile, dots_fp16, kq_first):
     from mempath.kernels import attention_triton as ta
-    check_fp8_attention_variant(ta, torch.float8_e4m3fn, "cuda", tile, dots_fp16)
+    check_fp8_attention_variant(ta, torch.float8_e4m3fn, "cuda", tile, dots_fp16, kq_first)
 
 
 # ------------------------------------------------------------------------ the engine

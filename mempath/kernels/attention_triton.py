@@ -65,6 +65,9 @@ DECODE_TILE_FP8 = 128
 # e4m3 converts to float16 in one instruction per two values, to bfloat16 only through
 # float32. (The query is clamped to float16's range first.)
 FP8_DECODE_DOTS_FP16 = False
+# Over an fp8 cache, the scores are computed as K times the query's transpose (K the left
+# operand, as it is stored) instead of the query times K's transpose.
+FP8_DECODE_KQ_FIRST = False
 # Upper bound on splits per (sequence, KV head); beyond it the merge costs
 # more than the extra parallelism brings.
 MAX_DECODE_SPLITS = 64
@@ -252,7 +255,7 @@ if HAS_TRITON:
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
         SPLIT: tl.constexpr, PRECISION: tl.constexpr, VARLEN: tl.constexpr, KV_FP8: tl.constexpr,
-        DOTS_FP16: tl.constexpr, PDL: tl.constexpr,
+        DOTS_FP16: tl.constexpr, KQ_FIRST: tl.constexpr, PDL: tl.constexpr,
     ):
         pdl_wait(PDL)
         seq = tl.program_id(0)
@@ -295,13 +298,22 @@ if HAS_TRITON:
             k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, pos, valid, kv_head, dims, dim_mask,
                                  stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
                                  stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d, q.dtype, BLOCK_SIZE)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            if KQ_FIRST:
+                s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
+                s_t = tl.where(valid[:, None], s_t, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s_t, 0))
+                alpha = tl.exp2(m_i - m_new)
+                p_t = tl.exp2(s_t - m_new[None, :])
+                l_i = l_i * alpha + tl.sum(p_t, 0)
+                acc = acc * alpha[:, None] + tl.dot(tl.trans(p_t.to(v.dtype)), v, input_precision=PRECISION)
+            else:
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+                s = tl.where(valid[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
 
         # An empty sequence (padding in a captured batch) yields zeros.
@@ -573,6 +585,7 @@ def triton_decode_attention(
         BLOCK_SIZE=block_size, TILE=tile,
         SPLIT=split, PRECISION=_dot_precision(_compute_dtype(query, k_cache)), VARLEN=varlen,
         KV_FP8=kv_fp8, DOTS_FP16=kv_fp8 and FP8_DECODE_DOTS_FP16 and query.dtype == torch.bfloat16,
+        KQ_FIRST=kv_fp8 and FP8_DECODE_KQ_FIRST,
         **pdl, num_warps=4, num_stages=_pipeline_stages(tile_bytes),
     )
     if split:
