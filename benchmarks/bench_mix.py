@@ -342,6 +342,8 @@ def main(argv=None) -> list[dict]:
             f"{hf['tok_s']:,.0f} output tok/s ({hf['output_tokens']:,} tokens in {hf['seconds']:.0f} s, "
             f"{hf['finished']} finished)"))
         results.append({**common, "engine": "transformers-cb", **hf})
+    for r in results:  # benchmarks/gpu_run.sh collects these lines
+        print("RESULT " + json.dumps(r))
     if args.out:
         with open(args.out, "a") as f:
             for r in results:

@@ -290,6 +290,31 @@ def test_gpu_fp8_decode_tiles_and_dot_dtypes_match_twin(tile, dots_fp16, kq_firs
     check_fp8_attention_variant(ta, torch.float8_e4m3fn, "cuda", tile, dots_fp16, kq_first)
 
 
+@cuda
+@pytest.mark.parametrize("tile", [64, 128])
+def test_gpu_fp8_decode_with_fp8_queries_is_attention_over_the_quantized_query(tile):
+    """FP8_DECODE_Q_FP8: the kernel's result is the twin's over the query rounded as the kernel
+    rounds it (per head, scale amax / 448, e4m3)."""
+    from mempath.kernels import attention_triton as ta
+    from mempath.kernels.attention_torch import paged_attention
+    case = fp8_case([(1, n) for n in (1, 7, 9, 64, 65, 200, 1000)], torch.float8_e4m3fn, torch.bfloat16, "cuda",
+                    group=4, seed=5)
+    q = case.query.float()
+    scale = q.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30) / 448.0
+    q_rounded = (q / scale).to(torch.float8_e4m3fn).float() * scale
+    ref = paged_attention(q_rounded, case.k_cache.float(), case.v_cache.float(), case.block_tables,
+                          case.query_start_loc, case.seq_lens, case.scale)
+    saved = ta.DECODE_TILE_FP8, ta.FP8_DECODE_Q_FP8
+    ta.DECODE_TILE_FP8, ta.FP8_DECODE_Q_FP8 = tile, True
+    try:
+        out = case.poisoned_out()
+        ta.triton_decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                                   case.scale, out=out, num_splits=4)
+    finally:
+        ta.DECODE_TILE_FP8, ta.FP8_DECODE_Q_FP8 = saved
+    assert_close(out, ref, torch.bfloat16)
+
+
 # ------------------------------------------------------------------------ the engine
 
 def greedy(n):

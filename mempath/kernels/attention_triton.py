@@ -68,6 +68,10 @@ FP8_DECODE_DOTS_FP16 = False
 # Over an fp8 cache, the scores are computed as K times the query's transpose (K the left
 # operand, as it is stored) instead of the query times K's transpose.
 FP8_DECODE_KQ_FIRST = False
+# Over an e4m3 cache, the query is quantized too (per head: amax / 448), so the scores are an
+# fp8 x fp8 product on the tensor cores with no conversion of K (as FlashAttention-3's fp8 mode
+# does); P times V runs in float16.
+FP8_DECODE_Q_FP8 = False
 # Upper bound on splits per (sequence, KV head); beyond it the merge costs
 # more than the extra parallelism brings.
 MAX_DECODE_SPLITS = 64
@@ -255,7 +259,7 @@ if HAS_TRITON:
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
         SPLIT: tl.constexpr, PRECISION: tl.constexpr, VARLEN: tl.constexpr, KV_FP8: tl.constexpr,
-        DOTS_FP16: tl.constexpr, KQ_FIRST: tl.constexpr, PDL: tl.constexpr,
+        DOTS_FP16: tl.constexpr, KQ_FIRST: tl.constexpr, Q_FP8: tl.constexpr, PDL: tl.constexpr,
     ):
         pdl_wait(PDL)
         seq = tl.program_id(0)
@@ -281,7 +285,12 @@ if HAS_TRITON:
         q = tl.load(q_ptr + q_row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
                     + dims[None, :] * stride_qd,
                     mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
-        if not KV_FP8:
+        q_scale = tl.full([GROUP_PAD], 1.0, dtype=tl.float32)
+        if Q_FP8:
+            q_f32 = q.to(tl.float32)
+            q_scale = tl.maximum(tl.max(tl.abs(q_f32), 1), 1.0e-30) / 448.0
+            q = (q_f32 / q_scale[:, None]).to(k_cache_ptr.dtype.element_ty)
+        elif not KV_FP8:
             q = q.to(k_cache_ptr.dtype.element_ty)
         elif DOTS_FP16:
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
@@ -307,7 +316,11 @@ if HAS_TRITON:
                 l_i = l_i * alpha + tl.sum(p_t, 0)
                 acc = acc * alpha[:, None] + tl.dot(tl.trans(p_t.to(v.dtype)), v, input_precision=PRECISION)
             else:
-                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+                if Q_FP8:
+                    s = tl.dot(q, tl.trans(k)) * (q_scale[:, None] * qk_scale)
+                    v = v.to(tl.float16)
+                else:
+                    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
                 s = tl.where(valid[None, :], s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 alpha = tl.exp2(m_i - m_new)
@@ -569,6 +582,7 @@ def triton_decode_attention(
         part_out = part_lse = out  # unused by the kernel
 
     kv_fp8 = is_fp8(k_cache.dtype)
+    q_fp8 = FP8_DECODE_Q_FP8 and k_cache.dtype == torch.float8_e4m3fn and query.device.type == "cuda"
     tile = DECODE_TILE_FP8 if kv_fp8 else DECODE_TILE
     tile_bytes = 2 * tile * d_pad * k_cache.element_size()
     pdl = pdl_options(query.device)
@@ -585,7 +599,7 @@ def triton_decode_attention(
         BLOCK_SIZE=block_size, TILE=tile,
         SPLIT=split, PRECISION=_dot_precision(_compute_dtype(query, k_cache)), VARLEN=varlen,
         KV_FP8=kv_fp8, DOTS_FP16=kv_fp8 and FP8_DECODE_DOTS_FP16 and query.dtype == torch.bfloat16,
-        KQ_FIRST=kv_fp8 and FP8_DECODE_KQ_FIRST,
+        KQ_FIRST=kv_fp8 and FP8_DECODE_KQ_FIRST and not q_fp8, Q_FP8=q_fp8,
         **pdl, num_warps=4, num_stages=_pipeline_stages(tile_bytes),
     )
     if split:
