@@ -77,18 +77,20 @@ def run_decode(args, kv: str, prompts: list[list[int]], config: dict) -> dict:
 
 
 def set_fp8_variant(name: str) -> None:
-    """"tile128-fp16[-kq|-q8]" -> the decode kernel's fp8 tile, dot dtype, score order or fp8
-    query (module settings, read at launch)."""
+    """"tile128-fp16[-kq|-q8][-w8]" -> the decode kernel's fp8 tile, dot dtype, score order or
+    fp8 query, and warps (module settings, read at launch)."""
     from mempath.kernels import attention_triton as ta
-    tile, dots, *order = name.split("-")
+    tile, dots, *options = name.split("-")
     ta.DECODE_TILE_FP8, ta.FP8_DECODE_DOTS_FP16 = int(tile.removeprefix("tile")), dots == "fp16"
-    ta.FP8_DECODE_KQ_FIRST, ta.FP8_DECODE_Q_FP8 = order == ["kq"], order == ["q8"]
+    ta.FP8_DECODE_KQ_FIRST, ta.FP8_DECODE_Q_FP8 = "kq" in options, "q8" in options
+    ta.DECODE_WARPS_FP8 = 8 if "w8" in options else 4
 
 
 def current_fp8_variant() -> str:
     from mempath.kernels import attention_triton as ta
     return (f"tile{ta.DECODE_TILE_FP8}-{'fp16' if ta.FP8_DECODE_DOTS_FP16 else 'bf16'}"
-            f"{'-kq' if ta.FP8_DECODE_KQ_FIRST else ''}{'-q8' if ta.FP8_DECODE_Q_FP8 else ''}")
+            f"{'-kq' if ta.FP8_DECODE_KQ_FIRST else ''}{'-q8' if ta.FP8_DECODE_Q_FP8 else ''}"
+            f"{'-w8' if ta.DECODE_WARPS_FP8 == 8 else ''}")
 
 
 def bench_decode(args, extra_fp8_variant: str | None = None) -> list[dict]:
@@ -155,8 +157,8 @@ def bench_kernel(args) -> list[dict]:
             set_fp8_variant("tile64-bf16")
             reference = run(k8, v8).float().clone()
             row["fp8"] = {}
-            names = [f"tile{t}-{d}{o}" for t in FP8_TILES for d in ("bf16", "fp16") for o in ("", "-kq")]
-            for name in names + [f"tile{t}-fp16-q8" for t in FP8_TILES]:
+            names = [f"tile{t}-{d}{w}" for t in FP8_TILES for d in ("bf16", "fp16") for w in ("", "-w8")]
+            for name in names + [f"tile{t}-fp16-q8-w8" for t in FP8_TILES]:
                 set_fp8_variant(name)
                 us = 1e3 * bench_kernels.bench(lambda: run(k8, v8))
                 err = (run(k8, v8).float() - reference).abs().max().item()

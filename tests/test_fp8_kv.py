@@ -211,14 +211,16 @@ for _dt in FP8:
             lambda ta, tops, d=_dt, s=_src, g=_g: check_fp8_attention(ta, d, s, "cpu", g))
 
 
-def check_fp8_attention_variant(ta, dtype, device, tile, dots_fp16, kq_first=False):
-    """The decode kernel at another fp8 tile, dot dtype (bf16 queries) and score order, against the twin."""
-    saved = ta.DECODE_TILE_FP8, ta.FP8_DECODE_DOTS_FP16, ta.FP8_DECODE_KQ_FIRST
-    ta.DECODE_TILE_FP8, ta.FP8_DECODE_DOTS_FP16, ta.FP8_DECODE_KQ_FIRST = tile, dots_fp16, kq_first
+def check_fp8_attention_variant(ta, dtype, device, tile, dots_fp16, kq_first=False, warps=4):
+    """The decode kernel at another fp8 tile, dot dtype (bf16 queries), score order and warp count,
+    against the twin."""
+    saved = ta.DECODE_TILE_FP8, ta.FP8_DECODE_DOTS_FP16, ta.FP8_DECODE_KQ_FIRST, ta.DECODE_WARPS_FP8
+    ta.DECODE_TILE_FP8, ta.FP8_DECODE_DOTS_FP16, ta.FP8_DECODE_KQ_FIRST, ta.DECODE_WARPS_FP8 = (
+        tile, dots_fp16, kq_first, warps)
     try:
         check_fp8_attention(ta, dtype, torch.bfloat16 if device == "cuda" else torch.float16, device, 4)
     finally:
-        ta.DECODE_TILE_FP8, ta.FP8_DECODE_DOTS_FP16, ta.FP8_DECODE_KQ_FIRST = saved
+        ta.DECODE_TILE_FP8, ta.FP8_DECODE_DOTS_FP16, ta.FP8_DECODE_KQ_FIRST, ta.DECODE_WARPS_FP8 = saved
 
 
 # (The interpreter multiplies bfloat16 as raw bits: the float16 dots, for bfloat16 queries, run on CUDA only.)
@@ -285,9 +287,10 @@ def test_gpu_fp8_attention_matches_twin(dtype, query_dtype, group):
 @pytest.mark.parametrize("tile", [64, 128, 256])
 @pytest.mark.parametrize("dots_fp16", [False, True])
 @pytest.mark.parametrize("kq_first", [False, True])
-def test_gpu_fp8_decode_tiles_and_dot_dtypes_match_twin(tile, dots_fp16, kq_first):
+@pytest.mark.parametrize("warps", [4, 8])
+def test_gpu_fp8_decode_tiles_and_dot_dtypes_match_twin(tile, dots_fp16, kq_first, warps):
     from mempath.kernels import attention_triton as ta
-    check_fp8_attention_variant(ta, torch.float8_e4m3fn, "cuda", tile, dots_fp16, kq_first)
+    check_fp8_attention_variant(ta, torch.float8_e4m3fn, "cuda", tile, dots_fp16, kq_first, warps)
 
 
 @cuda

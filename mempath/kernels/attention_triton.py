@@ -72,6 +72,8 @@ FP8_DECODE_KQ_FIRST = False
 # fp8 x fp8 product on the tensor cores with no conversion of K (as FlashAttention-3's fp8 mode
 # does); P times V runs in float16.
 FP8_DECODE_Q_FP8 = False
+# Warps of the decode kernel over an fp8 cache (4 over others).
+DECODE_WARPS_FP8 = 4
 # Upper bound on splits per (sequence, KV head); beyond it the merge costs
 # more than the extra parallelism brings.
 MAX_DECODE_SPLITS = 64
@@ -600,7 +602,7 @@ def triton_decode_attention(
         SPLIT=split, PRECISION=_dot_precision(_compute_dtype(query, k_cache)), VARLEN=varlen,
         KV_FP8=kv_fp8, DOTS_FP16=kv_fp8 and FP8_DECODE_DOTS_FP16 and query.dtype == torch.bfloat16,
         KQ_FIRST=kv_fp8 and FP8_DECODE_KQ_FIRST and not q_fp8, Q_FP8=q_fp8,
-        **pdl, num_warps=4, num_stages=_pipeline_stages(tile_bytes),
+        **pdl, num_warps=DECODE_WARPS_FP8 if kv_fp8 else 4, num_stages=_pipeline_stages(tile_bytes),
     )
     if split:
         _decode_merge_kernel[(num_seqs, num_heads)](
