@@ -4,8 +4,7 @@ same budget, and retrieval of a needle in 4k-32k tokens.
     python3 benchmarks/bench_fp8_kv.py --parts kernel,decode,retrieval [--out FILE]
 
 kernel: the decode attention kernel alone at four (batch, context) cases, a bf16 cache against
-fp8 caches at each KV tile (tokens per loop iteration) and dot dtype (bf16 or fp16), with the
-KV bytes each reads per second.
+fp8 caches at each KV tile (tokens per loop iteration), with the KV bytes each reads per second.
 
 decode: the Llama-3.1-8B shape (random bf16 weights), ``--batch`` sequences of ``--context``
 random tokens, then ``--new-tokens`` greedy tokens each, once per KV dtype. The prompts are
@@ -77,20 +76,14 @@ def run_decode(args, kv: str, prompts: list[list[int]], config: dict) -> dict:
 
 
 def set_fp8_variant(name: str) -> None:
-    """"tile128-fp16[-kq|-q8][-w8]" -> the decode kernel's fp8 tile, dot dtype, score order or
-    fp8 query, and warps (module settings, read at launch)."""
+    """"tile128" -> the decode kernel's tile over an fp8 cache (a module setting, read at launch)."""
     from mempath.kernels import attention_triton as ta
-    tile, dots, *options = name.split("-")
-    ta.DECODE_TILE_FP8, ta.FP8_DECODE_DOTS_FP16 = int(tile.removeprefix("tile")), dots == "fp16"
-    ta.FP8_DECODE_KQ_FIRST, ta.FP8_DECODE_Q_FP8 = "kq" in options, "q8" in options
-    ta.DECODE_WARPS_FP8 = 8 if "w8" in options else 4
+    ta.DECODE_TILE_FP8 = int(name.removeprefix("tile"))
 
 
 def current_fp8_variant() -> str:
     from mempath.kernels import attention_triton as ta
-    return (f"tile{ta.DECODE_TILE_FP8}-{'fp16' if ta.FP8_DECODE_DOTS_FP16 else 'bf16'}"
-            f"{'-kq' if ta.FP8_DECODE_KQ_FIRST else ''}{'-q8' if ta.FP8_DECODE_Q_FP8 else ''}"
-            f"{'-w8' if ta.DECODE_WARPS_FP8 == 8 else ''}")
+    return f"tile{ta.DECODE_TILE_FP8}"
 
 
 def bench_decode(args, extra_fp8_variant: str | None = None) -> list[dict]:
@@ -154,11 +147,11 @@ def bench_kernel(args) -> list[dict]:
                    "bf16_us": 1e3 * bench_kernels.bench(lambda: run(pb.k_cache, pb.v_cache))}
             row["bf16_tb_s"] = 2 * kv_tokens * 8 * 128 * 2 / row["bf16_us"] / 1e6
             k8, v8 = pb.k_cache.to(torch.float8_e4m3fn), pb.v_cache.to(torch.float8_e4m3fn)
-            set_fp8_variant("tile64-bf16")
+            set_fp8_variant(defaults)
             reference = run(k8, v8).float().clone()
             row["fp8"] = {}
-            names = [f"tile{t}-{d}{w}" for t in FP8_TILES for d in ("bf16", "fp16") for w in ("", "-w8")]
-            for name in names + [f"tile{t}-fp16-q8-w8" for t in FP8_TILES]:
+            names = args.fp8_variants or [f"tile{t}" for t in FP8_TILES]
+            for name in names:
                 set_fp8_variant(name)
                 us = 1e3 * bench_kernels.bench(lambda: run(k8, v8))
                 err = (run(k8, v8).float() - reference).abs().max().item()
@@ -226,6 +219,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--sharpness", type=lambda s: [float(x) for x in s.split(",")], default=[8.0, 10.0])
     parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 8192, 16384, 32768])
     parser.add_argument("--prompts", type=int, default=200)
+    parser.add_argument("--fp8-variants", type=lambda s: s.split(","), default=None,
+                        help="the kernel part's fp8 tiles, e.g. tile32,tile64 (default: tile64,tile128)")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' answers in the retrieval part")
     parser.add_argument("--out", help="append one JSON line per result to this file")
     args = parser.parse_args(argv)

@@ -4,9 +4,9 @@ heads, batch 64 x 8k context), for Nsight Compute: what bounds the fp8 kernel (B
 
     TRITON_CACHE_DIR=DIR ncu --clock-control none --kernel-name regex:_decode_split_kernel \\
         --launch-skip 2 --launch-count 2 --section SpeedOfLight --section MemoryWorkloadAnalysis \\
-        --section WarpStateStats python3 benchmarks/profile_fp8_decode.py [fp8 variant]
+        --section WarpStateStats python3 benchmarks/profile_fp8_decode.py [tile128]
 
-The fp8 variant is bench_fp8_kv's name (default tile128-fp16). Each cache's kernel runs twice
+The fp8 variant is bench_fp8_kv's tile name (default tile128). Each cache's kernel runs twice
 unprofiled first (compiles), then once each profiled: bf16, then fp8. The compiled PTX lands in
 TRITON_CACHE_DIR.
 """
@@ -22,7 +22,7 @@ import bench_kernels  # noqa: E402
 from bench_fp8_kv import set_fp8_variant  # noqa: E402
 from mempath.kernels import attention_triton as ta  # noqa: E402
 
-set_fp8_variant(sys.argv[1] if len(sys.argv) > 1 else "tile128-fp16")
+set_fp8_variant(sys.argv[1] if len(sys.argv) > 1 else "tile128")
 pb = bench_kernels.PagedBatch([(1, 8192)] * 64)
 k8, v8 = pb.k_cache.to(torch.float8_e4m3fn), pb.v_cache.to(torch.float8_e4m3fn)
 

@@ -211,23 +211,18 @@ for _dt in FP8:
             lambda ta, tops, d=_dt, s=_src, g=_g: check_fp8_attention(ta, d, s, "cpu", g))
 
 
-def check_fp8_attention_variant(ta, dtype, device, tile, dots_fp16, kq_first=False, warps=4):
-    """The decode kernel at another fp8 tile, dot dtype (bf16 queries), score order and warp count,
-    against the twin."""
-    saved = ta.DECODE_TILE_FP8, ta.FP8_DECODE_DOTS_FP16, ta.FP8_DECODE_KQ_FIRST, ta.DECODE_WARPS_FP8
-    ta.DECODE_TILE_FP8, ta.FP8_DECODE_DOTS_FP16, ta.FP8_DECODE_KQ_FIRST, ta.DECODE_WARPS_FP8 = (
-        tile, dots_fp16, kq_first, warps)
+def check_fp8_attention_tile(ta, dtype, device, tile):
+    """The decode kernel at another tile over an fp8 cache (bf16 queries on CUDA: float16 dots), against the twin."""
+    saved = ta.DECODE_TILE_FP8
+    ta.DECODE_TILE_FP8 = tile
     try:
         check_fp8_attention(ta, dtype, torch.bfloat16 if device == "cuda" else torch.float16, device, 4)
     finally:
-        ta.DECODE_TILE_FP8, ta.FP8_DECODE_DOTS_FP16, ta.FP8_DECODE_KQ_FIRST, ta.DECODE_WARPS_FP8 = saved
+        ta.DECODE_TILE_FP8 = saved
 
 
-# (The interpreter multiplies bfloat16 as raw bits: the float16 dots, for bfloat16 queries, run on CUDA only.)
-INTERPRETED["attention_e4m3_tile32"] = (
-    lambda ta, tops: check_fp8_attention_variant(ta, torch.float8_e4m3fn, "cpu", 32, True))
-INTERPRETED["attention_e4m3_tile32_kq_first"] = (
-    lambda ta, tops: check_fp8_attention_variant(ta, torch.float8_e4m3fn, "cpu", 32, True, kq_first=True))
+# (The interpreter multiplies bfloat16 as raw bits: bfloat16 queries over fp8, and their float16 dots, run on CUDA only.)
+INTERPRETED["attention_e4m3_tile32"] = lambda ta, tops: check_fp8_attention_tile(ta, torch.float8_e4m3fn, "cpu", 32)
 
 
 def _run_interpreted() -> dict:
@@ -284,38 +279,11 @@ def test_gpu_fp8_attention_matches_twin(dtype, query_dtype, group):
 
 
 @cuda
-@pytest.mark.parametrize("tile", [64, 128, 256])
-@pytest.mark.parametrize("dots_fp16", [False, True])
-@pytest.mark.parametrize("kq_first", [False, True])
-@pytest.mark.parametrize("warps", [4, 8])
-def test_gpu_fp8_decode_tiles_and_dot_dtypes_match_twin(tile, dots_fp16, kq_first, warps):
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("tile", [32, 64, 128, 256])
+def test_gpu_fp8_decode_tiles_match_twin(dtype, tile):
     from mempath.kernels import attention_triton as ta
-    check_fp8_attention_variant(ta, torch.float8_e4m3fn, "cuda", tile, dots_fp16, kq_first, warps)
-
-
-@cuda
-@pytest.mark.parametrize("tile", [64, 128])
-def test_gpu_fp8_decode_with_fp8_queries_is_attention_over_the_quantized_query(tile):
-    """FP8_DECODE_Q_FP8: the kernel's result is the twin's over the query rounded as the kernel
-    rounds it (per head, scale amax / 448, e4m3)."""
-    from mempath.kernels import attention_triton as ta
-    from mempath.kernels.attention_torch import paged_attention
-    case = fp8_case([(1, n) for n in (1, 7, 9, 64, 65, 200, 1000)], torch.float8_e4m3fn, torch.bfloat16, "cuda",
-                    group=4, seed=5)
-    q = case.query.float()
-    scale = q.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30) / 448.0
-    q_rounded = (q / scale).to(torch.float8_e4m3fn).float() * scale
-    ref = paged_attention(q_rounded, case.k_cache.float(), case.v_cache.float(), case.block_tables,
-                          case.query_start_loc, case.seq_lens, case.scale)
-    saved = ta.DECODE_TILE_FP8, ta.FP8_DECODE_Q_FP8
-    ta.DECODE_TILE_FP8, ta.FP8_DECODE_Q_FP8 = tile, True
-    try:
-        out = case.poisoned_out()
-        ta.triton_decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
-                                   case.scale, out=out, num_splits=4)
-    finally:
-        ta.DECODE_TILE_FP8, ta.FP8_DECODE_Q_FP8 = saved
-    assert_close(out, ref, torch.bfloat16)
+    check_fp8_attention_tile(ta, dtype, "cuda", tile)
 
 
 # ------------------------------------------------------------------------ the engine

@@ -8,7 +8,8 @@ Kernels
 -------
 - :func:`triton_write_kv` — scatter new K/V rows into their slots (quantized
   to an fp8 cache as ``attention_torch.quantize_kv`` does; the attention kernels
-  dequantize such a cache in registers).
+  dequantize such a cache in registers, to the query's dtype, or to float16 for a bfloat16
+  query in the decode kernel).
 - :func:`triton_decode_attention` — one query row per sequence. A program owns
   one (sequence, KV head, split): it handles every query head of its KV head so
   each KV block is read once per KV head, and a long context is cut into splits
@@ -58,22 +59,9 @@ LOG2E = 1.4426950408889634
 # Tokens per KV tile in the decode kernel. A split always covers a whole
 # number of tiles, so this is also the smallest split.
 DECODE_TILE = 64
-# An fp8 cache's tile: its bytes are a 16-bit tile's at twice the tokens, so one loop
-# iteration moves as much as for bf16 (BENCHMARKS.md, "fp8 KV cache: decode").
+# An fp8 cache's tile: twice the tokens of a 16-bit tile, the same bytes (BENCHMARKS.md,
+# "fp8 KV cache: decode", has the sweep).
 DECODE_TILE_FP8 = 128
-# Over an fp8 cache, the decode dots multiply in float16 instead of the query's bfloat16:
-# e4m3 converts to float16 in one instruction per two values, to bfloat16 only through
-# float32. (The query is clamped to float16's range first.)
-FP8_DECODE_DOTS_FP16 = False
-# Over an fp8 cache, the scores are computed as K times the query's transpose (K the left
-# operand, as it is stored) instead of the query times K's transpose.
-FP8_DECODE_KQ_FIRST = False
-# Over an e4m3 cache, the query is quantized too (per head: amax / 448), so the scores are an
-# fp8 x fp8 product on the tensor cores with no conversion of K (as FlashAttention-3's fp8 mode
-# does); P times V runs in float16.
-FP8_DECODE_Q_FP8 = False
-# Warps of the decode kernel over an fp8 cache (4 over others).
-DECODE_WARPS_FP8 = 4
 # Upper bound on splits per (sequence, KV head); beyond it the merge costs
 # more than the extra parallelism brings.
 MAX_DECODE_SPLITS = 64
@@ -261,7 +249,7 @@ if HAS_TRITON:
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
         SPLIT: tl.constexpr, PRECISION: tl.constexpr, VARLEN: tl.constexpr, KV_FP8: tl.constexpr,
-        DOTS_FP16: tl.constexpr, KQ_FIRST: tl.constexpr, Q_FP8: tl.constexpr, PDL: tl.constexpr,
+        DOTS_FP16: tl.constexpr, PDL: tl.constexpr,
     ):
         pdl_wait(PDL)
         seq = tl.program_id(0)
@@ -287,14 +275,11 @@ if HAS_TRITON:
         q = tl.load(q_ptr + q_row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
                     + dims[None, :] * stride_qd,
                     mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
-        q_scale = tl.full([GROUP_PAD], 1.0, dtype=tl.float32)
-        if Q_FP8:
-            q_f32 = q.to(tl.float32)
-            q_scale = tl.maximum(tl.max(tl.abs(q_f32), 1), 1.0e-30) / 448.0
-            q = (q_f32 / q_scale[:, None]).to(k_cache_ptr.dtype.element_ty)
-        elif not KV_FP8:
+        if not KV_FP8:
             q = q.to(k_cache_ptr.dtype.element_ty)
         elif DOTS_FP16:
+            # e4m3 and e5m2 convert to float16 in one instruction per two values, to bfloat16 only
+            # through float32; float16 holds every fp8 value, and the query once clamped to its range.
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
         bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -309,26 +294,13 @@ if HAS_TRITON:
             k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, pos, valid, kv_head, dims, dim_mask,
                                  stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
                                  stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d, q.dtype, BLOCK_SIZE)
-            if KQ_FIRST:
-                s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
-                s_t = tl.where(valid[:, None], s_t, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s_t, 0))
-                alpha = tl.exp2(m_i - m_new)
-                p_t = tl.exp2(s_t - m_new[None, :])
-                l_i = l_i * alpha + tl.sum(p_t, 0)
-                acc = acc * alpha[:, None] + tl.dot(tl.trans(p_t.to(v.dtype)), v, input_precision=PRECISION)
-            else:
-                if Q_FP8:
-                    s = tl.dot(q, tl.trans(k)) * (q_scale[:, None] * qk_scale)
-                    v = v.to(tl.float16)
-                else:
-                    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-                s = tl.where(valid[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
 
         # An empty sequence (padding in a captured batch) yields zeros.
@@ -477,7 +449,8 @@ if HAS_TRITON:
 
 
 def _compute_dtype(query: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
-    """What the attention kernels multiply in: the cache dtype, or the query's over an fp8 cache."""
+    """What the attention kernels multiply in: the cache dtype, or the query's over an fp8 cache
+    (the decode kernel multiplies a bfloat16 query over fp8 in float16, the same precision class)."""
     return query.dtype if is_fp8(k_cache.dtype) else k_cache.dtype
 
 
@@ -584,7 +557,6 @@ def triton_decode_attention(
         part_out = part_lse = out  # unused by the kernel
 
     kv_fp8 = is_fp8(k_cache.dtype)
-    q_fp8 = FP8_DECODE_Q_FP8 and k_cache.dtype == torch.float8_e4m3fn and query.device.type == "cuda"
     tile = DECODE_TILE_FP8 if kv_fp8 else DECODE_TILE
     tile_bytes = 2 * tile * d_pad * k_cache.element_size()
     pdl = pdl_options(query.device)
@@ -600,9 +572,8 @@ def triton_decode_attention(
         HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, TILE=tile,
         SPLIT=split, PRECISION=_dot_precision(_compute_dtype(query, k_cache)), VARLEN=varlen,
-        KV_FP8=kv_fp8, DOTS_FP16=kv_fp8 and FP8_DECODE_DOTS_FP16 and query.dtype == torch.bfloat16,
-        KQ_FIRST=kv_fp8 and FP8_DECODE_KQ_FIRST and not q_fp8, Q_FP8=q_fp8,
-        **pdl, num_warps=DECODE_WARPS_FP8 if kv_fp8 else 4, num_stages=_pipeline_stages(tile_bytes),
+        KV_FP8=kv_fp8, DOTS_FP16=kv_fp8 and query.dtype == torch.bfloat16,
+        **pdl, num_warps=4, num_stages=_pipeline_stages(tile_bytes),
     )
     if split:
         _decode_merge_kernel[(num_seqs, num_heads)](
