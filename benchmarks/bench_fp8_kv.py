@@ -1,7 +1,7 @@
 """The fp8 KV cache (#20) against bf16 on a GPU: decode speed at long context, blocks in the
 same budget, and retrieval of a needle in 4k-32k tokens.
 
-    python3 benchmarks/bench_fp8_kv.py --parts kernel,decode,retrieval [--out FILE]
+    python3 benchmarks/bench_fp8_kv.py --parts kernel,decode,retrieval
 
 kernel: the decode attention kernel alone at four (batch, context) cases, a bf16 cache against
 fp8 caches at each KV tile (tokens per loop iteration), with the KV bytes each reads per second.
@@ -115,7 +115,8 @@ def bench_decode(args, extra_fp8_variant: str | None = None) -> list[dict]:
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     print(f"{'KV':>18} {'blocks':>8} {'ms/step':>8} {'tok/s':>8} {'limit ms':>9} {'of limit':>9} {'prefill s':>10}")
     for r in results:
-        print(f"{r['kv_cache_dtype'] + (' ' + r['fp8_decode_kernel'] if r['fp8_decode_kernel'] else ''):>18} {r['kv_blocks']:>8} {r['ms_per_step']:>8.2f} {r['output_tok_s']:>8.0f} "
+        label = r["kv_cache_dtype"] + (" " + r["fp8_decode_kernel"] if r["fp8_decode_kernel"] else "")
+        print(f"{label:>18} {r['kv_blocks']:>8} {r['ms_per_step']:>8.2f} {r['output_tok_s']:>8.0f} "
               f"{r['limit_ms_per_step']:>9.2f} {100 * r['of_limit']:>8.1f}% {r['prefill_s']:>10.1f}")
     print(f"fp8 ({fp8['fp8_decode_kernel']}) / bf16: {fp8['output_tok_s'] / base['output_tok_s']:.2f}x tok/s, "
           f"{fp8['kv_blocks'] / base['kv_blocks']:.3f}x blocks; every prompt found "
@@ -222,7 +223,6 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--fp8-variants", type=lambda s: s.split(","), default=None,
                         help="the kernel part's fp8 tiles, e.g. tile32,tile64 (default: tile64,tile128)")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' answers in the retrieval part")
-    parser.add_argument("--out", help="append one JSON line per result to this file")
     args = parser.parse_args(argv)
     parts = args.parts.split(",")
     if not torch.cuda.is_available():
@@ -238,13 +238,9 @@ def main(argv=None) -> list[dict]:
         results += bench_decode(args, best)
     if "retrieval" in parts:
         results += bench_retrieval(args)
-    for r in results:
+    for r in results:  # one JSON line each, which benchmarks/gpu_run.sh collects
         r.update(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name())
         print("RESULT " + json.dumps(r))
-    if args.out:
-        with open(args.out, "a") as f:
-            for r in results:
-                f.write(json.dumps(r) + "\n")
     return results
 
 
