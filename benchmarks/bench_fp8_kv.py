@@ -76,14 +76,16 @@ def run_decode(args, kv: str, prompts: list[list[int]], config: dict) -> dict:
 
 
 def set_fp8_variant(name: str) -> None:
-    """"tile128" -> the decode kernel's tile over an fp8 cache (a module setting, read at launch)."""
+    """"tile128" or "tile32-p2" -> the decode kernel's tile and tiles prefetched over an fp8 cache
+    (module settings, read at launch)."""
     from mempath.kernels import attention_triton as ta
-    ta.DECODE_TILE_FP8 = int(name.removeprefix("tile"))
+    tile, _, prefetch = name.partition("-p")
+    ta.DECODE_TILE_FP8, ta.FP8_DECODE_PREFETCH = int(tile.removeprefix("tile")), int(prefetch or 0)
 
 
 def current_fp8_variant() -> str:
     from mempath.kernels import attention_triton as ta
-    return f"tile{ta.DECODE_TILE_FP8}"
+    return f"tile{ta.DECODE_TILE_FP8}" + (f"-p{ta.FP8_DECODE_PREFETCH}" if ta.FP8_DECODE_PREFETCH else "")
 
 
 def bench_decode(args, extra_fp8_variant: str | None = None) -> list[dict]:
@@ -125,7 +127,7 @@ def bench_decode(args, extra_fp8_variant: str | None = None) -> list[dict]:
 
 
 KERNEL_CASES = ((64, 8192), (1, 8192), (32, 1024), (128, 1024))
-FP8_TILES = (64, 128)
+FP8_TILES = (32, 64, 128)
 
 
 def bench_kernel(args) -> list[dict]:
@@ -151,7 +153,7 @@ def bench_kernel(args) -> list[dict]:
             set_fp8_variant(defaults)
             reference = run(k8, v8).float().clone()
             row["fp8"] = {}
-            names = args.fp8_variants or [f"tile{t}" for t in FP8_TILES]
+            names = args.fp8_variants or [f"tile{t}{p}" for t in FP8_TILES for p in ("", "-p1", "-p2")]
             for name in names:
                 set_fp8_variant(name)
                 us = 1e3 * bench_kernels.bench(lambda: run(k8, v8))
@@ -221,7 +223,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 8192, 16384, 32768])
     parser.add_argument("--prompts", type=int, default=200)
     parser.add_argument("--fp8-variants", type=lambda s: s.split(","), default=None,
-                        help="the kernel part's fp8 tiles, e.g. tile32,tile64 (default: tile64,tile128)")
+                        help="the kernel part's fp8 launches, e.g. tile32-p2,tile64 (default: tiles 32, 64, 128 "
+                             "prefetching 0, 1, 2 tiles)")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' answers in the retrieval part")
     args = parser.parse_args(argv)
     parts = args.parts.split(",")

@@ -211,18 +211,22 @@ for _dt in FP8:
             lambda ta, tops, d=_dt, s=_src, g=_g: check_fp8_attention(ta, d, s, "cpu", g))
 
 
-def check_fp8_attention_tile(ta, dtype, device, tile):
-    """The decode kernel at another tile over an fp8 cache (bf16 queries on CUDA: float16 dots), against the twin."""
-    saved = ta.DECODE_TILE_FP8
-    ta.DECODE_TILE_FP8 = tile
+def check_fp8_attention_tile(ta, dtype, device, tile, prefetch=0):
+    """The decode kernel at another tile and prefetch depth over an fp8 cache (bf16 queries on CUDA:
+    float16 dots), against the twin."""
+    saved = ta.DECODE_TILE_FP8, ta.FP8_DECODE_PREFETCH
+    ta.DECODE_TILE_FP8, ta.FP8_DECODE_PREFETCH = tile, prefetch
     try:
         check_fp8_attention(ta, dtype, torch.bfloat16 if device == "cuda" else torch.float16, device, 4)
     finally:
-        ta.DECODE_TILE_FP8 = saved
+        ta.DECODE_TILE_FP8, ta.FP8_DECODE_PREFETCH = saved
 
 
 # (The interpreter multiplies bfloat16 as raw bits: bfloat16 queries over fp8, and their float16 dots, run on CUDA only.)
 INTERPRETED["attention_e4m3_tile32"] = lambda ta, tops: check_fp8_attention_tile(ta, torch.float8_e4m3fn, "cpu", 32)
+for _p in (1, 2):
+    INTERPRETED[f"attention_e4m3_tile16_prefetch{_p}"] = (
+        lambda ta, tops, p=_p: check_fp8_attention_tile(ta, torch.float8_e4m3fn, "cpu", 16, p))
 
 
 def _run_interpreted() -> dict:
@@ -281,9 +285,10 @@ def test_gpu_fp8_attention_matches_twin(dtype, query_dtype, group):
 @cuda
 @pytest.mark.parametrize("dtype", FP8)
 @pytest.mark.parametrize("tile", [32, 64, 128, 256])
-def test_gpu_fp8_decode_tiles_match_twin(dtype, tile):
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_gpu_fp8_decode_tiles_match_twin(dtype, tile, prefetch):
     from mempath.kernels import attention_triton as ta
-    check_fp8_attention_tile(ta, dtype, "cuda", tile)
+    check_fp8_attention_tile(ta, dtype, "cuda", tile, prefetch)
 
 
 # ------------------------------------------------------------------------ the engine

@@ -62,6 +62,12 @@ DECODE_TILE = 64
 # An fp8 cache's tile: twice the tokens of a 16-bit tile, the same bytes (BENCHMARKS.md,
 # "fp8 KV cache: decode", has the sweep).
 DECODE_TILE_FP8 = 128
+# Tiles loaded ahead (0, 1 or 2) by the decode kernel over an fp8 cache. Not measured yet: at 0 the
+# fp8 kernel holds 202 registers a thread, so two programs fit an SM and half a bf16 kernel's
+# bytes are in flight (BENCHMARKS.md, "fp8 KV cache on the H200"); prefetching raw tiles at a
+# smaller tile is the experiment (benchmarks/bench_fp8_kv.py --parts kernel --fp8-variants
+# tile32-p2,tile64-p1,...).
+FP8_DECODE_PREFETCH = 0
 # Upper bound on splits per (sequence, KV head); beyond it the merge costs
 # more than the extra parallelism brings.
 MAX_DECODE_SPLITS = 64
@@ -249,7 +255,7 @@ if HAS_TRITON:
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
         SPLIT: tl.constexpr, PRECISION: tl.constexpr, VARLEN: tl.constexpr, KV_FP8: tl.constexpr,
-        DOTS_FP16: tl.constexpr, PDL: tl.constexpr,
+        DOTS_FP16: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
     ):
         pdl_wait(PDL)
         seq = tl.program_id(0)
@@ -288,12 +294,36 @@ if HAS_TRITON:
         l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
         acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
         tok = tl.arange(0, TILE)
+        # PREFETCH tiles ahead are loaded as stored (fp8: one byte a value) while the current one
+        # is converted and multiplied: loads in flight, not converted tiles, fill the registers.
+        raw = k_cache_ptr.dtype.element_ty
+        if PREFETCH >= 1:
+            k1, v1 = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, start + tok, start + tok < end, kv_head, dims,
+                                   dim_mask, stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
+                                   stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d, raw, BLOCK_SIZE)
+        if PREFETCH >= 2:
+            k2, v2 = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, start + TILE + tok, start + TILE + tok < end,
+                                   kv_head, dims, dim_mask, stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
+                                   stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d, raw, BLOCK_SIZE)
         for n in range(start, end, TILE):
             pos = n + tok
             valid = pos < end
-            k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, pos, valid, kv_head, dims, dim_mask,
-                                 stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
-                                 stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d, q.dtype, BLOCK_SIZE)
+            if PREFETCH == 0:
+                k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, pos, valid, kv_head, dims, dim_mask,
+                                     stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
+                                     stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d, q.dtype, BLOCK_SIZE)
+            else:
+                k, v = k1.to(q.dtype), v1.to(q.dtype)
+                ahead = n + PREFETCH * TILE + tok
+                if PREFETCH == 2:
+                    k1, v1 = k2, v2
+                    k2, v2 = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, ahead, ahead < end, kv_head, dims,
+                                           dim_mask, stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
+                                           stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d, raw, BLOCK_SIZE)
+                else:
+                    k1, v1 = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, ahead, ahead < end, kv_head, dims,
+                                           dim_mask, stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
+                                           stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d, raw, BLOCK_SIZE)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -573,6 +603,7 @@ def triton_decode_attention(
         BLOCK_SIZE=block_size, TILE=tile,
         SPLIT=split, PRECISION=_dot_precision(_compute_dtype(query, k_cache)), VARLEN=varlen,
         KV_FP8=kv_fp8, DOTS_FP16=kv_fp8 and query.dtype == torch.bfloat16,
+        PREFETCH=FP8_DECODE_PREFETCH if kv_fp8 else 0,
         **pdl, num_warps=4, num_stages=_pipeline_stages(tile_bytes),
     )
     if split:
