@@ -13,11 +13,11 @@ from mempath.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 
-
 def is_one_prompt(prompts) -> bool:
     """A text, a token-id list or a vLLM prompt dict, rather than a list of them."""
     return isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and bool(prompts)
                                                  and isinstance(prompts[0], int))
+
 
 class LLM:
     """``LLM(model_dir, **engine_options)``; options are EngineConfig's fields.
@@ -174,10 +174,10 @@ class LLM:
             except ValueError as error:
                 if single:
                     raise
-                shown = prompt.get("prompt", prompt.get("prompt_token_ids", [])) if isinstance(prompt, dict) else prompt
+                shown = prompt.get("prompt", prompt.get("prompt_token_ids")) if isinstance(prompt, dict) else prompt
                 group.append(RequestOutput.of_sample(
                     request_id=request_id, prompt=shown if isinstance(shown, str) else None,
-                    prompt_token_ids=[] if isinstance(shown, str) else list(shown), token_ids=[], text="",
+                    prompt_token_ids=list(shown) if isinstance(shown, (list, tuple)) else [], token_ids=[], text="",
                     finished=True, finish_reason="error", error=str(error)))
         return group
 

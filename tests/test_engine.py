@@ -512,4 +512,8 @@ def test_vllm_prompt_dicts_are_prompts_and_other_fields_are_refused(llm):
     assert mixed[0].outputs[0].finish_reason == "error" and "mm_processor_kwargs" in mixed[0].error
     assert mixed[0].prompt_token_ids == ids
     assert mixed[1].token_ids == expected[:3]
+    for bad, says in (({"prompt_token_ids": 5}, "list of integers"), ({"prompt": ids}, "must be text")):
+        with pytest.raises(ValueError, match=says):
+            llm.generate(bad, greedy(2))
+        assert llm.generate([bad, ids], greedy(2), use_tqdm=False)[0].outputs[0].finish_reason == "error"
     assert llm.stats()["kv_blocks_used"] == 0

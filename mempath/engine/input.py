@@ -112,5 +112,10 @@ def unwrap_prompt(prompt):
     given = [k for k in PROMPT_FIELDS if k in prompt]
     if len(given) != 1:
         raise ValueError(f"a prompt dict needs exactly one of 'prompt' (text) or 'prompt_token_ids', got {given}")
-    return prompt[given[0]]
-
+    value = prompt[given[0]]
+    if given == ["prompt"] and not isinstance(value, str):
+        raise ValueError(f"'prompt' must be text, got {type(value).__name__}; give token ids as 'prompt_token_ids'")
+    if given == ["prompt_token_ids"] and not (isinstance(value, (list, tuple))
+                                              and all(isinstance(t, int) for t in value)):
+        raise ValueError(f"'prompt_token_ids' must be a list of integers, got {type(value).__name__}")
+    return value

@@ -60,7 +60,7 @@ LOG2E = 1.4426950408889634
 # number of tiles, so this is also the smallest split.
 DECODE_TILE = 64
 # An fp8 cache's tile: twice the tokens of a 16-bit tile, the same bytes (BENCHMARKS.md,
-# "fp8 KV cache: decode", has the sweep).
+# "fp8 KV cache on the H200", has the sweep).
 DECODE_TILE_FP8 = 128
 # Tiles loaded ahead (0, 1 or 2) by the decode kernel over an fp8 cache. Not measured yet: at 0 the
 # fp8 kernel holds 202 registers a thread, so two programs fit an SM and half a bf16 kernel's
