@@ -2,6 +2,7 @@
 
     python benchmarks/bench_fp8_gemv.py                          # Llama-3.1-8B shape, rows 1 2 4 8 16 (CUDA)
     python benchmarks/bench_fp8_gemv.py --quick --out /tmp/t.json   # a smaller grid, another table
+    TRITON_INTERPRET=1 python benchmarks/bench_fp8_gemv.py --smoke --out /tmp/smoke.json   # CPU, end to end
 
 For each quantized projection of the shape (fused q/k/v, o, fused gate/up, down: the LM head
 stays bf16) and each batch of rows:
@@ -10,7 +11,8 @@ stays bf16) and each batch of rows:
    sweep against the PyTorch twin (fp8_gemv_torch); a candidate that differs, fails to compile
    or leaves the workspace dirty is dropped and counted;
 2. sweep: every candidate (block sizes, split-K, atomic or two-pass reduce, warps, stages,
-   multiply-adds or tensor cores, and _scaled_mm itself; then the three fastest with prefetch), timed with triton.testing.do_bench
+   multiply-adds or tensor cores, multiply-adds summed over K at every step with and without prefetch, and
+   _scaled_mm itself; then the three fastest others with prefetch), timed with triton.testing.do_bench
    (L2 flushed before each call: in a decode step the weights are never in L2), beside bf16
    torch.matmul and the current fp8 path (Triton quantization + _scaled_mm) at the same shape,
    in GB/s of weight read against the device-to-device copy bandwidth measured in the run
@@ -49,7 +51,11 @@ DEVICE, DTYPE = "cuda", torch.bfloat16
 FMA_TILES = [(32, 256, 4, 2), (64, 128, 4, 2), (64, 256, 8, 2), (128, 128, 8, 2), (16, 512, 4, 2), (32, 512, 8, 3)]
 DOT_TILES = [(64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 4, 3), (128, 256, 8, 3), (64, 128, 4, 5), (128, 128, 8, 4),
              (32, 256, 4, 4)]
-QUICK_FMA, QUICK_DOT = FMA_TILES[:3], DOT_TILES[:4]
+# Multiply-add tiles whose product is summed over K at every step (GemvConfig.sum_k_each_step), each
+# with prefetching on and off: two of the tiles above, to compare like with like, and wider ones at
+# 4 warps, which a [BLOCK_N, BLOCK_K] float32 accumulator made too costly in registers.
+SUMMED_TILES = [(128, 128, 8, 2), (16, 512, 4, 2), (128, 128, 4, 2), (64, 256, 4, 2), (32, 1024, 4, 2)]
+QUICK_FMA, QUICK_DOT, QUICK_SUMMED = FMA_TILES[:3], DOT_TILES[:4], SUMMED_TILES[2:4]
 
 
 def projections(config: dict) -> dict[str, tuple[int, int]]:
@@ -63,18 +69,24 @@ def projections(config: dict) -> dict[str, tuple[int, int]]:
 
 def candidates(n: int, k: int, rows: int, num_sms: int, quick: bool) -> list[GemvConfig]:
     """The sweep's grid at one shape and batch: splits whose grid covers half to eight times the SMs
-    (and split 1), each split at least one K block, atomic and two-pass; and _scaled_mm."""
+    (and split 1), each split at least one K block, atomic and two-pass; and _scaled_mm. Up to 4 rows
+    also the tiles summed over K at every step, with and without prefetching, split atomically."""
     out = [GemvConfig(kernel="scaled_mm")]
-    tiles = [(t, False) for t in (QUICK_FMA if quick else FMA_TILES) if rows <= 4]
-    tiles += [(t, True) for t in (QUICK_DOT if quick else DOT_TILES) if rows >= 2]
-    for (bn, bk, warps, stages), use_dot in tiles:
+    fma = rows <= 4
+    tiles = [(t, dict(use_dot=False)) for t in (QUICK_FMA if quick else FMA_TILES) if fma]
+    tiles += [(t, dict(use_dot=True)) for t in (QUICK_DOT if quick else DOT_TILES) if rows >= 2]
+    tiles += [(t, dict(sum_k_each_step=True, prefetch=prefetch)) for t in (QUICK_SUMMED if quick else SUMMED_TILES)
+              for prefetch in (False, True) if fma]
+    for (bn, bk, warps, stages), options in tiles:
         for split in (1, 2, 4, 8, 16):
             programs = -(-n // bn) * split
             if split > 1 and (programs > 8 * num_sms or k // split < bk or programs < num_sms // 2):
                 continue
-            for reduce in (("atomic", "two_pass") if split > 1 else ("atomic",)):
+            # The summed tiles ask about the accumulator, not the reduce: one launch (atomic) keeps the grid small.
+            two_pass = split > 1 and not options.get("sum_k_each_step")
+            for reduce in (("atomic", "two_pass") if two_pass else ("atomic",)):
                 out.append(GemvConfig(block_n=bn, block_k=bk, split_k=split, num_warps=warps, num_stages=stages,
-                                      use_dot=use_dot, reduce=reduce))
+                                      reduce=reduce, **options))
     return out
 
 
@@ -135,8 +147,10 @@ def sweep_point(layer: Layer, rows: int, table_config: GemvConfig, num_sms: int,
             continue
         timed.append((time_us(lambda: layer.run(x, config)), config))
     # Prefetching (a second weight tile in registers, the first before the PDL wait) on the three
-    # fastest GEMV configurations only: on the whole grid it would double the compilations.
-    fastest = sorted((t for t in timed if t[1].kernel == "gemv"), key=lambda t: t[0])[:3]
+    # fastest GEMV configurations only: on the whole grid it would double the compilations. (The
+    # grid has the tiles summed over K each step with it already.)
+    fastest = sorted((t for t in timed if t[1].kernel == "gemv" and not t[1].sum_k_each_step),
+                     key=lambda t: t[0])[:3]
     for config in (dataclasses.replace(c, prefetch=True) for _, c in fastest):
         error = layer.check(x, config, ref)
         if error:
@@ -144,7 +158,10 @@ def sweep_point(layer: Layer, rows: int, table_config: GemvConfig, num_sms: int,
             continue
         timed.append((time_us(lambda: layer.run(x, config)), config))
     best_us, best = min(timed, key=lambda t: t[0])
+    # The best tile summed over K each step, beside the best overall, whichever wins: the A/B the option awaits.
+    summed_us, summed = min(((t, c) for t, c in timed if c.sum_k_each_step), key=lambda t: t[0], default=(None, None))
     return {"rows": rows, "best": best, "best_us": best_us,
+            "sum_k_best": summed.describe() if summed else None, "sum_k_us": summed_us,
             "table": table_config, "table_error": table_error,
             "table_us": None if table_error else time_us(lambda: layer.run(x, table_config)),
             "bf16_us": time_us(lambda: x @ layer.w16.t()),
@@ -231,6 +248,7 @@ def main() -> None:
         "step_projections": summary, "table_wrong": sum(p["table_error"] is not None for r in results.values() for p in r),
         "points": {name: [{"rows": p["rows"], "best": p["best"].describe(), "best_us": p["best_us"],
                            "table_us": p["table_us"], "bf16_us": p["bf16_us"], "scaled_mm_us": p["scaled_mm_us"],
+                           "sum_k_best": p["sum_k_best"], "sum_k_us": p["sum_k_us"],
                            "dropped": len(p["failed"])} for p in r] for name, r in results.items()}}))
 
 

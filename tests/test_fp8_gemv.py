@@ -28,6 +28,18 @@ def gemv_configs():
             GemvConfig(block_n=16, block_k=32, split_k=4, use_dot=True, reduce="two_pass", prefetch=True)]
 
 
+def sum_k_each_step_configs():
+    """The multiply-add product summed over K at every step: no split, both reduces of a split
+    (a short last split at 3), each with and without prefetching."""
+    from mempath.kernels.fp8_gemv_triton import GemvConfig
+    return [GemvConfig(block_n=32, block_k=32, sum_k_each_step=True),
+            GemvConfig(block_n=16, block_k=64, prefetch=True, sum_k_each_step=True),
+            GemvConfig(block_n=32, block_k=32, split_k=3, prefetch=True, sum_k_each_step=True),
+            GemvConfig(block_n=16, block_k=32, split_k=2, sum_k_each_step=True),
+            GemvConfig(block_n=16, block_k=64, split_k=2, reduce="two_pass", sum_k_each_step=True),
+            GemvConfig(block_n=32, block_k=32, split_k=4, reduce="two_pass", prefetch=True, sum_k_each_step=True)]
+
+
 def check_fp8_gemv(device: str, dtypes, rows_list=(1, 3, 16), seed: int = 0, shapes=SHAPES, configs=None) -> None:
     """Every configuration gives the twin's result within float32 accumulation (then one rounding
     to x's dtype), with a bias every other call, and leaves the shared workspace zero, in any
@@ -85,6 +97,19 @@ def test_interpreted_gemv_matches_twin():
         "configs=[c for c in gemv_configs() if not c.use_dot])")
 
 
+def test_interpreted_gemv_summing_k_each_step_matches_twin():
+    """The small accumulator at one row and at three (a padded fourth), uneven and even shapes."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the GPU test runs the compiled kernel")
+    run_interpreted(
+        "import sys, torch; sys.path.insert(0, 'tests'); from test_triton_interpret import _patch_interpreter_for_numpy; "
+        "_patch_interpreter_for_numpy(); from tests.test_fp8_gemv import check_fp8_gemv, sum_k_each_step_configs; "
+        "check_fp8_gemv('cpu', (torch.float16,), rows_list=(1, 3), configs=sum_k_each_step_configs()); "
+        "check_fp8_gemv('cpu', (torch.float32,), rows_list=(1,), shapes=((80, 200),), "
+        "configs=sum_k_each_step_configs()[2:4])")
+
+
 # ---------------------------------------------------------------- the configuration table
 
 
@@ -109,6 +134,20 @@ def test_table_lookup_by_bucket_then_the_heuristic(tmp_path):
                            "64x512 rows<=1": gemv.config(64, 512, 1).describe()}
 
 
+def test_summing_k_each_step_round_trips_and_older_tables_read_it_as_off(tmp_path):
+    from mempath.kernels.fp8_gemv_triton import GemvConfig, load_table, table_json
+    mine = {"64x256": {"1": GemvConfig(block_n=128, block_k=256, prefetch=True, sum_k_each_step=True),
+                       "2": GemvConfig(block_n=64, split_k=4)}}
+    path = tmp_path / "t.json"
+    path.write_text(table_json(mine, device="test"))
+    assert load_table(path) == mine
+    assert json.loads(path.read_text())["configs"]["64x256"]["1"]["sum_k_each_step"] is True
+    assert mine["64x256"]["1"].describe() == "gemv fma n128 k256 split1 w4 s3 prefetch sum-k-each-step"
+    assert mine["64x256"]["2"].describe() == "gemv fma n64 k256 split4 atomic w4 s3"
+    path.write_text(json.dumps({"configs": {"64x256": {"1": {"block_n": 64, "block_k": 128, "prefetch": True}}}}))
+    assert load_table(path)["64x256"]["1"].sum_k_each_step is False
+
+
 def test_bad_tables_are_refused_in_one_line(tmp_path):
     from mempath.kernels.fp8_gemv_triton import load_table
     path = tmp_path / "t.json"
@@ -117,6 +156,10 @@ def test_bad_tables_are_refused_in_one_line(tmp_path):
         load_table(path)
     path.write_text(json.dumps({"configs": {"64x256": {"1": {"block_n": 48}}}}))
     with pytest.raises(ValueError, match=r"block_n \(>= 16\) and block_k \(>= 16\) must be powers of two"):
+        load_table(path)
+    path.write_text(json.dumps({"configs": {"64x256": {"1": {"use_dot": True, "sum_k_each_step": True}}}}))
+    with pytest.raises(ValueError, match=r"64x256 bucket 1: fp8 GEMV config: sum_k_each_step is for the multiply-add "
+                                         r"product: set use_dot or sum_k_each_step false$"):
         load_table(path)
     path.write_text("{")
     with pytest.raises(ValueError, match=r"not JSON .*: rewrite it with benchmarks/bench_fp8_gemv.py or delete it$"):
@@ -139,6 +182,30 @@ def test_two_pass_splits_fit_the_workspace():
     assert fitted_split(two_pass, 1, 4096, 4096, workspace) == 16
     assert fitted_split(GemvConfig(split_k=16, block_k=128), 16, 4096, 4096, workspace) == 16  # atomic: M x N
     assert fitted_split(GemvConfig(split_k=16, block_k=128), 1, 4096, 256, workspace) == 2  # one step of K each
+
+
+def test_the_sweep_tries_summing_k_each_step_on_the_multiply_add_tiles():
+    """Up to 4 rows: each such tile with prefetching on and off, some wider than the tiles without it at
+    4 warps; none where only the tensor cores are swept; at most twice the grid of the 8B's sweep."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_fp8_gemv import candidates
+    llama_8b = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
+    sweep = [c for n, k in llama_8b for rows in (1, 2, 4, 8, 16) for c in candidates(n, k, rows, 132, quick=False)]
+    assert len(sweep) <= 2 * sum(not c.sum_k_each_step for c in sweep)
+    for rows in (1, 4):
+        for n, k in llama_8b:
+            grid = candidates(n, k, rows, 132, quick=False)
+            summed = [c for c in grid if c.sum_k_each_step]
+            assert summed and not any(c.use_dot for c in summed)
+            tiles = {(c.block_n, c.block_k, c.num_warps, c.num_stages, c.split_k, c.reduce): set() for c in summed}
+            for c in summed:
+                tiles[c.block_n, c.block_k, c.num_warps, c.num_stages, c.split_k, c.reduce].add(c.prefetch)
+            assert all(prefetch == {False, True} for prefetch in tiles.values())
+            widest_without = max(c.block_n * c.block_k for c in grid if not c.use_dot and c.kernel == "gemv"
+                                 and not c.sum_k_each_step and c.num_warps == 4)
+            assert any(c.block_n * c.block_k > widest_without and c.num_warps == 4 for c in summed)
+    assert not any(c.sum_k_each_step for c in candidates(4096, 4096, 8, 132, quick=False))
+    assert any(c.sum_k_each_step for c in candidates(64, 96, 1, 4, quick=True))  # what --smoke runs
 
 
 # ---------------------------------------------------------------- dispatch and memory
@@ -187,6 +254,21 @@ needs_fp8_gpu = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.g
 def test_gpu_gemv_matches_twin():
     pytest.importorskip("triton")
     check_fp8_gemv("cuda", (torch.bfloat16, torch.float16, torch.float32), rows_list=(1, 2, 3, 8, 16))
+
+
+@needs_fp8_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_gemv_summing_k_each_step_matches_twin(dtype):
+    """The small accumulator compiled, on the test's shapes and at the sweep's tile sizes."""
+    pytest.importorskip("triton")
+    from mempath.kernels.fp8_gemv_triton import GemvConfig
+    sweep_tiles = [GemvConfig(block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=2, reduce=reduce,
+                              prefetch=prefetch, sum_k_each_step=True)
+                   for bn, bk in ((128, 128), (64, 256), (32, 1024)) for split, reduce in ((1, "atomic"),
+                   (4, "atomic"), (4, "two_pass")) for prefetch in (False, True)]
+    check_fp8_gemv("cuda", (dtype,), rows_list=(1, 2, 3, 4), configs=sum_k_each_step_configs())
+    if dtype != torch.float32:  # float32 output: 4096 terms summed in another order differ by more than its 2 ulp
+        check_fp8_gemv("cuda", (dtype,), rows_list=(1, 3), shapes=((1000, 4096), (1024, 4096)), configs=sweep_tiles)
 
 
 @needs_fp8_gpu

@@ -10,10 +10,15 @@ once at the end. Its PyTorch twin is ``mempath.model.quant.fp8_gemv_torch``.
 
 Two products: ``USE_DOT`` multiplies on the tensor cores (the weight tile converted to x's
 dtype, exact for e4m3 in bf16 and fp16, times x transposed, at least 16 rows padded), the other
-way multiplies and adds in float32 registers (better at one or two rows). The K dimension can
-be split over ``split_k`` programs per tile of N so that a 4096 x 4096 layer still fills every
-SM; the splits' float32 partial sums meet in a workspace allocated once per model
-(:class:`GemvWorkspace`, ``memory.formulas.fp8_gemv_workspace_bytes``), either
+way multiplies and adds in float32 registers (better at one or two rows). At one row that way
+accumulates a [BLOCK_N, BLOCK_K] float32 tile and sums it over K after the loop;
+``GemvConfig.sum_k_each_step`` instead sums each step's product over K at once (row by row), so
+the accumulator is [rows, BLOCK_N] and fewer registers per thread may let more programs share an
+SM: an option of the sweep, off in the shipped table until an H200 sweep measures it.
+
+The K dimension can be split over ``split_k`` programs per tile of N so that a 4096 x 4096
+layer still fills every SM; the splits' float32 partial sums meet in a workspace allocated
+once per model (:class:`GemvWorkspace`, ``memory.formulas.fp8_gemv_workspace_bytes``), either
 
 - atomically: each split adds its partials into the workspace, then counts itself in on the
   tile's counter; the last to arrive takes the sums out (an exchange with zeros, so the
@@ -63,6 +68,9 @@ class GemvConfig:
     use_dot: bool = False
     reduce: str = "atomic"  # or "two_pass"
     prefetch: bool = False  # the next weight tile loaded during the current one's product
+    # Multiply-adds only: each K step's product summed over K at once, so the accumulator is
+    # [rows, BLOCK_N] rather than a [BLOCK_N, BLOCK_K] tile (fewer registers, more programs per SM).
+    sum_k_each_step: bool = False
     kernel: str = "gemv"
 
     def __post_init__(self):
@@ -73,13 +81,16 @@ class GemvConfig:
                 or self.block_k & (self.block_k - 1) or self.split_k < 1:
             raise ValueError(f"fp8 GEMV config: block_n (>= {FP8_GEMV_MIN_BLOCK_N}) and block_k (>= 16) must be "
                              f"powers of two and split_k >= 1, got {self}")
+        if self.use_dot and self.sum_k_each_step:
+            raise ValueError("fp8 GEMV config: sum_k_each_step is for the multiply-add product: "
+                             "set use_dot or sum_k_each_step false")
 
     def describe(self) -> str:
         if self.kernel == "scaled_mm":
             return "_scaled_mm"
         return (f"gemv {'dot' if self.use_dot else 'fma'} n{self.block_n} k{self.block_k} split{self.split_k}"
                 f"{' ' + self.reduce if self.split_k > 1 else ''} w{self.num_warps} s{self.num_stages}"
-                f"{' prefetch' if self.prefetch else ''}")
+                f"{' prefetch' if self.prefetch else ''}{' sum-k-each-step' if self.sum_k_each_step else ''}")
 
 
 def row_bucket(rows: int) -> int:
@@ -140,21 +151,45 @@ if HAS_TRITON:
         return tl.load(w_ptrs, mask=n_mask[:, None] & (k < k_end)[None, :], other=0.0)
 
     @triton.jit
-    def _partial_product(x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, k_start, k_end, stride_xm, stride_wn,
+    def _row_products_summed_over_k(w, x_ptr, M, k, k_end, stride_xm, BLOCK_M: tl.constexpr,
+                                    BLOCK_N: tl.constexpr, EVEN: tl.constexpr):
+        """[BLOCK_M, BLOCK_N]: each row of x times the weight tile, summed over this step's K.
+
+        Row by row, so the converted tile is the only [BLOCK_N, BLOCK_K] value in registers: no
+        tile-sized accumulator and no [BLOCK_M, BLOCK_N, BLOCK_K] product."""
+        w = w.to(tl.float32)
+        offs_m = tl.arange(0, BLOCK_M)
+        sums = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for m in tl.static_range(BLOCK_M):
+            row_mask = (tl.zeros_like(k) + m) < M  # the rows past M that BLOCK_M pads to read nothing
+            if not EVEN:
+                row_mask = row_mask & (k < k_end)
+            x = tl.load(x_ptr + m * stride_xm + k, mask=row_mask, other=0.0).to(tl.float32)
+            row = tl.sum(w * x[None, :], axis=1)
+            if BLOCK_M == 1:
+                sums += row[None, :]
+            else:
+                sums += tl.where(offs_m[:, None] == m, row[None, :], 0.0)
+        return sums
+
+    @triton.jit
+    def _partial_product(x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, M, k_start, k_end, stride_xm, stride_wn,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         USE_DOT: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                         USE_DOT: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr,
+                         SUM_K_EACH_STEP: tl.constexpr, PDL: tl.constexpr):
         """sum over k in [k_start, k_end) of x[m, k] · w[n, k], float32 [BLOCK_M, BLOCK_N].
 
         With PREFETCH the next weight tile is loaded while the current one is multiplied (two
         tiles in registers), and the first one before the wait for the previous kernel: weights
-        are never written by a step, so they may be read while it finishes."""
+        are never written by a step, so they may be read while it finishes. SUM_K_EACH_STEP
+        (multiply-adds only) sums each step's product over K at once."""
         offs_k = tl.arange(0, BLOCK_K)
         if PREFETCH:
             w_next = _load_weight_tile(w_ptr, offs_n, n_mask, k_start, k_end, stride_wn, BLOCK_N, BLOCK_K, EVEN)
         pdl_wait(PDL)
         if USE_DOT:
             acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        elif BLOCK_M == 1:
+        elif BLOCK_M == 1 and not SUM_K_EACH_STEP:
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # summed over K once, after the loop
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -166,20 +201,23 @@ if HAS_TRITON:
             else:
                 w = _load_weight_tile(w_ptr, offs_n, n_mask, k0, k_end, stride_wn, BLOCK_N, BLOCK_K, EVEN)
             k = k0 + offs_k
-            x_ptrs = x_ptr + offs_m[:, None] * stride_xm + k[None, :]
-            if EVEN:
-                x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            if SUM_K_EACH_STEP:
+                acc += _row_products_summed_over_k(w, x_ptr, M, k, k_end, stride_xm, BLOCK_M, BLOCK_N, EVEN)
             else:
-                x = tl.load(x_ptrs, mask=m_mask[:, None] & (k < k_end)[None, :], other=0.0)
-            if USE_DOT:  # [BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M]: the weight is the wide operand
-                acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
-            elif BLOCK_M == 1:
-                acc += w.to(tl.float32) * x.to(tl.float32)
-            else:
-                acc += tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
+                x_ptrs = x_ptr + offs_m[:, None] * stride_xm + k[None, :]
+                if EVEN:
+                    x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+                else:
+                    x = tl.load(x_ptrs, mask=m_mask[:, None] & (k < k_end)[None, :], other=0.0)
+                if USE_DOT:  # [BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M]: the weight is the wide operand
+                    acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
+                elif BLOCK_M == 1:
+                    acc += w.to(tl.float32) * x.to(tl.float32)
+                else:
+                    acc += tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
         if USE_DOT:
             return tl.trans(acc)
-        elif BLOCK_M == 1:
+        elif BLOCK_M == 1 and not SUM_K_EACH_STEP:
             return tl.reshape(tl.sum(acc, axis=1), [1, BLOCK_N])
         else:
             return acc
@@ -198,7 +236,8 @@ if HAS_TRITON:
     def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_per_split,
                          split_k, stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-                         TWO_PASS: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                         TWO_PASS: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr,
+                         SUM_K_EACH_STEP: tl.constexpr, PDL: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -207,8 +246,8 @@ if HAS_TRITON:
         m_mask = offs_m < M
         k_start = pid_k * k_per_split
         k_end = tl.minimum(k_start + k_per_split, K)
-        acc = _partial_product(x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, k_start, k_end, stride_xm,
-                               stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, EVEN, PREFETCH, PDL)
+        acc = _partial_product(x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, M, k_start, k_end, stride_xm,
+                               stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, EVEN, PREFETCH, SUM_K_EACH_STEP, PDL)
         tile = offs_m[:, None] * N + offs_n[None, :]
         tile_mask = m_mask[:, None] & n_mask[None, :]
         if split_k == 1:
@@ -276,7 +315,7 @@ def triton_fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
                            workspace.counters, rows, n, k, k_per_split, split, x.stride(0), weight.stride(0),
                            out.stride(0), HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=config.block_n,
                            BLOCK_K=config.block_k, USE_DOT=use_dot, TWO_PASS=two_pass, EVEN=even,
-                           PREFETCH=config.prefetch, **pdl,
+                           PREFETCH=config.prefetch, SUM_K_EACH_STEP=config.sum_k_each_step, **pdl,
                            num_warps=config.num_warps, num_stages=config.num_stages)
     if two_pass:
         block = 256
