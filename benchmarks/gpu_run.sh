@@ -64,7 +64,7 @@ step retest 200 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu or GPU 
 # --sleep-offload-weights (#15): its tests on CUDA (weight arenas, graphs over restored weights), then the wake benchmark.
 step sleep-tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_multi_model_weights_sleep.py tests/test_multi_model_sleep.py
 step sleep 240 python3 benchmarks/bench_sleep.py
-step fp8-gemv 200 python3 benchmarks/bench_fp8_gemv.py --out "$LOGS/fp8_gemv_configs.json"
+step fp8-gemv 300 python3 benchmarks/bench_fp8_gemv.py --out "$LOGS/fp8_gemv_configs.json"
 step fp8-latency 200 python3 benchmarks/bench_fp8_weights.py latency --shape llama-3.1-8b --new-tokens 128 \
   --table "$( [ -s "$LOGS/fp8_gemv_configs.json" ] && echo "$LOGS/fp8_gemv_configs.json" || echo mempath/assets/fp8_gemv_configs.json )"
 step mix-qwen3 200 python3 benchmarks/bench_mix.py --shape qwen3-0.6b --max-num-seqs 256,1024
@@ -87,8 +87,8 @@ step moe-offload-host 420 python3 benchmarks/bench_moe.py --parts pinned,offload
 step moe-resident 300 python3 benchmarks/bench_moe.py --parts pinned,resident
 # The fp8 KV cache (#20, 2026-12-02): its GPU tests (needle retrieval at 8k/32k, kernels, tier transfers), decode at
 # batch 64 x 8k and retrieval at 4k-32k against bf16, tier transfers in both dtypes; fp8 weights and KV on the mix.
-step fp8-kv-tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kv_retrieval.py tests/test_fp8_kv.py \
-  tests/test_bench_transfer.py -k "gpu or cuda"
+step fp8-kv-tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kv_retrieval.py tests/test_fp8_kv.py \
+  tests/test_bench_transfer.py tests/test_fp8_gemv.py -k "gpu or cuda"
 step fp8-kv 420 python3 benchmarks/bench_fp8_kv.py --parts "${FP8_KV_PARTS:-kernel,decode,retrieval}"
 step fp8-transfer 120 python3 benchmarks/bench_transfer.py --compare-kv-dtypes --quick
 step mix-fp8 300 python3 benchmarks/bench_mix.py --shape llama-3.1-8b --max-num-seqs 1024 --quantization none,fp8
