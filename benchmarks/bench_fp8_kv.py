@@ -4,7 +4,8 @@ same budget, and retrieval of a needle in 4k-32k tokens.
     python3 benchmarks/bench_fp8_kv.py --parts kernel,decode,retrieval
 
 kernel: the decode attention kernel alone at four (batch, context) cases, a bf16 cache against
-fp8 caches at each KV tile (tokens per loop iteration), with the KV bytes each reads per second.
+fp8 caches at each KV tile (tokens per loop iteration) and prefetch depth (``--fp8-variants``),
+with the KV bytes each reads per second.
 
 decode: the Llama-3.1-8B shape (random bf16 weights), ``--batch`` sequences of ``--context``
 random tokens, then ``--new-tokens`` greedy tokens each, once per KV dtype. The prompts are
@@ -23,6 +24,7 @@ on; and transformers (sdpa, bf16) on the same prompts as the reference.
 """
 import argparse
 import json
+import re
 import sys
 import tempfile
 import time
@@ -75,12 +77,25 @@ def run_decode(args, kv: str, prompts: list[list[int]], config: dict) -> dict:
     return result
 
 
+VARIANT = re.compile(r"tile(16|32|64|128|256)(?:-p([12]))?")
+
+
+def fp8_variant_list(text: str) -> list[str]:
+    """--fp8-variants: comma-separated tile<16..256>[-p1|-p2] names."""
+    names = text.split(",")
+    bad = [n for n in names if not VARIANT.fullmatch(n)]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{bad}: a variant is tile16, tile32, tile64, tile128 or tile256, "
+                                         f"optionally with -p1 or -p2 (tiles loaded ahead), e.g. tile32-p2")
+    return names
+
+
 def set_fp8_variant(name: str) -> None:
     """"tile128" or "tile32-p2" -> the decode kernel's tile and tiles prefetched over an fp8 cache
     (module settings, read at launch)."""
     from mempath.kernels import attention_triton as ta
-    tile, _, prefetch = name.partition("-p")
-    ta.DECODE_TILE_FP8, ta.FP8_DECODE_PREFETCH = int(tile.removeprefix("tile")), int(prefetch or 0)
+    tile, prefetch = VARIANT.fullmatch(name).groups()
+    ta.DECODE_TILE_FP8, ta.FP8_DECODE_PREFETCH = int(tile), int(prefetch or 0)
 
 
 def current_fp8_variant() -> str:
@@ -132,7 +147,7 @@ FP8_TILES = (32, 64, 128)
 
 def bench_kernel(args) -> list[dict]:
     """The decode attention kernel alone (Llama-3.1-8B heads), bf16 cache against fp8 caches at
-    each tile and dot dtype: microseconds, and the KV bytes read per second."""
+    each tile and prefetch depth: microseconds, and the KV bytes read per second."""
     import bench_kernels
     from mempath.kernels import attention_triton as ta
     defaults = current_fp8_variant()
@@ -171,16 +186,19 @@ def bench_kernel(args) -> list[dict]:
     return results
 
 
-def hf_answers(path: str, prompts) -> list[int]:
+def hf_accuracies(path: str, prompt_sets: dict) -> dict[int, float]:
+    """transformers (sdpa, bf16) on every length's prompts: its accuracy per length."""
+    from needle_model import accuracy
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
-    answers = []
+    result = {}
     with torch.no_grad():
-        for ids, _ in prompts:
-            answers.append(int(model(torch.tensor([ids], device="cuda")).logits[0, -1].argmax()))
+        for n, prompts in prompt_sets.items():
+            answers = [int(model(torch.tensor([ids], device="cuda")).logits[0, -1].argmax()) for ids, _ in prompts]
+            result[n] = accuracy(answers, prompts)
     del model
     torch.cuda.empty_cache()
-    return answers
+    return result
 
 
 def bench_retrieval(args) -> list[dict]:
@@ -201,8 +219,8 @@ def bench_retrieval(args) -> list[dict]:
             del llm
             torch.cuda.empty_cache()
         if not args.no_hf:
-            for n, prompts in prompt_sets.items():
-                row["accuracy"][str(n)]["transformers"] = accuracy(hf_answers(path, prompts), prompts)
+            for n, acc in hf_accuracies(path, prompt_sets).items():
+                row["accuracy"][str(n)]["transformers"] = acc
         results.append(row)
         print(f"\nretrieval, sharpness {sharpness}, {args.prompts} prompts per length:")
         for n, acc in row["accuracy"].items():
@@ -222,7 +240,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--sharpness", type=lambda s: [float(x) for x in s.split(",")], default=[8.0, 10.0])
     parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 8192, 16384, 32768])
     parser.add_argument("--prompts", type=int, default=200)
-    parser.add_argument("--fp8-variants", type=lambda s: s.split(","), default=None,
+    parser.add_argument("--fp8-variants", type=fp8_variant_list, default=None,
                         help="the kernel part's fp8 launches, e.g. tile32-p2,tile64 (default: tiles 32, 64, 128 "
                              "prefetching 0, 1, 2 tiles)")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' answers in the retrieval part")

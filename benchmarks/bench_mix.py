@@ -232,7 +232,8 @@ def run_mempath(args, prompts, output_lens, rate: float, max_num_seqs: int | Non
                        [o.time_to_first_token for o in outs], sum(p.numel() for p in engine.model.parameters()),
                        rate, clock, clock.device_seconds())
     stats = llm.stats()
-    result.update(quantization=quantization, kv_cache_dtype=kv_cache_dtype, max_num_seqs=engine.config.max_num_seqs,
+    result.update(quantization=engine.config.quantization or "none", kv_cache_dtype=engine.config.kv_cache_dtype,
+                  weight_bytes=engine.ledger.get("weights"), max_num_seqs=engine.config.max_num_seqs,
                   max_num_batched_tokens=engine.config.max_num_batched_tokens,
                   kv_blocks=stats["kv_blocks_total"], preemptions=stats["num_preemptions"])
     del llm, engine, outs

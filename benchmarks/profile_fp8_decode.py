@@ -1,6 +1,6 @@
 """One launch each of the decode attention kernel over a bf16 and an fp8 cache (Llama-3.1-8B
 heads, batch 64 x 8k context), for Nsight Compute: what bounds the fp8 kernel (BENCHMARKS.md,
-"fp8 KV cache: decode").
+"fp8 KV cache on the H200").
 
     TRITON_CACHE_DIR=DIR ncu --clock-control none --kernel-name regex:_decode_split_kernel \\
         --launch-skip 2 --launch-count 2 --section SpeedOfLight --section MemoryWorkloadAnalysis \\

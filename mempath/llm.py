@@ -6,6 +6,7 @@ from tqdm.auto import tqdm
 
 from mempath.config import EngineConfig
 from mempath.engine.engine import LLMEngine
+from mempath.engine.input import PROMPT_FIELDS
 from mempath.generation_config import generation_defaults
 from mempath.outputs import RequestOutput
 from mempath.sampling import SamplingParams
@@ -174,7 +175,8 @@ class LLM:
             except ValueError as error:
                 if single:
                     raise
-                shown = prompt.get("prompt", prompt.get("prompt_token_ids")) if isinstance(prompt, dict) else prompt
+                shown = next((prompt[k] for k in PROMPT_FIELDS if k in prompt), None) if isinstance(prompt, dict) \
+                    else prompt
                 group.append(RequestOutput.of_sample(
                     request_id=request_id, prompt=shown if isinstance(shown, str) else None,
                     prompt_token_ids=list(shown) if isinstance(shown, (list, tuple)) else [], token_ids=[], text="",

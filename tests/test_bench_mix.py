@@ -75,5 +75,6 @@ def test_tiny_run_sweeps_quantization_and_kv_dtype(tmp_path):
     assert pairs == [("none", "auto"), ("none", "fp8"), ("fp8", "auto"), ("fp8", "fp8")]
     assert len({r["output_tokens"] for r in results}) == 1
     assert results[1]["kv_blocks"] > results[0]["kv_blocks"]
+    assert results[2]["weight_bytes"] < results[0]["weight_bytes"] == results[1]["weight_bytes"]
     with pytest.raises(SystemExit):
         bench_mix.main(["--tiny", "--quantization", "int4"])

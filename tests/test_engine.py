@@ -512,7 +512,8 @@ def test_vllm_prompt_dicts_are_prompts_and_other_fields_are_refused(llm):
     assert mixed[0].outputs[0].finish_reason == "error" and "mm_processor_kwargs" in mixed[0].error
     assert mixed[0].prompt_token_ids == ids
     assert mixed[1].token_ids == expected[:3]
-    for bad, says in (({"prompt_token_ids": 5}, "list of integers"), ({"prompt": ids}, "must be text")):
+    for bad, says in (({"prompt_token_ids": 5}, "list of integers"), ({"prompt": ids}, "must be text"),
+                      ({"prompt_token_ids": [5, 6.0]}, r"got 6\.0 \(float\)"), ({"prompt_token_ids": [True]}, "bool")):
         with pytest.raises(ValueError, match=says):
             llm.generate(bad, greedy(2))
         assert llm.generate([bad, ids], greedy(2), use_tqdm=False)[0].outputs[0].finish_reason == "error"

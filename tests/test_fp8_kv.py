@@ -164,6 +164,10 @@ def check_fp8_attention(ta, dtype, query_dtype, device, group):
             if kernel == "decode":
                 ta.triton_decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables,
                                            case.seq_lens, case.scale, out=out, num_splits=4)
+                assert_close(out, ref, query_dtype)
+                out = case.poisoned_out()  # and unsplit, as from batch 128 up
+                ta.triton_decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables,
+                                           case.seq_lens, case.scale, out=out, num_splits=1)
             elif kernel == "prefill":
                 ta.triton_prefill_attention(case.query, case.k_cache, case.v_cache, case.block_tables,
                                             case.query_start_loc, case.seq_lens, case.scale,
@@ -280,6 +284,20 @@ def test_gpu_fp8_write_kernels_match_twin(dtype, src):
 def test_gpu_fp8_attention_matches_twin(dtype, query_dtype, group):
     from mempath.kernels import attention_triton as ta
     check_fp8_attention(ta, dtype, query_dtype, "cuda", group)
+
+
+@pytest.mark.parametrize("prefetch, tile", [(3, 128), (-1, 128), (1, 48), (0, 8)])
+def test_fp8_decode_settings_out_of_range_are_refused(monkeypatch, prefetch, tile):
+    """A prefetch depth the kernel has no branch for would skip tiles; a tile that is not a power of
+    two cannot be a Triton block. Both are refused before a launch, in one line."""
+    pytest.importorskip("triton")
+    from mempath.kernels import attention_triton as ta
+    monkeypatch.setattr(ta, "FP8_DECODE_PREFETCH", prefetch)
+    monkeypatch.setattr(ta, "DECODE_TILE_FP8", tile)
+    case = fp8_case([(1, 9)], torch.float8_e4m3fn, torch.float16, "cpu")
+    with pytest.raises(ValueError, match="must be 0, 1 or 2 and DECODE_TILE_FP8 a power of two"):
+        ta.triton_decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                                   case.scale, num_splits=1)
 
 
 @cuda

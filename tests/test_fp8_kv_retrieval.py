@@ -18,8 +18,14 @@ GREEDY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def needle_dir(tmp_path_factory):
+    """needle_dir(sharpness) -> the needle model's directory, built once per sharpness."""
+    built = {}
+
     def build(sharpness):
-        return str(build_needle_model(tmp_path_factory.mktemp(f"needle-{sharpness}"), NeedleSpec(sharpness=sharpness)))
+        if sharpness not in built:
+            built[sharpness] = str(build_needle_model(tmp_path_factory.mktemp(f"needle-{sharpness}"),
+                                                      NeedleSpec(sharpness=sharpness)))
+        return built[sharpness]
     return build
 
 
@@ -46,32 +52,38 @@ def test_needle_model_answers_as_transformers_does(needle_dir):
 
 
 def test_fp8_kv_retrieves_within_two_points_of_bf16(needle_dir):
-    spec = NeedleSpec(sharpness=5.5)
-    prompts = needle_prompts(spec, 1024, 60, seed=1)
-    bf16 = accuracy(answers(needle_dir(5.5), prompts, "auto"), prompts)
-    fp8 = accuracy(answers(needle_dir(5.5), prompts, "fp8"), prompts)
-    assert bf16 >= 0.95
+    """Where bf16 finds nearly every needle but not all (sharpness 4.5 at 1k tokens), so a coarser
+    cache shows: e5m2 (two mantissa bits) loses 5 points here, e4m3 one."""
+    spec = NeedleSpec(sharpness=4.5)
+    prompts = needle_prompts(spec, 1024, 100, seed=1)
+    bf16 = accuracy(answers(needle_dir(4.5), prompts, "auto"), prompts)
+    fp8 = accuracy(answers(needle_dir(4.5), prompts, "fp8"), prompts)
+    assert 0.95 <= bf16 < 1.0
     assert abs(fp8 - bf16) <= 0.02
 
 
 def test_where_retrieval_is_hard_fp8_kv_answers_as_bf16_does(needle_dir):
-    """At a sharpness where the needle often loses to a distractor, the test can see a worse
-    cache: bf16 is far from perfect, and fp8 must still give nearly the same answers."""
+    """At a sharpness where the needle often loses to a distractor, fp8 must still give the same
+    answer as bf16 on nearly every prompt (e5m2 agrees on 74 of these 80, e4m3 on 79)."""
     spec = NeedleSpec(sharpness=4.0)
     prompts = needle_prompts(spec, 1024, 80, seed=2)
     bf16 = answers(needle_dir(4.0), prompts, "auto")
     fp8 = answers(needle_dir(4.0), prompts, "fp8")
     assert 0.5 < accuracy(bf16, prompts) < 0.9
     assert abs(accuracy(fp8, prompts) - accuracy(bf16, prompts)) <= 0.05
-    assert sum(a == b for a, b in zip(bf16, fp8)) >= 0.9 * len(prompts)
+    assert sum(a == b for a, b in zip(bf16, fp8)) >= 0.95 * len(prompts)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton fp8 KV kernels at 8k-32k need CUDA")
-@pytest.mark.parametrize("length", [8192, 32768])
-def test_gpu_fp8_kv_retrieves_within_two_points_of_bf16(needle_dir, length):
-    spec = NeedleSpec(sharpness=10.0)
+@pytest.mark.parametrize("sharpness, length", [(10.0, 8192), (10.0, 32768), (8.0, 16384)])
+def test_gpu_fp8_kv_retrieves_as_bf16_does(needle_dir, sharpness, length):
+    """At sharpness 10 both caches find every needle to 32k; at 8 and 16k bf16 misses a few
+    (BENCHMARKS.md: 97% of 200), so the answers must agree where they can differ. At most one of
+    the 48 answers may differ in accuracy (2.1 points)."""
+    spec = NeedleSpec(sharpness=sharpness)
     prompts = needle_prompts(spec, length, 48, seed=length)
-    bf16 = accuracy(answers(needle_dir(10.0), prompts, "auto", device="cuda"), prompts)
-    fp8 = accuracy(answers(needle_dir(10.0), prompts, "fp8", device="cuda"), prompts)
-    assert bf16 >= 0.95
-    assert abs(fp8 - bf16) <= 0.021
+    bf16 = answers(needle_dir(sharpness), prompts, "auto", device="cuda")
+    fp8 = answers(needle_dir(sharpness), prompts, "fp8", device="cuda")
+    assert accuracy(bf16, prompts) >= 0.9
+    assert abs(accuracy(fp8, prompts) - accuracy(bf16, prompts)) <= 1 / 48 + 1e-9
+    assert sum(a == b for a, b in zip(bf16, fp8)) >= len(prompts) - 2

@@ -115,7 +115,11 @@ def unwrap_prompt(prompt):
     value = prompt[given[0]]
     if given == ["prompt"] and not isinstance(value, str):
         raise ValueError(f"'prompt' must be text, got {type(value).__name__}; give token ids as 'prompt_token_ids'")
-    if given == ["prompt_token_ids"] and not (isinstance(value, (list, tuple))
-                                              and all(isinstance(t, int) for t in value)):
-        raise ValueError(f"'prompt_token_ids' must be a list of integers, got {type(value).__name__}")
+    if given == ["prompt_token_ids"]:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"'prompt_token_ids' must be a list of integers, got {type(value).__name__}")
+        bad = next((t for t in value if not isinstance(t, int) or isinstance(t, bool)), None)
+        if bad is not None:
+            raise ValueError(f"'prompt_token_ids' must be a list of integers, got {bad!r} "
+                             f"({type(bad).__name__}) in it")
     return value

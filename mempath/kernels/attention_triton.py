@@ -56,8 +56,8 @@ if HAS_TRITON:
 
 LOG2E = 1.4426950408889634
 
-# Tokens per KV tile in the decode kernel. A split always covers a whole
-# number of tiles, so this is also the smallest split.
+# Tokens per KV tile in the decode kernel over a 16- or 32-bit cache (DECODE_TILE_FP8 over fp8).
+# A split always covers a whole number of tiles, so the tile is also the smallest split.
 DECODE_TILE = 64
 # An fp8 cache's tile: twice the tokens of a 16-bit tile, the same bytes (BENCHMARKS.md,
 # "fp8 KV cache on the H200", has the sweep).
@@ -104,6 +104,7 @@ def decode_num_splits(
     num_kv_heads: int,
     device: torch.device,
     max_seq_len: Optional[int] = None,
+    tile: int = DECODE_TILE,
 ) -> int:
     """How many splits the decode kernel uses for this batch shape.
 
@@ -114,7 +115,7 @@ def decode_num_splits(
     want = -(-DECODE_PROGRAMS_PER_SM * _sm_count(device) // programs)
     if max_seq_len is not None:
         # A split never covers less than one tile.
-        want = min(want, -(-max(1, max_seq_len) // DECODE_TILE))
+        want = min(want, -(-max(1, max_seq_len) // tile))
     return min(MAX_DECODE_SPLITS, next_pow2(max(1, want)))
 
 
@@ -315,15 +316,13 @@ if HAS_TRITON:
             else:
                 k, v = k1.to(q.dtype), v1.to(q.dtype)
                 ahead = n + PREFETCH * TILE + tok
+                k_next, v_next = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, ahead, ahead < end, kv_head, dims,
+                                               dim_mask, stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
+                                               stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d, raw, BLOCK_SIZE)
                 if PREFETCH == 2:
-                    k1, v1 = k2, v2
-                    k2, v2 = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, ahead, ahead < end, kv_head, dims,
-                                           dim_mask, stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
-                                           stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d, raw, BLOCK_SIZE)
+                    k1, v1, k2, v2 = k2, v2, k_next, v_next
                 else:
-                    k1, v1 = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, ahead, ahead < end, kv_head, dims,
-                                           dim_mask, stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
-                                           stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d, raw, BLOCK_SIZE)
+                    k1, v1 = k_next, v_next
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -480,7 +479,7 @@ if HAS_TRITON:
 
 def _compute_dtype(query: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
     """What the attention kernels multiply in: the cache dtype, or the query's over an fp8 cache
-    (the decode kernel multiplies a bfloat16 query over fp8 in float16, the same precision class)."""
+    (except the decode kernel's float16 for a bfloat16 query over fp8: its launcher says so)."""
     return query.dtype if is_fp8(k_cache.dtype) else k_cache.dtype
 
 
@@ -568,7 +567,8 @@ def triton_decode_attention(
     query_start = query_start_loc if varlen else seq_lens  # unused by the kernel unless varlen
     group = num_heads // num_kv_heads
     if num_splits is None:
-        num_splits = decode_num_splits(num_seqs, num_kv_heads, query.device, max_seq_len)
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, query.device, max_seq_len,
+                                       DECODE_TILE_FP8 if is_fp8(k_cache.dtype) else DECODE_TILE)
     d_pad = next_pow2(head_dim)
     split = num_splits > 1
     if split:
@@ -588,6 +588,10 @@ def triton_decode_attention(
 
     kv_fp8 = is_fp8(k_cache.dtype)
     tile = DECODE_TILE_FP8 if kv_fp8 else DECODE_TILE
+    if kv_fp8 and (FP8_DECODE_PREFETCH not in (0, 1, 2) or tile < 16 or tile & (tile - 1)):
+        raise ValueError(f"fp8 decode: FP8_DECODE_PREFETCH must be 0, 1 or 2 and DECODE_TILE_FP8 a power of two "
+                         f">= 16, got {FP8_DECODE_PREFETCH} and {tile}")
+    dots_fp16 = kv_fp8 and query.dtype == torch.bfloat16
     tile_bytes = 2 * tile * d_pad * k_cache.element_size()
     pdl = pdl_options(query.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
@@ -601,8 +605,8 @@ def triton_decode_attention(
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)),
         HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, TILE=tile,
-        SPLIT=split, PRECISION=_dot_precision(_compute_dtype(query, k_cache)), VARLEN=varlen,
-        KV_FP8=kv_fp8, DOTS_FP16=kv_fp8 and query.dtype == torch.bfloat16,
+        SPLIT=split, PRECISION=_dot_precision(torch.float16 if dots_fp16 else _compute_dtype(query, k_cache)),
+        VARLEN=varlen, KV_FP8=kv_fp8, DOTS_FP16=dots_fp16,
         PREFETCH=FP8_DECODE_PREFETCH if kv_fp8 else 0,
         **pdl, num_warps=4, num_stages=_pipeline_stages(tile_bytes),
     )

@@ -69,7 +69,8 @@ class GemvConfig:
     reduce: str = "atomic"  # or "two_pass"
     prefetch: bool = False  # the next weight tile loaded during the current one's product
     # Multiply-adds only: each K step's product summed over K at once, so the accumulator is
-    # [rows, BLOCK_N] rather than a [BLOCK_N, BLOCK_K] tile (fewer registers, more programs per SM).
+    # [rows, BLOCK_N] rather than a [BLOCK_N, BLOCK_K] tile: fewer registers, which may fit more
+    # programs per SM (the sweep decides).
     sum_k_each_step: bool = False
     kernel: str = "gemv"
 
