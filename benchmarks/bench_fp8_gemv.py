@@ -185,6 +185,9 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true",
                         help="CPU, TRITON_INTERPRET=1: a toy shape, --quick, timings meaningless")
     args = parser.parse_args()
+    if args.smoke and Path(args.out).resolve() == DEFAULT_TABLE.resolve():
+        parser.error("--smoke times a toy shape in the interpreter: give --out FILE, or it would replace the "
+                     "shipped table")
     started = time.time()
     global DEVICE, DTYPE
     if args.smoke:
