@@ -38,15 +38,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from mempath import LLM, SamplingParams  # noqa: E402
+from mempath.memory.formulas import kv_bytes_per_token, read_shape  # noqa: E402
 
 KV_DTYPES = ("auto", "fp8")
-
-
-def kv_bytes_per_token(config: dict, kv: str) -> int:
-    """K and V of one token over every layer, in the cache's element size."""
-    heads = config.get("num_key_value_heads", config["num_attention_heads"])
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return 2 * config["num_hidden_layers"] * heads * head_dim * (1 if kv.startswith("fp8") else 2)
+PARTS = ("kernel", "decode", "retrieval")
 
 
 def decode_read_limit_ms(weight_bytes: int, kv_token_bytes: int, batch: int, mean_context: float,
@@ -71,7 +66,7 @@ def run_decode(args, kv: str, prompts: list[list[int]], config: dict) -> dict:
     result = {"kv_cache_dtype": kv, "kv_blocks": stats["kv_blocks_total"], "prefill_s": prefill_s,
               "ms_per_step": 1e3 * step_s, "output_tok_s": args.batch / step_s,
               "min_cached_prompt_tokens": cached, "weight_bytes": llm.engine.ledger.get("weights"),
-              "kv_bytes_per_token": kv_bytes_per_token(config, kv)}
+              "kv_bytes_per_token": kv_bytes_per_token(read_shape(config), 1 if kv.startswith("fp8") else 2)}
     del llm, outs
     torch.cuda.empty_cache()
     return result
@@ -160,10 +155,10 @@ def bench_kernel(args) -> list[dict]:
             def run(k_cache, v_cache):
                 return ta.triton_decode_attention(pb.query, k_cache, v_cache, pb.block_tables, pb.seq_lens, pb.scale,
                                                   out=pb.out, max_seq_len=context)
-            kv_tokens = batch * context
+            fp8_bytes = 2 * batch * context * bench_kernels.NUM_KV_HEADS * bench_kernels.HEAD_DIM  # K and V
             row = {"bench": "fp8-kv-kernel", "batch": batch, "context": context,
                    "bf16_us": 1e3 * bench_kernels.bench(lambda: run(pb.k_cache, pb.v_cache))}
-            row["bf16_tb_s"] = 2 * kv_tokens * 8 * 128 * 2 / row["bf16_us"] / 1e6
+            row["bf16_tb_s"] = 2 * fp8_bytes / row["bf16_us"] / 1e6
             k8, v8 = pb.k_cache.to(torch.float8_e4m3fn), pb.v_cache.to(torch.float8_e4m3fn)
             set_fp8_variant(defaults)
             reference = run(k8, v8).float().clone()
@@ -173,7 +168,7 @@ def bench_kernel(args) -> list[dict]:
                 set_fp8_variant(name)
                 us = 1e3 * bench_kernels.bench(lambda: run(k8, v8))
                 err = (run(k8, v8).float() - reference).abs().max().item()
-                row["fp8"][name] = {"us": us, "tb_s": 2 * kv_tokens * 8 * 128 / us / 1e6, "max_diff": err}
+                row["fp8"][name] = {"us": us, "tb_s": fp8_bytes / us / 1e6, "max_diff": err}
             best = min(row["fp8"], key=lambda k: row["fp8"][k]["us"])
             print(f"  batch {batch:3d} context {context:5d}: bf16 {row['bf16_us']:.1f} ({row['bf16_tb_s']:.2f}); "
                   + "; ".join(f"{k} {v['us']:.1f} ({v['tb_s']:.2f}, {v['max_diff']:.1e})" for k, v in row["fp8"].items())
@@ -231,7 +226,7 @@ def bench_retrieval(args) -> list[dict]:
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default="decode,retrieval")
+    parser.add_argument("--parts", default="decode,retrieval", help=f"comma-separated, of {','.join(PARTS)}")
     parser.add_argument("--shape", default="llama-3.1-8b")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--context", type=int, default=8192)
@@ -246,6 +241,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' answers in the retrieval part")
     args = parser.parse_args(argv)
     parts = args.parts.split(",")
+    if set(parts) - set(PARTS):
+        parser.error(f"--parts: {sorted(set(parts) - set(PARTS))} unknown; the parts are {', '.join(PARTS)}")
     if not torch.cuda.is_available():
         sys.exit("bench_fp8_kv.py times the CUDA kernels; on the CPU, tests/test_fp8_kv_retrieval.py runs the retrieval")
     results = []

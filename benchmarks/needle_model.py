@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 256, 4, 2, 64
+INTERMEDIATE = 64  # the MLP's weights are zero: its output is too
 ROPE_THETA = 1e12
 # Head dimensions whose rotary frequency is theta^(-d/32) <= 1e-6 (d in 16..31 and their
 # rotate_half partners): where the codes live.
@@ -121,7 +122,6 @@ def needle_weights(spec: NeedleSpec) -> dict[str, torch.Tensor]:
         row = spec.value(value)
         lm_head[row, BIAS_DIM] = 0.0
         lm_head[row, VALUE_SLOT] = values[value] * 64.0
-    inter = 64
     return {
         "model.embed_tokens.weight": emb, "lm_head.weight": lm_head,
         "model.norm.weight": torch.ones(HIDDEN, dtype=torch.float64),
@@ -129,16 +129,16 @@ def needle_weights(spec: NeedleSpec) -> dict[str, torch.Tensor]:
         "model.layers.0.post_attention_layernorm.weight": torch.ones(HIDDEN, dtype=torch.float64),
         "model.layers.0.self_attn.q_proj.weight": q, "model.layers.0.self_attn.k_proj.weight": k,
         "model.layers.0.self_attn.v_proj.weight": v, "model.layers.0.self_attn.o_proj.weight": o,
-        "model.layers.0.mlp.gate_proj.weight": torch.zeros(inter, HIDDEN, dtype=torch.float64),
-        "model.layers.0.mlp.up_proj.weight": torch.zeros(inter, HIDDEN, dtype=torch.float64),
-        "model.layers.0.mlp.down_proj.weight": torch.zeros(HIDDEN, inter, dtype=torch.float64),
+        "model.layers.0.mlp.gate_proj.weight": torch.zeros(INTERMEDIATE, HIDDEN, dtype=torch.float64),
+        "model.layers.0.mlp.up_proj.weight": torch.zeros(INTERMEDIATE, HIDDEN, dtype=torch.float64),
+        "model.layers.0.mlp.down_proj.weight": torch.zeros(HIDDEN, INTERMEDIATE, dtype=torch.float64),
     }
 
 
 def needle_config(spec: NeedleSpec) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": spec.vocab_size,
-        "hidden_size": HIDDEN, "intermediate_size": 64, "num_hidden_layers": 1,
+        "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE, "num_hidden_layers": 1,
         "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
         "max_position_embeddings": spec.max_position_embeddings, "rope_theta": ROPE_THETA,
         "rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False,

@@ -518,3 +518,16 @@ def test_vllm_prompt_dicts_are_prompts_and_other_fields_are_refused(llm):
             llm.generate(bad, greedy(2))
         assert llm.generate([bad, ids], greedy(2), use_tqdm=False)[0].outputs[0].finish_reason == "error"
     assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_token_id_prompts_take_any_integers_and_refuse_the_rest_in_one_line(llm):
+    """Plain id lists go through the same check as vLLM's prompt_token_ids: a float was truncated."""
+    import numpy as np
+    ids = [5, 6, 7, 8]
+    expected = llm.generate(ids, greedy(3))[0].token_ids
+    assert llm.generate(np.array(ids).tolist(), greedy(3))[0].token_ids == expected
+    assert llm.generate([list(np.array(ids))], greedy(3), use_tqdm=False)[0].token_ids == expected
+    for bad, says in (([5, 6.5], r"got 6\.5 \(float\)"), ([5, True], "bool"), ([5, "6"], "str")):
+        with pytest.raises(ValueError, match=says):
+            llm.generate(bad, greedy(2))
+    assert llm.stats()["kv_blocks_used"] == 0

@@ -4,6 +4,7 @@ Every refusal is a ValueError that names the problem and the fix; nothing is
 allocated or scheduled before a request passes.
 """
 import itertools
+import operator
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
@@ -74,7 +75,7 @@ class InputProcessor:
                 raise ValueError("the prompt is empty; give at least one token of text")
             text, token_ids = prompt, self.tokenize(prompt)
         else:
-            text, token_ids = None, [int(t) for t in prompt]
+            text, token_ids = None, token_id_list(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty; give at least one token")
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
@@ -115,11 +116,25 @@ def unwrap_prompt(prompt):
     value = prompt[given[0]]
     if given == ["prompt"] and not isinstance(value, str):
         raise ValueError(f"'prompt' must be text, got {type(value).__name__}; give token ids as 'prompt_token_ids'")
-    if given == ["prompt_token_ids"]:
-        if not isinstance(value, (list, tuple)):
-            raise ValueError(f"'prompt_token_ids' must be a list of integers, got {type(value).__name__}")
-        bad = next((t for t in value if not isinstance(t, int) or isinstance(t, bool)), None)
-        if bad is not None:
-            raise ValueError(f"'prompt_token_ids' must be a list of integers, got {bad!r} "
-                             f"({type(bad).__name__}) in it")
+    if given == ["prompt_token_ids"] and not isinstance(value, (list, tuple)):
+        raise ValueError(f"'prompt_token_ids' must be a list of integers, got {type(value).__name__}")
     return value
+
+
+def token_id_list(prompt) -> list[int]:
+    """A prompt of token ids as ints: integers of any kind (numpy's, a tensor's) are taken; a float,
+    a bool or anything else is refused in one line, never truncated."""
+    try:
+        items = list(prompt)
+    except TypeError:
+        raise ValueError(f"a prompt is text or a list of token ids, got {type(prompt).__name__}") from None
+    ids = []
+    for t in items:
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            ids.append(operator.index(t))
+        except TypeError:
+            raise ValueError(f"prompt token ids must be integers, got {t!r} ({type(t).__name__}) in the prompt") \
+                from None
+    return ids

@@ -62,11 +62,9 @@ DECODE_TILE = 64
 # An fp8 cache's tile: twice the tokens of a 16-bit tile, the same bytes (BENCHMARKS.md,
 # "fp8 KV cache on the H200", has the sweep).
 DECODE_TILE_FP8 = 128
-# Tiles loaded ahead (0, 1 or 2) by the decode kernel over an fp8 cache. Not measured yet: at 0 the
-# fp8 kernel holds 202 registers a thread, so two programs fit an SM and half a bf16 kernel's
-# bytes are in flight (BENCHMARKS.md, "fp8 KV cache on the H200"); prefetching raw tiles at a
-# smaller tile is the experiment (benchmarks/bench_fp8_kv.py --parts kernel --fp8-variants
-# tile32-p2,tile64-p1,...).
+# Tiles loaded ahead (0, 1 or 2) by the decode kernel over an fp8 cache, not yet measured: without
+# them the converted tiles fill the registers and few programs share an SM (BENCHMARKS.md, "fp8 KV
+# cache on the H200"); benchmarks/bench_fp8_kv.py --parts kernel sweeps them.
 FP8_DECODE_PREFETCH = 0
 # Upper bound on splits per (sequence, KV head); beyond it the merge costs
 # more than the extra parallelism brings.
@@ -566,9 +564,13 @@ def triton_decode_attention(
     varlen = query_start_loc is not None
     query_start = query_start_loc if varlen else seq_lens  # unused by the kernel unless varlen
     group = num_heads // num_kv_heads
+    kv_fp8 = is_fp8(k_cache.dtype)
+    tile = DECODE_TILE_FP8 if kv_fp8 else DECODE_TILE
+    if kv_fp8 and (FP8_DECODE_PREFETCH not in (0, 1, 2) or tile < 16 or tile & (tile - 1)):
+        raise ValueError(f"fp8 decode: FP8_DECODE_PREFETCH must be 0, 1 or 2 and DECODE_TILE_FP8 a power of two "
+                         f">= 16, got {FP8_DECODE_PREFETCH} and {tile}")
     if num_splits is None:
-        num_splits = decode_num_splits(num_seqs, num_kv_heads, query.device, max_seq_len,
-                                       DECODE_TILE_FP8 if is_fp8(k_cache.dtype) else DECODE_TILE)
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, query.device, max_seq_len, tile)
     d_pad = next_pow2(head_dim)
     split = num_splits > 1
     if split:
@@ -586,11 +588,6 @@ def triton_decode_attention(
     else:
         part_out = part_lse = out  # unused by the kernel
 
-    kv_fp8 = is_fp8(k_cache.dtype)
-    tile = DECODE_TILE_FP8 if kv_fp8 else DECODE_TILE
-    if kv_fp8 and (FP8_DECODE_PREFETCH not in (0, 1, 2) or tile < 16 or tile & (tile - 1)):
-        raise ValueError(f"fp8 decode: FP8_DECODE_PREFETCH must be 0, 1 or 2 and DECODE_TILE_FP8 a power of two "
-                         f">= 16, got {FP8_DECODE_PREFETCH} and {tile}")
     dots_fp16 = kv_fp8 and query.dtype == torch.bfloat16
     tile_bytes = 2 * tile * d_pad * k_cache.element_size()
     pdl = pdl_options(query.device)
