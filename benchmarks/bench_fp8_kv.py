@@ -4,7 +4,8 @@ same budget, and retrieval of a needle in 4k-32k tokens.
     python3 benchmarks/bench_fp8_kv.py --parts kernel,decode,retrieval
 
 kernel: the decode attention kernel alone at four (batch, context) cases, a bf16 cache against
-fp8 caches at each KV tile (tokens per loop iteration) and prefetch depth (``--fp8-variants``),
+fp8 caches at each KV tile (tokens per loop iteration), software-pipeline depth and warp count
+(``--fp8-variants``),
 with the KV bytes each reads per second.
 
 decode: the Llama-3.1-8B shape (random bf16 weights), ``--batch`` sequences of ``--context``
@@ -72,30 +73,34 @@ def run_decode(args, kv: str, prompts: list[list[int]], config: dict) -> dict:
     return result
 
 
-VARIANT = re.compile(r"tile(16|32|64|128|256)(?:-p([12]))?")
+VARIANT = re.compile(r"tile(16|32|64|128|256)(?:-s([1-8]))?(?:-w([1248]))?")
 
 
 def fp8_variant_list(text: str) -> list[str]:
-    """--fp8-variants: comma-separated tile<16..256>[-p1|-p2] names."""
+    """--fp8-variants: comma-separated tile<16..256>[-s<1..8>][-w<1|2|4|8>] names."""
     names = text.split(",")
     bad = [n for n in names if not VARIANT.fullmatch(n)]
     if bad:
-        raise argparse.ArgumentTypeError(f"{bad}: a variant is tile16, tile32, tile64, tile128 or tile256, "
-                                         f"optionally with -p1 or -p2 (tiles loaded ahead), e.g. tile32-p2")
+        raise argparse.ArgumentTypeError(f"{bad}: a variant is tile16, tile32, tile64, tile128 or tile256, optionally "
+                                         f"with -s1..-s8 (pipeline stages) and -w1, -w2, -w4 or -w8 (warps), "
+                                         f"e.g. tile32-s6-w4")
     return names
 
 
 def set_fp8_variant(name: str) -> None:
-    """"tile128" or "tile32-p2" -> the decode kernel's tile and tiles prefetched over an fp8 cache
-    (module settings, read at launch)."""
+    """"tile128" or "tile32-s6-w2" -> the decode kernel's tile, pipeline stages and warps over an fp8
+    cache (module settings, read at launch; left out: the kernel's own choice)."""
     from mempath.kernels import attention_triton as ta
-    tile, prefetch = VARIANT.fullmatch(name).groups()
-    ta.DECODE_TILE_FP8, ta.FP8_DECODE_PREFETCH = int(tile), int(prefetch or 0)
+    tile, stages, warps = VARIANT.fullmatch(name).groups()
+    ta.DECODE_TILE_FP8 = int(tile)
+    ta.FP8_DECODE_STAGES = int(stages) if stages else None
+    ta.FP8_DECODE_WARPS = int(warps) if warps else None
 
 
 def current_fp8_variant() -> str:
     from mempath.kernels import attention_triton as ta
-    return f"tile{ta.DECODE_TILE_FP8}" + (f"-p{ta.FP8_DECODE_PREFETCH}" if ta.FP8_DECODE_PREFETCH else "")
+    return (f"tile{ta.DECODE_TILE_FP8}" + (f"-s{ta.FP8_DECODE_STAGES}" if ta.FP8_DECODE_STAGES else "")
+            + (f"-w{ta.FP8_DECODE_WARPS}" if ta.FP8_DECODE_WARPS else ""))
 
 
 def bench_decode(args, extra_fp8_variant: str | None = None) -> list[dict]:
@@ -137,12 +142,15 @@ def bench_decode(args, extra_fp8_variant: str | None = None) -> list[dict]:
 
 
 KERNEL_CASES = ((64, 8192), (1, 8192), (32, 1024), (128, 1024))
-FP8_TILES = (32, 64, 128)
+# Fewer registers a program (smaller tiles, fewer warps) let more programs share an SM; deeper
+# pipelines keep more loads in flight each (registers and shared memory from compiling for sm_90).
+FP8_VARIANTS = ["tile128", "tile128-s5", "tile64", "tile64-s5", "tile64-s6", "tile32", "tile32-s5", "tile32-s6",
+                "tile32-s8", "tile16-s5", "tile16-s6", "tile16-s8", "tile16-s4-w2", "tile16-s6-w2", "tile32-s4-w2"]
 
 
 def bench_kernel(args) -> list[dict]:
     """The decode attention kernel alone (Llama-3.1-8B heads), bf16 cache against fp8 caches at
-    each tile and prefetch depth: microseconds, and the KV bytes read per second."""
+    each variant (tile, stages, warps): microseconds, and the KV bytes read per second."""
     import bench_kernels
     from mempath.kernels import attention_triton as ta
     defaults = current_fp8_variant()
@@ -163,7 +171,7 @@ def bench_kernel(args) -> list[dict]:
             set_fp8_variant(defaults)
             reference = run(k8, v8).float().clone()
             row["fp8"] = {}
-            names = args.fp8_variants or [f"tile{t}{p}" for t in FP8_TILES for p in ("", "-p1", "-p2")]
+            names = args.fp8_variants or FP8_VARIANTS
             for name in names:
                 set_fp8_variant(name)
                 us = 1e3 * bench_kernels.bench(lambda: run(k8, v8))
@@ -236,8 +244,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 8192, 16384, 32768])
     parser.add_argument("--prompts", type=int, default=200)
     parser.add_argument("--fp8-variants", type=fp8_variant_list, default=None,
-                        help="the kernel part's fp8 launches, e.g. tile32-p2,tile64 (default: tiles 32, 64, 128 "
-                             "prefetching 0, 1, 2 tiles)")
+                        help="the kernel part's fp8 launches, e.g. tile32-s6,tile64-w8 (default: FP8_VARIANTS)")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' answers in the retrieval part")
     args = parser.parse_args(argv)
     parts = args.parts.split(",")

@@ -215,22 +215,21 @@ for _dt in FP8:
             lambda ta, tops, d=_dt, s=_src, g=_g: check_fp8_attention(ta, d, s, "cpu", g))
 
 
-def check_fp8_attention_tile(ta, dtype, device, tile, prefetch=0):
-    """The decode kernel at another tile and prefetch depth over an fp8 cache (bf16 queries on CUDA:
-    float16 dots), against the twin."""
-    saved = ta.DECODE_TILE_FP8, ta.FP8_DECODE_PREFETCH
-    ta.DECODE_TILE_FP8, ta.FP8_DECODE_PREFETCH = tile, prefetch
+def check_fp8_attention_tile(ta, dtype, device, tile, stages=None, warps=None):
+    """The decode kernel at another tile, pipeline depth and warp count over an fp8 cache (bf16
+    queries on CUDA: float16 dots), against the twin."""
+    saved = ta.DECODE_TILE_FP8, ta.FP8_DECODE_STAGES, ta.FP8_DECODE_WARPS
+    ta.DECODE_TILE_FP8, ta.FP8_DECODE_STAGES, ta.FP8_DECODE_WARPS = tile, stages, warps
     try:
         check_fp8_attention(ta, dtype, torch.bfloat16 if device == "cuda" else torch.float16, device, 4)
     finally:
-        ta.DECODE_TILE_FP8, ta.FP8_DECODE_PREFETCH = saved
+        ta.DECODE_TILE_FP8, ta.FP8_DECODE_STAGES, ta.FP8_DECODE_WARPS = saved
 
 
 # (The interpreter multiplies bfloat16 as raw bits: bfloat16 queries over fp8, and their float16 dots, run on CUDA only.)
 INTERPRETED["attention_e4m3_tile32"] = lambda ta, tops: check_fp8_attention_tile(ta, torch.float8_e4m3fn, "cpu", 32)
-for _p in (1, 2):
-    INTERPRETED[f"attention_e4m3_tile16_prefetch{_p}"] = (
-        lambda ta, tops, p=_p: check_fp8_attention_tile(ta, torch.float8_e4m3fn, "cpu", 16, p))
+INTERPRETED["attention_e4m3_tile16_stages6_warps2"] = (
+    lambda ta, tops: check_fp8_attention_tile(ta, torch.float8_e4m3fn, "cpu", 16, 6, 2))
 
 
 def _run_interpreted() -> dict:
@@ -286,27 +285,29 @@ def test_gpu_fp8_attention_matches_twin(dtype, query_dtype, group):
     check_fp8_attention(ta, dtype, query_dtype, "cuda", group)
 
 
-@pytest.mark.parametrize("prefetch, tile", [(3, 128), (-1, 128), (1, 48), (0, 8)])
-def test_fp8_decode_settings_out_of_range_are_refused(monkeypatch, prefetch, tile):
-    """A prefetch depth the kernel has no branch for would skip tiles; a tile that is not a power of
-    two cannot be a Triton block. Both are refused before a launch, in one line."""
+@pytest.mark.parametrize("tile, stages, warps", [(48, None, None), (8, None, None), (128, 0, None),
+                                                 (128, 9, None), (128, None, 3), (128, None, 16)])
+def test_fp8_decode_settings_out_of_range_are_refused(monkeypatch, tile, stages, warps):
+    """A tile that is not a power of two cannot be a Triton block; a pipeline depth or warp count
+    Triton cannot launch would fail at compile time, mid-step. All are refused before a launch, in one line."""
     pytest.importorskip("triton")
     from mempath.kernels import attention_triton as ta
-    monkeypatch.setattr(ta, "FP8_DECODE_PREFETCH", prefetch)
     monkeypatch.setattr(ta, "DECODE_TILE_FP8", tile)
+    monkeypatch.setattr(ta, "FP8_DECODE_STAGES", stages)
+    monkeypatch.setattr(ta, "FP8_DECODE_WARPS", warps)
     case = fp8_case([(1, 9)], torch.float8_e4m3fn, torch.float16, "cpu")
-    with pytest.raises(ValueError, match="must be 0, 1 or 2 and DECODE_TILE_FP8 a power of two"):
+    with pytest.raises(ValueError, match="DECODE_TILE_FP8 must be a power of two >= 16, FP8_DECODE_STAGES"):
         ta.triton_decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
                                    case.scale, num_splits=1)
 
 
 @cuda
 @pytest.mark.parametrize("dtype", FP8)
-@pytest.mark.parametrize("tile", [32, 64, 128, 256])
-@pytest.mark.parametrize("prefetch", [0, 1, 2])
-def test_gpu_fp8_decode_tiles_match_twin(dtype, tile, prefetch):
+@pytest.mark.parametrize("tile, stages, warps", [(t, None, None) for t in (32, 64, 128, 256)]
+                         + [(16, 6, 4), (16, 4, 2), (32, 6, 4), (64, 6, 4), (128, 5, 4)])
+def test_gpu_fp8_decode_tiles_match_twin(dtype, tile, stages, warps):
     from mempath.kernels import attention_triton as ta
-    check_fp8_attention_tile(ta, dtype, "cuda", tile, prefetch)
+    check_fp8_attention_tile(ta, dtype, "cuda", tile, stages, warps)
 
 
 # ------------------------------------------------------------------------ the engine

@@ -62,10 +62,11 @@ DECODE_TILE = 64
 # An fp8 cache's tile: twice the tokens of a 16-bit tile, the same bytes (BENCHMARKS.md,
 # "fp8 KV cache on the H200", has the sweep).
 DECODE_TILE_FP8 = 128
-# Tiles loaded ahead (0, 1 or 2) by the decode kernel over an fp8 cache, not yet measured: without
-# them the converted tiles fill the registers and few programs share an SM (BENCHMARKS.md, "fp8 KV
+# The fp8 decode kernel's software-pipeline depth and warps (None: as over a 16-bit cache): over
+# fp8 the converted tiles fill the registers and few programs share an SM (BENCHMARKS.md, "fp8 KV
 # cache on the H200"); benchmarks/bench_fp8_kv.py --parts kernel sweeps them.
-FP8_DECODE_PREFETCH = 0
+FP8_DECODE_STAGES = None
+FP8_DECODE_WARPS = None
 # Upper bound on splits per (sequence, KV head); beyond it the merge costs
 # more than the extra parallelism brings.
 MAX_DECODE_SPLITS = 64
@@ -254,7 +255,7 @@ if HAS_TRITON:
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
         SPLIT: tl.constexpr, PRECISION: tl.constexpr, VARLEN: tl.constexpr, KV_FP8: tl.constexpr,
-        DOTS_FP16: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+        DOTS_FP16: tl.constexpr, PDL: tl.constexpr,
     ):
         pdl_wait(PDL)
         seq = tl.program_id(0)
@@ -293,34 +294,12 @@ if HAS_TRITON:
         l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
         acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
         tok = tl.arange(0, TILE)
-        # PREFETCH tiles ahead are loaded as stored (fp8: one byte a value) while the current one
-        # is converted and multiplied: loads in flight, not converted tiles, fill the registers.
-        raw = k_cache_ptr.dtype.element_ty
-        if PREFETCH >= 1:
-            k1, v1 = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, start + tok, start + tok < end, kv_head, dims,
-                                   dim_mask, stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
-                                   stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d, raw, BLOCK_SIZE)
-        if PREFETCH >= 2:
-            k2, v2 = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, start + TILE + tok, start + TILE + tok < end,
-                                   kv_head, dims, dim_mask, stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
-                                   stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d, raw, BLOCK_SIZE)
         for n in range(start, end, TILE):
             pos = n + tok
             valid = pos < end
-            if PREFETCH == 0:
-                k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, pos, valid, kv_head, dims, dim_mask,
-                                     stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
-                                     stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d, q.dtype, BLOCK_SIZE)
-            else:
-                k, v = k1.to(q.dtype), v1.to(q.dtype)
-                ahead = n + PREFETCH * TILE + tok
-                k_next, v_next = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, ahead, ahead < end, kv_head, dims,
-                                               dim_mask, stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
-                                               stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d, raw, BLOCK_SIZE)
-                if PREFETCH == 2:
-                    k1, v1, k2, v2 = k2, v2, k_next, v_next
-                else:
-                    k1, v1 = k_next, v_next
+            k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, pos, valid, kv_head, dims, dim_mask,
+                                 stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
+                                 stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d, q.dtype, BLOCK_SIZE)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -566,9 +545,11 @@ def triton_decode_attention(
     group = num_heads // num_kv_heads
     kv_fp8 = is_fp8(k_cache.dtype)
     tile = DECODE_TILE_FP8 if kv_fp8 else DECODE_TILE
-    if kv_fp8 and (FP8_DECODE_PREFETCH not in (0, 1, 2) or tile < 16 or tile & (tile - 1)):
-        raise ValueError(f"fp8 decode: FP8_DECODE_PREFETCH must be 0, 1 or 2 and DECODE_TILE_FP8 a power of two "
-                         f">= 16, got {FP8_DECODE_PREFETCH} and {tile}")
+    if kv_fp8 and (tile < 16 or tile & (tile - 1) or FP8_DECODE_STAGES not in (None, *range(1, 9))
+                   or FP8_DECODE_WARPS not in (None, 1, 2, 4, 8)):
+        raise ValueError(f"fp8 decode: DECODE_TILE_FP8 must be a power of two >= 16, FP8_DECODE_STAGES None or "
+                         f"1-8 and FP8_DECODE_WARPS None, 1, 2, 4 or 8; got {tile}, {FP8_DECODE_STAGES} and "
+                         f"{FP8_DECODE_WARPS}")
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, query.device, max_seq_len, tile)
     d_pad = next_pow2(head_dim)
@@ -589,7 +570,11 @@ def triton_decode_attention(
         part_out = part_lse = out  # unused by the kernel
 
     dots_fp16 = kv_fp8 and query.dtype == torch.bfloat16
-    tile_bytes = 2 * tile * d_pad * k_cache.element_size()
+    stages = _pipeline_stages(2 * tile * d_pad * k_cache.element_size())
+    warps = 4
+    if kv_fp8:
+        stages = FP8_DECODE_STAGES or stages
+        warps = FP8_DECODE_WARPS or warps
     pdl = pdl_options(query.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, query_start,
@@ -604,8 +589,7 @@ def triton_decode_attention(
         BLOCK_SIZE=block_size, TILE=tile,
         SPLIT=split, PRECISION=_dot_precision(torch.float16 if dots_fp16 else _compute_dtype(query, k_cache)),
         VARLEN=varlen, KV_FP8=kv_fp8, DOTS_FP16=dots_fp16,
-        PREFETCH=FP8_DECODE_PREFETCH if kv_fp8 else 0,
-        **pdl, num_warps=4, num_stages=_pipeline_stages(tile_bytes),
+        **pdl, num_warps=warps, num_stages=stages,
     )
     if split:
         _decode_merge_kernel[(num_seqs, num_heads)](
