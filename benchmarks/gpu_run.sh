@@ -87,7 +87,7 @@ step moe-offload-host 420 python3 benchmarks/bench_moe.py --parts pinned,offload
 step moe-resident 300 python3 benchmarks/bench_moe.py --parts pinned,resident
 # The fp8 KV cache (#20, 2026-12-02): its GPU tests (needle retrieval at 8k/32k, kernels, tier transfers), decode at
 # batch 64 x 8k and retrieval at 4k-32k against bf16, tier transfers in both dtypes; fp8 weights and KV on the mix.
-step fp8-kv-tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kv_retrieval.py tests/test_fp8_kv.py \
+step fp8-kv-tests 400 python3 -m pytest -q -p no:cacheprovider --durations=8 tests/test_fp8_kv_retrieval.py tests/test_fp8_kv.py \
   tests/test_bench_transfer.py tests/test_fp8_gemv.py -k "gpu or cuda"
 step fp8-kv 420 python3 benchmarks/bench_fp8_kv.py --parts "${FP8_KV_PARTS:-kernel,decode,retrieval}"
 step fp8-transfer 120 python3 benchmarks/bench_transfer.py --compare-kv-dtypes --quick
