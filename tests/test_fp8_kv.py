@@ -304,7 +304,7 @@ def test_fp8_decode_settings_out_of_range_are_refused(monkeypatch, tile, stages,
 @cuda
 @pytest.mark.parametrize("dtype", FP8)
 @pytest.mark.parametrize("tile, stages, warps", [(t, None, None) for t in (32, 64, 128, 256)]
-                         + [(16, 6, 4), (16, 4, 2), (32, 6, 4), (64, 6, 4), (128, 5, 4)])
+                         + [(16, 6, 4), (16, 4, 2), (32, 6, 4), (64, 6, 4), (128, 3, 4), (128, 8, 4)])
 def test_gpu_fp8_decode_tiles_match_twin(dtype, tile, stages, warps):
     from mempath.kernels import attention_triton as ta
     check_fp8_attention_tile(ta, dtype, "cuda", tile, stages, warps)

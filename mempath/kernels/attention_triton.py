@@ -62,10 +62,11 @@ DECODE_TILE = 64
 # An fp8 cache's tile: twice the tokens of a 16-bit tile, the same bytes (BENCHMARKS.md,
 # "fp8 KV cache on the H200", has the sweep).
 DECODE_TILE_FP8 = 128
-# The fp8 decode kernel's software-pipeline depth and warps (None: as over a 16-bit cache): over
-# fp8 the converted tiles fill the registers and few programs share an SM (BENCHMARKS.md, "fp8 KV
+# The fp8 decode kernel's software-pipeline depth and warps (None: as over a 16-bit cache). Over
+# fp8 the converted tiles fill the registers, so only 2 programs share an SM; a deeper pipeline
+# keeps more of the next tiles' bytes in flight in shared memory instead (BENCHMARKS.md, "fp8 KV
 # cache on the H200"); benchmarks/bench_fp8_kv.py --parts kernel sweeps them.
-FP8_DECODE_STAGES = None
+FP8_DECODE_STAGES = 5
 FP8_DECODE_WARPS = None
 # Upper bound on splits per (sequence, KV head); beyond it the merge costs
 # more than the extra parallelism brings.
