@@ -211,7 +211,7 @@ def part_offload(args, config: dict, bandwidth: dict) -> list[dict]:
     set_expert_prefetch(llm.engine.model, False)  # decode graphs do not prefetch; eager steps would
     out = []
     cut = 0.0  # seconds per MoE layer of a cut graph's host step: measured on the model router's run
-    for router in ("model", "uniform", "skewed"):
+    for router in args.routers.split(","):
         set_router(llm, router)
         with HostStepClock() as clock:
             rate, tokens, before = decode(llm, args)
@@ -221,6 +221,10 @@ def part_offload(args, config: dict, bandwidth: dict) -> list[dict]:
         # The bound: the bytes this run copied at the pinned bandwidth.
         copied = (after["bytes_loaded"] - before["bytes_loaded"]) / args.output_len
         bound = bandwidth["h2d_GBps"] * 1e9 / copied if copied else float("inf")
+        # The issue's bound: every missed expert's bytes at the pinned rate, whether it was copied or
+        # (--cpu-experts auto) run on the host while the others were copied.
+        missed = moe_missed_bytes_per_token(shape, b, hit_rate)
+        missed_bound = bandwidth["h2d_GBps"] * 1e9 / missed if missed else float("inf")
         if router == "model" and llm.engine.runner.graphs:
             cut = max(0.0, 1 / rate - 1 / resident_rate - copied / (bandwidth["h2d_GBps"] * 1e9)) / shape.num_moe_layers
         predicted = moe_offload_tokens_per_second(shape, b, hit_rate, bandwidth["h2d_GBps"] * 1e9, 1.0 / resident_rate)
@@ -233,7 +237,9 @@ def part_offload(args, config: dict, bandwidth: dict) -> list[dict]:
             planned_resident_weight_GB=plan.resident_weight_bytes / 1e9,
             decode_tok_s=rate, hit_rate=hit_rate, bound_tok_s=bound, copied_GB_per_token=copied / 1e9,
             missed_GB_per_token_formula=moe_missed_bytes_per_token(shape, b, hit_rate) / 1e9,
-            of_bound=rate / bound if copied else None, predicted_tok_s=predicted, predicted_error=(predicted - rate) / rate,
+            of_bound=rate / bound if copied else None, missed_bound_tok_s=missed_bound,
+            of_missed_bound=rate / missed_bound if missed else None,
+            predicted_tok_s=predicted, predicted_error=(predicted - rate) / rate,
             cut_us_per_layer=cut * 1e6, predicted_with_cuts_tok_s=predicted_with_cuts,
             predicted_with_cuts_error=(predicted_with_cuts - rate) / rate,
             all_resident_tok_s=resident_rate,
@@ -263,8 +269,9 @@ class HostStepClock:
 
         def timed_book(*a, **k):
             start = time.perf_counter()
-            clock.inner_book(*a, **k)
+            on_host = clock.inner_book(*a, **k)
             clock.book_s += time.perf_counter() - start
+            return on_host
         moe_slots.SlotStep.__call__, moe_slots.book_one_wave = timed_step, timed_book
         return self
 
@@ -341,12 +348,16 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (checks the script runs)")
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--routers", default="model,uniform,skewed",
+                        help="the offload part's routers, of model, uniform and skewed")
     parser.add_argument("--cpu-experts", default="never", choices=("never", "auto", "always"),
                         help="the offloaded runs' --moe-cpu-experts (where a missed expert runs)")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     if not parts <= {"pinned", "offload", "resident"}:
         parser.error(f"--parts takes pinned, offload, resident; got {args.parts}")
+    if not set(args.routers.split(",")) <= {"model", "uniform", "skewed"}:
+        parser.error(f"--routers takes model, uniform, skewed; got {args.routers}")
     args.device = "cpu" if args.tiny else "cuda"
     args.dtype = "float32" if args.tiny else "bfloat16"
     args.max_model_len = 256 if args.tiny else 1024

@@ -104,3 +104,45 @@ def test_cuda_host_path_and_measured_cost_model(model_factory, references):
             assert isinstance(cache["host_token_limit"], int) and cache["host_token_limit"] >= 0
         del llm
         release_cuda()
+
+
+def test_auto_splits_a_steps_misses_so_the_host_and_the_copies_end_together():
+    # Copies 188.7 us each; the host 250 us an expert at one row, after a 20 us sync. Six one-token
+    # misses: all copied 1,132 us; 1 on the host 943; 2: max(520, 755) = 755; 3: max(770, 566) = 770.
+    cost = HostExpertCost(h2d_bytes_per_s=50e9, host_flops_per_s=100e9, sync_seconds=20e-6, host_row_seconds=250e-6)
+    misses = {10: 1, 11: 1, 12: 3, 13: 1, 14: 2, 15: 1}
+    assert cost.split_misses(misses, H, I, B) == [10, 11]  # the fewest tokens first, then by id
+    # Many tokens an expert: the host's FLOPs (94.4 us a token) make every copy cheaper.
+    assert cost.split_misses({1: 64, 2: 64, 3: 64}, H, I, B) == []
+    # One miss: the host (270 us) is slower than its copy (189 us).
+    assert cost.split_misses({7: 1}, H, I, B) == []
+    assert cost.split_misses({}, H, I, B) == []
+    # A host as fast as the link: half the misses each side.
+    even = HostExpertCost(h2d_bytes_per_s=50e9, host_flops_per_s=100e9, sync_seconds=0.0, host_row_seconds=188.7e-6)
+    assert len(even.split_misses({e: 1 for e in range(8)}, H, I, B)) == 4
+
+
+@pytest.mark.parametrize("arch,size", [("mixtral", 2), ("mixtral", 5), ("qwen3_moe", 3)])
+def test_split_misses_on_the_slot_path_give_the_all_resident_tokens(arch, size, model_factory, references):
+    """auto on the grouped kernel (its twin here): a host as fast as the link takes about half of each
+    step's misses; their rows replace those pairs' rows, in the twin's arithmetic, so float32 tokens
+    are the all-resident ones, and every lookup is a hit, a copied miss or a host-run miss."""
+    from mempath.model import moe_slots
+    from tests.test_moe_slots import slot_kernel_llm
+    path, _ = model_factory(arch)
+    llm = slot_kernel_llm(path, size)
+    blocks = llm.engine.model.moe_blocks()
+    experts = blocks[0].experts
+    copy = HostExpertCost(h2d_bytes_per_s=1.0, host_flops_per_s=1.0, sync_seconds=0.0).copy_seconds(
+        experts.gate_up_proj.shape[2], experts.intermediate_size, experts.gate_up_proj.element_size())
+    cost = HostExpertCost(h2d_bytes_per_s=1.0, host_flops_per_s=1e30, sync_seconds=0.0, host_row_seconds=copy)
+    for block in blocks:
+        block.experts.cpu_experts, block.experts.host_cost = "auto", cost
+    assert all(moe_slots.uses_slot_kernel(b) for b in blocks)
+    assert generate(llm) == references[arch]
+    check_caches(llm.engine.model)
+    stats = expert_cache_stats(llm.engine.model)
+    assert stats["host_experts"] > 0 and stats["bytes_loaded"] > 0  # both sides of the split ran
+    assert stats["host_tokens"] >= stats["host_experts"]
+    copied = stats["bytes_loaded"] // experts.expert_bytes()
+    assert copied <= stats["misses"] - stats["host_experts"]  # a host-run miss copies nothing

@@ -181,3 +181,41 @@ def test_cut_graphs_count_every_lookup_and_leak_no_slot(model_factory):
     check_caches(llm.engine.model)
     del llm
     release_cuda()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cut_graphs_split_misses_between_the_host_and_the_copies(model_factory, monkeypatch):
+    """auto on cut graphs: with a host a little faster than the link forced on, graph steps' misses are split;
+    the host-run pairs' rows enter the piece after the cut, and float32 tokens stay the all-resident ones
+    (tiny model: the host's and the device's float32 products agree to the token)."""
+    from mempath.engine.piecewise import PiecewiseGraph
+    from mempath.model.moe_host import HostExpertCost
+    path, _ = model_factory("mixtral")
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [[1, 5, 9, 33, 7], list(range(10, 47))]
+    resident, _ = cuda_tokens(path, prompts, params, dtype="float32")
+    llm = LLM(path, dtype="float32", device="cuda", show_progress=False, enable_prefix_caching=False,
+              moe_expert_cache_size=4, max_num_seqs=2, moe_cpu_experts="auto")
+    assert all(isinstance(g, PiecewiseGraph) for g in llm.engine.runner.graphs.values()) and llm.engine.runner.graphs
+    blocks = llm.engine.model.moe_blocks()
+    experts = blocks[0].experts
+    copy = HostExpertCost(1.0, 1.0, 0.0).copy_seconds(experts.gate_up_proj.shape[2], experts.intermediate_size,
+                                                      experts.gate_up_proj.element_size())
+    for block in blocks:  # one miss: the host; two: one each side; three: two on the host
+        block.experts.host_cost = HostExpertCost(1.0, 1e30, 0.0, host_row_seconds=0.6 * copy)
+    split = []  # (host-run, copied or hit) experts of each graph step's layer
+    book = moe_slots.book_one_wave
+
+    def counted(block, ids):
+        on_host = book(block, ids)
+        split.append((len(on_host), len(set(ids)) - len(on_host)))
+        return on_host
+    monkeypatch.setattr(moe_slots, "book_one_wave", counted)
+    for batch in ([prompts[0]], prompts):
+        tokens = [o.token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+        assert tokens == resident[:len(batch)]
+    assert len(split) >= 2 * 23 * len(blocks)  # every decode step ran on the cut graphs
+    assert sum(h for h, _ in split) > 23 and any(h and rest for h, rest in split)
+    check_caches(llm.engine.model)
+    del llm
+    release_cuda()

@@ -159,6 +159,7 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.cache = ExpertCache(num_experts, num_experts)
         self.cpu_experts = "never"  # where a miss runs: moe_host.set_cpu_experts
+        self.host_cost = None  # auto on the grouped kernel: moe_host.HostExpertCost, which splits the misses
         self.host_token_limit = 0  # a miss routed at most this many tokens runs on the host
 
     def forward(self, x: torch.Tensor, counts) -> torch.Tensor:

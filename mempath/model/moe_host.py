@@ -12,6 +12,12 @@ compares the two per expert and step:
 
 The rates are measured once, when the policy is set (``measure_host_cost``). The model
 is per step: it does not credit a copy with the hits it may bring later steps.
+
+On the grouped kernel (moe_slots.py, eager steps and decode graphs cut at the MoE layers)
+``auto`` splits a step's misses instead: the host multiplies some while the copy engine
+brings in the others, so the layer waits for the longer of the two, not for every copy
+(``HostExpertCost.split_misses``). The host's results enter the layer as the pairs'
+rows of the grouped kernel's output (``fill_host_pairs``), in the kernel twin's arithmetic.
 """
 import math
 import time
@@ -32,6 +38,9 @@ class HostExpertCost:
     h2d_bytes_per_s: float  # pinned host-to-device copies (one expert at a time)
     host_flops_per_s: float  # the host's matmul rate in the model dtype, decode-sized rows
     sync_seconds: float  # one device -> host -> device round trip of a row: the host path's fixed cost
+    # One expert's MLP of a single row on the host: at decode sizes the host reads the weights once
+    # whatever the rows, so this, not the per-token FLOPs, is a small batch's cost (0: not measured).
+    host_row_seconds: float = 0.0
 
     def copy_seconds(self, hidden: int, intermediate: int, dtype_bytes: int) -> float:
         return 3 * hidden * intermediate * dtype_bytes / self.h2d_bytes_per_s
@@ -52,6 +61,21 @@ class HostExpertCost:
         while limit and not self.runs_on_host(limit, hidden, intermediate, dtype_bytes):  # rounding at the edge
             limit -= 1
         return limit
+
+    def split_misses(self, tokens_per_miss: dict[int, int], hidden: int, intermediate: int,
+                     dtype_bytes: int) -> list[int]:
+        """The misses the host runs while the others are copied: the split whose longer side (the host's
+        experts one after another, or the copies one after another) is shortest. Fewest tokens first."""
+        by_tokens = sorted(tokens_per_miss, key=lambda e: (tokens_per_miss[e], e))
+        copy = self.copy_seconds(hidden, intermediate, dtype_bytes)
+        best, best_seconds, host = 0, len(by_tokens) * copy, self.sync_seconds
+        for count, expert in enumerate(by_tokens, start=1):
+            host += max(self.host_row_seconds,
+                        tokens_per_miss[expert] * self._host_seconds_per_token(hidden, intermediate, dtype_bytes))
+            seconds = max(host, (len(by_tokens) - count) * copy)
+            if seconds < best_seconds:
+                best, best_seconds = count, seconds
+        return by_tokens[:best]
 
     def _host_seconds_per_token(self, hidden: int, intermediate: int, dtype_bytes: int) -> float:
         return 6 * hidden * intermediate / self.host_flops_per_s + 2 * hidden * dtype_bytes / self.h2d_bytes_per_s
@@ -80,6 +104,8 @@ def measure_host_cost(experts) -> HostExpertCost:
     rows = torch.randn(4, gate_up.shape[1], dtype=gate_up.dtype)
     flops = 2 * rows.shape[0] * (gate_up.numel() + down.numel())
     host_seconds = _seconds_per_call(lambda: F.linear(silu_and_mul_torch(F.linear(rows, gate_up)), down))
+    row = rows[:1]
+    row_seconds = _seconds_per_call(lambda: F.linear(silu_and_mul_torch(F.linear(row, gate_up)), down))
     evicted = cache.expert_in[0]
     copy_seconds = _seconds_per_call(lambda: experts.load_into_slot(0, 0), cuda=True)
     if evicted >= 0:
@@ -87,7 +113,8 @@ def measure_host_cost(experts) -> HostExpertCost:
     row = torch.zeros(1, gate_up.shape[1], dtype=gate_up.dtype, device=experts.gate_up_proj.device)
     sync_seconds = _seconds_per_call(lambda: row.to("cpu").to(row.device), cuda=True)
     return HostExpertCost(h2d_bytes_per_s=experts.expert_bytes() / copy_seconds,
-                          host_flops_per_s=flops / host_seconds, sync_seconds=sync_seconds)
+                          host_flops_per_s=flops / host_seconds, sync_seconds=sync_seconds,
+                          host_row_seconds=row_seconds)
 
 
 def check_cpu_experts(policy: str, expert_cache_size: int | None) -> None:
@@ -108,6 +135,7 @@ def set_cpu_experts(model, policy: str) -> None:
     blocks = [block for block in model.moe_blocks() if block.experts.cache.host]
     check_cpu_experts(policy, blocks[0].experts.cache.num_slots if blocks else None)
     limit = {"never": 0, "always": math.inf}.get(policy)
+    cost = None
     if limit is None:
         experts = blocks[0].experts
         if experts.gate_up_proj.is_cuda:
@@ -119,6 +147,7 @@ def set_cpu_experts(model, policy: str) -> None:
     for block in model.moe_blocks():
         block.experts.cpu_experts = policy
         block.experts.host_token_limit = limit
+        block.experts.host_cost = cost  # auto on the grouped kernel: the split of each step's misses
 
 
 def run_on_host(experts, rows: torch.Tensor, expert: int) -> torch.Tensor:
@@ -131,3 +160,20 @@ def run_on_host(experts, rows: torch.Tensor, expert: int) -> torch.Tensor:
     on_host = rows.to("cpu")
     out = F.linear(silu_and_mul_torch(F.linear(on_host, host["gate_up_proj"][expert])), host["down_proj"][expert])
     return out.to(rows.device)
+
+
+def fill_host_pairs(experts, x: torch.Tensor, router_weights: torch.Tensor, expert_ids: list[int], top_k: int,
+                    on_host: set[int], pairs: torch.Tensor, mask: torch.Tensor) -> None:
+    """The rows of the grouped kernel's output (``[T·k, h]`` float32, on the host) of every pair whose
+    expert is in ``on_host``, from the host store, and ``mask`` (bool ``[T·k]``) True at them.
+
+    The kernel twin's arithmetic (moe_slots.expert_pairs_torch: one pair at a time, the product in
+    x's dtype, weighted in float32), so on the CPU a host-run pair is the kernel's pair bit for bit."""
+    host = experts.cache.host
+    mask.zero_()
+    weights = router_weights.reshape(-1)
+    for pair, expert in enumerate(expert_ids):
+        if expert in on_host:
+            activated = silu_and_mul_torch(torch.mv(host["gate_up_proj"][expert], x[pair // top_k]))
+            pairs[pair] = torch.mv(host["down_proj"][expert], activated).to(torch.float32) * weights[pair].float()
+            mask[pair] = True

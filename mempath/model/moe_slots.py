@@ -16,9 +16,15 @@ decision. On CUDA the layer then runs like this:
   slot) to the device; the piece after the cut maps the ids through that table and runs the
   grouped kernel over the slots. A graph's batch must fit one wave: ``rows·k <= num_slots``.
 
+With ``--moe-cpu-experts auto`` on CUDA, a step's misses are split (moe_host.HostExpertCost.
+split_misses): the host multiplies some from the host store while the others are copied in,
+and their rows replace those pairs' rows of the kernel's output (in a cut graph through the
+slot table's host-pair buffers, uploaded between the pieces).
+
 A pair's row is computed the same way in any group of the grouped kernel, and the sum over k
 is the all-resident layer's, so outputs are bit-identical to the all-resident model on the
-grouped kernel for every cache size. ``expert_pairs_torch`` is the kernel's twin over the
+grouped kernel for every cache size (host-run pairs: on the CPU too; on CUDA the host's
+arithmetic is not the kernel's). ``expert_pairs_torch`` is the kernel's twin over the
 same stacks: CPU tests run this module's bookkeeping with it.
 
 This module works on a MoEBlock passed in (duck-typed) and imports nothing from moe.py.
@@ -28,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from mempath.kernels.moe_triton import sum_pairs
+from mempath.model.moe_host import fill_host_pairs
 
 
 def expert_pairs_torch(x: torch.Tensor, router_weights: torch.Tensor, expert_ids: torch.Tensor,
@@ -49,10 +56,11 @@ def expert_pairs_torch(x: torch.Tensor, router_weights: torch.Tensor, expert_ids
 
 def uses_slot_kernel(block) -> bool:
     """The cache runs on the grouped kernel: it has fewer experts resident than all, the kernel is
-    there, and no miss runs on the host (--moe-cpu-experts never)."""
+    there, and a miss is copied or split by the cost model (--moe-cpu-experts never or auto; with
+    always every miss runs on the host, through MoE's eager path)."""
     experts = block.experts
     return (bool(experts.cache.host) and experts.kernels.grouped_expert_pairs is not None
-            and experts.cpu_experts == "never")
+            and experts.cpu_experts in ("never", "auto"))
 
 
 class SlotTable:
@@ -60,14 +68,35 @@ class SlotTable:
     padding row of a captured batch can read one, and its output is discarded), and its pinned host
     copy. Rewritten between graph pieces when the cache's bookings change."""
 
-    def __init__(self, num_experts: int, device: torch.device):
+    def __init__(self, num_experts: int, device: torch.device, host_pairs: int = 0, hidden: int = 0):
         pin = device.type == "cuda"
         self.device_table = torch.zeros(num_experts, dtype=torch.int64, device=device)
         self.host_table = torch.zeros(num_experts, dtype=torch.int64, pin_memory=pin)
         self.written: list[int] | None = None  # the cache's slot_of as last written
+        # A cut graph's pairs run on the host (``host_pairs`` of them at most: its batch · k): their
+        # rows and where they go, uploaded between the pieces; the mask is all False when none ran.
+        self.pair_rows = torch.zeros(host_pairs, hidden, dtype=torch.float32, device=device)
+        self.pair_mask = torch.zeros(host_pairs, dtype=torch.bool, device=device)
+        self.host_pair_rows = torch.zeros(host_pairs, hidden, dtype=torch.float32, pin_memory=pin)
+        self.host_pair_mask = torch.zeros(host_pairs, dtype=torch.bool, pin_memory=pin)
+        self.mask_dirty = False  # the device mask has a True from an earlier step
 
     def nbytes(self) -> int:
-        return self.device_table.numel() * self.device_table.element_size()
+        return sum(t.numel() * t.element_size() for t in (self.device_table, self.pair_rows, self.pair_mask))
+
+    def write_host_pairs(self, experts, x: torch.Tensor, weights: torch.Tensor, expert_ids: list[int],
+                         top_k: int, on_host: set[int]) -> None:
+        """The host-run pairs' rows and mask for the piece after the cut (``x`` and ``weights``: the
+        layer's rows, read back to the host with the ids, so the device is past the router)."""
+        if not on_host and not self.mask_dirty:
+            return
+        n = len(expert_ids)
+        fill_host_pairs(experts, x, weights, expert_ids, top_k, on_host, self.host_pair_rows[:n],
+                        self.host_pair_mask)
+        if on_host:
+            self.pair_rows[:n].copy_(self.host_pair_rows[:n], non_blocking=True)
+        self.pair_mask.copy_(self.host_pair_mask, non_blocking=True)
+        self.mask_dirty = bool(on_host)
 
     def write(self, slot_of: list[int]) -> None:
         """Upload the cache's bookings if they changed since the last write (asynchronously: the host
@@ -85,9 +114,23 @@ def slot_table(block) -> SlotTable:
     experts = block.experts
     table = experts.__dict__.get("slot_table")
     if table is None:
-        table = SlotTable(experts.num_experts, experts.gate_up_proj.device)
+        # A cut graph routes at most num_slots pairs (graph_rows_limit); host pairs only under auto.
+        host_pairs = experts.cache.num_slots if experts.host_cost is not None else 0
+        table = SlotTable(experts.num_experts, experts.gate_up_proj.device, host_pairs, experts.down_proj.shape[1])
         experts.__dict__["slot_table"] = table
     return table
+
+
+def split_routing(experts, routed: dict[int, int]) -> tuple[dict[int, int], set[int]]:
+    """The experts the slots run (hits and the misses to copy) and the misses the host runs, by the
+    cost model under auto (none otherwise). The host-run ones are counted as misses that copy nothing."""
+    cache, cost = experts.cache, experts.host_cost
+    if cost is None:
+        return routed, set()
+    misses = {e: n for e, n in routed.items() if cache.slot_of[e] < 0}
+    on_host = set(cost.split_misses(misses, experts.gate_up_proj.shape[2], experts.intermediate_size,
+                                    experts.gate_up_proj.element_size()))
+    return {e: n for e, n in routed.items() if e not in on_host}, on_host
 
 
 def count_routed(expert_ids: list[int]) -> dict[int, int]:
@@ -98,9 +141,10 @@ def count_routed(expert_ids: list[int]) -> dict[int, int]:
     return routed
 
 
-def book_one_wave(block, expert_ids: list[int]) -> None:
+def book_one_wave(block, expert_ids: list[int]) -> set[int]:
     """A captured batch's routing through the cache: hits counted, misses copied into slots on the
-    current stream (spread over two copy streams they ran slower on the H200: BENCHMARKS.md).
+    current stream (spread over two copy streams they ran slower on the H200: BENCHMARKS.md), or
+    under auto some left to the host (returned: the host computes them while the copies run).
 
     Every active expert must fit the slots at once (the graph sizes are chosen so)."""
     experts = block.experts
@@ -110,9 +154,14 @@ def book_one_wave(block, expert_ids: list[int]) -> None:
         raise RuntimeError(f"a captured MoE step routed to more experts than the {cache.num_slots} slots: "
                            "its graph size should not have been captured")
     cache.record_routing(routed)
-    [wave] = cache.waves(sorted(routed))
-    cache.release(cache.acquire(wave, experts.load_into_slot))
+    in_slots, on_host = split_routing(experts, routed)
+    for expert in on_host:
+        cache.note_host_run(routed[expert])
+    if in_slots:
+        [wave] = cache.waves(sorted(in_slots))
+        cache.release(cache.acquire(wave, experts.load_into_slot))
     slot_table(block).write(cache.slot_of)
+    return on_host
 
 
 class SlotStep:
@@ -120,19 +169,31 @@ class SlotStep:
 
     Made at the cut, outside any capture (it allocates its pinned landing buffer there)."""
 
-    def __init__(self, block, expert_ids: torch.Tensor):
+    def __init__(self, block, expert_ids: torch.Tensor, x: torch.Tensor, weights: torch.Tensor):
         self.block = block
-        self.expert_ids = expert_ids  # the piece before the cut writes it; held so nothing reuses it
+        # The piece before the cut writes these; held so nothing reuses them.
+        self.expert_ids, self.x, self.weights = expert_ids, x, weights
         self.landing = torch.empty(expert_ids.shape, dtype=expert_ids.dtype, pin_memory=True)
         self.landed = self.landing.numpy()
+        self.splits = block.experts.host_cost is not None  # auto: the host may run misses, from these rows
+        if self.splits:
+            self.x_landing = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            self.weights_landing = torch.empty(weights.shape, dtype=weights.dtype, pin_memory=True)
         self.read = torch.cuda.Event()
 
     def __call__(self, rows: int | None) -> None:
         """Book the routing of the first ``rows`` rows (None: all; the rest pad the captured batch)."""
         self.landing.copy_(self.expert_ids, non_blocking=True)
+        if self.splits:
+            self.x_landing.copy_(self.x, non_blocking=True)
+            self.weights_landing.copy_(self.weights, non_blocking=True)
         self.read.record()
         self.read.synchronize()
-        book_one_wave(self.block, self.landed[:rows].ravel().tolist())
+        ids = self.landed[:rows].ravel().tolist()
+        on_host = book_one_wave(self.block, ids)  # the misses' copies are issued: the host works meanwhile
+        if self.splits:
+            slot_table(self.block).write_host_pairs(self.block.experts, self.x_landing, self.weights_landing, ids,
+                                                    self.block.top_k, on_host)
         if self.block.router_bias is not None:  # benchmarks' synthetic routing: its drift counts forwards
             self.block.router_bias.advance()
 
@@ -143,9 +204,13 @@ def forward_slots(block, x: torch.Tensor, weights: torch.Tensor, expert_ids: tor
     kernel = experts.kernels.grouped_expert_pairs
     cut = block.__dict__.get("graph_cut")
     if cut is not None and x.is_cuda and torch.cuda.is_current_stream_capturing():
-        cut(lambda: SlotStep(block, expert_ids))
-        slot_ids = slot_table(block).device_table[expert_ids]
+        cut(lambda: SlotStep(block, expert_ids, x, weights))
+        table = slot_table(block)
+        slot_ids = table.device_table[expert_ids]
         pairs = kernel(x, weights, slot_ids, experts.gate_up_proj, experts.down_proj, experts.kernels.silu_and_mul)
+        if experts.host_cost is not None:
+            n = pairs.shape[0]
+            pairs = torch.where(table.pair_mask[:n, None], table.pair_rows[:n], pairs)
         return _sum(experts)(pairs, block.top_k, x.dtype)
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("a MoE layer with fewer experts resident than all copies its misses on the host's "
@@ -163,8 +228,9 @@ def _run_waves(block, x, weights, expert_ids, kernel) -> torch.Tensor:
     ids = _read_ids_and_prefetch(block, x, expert_ids)
     routed = count_routed(ids)
     cache.record_routing(routed)
-    waves = cache.waves(sorted(routed))
-    pairs = None
+    in_slots, on_host = split_routing(experts, routed)
+    waves = cache.waves(sorted(in_slots))
+    pairs = _host_pairs(block, x, weights, ids, routed, on_host) if on_host else None
     for wave in waves:
         slots = cache.acquire(wave, experts.load_into_slot)
         try:
@@ -182,6 +248,17 @@ def _run_waves(block, x, weights, expert_ids, kernel) -> torch.Tensor:
         del out, slot_ids
     slot_table(block).write(cache.slot_of)
     return _sum(experts)(pairs, block.top_k, x.dtype)
+
+
+def _host_pairs(block, x, weights, ids: list[int], routed: dict[int, int], on_host: set[int]) -> torch.Tensor:
+    """An eager step's [T·k, h] float32 pairs with the host-run ones filled in (the waves write the rest)."""
+    experts = block.experts
+    rows = torch.zeros(len(ids), experts.down_proj.shape[1], dtype=torch.float32)
+    mask = torch.zeros(len(ids), dtype=torch.bool)
+    fill_host_pairs(experts, x.to("cpu"), weights.to("cpu"), ids, block.top_k, on_host, rows, mask)
+    for expert in on_host:
+        experts.cache.note_host_run(routed[expert])
+    return rows.to(x.device)
 
 
 def _read_ids_and_prefetch(block, x: torch.Tensor, expert_ids: torch.Tensor) -> list[int]:
