@@ -17,7 +17,7 @@ On the grouped kernel (moe_slots.py, eager steps and decode graphs cut at the Mo
 ``auto`` splits a step's misses instead: the host multiplies some while the copy engine
 brings in the others, so the layer waits for the longer of the two, not for every copy
 (``HostExpertCost.split_misses``). The host's results enter the layer as the pairs'
-rows of the grouped kernel's output (``fill_host_pairs``), in the kernel twin's arithmetic.
+rows of the grouped kernel's output (``moe_slots.fill_host_pairs``), by the kernel's twin.
 """
 import math
 import time
@@ -104,8 +104,8 @@ def measure_host_cost(experts) -> HostExpertCost:
     rows = torch.randn(4, gate_up.shape[1], dtype=gate_up.dtype)
     flops = 2 * rows.shape[0] * (gate_up.numel() + down.numel())
     host_seconds = _seconds_per_call(lambda: F.linear(silu_and_mul_torch(F.linear(rows, gate_up)), down))
-    row = rows[:1]
-    row_seconds = _seconds_per_call(lambda: F.linear(silu_and_mul_torch(F.linear(row, gate_up)), down))
+    one_row = rows[:1]
+    row_seconds = _seconds_per_call(lambda: F.linear(silu_and_mul_torch(F.linear(one_row, gate_up)), down))
     evicted = cache.expert_in[0]
     copy_seconds = _seconds_per_call(lambda: experts.load_into_slot(0, 0), cuda=True)
     if evicted >= 0:
@@ -161,19 +161,3 @@ def run_on_host(experts, rows: torch.Tensor, expert: int) -> torch.Tensor:
     out = F.linear(silu_and_mul_torch(F.linear(on_host, host["gate_up_proj"][expert])), host["down_proj"][expert])
     return out.to(rows.device)
 
-
-def fill_host_pairs(experts, x: torch.Tensor, router_weights: torch.Tensor, expert_ids: list[int], top_k: int,
-                    on_host: set[int], pairs: torch.Tensor, mask: torch.Tensor) -> None:
-    """The rows of the grouped kernel's output (``[T·k, h]`` float32, on the host) of every pair whose
-    expert is in ``on_host``, from the host store, and ``mask`` (bool ``[T·k]``) True at them.
-
-    The kernel twin's arithmetic (moe_slots.expert_pairs_torch: one pair at a time, the product in
-    x's dtype, weighted in float32), so on the CPU a host-run pair is the kernel's pair bit for bit."""
-    host = experts.cache.host
-    mask.zero_()
-    weights = router_weights.reshape(-1)
-    for pair, expert in enumerate(expert_ids):
-        if expert in on_host:
-            activated = silu_and_mul_torch(torch.mv(host["gate_up_proj"][expert], x[pair // top_k]))
-            pairs[pair] = torch.mv(host["down_proj"][expert], activated).to(torch.float32) * weights[pair].float()
-            mask[pair] = True

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from mempath.kernels.moe_triton import sum_pairs
-from mempath.model.moe_host import fill_host_pairs
+from mempath.kernels.elementwise_torch import silu_and_mul_torch
 
 
 def expert_pairs_torch(x: torch.Tensor, router_weights: torch.Tensor, expert_ids: torch.Tensor,
@@ -52,6 +52,23 @@ def expert_pairs_torch(x: torch.Tensor, router_weights: torch.Tensor, expert_ids
         activated = silu_and_mul(torch.mv(gate_up_proj[expert], x[pair // top_k]))
         out[pair] = torch.mv(down_proj[expert], activated).to(torch.float32) * weights[pair]
     return out
+
+
+def fill_host_pairs(experts, x: torch.Tensor, router_weights: torch.Tensor, expert_ids: list[int], top_k: int,
+                    on_host: set[int], pairs: torch.Tensor, mask: torch.Tensor) -> None:
+    """The rows of the grouped kernel's output (``[T·k, h]`` float32, on the host) of every pair whose
+    expert is in ``on_host``, by the kernel's twin over the host store, and ``mask`` (bool ``[T·k]``)
+    True at them: on the CPU a host-run pair is the kernel's pair bit for bit."""
+    mask.zero_()
+    chosen = [p for p, e in enumerate(expert_ids) if e in on_host]
+    if not chosen:
+        return
+    index = torch.tensor(chosen)
+    host = experts.cache.host
+    pairs[index] = expert_pairs_torch(x[index // top_k], router_weights.reshape(-1)[index].unsqueeze(1),
+                                      torch.tensor([expert_ids[p] for p in chosen]).unsqueeze(1),
+                                      host["gate_up_proj"], host["down_proj"], silu_and_mul_torch)
+    mask[index] = True
 
 
 def uses_slot_kernel(block) -> bool:
@@ -123,13 +140,15 @@ def slot_table(block) -> SlotTable:
 
 def split_routing(experts, routed: dict[int, int]) -> tuple[dict[int, int], set[int]]:
     """The experts the slots run (hits and the misses to copy) and the misses the host runs, by the
-    cost model under auto (none otherwise). The host-run ones are counted as misses that copy nothing."""
+    cost model under auto (none otherwise). The host-run ones are counted here, as misses that copy nothing."""
     cache, cost = experts.cache, experts.host_cost
     if cost is None:
         return routed, set()
     misses = {e: n for e, n in routed.items() if cache.slot_of[e] < 0}
     on_host = set(cost.split_misses(misses, experts.gate_up_proj.shape[2], experts.intermediate_size,
                                     experts.gate_up_proj.element_size()))
+    for expert in on_host:
+        cache.note_host_run(routed[expert])
     return {e: n for e, n in routed.items() if e not in on_host}, on_host
 
 
@@ -155,8 +174,6 @@ def book_one_wave(block, expert_ids: list[int]) -> set[int]:
                            "its graph size should not have been captured")
     cache.record_routing(routed)
     in_slots, on_host = split_routing(experts, routed)
-    for expert in on_host:
-        cache.note_host_run(routed[expert])
     if in_slots:
         [wave] = cache.waves(sorted(in_slots))
         cache.release(cache.acquire(wave, experts.load_into_slot))
@@ -230,7 +247,7 @@ def _run_waves(block, x, weights, expert_ids, kernel) -> torch.Tensor:
     cache.record_routing(routed)
     in_slots, on_host = split_routing(experts, routed)
     waves = cache.waves(sorted(in_slots))
-    pairs = _host_pairs(block, x, weights, ids, routed, on_host) if on_host else None
+    pairs = _host_pairs(block, x, weights, ids, on_host) if on_host else None
     for wave in waves:
         slots = cache.acquire(wave, experts.load_into_slot)
         try:
@@ -250,14 +267,12 @@ def _run_waves(block, x, weights, expert_ids, kernel) -> torch.Tensor:
     return _sum(experts)(pairs, block.top_k, x.dtype)
 
 
-def _host_pairs(block, x, weights, ids: list[int], routed: dict[int, int], on_host: set[int]) -> torch.Tensor:
+def _host_pairs(block, x, weights, ids: list[int], on_host: set[int]) -> torch.Tensor:
     """An eager step's [T·k, h] float32 pairs with the host-run ones filled in (the waves write the rest)."""
     experts = block.experts
     rows = torch.zeros(len(ids), experts.down_proj.shape[1], dtype=torch.float32)
     mask = torch.zeros(len(ids), dtype=torch.bool)
     fill_host_pairs(experts, x.to("cpu"), weights.to("cpu"), ids, block.top_k, on_host, rows, mask)
-    for expert in on_host:
-        experts.cache.note_host_run(routed[expert])
     return rows.to(x.device)
 
 
