@@ -19,7 +19,9 @@ offload   the Qwen3-30B-A3B shape with a 16 GB weight budget (the non-expert wei
           planner's prediction (memory.formulas.moe_offload_tokens_per_second, from the hit
           rate and the all-resident step time measured here). On CUDA decode runs on graphs
           cut at the MoE layers (mempath/engine/piecewise.py); the model router's tokens are
-          compared with the all-resident run's (the same kernels: they must be identical).
+          compared with the all-resident run's (the same kernels: they must be identical;
+          with --cpu-experts auto or always the host's matmuls of the misses it runs round
+          differently from the device's, so a near-tie can decode another token).
 resident  Qwen3-30B-A3B and Mixtral-8x7B shapes with every expert resident (the grouped
           kernel, decode CUDA graphs), batch-1 decode tokens/s against the active-weight
           read limit (bytes one token reads / the device read bandwidth).
@@ -209,6 +211,10 @@ def part_offload(args, config: dict, bandwidth: dict) -> list[dict]:
     del resident
     llm = engine(path, args, moe_expert_cache_gb=slots_gb, moe_cpu_experts=args.cpu_experts)
     set_expert_prefetch(llm.engine.model, False)  # decode graphs do not prefetch; eager steps would
+    cost = llm.engine.model.moe_blocks()[0].experts.host_cost  # auto's measured rates (None otherwise)
+    rates = {} if cost is None else dict(
+        host_row_us=cost.host_row_seconds * 1e6, sync_us=cost.sync_seconds * 1e6,
+        copy_us=cost.copy_seconds(shape.hidden_size, shape.moe_intermediate_size, b) * 1e6)
     out = []
     cut = 0.0  # seconds per MoE layer of a cut graph's host step: measured on the model router's run
     for router in args.routers.split(","):
@@ -228,8 +234,9 @@ def part_offload(args, config: dict, bandwidth: dict) -> list[dict]:
         if router == "model" and llm.engine.runner.graphs:
             cut = max(0.0, 1 / rate - 1 / resident_rate - copied / (bandwidth["h2d_GBps"] * 1e9)) / shape.num_moe_layers
         predicted = moe_offload_tokens_per_second(shape, b, hit_rate, bandwidth["h2d_GBps"] * 1e9, 1.0 / resident_rate)
+        split = {} if cost is None else dict(host_row_seconds=cost.host_row_seconds, sync_seconds=cost.sync_seconds)
         predicted_with_cuts = moe_offload_tokens_per_second(shape, b, hit_rate, bandwidth["h2d_GBps"] * 1e9,
-                                                            1.0 / resident_rate, cut)
+                                                            1.0 / resident_rate, cut, **split)
         out.append(result(
             "offload", model=config["architectures"][0], router=after["router"],
             cuda_graphs=sorted(llm.engine.runner.graphs), weight_budget_GB=args.weight_budget / 1e9,
@@ -246,7 +253,7 @@ def part_offload(args, config: dict, bandwidth: dict) -> list[dict]:
             tokens_identical_to_all_resident=tokens == resident_tokens if router == "model" else None,
             cpu_experts=args.cpu_experts, host_token_limit=after["host_token_limit"],
             host_experts_per_token=(after["host_experts"] - before["host_experts"]) / args.output_len,
-            target_tok_s={"model": None, "uniform": 17, "skewed": 40}[router], **clock.per_layer()))
+            target_tok_s={"model": None, "uniform": 17, "skewed": 40}[router], **rates, **clock.per_layer()))
     out.append(result("offload-store", **store_copy_rate(llm, args)))
     del llm
     return out

@@ -43,3 +43,22 @@ def test_plan_flags_set_the_rates(capsys):
     assert main(["plan", str(CONFIGS / "qwen3-30b-a3b.json"), "--gpu-mem", "141GB", "--dtype", "bfloat16",
                  "--moe-expert-cache-size", "32", "--h2d-gbps", "25", "--device-read-gbps", "4000"]) == 0
     assert "predicted batch-1 decode 8.9 tok/s" in capsys.readouterr().out
+
+
+def test_prediction_with_misses_split_between_the_host_and_the_copies():
+    """--moe-cpu-experts auto: each MoE layer waits for the longer of the host's share of the misses
+    (one expert after another, after a sync) and the copies of the rest, at the best split."""
+    shape = read_shape(load("qwen3-30b-a3b"))
+    copy = 3 * 2048 * 768 * 2 / 50e9  # 188.7 us
+    step = 1.7e-3
+    copies_only = moe_offload_tokens_per_second(shape, 2, 0.25, 50e9, step)
+    # 6 misses a layer; a host as fast as the link takes 3: the layer waits 3 copies, not 6.
+    even = moe_offload_tokens_per_second(shape, 2, 0.25, 50e9, step, host_row_seconds=copy)
+    assert 1 / even == pytest.approx(step + 48 * 3 * copy)
+    # A 20 us sync and a host at 1.5x a copy: 2 on the host (max(20 + 566, 755) = 755 us) beats
+    # 3 (max(869, 566)) and 1 (max(303, 944)).
+    slower = moe_offload_tokens_per_second(shape, 2, 0.25, 50e9, step, host_row_seconds=1.5 * copy, sync_seconds=20e-6)
+    assert 1 / slower == pytest.approx(step + 48 * 4 * copy)
+    # A host whose one expert (after the sync) outlasts all six copies takes none: copies only.
+    assert moe_offload_tokens_per_second(shape, 2, 0.25, 50e9, step, host_row_seconds=6 * copy,
+                                         sync_seconds=copy) == pytest.approx(copies_only)

@@ -19,6 +19,7 @@ brings in the others, so the layer waits for the longer of the two, not for ever
 (``HostExpertCost.split_misses``). The host's results enter the layer as the pairs'
 rows of the grouped kernel's output (``moe_slots.fill_host_pairs``), by the kernel's twin.
 """
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -81,7 +82,7 @@ class HostExpertCost:
         return 6 * hidden * intermediate / self.host_flops_per_s + 2 * hidden * dtype_bytes / self.h2d_bytes_per_s
 
 
-def _seconds_per_call(fn, min_seconds: float = 0.02, cuda: bool = False) -> float:
+def _seconds_per_call(fn, min_seconds: float = 0.02, cuda: bool = False, min_calls: int = 1) -> float:
     fn()  # warm-up (allocator, kernel choice)
     calls, start = 0, time.perf_counter()
     while True:
@@ -90,28 +91,38 @@ def _seconds_per_call(fn, min_seconds: float = 0.02, cuda: bool = False) -> floa
         if cuda:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-        if elapsed >= min_seconds:
+        if elapsed >= min_seconds and calls >= min_calls:
             return elapsed / calls
 
 
 def measure_host_cost(experts) -> HostExpertCost:
-    """The rates on this machine, measured with one layer's experts (a CUDA one with a host store).
+    """The rates on this machine, measured with one layer's experts (its host store).
 
-    The copies go into slot 0, which gets its expert back afterwards, so nothing is
-    allocated on the device beyond one row."""
+    The host's MLP is timed over every expert of the layer in turn: a step's misses are
+    experts no recent step read, so their weights come from memory, not from the host's
+    caches, which one expert timed again and again would sit in. The copies go into
+    slot 0, which gets its expert back afterwards, so nothing is allocated on the device
+    beyond one row."""
     host, cache = experts.cache.host, experts.cache
-    gate_up, down = host["gate_up_proj"][0], host["down_proj"][0]
-    rows = torch.randn(4, gate_up.shape[1], dtype=gate_up.dtype)
-    flops = 2 * rows.shape[0] * (gate_up.numel() + down.numel())
-    host_seconds = _seconds_per_call(lambda: F.linear(silu_and_mul_torch(F.linear(rows, gate_up)), down))
+    gate_ups, downs = host["gate_up_proj"], host["down_proj"]
+    num_experts, cuda = gate_ups.shape[0], experts.gate_up_proj.is_cuda
+    order = itertools.cycle(range(num_experts))
+
+    def host_mlp(rows):
+        expert = next(order)
+        return F.linear(silu_and_mul_torch(F.linear(rows, gate_ups[expert])), downs[expert])
+
+    rows = torch.randn(4, gate_ups.shape[2], dtype=gate_ups.dtype)
+    flops = 2 * rows.shape[0] * (gate_ups[0].numel() + downs[0].numel())
+    host_seconds = _seconds_per_call(lambda: host_mlp(rows), min_calls=num_experts)
     one_row = rows[:1]
-    row_seconds = _seconds_per_call(lambda: F.linear(silu_and_mul_torch(F.linear(one_row, gate_up)), down))
+    row_seconds = _seconds_per_call(lambda: host_mlp(one_row), min_calls=num_experts)
     evicted = cache.expert_in[0]
-    copy_seconds = _seconds_per_call(lambda: experts.load_into_slot(0, 0), cuda=True)
+    copy_seconds = _seconds_per_call(lambda: experts.load_into_slot(0, 0), cuda=cuda)
     if evicted >= 0:
         experts.load_into_slot(evicted, 0)  # what the slot held before (a free slot's bytes are junk anyway)
-    row = torch.zeros(1, gate_up.shape[1], dtype=gate_up.dtype, device=experts.gate_up_proj.device)
-    sync_seconds = _seconds_per_call(lambda: row.to("cpu").to(row.device), cuda=True)
+    row = torch.zeros(1, gate_ups.shape[2], dtype=gate_ups.dtype, device=experts.gate_up_proj.device)
+    sync_seconds = _seconds_per_call(lambda: row.to("cpu").to(row.device), cuda=cuda)
     return HostExpertCost(h2d_bytes_per_s=experts.expert_bytes() / copy_seconds,
                           host_flops_per_s=flops / host_seconds, sync_seconds=sync_seconds,
                           host_row_seconds=row_seconds)
