@@ -143,7 +143,8 @@ def part_pinned(args, shape) -> dict:
     del big, other
     split = split_copies(args, shape, host, slot, device)
     return result("pinned", expert_bytes=per_expert * 2, h2d_GBps=h2d / 1e9, device_read_GBps=read / 1e9,
-                  pinned=pin, copies=args.copies, **split, host_expert_us=host_expert_seconds(shape) * 1e6)
+                  pinned=pin, copies=args.copies, **split, **host_expert_seconds(shape, args.tiny),
+                  host_threads=torch.get_num_threads())
 
 
 def split_copies(args, shape, host, slot, device) -> dict:
@@ -171,21 +172,31 @@ class _nothing:
         return False
 
 
-def host_expert_seconds(shape) -> float:
-    """One expert's MLP for one token on the host in bf16 (what --moe-cpu-experts would run), seconds."""
+def host_expert_seconds(shape, tiny: bool) -> dict:
+    """One expert's MLP for one token on the host in bf16 (what --moe-cpu-experts runs), microseconds,
+    over 64 experts in turn (a miss's weights come from memory, not the host's caches), by matrix-vector
+    products (moe_slots.expert_pairs_torch, the host path) and by one-row F.linear."""
     h, i = shape.hidden_size, shape.moe_intermediate_size
-    gate_up, down = torch.randn(2 * i, h, dtype=torch.bfloat16), torch.randn(h, i, dtype=torch.bfloat16)
-    x = torch.randn(1, h, dtype=torch.bfloat16)
+    count = 4 if tiny else 64
+    gate_up, down = torch.randn(count, 2 * i, h, dtype=torch.bfloat16), torch.randn(count, h, i, dtype=torch.bfloat16)
+    x = torch.randn(h, dtype=torch.bfloat16)
+    linear = torch.nn.functional.linear
 
-    def run():
-        a, b = torch.nn.functional.linear(x, gate_up).chunk(2, dim=-1)
-        torch.nn.functional.linear(torch.nn.functional.silu(a) * b, down)
-    run()
-    start, calls = time.perf_counter(), 0
-    while time.perf_counter() - start < 0.2:
-        run()
-        calls += 1
-    return (time.perf_counter() - start) / calls
+    def by_mv(e):
+        a, b = torch.mv(gate_up[e], x).chunk(2)
+        torch.mv(down[e], torch.nn.functional.silu(a) * b)
+
+    def by_linear(e):
+        a, b = linear(x[None], gate_up[e]).chunk(2, dim=-1)
+        linear(torch.nn.functional.silu(a) * b, down[e])
+    out = {}
+    for name, run in (("mv", by_mv), ("linear", by_linear)):
+        run(0)
+        start = time.perf_counter()
+        for call in range(4 * count):
+            run(call % count)
+        out[f"host_expert_{name}_us"] = (time.perf_counter() - start) / (4 * count) * 1e6
+    return out
 
 
 def synchronize(device: torch.device) -> None:

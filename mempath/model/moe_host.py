@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from mempath.kernels.elementwise_torch import silu_and_mul_torch
+from mempath.model.moe_slots import fill_host_pairs
 
 CPU_EXPERT_POLICIES = ("never", "auto", "always")
 
@@ -98,27 +99,31 @@ def _seconds_per_call(fn, min_seconds: float = 0.02, cuda: bool = False, min_cal
 def measure_host_cost(experts) -> HostExpertCost:
     """The rates on this machine, measured with one layer's experts (its host store).
 
-    The host's MLP is timed over every expert of the layer in turn: a step's misses are
+    The host's part is timed as a step runs it (moe_slots.fill_host_pairs), over every
+    expert of the layer in turn: a step's misses are
     experts no recent step read, so their weights come from memory, not from the host's
-    caches, which one expert timed again and again would sit in. The copies go into
-    slot 0, which gets its expert back afterwards, so nothing is allocated on the device
+    caches, which one expert timed again and again would sit in. The copies (bursts of four,
+    as a step issues them) go into slot 0, which gets its expert back afterwards, so nothing is allocated on the device
     beyond one row."""
     host, cache = experts.cache.host, experts.cache
-    gate_ups, downs = host["gate_up_proj"], host["down_proj"]
+    gate_ups = host["gate_up_proj"]
     num_experts, cuda = gate_ups.shape[0], experts.gate_up_proj.is_cuda
     order = itertools.cycle(range(num_experts))
-
-    def host_mlp(rows):
-        expert = next(order)
-        return F.linear(silu_and_mul_torch(F.linear(rows, gate_ups[expert])), downs[expert])
-
     rows = torch.randn(4, gate_ups.shape[2], dtype=gate_ups.dtype)
-    flops = 2 * rows.shape[0] * (gate_ups[0].numel() + downs[0].numel())
-    host_seconds = _seconds_per_call(lambda: host_mlp(rows), min_calls=num_experts)
-    one_row = rows[:1]
-    row_seconds = _seconds_per_call(lambda: host_mlp(one_row), min_calls=num_experts)
+    pairs, mask, weights = torch.empty(4, host["down_proj"].shape[1]), torch.empty(4, dtype=torch.bool), torch.ones(4)
+
+    def host_pairs(count: int) -> None:  # what a step runs: count rows of one expert, by the path's own function
+        expert = next(order)
+        fill_host_pairs(experts, rows[:count], weights[:count], [expert] * count, 1, {expert}, pairs[:count],
+                        mask[:count])
+
+    flops = 2 * rows.shape[0] * 3 * gate_ups.shape[2] * experts.intermediate_size
+    host_seconds = _seconds_per_call(lambda: host_pairs(4), min_calls=num_experts)
+    row_seconds = _seconds_per_call(lambda: host_pairs(1), min_calls=num_experts)
     evicted = cache.expert_in[0]
-    copy_seconds = _seconds_per_call(lambda: experts.load_into_slot(0, 0), cuda=cuda)
+    burst = 4  # a step's copies are issued back to back: time a burst, not one copy and its sync
+    copy_seconds = _seconds_per_call(lambda: [experts.load_into_slot(next(order), 0) for _ in range(burst)],
+                                     cuda=cuda) / burst
     if evicted >= 0:
         experts.load_into_slot(evicted, 0)  # what the slot held before (a free slot's bytes are junk anyway)
     row = torch.zeros(1, gate_ups.shape[2], dtype=gate_ups.dtype, device=experts.gate_up_proj.device)
