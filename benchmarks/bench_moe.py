@@ -46,7 +46,8 @@ sys.path.insert(0, str(ROOT))
 from mempath import LLM, SamplingParams  # noqa: E402
 from mempath.memory.formulas import (expert_bytes, moe_missed_bytes_per_token,  # noqa: E402
                                      moe_offload_tokens_per_second, read_shape, weight_bytes)
-from mempath.model import moe_slots  # noqa: E402
+from mempath.memory.pinned import pinned_empty, transparent_huge_pages  # noqa: E402
+from mempath.model import moe, moe_slots  # noqa: E402
 from mempath.model.moe import (expert_cache_stats, set_expert_prefetch, synthetic_router_bias,  # noqa: E402
                                synthetic_uniform_router)
 from mempath.tools.plan import plan_memory  # noqa: E402
@@ -174,28 +175,38 @@ class _nothing:
 
 def host_expert_seconds(shape, tiny: bool) -> dict:
     """One expert's MLP for one token on the host in bf16 (what --moe-cpu-experts runs), microseconds,
-    over 64 experts in turn (a miss's weights come from memory, not the host's caches), by matrix-vector
-    products (moe_slots.expert_pairs_torch, the host path) and by one-row F.linear."""
+    over 64 experts in turn (a miss's weights come from memory, not the host's caches): by matrix-vector
+    products (moe_slots.expert_pairs_torch, the host path) and by one-row F.linear, on pageable memory;
+    by products on the driver's pinned memory and on memory/pinned.py's (huge pages), where CUDA is."""
     h, i = shape.hidden_size, shape.moe_intermediate_size
     count = 4 if tiny else 64
-    gate_up, down = torch.randn(count, 2 * i, h, dtype=torch.bfloat16), torch.randn(count, h, i, dtype=torch.bfloat16)
+    stores = {"pageable": lambda size, dtype: torch.empty(size, dtype=dtype)}
+    if torch.cuda.is_available():
+        stores["driver_pinned"] = lambda size, dtype: torch.empty(size, dtype=dtype, pin_memory=True)
+        stores["huge_pinned"] = pinned_empty
     x = torch.randn(h, dtype=torch.bfloat16)
-    linear = torch.nn.functional.linear
+    linear, silu = torch.nn.functional.linear, torch.nn.functional.silu
+    out = {"thp": transparent_huge_pages()}
+    for store, make in stores.items():
+        gate_up, down = make((count, 2 * i, h), torch.bfloat16), make((count, h, i), torch.bfloat16)
+        gate_up.copy_(torch.randn(gate_up.shape, dtype=torch.bfloat16))
+        down.copy_(torch.randn(down.shape, dtype=torch.bfloat16))
 
-    def by_mv(e):
-        a, b = torch.mv(gate_up[e], x).chunk(2)
-        torch.mv(down[e], torch.nn.functional.silu(a) * b)
+        def by_mv(e):
+            a, b = torch.mv(gate_up[e], x).chunk(2)
+            torch.mv(down[e], silu(a) * b)
 
-    def by_linear(e):
-        a, b = linear(x[None], gate_up[e]).chunk(2, dim=-1)
-        linear(torch.nn.functional.silu(a) * b, down[e])
-    out = {}
-    for name, run in (("mv", by_mv), ("linear", by_linear)):
-        run(0)
-        start = time.perf_counter()
-        for call in range(4 * count):
-            run(call % count)
-        out[f"host_expert_{name}_us"] = (time.perf_counter() - start) / (4 * count) * 1e6
+        def by_linear(e):
+            a, b = linear(x[None], gate_up[e]).chunk(2, dim=-1)
+            linear(silu(a) * b, down[e])
+        for name, run in (("mv", by_mv), ("linear", by_linear)) if store == "pageable" else (("mv", by_mv),):
+            run(0)
+            start = time.perf_counter()
+            for call in range(4 * count):
+                run(call % count)
+            out[f"host_expert_{name}_{store}_us"] = (time.perf_counter() - start) / (4 * count) * 1e6
+        del gate_up, down
+        gc.collect()
     return out
 
 
@@ -262,7 +273,7 @@ def part_offload(args, config: dict, bandwidth: dict) -> list[dict]:
             predicted_with_cuts_error=(predicted_with_cuts - rate) / rate,
             all_resident_tok_s=resident_rate,
             tokens_identical_to_all_resident=tokens == resident_tokens if router == "model" else None,
-            cpu_experts=args.cpu_experts, host_token_limit=after["host_token_limit"],
+            cpu_experts=args.cpu_experts, host_store=args.host_store, host_token_limit=after["host_token_limit"],
             host_experts_per_token=(after["host_experts"] - before["host_experts"]) / args.output_len,
             target_tok_s={"model": None, "uniform": 17, "skewed": 40}[router], **rates, **clock.per_layer()))
     out.append(result("offload-store", **store_copy_rate(llm, args)))
@@ -370,7 +381,12 @@ def main() -> int:
                         help="the offload part's routers, of model, uniform and skewed")
     parser.add_argument("--cpu-experts", default="never", choices=("never", "auto", "always"),
                         help="the offloaded runs' --moe-cpu-experts (where a missed expert runs)")
+    parser.add_argument("--host-store", default="huge", choices=("huge", "driver"),
+                        help="the experts' host store: the engine's (huge pages, memory/pinned.py) or the "
+                             "driver's pinned allocator (torch pin_memory), for comparison")
     args = parser.parse_args()
+    if args.host_store == "driver":
+        moe.pinned_empty = lambda shape, dtype: torch.empty(shape, dtype=dtype, pin_memory=True)
     parts = set(args.parts.split(","))
     if not parts <= {"pinned", "offload", "resident"}:
         parser.error(f"--parts takes pinned, offload, resident; got {args.parts}")

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mempath.kernels.dispatch import Kernels
+from mempath.memory.pinned import pinned_empty
 from mempath.model import moe_host, moe_slots
 
 
@@ -255,7 +256,8 @@ class Experts(nn.Module):
             self.down_proj = nn.Parameter(full["down_proj"].to(device), requires_grad=False)
         else:
             pin = pin_memory and torch.cuda.is_available()
-            host = {name: torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+            # Huge pages: under --moe-cpu-experts auto the host reads these bytes too (memory/pinned.py).
+            host = {name: pinned_empty(t.shape, t.dtype) if pin else torch.empty(t.shape, dtype=t.dtype)
                     for name, t in full.items()}
             if device.type != "meta":
                 for name, t in full.items():
