@@ -235,7 +235,7 @@ def part_offload(args, config: dict, bandwidth: dict) -> list[dict]:
     set_expert_prefetch(llm.engine.model, False)  # decode graphs do not prefetch; eager steps would
     cost = llm.engine.model.moe_blocks()[0].experts.host_cost  # auto's measured rates (None otherwise)
     rates = {} if cost is None else dict(
-        host_row_us=cost.host_row_seconds * 1e6, sync_us=cost.sync_seconds * 1e6,
+        host_row_us=cost.host_row_seconds * 1e6, sync_us=cost.sync_seconds * 1e6, issue_us=cost.issue_seconds * 1e6,
         copy_us=cost.copy_seconds(shape.hidden_size, shape.moe_intermediate_size, b) * 1e6)
     out = []
     cut = 0.0  # seconds per MoE layer of a cut graph's host step: measured on the model router's run
@@ -256,7 +256,8 @@ def part_offload(args, config: dict, bandwidth: dict) -> list[dict]:
         if router == "model" and llm.engine.runner.graphs:
             cut = max(0.0, 1 / rate - 1 / resident_rate - copied / (bandwidth["h2d_GBps"] * 1e9)) / shape.num_moe_layers
         predicted = moe_offload_tokens_per_second(shape, b, hit_rate, bandwidth["h2d_GBps"] * 1e9, 1.0 / resident_rate)
-        split = {} if cost is None else dict(host_row_seconds=cost.host_row_seconds, sync_seconds=cost.sync_seconds)
+        split = {} if cost is None else dict(host_row_seconds=cost.host_row_seconds, sync_seconds=cost.sync_seconds,
+                                             issue_seconds=cost.issue_seconds)
         predicted_with_cuts = moe_offload_tokens_per_second(shape, b, hit_rate, bandwidth["h2d_GBps"] * 1e9,
                                                             1.0 / resident_rate, cut, **split)
         out.append(result(

@@ -120,6 +120,15 @@ def test_auto_splits_a_steps_misses_so_the_host_and_the_copies_end_together():
     # A host as fast as the link: half the misses each side.
     even = HostExpertCost(h2d_bytes_per_s=50e9, host_flops_per_s=100e9, sync_seconds=0.0, host_row_seconds=188.7e-6)
     assert len(even.split_misses({e: 1 for e in range(8)}, H, I, B)) == 4
+    # The host issues the copies before it computes: 60 us an issue puts 2 on the host (host side
+    # 20 + 4 x 60 + 500 = 760 us against 4 copies, 755), not 3 (20 + 3 x 60 + 750 = 950).
+    issuing = HostExpertCost(h2d_bytes_per_s=50e9, host_flops_per_s=100e9, sync_seconds=20e-6,
+                             host_row_seconds=250e-6, issue_seconds=60e-6)
+    assert issuing.split_misses(misses, H, I, B) == [10, 11]
+    # 150 us an issue: 1 on the host (20 + 5 x 150 + 250 = 1,020 us < 6 copies, 1,132), not 2 (1,120).
+    slow_issue = HostExpertCost(h2d_bytes_per_s=50e9, host_flops_per_s=100e9, sync_seconds=20e-6,
+                                host_row_seconds=250e-6, issue_seconds=150e-6)
+    assert slow_issue.split_misses(misses, H, I, B) == [10]
 
 
 @pytest.mark.parametrize("arch,size", [("mixtral", 2), ("mixtral", 5), ("qwen3_moe", 3)])

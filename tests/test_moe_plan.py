@@ -59,6 +59,11 @@ def test_prediction_with_misses_split_between_the_host_and_the_copies():
     # 3 (max(869, 566)) and 1 (max(303, 944)).
     slower = moe_offload_tokens_per_second(shape, 2, 0.25, 50e9, step, host_row_seconds=1.5 * copy, sync_seconds=20e-6)
     assert 1 / slower == pytest.approx(step + 48 * 4 * copy)
+    # The host issues the others' copies first, 47 us each: 2 on the host, max(20 + 4 x 47 + 566, 755)
+    # = 775 us (1: max(539, 943); 3: max(1,011, 566)), the host's side now the longer.
+    issuing = moe_offload_tokens_per_second(shape, 2, 0.25, 50e9, step, host_row_seconds=1.5 * copy,
+                                            sync_seconds=20e-6, issue_seconds=0.25 * copy)
+    assert 1 / issuing == pytest.approx(step + 48 * (20e-6 + 4 * 0.25 * copy + 2 * 1.5 * copy))
     # A host whose one expert (after the sync) outlasts all six copies takes none: copies only.
     assert moe_offload_tokens_per_second(shape, 2, 0.25, 50e9, step, host_row_seconds=6 * copy,
                                          sync_seconds=copy) == pytest.approx(copies_only)

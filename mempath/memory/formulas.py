@@ -277,7 +277,8 @@ ASSUMED_CUT_SECONDS = 42e-6
 
 def moe_offload_tokens_per_second(shape: ModelShape, dtype_bytes: int, hit_rate: float, h2d_bytes_per_s: float,
                                   resident_step_seconds: float, cut_seconds: float = 0.0,
-                                  host_row_seconds: float | None = None, sync_seconds: float = 0.0) -> float:
+                                  host_row_seconds: float | None = None, sync_seconds: float = 0.0,
+                                  issue_seconds: float = 0.0) -> float:
     """Batch-1 decode tokens/s with an expert cache: the step with every expert resident, plus the
     misses' copies at the host-to-device bandwidth (the copies do not overlap the compute), plus
     ``cut_seconds`` per MoE layer: the host step between the decode graph's pieces
@@ -285,13 +286,15 @@ def moe_offload_tokens_per_second(shape: ModelShape, dtype_bytes: int, hit_rate:
 
     With ``host_row_seconds`` (--moe-cpu-experts auto: one expert's MLP of one row on the host) a
     layer's k·(1 − hit rate) misses are split as moe_host.HostExpertCost.split_misses does: h run
-    on the host after ``sync_seconds`` while the rest are copied, the layer waiting for the longer
-    side, at the h that makes it shortest."""
+    on the host after ``sync_seconds`` and the issue of the others' copies (``issue_seconds``
+    each) while those are copied, the layer waiting for the longer side, at the h that makes it
+    shortest."""
     copy = 3 * shape.hidden_size * shape.moe_intermediate_size * dtype_bytes / h2d_bytes_per_s
     misses = shape.num_experts_per_tok * (1.0 - hit_rate)
     layer = misses * copy
     if host_row_seconds is not None:
-        layer = min(max(sync_seconds + h * host_row_seconds, max(0.0, misses - h) * copy)
+        layer = min(max(sync_seconds + h * host_row_seconds + max(0.0, misses - h) * issue_seconds,
+                        max(0.0, misses - h) * copy)
                     for h in range(1, math.ceil(misses) + 1)) if misses else 0.0
         layer = min(layer, misses * copy)
     return 1.0 / (resident_step_seconds + shape.num_moe_layers * (cut_seconds + layer))

@@ -21,6 +21,7 @@ rows of the grouped kernel's output (``moe_slots.fill_host_pairs``), by the kern
 """
 import itertools
 import math
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -43,6 +44,9 @@ class HostExpertCost:
     # One expert's MLP of a single row on the host: at decode sizes the host reads the weights once
     # whatever the rows, so this, not the per-token FLOPs, is a small batch's cost (0: not measured).
     host_row_seconds: float = 0.0
+    # The host's time to issue one expert's copy (the bookkeeping and the copy calls): the host issues
+    # a step's copies before it computes its share, so these delay its side of a split (0: not measured).
+    issue_seconds: float = 0.0
 
     def copy_seconds(self, hidden: int, intermediate: int, dtype_bytes: int) -> float:
         return 3 * hidden * intermediate * dtype_bytes / self.h2d_bytes_per_s
@@ -66,15 +70,17 @@ class HostExpertCost:
 
     def split_misses(self, tokens_per_miss: dict[int, int], hidden: int, intermediate: int,
                      dtype_bytes: int) -> list[int]:
-        """The misses the host runs while the others are copied: the split whose longer side (the host's
-        experts one after another, or the copies one after another) is shortest. Fewest tokens first."""
+        """The misses the host runs while the others are copied: the split whose longer side (the host
+        issuing the copies, then its experts one after another; or the copies one after another) is
+        shortest. Fewest tokens first."""
         by_tokens = sorted(tokens_per_miss, key=lambda e: (tokens_per_miss[e], e))
         copy = self.copy_seconds(hidden, intermediate, dtype_bytes)
         best, best_seconds, host = 0, len(by_tokens) * copy, self.sync_seconds
         for count, expert in enumerate(by_tokens, start=1):
             host += max(self.host_row_seconds,
                         tokens_per_miss[expert] * self._host_seconds_per_token(hidden, intermediate, dtype_bytes))
-            seconds = max(host, (len(by_tokens) - count) * copy)
+            copied = len(by_tokens) - count
+            seconds = max(host + copied * self.issue_seconds, copied * copy)
             if seconds < best_seconds:
                 best, best_seconds = count, seconds
         return by_tokens[:best]
@@ -121,16 +127,22 @@ def measure_host_cost(experts) -> HostExpertCost:
     host_seconds = _seconds_per_call(lambda: host_pairs(4), min_calls=num_experts)
     row_seconds = _seconds_per_call(lambda: host_pairs(1), min_calls=num_experts)
     evicted = cache.expert_in[0]
-    burst = 4  # a step's copies are issued back to back: time a burst, not one copy and its sync
-    copy_seconds = _seconds_per_call(lambda: [experts.load_into_slot(next(order), 0) for _ in range(burst)],
-                                     cuda=cuda) / burst
+    burst, issued = 4, []  # a step's copies are issued back to back: time a burst, not one copy and its sync
+
+    def copy_burst() -> None:
+        start = time.perf_counter()
+        for _ in range(burst):
+            experts.load_into_slot(next(order), 0)
+        issued.append(time.perf_counter() - start)
+    copy_seconds = _seconds_per_call(copy_burst, cuda=cuda) / burst
+    issue_seconds = statistics.median(issued) / burst
     if evicted >= 0:
         experts.load_into_slot(evicted, 0)  # what the slot held before (a free slot's bytes are junk anyway)
     row = torch.zeros(1, gate_ups.shape[2], dtype=gate_ups.dtype, device=experts.gate_up_proj.device)
     sync_seconds = _seconds_per_call(lambda: row.to("cpu").to(row.device), cuda=cuda)
     return HostExpertCost(h2d_bytes_per_s=experts.expert_bytes() / copy_seconds,
                           host_flops_per_s=flops / host_seconds, sync_seconds=sync_seconds,
-                          host_row_seconds=row_seconds)
+                          host_row_seconds=row_seconds, issue_seconds=issue_seconds)
 
 
 def check_cpu_experts(policy: str, expert_cache_size: int | None) -> None:
