@@ -159,20 +159,35 @@ def test_split_misses_on_the_slot_path_give_the_all_resident_tokens(arch, size, 
 
 def test_measured_host_rates_read_every_expert_of_the_layer_cold(model_factory, monkeypatch):
     """A step's missed experts are not in the host's caches (a layer's experts are far larger
-    than them), so the host's path is timed over every expert of the layer in turn, not over
-    one expert whose weights a repeated call would find cached."""
+    than them), so each host path is timed over every expert of the layer in turn, not over
+    one expert whose weights a repeated call would find cached; the slots and the counters
+    are as they were."""
     from mempath.model import moe_host
     path, _ = model_factory("mixtral")
     llm = LLM(path, dtype="float32", device="cpu", show_progress=False, enable_prefix_caching=False)
     set_expert_cache_size(llm.engine.model, 2)
+    generate(llm)  # the slots hold experts now: slot 0's must come back
     experts = llm.engine.model.moe_blocks()[0].experts
-    timed, fill = [], moe_host.fill_host_pairs
+    slots = {name: getattr(experts, name).detach().clone() for name in ("gate_up_proj", "down_proj")}
+    stats = expert_cache_stats(llm.engine.model)
+    assert experts.cache.expert_in[0] >= 0
+    by_pairs, by_rows = [], []
+    fill, mlp = moe_host.fill_host_pairs, moe_host.host_mlp
 
-    def recording(experts, x, weights, expert_ids, *rest):
-        timed.extend(expert_ids)
+    def recording_fill(experts, x, weights, expert_ids, *rest):
+        by_pairs.extend(expert_ids)
         return fill(experts, x, weights, expert_ids, *rest)
-    monkeypatch.setattr(moe_host, "fill_host_pairs", recording)
+
+    def recording_mlp(experts, rows, expert):
+        by_rows.append(expert)
+        return mlp(experts, rows, expert)
+    monkeypatch.setattr(moe_host, "fill_host_pairs", recording_fill)
+    monkeypatch.setattr(moe_host, "host_mlp", recording_mlp)
     cost = moe_host.measure_host_cost(experts)
-    assert set(timed) == set(range(experts.num_experts))
+    assert set(by_pairs) == set(by_rows) == set(range(experts.num_experts))
     assert cost.host_row_seconds > 0 and cost.host_flops_per_s > 0 and cost.h2d_bytes_per_s > 0
+    assert cost.issue_seconds > 0
+    for name, before in slots.items():
+        assert torch.equal(getattr(experts, name), before), name
+    assert expert_cache_stats(llm.engine.model) == stats
     check_caches(llm.engine.model)

@@ -67,3 +67,11 @@ def test_prediction_with_misses_split_between_the_host_and_the_copies():
     # A host whose one expert (after the sync) outlasts all six copies takes none: copies only.
     assert moe_offload_tokens_per_second(shape, 2, 0.25, 50e9, step, host_row_seconds=6 * copy,
                                          sync_seconds=copy) == pytest.approx(copies_only)
+
+
+def test_a_fraction_of_a_miss_a_layer_is_charged_as_a_fraction_on_the_host():
+    # Hit rate 0.9: 0.8 misses a layer. A host at 0.9 of a copy runs that fraction in 0.72 copies.
+    shape = read_shape(load("qwen3-30b-a3b"))
+    copy = 3 * 2048 * 768 * 2 / 50e9
+    rate = moe_offload_tokens_per_second(shape, 2, 0.9, 50e9, 1.7e-3, host_row_seconds=0.9 * copy)
+    assert 1 / rate == pytest.approx(1.7e-3 + 48 * 0.8 * 0.9 * copy)

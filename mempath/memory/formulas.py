@@ -293,7 +293,7 @@ def moe_offload_tokens_per_second(shape: ModelShape, dtype_bytes: int, hit_rate:
     misses = shape.num_experts_per_tok * (1.0 - hit_rate)
     layer = misses * copy
     if host_row_seconds is not None:
-        layer = min(max(sync_seconds + h * host_row_seconds + max(0.0, misses - h) * issue_seconds,
+        layer = min(max(sync_seconds + min(h, misses) * host_row_seconds + max(0.0, misses - h) * issue_seconds,
                         max(0.0, misses - h) * copy)
                     for h in range(1, math.ceil(misses) + 1)) if misses else 0.0
         layer = min(layer, misses * copy)

@@ -8,8 +8,12 @@ anonymous mapping advised for transparent huge pages (2 MiB; where the kernel's 
 setting is ``always`` or ``madvise``), then registered with the driver
 (``cudaHostRegister``): the copy engine reads them as it reads any pinned memory.
 
-The registration ends when the returned tensor is collected (before its bytes are
-unmapped). Without CUDA the tensor is ordinary host memory on the same mapping.
+The registration ends when the returned tensor is collected, after the device has
+finished its work and before the bytes are unmapped. A view that outlives the tensor
+keeps the bytes mapped but no longer pinned (its non-blocking copies become synchronous);
+the expert store keeps its tensors as long as the cache. A failed registration is
+raised: the model does not load. Without CUDA the tensor is ordinary host memory on the
+same mapping.
 """
 from __future__ import annotations
 
@@ -35,8 +39,10 @@ def huge_page_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
+    try:
         region.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):  # no THP in this kernel or platform: ordinary pages, same bytes
+        pass
     # frombuffer keeps the mapping alive as long as any view of the tensor is.
     return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)
 
@@ -52,5 +58,15 @@ def pinned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
         raise RuntimeError(f"cudaHostRegister of {tensor.numel() * tensor.element_size()} host bytes failed "
                            f"(CUDA error {int(status)}): free host memory, or keep more experts on the device "
                            f"(--moe-expert-cache-size)")
-    weakref.finalize(tensor, cudart.cudaHostUnregister, tensor.data_ptr())
+    weakref.finalize(tensor, _unregister, tensor.data_ptr())
     return tensor
+
+
+def _unregister(address: int) -> None:
+    # Copies from these bytes may still be running (a prefetch, a non-blocking slot fill): the
+    # driver's own pinned allocator waits for them before it frees, so this does too.
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError:  # CUDA already torn down (interpreter exit): nothing can be copying
+        pass
+    torch.cuda.cudart().cudaHostUnregister(address)

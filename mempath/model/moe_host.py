@@ -41,11 +41,12 @@ class HostExpertCost:
     h2d_bytes_per_s: float  # pinned host-to-device copies (one expert at a time)
     host_flops_per_s: float  # the host's matmul rate in the model dtype, decode-sized rows
     sync_seconds: float  # one device -> host -> device round trip of a row: the host path's fixed cost
-    # One expert's MLP of a single row on the host: at decode sizes the host reads the weights once
-    # whatever the rows, so this, not the per-token FLOPs, is a small batch's cost (0: not measured).
+    # One row of one expert on the grouped kernel's host path (moe_slots.fill_host_pairs), which runs
+    # pair by pair and so reads the weights once a row: a split's host cost is rows times this (0: not
+    # measured; then the FLOPs at host_flops_per_s, the eager path's rate).
     host_row_seconds: float = 0.0
-    # The host's time to issue one expert's copy (the bookkeeping and the copy calls): the host issues
-    # a step's copies before it computes its share, so these delay its side of a split (0: not measured).
+    # The host's time to issue one expert's copy (the copy calls; the cache's bookkeeping is not timed):
+    # the host issues a step's copies before it computes its share, so these delay its side of a split.
     issue_seconds: float = 0.0
 
     def copy_seconds(self, hidden: int, intermediate: int, dtype_bytes: int) -> float:
@@ -76,9 +77,9 @@ class HostExpertCost:
         by_tokens = sorted(tokens_per_miss, key=lambda e: (tokens_per_miss[e], e))
         copy = self.copy_seconds(hidden, intermediate, dtype_bytes)
         best, best_seconds, host = 0, len(by_tokens) * copy, self.sync_seconds
+        per_row = self.host_row_seconds or self._host_seconds_per_token(hidden, intermediate, dtype_bytes)
         for count, expert in enumerate(by_tokens, start=1):
-            host += max(self.host_row_seconds,
-                        tokens_per_miss[expert] * self._host_seconds_per_token(hidden, intermediate, dtype_bytes))
+            host += tokens_per_miss[expert] * per_row
             copied = len(by_tokens) - count
             seconds = max(host + copied * self.issue_seconds, copied * copy)
             if seconds < best_seconds:
@@ -105,27 +106,27 @@ def _seconds_per_call(fn, min_seconds: float = 0.02, cuda: bool = False, min_cal
 def measure_host_cost(experts) -> HostExpertCost:
     """The rates on this machine, measured with one layer's experts (its host store).
 
-    The host's part is timed as a step runs it (moe_slots.fill_host_pairs), over every
-    expert of the layer in turn: a step's misses are
-    experts no recent step read, so their weights come from memory, not from the host's
-    caches, which one expert timed again and again would sit in. The copies (bursts of four,
-    as a step issues them) go into slot 0, which gets its expert back afterwards, so nothing is allocated on the device
-    beyond one row."""
+    Each host path is timed by its own function over every expert of the layer in turn:
+    a step's misses are experts no recent step read, so their weights come from memory,
+    not from the host's caches, which one expert timed again and again would sit in. The
+    eager path (``host_mlp``: a matmul over an expert's rows) gives the FLOP rate, the
+    grouped kernel's (moe_slots.fill_host_pairs, pair by pair) the one-row time. The
+    copies (bursts of four, as a step issues them) go into slot 0, which gets its expert
+    back afterwards, so nothing is allocated on the device beyond one row."""
     host, cache = experts.cache.host, experts.cache
     gate_ups = host["gate_up_proj"]
     num_experts, cuda = gate_ups.shape[0], experts.gate_up_proj.is_cuda
     order = itertools.cycle(range(num_experts))
     rows = torch.randn(4, gate_ups.shape[2], dtype=gate_ups.dtype)
-    pairs, mask, weights = torch.empty(4, host["down_proj"].shape[1]), torch.empty(4, dtype=torch.bool), torch.ones(4)
+    pairs, mask, weights = torch.empty(1, host["down_proj"].shape[1]), torch.empty(1, dtype=torch.bool), torch.ones(1)
 
-    def host_pairs(count: int) -> None:  # what a step runs: count rows of one expert, by the path's own function
+    def one_pair() -> None:
         expert = next(order)
-        fill_host_pairs(experts, rows[:count], weights[:count], [expert] * count, 1, {expert}, pairs[:count],
-                        mask[:count])
+        fill_host_pairs(experts, rows[:1], weights, [expert], 1, {expert}, pairs, mask)
 
     flops = 2 * rows.shape[0] * 3 * gate_ups.shape[2] * experts.intermediate_size
-    host_seconds = _seconds_per_call(lambda: host_pairs(4), min_calls=num_experts)
-    row_seconds = _seconds_per_call(lambda: host_pairs(1), min_calls=num_experts)
+    host_seconds = _seconds_per_call(lambda: host_mlp(experts, rows, next(order)), min_calls=num_experts)
+    row_seconds = _seconds_per_call(one_pair, min_calls=num_experts)
     evicted = cache.expert_in[0]
     burst, issued = 4, []  # a step's copies are issued back to back: time a burst, not one copy and its sync
 
@@ -184,8 +185,11 @@ def run_on_host(experts, rows: torch.Tensor, expert: int) -> torch.Tensor:
     On CUDA the two copies are the path's only synchronisation: the copy to the host
     waits for the compute stream to produce the rows, the copy back is an ordinary
     host-to-device copy the stream orders before the rows' next reader."""
+    return host_mlp(experts, rows.to("cpu"), expert).to(rows.device)
+
+
+def host_mlp(experts, rows: torch.Tensor, expert: int) -> torch.Tensor:
+    """One expert's MLP of host ``rows`` from its host weights, in one matmul a projection."""
     host = experts.cache.host
-    on_host = rows.to("cpu")
-    out = F.linear(silu_and_mul_torch(F.linear(on_host, host["gate_up_proj"][expert])), host["down_proj"][expert])
-    return out.to(rows.device)
+    return F.linear(silu_and_mul_torch(F.linear(rows, host["gate_up_proj"][expert])), host["down_proj"][expert])
 

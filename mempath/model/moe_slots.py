@@ -246,9 +246,10 @@ def _run_waves(block, x, weights, expert_ids, kernel) -> torch.Tensor:
     routed = count_routed(ids)
     cache.record_routing(routed)
     in_slots, on_host = split_routing(experts, routed)
-    waves = cache.waves(sorted(in_slots))
-    pairs = _host_pairs(block, x, weights, ids, on_host) if on_host else None
-    for wave in waves:
+    # The host-run rows are read back before the waves are issued (a read after them would wait for them).
+    host_rows = (x.to("cpu"), weights.to("cpu")) if on_host else None
+    pairs = None
+    for wave in cache.waves(sorted(in_slots)):
         slots = cache.acquire(wave, experts.load_into_slot)
         try:
             slot_of = dict(zip(wave, slots))
@@ -258,22 +259,27 @@ def _run_waves(block, x, weights, expert_ids, kernel) -> torch.Tensor:
         finally:
             cache.release(slots)
         if pairs is None:
-            pairs = out  # every pair is rewritten by the wave holding its expert
+            pairs = out  # every pair is rewritten by the wave holding its expert, or by the host below
         else:
             mine = torch.tensor([e in slot_of for e in ids]).to(x.device)
             torch.where(mine.unsqueeze(1), out, pairs, out=pairs)
         del out, slot_ids
+    if on_host:  # after the waves are issued: on CUDA the host computes while the device copies and runs them
+        rows, mask = _host_pairs(block, *host_rows, ids, on_host)
+        rows, mask = rows.to(x.device), mask.to(x.device)
+        pairs = rows if pairs is None else torch.where(mask.unsqueeze(1), rows, pairs)
     slot_table(block).write(cache.slot_of)
     return _sum(experts)(pairs, block.top_k, x.dtype)
 
 
-def _host_pairs(block, x, weights, ids: list[int], on_host: set[int]) -> torch.Tensor:
-    """An eager step's [T·k, h] float32 pairs with the host-run ones filled in (the waves write the rest)."""
+def _host_pairs(block, x, weights, ids: list[int], on_host: set[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """An eager step's [T·k, h] float32 pairs with the host-run ones filled in, and where they are
+    (from the layer's rows and router weights on the host)."""
     experts = block.experts
     rows = torch.zeros(len(ids), experts.down_proj.shape[1], dtype=torch.float32)
     mask = torch.zeros(len(ids), dtype=torch.bool)
-    fill_host_pairs(experts, x.to("cpu"), weights.to("cpu"), ids, block.top_k, on_host, rows, mask)
-    return rows.to(x.device)
+    fill_host_pairs(experts, x, weights, ids, block.top_k, on_host, rows, mask)
+    return rows, mask
 
 
 def _read_ids_and_prefetch(block, x: torch.Tensor, expert_ids: torch.Tensor) -> list[int]:
