@@ -15,7 +15,8 @@ of each conversation of a ShareGPT-format JSON file, counted with ``--tokenizer`
 ids are random: only the lengths are the file's, as the weights are random too).
 
 Each engine run prints output and total tok/s, TTFT p50/p99, MFU: the mix's matmul
-FLOPs (2 x parameters per token, input and output) over its wall time, against the bf16
+FLOPs (2 x the parameters a token reads, input and output: every parameter of a dense
+model; of a mixture of experts, all but the routed experts and k of those) over its wall time, against the bf16
 matmul rate of one large ``torch.matmul`` timed with CUDA events in this run; the compute
 limit (those FLOPs at that rate); and the split of each step between host and device:
 host milliseconds per step in the scheduler, the runner (input preparation and launches)
@@ -41,9 +42,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from mempath import LLM, SamplingParams  # noqa: E402
+from mempath.tools.plan import plan_memory  # noqa: E402
 
 TINY = ROOT / "mempath" / "assets" / "mempath-tiny"
-SHAPES = ("llama-3.1-8b", "qwen3-0.6b", "qwen2.5-7b-instruct", "mistral-7b-v0.1")
+SHAPES = ("llama-3.1-8b", "qwen3-0.6b", "qwen2.5-7b-instruct", "mistral-7b-v0.1", "qwen3-30b-a3b", "mixtral-8x7b-v0.1")
 
 
 @dataclass
@@ -229,7 +231,7 @@ def run_mempath(args, prompts, output_lens, rate: float, max_num_seqs: int | Non
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     result = summarize(sum(len(p) for p in prompts), sum(len(o.token_ids) for o in outs), seconds,
-                       [o.time_to_first_token for o in outs], sum(p.numel() for p in engine.model.parameters()),
+                       [o.time_to_first_token for o in outs], plan_memory(engine_options(args)["model"]).active_params,
                        rate, clock, clock.device_seconds())
     stats = llm.stats()
     result.update(quantization=engine.config.quantization or "none", kv_cache_dtype=engine.config.kv_cache_dtype,

@@ -3,7 +3,7 @@
 # STEPS picks what runs, e.g. STEPS="tests latency". Steps and their rough H200 cost:
 #   tests (~3 min)  latency (~1 min, +0.5 per --variants entry)  tput-qwen3, tput-llama (~1.5 min each with HF_TIMEOUT=40)
 #   blocks (~3 min)  multiturn (~5 min)  diagnose (~2 min, three shapes)  serve (needs .whl, below)
-#   pending, fp8-gemv, fp8-latency, mix-qwen3, mix-llama, mix-tokens, structured, moe-offload, moe-resident,
+#   pending, fp8-gemv, fp8-latency, mix-qwen3, mix-llama, mix-moe, mix-tokens, structured, moe-offload, moe-resident,
 #   spec-a, spec-bc, multi, sleep-tests, sleep, fp8-kv-tests, fp8-kv, fp8-transfer, mix-fp8 (the open issues, below; STEPS="wheels pending ..." for those needing xgrammar)
 #   profile (~1 min: kernel table at batch 1), profile-moe, profile-mistral  profile-workload (~1 min: host/device split of the throughput run)
 # For `serve`, carry fastapi/uvicorn/starlette/pydantic(+core)/anyio/h11/sniffio/annotated-types/
@@ -69,6 +69,8 @@ step fp8-latency 200 python3 benchmarks/bench_fp8_weights.py latency --shape lla
   --table "$( [ -s "$LOGS/fp8_gemv_configs.json" ] && echo "$LOGS/fp8_gemv_configs.json" || echo mempath/assets/fp8_gemv_configs.json )"
 step mix-qwen3 200 python3 benchmarks/bench_mix.py --shape qwen3-0.6b --max-num-seqs 256,1024
 step mix-llama 240 python3 benchmarks/bench_mix.py --shape llama-3.1-8b --max-num-seqs 256,1024
+# #21's all-resident MoE shapes on the realistic mix, transformers CB beside them (time-capped).
+step mix-moe 540 python3 benchmarks/bench_mix.py --shape qwen3-30b-a3b --hf-seconds 60 --hf-requests 100
 step mix-tokens 200 python3 benchmarks/bench_mix.py --shape llama-3.1-8b --max-num-seqs 1024 --max-num-batched-tokens 8192,16384
 step structured 300 python3 benchmarks/bench_structured.py --schemas 20
 step grammar-stall 200 python3 benchmarks/bench_grammar_stall.py
