@@ -148,6 +148,11 @@ def add_expert_cache_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--moe-expert-cache-gb", type=float, default=None, metavar="GiB",
                        help="device GiB for the expert slots of all MoE layers instead: start-up turns it into "
                             "experts per layer (--moe-expert-cache-size)")
+    parser.add_argument("--moe-cpu-experts", default=EngineConfig(model="").moe_cpu_experts,
+                        choices=("never", "auto", "always"),
+                        help="MoE with --moe-expert-cache-size/-gb: where a missed expert runs. never: copied "
+                             "into a device slot; always: on the host from its pinned copy; auto: the cheaper "
+                             "by a cost model measured at start-up (docs/moe.md)")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, model_flag: bool = True) -> None:
@@ -180,10 +185,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser, model_flag: bool = Tru
                              "A request's own values win")
     parser.add_argument("--load-format", default=d.load_format, choices=("auto", "dummy"),
                         help="dummy: random weights of the config's shapes (benchmarks)")
-    parser.add_argument("--moe-cpu-experts", default=d.moe_cpu_experts, choices=("never", "auto", "always"),
-                        help="MoE with --moe-expert-cache-size/-gb: where a missed expert runs. never: copied "
-                             "into a device slot; always: on the host from its pinned copy; auto: the cheaper "
-                             "by a cost model measured at start-up (docs/moe.md)")
     add_tier_arguments(parser, d)
     add_refused_arguments(parser)
 

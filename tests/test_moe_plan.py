@@ -75,3 +75,46 @@ def test_a_fraction_of_a_miss_a_layer_is_charged_as_a_fraction_on_the_host():
     copy = 3 * 2048 * 768 * 2 / 50e9
     rate = moe_offload_tokens_per_second(shape, 2, 0.9, 50e9, 1.7e-3, host_row_seconds=0.9 * copy)
     assert 1 / rate == pytest.approx(1.7e-3 + 48 * 0.8 * 0.9 * copy)
+
+
+def test_plan_with_auto_splits_the_misses_at_the_host_read_rate():
+    from mempath.memory.formulas import ASSUMED_COPY_ISSUE_SECONDS, ASSUMED_CUT_SECONDS, ASSUMED_HOST_SYNC_SECONDS
+    shape = read_shape(load("qwen3-30b-a3b"))
+    never = qwen_moe(moe_expert_cache_size=28, moe_h2d_bytes_per_s=54.6e9, moe_device_read_bytes_per_s=4.3e12)
+    auto = qwen_moe(moe_expert_cache_size=28, moe_h2d_bytes_per_s=54.6e9, moe_device_read_bytes_per_s=4.3e12,
+                    moe_cpu_experts="auto", moe_host_read_bytes_per_s=24.2e9)
+    assert auto.moe_cpu_experts == "auto" and never.moe_cpu_experts == "never"
+    assert auto.moe_decode_tokens_per_s == pytest.approx(moe_offload_tokens_per_second(
+        shape, 2, 28 / 128, 54.6e9, 3_353_032_704 * 2 / 4.3e12, ASSUMED_CUT_SECONDS,
+        host_row_seconds=9_437_184 / 24.2e9, sync_seconds=ASSUMED_HOST_SYNC_SECONDS,
+        issue_seconds=ASSUMED_COPY_ISSUE_SECONDS))
+    assert auto.moe_decode_tokens_per_s > never.moe_decode_tokens_per_s
+    assert "auto: some misses run on the host meanwhile, its reads at 24.2 GB/s" in format_plan(auto)
+    # A host that reads slower than the link does no better than copying.
+    slow = qwen_moe(moe_expert_cache_size=28, moe_cpu_experts="auto", moe_host_read_bytes_per_s=1e9)
+    assert slow.moe_decode_tokens_per_s == pytest.approx(qwen_moe(moe_expert_cache_size=28).moe_decode_tokens_per_s)
+
+
+def test_plan_with_always_predicts_nothing_and_says_so():
+    plan = qwen_moe(moe_expert_cache_size=28, moe_cpu_experts="always")
+    assert plan.moe_decode_tokens_per_s is None and plan.moe_hit_rate == 28 / 128
+    assert "batch-1 decode not predicted: --moe-cpu-experts always decodes eagerly" in format_plan(plan)
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"moe_cpu_experts": "auto"}, r"--moe-cpu-experts auto: every expert is resident, so none misses"),
+    ({"moe_cpu_experts": "sometimes", "moe_expert_cache_size": 28}, r"moe_cpu_experts must be never, auto or always"),
+    ({"moe_cpu_experts": "auto", "moe_expert_cache_size": 28, "moe_host_read_bytes_per_s": 0},
+     r"moe_host_read_bytes_per_s must be > 0 bytes/s, got 0"),
+])
+def test_plan_refuses_cpu_expert_settings_the_engine_would_refuse(options, message):
+    with pytest.raises(ValueError, match=message):
+        qwen_moe(**options)
+
+
+def test_plan_cli_takes_the_engines_cpu_experts_flag(capsys):
+    from mempath.cli import main
+    code = main(["plan", str(CONFIGS / "qwen3-30b-a3b.json"), "--gpu-mem", "141GB", "--moe-expert-cache-size", "28",
+                 "--moe-cpu-experts", "auto", "--host-read-gbps", "30"])
+    out = capsys.readouterr().out
+    assert code == 0 and "its reads at 30.0 GB/s (--host-read-gbps" in out

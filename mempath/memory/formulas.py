@@ -270,6 +270,12 @@ def moe_missed_bytes_per_token(shape: ModelShape, dtype_bytes: int, hit_rate: fl
 # read rate short of its HBM's 4.8 TB/s peak. bench_moe.py measures both on the machine.
 ASSUMED_H2D_BYTES_PER_S = 54e9
 ASSUMED_DEVICE_READ_BYTES_PER_S = 4.0e12
+# --moe-cpu-experts auto's host rates for the planner (mempath plan --host-read-gbps): bench_moe.py on the
+# H200 (2026-12-02, run 5): one Qwen3-30B-A3B expert's row on the host from the huge-page store took
+# 390 us for its 9,437,184 bytes (24.2 GB/s), a row's read-back round trip 31 us, a copy's issue 23 us.
+ASSUMED_HOST_READ_BYTES_PER_S = 24.2e9
+ASSUMED_HOST_SYNC_SECONDS = 31e-6
+ASSUMED_COPY_ISSUE_SECONDS = 23e-6
 # The host step between a cut decode graph's pieces, per MoE layer (mempath/engine/piecewise.py):
 # bench_moe.py's cut_us_per_layer on the H200 (2026-12-02, Qwen3-30B-A3B shape: 42.5 us).
 ASSUMED_CUT_SECONDS = 42e-6

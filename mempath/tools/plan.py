@@ -18,8 +18,10 @@ from mempath.constants import DEFAULT_BLOCK_SIZE, default_max_num_seqs
 from mempath.memory.formulas import (CUBLAS_WORKSPACE_BYTES_SM90, ModelShape, check_serving_settings,
                                      count_params, expert_bytes, read_shape, resolve_dtype,
                                      resolve_expert_cache_size, serving_figures, weight_bytes,
-                                     ASSUMED_CUT_SECONDS, ASSUMED_DEVICE_READ_BYTES_PER_S, ASSUMED_H2D_BYTES_PER_S,
+                                     ASSUMED_COPY_ISSUE_SECONDS, ASSUMED_CUT_SECONDS, ASSUMED_DEVICE_READ_BYTES_PER_S,
+                                     ASSUMED_H2D_BYTES_PER_S, ASSUMED_HOST_READ_BYTES_PER_S, ASSUMED_HOST_SYNC_SECONDS,
                                      moe_offload_tokens_per_second)
+from mempath.model.moe_host import check_cpu_experts
 from mempath.tools.advice import advise
 from mempath.tools.training import plan_training
 
@@ -103,6 +105,10 @@ class MemoryPlan:
     moe_decode_tokens_per_s: float | None = None
     moe_h2d_bytes_per_s: float = ASSUMED_H2D_BYTES_PER_S
     moe_device_read_bytes_per_s: float = ASSUMED_DEVICE_READ_BYTES_PER_S
+    # --moe-cpu-experts: under auto the prediction splits a layer's misses between the host (an expert's
+    # row at moe_host_read_bytes_per_s) and the copies; always (eager decode) is not predicted
+    moe_cpu_experts: str = "never"
+    moe_host_read_bytes_per_s: float = ASSUMED_HOST_READ_BYTES_PER_S
     # training (zeros unless train=True)
     train: bool = False
     optimizer: str = "adamw-fp32"
@@ -213,6 +219,17 @@ def detect_gpu_mem() -> int | None:
 # ---------------------------------------------------------------- the plan
 
 
+def _read_model_shape(model: str | dict, quantization: str | None):
+    """The model's shape (with quantization applied) and where its config came from."""
+    source = "config.json" if isinstance(model, dict) else str(config_path(model))
+    shape = read_shape(load_config(model), source)
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"quantization must be fp8 or None, got {quantization!r}")
+    if quantization is not None:
+        shape = dataclasses.replace(shape, quantization=quantization)
+    return shape, source
+
+
 def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | None = None,
                 host_mem_bytes: int | None = None,
                 gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
@@ -226,7 +243,9 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
                 lora_targets=("q_proj", "v_proj"), moe_expert_cache_size: int | None = None,
                 quantization: str | None = None, moe_expert_cache_gb: float | None = None,
                 moe_h2d_bytes_per_s: float = ASSUMED_H2D_BYTES_PER_S,
-                moe_device_read_bytes_per_s: float = ASSUMED_DEVICE_READ_BYTES_PER_S) -> MemoryPlan:
+                moe_device_read_bytes_per_s: float = ASSUMED_DEVICE_READ_BYTES_PER_S,
+                moe_cpu_experts: str = "never",
+                moe_host_read_bytes_per_s: float = ASSUMED_HOST_READ_BYTES_PER_S) -> MemoryPlan:
     """Plan every pathway's bytes for serving (and, with train=True, training) a model.
 
     Capacity, when gpu_mem_bytes is given (no device is probed here; `run_plan` does
@@ -257,17 +276,14 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
     gives the slots' device GiB instead, turned into experts per layer as the engine does.
     With fewer resident, moe_decode_tokens_per_s predicts batch-1 decode from the uniform
     router's hit rate (the resident fraction), moe_h2d_bytes_per_s for the misses' copies
-    and moe_device_read_bytes_per_s for the active weights (moe_offload_tokens_per_second).
+    and moe_device_read_bytes_per_s for the active weights (moe_offload_tokens_per_second); with
+    moe_cpu_experts="auto", some misses run on the host meanwhile (one expert's row reads its bytes at
+    moe_host_read_bytes_per_s), split as the engine splits them; with "always" (eager decode) none.
 
     quantization="fp8" (or an fp8 checkpoint's quantization_config) counts the projections'
     weights as the engine holds them: one byte each plus a float32 scale per output channel.
     """
-    source = "config.json" if isinstance(model, dict) else str(config_path(model))
-    shape = read_shape(load_config(model), source)
-    if quantization not in (None, "fp8"):
-        raise ValueError(f"quantization must be fp8 or None, got {quantization!r}")
-    if quantization is not None:
-        shape = dataclasses.replace(shape, quantization=quantization)
+    shape, source = _read_model_shape(model, quantization)
     dtype_name, b = resolve_dtype(dtype, shape)
     max_model_len = shape.max_position_embeddings if max_model_len is None else max_model_len
     if max_num_seqs is None:  # the engine's default for this device
@@ -277,7 +293,8 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
 
     params, pathway_bytes = count_params(shape), weight_bytes(shape, b)
     experts = _plan_experts(shape, b, params, pathway_bytes["total"], moe_expert_cache_size, moe_expert_cache_gb,
-                            source, (moe_h2d_bytes_per_s, moe_device_read_bytes_per_s))
+                            source, (moe_h2d_bytes_per_s, moe_device_read_bytes_per_s, moe_host_read_bytes_per_s),
+                            moe_cpu_experts)
     serving = serving_figures(_with_expert_slots(shape, experts), b, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                               cuda_graphs=cuda_graphs, fused_kernels=fused_kernels,
@@ -337,11 +354,14 @@ def _plan_training(plan: MemoryPlan, shape: ModelShape, **settings) -> None:
 
 
 def _plan_experts(shape: ModelShape, b: int, params: dict[str, int], total_bytes: int, cache_size: int | None,
-                  cache_gb: float | None, source: str, rates: tuple[float, float]) -> dict:
+                  cache_gb: float | None, source: str, rates: tuple[float, float, float], cpu_experts: str) -> dict:
     """The plan's mixture-of-experts fields; resident_weight_bytes and active_params for any model."""
     if cache_gb is not None:
         cache_size = resolve_expert_cache_size(shape, b, cache_size, cache_gb, source) or shape.num_experts
-    for name, rate in zip(("moe_h2d_bytes_per_s", "moe_device_read_bytes_per_s"), rates):
+    resident_all = cache_size is None or cache_size == shape.num_experts
+    check_cpu_experts(cpu_experts, None if resident_all else cache_size)
+    for name, rate in zip(("moe_h2d_bytes_per_s", "moe_device_read_bytes_per_s", "moe_host_read_bytes_per_s"),
+                          rates):
         if not rate > 0:
             raise ValueError(f"{name} must be > 0 bytes/s, got {rate!r}")
     if cache_size is not None and not shape.num_experts:
@@ -354,11 +374,17 @@ def _plan_experts(shape: ModelShape, b: int, params: dict[str, int], total_bytes
     total, resident = expert_bytes(shape, b, cache_size)
     active = params["experts"] // shape.num_experts * shape.num_experts_per_tok if shape.num_experts else 0
     active_params = params["total"] - params["experts"] + active
-    prediction = {"moe_h2d_bytes_per_s": rates[0], "moe_device_read_bytes_per_s": rates[1]}
+    prediction = {"moe_h2d_bytes_per_s": rates[0], "moe_device_read_bytes_per_s": rates[1],
+                  "moe_host_read_bytes_per_s": rates[2], "moe_cpu_experts": cpu_experts}
     if resident < total:
         hit_rate = cache_size / shape.num_experts  # the uniform router's: random weights route almost uniformly
-        prediction.update(moe_hit_rate=hit_rate, moe_decode_tokens_per_s=moe_offload_tokens_per_second(
-            shape, b, hit_rate, rates[0], active_params * b / rates[1], ASSUMED_CUT_SECONDS))
+        split = {} if cpu_experts != "auto" else dict(
+            host_row_seconds=3 * shape.hidden_size * shape.moe_intermediate_size * b / rates[2],
+            sync_seconds=ASSUMED_HOST_SYNC_SECONDS, issue_seconds=ASSUMED_COPY_ISSUE_SECONDS)
+        prediction["moe_hit_rate"] = hit_rate
+        if cpu_experts != "always":
+            prediction["moe_decode_tokens_per_s"] = moe_offload_tokens_per_second(
+                shape, b, hit_rate, rates[0], active_params * b / rates[1], ASSUMED_CUT_SECONDS, **split)
     return {**prediction,
         "num_experts": shape.num_experts,
         "num_experts_per_tok": shape.num_experts_per_tok,

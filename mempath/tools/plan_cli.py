@@ -8,7 +8,8 @@ import sys
 
 from mempath.constants import DEFAULT_BLOCK_SIZE
 from mempath.engine_flags import add_memory_arguments
-from mempath.memory.formulas import ASSUMED_CUT_SECONDS, ASSUMED_DEVICE_READ_BYTES_PER_S, ASSUMED_H2D_BYTES_PER_S
+from mempath.memory.formulas import (ASSUMED_CUT_SECONDS, ASSUMED_DEVICE_READ_BYTES_PER_S, ASSUMED_H2D_BYTES_PER_S,
+                                     ASSUMED_HOST_READ_BYTES_PER_S)
 from mempath.memory.ledger import format_bytes
 from mempath.tools.plan import MemoryPlan, detect_gpu_mem, parse_size_flag, plan_memory
 from mempath.tools.training import CHECKPOINTING, OPTIMIZERS
@@ -42,7 +43,7 @@ def format_plan(plan: MemoryPlan) -> str:
            _row("in host memory (every expert)", p.host_expert_bytes),
            _row("read per token (k experts/layer)", p.active_params * p.dtype_bytes, p.active_params)]
           if p.num_experts else []),
-        *([_moe_decode_line(p)] if p.moe_decode_tokens_per_s is not None else []),
+        *([_moe_decode_line(p)] if p.moe_hit_rate is not None else []),
         "",
         "KV cache",
         _row("per token", p.kv_bytes_per_token),
@@ -67,12 +68,17 @@ def format_plan(plan: MemoryPlan) -> str:
 
 
 def _moe_decode_line(p: MemoryPlan) -> str:
+    if p.moe_decode_tokens_per_s is None:
+        return "  batch-1 decode not predicted: --moe-cpu-experts always decodes eagerly (auto or never are predicted)"
+    host = ("" if p.moe_cpu_experts != "auto" else
+            f"; auto: some misses run on the host meanwhile, its reads at {p.moe_host_read_bytes_per_s / 1e9:.1f} GB/s "
+            f"(--host-read-gbps; an H200 host's)")
     return (f"  predicted batch-1 decode {p.moe_decode_tokens_per_s:.1f} tok/s: hit rate {p.moe_hit_rate:.0%} = "
             f"the resident fraction {p.expert_cache_size}/{p.num_experts} (the uniform router's; a router with "
             f"locality hits more), misses copied at {p.moe_h2d_bytes_per_s / 1e9:.0f} GB/s pinned host->device, "
             f"{p.moe_device_read_bytes_per_s / 1e9:.0f} GB/s device read for the active weights, not overlapped "
             f"(--h2d-gbps, --device-read-gbps), and {ASSUMED_CUT_SECONDS * 1e6:.0f} us a MoE layer for the decode "
-            f"graph's host step (measured on an H200)")
+            f"graph's host step (measured on an H200){host}")
 
 
 def _capacity_lines(p: MemoryPlan) -> list[str]:
@@ -168,6 +174,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                              "decode tok/s (default: an H200's; benchmarks/bench_moe.py measures it)")
     parser.add_argument("--device-read-gbps", type=float, default=ASSUMED_DEVICE_READ_BYTES_PER_S / 1e9,
                         help="the device's weight-read GB/s for the same prediction")
+    parser.add_argument("--host-read-gbps", type=float, default=ASSUMED_HOST_READ_BYTES_PER_S / 1e9,
+                        help="with --moe-cpu-experts auto: the GB/s at which the host reads an expert's weights "
+                             "to run a miss (default: an H200 host's; bench_moe.py's host_row_us measures it)")
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -193,7 +202,8 @@ def run_plan(args: argparse.Namespace) -> int:
             checkpoint_layers=parse_layers(args.checkpoint_layers), lora_rank=args.lora_rank,
             lora_targets=args.lora_targets, moe_expert_cache_size=args.moe_expert_cache_size,
             moe_expert_cache_gb=args.moe_expert_cache_gb, moe_h2d_bytes_per_s=args.h2d_gbps * 1e9,
-            moe_device_read_bytes_per_s=args.device_read_gbps * 1e9)
+            moe_device_read_bytes_per_s=args.device_read_gbps * 1e9, moe_cpu_experts=args.moe_cpu_experts,
+            moe_host_read_bytes_per_s=args.host_read_gbps * 1e9)
     except ValueError as e:
         print(f"mempath plan: error: {e}", file=sys.stderr)
         return 2
