@@ -5,6 +5,7 @@
 #   blocks (~3 min)  multiturn (~5 min)  diagnose (~2 min, three shapes)  serve (needs .whl, below)
 #   pending, fp8-gemv, fp8-latency, mix-qwen3, mix-llama, mix-moe, mix-tokens, structured, moe-offload, moe-resident,
 #   spec-a, spec-bc, multi, sleep-tests, sleep, fp8-kv-tests, fp8-kv, fp8-transfer, mix-fp8 (the open issues, below; STEPS="wheels pending ..." for those needing xgrammar)
+#   decode-sweep (~6 min), decode-batch (~2 min)
 #   profile (~1 min: kernel table at batch 1), profile-moe, profile-mistral  profile-workload (~1 min: host/device split of the throughput run)
 # For `serve`, carry fastapi/uvicorn/starlette/pydantic(+core)/anyio/h11/sniffio/annotated-types/
 # typing-inspection/prometheus-client as wheels in .whl (see ../.library/device/README.md).
@@ -40,6 +41,24 @@ step multiturn 220 python3 benchmarks/bench_multiturn.py --shape llama-3.1-8b --
 # each turn adds little to prefill, so TTFT shows what restoring the history saves.
 step multiturn-doc 220 python3 benchmarks/bench_multiturn.py --shape llama-3.1-8b --conversations 24 \
   --first-user-tokens 6500 --user-tokens 64 --cpu-kv-gb 48 --cpu-kv-gb-with-disk 8
+# #17's decode targets, each beside the two-launch decode merge (2026-12-03): batch 1 at prompts 128-2,048 on
+# the three dense shapes, batch 8-128 at 1k context; the MoE shape's ms/token (its limit is bench_moe's).
+if want decode-sweep; then
+  for run in "llama-3.1-8b 1 128" "llama-3.1-8b 1 2048" "qwen2.5-7b-instruct 1 128" "qwen2.5-7b-instruct 1 2048" \
+             "mistral-7b-v0.1 1 128" "mistral-7b-v0.1 1 512" "mistral-7b-v0.1 1 2048" "qwen3-30b-a3b 1 128"; do
+    set -- $run
+    step decode-sweep 120 python3 benchmarks/bench_engine.py latency --shape "$1" --batch "$2" --prompt-len "$3" \
+      --new-tokens 128 --hf-tokens 0 --variants no-merge-in-last-split
+    mv "$LOGS/decode-sweep.log" "$LOGS/decode-$1-b$2-p$3.log"
+  done
+fi
+if want decode-batch; then
+  for batch in 8 32 128; do
+    step decode-batch 120 python3 benchmarks/bench_engine.py latency --shape llama-3.1-8b --batch "$batch" \
+      --prompt-len 960 --new-tokens 128 --hf-tokens 0 --variants no-merge-in-last-split
+    mv "$LOGS/decode-batch.log" "$LOGS/decode-llama-3.1-8b-b$batch-p960.log"
+  done
+fi
 step profile 100 python3 benchmarks/profile_steps.py decode --shape llama-3.1-8b --batch 1 --context 128
 mv "$LOGS/profile.log" "$LOGS/profile-decode.log" 2>/dev/null
 # Batch-1 decode kernel tables of the shapes furthest from their read limit (#21: MoE at 21%, #17: Mistral at 75%).
