@@ -5,7 +5,7 @@
 #   blocks (~3 min)  multiturn (~5 min)  diagnose (~2 min, three shapes)  serve (needs .whl, below)
 #   pending, fp8-gemv, fp8-latency, mix-qwen3, mix-llama, mix-moe, mix-tokens, structured, moe-offload, moe-resident,
 #   spec-a, spec-bc, multi, sleep-tests, sleep, fp8-kv-tests, fp8-kv, fp8-transfer, mix-fp8 (the open issues, below; STEPS="wheels pending ..." for those needing xgrammar)
-#   decode-sweep (~6 min), decode-batch (~2 min)
+#   decode-sweep (~8 min; DECODE_RUNS picks the shapes)
 #   profile (~1 min: kernel table at batch 1), profile-moe, profile-mistral  profile-workload (~1 min: host/device split of the throughput run)
 # For `serve`, carry fastapi/uvicorn/starlette/pydantic(+core)/anyio/h11/sniffio/annotated-types/
 # typing-inspection/prometheus-client as wheels in .whl (see ../.library/device/README.md).
@@ -25,6 +25,7 @@ step() {
   tar -czf "$OUT/logs.tgz" -C "$LOGS" .
 }
 step tests 260 python3 -m pytest -q -p no:cacheprovider tests/test_fused_ops.py tests/test_gpu_engine.py tests/test_triton_kernels.py tests/test_tiers.py tests/test_pdl.py
+step kernel-tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
 step gpu-tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_fused_ops.py tests/test_gpu_engine.py tests/test_tiers.py tests/test_pdl.py
 step latency 330 python3 benchmarks/bench_engine.py latency --shape llama-3.1-8b --hf-tokens 32 \
   --variants "${VARIANTS:-no-pdl}"
@@ -41,22 +42,17 @@ step multiturn 220 python3 benchmarks/bench_multiturn.py --shape llama-3.1-8b --
 # each turn adds little to prefill, so TTFT shows what restoring the history saves.
 step multiturn-doc 220 python3 benchmarks/bench_multiturn.py --shape llama-3.1-8b --conversations 24 \
   --first-user-tokens 6500 --user-tokens 64 --cpu-kv-gb 48 --cpu-kv-gb-with-disk 8
-# #17's decode targets, each beside the two-launch decode merge (2026-12-03): batch 1 at prompts 128-2,048 on
-# the three dense shapes, batch 8-128 at 1k context; the MoE shape's ms/token (its limit is bench_moe's).
+# #17's decode targets (2026-12-03): batch 1 at prompts 128-2,048 on the three dense shapes, batch 8-128 at
+# 1k context; the MoE shape's ms/token (its limit is bench_moe's). VARIANTS adds --variants to each run.
 if want decode-sweep; then
-  for run in "llama-3.1-8b 1 128" "llama-3.1-8b 1 2048" "qwen2.5-7b-instruct 1 128" "qwen2.5-7b-instruct 1 2048" \
-             "mistral-7b-v0.1 1 128" "mistral-7b-v0.1 1 512" "mistral-7b-v0.1 1 2048" "qwen3-30b-a3b 1 128"; do
-    set -- $run
-    step decode-sweep 120 python3 benchmarks/bench_engine.py latency --shape "$1" --batch "$2" --prompt-len "$3" \
-      --new-tokens 128 --hf-tokens 0 --variants no-merge-in-last-split
-    mv "$LOGS/decode-sweep.log" "$LOGS/decode-$1-b$2-p$3.log"
-  done
-fi
-if want decode-batch; then
-  for batch in 8 32 128; do
-    step decode-batch 120 python3 benchmarks/bench_engine.py latency --shape llama-3.1-8b --batch "$batch" \
-      --prompt-len 960 --new-tokens 128 --hf-tokens 0 --variants no-merge-in-last-split
-    mv "$LOGS/decode-batch.log" "$LOGS/decode-llama-3.1-8b-b$batch-p960.log"
+  # DECODE_RUNS: shape:batch:prompt entries.
+  for run in ${DECODE_RUNS:-llama-3.1-8b:1:128 llama-3.1-8b:1:2048 qwen2.5-7b-instruct:1:128 qwen2.5-7b-instruct:1:2048 \
+             mistral-7b-v0.1:1:128 mistral-7b-v0.1:1:512 mistral-7b-v0.1:1:2048 qwen3-30b-a3b:1:128 \
+             llama-3.1-8b:8:960 llama-3.1-8b:32:960 llama-3.1-8b:128:960}; do
+    IFS=: read -r shape batch prompt <<< "$run"
+    step decode-sweep 150 python3 benchmarks/bench_engine.py latency --shape "$shape" --batch "$batch" \
+      --prompt-len "$prompt" --new-tokens 128 --hf-tokens 0 ${VARIANTS:+--variants "$VARIANTS"}
+    mv "$LOGS/decode-sweep.log" "$LOGS/decode-$shape-b$batch-p$prompt.log"
   done
 fi
 step profile 100 python3 benchmarks/profile_steps.py decode --shape llama-3.1-8b --batch 1 --context 128
@@ -105,6 +101,7 @@ want moe-gemm && cp mempath/assets/moe_gemm_configs.json "$OUT/" 2>/dev/null
 step slots-tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_moe_slots.py tests/test_moe_triton.py \
   tests/test_moe.py tests/test_moe_prefetch.py tests/test_moe_host.py tests/test_moe_gemm_configs.py -k "cuda or gpu or cut"
 step moe-offload-host 420 python3 benchmarks/bench_moe.py --parts pinned,offload --cpu-experts auto
+step moe-skewed-auto 300 python3 benchmarks/bench_moe.py --parts pinned,offload --routers skewed --cpu-experts auto
 step moe-resident 300 python3 benchmarks/bench_moe.py --parts pinned,resident
 # The fp8 KV cache (#20, 2026-12-02): its GPU tests (needle retrieval at 8k/32k, kernels, tier transfers), decode at
 # batch 64 x 8k and retrieval at 4k-32k against bf16, tier transfers in both dtypes; fp8 weights and KV on the mix.

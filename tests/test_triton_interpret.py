@@ -59,30 +59,6 @@ def check_decode_padding_and_workspace(ta):
     assert not torch.isnan(out).any()
 
 
-def check_decode_merge_in_last_split(ta):
-    """The last split to finish merges, and leaves its arrival counter at zero for the next call
-    (a CUDA graph replays the same workspace); the two-launch merge gives the same rows."""
-    rows = 4 * 8 * 8  # seqs x heads x forced splits, above what the CPU's split rule would size
-    ws = ta.DecodeWorkspace(torch.empty(rows * 32, device=DEVICE), torch.empty(rows, device=DEVICE),
-                            torch.zeros(4 * 2, dtype=torch.int32, device=DEVICE))
-    case = Case([(1, 200), (1, 5), (1, 130), (1, 64)], 8, 2, 32, 8, torch.float32, DEVICE, seed=6)
-    ref = case.reference()
-    outs = {}
-    for merge_here in (True, False):
-        ta.MERGE_IN_LAST_SPLIT = merge_here
-        try:
-            for _ in range(3):
-                out = ta.triton_decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables,
-                                                 case.seq_lens, case.scale, out=case.poisoned_out(),
-                                                 workspace=ws, num_splits=8)
-                assert_close(out, ref, torch.float32)
-                assert torch.all(ws.arrivals == 0), ws.arrivals
-        finally:
-            ta.MERGE_IN_LAST_SPLIT = True
-        outs[merge_here] = out
-    assert_close(outs[True], outs[False], torch.float32)
-
-
 def check_prefill_mixed(ta, group, dtype):
     # Fresh prompts at tile edges, chunks over cached prefixes, decode rows.
     # (5, 35), (5, 67), (5, 68): a chunk starting one or two keys before a KV tile edge.
@@ -123,7 +99,6 @@ CHECKS = {
     "decode_padding_and_workspace": check_decode_padding_and_workspace,
     "odd_head_dim": check_odd_head_dim,
     "mixed_decode_rows": check_mixed_decode_rows,
-    "decode_merge_in_last_split": check_decode_merge_in_last_split,
 }
 for _group in (1, 4):
     for _dtype in (torch.float32, torch.float16):

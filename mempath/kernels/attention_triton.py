@@ -13,9 +13,7 @@ Kernels
 - :func:`triton_decode_attention` — one query row per sequence. A program owns
   one (sequence, KV head, split): it handles every query head of its KV head so
   each KV block is read once per KV head, and a long context is cut into splits
-  (flash-decoding). The last split of a (sequence, KV head) to finish merges the partial
-  results (an arrival counter per pair, which that split sets back to zero); with
-  ``MERGE_IN_LAST_SPLIT`` off a second small kernel merges them.
+  (flash-decoding) whose partial results a second small kernel merges.
 - :func:`triton_prefill_attention` — variable-length query chunks on top of a
   cached prefix, flash-attention tiling (query tile x KV tile) with the KV read
   through the block table. Also correct for decode rows, so a mixed batch can
@@ -36,8 +34,7 @@ go to a workspace that can be allocated once with
 :func:`alloc_decode_workspace`. How many tokens a split covers is computed on
 the device from ``seq_lens``, so the workspace does not grow with
 ``max_model_len``: it holds ``max_b(b * num_splits(b)) * num_heads * (head_dim + 1)``
-float32 values, b ranging over 1..max_num_seqs (see ``decode_workspace_numel``), and one
-int32 arrival counter per (sequence, KV head), zero between calls.
+float32 values, b ranging over 1..max_num_seqs (see ``decode_workspace_numel``).
 The prefill kernel's grid depends on ``max_query_len``; pass it to avoid a
 device-to-host sync.
 
@@ -76,9 +73,6 @@ FP8_DECODE_WARPS = None
 MAX_DECODE_SPLITS = 64
 # Target number of decode programs per SM: enough to hide memory latency.
 DECODE_PROGRAMS_PER_SM = 4
-# The splits' partials merged by the last split to finish (one launch a layer), or by a second
-# kernel (False: kept as the measured alternative, benchmarks/bench_engine.py --variants).
-MERGE_IN_LAST_SPLIT = True
 
 
 class DecodeWorkspace(NamedTuple):
@@ -86,13 +80,11 @@ class DecodeWorkspace(NamedTuple):
 
     ``partial_out`` holds the per-split normalised outputs and ``partial_lse``
     their log2-sum-exp2; each call views a prefix of them as
-    ``[num_seqs, num_heads, num_splits(, head_dim)]``. ``arrivals`` counts, per
-    (sequence, KV head), the splits done; the last one merges and zeroes it.
+    ``[num_seqs, num_heads, num_splits(, head_dim)]``.
     """
 
     partial_out: torch.Tensor
     partial_lse: torch.Tensor
-    arrivals: torch.Tensor
 
 
 _SM_COUNT = {}
@@ -150,7 +142,6 @@ def alloc_decode_workspace(
     return DecodeWorkspace(
         partial_out=torch.empty(numel, dtype=torch.float32, device=device),
         partial_lse=torch.empty(numel // head_dim, dtype=torch.float32, device=device),
-        arrivals=torch.zeros(max_num_seqs * num_kv_heads, dtype=torch.int32, device=device),
     )
 
 
@@ -253,7 +244,7 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["num_heads", "num_splits"])
     def _decode_split_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
-        out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr,
+        out_ptr, part_out_ptr, part_lse_ptr,
         qk_scale,
         stride_qt, stride_qh, stride_qd,
         stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
@@ -264,8 +255,8 @@ if HAS_TRITON:
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-        SPLIT: tl.constexpr, MERGE_HERE: tl.constexpr, PRECISION: tl.constexpr, VARLEN: tl.constexpr,
-        KV_FP8: tl.constexpr, DOTS_FP16: tl.constexpr, PDL: tl.constexpr,
+        SPLIT: tl.constexpr, PRECISION: tl.constexpr, VARLEN: tl.constexpr, KV_FP8: tl.constexpr,
+        DOTS_FP16: tl.constexpr, PDL: tl.constexpr,
     ):
         pdl_wait(PDL)
         seq = tl.program_id(0)
@@ -279,20 +270,15 @@ if HAS_TRITON:
         split_len = _split_len(seq_len, num_splits, TILE)
         start = split * split_len
         end = tl.minimum(start + split_len, seq_len)
+        if SPLIT:
+            if start >= seq_len:
+                return
+
         g = tl.arange(0, GROUP_PAD)
         dims = tl.arange(0, D_PAD)
         heads = kv_head * GROUP + g
         head_mask = g < GROUP
         dim_mask = dims < HEAD_DIM
-        out_mask = head_mask[:, None] & dim_mask[None, :]
-        out_rows = out_ptr + q_row.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :] * stride_od
-        if SPLIT:
-            if start >= seq_len:
-                if MERGE_HERE:
-                    if seq_len == 0 and split == 0:  # a padding sequence: no split runs, its rows are zeros
-                        tl.store(out_rows, tl.zeros([GROUP_PAD, D_PAD], dtype=out_ptr.dtype.element_ty),
-                                 mask=out_mask)
-                return
         q = tl.load(q_ptr + q_row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
                     + dims[None, :] * stride_qd,
                     mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
@@ -326,43 +312,15 @@ if HAS_TRITON:
 
         # An empty sequence (padding in a captured batch) yields zeros.
         out = acc / tl.maximum(l_i, 1.0e-30)[:, None]
+        out_mask = head_mask[:, None] & dim_mask[None, :]
         if SPLIT:
-            first_row = (seq * num_heads + heads).to(tl.int64) * num_splits
-            tl.store(part_out_ptr + (first_row + split)[:, None] * HEAD_DIM + dims[None, :], out, mask=out_mask)
-            tl.store(part_lse_ptr + first_row + split, m_i + tl.log2(l_i), mask=head_mask)
-            if MERGE_HERE:
-                used = (seq_len + split_len - 1) // split_len
-                counter = arrivals_ptr + seq * tl.num_programs(1) + kv_head
-                # Every thread's stores are issued before the counter's release; the last split in
-                # reads them from L2 (.cg) after its acquire.
-                tl.debug_barrier()
-                if tl.atomic_add(counter, 1, sem="acq_rel") == used - 1:
-                    tl.atomic_xchg(counter, 0)
-                    _merge_splits(part_out_ptr, part_lse_ptr, first_row, used, dims, head_mask, out_mask,
-                                  out_rows, GROUP_PAD, D_PAD, HEAD_DIM)
+            row = (seq * num_heads + heads).to(tl.int64) * num_splits + split
+            tl.store(part_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out, mask=out_mask)
+            tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=head_mask)
         else:
-            tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-    @triton.jit
-    def _merge_splits(part_out_ptr, part_lse_ptr, first_row, used, dims, head_mask, out_mask, out_rows,
-                      GROUP_PAD: tl.constexpr, D_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
-        """The ``used`` splits' partials of one KV head's query rows, weighted by their sums of
-        exponentials, as ``_decode_merge_kernel`` weights them."""
-        lse_max = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
-        for s in range(0, used):
-            lse = tl.load(part_lse_ptr + first_row + s, mask=head_mask, other=float("-inf"), cache_modifier=".cg")
-            lse_max = tl.maximum(lse_max, lse)
-        total = tl.zeros([GROUP_PAD], dtype=tl.float32)
-        acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
-        for s in range(0, used):
-            weight = tl.exp2(tl.load(part_lse_ptr + first_row + s, mask=head_mask, other=float("-inf"),
-                                     cache_modifier=".cg") - lse_max)
-            part = tl.load(part_out_ptr + (first_row + s)[:, None] * HEAD_DIM + dims[None, :], mask=out_mask,
-                           other=0.0, cache_modifier=".cg")
-            total += weight
-            acc += part * weight[:, None]
-        out = acc / tl.maximum(total, 1.0e-30)[:, None]
-        tl.store(out_rows, out.to(out_rows.dtype.element_ty), mask=out_mask)
+            tl.store(out_ptr + q_row.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
+                     + dims[None, :] * stride_od,
+                     out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
     @triton.jit(do_not_specialize=["num_heads", "num_splits"])
     def _decode_merge_kernel(
@@ -603,17 +561,14 @@ def triton_decode_attention(
             workspace = DecodeWorkspace(
                 torch.empty(need * head_dim, dtype=torch.float32, device=query.device),
                 torch.empty(need, dtype=torch.float32, device=query.device),
-                torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=query.device),
             )
-        elif (workspace.partial_lse.numel() < need or workspace.partial_out.numel() < need * head_dim
-              or workspace.arrivals.numel() < num_seqs * num_kv_heads):
+        elif workspace.partial_lse.numel() < need or workspace.partial_out.numel() < need * head_dim:
             raise ValueError(
                 f"decode workspace too small: need {need} rows for {num_seqs} seqs x {num_splits} splits"
             )
-        part_out, part_lse, arrivals = workspace
+        part_out, part_lse = workspace.partial_out, workspace.partial_lse
     else:
-        part_out = part_lse = arrivals = out  # unused by the kernel
-    merge_here = split and MERGE_IN_LAST_SPLIT
+        part_out = part_lse = out  # unused by the kernel
 
     dots_fp16 = kv_fp8 and query.dtype == torch.bfloat16
     stages = _pipeline_stages(2 * tile * d_pad * k_cache.element_size())
@@ -624,7 +579,7 @@ def triton_decode_attention(
     pdl = pdl_options(query.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, query_start,
-        out, part_out, part_lse, arrivals,
+        out, part_out, part_lse,
         scale * LOG2E,
         *query.stride(), *k_cache.stride(), *v_cache.stride(),
         block_tables.stride(0),
@@ -633,11 +588,11 @@ def triton_decode_attention(
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)),
         HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, TILE=tile,
-        SPLIT=split, MERGE_HERE=merge_here, PRECISION=_dot_precision(torch.float16 if dots_fp16 else _compute_dtype(query, k_cache)),
+        SPLIT=split, PRECISION=_dot_precision(torch.float16 if dots_fp16 else _compute_dtype(query, k_cache)),
         VARLEN=varlen, KV_FP8=kv_fp8, DOTS_FP16=dots_fp16,
         **pdl, num_warps=warps, num_stages=stages,
     )
-    if split and not merge_here:
+    if split:
         _decode_merge_kernel[(num_seqs, num_heads)](
             seq_lens, query_start, part_out, part_lse, out,
             *out.stride(),
