@@ -287,6 +287,10 @@ def run_hf_continuous_batching(args, prompts, output_lens) -> dict:
     del model
     torch.cuda.empty_cache()
     tokens = sum(generated.values())
+    if tokens == 0:
+        # A generation loop that fails (out of memory building its batch) finishes every request empty.
+        raise RuntimeError(f"transformers CB generated no tokens for {len(finished)} finished requests: its "
+                           f"generation loop failed (its log above names the error)")
     return {"output_tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed,
             "finished": len(finished), "complete": len(finished) == len(prompts)}
 

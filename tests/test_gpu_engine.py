@@ -108,3 +108,22 @@ def test_no_device_allocation_in_steady_state(tmp_path):
     after = torch.cuda.memory_stats()["num_device_alloc"]
     print(f"num_device_alloc before {before}, after 1000 steps {after}; requests {counter[0]}")
     assert after == before
+
+
+def test_the_allocator_cap_goes_with_the_last_engine(tmp_path):
+    """An engine caps PyTorch's allocator for its budget; once it is closed or collected, code
+    that runs after it in the process (transformers beside a benchmark) gets the device's whole
+    memory back, as it had it before."""
+    import gc
+    make_model(tmp_path, "llama", hidden_size=64, num_hidden_layers=1)
+    before = torch.cuda.get_per_process_memory_fraction(0)
+    options = dict(dtype="bfloat16", device="cuda", show_progress=False, enforce_eager=True)
+    first = LLM(str(tmp_path), gpu_memory_utilization=0.2, **options)
+    second = LLM(str(tmp_path), gpu_memory_utilization=0.5, **options)  # its budget counts the first's use
+    assert torch.cuda.get_per_process_memory_fraction(0) < before
+    second.engine.close()
+    assert torch.cuda.get_per_process_memory_fraction(0) < before  # the first engine still holds it
+    assert first.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0].token_ids
+    del first, second
+    gc.collect()
+    assert torch.cuda.get_per_process_memory_fraction(0) == before

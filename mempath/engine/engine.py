@@ -5,6 +5,7 @@ runner executes it, and the output processor turns the sampled tokens into outpu
 (stops, detokenizing, freeing finished requests' blocks through the scheduler).
 """
 import logging
+import weakref
 
 import torch
 
@@ -51,6 +52,10 @@ class LLMEngine:
         # A decode step launched but not read back yet (async scheduling).
         self.in_flight: PendingTokens | None = None
         self.num_steps_ahead = 0  # decode steps launched before the previous one's tokens were read
+        # PyTorch's allocator cap on the device, held from start-up: given back by close() or when
+        # the engine is collected (mempath/memory/device_cap.py).
+        held = parts.device_cap.detach() if parts.device_cap is not None else None
+        self._device_cap = weakref.finalize(self, held[1]) if held is not None else None
 
     # ----------------------------------------------------------------- requests
     def tokenize(self, prompt: str) -> list[int]:
@@ -106,9 +111,12 @@ class LLMEngine:
             self.runner.kv_cache.zero_()
 
     def close(self) -> None:
-        """Let the disk tier finish the writes it has queued, then stop its threads."""
+        """Let the disk tier finish the writes it has queued, then stop its threads; give the
+        device's allocator cap back."""
         if self.kv.tiers is not None:
             self.kv.tiers.close()
+        if self._device_cap is not None:
+            self._device_cap()
 
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:

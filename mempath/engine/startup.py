@@ -10,6 +10,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import weakref
 from pathlib import Path
 from typing import Callable, ContextManager
 
@@ -21,6 +22,7 @@ from mempath.engine.runner import ModelRunner
 from mempath.kv.manager import KVCacheManager, blocks_for
 from mempath.memory.arena import mapped_bytes
 from mempath.memory.budget import DeviceBudget
+from mempath.memory.device_cap import hold_device_cap
 from mempath.memory.formulas import resolve_expert_cache_size, shape_from_spec
 from mempath.memory.ledger import Pathway, format_bytes
 from mempath.memory.oom import oom_guard
@@ -118,6 +120,8 @@ class Startup:
             config.moe_expert_cache_gb, str(Path(config.model) / "config.json"))
         check_cpu_experts(config.moe_cpu_experts, self.expert_cache_size)
         self.tenant = tenant or Path(config.model).name or config.model
+        # Given back when start-up fails, or by the engine that takes it over (LLMEngine.close).
+        self.device_cap = weakref.finalize(self, hold_device_cap(self.device)) if self.device.type == "cuda" else None
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             # The whole budget until start-up has measured what it may leave PyTorch (cap_device_memory).
