@@ -140,11 +140,17 @@ def measure_latency(args, prompts, hf=None) -> dict:
             "weight_bytes": weight_bytes, "tokens": tokens}
 
 
+def decode_read_limit_ms(weight_bytes: int, kv_token_bytes: int, batch: int, mean_context: float,
+                         bandwidth: float) -> float:
+    """The step's bytes (weights once, every sequence's cached KV) over the copy bandwidth."""
+    return 1e3 * (weight_bytes + batch * mean_context * kv_token_bytes) / bandwidth
+
+
 def bench_latency(args) -> dict:
     bandwidth = copy_bandwidth()
     rng = np.random.default_rng(0)
-    vocab = json.loads((SHAPES / f"{args.shape}.json").read_text())["vocab_size"]
-    prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(args.batch)]
+    config = json.loads((SHAPES / f"{args.shape}.json").read_text())
+    prompts = [rng.integers(0, config["vocab_size"], args.prompt_len).tolist() for _ in range(args.batch)]
     # transformers' model is built first and mempath runs on its weights: random weights
     # drawn separately would make the token comparison meaningless. Seeded, so runs compare.
     # (It stays on the GPU while mempath runs: a smaller KV pool, which batch 1 does not feel.)
@@ -152,11 +158,11 @@ def bench_latency(args) -> dict:
     model = hf_model(args.shape) if args.hf_tokens > 0 else None
     main = measure_latency(args, prompts, model)
     ms_token, ttft_ms, weight_bytes = main["ms_per_token"], main["ttft_ms"], main["weight_bytes"]
-    # A decode step reads the weights once and every sequence's KV (bf16), whose context grows
-    # from the prompt to prompt + new tokens: the mean context is charged.
-    shape = read_shape(json.loads((SHAPES / f"{args.shape}.json").read_text()))
-    kv_read_bytes = args.batch * (args.prompt_len + args.new_tokens / 2) * kv_bytes_per_token(shape, 2)
-    limit_ms = 1e3 * (weight_bytes + kv_read_bytes) / bandwidth
+    # Every sequence's bf16 KV, at the mean context over the decode (prompt to prompt + new tokens).
+    kv_token_bytes = kv_bytes_per_token(read_shape(config), 2)
+    mean_context = args.prompt_len + args.new_tokens / 2
+    kv_read_bytes = args.batch * mean_context * kv_token_bytes
+    limit_ms = decode_read_limit_ms(weight_bytes, kv_token_bytes, args.batch, mean_context, bandwidth)
     variants = {}
     for name in args.variants:
         VARIANTS[name](False)
@@ -224,7 +230,8 @@ def bench_latency(args) -> dict:
         rows.append((f"mempath, {name}" + ("" if result["same_tokens"] else " (tokens differ)"),
                      f"{ms:.2f}", f"{1e3 / ms:.1f}", f"{100 * limit_ms / ms:.1f}%"))
     print(f"\nlatency: {args.shape}, batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
-          f"weights {weight_bytes / 1e9:.2f} GB, KV read {kv_read_bytes / 1e9:.3f} GB a step, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+          f"weights {weight_bytes / 1e9:.2f} GB, KV read {kv_read_bytes / 1e9:.3f} GB a step, "
+          f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     print_table(rows)
     return {"bench": "latency", "shape": args.shape, "batch": args.batch, "ms_per_token": ms_token,
             "ttft_ms": ttft_ms, "limit_ms_per_token": limit_ms, "fraction_of_limit": limit_ms / ms_token,

@@ -45,12 +45,6 @@ KV_DTYPES = ("auto", "fp8")
 PARTS = ("kernel", "decode", "retrieval")
 
 
-def decode_read_limit_ms(weight_bytes: int, kv_token_bytes: int, batch: int, mean_context: float,
-                         bandwidth: float) -> float:
-    """The step's bytes (weights once, every sequence's cached KV) over the copy bandwidth."""
-    return 1e3 * (weight_bytes + batch * mean_context * kv_token_bytes) / bandwidth
-
-
 def run_decode(args, kv: str, prompts: list[list[int]], config: dict) -> dict:
     from bench_engine import model_dir
     llm = LLM(model_dir(args.shape), load_format="dummy", dtype="bfloat16", kv_cache_dtype=kv,
@@ -104,7 +98,7 @@ def current_fp8_variant() -> str:
 
 
 def bench_decode(args, extra_fp8_variant: str | None = None) -> list[dict]:
-    from bench_engine import SHAPES, copy_bandwidth
+    from bench_engine import SHAPES, copy_bandwidth, decode_read_limit_ms
     config = json.loads((SHAPES / f"{args.shape}.json").read_text())
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, config["vocab_size"], args.context).tolist() for _ in range(args.batch)]

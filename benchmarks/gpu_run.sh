@@ -43,11 +43,12 @@ step multiturn 220 python3 benchmarks/bench_multiturn.py --shape llama-3.1-8b --
 step multiturn-doc 220 python3 benchmarks/bench_multiturn.py --shape llama-3.1-8b --conversations 24 \
   --first-user-tokens 6500 --user-tokens 64 --cpu-kv-gb 48 --cpu-kv-gb-with-disk 8
 # #17's decode targets (2026-12-03): batch 1 at prompts 128-2,048 on the three dense shapes, batch 8-128 at
-# 1k context; the MoE shape's ms/token (its limit is bench_moe's). VARIANTS adds --variants to each run.
+# 1k context (dense shapes only: bench_engine's limit counts every weight, a MoE token reads its active
+# ones, see bench_moe.py --parts resident). VARIANTS adds --variants to each run.
 if want decode-sweep; then
   # DECODE_RUNS: shape:batch:prompt entries.
   for run in ${DECODE_RUNS:-llama-3.1-8b:1:128 llama-3.1-8b:1:2048 qwen2.5-7b-instruct:1:128 qwen2.5-7b-instruct:1:2048 \
-             mistral-7b-v0.1:1:128 mistral-7b-v0.1:1:512 mistral-7b-v0.1:1:2048 qwen3-30b-a3b:1:128 \
+             mistral-7b-v0.1:1:128 mistral-7b-v0.1:1:512 mistral-7b-v0.1:1:2048 \
              llama-3.1-8b:8:960 llama-3.1-8b:32:960 llama-3.1-8b:128:960}; do
     IFS=: read -r shape batch prompt <<< "$run"
     step decode-sweep 150 python3 benchmarks/bench_engine.py latency --shape "$shape" --batch "$batch" \

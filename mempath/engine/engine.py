@@ -54,7 +54,7 @@ class LLMEngine:
         self.num_steps_ahead = 0  # decode steps launched before the previous one's tokens were read
         # PyTorch's allocator cap on the device, held from start-up: given back by close() or when
         # the engine is collected (mempath/memory/device_cap.py).
-        held = parts.device_cap.detach() if parts.device_cap is not None else None
+        held = parts.device_cap.detach() if parts.device_cap is not None else None  # (startup, release, args, kwargs)
         self._device_cap = weakref.finalize(self, held[1]) if held is not None else None
 
     # ----------------------------------------------------------------- requests
