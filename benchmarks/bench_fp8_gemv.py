@@ -36,8 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from mempath.kernels.fp8_gemv_triton import (DEFAULT_TABLE, GemvConfig, GemvWorkspace, heuristic_config,  # noqa: E402
-                                            load_table, row_bucket, table_json, triton_fp8_gemv)
+from mempath.kernels.fp8_gemv_triton import (DEFAULT_TABLE, QUANT_X_GROUP, GemvConfig, GemvWorkspace,  # noqa: E402
+                                            heuristic_config, load_table, row_bucket, table_json, triton_fp8_gemv)
 from mempath.kernels.quant_triton import triton_quantize_rows  # noqa: E402
 from mempath.model.quant import FP8_MAX, MIN_SCALE, fp8_gemv_torch, fp8_linear_scaled_mm, quantize_rows  # noqa: E402
 
@@ -55,7 +55,13 @@ DOT_TILES = [(64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 4, 3), (128, 256, 8, 3
 # with prefetching on and off: two of the tiles above, to compare like with like, and wider ones at
 # 4 warps, which a [BLOCK_N, BLOCK_K] float32 accumulator made too costly in registers.
 SUMMED_TILES = [(128, 128, 8, 2), (16, 512, 4, 2), (128, 128, 4, 2), (64, 256, 4, 2), (32, 1024, 4, 2)]
-QUICK_FMA, QUICK_DOT, QUICK_SUMMED = FMA_TILES[:3], DOT_TILES[:4], SUMMED_TILES[2:4]
+# The fp8 tensor-core product (x quantized in groups of QUANT_X_GROUP along K, so block_k is that):
+# widths of one to four warpgroup tiles, pipelined 3 to 6 deep.
+FP8_DOT_TILES = [(64, QUANT_X_GROUP, 4, 3), (64, QUANT_X_GROUP, 4, 4), (64, QUANT_X_GROUP, 4, 6),
+                 (128, QUANT_X_GROUP, 4, 4), (128, QUANT_X_GROUP, 8, 4), (128, QUANT_X_GROUP, 4, 6),
+                 (256, QUANT_X_GROUP, 8, 3), (256, QUANT_X_GROUP, 8, 4)]
+QUICK_FMA, QUICK_DOT, QUICK_SUMMED, QUICK_FP8_DOT = FMA_TILES[:3], DOT_TILES[:4], SUMMED_TILES[2:4], FP8_DOT_TILES[:3]
+PRODUCTS = ("fma", "dot", "sum-k", "dot-fp8", "scaled_mm")
 
 
 def projections(config: dict) -> dict[str, tuple[int, int]]:
@@ -67,16 +73,19 @@ def projections(config: dict) -> dict[str, tuple[int, int]]:
             "down_proj": (h, i)}
 
 
-def candidates(n: int, k: int, rows: int, num_sms: int, quick: bool) -> list[GemvConfig]:
-    """The sweep's grid at one shape and batch: splits whose grid covers half to eight times the SMs
-    (and split 1), each split at least one K block, atomic and two-pass; and _scaled_mm. Up to 4 rows
-    also the tiles summed over K at every step, with and without prefetching, split atomically."""
-    out = [GemvConfig(kernel="scaled_mm")]
+def candidates(n: int, k: int, rows: int, num_sms: int, quick: bool, products=PRODUCTS) -> list[GemvConfig]:
+    """The sweep's grid at one shape and batch, of the ``products`` asked for: splits whose grid covers
+    half to eight times the SMs (and split 1), each split at least one K block, atomic and two-pass;
+    and _scaled_mm. Up to 4 rows also the tiles summed over K at every step, with and without
+    prefetching, split atomically. The fp8 tensor-core tiles at every batch."""
+    out = [GemvConfig(kernel="scaled_mm")] if "scaled_mm" in products else []
     fma = rows <= 4
-    tiles = [(t, dict(use_dot=False)) for t in (QUICK_FMA if quick else FMA_TILES) if fma]
-    tiles += [(t, dict(use_dot=True)) for t in (QUICK_DOT if quick else DOT_TILES) if rows >= 2]
+    tiles = [(t, dict(use_dot=False)) for t in (QUICK_FMA if quick else FMA_TILES) if fma and "fma" in products]
+    tiles += [(t, dict(use_dot=True)) for t in (QUICK_DOT if quick else DOT_TILES) if rows >= 2 and "dot" in products]
     tiles += [(t, dict(sum_k_each_step=True, prefetch=prefetch)) for t in (QUICK_SUMMED if quick else SUMMED_TILES)
-              for prefetch in (False, True) if fma]
+              for prefetch in (False, True) if fma and "sum-k" in products]
+    tiles += [(t, dict(use_dot=True, quantize_x=True)) for t in (QUICK_FP8_DOT if quick else FP8_DOT_TILES)
+              if "dot-fp8" in products]
     for (bn, bk, warps, stages), options in tiles:
         for split in (1, 2, 4, 8, 16):
             programs = -(-n // bn) * split
@@ -106,8 +115,9 @@ class Layer:
                 t, fp8_max=FP8_MAX, min_scale=MIN_SCALE))
         return triton_fp8_gemv(x, self.wq, self.scale, None, self.workspace, config)
 
-    def check(self, x: torch.Tensor, config: GemvConfig, ref: torch.Tensor) -> str | None:
-        """None when ``config`` gives the twin's result and leaves the workspace zero, else why not."""
+    def check(self, x: torch.Tensor, config: GemvConfig, refs: dict) -> str | None:
+        """None when ``config`` gives the twin's result and leaves the workspace zero, else why not.
+        ``refs``: the twin's results by x_group, filled as needed."""
         try:
             out = self.run(x, config)
             if DEVICE == "cuda":
@@ -116,6 +126,10 @@ class Layer:
             return f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
         if config.kernel == "scaled_mm":
             return None  # its own arithmetic (quantized input): tests/test_fp8_weights.py checks it
+        x_group = QUANT_X_GROUP if config.quantize_x else None
+        if x_group not in refs:
+            refs[x_group] = fp8_gemv_torch(x, self.wq, self.scale, None, x_group=x_group)
+        ref = refs[x_group]
         err = (out.float() - ref.float()).abs().max().item()
         tol = 2 * torch.finfo(DTYPE).eps * max(1.0, ref.float().abs().max().item())
         if not err <= tol:
@@ -134,14 +148,16 @@ def time_us(fn) -> float:
     return 1e3 * do_bench(fn, warmup=5, rep=20, return_mode="median")
 
 
-def sweep_point(layer: Layer, rows: int, table_config: GemvConfig, num_sms: int, quick: bool) -> dict:
-    """Check and time every candidate at one shape and batch; the best, the table's, and the baselines."""
+def sweep_point(layer: Layer, rows: int, table_config: GemvConfig, num_sms: int, quick: bool,
+                products=PRODUCTS) -> dict:
+    """Check and time every candidate at one shape and batch; the best (the table's configuration
+    among them, so a narrower sweep never writes a slower table), the table's, and the baselines."""
     x = torch.randn(rows, layer.k, device=DEVICE, dtype=DTYPE)
-    ref = fp8_gemv_torch(x, layer.wq, layer.scale, None)
-    table_error = layer.check(x, table_config, ref)
+    refs = {}
+    table_error = layer.check(x, table_config, refs)
     timed, failed = [], []
-    for config in candidates(layer.n, layer.k, rows, num_sms, quick):
-        error = layer.check(x, config, ref)
+    for config in candidates(layer.n, layer.k, rows, num_sms, quick, products):
+        error = layer.check(x, config, refs)
         if error:
             failed.append(f"{config.describe()}: {error}")
             continue
@@ -149,21 +165,31 @@ def sweep_point(layer: Layer, rows: int, table_config: GemvConfig, num_sms: int,
     # Prefetching (a second weight tile in registers, the first before the PDL wait) on the three
     # fastest GEMV configurations only: on the whole grid it would double the compilations. (The
     # grid has the tiles summed over K each step with it already.)
-    fastest = sorted((t for t in timed if t[1].kernel == "gemv" and not t[1].sum_k_each_step),
-                     key=lambda t: t[0])[:3]
+    fastest = sorted((t for t in timed if t[1].kernel == "gemv" and not t[1].sum_k_each_step
+                      and not t[1].quantize_x), key=lambda t: t[0])[:3]
     for config in (dataclasses.replace(c, prefetch=True) for _, c in fastest):
-        error = layer.check(x, config, ref)
+        error = layer.check(x, config, refs)
         if error:
             failed.append(f"{config.describe()}: {error}")
             continue
         timed.append((time_us(lambda: layer.run(x, config)), config))
-    best_us, best = min(timed, key=lambda t: t[0])
+    table_us = None if table_error else time_us(lambda: layer.run(x, table_config))
+    # What each product costs in accuracy: the RMS of its difference from the bf16 product, over that product's RMS.
+    exact = x.float() @ layer.w16.float().t()
+    def relative_error(config):
+        return None if config is None else \
+            ((layer.run(x, config).float() - exact).pow(2).mean() / exact.pow(2).mean()).sqrt().item()
+    best_us, best = min(timed + ([(table_us, table_config)] if table_us else []), key=lambda t: t[0])
+    fp8_dot_us, fp8_dot = min(((t, c) for t, c in timed if c.quantize_x), key=lambda t: t[0], default=(None, None))
     # The best tile summed over K each step, beside the best overall, whichever wins: the A/B the option awaits.
     summed_us, summed = min(((t, c) for t, c in timed if c.sum_k_each_step), key=lambda t: t[0], default=(None, None))
     return {"rows": rows, "best": best, "best_us": best_us,
             "sum_k_best": summed.describe() if summed else None, "sum_k_us": summed_us,
-            "table": table_config, "table_error": table_error,
-            "table_us": None if table_error else time_us(lambda: layer.run(x, table_config)),
+            "dot_fp8_best": fp8_dot.describe() if fp8_dot else None, "dot_fp8_us": fp8_dot_us,
+            "error_vs_bf16": {"weight_only": relative_error(GemvConfig(block_n=64, block_k=128)),
+                              "dot_fp8": relative_error(fp8_dot), "scaled_mm": relative_error(GemvConfig(
+                                  kernel="scaled_mm"))},
+            "table": table_config, "table_error": table_error, "table_us": table_us,
             "bf16_us": time_us(lambda: x @ layer.w16.t()),
             "scaled_mm_us": next((t for t, c in timed if c.kernel == "scaled_mm"), float("nan")),
             "candidates": len(timed), "failed": failed}
@@ -182,6 +208,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(DEFAULT_TABLE), help="where the best configurations go")
     parser.add_argument("--table", default=str(DEFAULT_TABLE), help="the table whose configurations are checked")
     parser.add_argument("--quick", action="store_true", help="a third of the grid")
+    parser.add_argument("--products", default=",".join(PRODUCTS),
+                        help=f"the products swept, of {','.join(PRODUCTS)} (the table's configuration is timed "
+                             f"and kept where it is faster, whatever it is)")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU, TRITON_INTERPRET=1: a toy shape, --quick, timings meaningless")
     args = parser.parse_args()
@@ -194,6 +223,10 @@ def main() -> None:
         DEVICE, DTYPE, args.quick, args.shape = "cpu", torch.float16, True, "smoke"
     config = SMOKE_SHAPE if args.smoke else json.loads((CONFIGS / f"{args.shape}.json").read_text())
     rows_list = [int(r) for r in args.rows.split(",")]
+    products = tuple(p for p in args.products.split(",") if p)
+    if set(products) - set(PRODUCTS):
+        parser.error(f"--products: unknown {sorted(set(products) - set(PRODUCTS))}; the products are "
+                     f"{','.join(PRODUCTS)}")
     num_sms = 4 if args.smoke else torch.cuda.get_device_properties(0).multi_processor_count
     bandwidth = 1e9 if args.smoke else copy_bandwidth()
     read_bw = bandwidth  # bytes read + written per second by a copy: the rate a read-only stream gets too
@@ -210,21 +243,25 @@ def main() -> None:
         rows_out = []
         for rows in rows_list:
             table_config = table.get(f"{n}x{k}", {}).get(str(row_bucket(rows))) or heuristic_config(n, k, rows, num_sms)
-            point = sweep_point(layer, rows, table_config, num_sms, args.quick)
+            point = sweep_point(layer, rows, table_config, num_sms, args.quick, products)
             rows_out.append(point)
             best_table.setdefault(f"{n}x{k}", {})[str(row_bucket(rows))] = point["best"]
         results[name] = rows_out
         print(f"\n{name} {n}x{k}: fp8 weight {layer.fp8_bytes / 1e6:.1f} MB ({time.time() - shape_started:.0f} s)")
-        table_rows = [("rows", "best", "us", "GB/s", "% of copy", "table's us", "bf16 us", "_scaled_mm us",
+        table_rows = [("rows", "best", "us", "GB/s", "% of copy", "table's us", "best dot-fp8 us", "bf16 us",
+                       "_scaled_mm us",
                        "x bf16", "x _scaled_mm", "checked", "dropped")]
         for p in rows_out:
             table_col = f"{p['table_us']:.1f}" if p["table_us"] else f"WRONG: {p['table_error']}"
             table_rows.append((p["rows"], p["best"].describe(), f"{p['best_us']:.1f}",
                                f"{gbps(layer.fp8_bytes, p['best_us']):.0f}",
                                f"{100 * layer.fp8_bytes / (p['best_us'] * 1e-6) / read_bw:.0f}%", table_col,
-                               f"{p['bf16_us']:.1f}", f"{p['scaled_mm_us']:.1f}", f"{p['bf16_us'] / p['best_us']:.2f}",
+                               f"{p['dot_fp8_us']:.1f}" if p["dot_fp8_us"] else "-", f"{p['bf16_us']:.1f}", f"{p['scaled_mm_us']:.1f}", f"{p['bf16_us'] / p['best_us']:.2f}",
                                f"{p['scaled_mm_us'] / p['best_us']:.2f}", p["candidates"], len(p["failed"])))
         print_table(table_rows)
+        for p in rows_out:
+            errors = ", ".join(f"{name} {100 * e:.2f}%" for name, e in p["error_vs_bf16"].items() if e is not None)
+            print(f"  {p['rows']} rows: RMS difference from the bf16 product: {errors}")
         for p in rows_out:
             for line in p["failed"][:5]:
                 print(f"  dropped at {p['rows']} rows: {line}")
@@ -243,7 +280,8 @@ def main() -> None:
     print_table(step_rows)
     Path(args.out).write_text(table_json(
         best_table, device=device_name,
-        made_by=f"benchmarks/bench_fp8_gemv.py --shape {args.shape} --rows {args.rows}{' --quick' if args.quick else ''}",
+        made_by=f"benchmarks/bench_fp8_gemv.py --shape {args.shape} --rows {args.rows}{' --quick' if args.quick else ''}"
+                f"{'' if products == PRODUCTS else ' --products ' + ','.join(products)}",
         shapes={f"{n}x{k}": f"{name} ({args.shape})" for name, (n, k) in shapes.items()}))
     print(f"\nbest configurations written to {args.out} ({time.time() - started:.0f} s in all)")
     print("RESULT " + json.dumps({
@@ -252,6 +290,8 @@ def main() -> None:
         "points": {name: [{"rows": p["rows"], "best": p["best"].describe(), "best_us": p["best_us"],
                            "table_us": p["table_us"], "bf16_us": p["bf16_us"], "scaled_mm_us": p["scaled_mm_us"],
                            "sum_k_best": p["sum_k_best"], "sum_k_us": p["sum_k_us"],
+                           "dot_fp8_best": p["dot_fp8_best"], "dot_fp8_us": p["dot_fp8_us"],
+                           "error_vs_bf16": p["error_vs_bf16"],
                            "dropped": len(p["failed"])} for p in r] for name, r in results.items()}}))
 
 

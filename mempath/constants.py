@@ -16,6 +16,11 @@ CHECKPOINT_DTYPES = ("float32", "float16", "bfloat16")
 # vLLM's --kv-cache-dtype names, to torch's name of the format; fp8 means e4m3 (more
 # mantissa; K and V rarely need e5m2's range).
 KV_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+# fp8 weights and activations (model/quant.py and the Triton kernels that share its arithmetic):
+# e4m3's largest finite value, and the floor of a scale, so an all-zero row (padding rows of a
+# CUDA-graph batch) divides by something finite and quantizes to zeros.
+FP8_MAX = 448.0
+MIN_SCALE = 1e-12
 
 # Decode graphs are captured for batch sizes up to 512 (larger batches run eagerly:
 # launch overhead is amortised there), all sharing one memory pool.

@@ -40,11 +40,35 @@ def sum_k_each_step_configs():
             GemvConfig(block_n=32, block_k=32, split_k=4, reduce="two_pass", prefetch=True, sum_k_each_step=True)]
 
 
-def check_fp8_gemv(device: str, dtypes, rows_list=(1, 3, 16), seed: int = 0, shapes=SHAPES, configs=None) -> None:
+def quantize_x_configs():
+    """The fp8 tensor-core product (x quantized in groups of 128 along K): no split, both reduces of
+    a split (a short last split at 3), tiles of 16 and 64 outputs."""
+    from mempath.kernels.fp8_gemv_triton import GemvConfig
+    return [GemvConfig(block_n=32, block_k=128, use_dot=True, quantize_x=True),
+            GemvConfig(block_n=16, block_k=128, split_k=3, use_dot=True, quantize_x=True),
+            GemvConfig(block_n=64, block_k=128, split_k=2, use_dot=True, quantize_x=True, reduce="two_pass")]
+
+
+def on_fp8_grid(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x moved onto the grid its groups quantize to without rounding: each group of ``group`` along a
+    row holds e4m3 values times 2^j, one of them 448 · 2^j (Triton's interpreter rounds some values
+    wrongly, as test_fp8_kv notes)."""
+    rows, k = x.shape
+    out = torch.empty(rows, k)
+    for start in range(0, k, group):
+        block = quantize_rows(x[:, start:start + group])[0].float()
+        block[:, 0] = quant.FP8_MAX
+        out[:, start:start + group] = block * 2.0 ** ((torch.arange(rows) + start // group) % 5 - 2).float()[:, None]
+    return out
+
+
+def check_fp8_gemv(device: str, dtypes, rows_list=(1, 3, 16), seed: int = 0, shapes=SHAPES, configs=None,
+                   x_on_grid: bool = False) -> None:
     """Every configuration gives the twin's result within float32 accumulation (then one rounding
     to x's dtype), with a bias every other call, and leaves the shared workspace zero, in any
-    order of calls."""
-    from mempath.kernels.fp8_gemv_triton import GemvWorkspace, triton_fp8_gemv
+    order of calls. A quantize_x configuration is checked against the twin that quantizes x alike;
+    ``x_on_grid`` puts x where that quantization needs no rounding (for the interpreter)."""
+    from mempath.kernels.fp8_gemv_triton import QUANT_X_GROUP, GemvWorkspace, triton_fp8_gemv
     gen = torch.Generator().manual_seed(seed)
     workspace = GemvWorkspace(max(n for n, _ in shapes), torch.device(device))
     for dtype in dtypes:
@@ -53,11 +77,12 @@ def check_fp8_gemv(device: str, dtypes, rows_list=(1, 3, 16), seed: int = 0, sha
             wq, scale = (t.to(device) for t in quantize_rows(w))
             bias = torch.randn(n, generator=gen).to(dtype).to(device)
             for rows in rows_list:
-                x = torch.randn(rows, k, generator=gen).to(dtype).to(device)
+                x = torch.randn(rows, k, generator=gen)
+                x = (on_fp8_grid(x, QUANT_X_GROUP) if x_on_grid else x).to(dtype).to(device)
                 for i, config in enumerate(configs or gemv_configs()):
                     b = bias if (i + rows) % 2 else None
                     out = triton_fp8_gemv(x, wq, scale, b, workspace, config)
-                    ref = fp8_gemv_torch(x, wq, scale, b)
+                    ref = fp8_gemv_torch(x, wq, scale, b, x_group=QUANT_X_GROUP if config.quantize_x else None)
                     assert out.dtype == dtype and out.shape == (rows, n)
                     ulp = torch.finfo(dtype).eps if dtype != torch.float32 else 1e-5
                     torch.testing.assert_close(out.float(), ref.float(), rtol=2 * ulp, atol=2 * ulp,
@@ -108,6 +133,52 @@ def test_interpreted_gemv_summing_k_each_step_matches_twin():
         "check_fp8_gemv('cpu', (torch.float16,), rows_list=(1, 3), configs=sum_k_each_step_configs()); "
         "check_fp8_gemv('cpu', (torch.float32,), rows_list=(1,), shapes=((80, 200),), "
         "configs=sum_k_each_step_configs()[2:4])")
+
+
+def test_fp8_gemv_torch_quantizes_x_in_groups_along_k():
+    """x_group: each group of a row its own quantize_rows scale (the last group short), so a row whose
+    groups differ by 2^16 in size keeps the small groups' precision, which one scale a row loses to
+    e4m3's subnormals."""
+    from mempath.model.quant import quantize_groups
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 300, generator=gen)
+    x[:, 128:256] *= 2.0 ** 16
+    grouped = quantize_groups(x, 128)
+    for start in (0, 128, 256):
+        q, s = quantize_rows(x[:, start:start + 128])
+        assert torch.equal(grouped[:, start:start + 128], q.float() * s)
+    per_row = quant.dequantize_rows(*quantize_rows(x))
+    assert (grouped[:, :128] - x[:, :128]).abs().max() < 0.5 * (per_row[:, :128] - x[:, :128]).abs().max()
+    w = torch.randn(48, 300, generator=gen) * 0.05
+    wq, scale = quantize_rows(w)
+    expected = grouped.double() @ (wq.double() * scale.double()).t()
+    torch.testing.assert_close(fp8_gemv_torch(x, wq, scale, None, x_group=128).double(), expected,
+                               rtol=1e-4, atol=1e-2)  # float32 sums of terms up to 2^16
+
+
+def test_interpreted_gemv_quantizing_x_matches_twin():
+    """The fp8 tensor-core product under the interpreter: every reduce, x in each dtype (quantized,
+    float32 too), one row and three, uneven and even shapes."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the GPU test runs the compiled kernel")
+    run_interpreted(
+        "import sys, torch; sys.path.insert(0, 'tests'); from test_triton_interpret import _patch_interpreter_for_numpy; "
+        "_patch_interpreter_for_numpy(); from tests.test_fp8_gemv import check_fp8_gemv, quantize_x_configs; "
+        "check_fp8_gemv('cpu', (torch.float16, torch.float32), rows_list=(1, 3), configs=quantize_x_configs(), "
+        "x_on_grid=True); "
+        "check_fp8_gemv('cpu', (torch.bfloat16,), rows_list=(16,), shapes=((64, 256),), "
+        "configs=quantize_x_configs()[1:], x_on_grid=True)")
+
+
+def test_quantize_x_configs_are_tensor_core_tiles_one_scale_wide():
+    from mempath.kernels.fp8_gemv_triton import GemvConfig
+    assert GemvConfig(block_n=64, block_k=128, split_k=4, use_dot=True, quantize_x=True).describe() == \
+        "gemv dot-fp8 n64 k128 split4 atomic w4 s3"
+    for bad in (dict(use_dot=False), dict(block_k=256), dict(prefetch=True)):
+        with pytest.raises(ValueError, match="quantize_x is a tensor-core product with one activation scale a "
+                                             "block of K: set use_dot true, block_k 128"):
+            GemvConfig(**{"block_k": 128, "use_dot": True, "quantize_x": True, **bad})
 
 
 # ---------------------------------------------------------------- the configuration table
@@ -272,14 +343,32 @@ def test_gpu_gemv_summing_k_each_step_matches_twin(dtype):
 
 
 @needs_fp8_gpu
-@pytest.mark.parametrize("reduce", ["atomic", "two_pass"])
-def test_gpu_gemv_is_captured_by_a_cuda_graph(reduce):
-    from mempath.kernels.fp8_gemv_triton import GemvConfig, GemvWorkspace, triton_fp8_gemv
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_gemv_quantizing_x_matches_twin(dtype):
+    """The fp8 tensor-core product compiled, off the grid (the compiled conversion rounds as PyTorch
+    does), on the test's shapes and at the sweep's tile sizes and depths."""
+    pytest.importorskip("triton")
+    from mempath.kernels.fp8_gemv_triton import GemvConfig
+    sweep_tiles = [GemvConfig(block_n=bn, block_k=128, split_k=split, num_warps=warps, num_stages=stages,
+                              reduce=reduce, use_dot=True, quantize_x=True)
+                   for bn, warps, stages in ((64, 4, 4), (128, 4, 6), (256, 8, 3))
+                   for split, reduce in ((1, "atomic"), (4, "atomic"), (4, "two_pass"))]
+    check_fp8_gemv("cuda", (dtype,), rows_list=(1, 2, 3, 16), configs=quantize_x_configs())
+    if dtype != torch.float32:  # float32 output: 4096 terms summed in another order differ by more than its 2 ulp
+        check_fp8_gemv("cuda", (dtype,), rows_list=(1, 3, 16), shapes=((1000, 4096), (1024, 4096)),
+                       configs=sweep_tiles)
+
+
+@needs_fp8_gpu
+@pytest.mark.parametrize("reduce, quantize_x", [("atomic", False), ("two_pass", False), ("atomic", True)])
+def test_gpu_gemv_is_captured_by_a_cuda_graph(reduce, quantize_x):
+    from mempath.kernels.fp8_gemv_triton import QUANT_X_GROUP, GemvConfig, GemvWorkspace, triton_fp8_gemv
     gen = torch.Generator(device="cuda").manual_seed(0)
     wq, scale = quantize_rows(torch.randn(1024, 4096, device="cuda", generator=gen) * 0.02)
     x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
     workspace = GemvWorkspace(1024, torch.device("cuda"))
-    config = GemvConfig(block_n=64, block_k=128, split_k=8, use_dot=True, reduce=reduce)
+    config = GemvConfig(block_n=64, block_k=128, split_k=8, use_dot=True, reduce=reduce, quantize_x=quantize_x)
+    x_group = QUANT_X_GROUP if quantize_x else None
     eager = triton_fp8_gemv(x, wq, scale, None, workspace, config)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):  # warm-up off the default stream, as capture wants
@@ -291,7 +380,8 @@ def test_gpu_gemv_is_captured_by_a_cuda_graph(reduce):
     for _ in range(3):
         x.copy_(torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16, generator=gen))
         graph.replay()
-        torch.testing.assert_close(out.float(), fp8_gemv_torch(x, wq, scale, None).float(), rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(out.float(), fp8_gemv_torch(x, wq, scale, None, x_group).float(), rtol=1e-2,
+                                   atol=1e-2)
     assert not workspace.partials.any() and not workspace.counters.any()
     assert eager.shape == out.shape
 

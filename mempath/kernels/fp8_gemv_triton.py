@@ -8,9 +8,13 @@ stores it: row-major [out, in], one row per output channel), converts it and mul
 with the rows of x, accumulating in float32, and applies the channel's scale (and the bias)
 once at the end. Its PyTorch twin is ``mempath.model.quant.fp8_gemv_torch``.
 
-Two products: ``USE_DOT`` multiplies on the tensor cores (the weight tile converted to x's
-dtype, exact for e4m3 in bf16 and fp16, times x transposed, at least 16 rows padded), the other
-way multiplies and adds in float32 registers (better at one or two rows). At one row that way
+Three products: ``USE_DOT`` multiplies on the tensor cores (the weight tile converted to x's
+dtype, exact for e4m3 in bf16 and fp16, times x transposed, at least 16 rows padded); with
+``QUANT_X`` too, x is quantized to e4m3 in groups of ``QUANT_X_GROUP`` along K (each row's
+group its own scale, DeepSeek-V3's 1 x 128 activation tiles) and the fp8 weight tile goes to
+the fp8 tensor cores as it was loaded: no per-element conversion of the weight, which is
+what the other two spend their instructions on. The third way multiplies and adds in float32
+registers (better at one or two rows than the bf16 tensor cores). At one row that way
 accumulates a [BLOCK_N, BLOCK_K] float32 tile and sums it over K after the loop;
 ``GemvConfig.sum_k_each_step`` instead sums each step's product over K at once (row by row), so
 the accumulator is [rows, BLOCK_N] and fewer registers per thread may let more programs share an
@@ -38,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from mempath.constants import FP8_MAX, MIN_SCALE
 from mempath.kernels.common import HAS_TRITON, load_config_table, next_pow2, pdl_options
 from mempath.kernels.common import config_table_json as table_json  # noqa: F401 - the fp8 table's writer
 from mempath.memory.formulas import FP8_GEMV_MIN_BLOCK_N, FP8_GEMV_WORKSPACE_ROWS, fp8_gemv_workspace_bytes
@@ -55,6 +60,8 @@ DEFAULT_TABLE = Path(__file__).resolve().parents[1] / "assets" / "fp8_gemv_confi
 TABLE_ENV = "MEMPATH_FP8_GEMV_CONFIGS"  # another table's path, e.g. one just swept
 # tl.dot needs at least 16 rows on each side.
 DOT_MIN_ROWS = 16
+# quantize_x: the K width of one activation scale, and so the configuration's block_k.
+QUANT_X_GROUP = 128
 
 
 @dataclass(frozen=True)
@@ -72,6 +79,8 @@ class GemvConfig:
     # [rows, BLOCK_N] rather than a [BLOCK_N, BLOCK_K] tile: fewer registers, which may fit more
     # programs per SM (the sweep decides).
     sum_k_each_step: bool = False
+    # The tensor cores in fp8: x quantized per row in groups of QUANT_X_GROUP (= block_k) along K.
+    quantize_x: bool = False
     kernel: str = "gemv"
 
     def __post_init__(self):
@@ -85,11 +94,16 @@ class GemvConfig:
         if self.use_dot and self.sum_k_each_step:
             raise ValueError("fp8 GEMV config: sum_k_each_step is for the multiply-add product: "
                              "set use_dot or sum_k_each_step false")
+        if self.quantize_x and (not self.use_dot or self.block_k != QUANT_X_GROUP or self.prefetch):
+            raise ValueError(f"fp8 GEMV config: quantize_x is a tensor-core product with one activation scale a "
+                             f"block of K: set use_dot true, block_k {QUANT_X_GROUP} and prefetch false, "
+                             f"or quantize_x false")
 
     def describe(self) -> str:
         if self.kernel == "scaled_mm":
             return "_scaled_mm"
-        return (f"gemv {'dot' if self.use_dot else 'fma'} n{self.block_n} k{self.block_k} split{self.split_k}"
+        product = "dot-fp8" if self.quantize_x else "dot" if self.use_dot else "fma"
+        return (f"gemv {product} n{self.block_n} k{self.block_k} split{self.split_k}"
                 f"{' ' + self.reduce if self.split_k > 1 else ''} w{self.num_warps} s{self.num_stages}"
                 f"{' prefetch' if self.prefetch else ''}{' sum-k-each-step' if self.sum_k_each_step else ''}")
 
@@ -177,7 +191,8 @@ if HAS_TRITON:
     def _partial_product(x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, M, k_start, k_end, stride_xm, stride_wn,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          USE_DOT: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr,
-                         SUM_K_EACH_STEP: tl.constexpr, PDL: tl.constexpr):
+                         SUM_K_EACH_STEP: tl.constexpr, QUANT_X: tl.constexpr, FP8_MAX: tl.constexpr,
+                         MIN_SCALE: tl.constexpr, PDL: tl.constexpr):
         """sum over k in [k_start, k_end) of x[m, k] · w[n, k], float32 [BLOCK_M, BLOCK_N].
 
         With PREFETCH the next weight tile is loaded while the current one is multiplied (two
@@ -210,7 +225,13 @@ if HAS_TRITON:
                     x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
                 else:
                     x = tl.load(x_ptrs, mask=m_mask[:, None] & (k < k_end)[None, :], other=0.0)
-                if USE_DOT:  # [BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M]: the weight is the wide operand
+                if QUANT_X:  # the arithmetic of quant.quantize_rows over this block of K, row by row
+                    xf = x.to(tl.float32)
+                    x_scale = tl.maximum(tl.max(tl.abs(xf), axis=1), MIN_SCALE) * (1.0 / FP8_MAX)
+                    xq = tl.minimum(tl.maximum(tl.math.div_rn(xf, x_scale[:, None]), -FP8_MAX), FP8_MAX)
+                    xq = xq.to(w.dtype, fp_downcast_rounding="rtne")
+                    acc += tl.dot(w, tl.trans(xq)) * x_scale[None, :]
+                elif USE_DOT:  # [BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M]: the weight is the wide operand
                     acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
                 elif BLOCK_M == 1:
                     acc += w.to(tl.float32) * x.to(tl.float32)
@@ -238,7 +259,8 @@ if HAS_TRITON:
                          split_k, stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
                          TWO_PASS: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr,
-                         SUM_K_EACH_STEP: tl.constexpr, PDL: tl.constexpr):
+                         SUM_K_EACH_STEP: tl.constexpr, QUANT_X: tl.constexpr, FP8_MAX: tl.constexpr,
+                         MIN_SCALE: tl.constexpr, PDL: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -248,7 +270,8 @@ if HAS_TRITON:
         k_start = pid_k * k_per_split
         k_end = tl.minimum(k_start + k_per_split, K)
         acc = _partial_product(x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, M, k_start, k_end, stride_xm,
-                               stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, EVEN, PREFETCH, SUM_K_EACH_STEP, PDL)
+                               stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, EVEN, PREFETCH, SUM_K_EACH_STEP,
+                               QUANT_X, FP8_MAX, MIN_SCALE, PDL)
         tile = offs_m[:, None] * N + offs_n[None, :]
         tile_mask = m_mask[:, None] & n_mask[None, :]
         if split_k == 1:
@@ -302,7 +325,8 @@ def triton_fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     if rows * n > workspace.partials.numel() or n > workspace.max_out_features:
         raise ValueError(f"fp8 GEMV: {rows} rows x {n} outputs do not fit the workspace of "
                          f"{workspace.max_out_features} outputs (at most {GEMV_MAX_ROWS} rows)")
-    use_dot = config.use_dot and x.dtype in (torch.bfloat16, torch.float16)  # tl.dot of float32 would be tf32
+    # tl.dot of float32 would be tf32; quantized, any dtype of x is e4m3.
+    use_dot = config.use_dot and (config.quantize_x or x.dtype in (torch.bfloat16, torch.float16))
     block_m = max(DOT_MIN_ROWS, next_pow2(rows)) if use_dot else next_pow2(rows)
     split = fitted_split(config, rows, n, k, workspace)
     k_per_split = -(-(-(-k // split)) // config.block_k) * config.block_k
@@ -316,7 +340,8 @@ def triton_fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
                            workspace.counters, rows, n, k, k_per_split, split, x.stride(0), weight.stride(0),
                            out.stride(0), HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=config.block_n,
                            BLOCK_K=config.block_k, USE_DOT=use_dot, TWO_PASS=two_pass, EVEN=even,
-                           PREFETCH=config.prefetch, SUM_K_EACH_STEP=config.sum_k_each_step, **pdl,
+                           PREFETCH=config.prefetch, SUM_K_EACH_STEP=config.sum_k_each_step,
+                           QUANT_X=use_dot and config.quantize_x, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, **pdl,
                            num_warps=config.num_warps, num_stages=config.num_stages)
     if two_pass:
         block = 256

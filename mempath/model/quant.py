@@ -20,15 +20,13 @@ import functools
 import torch
 from torch import nn
 
+from mempath.constants import FP8_MAX, MIN_SCALE
+
 FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # e4m3's largest finite value
 # A scale is amax times this float32 reciprocal, not amax / 448: PyTorch's CUDA division by a
 # scalar is a multiplication by its reciprocal, so a multiplication is the one arithmetic the
 # twin, the Triton kernel and the CPU all do alike.
 INV_FP8_MAX = 1.0 / FP8_MAX
-# Floor of a scale, so an all-zero row (padding rows of a CUDA-graph batch) divides by
-# something finite and quantizes to zeros.
-MIN_SCALE = 1e-12
 # Hopper's fp8 matmul needs both of a weight's dimensions to be multiples of 16.
 SCALED_MM_ALIGNMENT = 16
 
@@ -78,12 +76,21 @@ def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
     return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
 
 
+def quantize_groups(x: torch.Tensor, group: int) -> torch.Tensor:
+    """float32 values of a 2-D ``x`` quantized by ``quantize_rows`` in groups of ``group`` along a
+    row (the last group zero-padded), dequantized: what the GEMV's fp8 tensor-core product sees."""
+    rows, k = x.shape
+    padded = torch.nn.functional.pad(x.to(torch.float32), (0, -k % group)).view(rows, -1, group)
+    return dequantize_rows(*quantize_rows(padded)).view(rows, -1)[:, :k]
+
+
 def fp8_gemv_torch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                   bias: torch.Tensor | None) -> torch.Tensor:
-    """Weight-only fp8 (the twin of the CUDA GEMV, mempath.kernels.fp8_gemv_triton): x stays in its
-    dtype, the float32 product with the fp8 weight is scaled per output channel, the bias added,
-    the result in x's dtype."""
-    out = (x.to(torch.float32) @ weight.to(torch.float32).t()) * weight_scale.view(1, -1)
+                   bias: torch.Tensor | None, x_group: int | None = None) -> torch.Tensor:
+    """The twin of the CUDA GEMV (mempath.kernels.fp8_gemv_triton): x in its dtype (weight-only fp8),
+    or with ``x_group`` quantized in groups of that many along K (``quantize_groups``); the float32
+    product with the fp8 weight is scaled per output channel, the bias added, the result in x's dtype."""
+    xf = x.to(torch.float32) if x_group is None else quantize_groups(x, x_group)
+    out = (xf @ weight.to(torch.float32).t()) * weight_scale.view(1, -1)
     if bias is not None:
         out += bias.to(torch.float32)
     return out.to(x.dtype)
