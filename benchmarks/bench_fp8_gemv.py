@@ -12,8 +12,10 @@ stays bf16) and each batch of rows:
    or leaves the workspace dirty is dropped and counted;
 2. sweep: every candidate (block sizes, split-K, atomic or two-pass reduce, warps, stages,
    multiply-adds or tensor cores, multiply-adds summed over K at every step with and without prefetch, and
-   _scaled_mm itself; then the three fastest others with prefetch), timed with triton.testing.do_bench
-   (L2 flushed before each call: in a decode step the weights are never in L2), beside bf16
+   _scaled_mm itself; then the three fastest others with prefetch), timed in a CUDA graph of 20 calls,
+   each after a write of 128 MB that flushes the L2 (in a decode step the weights are never in L2),
+   less the same graph of writes alone: calls back to back as in a decode graph, without the launch
+   gaps that event timing of single calls adds to kernels of 10-40 us (``--timer do_bench``: that way), beside bf16
    torch.matmul and the current fp8 path (Triton quantization + _scaled_mm) at the same shape,
    in GB/s of weight read against the device-to-device copy bandwidth measured in the run
    (bytes read + written per second: the weight-read limit bench_fp8_weights.py uses);
@@ -47,6 +49,7 @@ CONFIGS = ROOT / "tests" / "data" / "configs"
 SMOKE_SHAPE = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 2, "num_key_value_heads": 1,
                "num_hidden_layers": 2}
 DEVICE, DTYPE = "cuda", torch.bfloat16
+TIMER = "graph"  # or "do_bench" (--timer)
 # (block_n, block_k, num_warps, num_stages): multiply-adds in registers (up to 4 rows) and tensor cores.
 FMA_TILES = [(32, 256, 4, 2), (64, 128, 4, 2), (64, 256, 8, 2), (128, 128, 8, 2), (16, 512, 4, 2), (32, 512, 8, 3)]
 DOT_TILES = [(64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 4, 3), (128, 256, 8, 3), (64, 128, 4, 5), (128, 128, 8, 4),
@@ -61,7 +64,7 @@ FP8_DOT_TILES = [(64, QUANT_X_GROUP, 4, 3), (64, QUANT_X_GROUP, 4, 4), (64, QUAN
                  (128, QUANT_X_GROUP, 4, 4), (128, QUANT_X_GROUP, 8, 4), (128, QUANT_X_GROUP, 4, 6),
                  (256, QUANT_X_GROUP, 8, 3), (256, QUANT_X_GROUP, 8, 4)]
 QUICK_FMA, QUICK_DOT, QUICK_SUMMED, QUICK_FP8_DOT = FMA_TILES[:3], DOT_TILES[:4], SUMMED_TILES[2:4], FP8_DOT_TILES[:3]
-PRODUCTS = ("fma", "dot", "sum-k", "dot-fp8", "scaled_mm")
+PRODUCTS = ("fma", "dot", "sum-k", "int", "dot-fp8", "scaled_mm")  # int: the fma and sum-k tiles with int_dequant
 
 
 def projections(config: dict) -> dict[str, tuple[int, int]]:
@@ -86,6 +89,9 @@ def candidates(n: int, k: int, rows: int, num_sms: int, quick: bool, products=PR
               for prefetch in (False, True) if fma and "sum-k" in products]
     tiles += [(t, dict(use_dot=True, quantize_x=True)) for t in (QUICK_FP8_DOT if quick else FP8_DOT_TILES)
               if "dot-fp8" in products]
+    tiles += [(t, dict(int_dequant=True)) for t in (QUICK_FMA if quick else FMA_TILES) if fma and "int" in products]
+    tiles += [(t, dict(sum_k_each_step=True, int_dequant=True)) for t in (QUICK_SUMMED if quick else SUMMED_TILES)
+              if fma and "int" in products]
     for (bn, bk, warps, stages), options in tiles:
         for split in (1, 2, 4, 8, 16):
             programs = -(-n // bn) * split
@@ -144,8 +150,46 @@ def time_us(fn) -> float:
         start = time.perf_counter()
         fn()
         return 1e6 * (time.perf_counter() - start)
-    from triton.testing import do_bench
-    return 1e3 * do_bench(fn, warmup=5, rep=20, return_mode="median")
+    if TIMER == "do_bench":
+        from triton.testing import do_bench
+        return 1e3 * do_bench(fn, warmup=5, rep=20, return_mode="median")
+    return graph_time_us(fn)
+
+
+_FLUSH: list[torch.Tensor] = []
+
+
+def graph_time_us(fn, calls: int = 20, replays: int = 5) -> float:
+    """µs per call of ``fn`` in a CUDA graph of ``calls`` calls, each after an L2-flushing write, less
+    the graph of the writes alone (the median of ``replays`` replays of each)."""
+    if not _FLUSH:
+        _FLUSH.append(torch.empty(128 << 20, dtype=torch.uint8, device=DEVICE))
+    flush = _FLUSH[0]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capturing stream, as capture wants
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graphs = []
+    for with_fn in (True, False):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                flush.zero_()
+                if with_fn:
+                    fn()
+        graphs.append(graph)
+    times = {True: [], False: []}
+    for _ in range(replays):
+        for with_fn, graph in zip((True, False), graphs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times[with_fn].append(start.elapsed_time(end))
+    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    return 1e3 * max(0.0, median(times[True]) - median(times[False])) / calls
 
 
 def sweep_point(layer: Layer, rows: int, table_config: GemvConfig, num_sms: int, quick: bool,
@@ -181,11 +225,13 @@ def sweep_point(layer: Layer, rows: int, table_config: GemvConfig, num_sms: int,
             ((layer.run(x, config).float() - exact).pow(2).mean() / exact.pow(2).mean()).sqrt().item()
     best_us, best = min(timed + ([(table_us, table_config)] if table_us else []), key=lambda t: t[0])
     fp8_dot_us, fp8_dot = min(((t, c) for t, c in timed if c.quantize_x), key=lambda t: t[0], default=(None, None))
+    int_us, int_best = min(((t, c) for t, c in timed if c.int_dequant), key=lambda t: t[0], default=(None, None))
     # The best tile summed over K each step, beside the best overall, whichever wins: the A/B the option awaits.
     summed_us, summed = min(((t, c) for t, c in timed if c.sum_k_each_step), key=lambda t: t[0], default=(None, None))
     return {"rows": rows, "best": best, "best_us": best_us,
             "sum_k_best": summed.describe() if summed else None, "sum_k_us": summed_us,
             "dot_fp8_best": fp8_dot.describe() if fp8_dot else None, "dot_fp8_us": fp8_dot_us,
+            "int_best": int_best.describe() if int_best else None, "int_us": int_us,
             "error_vs_bf16": {"weight_only": relative_error(GemvConfig(block_n=64, block_k=128)),
                               "dot_fp8": relative_error(fp8_dot), "scaled_mm": relative_error(GemvConfig(
                                   kernel="scaled_mm"))},
@@ -208,6 +254,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(DEFAULT_TABLE), help="where the best configurations go")
     parser.add_argument("--table", default=str(DEFAULT_TABLE), help="the table whose configurations are checked")
     parser.add_argument("--quick", action="store_true", help="a third of the grid")
+    parser.add_argument("--timer", choices=("graph", "do_bench"), default="graph",
+                        help="calls back to back in a CUDA graph (default), or triton's do_bench of single calls")
     parser.add_argument("--products", default=",".join(PRODUCTS),
                         help=f"the products swept, of {','.join(PRODUCTS)} (the table's configuration is timed "
                              f"and kept where it is faster, whatever it is)")
@@ -218,7 +266,8 @@ def main() -> None:
         parser.error("--smoke times a toy shape in the interpreter: give --out FILE, or it would replace the "
                      "shipped table")
     started = time.time()
-    global DEVICE, DTYPE
+    global DEVICE, DTYPE, TIMER
+    TIMER = args.timer
     if args.smoke:
         DEVICE, DTYPE, args.quick, args.shape = "cpu", torch.float16, True, "smoke"
     config = SMOKE_SHAPE if args.smoke else json.loads((CONFIGS / f"{args.shape}.json").read_text())
@@ -248,7 +297,8 @@ def main() -> None:
             best_table.setdefault(f"{n}x{k}", {})[str(row_bucket(rows))] = point["best"]
         results[name] = rows_out
         print(f"\n{name} {n}x{k}: fp8 weight {layer.fp8_bytes / 1e6:.1f} MB ({time.time() - shape_started:.0f} s)")
-        table_rows = [("rows", "best", "us", "GB/s", "% of copy", "table's us", "best dot-fp8 us", "bf16 us",
+        table_rows = [("rows", "best", "us", "GB/s", "% of copy", "table's us", "best int us", "best dot-fp8 us",
+                       "bf16 us",
                        "_scaled_mm us",
                        "x bf16", "x _scaled_mm", "checked", "dropped")]
         for p in rows_out:
@@ -256,6 +306,7 @@ def main() -> None:
             table_rows.append((p["rows"], p["best"].describe(), f"{p['best_us']:.1f}",
                                f"{gbps(layer.fp8_bytes, p['best_us']):.0f}",
                                f"{100 * layer.fp8_bytes / (p['best_us'] * 1e-6) / read_bw:.0f}%", table_col,
+                               f"{p['int_us']:.1f}" if p["int_us"] else "-",
                                f"{p['dot_fp8_us']:.1f}" if p["dot_fp8_us"] else "-", f"{p['bf16_us']:.1f}", f"{p['scaled_mm_us']:.1f}", f"{p['bf16_us'] / p['best_us']:.2f}",
                                f"{p['scaled_mm_us'] / p['best_us']:.2f}", p["candidates"], len(p["failed"])))
         print_table(table_rows)
@@ -291,7 +342,7 @@ def main() -> None:
                            "table_us": p["table_us"], "bf16_us": p["bf16_us"], "scaled_mm_us": p["scaled_mm_us"],
                            "sum_k_best": p["sum_k_best"], "sum_k_us": p["sum_k_us"],
                            "dot_fp8_best": p["dot_fp8_best"], "dot_fp8_us": p["dot_fp8_us"],
-                           "error_vs_bf16": p["error_vs_bf16"],
+                           "int_best": p["int_best"], "int_us": p["int_us"], "error_vs_bf16": p["error_vs_bf16"],
                            "dropped": len(p["failed"])} for p in r] for name, r in results.items()}}))
 
 

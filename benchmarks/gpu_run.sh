@@ -4,7 +4,7 @@
 #   tests (~3 min)  latency (~1 min, +0.5 per --variants entry)  tput-qwen3, tput-llama (~1.5 min each with HF_TIMEOUT=40)
 #   blocks (~3 min)  multiturn (~5 min)  diagnose (~2 min, three shapes)  serve (needs .whl, below)
 #   pending, fp8-gemv, fp8-latency, mix-qwen3, mix-llama, mix-moe, mix-tokens, structured, moe-offload, moe-resident,
-#   spec-a, spec-bc, multi, sleep-tests, sleep, fp8-kv-tests, fp8-kv, fp8-transfer, mix-fp8, fp8-dot, fp8-gemv-tests (the open issues, below; STEPS="wheels pending ..." for those needing xgrammar)
+#   spec-a, spec-bc, multi, sleep-tests, sleep, fp8-kv-tests, fp8-kv, fp8-transfer, mix-fp8, fp8-sweep, fp8-gemv-tests (the open issues, below; STEPS="wheels pending ..." for those needing xgrammar)
 #   decode-sweep (~8 min; DECODE_RUNS picks the shapes)
 #   profile (~1 min: kernel table at batch 1), profile-moe, profile-mistral  profile-workload (~1 min: host/device split of the throughput run)
 # For `serve`, carry fastapi/uvicorn/starlette/pydantic(+core)/anyio/h11/sniffio/annotated-types/
@@ -81,12 +81,14 @@ step retest 200 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu or GPU 
 step sleep-tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_multi_model_weights_sleep.py tests/test_multi_model_sleep.py
 step sleep 240 python3 benchmarks/bench_sleep.py
 step fp8-gemv 300 python3 benchmarks/bench_fp8_gemv.py --out "$LOGS/fp8_gemv_configs.json"
-# The fp8 tensor-core product alone against the shipped table (kept where it is faster), for fp8-latency next.
-step fp8-dot 300 python3 benchmarks/bench_fp8_gemv.py --products dot-fp8 --out "$LOGS/fp8_gemv_configs.json"
-step fp8-gemv-tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_gemv.py tests/test_fp8_weights.py \
-  -k "gpu or cuda"
+# A sweep of the products named (FP8_GEMV_PRODUCTS) at the rows named, against the shipped table (kept where it
+# is faster), for fp8-latency next.
+step fp8-sweep 420 python3 benchmarks/bench_fp8_gemv.py --rows "${FP8_GEMV_ROWS:-1,2,4,8,16}" \
+  --products "${FP8_GEMV_PRODUCTS:-fma,dot,sum-k,int,dot-fp8,scaled_mm}" --out "$LOGS/fp8_gemv_configs.json"
 step fp8-latency 200 python3 benchmarks/bench_fp8_weights.py latency --shape llama-3.1-8b --new-tokens 128 \
   --table "$( [ -s "$LOGS/fp8_gemv_configs.json" ] && echo "$LOGS/fp8_gemv_configs.json" || echo mempath/assets/fp8_gemv_configs.json )"
+step fp8-gemv-tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_gemv.py tests/test_fp8_weights.py \
+  -k "gpu or cuda"
 step mix-qwen3 200 python3 benchmarks/bench_mix.py --shape qwen3-0.6b --max-num-seqs 256,1024
 step mix-llama 240 python3 benchmarks/bench_mix.py --shape llama-3.1-8b --max-num-seqs 256,1024
 # #21's all-resident MoE shapes on the realistic mix, transformers CB beside them (time-capped).
