@@ -64,7 +64,7 @@ FP8_DOT_TILES = [(64, QUANT_X_GROUP, 4, 3), (64, QUANT_X_GROUP, 4, 4), (64, QUAN
                  (128, QUANT_X_GROUP, 4, 4), (128, QUANT_X_GROUP, 8, 4), (128, QUANT_X_GROUP, 4, 6),
                  (256, QUANT_X_GROUP, 8, 3), (256, QUANT_X_GROUP, 8, 4)]
 QUICK_FMA, QUICK_DOT, QUICK_SUMMED, QUICK_FP8_DOT = FMA_TILES[:3], DOT_TILES[:4], SUMMED_TILES[2:4], FP8_DOT_TILES[:3]
-PRODUCTS = ("fma", "dot", "sum-k", "int", "dot-fp8", "scaled_mm")  # int: the fma and sum-k tiles with int_dequant
+PRODUCTS = ("fma", "dot", "sum-k", "dot-fp8", "scaled_mm")
 
 
 def projections(config: dict) -> dict[str, tuple[int, int]]:
@@ -89,9 +89,6 @@ def candidates(n: int, k: int, rows: int, num_sms: int, quick: bool, products=PR
               for prefetch in (False, True) if fma and "sum-k" in products]
     tiles += [(t, dict(use_dot=True, quantize_x=True)) for t in (QUICK_FP8_DOT if quick else FP8_DOT_TILES)
               if "dot-fp8" in products]
-    tiles += [(t, dict(int_dequant=True)) for t in (QUICK_FMA if quick else FMA_TILES) if fma and "int" in products]
-    tiles += [(t, dict(sum_k_each_step=True, int_dequant=True)) for t in (QUICK_SUMMED if quick else SUMMED_TILES)
-              if fma and "int" in products]
     for (bn, bk, warps, stages), options in tiles:
         for split in (1, 2, 4, 8, 16):
             programs = -(-n // bn) * split
@@ -225,13 +222,11 @@ def sweep_point(layer: Layer, rows: int, table_config: GemvConfig, num_sms: int,
             ((layer.run(x, config).float() - exact).pow(2).mean() / exact.pow(2).mean()).sqrt().item()
     best_us, best = min(timed + ([(table_us, table_config)] if table_us else []), key=lambda t: t[0])
     fp8_dot_us, fp8_dot = min(((t, c) for t, c in timed if c.quantize_x), key=lambda t: t[0], default=(None, None))
-    int_us, int_best = min(((t, c) for t, c in timed if c.int_dequant), key=lambda t: t[0], default=(None, None))
     # The best tile summed over K each step, beside the best overall, whichever wins: the A/B the option awaits.
     summed_us, summed = min(((t, c) for t, c in timed if c.sum_k_each_step), key=lambda t: t[0], default=(None, None))
     return {"rows": rows, "best": best, "best_us": best_us,
             "sum_k_best": summed.describe() if summed else None, "sum_k_us": summed_us,
             "dot_fp8_best": fp8_dot.describe() if fp8_dot else None, "dot_fp8_us": fp8_dot_us,
-            "int_best": int_best.describe() if int_best else None, "int_us": int_us,
             "error_vs_bf16": {"weight_only": relative_error(GemvConfig(block_n=64, block_k=128)),
                               "dot_fp8": relative_error(fp8_dot), "scaled_mm": relative_error(GemvConfig(
                                   kernel="scaled_mm"))},
@@ -297,8 +292,7 @@ def main() -> None:
             best_table.setdefault(f"{n}x{k}", {})[str(row_bucket(rows))] = point["best"]
         results[name] = rows_out
         print(f"\n{name} {n}x{k}: fp8 weight {layer.fp8_bytes / 1e6:.1f} MB ({time.time() - shape_started:.0f} s)")
-        table_rows = [("rows", "best", "us", "GB/s", "% of copy", "table's us", "best int us", "best dot-fp8 us",
-                       "bf16 us",
+        table_rows = [("rows", "best", "us", "GB/s", "% of copy", "table's us", "best dot-fp8 us", "bf16 us",
                        "_scaled_mm us",
                        "x bf16", "x _scaled_mm", "checked", "dropped")]
         for p in rows_out:
@@ -306,7 +300,6 @@ def main() -> None:
             table_rows.append((p["rows"], p["best"].describe(), f"{p['best_us']:.1f}",
                                f"{gbps(layer.fp8_bytes, p['best_us']):.0f}",
                                f"{100 * layer.fp8_bytes / (p['best_us'] * 1e-6) / read_bw:.0f}%", table_col,
-                               f"{p['int_us']:.1f}" if p["int_us"] else "-",
                                f"{p['dot_fp8_us']:.1f}" if p["dot_fp8_us"] else "-", f"{p['bf16_us']:.1f}", f"{p['scaled_mm_us']:.1f}", f"{p['bf16_us'] / p['best_us']:.2f}",
                                f"{p['scaled_mm_us'] / p['best_us']:.2f}", p["candidates"], len(p["failed"])))
         print_table(table_rows)
@@ -342,7 +335,7 @@ def main() -> None:
                            "table_us": p["table_us"], "bf16_us": p["bf16_us"], "scaled_mm_us": p["scaled_mm_us"],
                            "sum_k_best": p["sum_k_best"], "sum_k_us": p["sum_k_us"],
                            "dot_fp8_best": p["dot_fp8_best"], "dot_fp8_us": p["dot_fp8_us"],
-                           "int_best": p["int_best"], "int_us": p["int_us"], "error_vs_bf16": p["error_vs_bf16"],
+                           "error_vs_bf16": p["error_vs_bf16"],
                            "dropped": len(p["failed"])} for p in r] for name, r in results.items()}}))
 
 

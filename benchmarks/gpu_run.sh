@@ -84,7 +84,7 @@ step fp8-gemv 300 python3 benchmarks/bench_fp8_gemv.py --out "$LOGS/fp8_gemv_con
 # A sweep of the products named (FP8_GEMV_PRODUCTS) at the rows named, against the shipped table (kept where it
 # is faster), for fp8-latency next.
 step fp8-sweep 420 python3 benchmarks/bench_fp8_gemv.py --rows "${FP8_GEMV_ROWS:-1,2,4,8,16}" \
-  --products "${FP8_GEMV_PRODUCTS:-fma,dot,sum-k,int,dot-fp8,scaled_mm}" --out "$LOGS/fp8_gemv_configs.json"
+  --products "${FP8_GEMV_PRODUCTS:-fma,dot,sum-k,dot-fp8,scaled_mm}" --out "$LOGS/fp8_gemv_configs.json"
 step fp8-latency 200 python3 benchmarks/bench_fp8_weights.py latency --shape llama-3.1-8b --new-tokens 128 \
   --table "$( [ -s "$LOGS/fp8_gemv_configs.json" ] && echo "$LOGS/fp8_gemv_configs.json" || echo mempath/assets/fp8_gemv_configs.json )"
 step fp8-gemv-tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_gemv.py tests/test_fp8_weights.py \

@@ -40,17 +40,6 @@ def sum_k_each_step_configs():
             GemvConfig(block_n=32, block_k=32, split_k=4, reduce="two_pass", prefetch=True, sum_k_each_step=True)]
 
 
-def int_dequant_configs():
-    """The multiply-adds with the weight turned into float32 by integer operations: both accumulators,
-    no split and both reduces of a split (a short last split at 3)."""
-    from mempath.kernels.fp8_gemv_triton import GemvConfig
-    return [GemvConfig(block_n=32, block_k=32, int_dequant=True),
-            GemvConfig(block_n=32, block_k=32, split_k=3, prefetch=True, int_dequant=True),
-            GemvConfig(block_n=16, block_k=64, split_k=2, reduce="two_pass", int_dequant=True),
-            GemvConfig(block_n=32, block_k=32, sum_k_each_step=True, int_dequant=True),
-            GemvConfig(block_n=16, block_k=64, split_k=2, sum_k_each_step=True, prefetch=True, int_dequant=True)]
-
-
 def quantize_x_configs():
     """The fp8 tensor-core product (x quantized in groups of 128 along K): no split, both reduces of
     a split (a short last split at 3), tiles of 16 and 64 outputs."""
@@ -166,29 +155,6 @@ def test_fp8_gemv_torch_quantizes_x_in_groups_along_k():
     expected = grouped.double() @ (wq.double() * scale.double()).t()
     torch.testing.assert_close(fp8_gemv_torch(x, wq, scale, None, x_group=128).double(), expected,
                                rtol=1e-4, atol=1e-2)  # float32 sums of terms up to 2^16
-
-
-def test_interpreted_gemv_dequantizing_by_integer_operations_matches_twin():
-    """The weight's bits moved into float32 (subnormals among them): one row and three, each dtype of x."""
-    pytest.importorskip("triton")
-    if torch.cuda.is_available():
-        pytest.skip("CUDA present: the GPU test runs the compiled kernel")
-    run_interpreted(
-        "import sys, torch; sys.path.insert(0, 'tests'); from test_triton_interpret import _patch_interpreter_for_numpy; "
-        "_patch_interpreter_for_numpy(); from tests.test_fp8_gemv import check_fp8_gemv, int_dequant_configs; "
-        "check_fp8_gemv('cpu', (torch.float16, torch.float32), rows_list=(1, 3), configs=int_dequant_configs()); "
-        "check_fp8_gemv('cpu', (torch.bfloat16,), rows_list=(2,), shapes=((80, 200),), configs=int_dequant_configs())")
-
-
-def test_e4m3_bytes_moved_into_float32_are_the_values_times_2_to_the_minus_120():
-    """Every one of the 256 e4m3 bytes (NaN aside) through the kernel's integer operations, in PyTorch."""
-    from mempath.kernels.fp8_gemv_triton import E4M3_IN_FLOAT32_MASK
-    raw = torch.arange(256, dtype=torch.int32)
-    bits = ((raw << 24) >> 4) & E4M3_IN_FLOAT32_MASK
-    moved = bits.view(torch.float32).double() * 2.0 ** 120
-    values = raw.to(torch.uint8).view(torch.float8_e4m3fn).double()
-    finite = ~values.isnan()
-    assert finite.sum() == 254 and torch.equal(moved[finite], values[finite])
 
 
 def test_interpreted_gemv_quantizing_x_matches_twin():
@@ -374,20 +340,6 @@ def test_gpu_gemv_summing_k_each_step_matches_twin(dtype):
                    (4, "atomic"), (4, "two_pass")) for prefetch in (False, True)]
     check_fp8_gemv("cuda", (dtype,), rows_list=(1, 2, 3, 4), configs=sum_k_each_step_configs())
     if dtype != torch.float32:  # float32 output: 4096 terms summed in another order differ by more than its 2 ulp
-        check_fp8_gemv("cuda", (dtype,), rows_list=(1, 3), shapes=((1000, 4096), (1024, 4096)), configs=sweep_tiles)
-
-
-@needs_fp8_gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_gpu_gemv_dequantizing_by_integer_operations_matches_twin(dtype):
-    """Compiled (subnormal weights among them: a flush to zero would show), at the sweep's tiles too."""
-    pytest.importorskip("triton")
-    from mempath.kernels.fp8_gemv_triton import GemvConfig
-    sweep_tiles = [GemvConfig(block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=2, reduce="atomic",
-                              sum_k_each_step=summed, int_dequant=True)
-                   for bn, bk, summed in ((16, 512, True), (128, 128, True), (32, 256, False)) for split in (1, 4)]
-    check_fp8_gemv("cuda", (dtype,), rows_list=(1, 2, 3, 4), configs=int_dequant_configs())
-    if dtype != torch.float32:
         check_fp8_gemv("cuda", (dtype,), rows_list=(1, 3), shapes=((1000, 4096), (1024, 4096)), configs=sweep_tiles)
 
 

@@ -14,13 +14,7 @@ dtype, exact for e4m3 in bf16 and fp16, times x transposed, at least 16 rows pad
 group its own scale, DeepSeek-V3's 1 x 128 activation tiles) and the fp8 weight tile goes to
 the fp8 tensor cores as it was loaded: no per-element conversion of the weight, which is
 what the other two spend their instructions on. The third way multiplies and adds in float32
-registers (better at one or two rows than the bf16 tensor cores). Its conversion of the weight to
-float32 is two conversion instructions for each pair of values (e4m3 pairs to half pairs, each
-half to float32), and the SM converts at a fraction of the rate it adds. ``INT_DEQUANT`` instead
-moves each e4m3 byte's bits into a float32 by integer shifts and a mask: the float32 then holds
-the value times 2^-120, exactly (e4m3's subnormals land on float32's). x is multiplied by 2^100
-and the sum by 2^20 to keep every product and sum far from float32's subnormals; powers of two,
-so the products are the twin's, exactly. At one row that way
+registers (better at one or two rows than the bf16 tensor cores). At one row that way
 accumulates a [BLOCK_N, BLOCK_K] float32 tile and sums it over K after the loop;
 ``GemvConfig.sum_k_each_step`` instead sums each step's product over K at once (row by row), so
 the accumulator is [rows, BLOCK_N] and fewer registers per thread may let more programs share an
@@ -68,11 +62,6 @@ TABLE_ENV = "MEMPATH_FP8_GEMV_CONFIGS"  # another table's path, e.g. one just sw
 DOT_MIN_ROWS = 16
 # quantize_x: the K width of one activation scale, and so the configuration's block_k.
 QUANT_X_GROUP = 128
-# int_dequant: sign and the 7 bits of exponent and mantissa of an e4m3 byte moved to bits 31 and
-# 26..20 of a float32 (as int32: 0x87F00000), and the powers of two that undo the 2^-120 it leaves.
-E4M3_IN_FLOAT32_MASK = 0x87F00000 - (1 << 32)
-INT_DEQUANT_X_SCALE = 2.0 ** 100
-INT_DEQUANT_SUM_SCALE = 2.0 ** 20
 
 
 @dataclass(frozen=True)
@@ -92,8 +81,6 @@ class GemvConfig:
     sum_k_each_step: bool = False
     # The tensor cores in fp8: x quantized per row in groups of QUANT_X_GROUP (= block_k) along K.
     quantize_x: bool = False
-    # Multiply-adds only: the weight's bytes turned into float32 by integer operations, not conversions.
-    int_dequant: bool = False
     kernel: str = "gemv"
 
     def __post_init__(self):
@@ -107,9 +94,6 @@ class GemvConfig:
         if self.use_dot and self.sum_k_each_step:
             raise ValueError("fp8 GEMV config: sum_k_each_step is for the multiply-add product: "
                              "set use_dot or sum_k_each_step false")
-        if self.int_dequant and self.use_dot:
-            raise ValueError("fp8 GEMV config: int_dequant is for the multiply-add product: "
-                             "set use_dot or int_dequant false")
         if self.quantize_x and (not self.use_dot or self.block_k != QUANT_X_GROUP or self.prefetch):
             raise ValueError(f"fp8 GEMV config: quantize_x is a tensor-core product with one activation scale a "
                              f"block of K: set use_dot true, block_k {QUANT_X_GROUP} and prefetch false, "
@@ -121,8 +105,7 @@ class GemvConfig:
         product = "dot-fp8" if self.quantize_x else "dot" if self.use_dot else "fma"
         return (f"gemv {product} n{self.block_n} k{self.block_k} split{self.split_k}"
                 f"{' ' + self.reduce if self.split_k > 1 else ''} w{self.num_warps} s{self.num_stages}"
-                f"{' prefetch' if self.prefetch else ''}{' sum-k-each-step' if self.sum_k_each_step else ''}"
-                f"{' int-dequant' if self.int_dequant else ''}")
+                f"{' prefetch' if self.prefetch else ''}{' sum-k-each-step' if self.sum_k_each_step else ''}")
 
 
 def row_bucket(rows: int) -> int:
@@ -171,9 +154,6 @@ def fitted_split(config: GemvConfig, rows: int, n: int, k: int, workspace: GemvW
 
 
 if HAS_TRITON:
-    _E4M3_MASK = tl.constexpr(E4M3_IN_FLOAT32_MASK)
-    _X_SCALE = tl.constexpr(INT_DEQUANT_X_SCALE)
-    _SUM_SCALE = tl.constexpr(INT_DEQUANT_SUM_SCALE)
 
     @triton.jit
     def _load_weight_tile(w_ptr, offs_n, n_mask, k0, k_end, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -186,36 +166,20 @@ if HAS_TRITON:
         return tl.load(w_ptrs, mask=n_mask[:, None] & (k < k_end)[None, :], other=0.0)
 
     @triton.jit
-    def _weight_values(w, INT_DEQUANT: tl.constexpr):
-        """float32 of an fp8 weight tile: converted, or (INT_DEQUANT: w holds the bytes) the value times
-        2^-120 by integer operations: the byte to the top of an int32, shifted down 4 with its sign
-        repeated, masked to the sign and the 7 bits below float32's top exponent bit."""
-        if INT_DEQUANT:
-            bits = ((w.to(tl.int32) << 24) >> 4) & _E4M3_MASK
-            return bits.to(tl.float32, bitcast=True)
-        return w.to(tl.float32)
-
-    @triton.jit
-    def _x_values(x, INT_DEQUANT: tl.constexpr):
-        if INT_DEQUANT:
-            return x.to(tl.float32) * _X_SCALE
-        return x.to(tl.float32)
-
-    @triton.jit
     def _row_products_summed_over_k(w, x_ptr, M, k, k_end, stride_xm, BLOCK_M: tl.constexpr,
-                                    BLOCK_N: tl.constexpr, EVEN: tl.constexpr, INT_DEQUANT: tl.constexpr):
+                                    BLOCK_N: tl.constexpr, EVEN: tl.constexpr):
         """[BLOCK_M, BLOCK_N]: each row of x times the weight tile, summed over this step's K.
 
         Row by row, so the converted tile is the only [BLOCK_N, BLOCK_K] value in registers: no
         tile-sized accumulator and no [BLOCK_M, BLOCK_N, BLOCK_K] product."""
-        w = _weight_values(w, INT_DEQUANT)
+        w = w.to(tl.float32)
         offs_m = tl.arange(0, BLOCK_M)
         sums = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for m in tl.static_range(BLOCK_M):
             row_mask = (tl.zeros_like(k) + m) < M  # the rows past M that BLOCK_M pads to read nothing
             if not EVEN:
                 row_mask = row_mask & (k < k_end)
-            x = _x_values(tl.load(x_ptr + m * stride_xm + k, mask=row_mask, other=0.0), INT_DEQUANT)
+            x = tl.load(x_ptr + m * stride_xm + k, mask=row_mask, other=0.0).to(tl.float32)
             row = tl.sum(w * x[None, :], axis=1)
             if BLOCK_M == 1:
                 sums += row[None, :]
@@ -228,7 +192,7 @@ if HAS_TRITON:
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          USE_DOT: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr,
                          SUM_K_EACH_STEP: tl.constexpr, QUANT_X: tl.constexpr, FP8_MAX: tl.constexpr,
-                         MIN_SCALE: tl.constexpr, INT_DEQUANT: tl.constexpr, PDL: tl.constexpr):
+                         MIN_SCALE: tl.constexpr, PDL: tl.constexpr):
         """sum over k in [k_start, k_end) of x[m, k] · w[n, k], float32 [BLOCK_M, BLOCK_N].
 
         With PREFETCH the next weight tile is loaded while the current one is multiplied (two
@@ -254,8 +218,7 @@ if HAS_TRITON:
                 w = _load_weight_tile(w_ptr, offs_n, n_mask, k0, k_end, stride_wn, BLOCK_N, BLOCK_K, EVEN)
             k = k0 + offs_k
             if SUM_K_EACH_STEP:
-                acc += _row_products_summed_over_k(w, x_ptr, M, k, k_end, stride_xm, BLOCK_M, BLOCK_N, EVEN,
-                                                   INT_DEQUANT)
+                acc += _row_products_summed_over_k(w, x_ptr, M, k, k_end, stride_xm, BLOCK_M, BLOCK_N, EVEN)
             else:
                 x_ptrs = x_ptr + offs_m[:, None] * stride_xm + k[None, :]
                 if EVEN:
@@ -271,17 +234,15 @@ if HAS_TRITON:
                 elif USE_DOT:  # [BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M]: the weight is the wide operand
                     acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
                 elif BLOCK_M == 1:
-                    acc += _weight_values(w, INT_DEQUANT) * _x_values(x, INT_DEQUANT)
+                    acc += w.to(tl.float32) * x.to(tl.float32)
                 else:
-                    acc += tl.sum(_weight_values(w, INT_DEQUANT)[None, :, :] * _x_values(x, INT_DEQUANT)[:, None, :],
-                                  axis=2)
+                    acc += tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
         if USE_DOT:
             return tl.trans(acc)
-        if BLOCK_M == 1 and not SUM_K_EACH_STEP:
-            acc = tl.reshape(tl.sum(acc, axis=1), [1, BLOCK_N])
-        if INT_DEQUANT:
-            acc = acc * _SUM_SCALE
-        return acc
+        elif BLOCK_M == 1 and not SUM_K_EACH_STEP:
+            return tl.reshape(tl.sum(acc, axis=1), [1, BLOCK_N])
+        else:
+            return acc
 
     @triton.jit
     def _store_scaled(acc, scale_ptr, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, stride_om,
@@ -299,7 +260,7 @@ if HAS_TRITON:
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
                          TWO_PASS: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr,
                          SUM_K_EACH_STEP: tl.constexpr, QUANT_X: tl.constexpr, FP8_MAX: tl.constexpr,
-                         MIN_SCALE: tl.constexpr, INT_DEQUANT: tl.constexpr, PDL: tl.constexpr):
+                         MIN_SCALE: tl.constexpr, PDL: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -310,7 +271,7 @@ if HAS_TRITON:
         k_end = tl.minimum(k_start + k_per_split, K)
         acc = _partial_product(x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, M, k_start, k_end, stride_xm,
                                stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, EVEN, PREFETCH, SUM_K_EACH_STEP,
-                               QUANT_X, FP8_MAX, MIN_SCALE, INT_DEQUANT, PDL)
+                               QUANT_X, FP8_MAX, MIN_SCALE, PDL)
         tile = offs_m[:, None] * N + offs_n[None, :]
         tile_mask = m_mask[:, None] & n_mask[None, :]
         if split_k == 1:
@@ -375,14 +336,12 @@ def triton_fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     pdl = pdl_options(x.device)
     has_bias = bias is not None
     grid = (triton.cdiv(n, config.block_n), split)
-    int_dequant = config.int_dequant and not use_dot
-    _fp8_gemv_kernel[grid](x, weight.view(torch.uint8) if int_dequant else weight, weight_scale, bias if has_bias else weight_scale, out, workspace.partials,
+    _fp8_gemv_kernel[grid](x, weight, weight_scale, bias if has_bias else weight_scale, out, workspace.partials,
                            workspace.counters, rows, n, k, k_per_split, split, x.stride(0), weight.stride(0),
                            out.stride(0), HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=config.block_n,
                            BLOCK_K=config.block_k, USE_DOT=use_dot, TWO_PASS=two_pass, EVEN=even,
                            PREFETCH=config.prefetch, SUM_K_EACH_STEP=config.sum_k_each_step,
-                           QUANT_X=use_dot and config.quantize_x, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
-                           INT_DEQUANT=int_dequant, **pdl,
+                           QUANT_X=use_dot and config.quantize_x, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, **pdl,
                            num_warps=config.num_warps, num_stages=config.num_stages)
     if two_pass:
         block = 256
