@@ -120,14 +120,16 @@ def bench_accuracy(args) -> dict:
 
 
 # --------------------------------------------------------------------------- latency (CUDA)
-def decode_ms(llm, prompt: list[int], new_tokens: int) -> tuple[float, list[int]]:
-    llm.generate([prompt], greedy(8), use_tqdm=False)
+def decode_ms(llm, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[int]]:
+    """ms a decode step of the batch of ``prompts`` (prefilled together), the median over three runs of
+    the requests' median; and the first request's tokens."""
+    llm.generate(prompts, greedy(8), use_tqdm=False)
     runs = []
     for _ in range(3):
         llm.engine.kv.pool.reset_prefix_cache()
-        out = llm.generate([prompt], greedy(new_tokens), use_tqdm=False)[0]
-        runs.append((out.total_time - out.time_to_first_token) / (new_tokens - 1))
-    return 1e3 * float(np.median(runs)), out.token_ids
+        outs = llm.generate(prompts, greedy(new_tokens), use_tqdm=False)
+        runs.append(float(np.median([(o.total_time - o.time_to_first_token) / (new_tokens - 1) for o in outs])))
+    return 1e3 * float(np.median(runs)), outs[0].token_ids
 
 
 def fp8_kernels(llm) -> dict[str, str]:
@@ -144,43 +146,51 @@ def bench_latency(args) -> dict:
     bandwidth = copy_bandwidth()
     path = model_dir(args.shape)
     vocab = json.loads(Path(path, "config.json").read_text())["vocab_size"]
-    prompt = np.random.default_rng(0).integers(0, vocab, args.prompt_len).tolist()
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(args.batch)]
+    runs = [("bf16", None, None), ("fp8", "fp8", None)]
+    runs += [(f"fp8, {Path(table).name}", "fp8", str(Path(table).resolve())) for table in args.also_table]
     measured = {}
-    for name, quantization in (("bf16", None), ("fp8", "fp8")):
-        llm = LLM(path, load_format="dummy", dtype="bfloat16", quantization=quantization, max_num_seqs=1,
+    for name, quantization, table in runs:
+        if table:
+            os.environ[TABLE_ENV] = table
+        llm = LLM(path, load_format="dummy", dtype="bfloat16", quantization=quantization, max_num_seqs=args.batch,
                   max_model_len=args.prompt_len + args.new_tokens + 32, show_progress=False,
                   enforce_eager=args.enforce_eager)
         weights = llm.engine.ledger.get("weights")
         embedding = llm.engine.model.model.embed_tokens.weight
         tied = llm.engine.spec.tie_word_embeddings
         read = weights - (0 if tied else embedding.numel() * embedding.element_size())  # one row is read
-        ms, tokens = decode_ms(llm, prompt, args.new_tokens)
+        ms, tokens = decode_ms(llm, prompts, args.new_tokens)
         measured[name] = {"ms_per_token": ms, "weight_bytes": weights, "bytes_read_per_token": read,
                           "limit_ms": 1e3 * read / bandwidth, "tokens": tokens}
         if quantization:
             measured[name]["kernels"] = fp8_kernels(llm)
+            measured[name]["table"] = os.environ.get(TABLE_ENV) or str(DEFAULT_TABLE.relative_to(ROOT))
         del llm
         torch.cuda.empty_cache()
     bf16, fp8 = measured["bf16"], measured["fp8"]
     same = next((i for i, (a, b) in enumerate(zip(bf16["tokens"], fp8["tokens"])) if a != b), args.new_tokens)
-    rows = [("weights", "ms/token", "tok/s", "bytes read/token", "limit ms", "% of limit")]
+    rows = [("weights", "ms/step", "tok/s", "bytes read/step", "limit ms", "% of limit")]
     for name, m in measured.items():
-        rows.append((name, f"{m['ms_per_token']:.2f}", f"{1e3 / m['ms_per_token']:.1f}",
+        rows.append((name, f"{m['ms_per_token']:.2f}", f"{1e3 * args.batch / m['ms_per_token']:.1f}",
                      f"{m['bytes_read_per_token'] / 1e9:.2f} GB", f"{m['limit_ms']:.2f}",
                      f"{100 * m['limit_ms'] / m['ms_per_token']:.1f}%"))
-    print(f"\nlatency: {args.shape}, batch 1, prompt {args.prompt_len}, {args.new_tokens} new tokens, copy "
+    print(f"\nlatency: {args.shape}, batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens, copy "
           f"bandwidth {bandwidth / 1e12:.2f} TB/s, {torch.cuda.get_device_name()}")
     print_table(rows)
     speedup = bf16["ms_per_token"] / fp8["ms_per_token"]
-    print("fp8 kernels that ran (GEMV configurations from "
-          f"{os.environ.get(TABLE_ENV) or DEFAULT_TABLE.relative_to(ROOT)}):")
-    for shape, kernel in fp8["kernels"].items():
-        print(f"  {shape}: {kernel}")
+    for name, m in measured.items():
+        if "kernels" in m:
+            print(f"{name}: the fp8 kernels that ran (GEMV configurations from {m['table']}):")
+            for shape, kernel in m["kernels"].items():
+                print(f"  {shape}: {kernel}")
     print(f"fp8 / bf16 tokens/s: {speedup:.2f}x; greedy tokens identical for the first {same} of {args.new_tokens} "
           f"(fp8 weights are the bf16 dummy weights quantized)")
     for m in measured.values():
         del m["tokens"]
-    return {"bench": "fp8_weights_latency", "shape": args.shape, "copy_bandwidth": bandwidth, "speedup": speedup,
+    return {"bench": "fp8_weights_latency", "shape": args.shape, "batch": args.batch, "copy_bandwidth": bandwidth,
+            "speedup": speedup,
             "same_tokens_prefix": same, **measured}
 
 
@@ -195,6 +205,10 @@ def main() -> None:
     lat.add_argument("--new-tokens", type=int, default=256)
     lat.add_argument("--enforce-eager", action="store_true")
     lat.add_argument("--table", help=f"an fp8 GEMV configuration table (default: {TABLE_ENV} or the shipped one)")
+    lat.add_argument("--also-table", action="append", default=[],
+                     help="another table, run as a third engine beside the first fp8 one (repeatable)")
+    lat.add_argument("--batch", type=int, default=1, help="sequences decoded together (the KV read is not in the "
+                                                          "limit: keep the prompt short)")
     args = parser.parse_args()
     if getattr(args, "table", None):
         os.environ[TABLE_ENV] = str(Path(args.table).resolve())

@@ -1,9 +1,9 @@
-"""Weight-only fp8 GEMV: a small batch times a float8_e4m3fn weight with per-output-channel scales.
+"""The fp8 GEMV: a small batch times a float8_e4m3fn weight with per-output-channel scales.
 
 At decode batches (at most ``GEMV_MAX_ROWS`` rows) a linear layer is a read of its weight:
 ``torch._scaled_mm`` plus the per-token quantization of its input cost more than the halved
-read saves (BENCHMARKS.md, "fp8 weights"). This kernel leaves the activations in the model
-dtype: each program loads an fp8 tile [BLOCK_N, BLOCK_K] of the weight (stored as the loader
+read saves (BENCHMARKS.md, "fp8 weights"). Two of this kernel's products leave the activations in
+the model dtype (weight-only): each program loads an fp8 tile [BLOCK_N, BLOCK_K] of the weight (stored as the loader
 stores it: row-major [out, in], one row per output channel), converts it and multiplies it
 with the rows of x, accumulating in float32, and applies the channel's scale (and the bias)
 once at the end. Its PyTorch twin is ``mempath.model.quant.fp8_gemv_torch``.
@@ -12,8 +12,8 @@ Three products: ``USE_DOT`` multiplies on the tensor cores (the weight tile conv
 dtype, exact for e4m3 in bf16 and fp16, times x transposed, at least 16 rows padded); with
 ``QUANT_X`` too, x is quantized to e4m3 in groups of ``QUANT_X_GROUP`` along K (each row's
 group its own scale, DeepSeek-V3's 1 x 128 activation tiles) and the fp8 weight tile goes to
-the fp8 tensor cores as it was loaded: no per-element conversion of the weight, which is
-what the other two spend their instructions on. The third way multiplies and adds in float32
+the fp8 tensor cores as it was loaded: no per-element conversion of the weight (measured on
+the H200: slower at one row, faster at 9-16; BENCHMARKS.md). The third way multiplies and adds in float32
 registers (better at one or two rows than the bf16 tensor cores). At one row that way
 accumulates a [BLOCK_N, BLOCK_K] float32 tile and sums it over K after the loop;
 ``GemvConfig.sum_k_each_step`` instead sums each step's product over K at once (row by row), so
@@ -325,8 +325,9 @@ def triton_fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     if rows * n > workspace.partials.numel() or n > workspace.max_out_features:
         raise ValueError(f"fp8 GEMV: {rows} rows x {n} outputs do not fit the workspace of "
                          f"{workspace.max_out_features} outputs (at most {GEMV_MAX_ROWS} rows)")
-    # tl.dot of float32 would be tf32; quantized, any dtype of x is e4m3.
-    use_dot = config.use_dot and (config.quantize_x or x.dtype in (torch.bfloat16, torch.float16))
+    # tl.dot of float32 would be tf32, and quantize_x of float32 x differs from its twin on the H200 in a few
+    # roundings (not understood; the engine gives float32 activations to _scaled_mm): float32 x multiply-adds.
+    use_dot = config.use_dot and x.dtype in (torch.bfloat16, torch.float16)
     block_m = max(DOT_MIN_ROWS, next_pow2(rows)) if use_dot else next_pow2(rows)
     split = fitted_split(config, rows, n, k, workspace)
     k_per_split = -(-(-(-k // split)) // config.block_k) * config.block_k

@@ -7,8 +7,8 @@ clamped to e4m3's finite range. On CUDA the product is Hopper's fp8 matmul
 (``torch._scaled_mm`` with row-wise scales, float32 accumulation); elsewhere the PyTorch
 path dequantizes both operands with the same arithmetic and runs a float32 matmul: it is
 the oracle of the CUDA path and the CPU path. At decode batches on CUDA (the Triton kernels)
-the activations are not quantized: a weight-only fp8 GEMV (mempath.kernels.fp8_gemv_triton,
-twin ``fp8_gemv_torch``) reads the weight once. Which one a layer runs is decided once,
+an fp8 GEMV (mempath.kernels.fp8_gemv_triton, twin ``fp8_gemv_torch``) reads the weight once,
+weight-only or with the activations quantized per 128 values, as its table says per shape and batch. Which one a layer runs is decided once,
 when the model is built for a device (``set_fp8_matmul``), as for mempath.kernels.
 
 The loader fills a layer either from a float checkpoint tensor, quantized as it arrives
@@ -98,7 +98,7 @@ def fp8_gemv_torch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
 
 def fp8_linear_cuda(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                     gemv, quantize=quantize_rows) -> torch.Tensor:
-    """CUDA with the Triton kernels: decode batches (at most GEMV_MAX_ROWS rows) run the weight-only
+    """CUDA with the Triton kernels: decode batches (at most GEMV_MAX_ROWS rows) run the fp8
     GEMV (``gemv``: a kernels.fp8_gemv_triton.Fp8Gemv) with the configuration its table gives the
     shape and batch bucket; larger batches, buckets the table sends there and float32 activations
     (the GEMV's tensor-core product takes 16-bit ones), _scaled_mm."""
