@@ -243,7 +243,10 @@ def test_heuristic_splits_k_until_the_sms_are_covered():
     from mempath.kernels.fp8_gemv_triton import heuristic_config
     assert heuristic_config(4096, 4096, 1, 132).split_k == 8  # 64 tiles x 8 = 512 programs
     assert heuristic_config(28672, 4096, 1, 132).split_k == 1  # 448 tiles already
-    assert heuristic_config(4096, 14336, 16, 132).split_k == 8
+    assert heuristic_config(4096, 14336, 8, 132).split_k == 8
+    at_16 = heuristic_config(4096, 14336, 16, 132)  # the fp8 tensor cores: 32 tiles of 128 outputs x 16
+    assert at_16.quantize_x and at_16.block_n == 128 and at_16.split_k == 16
+    assert not heuristic_config(4096, 14336, 8, 132).quantize_x
     assert heuristic_config(64, 256, 1, 132).split_k == 1  # too short to split
 
 
@@ -348,13 +351,16 @@ def test_gpu_gemv_summing_k_each_step_matches_twin(dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_gpu_gemv_quantizing_x_matches_twin(dtype):
     """The fp8 tensor-core product compiled, off the grid (the compiled conversion rounds as PyTorch
-    does), on the test's shapes and at the sweep's tile sizes and depths; float32 x takes the multiply-adds."""
+    does), on the test's shapes and at the sweep's tile sizes and depths and the heuristic's; float32 x
+    takes the multiply-adds."""
     pytest.importorskip("triton")
-    from mempath.kernels.fp8_gemv_triton import GemvConfig
+    from mempath.kernels.fp8_gemv_triton import GemvConfig, heuristic_config
     sweep_tiles = [GemvConfig(block_n=bn, block_k=128, split_k=split, num_warps=warps, num_stages=stages,
                               reduce=reduce, use_dot=True, quantize_x=True)
                    for bn, warps, stages in ((64, 4, 4), (128, 4, 6), (256, 8, 3))
                    for split, reduce in ((1, "atomic"), (4, "atomic"), (4, "two_pass"))]
+    sweep_tiles.append(heuristic_config(1024, 4096, 16, torch.cuda.get_device_properties(0).multi_processor_count))
+    assert sweep_tiles[-1].quantize_x  # what a shape the table does not list gets at 9-16 rows
     check_fp8_gemv("cuda", (dtype,), rows_list=(1, 2, 3, 16), configs=quantize_x_configs())
     if dtype != torch.float32:  # float32 output: 4096 terms summed in another order differ by more than its 2 ulp
         check_fp8_gemv("cuda", (dtype,), rows_list=(1, 3, 16), shapes=((1000, 4096), (1024, 4096)),

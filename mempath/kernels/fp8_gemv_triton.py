@@ -114,13 +114,20 @@ def row_bucket(rows: int) -> int:
 
 
 def heuristic_config(n: int, k: int, rows: int, num_sms: int) -> GemvConfig:
-    """A configuration for a shape the table does not list (not measured): tiles of 64 outputs by
-    128 of K, multiply-adds at one row and the tensor cores above, K split until the grid covers
-    the SMs twice (each split at least 512 wide)."""
+    """A configuration for a shape the table does not list (the shape not measured): multiply-adds
+    at one row, the bf16/fp16 tensor cores in tiles of 64 outputs by 128 of K up to 8 rows, and the
+    fp8 tensor cores in tiles of 128 outputs, 8 warps and 4 stages at 9-16 rows (where the H200 sweep
+    chose them for all four Llama-3.1-8B projections, 2026-12-03); K split until the grid covers the
+    SMs twice (each split at least 512 wide)."""
+    fp8_dot = rows > 8
+    block_n = 128 if fp8_dot else 64
     split = 1
-    while -(-n // 64) * split < 2 * num_sms and k // (2 * split) >= 512 and split < 16:
+    while -(-n // block_n) * split < 2 * num_sms and k // (2 * split) >= 512 and split < 16:
         split *= 2
-    return GemvConfig(block_n=64, block_k=128, split_k=split, use_dot=rows > 1, num_warps=4, num_stages=3)
+    if fp8_dot:
+        return GemvConfig(block_n=block_n, block_k=QUANT_X_GROUP, split_k=split, use_dot=True, quantize_x=True,
+                          num_warps=8, num_stages=4)
+    return GemvConfig(block_n=block_n, block_k=128, split_k=split, use_dot=rows > 1, num_warps=4, num_stages=3)
 
 
 def load_table(path: str | os.PathLike | None = None) -> dict[str, dict[str, GemvConfig]]:
