@@ -2,19 +2,19 @@
 
 At decode batches (at most ``GEMV_MAX_ROWS`` rows) a linear layer is a read of its weight:
 ``torch._scaled_mm`` plus the per-token quantization of its input cost more than the halved
-read saves (BENCHMARKS.md, "fp8 weights"). Two of this kernel's products leave the activations in
-the model dtype (weight-only): each program loads an fp8 tile [BLOCK_N, BLOCK_K] of the weight (stored as the loader
-stores it: row-major [out, in], one row per output channel), converts it and multiplies it
-with the rows of x, accumulating in float32, and applies the channel's scale (and the bias)
-once at the end. Its PyTorch twin is ``mempath.model.quant.fp8_gemv_torch``.
+read saves (BENCHMARKS.md, "fp8 weights"). Two of this kernel's products leave the activations
+in the model dtype (weight-only): each program loads an fp8 tile [BLOCK_N, BLOCK_K] of the
+weight (stored as the loader stores it: row-major [out, in], one row per output channel),
+converts it and multiplies it with the rows of x, accumulating in float32, and applies the
+channel's scale (and the bias) once at the end. Its PyTorch twin is ``mempath.model.quant.fp8_gemv_torch``.
 
 Three products: ``USE_DOT`` multiplies on the tensor cores (the weight tile converted to x's
 dtype, exact for e4m3 in bf16 and fp16, times x transposed, at least 16 rows padded); with
 ``QUANT_X`` too, x is quantized to e4m3 in groups of ``QUANT_X_GROUP`` along K (each row's
 group its own scale, DeepSeek-V3's 1 x 128 activation tiles) and the fp8 weight tile goes to
 the fp8 tensor cores as it was loaded: no per-element conversion of the weight (measured on
-the H200: slower at one row, faster at 9-16; BENCHMARKS.md). The third way multiplies and adds in float32
-registers (better at one or two rows than the bf16 tensor cores). At one row that way
+the H200: slower at one row, faster at 9-16; BENCHMARKS.md). The third way multiplies and adds
+in float32 registers (better at one or two rows than the bf16 tensor cores). At one row that way
 accumulates a [BLOCK_N, BLOCK_K] float32 tile and sums it over K after the loop;
 ``GemvConfig.sum_k_each_step`` instead sums each step's product over K at once (row by row), so
 the accumulator is [rows, BLOCK_N] and fewer registers per thread may let more programs share an

@@ -8,8 +8,9 @@ clamped to e4m3's finite range. On CUDA the product is Hopper's fp8 matmul
 path dequantizes both operands with the same arithmetic and runs a float32 matmul: it is
 the oracle of the CUDA path and the CPU path. At decode batches on CUDA (the Triton kernels)
 an fp8 GEMV (mempath.kernels.fp8_gemv_triton, twin ``fp8_gemv_torch``) reads the weight once,
-weight-only or with the activations quantized per 128 values, as its table says per shape and batch. Which one a layer runs is decided once,
-when the model is built for a device (``set_fp8_matmul``), as for mempath.kernels.
+weight-only or with the activations quantized per 128 values, as its table says per shape and
+batch. Which one a layer runs is decided once, when the model is built for a device
+(``set_fp8_matmul``), as for mempath.kernels.
 
 The loader fills a layer either from a float checkpoint tensor, quantized as it arrives
 (``copy_quantized``), or from a pre-quantized one (float8 weights and their
