@@ -300,7 +300,8 @@ def main() -> None:
             table_rows.append((p["rows"], p["best"].describe(), f"{p['best_us']:.1f}",
                                f"{gbps(layer.fp8_bytes, p['best_us']):.0f}",
                                f"{100 * layer.fp8_bytes / (p['best_us'] * 1e-6) / read_bw:.0f}%", table_col,
-                               f"{p['dot_fp8_us']:.1f}" if p["dot_fp8_us"] else "-", f"{p['bf16_us']:.1f}", f"{p['scaled_mm_us']:.1f}", f"{p['bf16_us'] / p['best_us']:.2f}",
+                               f"{p['dot_fp8_us']:.1f}" if p["dot_fp8_us"] else "-", f"{p['bf16_us']:.1f}",
+                               f"{p['scaled_mm_us']:.1f}", f"{p['bf16_us'] / p['best_us']:.2f}",
                                f"{p['scaled_mm_us'] / p['best_us']:.2f}", p["candidates"], len(p["failed"])))
         print_table(table_rows)
         for p in rows_out:
@@ -324,7 +325,8 @@ def main() -> None:
     print_table(step_rows)
     Path(args.out).write_text(table_json(
         best_table, device=device_name,
-        made_by=f"benchmarks/bench_fp8_gemv.py --shape {args.shape} --rows {args.rows}{' --quick' if args.quick else ''}"
+        made_by=f"benchmarks/bench_fp8_gemv.py --shape {args.shape} --rows {args.rows}"
+                f"{' --quick' if args.quick else ''}"
                 f"{'' if products == PRODUCTS else ' --products ' + ','.join(products)}",
         shapes={f"{n}x{k}": f"{name} ({args.shape})" for name, (n, k) in shapes.items()}))
     print(f"\nbest configurations written to {args.out} ({time.time() - started:.0f} s in all)")
