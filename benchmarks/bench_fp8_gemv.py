@@ -268,9 +268,9 @@ def main() -> None:
     config = SMOKE_SHAPE if args.smoke else json.loads((CONFIGS / f"{args.shape}.json").read_text())
     rows_list = [int(r) for r in args.rows.split(",")]
     products = tuple(p for p in args.products.split(",") if p)
-    if set(products) - set(PRODUCTS):
-        parser.error(f"--products: unknown {sorted(set(products) - set(PRODUCTS))}; the products are "
-                     f"{','.join(PRODUCTS)}")
+    if not products or set(products) - set(PRODUCTS):
+        parser.error(f"--products: {'unknown ' + str(sorted(set(products) - set(PRODUCTS))) if products else 'none'}"
+                     f"; name one or more of {','.join(PRODUCTS)}")
     num_sms = 4 if args.smoke else torch.cuda.get_device_properties(0).multi_processor_count
     bandwidth = 1e9 if args.smoke else copy_bandwidth()
     read_bw = bandwidth  # bytes read + written per second by a copy: the rate a read-only stream gets too

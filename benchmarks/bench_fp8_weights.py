@@ -210,6 +210,8 @@ def main() -> None:
     lat.add_argument("--batch", type=int, default=1, help="sequences decoded together (the KV read is not in the "
                                                           "limit: keep the prompt short)")
     args = parser.parse_args()
+    if getattr(args, "batch", 1) < 1:
+        parser.error(f"--batch {args.batch}: give 1 or more sequences")
     if getattr(args, "table", None):
         os.environ[TABLE_ENV] = str(Path(args.table).resolve())
     if args.bench == "accuracy":
