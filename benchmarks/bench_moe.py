@@ -24,11 +24,14 @@ offload   the Qwen3-30B-A3B shape with a 16 GB weight budget (the non-expert wei
           differently from the device's, so a near-tie can decode another token).
 resident  Qwen3-30B-A3B and Mixtral-8x7B shapes with every expert resident (the grouped
           kernel, decode CUDA graphs), batch-1 decode tokens/s against the active-weight
-          read limit (bytes one token reads / the device read bandwidth).
+          read limit (bytes one token reads / the device read bandwidth). ``--variants
+          no-router-kernel`` measures each again with the router's logits from F.linear (the
+          matmul library) instead of the router kernel, in the same run.
 
 Each result is one JSON line (prefix ``RESULT``), naming the router that produced it.
 """
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -356,6 +359,21 @@ def set_router(llm: LLM, router: str) -> None:
 # ---------------------------------------------------------------- every expert resident
 
 
+@contextlib.contextmanager
+def without_router_kernel():
+    """Engines built inside take the router's logits from F.linear (their Kernels without router_logits)."""
+    from mempath.kernels import dispatch
+    original = dispatch.triton_kernels
+    dispatch.triton_kernels = lambda: dataclasses.replace(original(), router_logits=None)
+    try:
+        yield
+    finally:
+        dispatch.triton_kernels = original
+
+
+RESIDENT_VARIANTS = {"no-router-kernel": without_router_kernel}
+
+
 def part_resident(args, configs: list[dict], bandwidth: dict) -> list[dict]:
     out = []
     for config in configs:
@@ -363,15 +381,21 @@ def part_resident(args, configs: list[dict], bandwidth: dict) -> list[dict]:
         shape = read_shape(config)
         b = torch.finfo(getattr(torch, args.dtype)).bits // 8
         plan = plan_memory(path, dtype=args.dtype)
-        llm = engine(path, args)
-        graphs = bool(llm.engine.runner.graphs)
-        rate, _, _ = decode(llm, args)
-        del llm
         active_bytes = plan.active_params * b
         limit = bandwidth["device_read_GBps"] * 1e9 / active_bytes
-        out.append(result("resident", model=config["architectures"][0], router="model", decode_tok_s=rate,
-                          cuda_graphs=graphs, active_GB_per_token=active_bytes / 1e9, read_limit_tok_s=limit,
-                          of_limit=rate / limit, target_of_limit=0.8, layers=shape.num_layers))
+        reference = None
+        for variant in [None] + args.variants:
+            with RESIDENT_VARIANTS[variant]() if variant else contextlib.nullcontext():
+                llm = engine(path, args)
+            graphs = bool(llm.engine.runner.graphs)
+            rate, tokens, _ = decode(llm, args)
+            del llm
+            reference = tokens if variant is None else reference
+            out.append(result("resident", model=config["architectures"][0], router="model", variant=variant,
+                              decode_tok_s=rate, cuda_graphs=graphs, active_GB_per_token=active_bytes / 1e9,
+                              read_limit_tok_s=limit, of_limit=rate / limit, target_of_limit=0.8,
+                              layers=shape.num_layers,
+                              tokens_identical_to_default=None if variant is None else tokens == reference))
     return out
 
 
@@ -388,7 +412,11 @@ def main() -> int:
     parser.add_argument("--host-store", default="huge", choices=("huge", "driver"),
                         help="the experts' host store: the engine's (huge pages, memory/pinned.py) or the "
                              "driver's pinned allocator (torch pin_memory), for comparison")
+    parser.add_argument("--variants", type=lambda text: text.split(","), default=[],
+                        help=f"the resident part again with one choice flipped: {', '.join(RESIDENT_VARIANTS)}")
     args = parser.parse_args()
+    if set(args.variants) - set(RESIDENT_VARIANTS):
+        parser.error(f"--variants takes {', '.join(RESIDENT_VARIANTS)}; got {','.join(args.variants)}")
     if args.host_store == "driver":
         moe.pinned_empty = lambda shape, dtype: torch.empty(shape, dtype=dtype, pin_memory=True)
     parts = set(args.parts.split(","))

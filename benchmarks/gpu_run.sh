@@ -5,7 +5,7 @@
 #   blocks (~3 min)  multiturn (~5 min)  diagnose (~2 min, three shapes)  serve (needs .whl, below)
 #   pending, fp8-gemv, fp8-latency, mix-qwen3, mix-llama, mix-moe, mix-tokens, structured, moe-offload, moe-resident,
 #   spec-a, spec-bc, multi, sleep-tests, sleep, fp8-kv-tests, fp8-kv, fp8-transfer, mix-fp8, fp8-sweep, fp8-gemv-tests (the open issues, below; STEPS="wheels pending ..." for those needing xgrammar)
-#   decode-sweep (~8 min; DECODE_RUNS picks the shapes)
+#   decode-sweep (~8 min; DECODE_RUNS picks the shapes)  router-tests, moe-router (~7 min: #21's router kernel)
 #   profile (~1 min: kernel table at batch 1), profile-moe, profile-mistral  profile-workload (~1 min: host/device split of the throughput run)
 # For `serve`, carry fastapi/uvicorn/starlette/pydantic(+core)/anyio/h11/sniffio/annotated-types/
 # typing-inspection/prometheus-client as wheels in .whl (see ../.library/device/README.md).
@@ -110,6 +110,9 @@ step slots-tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_moe_slo
 step moe-offload-host 420 python3 benchmarks/bench_moe.py --parts pinned,offload --cpu-experts auto
 step moe-skewed-auto 300 python3 benchmarks/bench_moe.py --parts pinned,offload --routers skewed --cpu-experts auto
 step moe-resident 300 python3 benchmarks/bench_moe.py --parts pinned,resident
+# The router kernel (#21, 2026-12-04): its GPU tests, then the resident decode with and without it.
+step router-tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_moe_triton.py tests/test_moe.py -k "cuda or gpu"
+step moe-router 480 python3 benchmarks/bench_moe.py --parts pinned,resident --variants no-router-kernel
 # The fp8 KV cache (#20, 2026-12-02): its GPU tests (needle retrieval at 8k/32k, kernels, tier transfers), decode at
 # batch 64 x 8k and retrieval at 4k-32k against bf16, tier transfers in both dtypes; fp8 weights and KV on the mix.
 step fp8-kv-tests 400 python3 -m pytest -q -p no:cacheprovider --durations=8 tests/test_fp8_kv_retrieval.py tests/test_fp8_kv.py \

@@ -246,3 +246,91 @@ def test_the_grouped_kernel_is_captured_in_a_cuda_graph(model_factory):
     # Misses are host decisions: the batch-1 graph is cut at every MoE layer (engine/piecewise.py).
     assert sorted(partial.engine.runner.graphs) == [1]
     assert [o.token_ids for o in partial.generate(prompts, params, use_tqdm=False)] == tokens
+
+
+# ------------------------------------------------------------------ the router's logits at decode batches
+
+ROUTER_COMPARE = textwrap.dedent("""
+    import torch
+    import torch.nn.functional as F
+    from mempath.kernels.moe_triton import ROUTER_KERNEL_MAX_ROWS, router_blocks, triton_router_logits
+
+    def check_router(device, dtype, shapes):
+        g = torch.Generator().manual_seed(0)
+        for tokens, experts, k in shapes:
+            x = torch.randn(tokens, k, generator=g).to(device, dtype)
+            w = (torch.randn(experts, k, generator=g) / k ** 0.5).to(device, dtype)
+            got = triton_router_logits(x, w)
+            want = F.linear(x.float(), w.float())  # float32 products and sums, one rounding at the end
+            assert got.dtype == dtype and got.shape == (tokens, experts), (got.dtype, got.shape)
+            tol = 1e-5 if dtype == torch.float32 else 2 ** -7  # one rounding to 16 bits
+            err = ((got.float() - want).abs() / want.abs().clamp_min(1.0)).max().item()
+            assert err <= tol, (tokens, experts, k, dtype, err, router_blocks(experts, k))
+        try:
+            too_many = torch.zeros(ROUTER_KERNEL_MAX_ROWS + 1, 8, device=device)
+            triton_router_logits(too_many, torch.zeros(4, 8, device=device))
+        except ValueError as error:
+            assert "at most 16 rows" in str(error), error
+        else:
+            raise AssertionError("17 rows were not refused")
+""")
+# Experts and K that are and are not powers of two, one and 16 tokens, K over three steps with a tail
+# (128 experts: 1,024 of K a step); on CUDA the Qwen3-30B-A3B (128 x 2048), Mixtral (8 x 4096) and
+# OLMoE (64 x 2048) routers.
+ROUTER_SHAPES_CPU = [(1, 8, 64), (3, 128, 96), (16, 6, 40), (5, 64, 1000), (2, 128, 2100)]
+ROUTER_SHAPES_CUDA = ROUTER_SHAPES_CPU + [(1, 128, 2048), (16, 128, 2048), (1, 8, 4096), (8, 8, 4096), (2, 64, 2048)]
+
+
+@pytest.mark.skipif(not HAS_TRITON or torch.cuda.is_available(), reason="needs Triton, and no CUDA (checked compiled there)")
+def test_router_logits_match_the_matmul_in_the_interpreter():
+    interpret(ROUTER_COMPARE + f"\ncheck_router('cpu', torch.float32, {ROUTER_SHAPES_CPU})\nprint('ok')\n")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_router_logits_match_the_matmul_on_cuda_and_are_captured_in_a_graph():
+    namespace = {}
+    exec(ROUTER_COMPARE, namespace)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        namespace["check_router"]("cuda", dtype, ROUTER_SHAPES_CUDA)
+    from mempath.kernels.moe_triton import triton_router_logits
+    x = torch.randn(4, 2048, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(128, 2048, device="cuda", dtype=torch.bfloat16)
+    eager = triton_router_logits(x, w)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = triton_router_logits(x, w)
+    x.mul_(2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, triton_router_logits(x, w)) and not torch.equal(captured, eager)
+
+
+def test_moe_block_takes_the_router_kernel_at_decode_batches_in_16_bits():
+    """The kernel for at most ROUTER_KERNEL_MAX_ROWS tokens in bf16/fp16; F.linear above that and in float32
+    (the parity tests' arithmetic), and wherever the model's kernels have none (the PyTorch twins)."""
+    from dataclasses import replace
+
+    from mempath.kernels.dispatch import torch_kernels
+    from mempath.kernels.moe_triton import ROUTER_KERNEL_MAX_ROWS
+    from mempath.model.moe import MoEBlock
+
+    calls = []
+
+    def kernel(x, weight):
+        calls.append(x.shape[0])
+        return torch.nn.functional.linear(x, weight)
+
+    class Spec:
+        num_experts, num_experts_per_tok, norm_topk_prob, routing_weights_float32 = 8, 2, True, False
+        hidden_size, moe_intermediate_size = 16, 8
+
+    block = MoEBlock(Spec(), replace(torch_kernels(), router_logits=kernel))
+    for rows, dtype, used in ((1, torch.bfloat16, True), (ROUTER_KERNEL_MAX_ROWS, torch.float16, True),
+                              (ROUTER_KERNEL_MAX_ROWS + 1, torch.bfloat16, False), (1, torch.float32, False)):
+        calls.clear()
+        block.to(dtype)
+        weights, ids = block.route(torch.randn(rows, 16, dtype=dtype))
+        assert calls == ([rows] if used else []) and ids.shape == (rows, 2), (rows, dtype, calls)
+    plain = MoEBlock(Spec(), torch_kernels())
+    assert plain.experts.kernels.router_logits is None
+    plain.route(torch.randn(1, 16, dtype=torch.float32))

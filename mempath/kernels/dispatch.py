@@ -55,7 +55,9 @@ class Kernels:
       grouped_experts before the sum over k (float32 [T·k, h]), over any stack of experts: an
       expert cache's slots (mempath.model.moe_slots; None: the cache runs the PyTorch twin);
     - ``sum_expert_pairs(pairs, top_k, dtype) -> out``: those pairs summed over k and cast, as
-      grouped_experts sums them (None: ``moe_triton.sum_pairs``, its twin).
+      grouped_experts sums them (None: ``moe_triton.sum_pairs``, its twin);
+    - ``router_logits(x, weight) -> logits``: the router's ``F.linear`` at decode batches (at most
+      ``moe_triton.ROUTER_KERNEL_MAX_ROWS`` tokens, 16-bit; None: ``F.linear`` always).
     """
 
     rms_norm: Callable
@@ -68,6 +70,7 @@ class Kernels:
     moe_route: Callable | None = None
     grouped_expert_pairs: Callable | None = None
     sum_expert_pairs: Callable | None = None
+    router_logits: Callable | None = None
 
 
 def torch_kernels() -> Kernels:
@@ -80,11 +83,11 @@ def triton_kernels() -> Kernels:
     from mempath.kernels.elementwise_triton import (qk_norm_rope_and_store_triton, rope_and_store_triton,
                                                     triton_rms_norm, triton_silu_and_mul)
     from mempath.kernels.moe_triton import (triton_grouped_expert_pairs, triton_grouped_experts, triton_route,
-                                            triton_sum_pairs)
+                                            triton_router_logits, triton_sum_pairs)
     return Kernels(triton_rms_norm, rope_and_store_triton, triton_silu_and_mul, attend_triton,
                    qk_norm_rope_and_store_triton, triton=True, grouped_experts=triton_grouped_experts,
                    moe_route=triton_route, grouped_expert_pairs=triton_grouped_expert_pairs,
-                   sum_expert_pairs=triton_sum_pairs)
+                   sum_expert_pairs=triton_sum_pairs, router_logits=triton_router_logits)
 
 
 def kernels_for(device: torch.device) -> Kernels:

@@ -16,6 +16,11 @@ Here nothing is read on the host, so a decode CUDA graph can hold the layer:
   down projection's already weighted by the router.
 - ``_sum_pairs_kernel`` (``triton_sum_pairs``, twin ``sum_pairs``): each token's k float32
   pair rows added in float32 and cast to the model dtype in one launch.
+- ``_router_logits_kernel`` (``triton_router_logits``, twin ``F.linear``): the router's logits
+  of a decode batch (at most ``ROUTER_KERNEL_MAX_ROWS`` tokens), its weight split over about
+  16 programs (the matmul library runs a [128, 2048] router on two thread blocks) and its first
+  block read before the wait for the kernel before it (programmatic dependent launch: the
+  weights are never written by a step).
 
 Float32 inputs are multiplied in IEEE float32 (no TF32), so the oracle comparison is
 against the twin's float32 arithmetic, not a lower precision.
@@ -90,6 +95,37 @@ if HAS_TRITON:
         for j in tl.static_range(TOP_K):
             acc += tl.load(pairs_ptr + (token * TOP_K + j) * stride_pair + cols, mask=ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + token * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _router_block_product(w, x_ptr, tokens, k, K, stride_x, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+        """[BLOCK_M, BLOCK_E]: each token's x[k] times the weight block w [BLOCK_E, len(k)], summed over k."""
+        w = w.to(tl.float32)
+        rows = tl.arange(0, BLOCK_M)
+        out = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
+        for m in tl.static_range(BLOCK_M):
+            present = ((tl.zeros_like(k) + m) < tokens) & (k < K)  # the rows BLOCK_M pads to read nothing
+            x = tl.load(x_ptr + m * stride_x + k, mask=present, other=0.0).to(tl.float32)
+            out += tl.where(rows[:, None] == m, tl.sum(w * x[None, :], axis=1)[None, :], 0.0)
+        return out
+
+    @triton.jit(do_not_specialize=["tokens"])
+    def _router_logits_kernel(x_ptr, w_ptr, out_ptr, tokens, num_experts, K, stride_x, stride_w, stride_out,
+                              BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        """logits[t, e] = x[t] · w[e] for BLOCK_E experts and every token, accumulated in float32."""
+        experts = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+        e_ok = experts < num_experts
+        k = tl.arange(0, BLOCK_K)
+        w_rows = w_ptr + experts[:, None].to(tl.int64) * stride_w
+        w = tl.load(w_rows + k[None, :], mask=e_ok[:, None] & (k < K)[None, :], other=0.0)
+        pdl_wait(PDL)
+        acc = _router_block_product(w, x_ptr, tokens, k, K, stride_x, BLOCK_M, BLOCK_E)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            kk = k0 + k
+            w = tl.load(w_rows + kk[None, :], mask=e_ok[:, None] & (kk < K)[None, :], other=0.0)
+            acc += _router_block_product(w, x_ptr, tokens, kk, K, stride_x, BLOCK_M, BLOCK_E)
+        rows = tl.arange(0, BLOCK_M)
+        tl.store(out_ptr + rows[:, None] * stride_out + experts[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=(rows < tokens)[:, None] & e_ok[None, :])
 
     @triton.jit
     def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride, TOP_K: tl.constexpr,
@@ -277,6 +313,38 @@ def _choose(table: dict, n: int, k: int, bucket: int, itemsize: int) -> GroupedG
 # align_to_blocks' fifteen small kernels cost more than the experts' GEMMs at decode batches
 # (BENCHMARKS.md, the Qwen3-30B-A3B kernel table); up to this many pairs one program does it.
 FUSED_ALIGN_MAX_PAIRS = 128
+
+
+# Decode batches up to this many tokens take the router kernel (MoEBlock.route); larger ones the matmul library.
+ROUTER_KERNEL_MAX_ROWS = 16
+# About this many programs share a router's weight, and each holds at most this many of its values per step.
+ROUTER_PROGRAMS = 16
+ROUTER_BLOCK_VALUES = 8192
+
+
+def router_blocks(num_experts: int, k: int) -> tuple[int, int]:
+    """(experts per program, K per step) of the router kernel."""
+    block_e = max(1, next_pow2(num_experts) // ROUTER_PROGRAMS)
+    return block_e, min(next_pow2(k), max(16, ROUTER_BLOCK_VALUES // block_e))
+
+
+def triton_router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)`` without bias for a decode batch (at most ROUTER_KERNEL_MAX_ROWS rows of x):
+    the router's logits [T, E] in x's dtype, accumulated in float32."""
+    tokens, k = x.shape
+    num_experts = weight.shape[0]
+    if tokens > ROUTER_KERNEL_MAX_ROWS or weight.shape[1] != k:
+        raise ValueError(f"router kernel: x {tuple(x.shape)} and weight {tuple(weight.shape)}: at most "
+                         f"{ROUTER_KERNEL_MAX_ROWS} rows of the weight's width (larger batches take F.linear)")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    out = torch.empty(tokens, num_experts, dtype=x.dtype, device=x.device)
+    if tokens:
+        block_e, block_k = router_blocks(num_experts, k)
+        _router_logits_kernel[(triton.cdiv(num_experts, block_e),)](
+            x, weight, out, tokens, num_experts, k, x.stride(0), weight.stride(0), out.stride(0),
+            BLOCK_M=next_pow2(tokens), BLOCK_E=block_e, BLOCK_K=block_k, **pdl_options(x.device), num_warps=4)
+    return out
 
 
 def triton_route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, weights_dtype: torch.dtype):

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mempath.kernels.dispatch import Kernels
+from mempath.kernels.moe_triton import ROUTER_KERNEL_MAX_ROWS
 from mempath.memory.pinned import pinned_empty
 from mempath.model import moe_host, moe_slots
 
@@ -87,13 +88,21 @@ class MoEBlock(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(top-k weights [T, k], top-k expert ids [T, k]) of each token."""
-        logits = self.gate(x)
+        logits = self.router_logits(x)
         if self.router_bias is not None:
             logits = self.router_bias(logits)
         weights_dtype = torch.float32 if self.routing_weights_float32 else logits.dtype
         grouped = self.uses_grouped_kernel() or moe_slots.uses_slot_kernel(self)
         route = self.experts.kernels.moe_route if grouped else None
         return (route or route_torch)(logits, self.top_k, self.norm_topk_prob, weights_dtype)
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The router's logits: its own kernel at decode batches in 16 bits (kernels.router_logits),
+        the matmul library otherwise (float32 keeps F.linear's arithmetic for the parity tests)."""
+        kernel = self.experts.kernels.router_logits
+        if kernel is not None and x.shape[0] <= ROUTER_KERNEL_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16):
+            return kernel(x, self.gate.weight)
+        return self.gate(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, expert_ids = self.route(x)
