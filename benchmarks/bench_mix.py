@@ -23,6 +23,13 @@ host milliseconds per step in the scheduler, the runner (input preparation and l
 and the output processor, against the device time between CUDA events recorded around
 each step's work (``gpu busy``: that time over the wall time). Models are random bf16
 weights of the real shapes (tests/data/configs, ``load_format="dummy"``).
+
+On CUDA each dense model's steps are also split into classes (steps carrying a prefill, decode
+steps by rows: 1-32, 33-128, 129-512, 513 and more), each class's device time against its
+bound: per step the larger of its matmul FLOPs at the matmul rate (the layers' parameters for
+every token, the LM head's for the sampled rows) and its bytes at the copy bandwidth measured
+in the run (the weights, and the K and V of every position each sequence attends to). The sum of
+the bounds is what this schedule could take at best; attention's FLOPs are left out of it.
 ``--out FILE`` appends one JSON line per result.
 """
 import argparse
@@ -139,6 +146,8 @@ class StepClock:
     runner: float = 0.0
     outputs: float = 0.0
     events: list = field(default_factory=list)
+    # Per step on the device: (tokens, rows, rows sampled, KV positions attended) as the runner got it.
+    shapes: list = field(default_factory=list)
 
     def attach(self, engine) -> None:
         """Wrap the engine's step, its scheduler, runner and output processor (this instance only)."""
@@ -147,8 +156,11 @@ class StepClock:
         def timed(fn, part, device_events=False):
             def wrapper(*args, **kwargs):
                 if device_events:
-                    batch = args[0]
+                    batch, sampling = args[0], args[1]
                     self.mixed_steps += any(n > 1 for n in batch.num_new_tokens)
+                    self.shapes.append((sum(batch.num_new_tokens), len(batch.requests), len(sampling),
+                                        sum(r.num_computed_tokens + n for r, n in
+                                            zip(batch.requests, batch.num_new_tokens))))
                     start = torch.cuda.Event(enable_timing=True) if cuda else None
                     if start is not None:
                         start.record()
@@ -179,6 +191,60 @@ class StepClock:
             return None
         torch.cuda.synchronize()
         return sum(start.elapsed_time(end) for start, end in self.events) / 1e3
+
+    def step_times(self) -> list[float]:
+        """Each step's device seconds (after device_seconds has synchronized)."""
+        return [start.elapsed_time(end) / 1e3 for start, end in self.events]
+
+
+@dataclass
+class StepCosts:
+    """What bounds a step: parameters multiplied per token, bytes read, and the rates."""
+
+    layer_params: int  # every decoder layer's parameters (each token multiplies them)
+    lm_head_params: int  # multiplied by the sampled rows only
+    weight_bytes: int
+    kv_bytes_per_token: int
+    matmul_rate: float
+    bandwidth: float
+
+    def bound(self, tokens: int, sampled: int, kv_tokens: int) -> float:
+        flops = 2 * (self.layer_params * tokens + self.lm_head_params * sampled)
+        return max(flops / self.matmul_rate, (self.weight_bytes + self.kv_bytes_per_token * kv_tokens) / self.bandwidth)
+
+
+STEP_CLASSES = ((32, "decode 1-32"), (128, "decode 33-128"), (512, "decode 129-512"), (None, "decode 513+"))
+
+
+def step_classes(shapes: list[tuple[int, int, int, int]], times: list[float], costs: StepCosts) -> dict:
+    """Steps by class (prefill-carrying, decode by rows): count, device seconds, bound seconds, bound / device."""
+    classes = {}
+    for (tokens, rows, sampled, kv_tokens), seconds in zip(shapes, times, strict=True):
+        name = "prefill" if tokens > rows else next(label for top, label in STEP_CLASSES if top is None or rows <= top)
+        c = classes.setdefault(name, {"steps": 0, "tokens": 0, "device_s": 0.0, "bound_s": 0.0})
+        c["steps"] += 1
+        c["tokens"] += tokens
+        c["device_s"] += seconds
+        c["bound_s"] += costs.bound(tokens, sampled, kv_tokens)
+    order = ["prefill"] + [label for _, label in STEP_CLASSES]
+    out = {name: {**classes[name], "of_bound": classes[name]["bound_s"] / classes[name]["device_s"]
+                  if classes[name]["device_s"] else None} for name in order if name in classes}
+    device, bound = sum(c["device_s"] for c in out.values()), sum(c["bound_s"] for c in out.values())
+    return {"classes": out, "schedule_bound_s": bound, "device_s": device,
+            "of_schedule_bound": bound / device if device else None}
+
+
+def step_costs(engine, rate: float, bandwidth: float) -> StepCosts | None:
+    """The engine's StepCosts; None for a mixture of experts (a step reads only its routed experts)."""
+    spec = engine.spec
+    if getattr(spec, "num_experts", 0):
+        return None
+    model = engine.runner.model
+    layers = sum(p.numel() for p in model.model.layers.parameters())
+    return StepCosts(layer_params=layers, lm_head_params=model.lm_head.weight.numel(),
+                     weight_bytes=engine.ledger.get("weights"),
+                     kv_bytes_per_token=engine.runner.kv_bytes_per_block() // engine.runner.block_size,
+                     matmul_rate=rate, bandwidth=bandwidth)
 
 
 def summarize(input_tokens: int, output_tokens: int, seconds: float, ttfts: list[float], params: int,
@@ -233,6 +299,10 @@ def run_mempath(args, prompts, output_lens, rate: float, max_num_seqs: int | Non
     result = summarize(sum(len(p) for p in prompts), sum(len(o.token_ids) for o in outs), seconds,
                        [o.time_to_first_token for o in outs], plan_memory(engine_options(args)["model"]).active_params,
                        rate, clock, clock.device_seconds())
+    costs = step_costs(engine, rate, args.bandwidth) if clock.events else None
+    if costs is not None:
+        result["step_classes"] = step_classes(clock.shapes, clock.step_times(), costs)
+        result["copy_bandwidth"] = args.bandwidth
     stats = llm.stats()
     result.update(quantization=engine.config.quantization or "none", kv_cache_dtype=engine.config.kv_cache_dtype,
                   weight_bytes=engine.ledger.get("weights"), max_num_seqs=engine.config.max_num_seqs,
@@ -266,6 +336,14 @@ def print_row(label: str, r: dict) -> None:
           f"{r['seconds']:.1f} s; TTFT p50 {r['ttft_p50']:.2f} s, p99 {r['ttft_p99']:.2f} s; "
           f"MFU {100 * r['mfu']:.1f}% (compute limit {r['compute_limit_s']:.1f} s = "
           f"{r['limit_output_tok_s']:,.0f} output tok/s){split}", flush=True)
+    if "step_classes" in r:
+        sc = r["step_classes"]
+        print(f"  steps against their bounds (copy {r['copy_bandwidth'] / 1e12:.2f} TB/s): this schedule's bound "
+              f"{sc['schedule_bound_s']:.2f} s of {sc['device_s']:.2f} s on the device "
+              f"({100 * sc['of_schedule_bound']:.1f}%)")
+        for name, c in sc["classes"].items():
+            print(f"    {name:>15}: {c['steps']:5d} steps, {c['tokens']:8,d} tokens, device {c['device_s']:6.2f} s, "
+                  f"bound {c['bound_s']:6.2f} s ({100 * c['of_bound']:.1f}%)")
 
 
 def int_list(text: str) -> list[int]:
@@ -319,6 +397,11 @@ def main(argv=None) -> list[dict]:
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     rate = matmul_rate(device, torch.float32 if device.type == "cpu" else torch.bfloat16,
                        size=512 if device.type == "cpu" else 8192)
+    if device.type == "cuda":
+        from bench_engine import copy_bandwidth
+        args.bandwidth = copy_bandwidth()
+    else:
+        args.bandwidth = None
     shape = "mempath-tiny" if args.tiny else args.shape
     print(f"mix: {shape}, {len(prompts)} requests ({'ShareGPT ' + args.sharegpt if args.sharegpt else 'lognormal'}, "
           f"seed {args.seed}), {sum(map(len, prompts)):,} input and {sum(output_lens):,} output tokens; "

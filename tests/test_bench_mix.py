@@ -78,3 +78,47 @@ def test_tiny_run_sweeps_quantization_and_kv_dtype(tmp_path):
     assert results[2]["weight_bytes"] < results[0]["weight_bytes"] == results[1]["weight_bytes"]
     with pytest.raises(SystemExit):
         bench_mix.main(["--tiny", "--quantization", "int4"])
+
+
+def test_step_classes_split_steps_and_bound_each():
+    """Each step in its class; its bound the larger of its matmul FLOPs and its bytes, at the run's rates."""
+    costs = bench_mix.StepCosts(layer_params=100, lm_head_params=10, weight_bytes=1000, kv_bytes_per_token=2,
+                                matmul_rate=1e4, bandwidth=1e4)
+    # (tokens, rows, sampled, KV positions): a prefill-carrying step, then decode at 1, 40 and 600 rows.
+    shapes = [(300, 3, 2, 500), (1, 1, 1, 100), (40, 40, 40, 4000), (600, 600, 600, 100)]
+    times = [10.0, 1.0, 2.0, 20.0]
+    out = bench_mix.step_classes(shapes, times, costs)
+    classes = out["classes"]
+    assert list(classes) == ["prefill", "decode 1-32", "decode 33-128", "decode 513+"]
+    # prefill: FLOPs 2 * (100 * 300 + 10 * 2) = 60,040 -> 6.004 s; bytes 1000 + 1000 -> 0.2 s
+    assert classes["prefill"]["bound_s"] == pytest.approx(6.004) and classes["prefill"]["of_bound"] == pytest.approx(0.6004)
+    assert classes["decode 1-32"]["bound_s"] == pytest.approx(max(2 * 110 / 1e4, 1200 / 1e4))  # bytes-bound
+    assert classes["decode 33-128"]["bound_s"] == pytest.approx(max(2 * 110 * 40 / 1e4, 9000 / 1e4))
+    assert classes["decode 513+"]["tokens"] == 600 and classes["decode 513+"]["steps"] == 1
+    assert out["device_s"] == pytest.approx(33.0)
+    assert out["schedule_bound_s"] == pytest.approx(sum(c["bound_s"] for c in classes.values()))
+    with pytest.raises(ValueError):
+        bench_mix.step_classes(shapes, times[:3], costs)  # a step without its time is an error, not a skip
+
+
+def test_step_costs_count_the_layers_and_the_head_of_a_dense_engine():
+    from mempath import LLM
+    llm = LLM(str(bench_mix.TINY), device="cpu", dtype="float32", max_model_len=256, show_progress=False)
+    engine = llm.engine
+    costs = bench_mix.step_costs(engine, rate=1e12, bandwidth=1e11)
+    model = engine.runner.model
+    everything = sum(p.numel() for p in model.parameters())
+    embed = model.model.embed_tokens.weight.numel()
+    norms = model.model.norm.weight.numel()
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    assert costs.layer_params + costs.lm_head_params + norms + (0 if tied else embed) == everything
+    assert costs.kv_bytes_per_token * engine.runner.block_size == engine.runner.kv_bytes_per_block()
+    assert costs.weight_bytes == engine.ledger.get("weights")
+
+
+def test_step_costs_leave_out_a_mixture_of_experts(model_factory):
+    """A MoE step reads only its routed experts: no bytes bound from every weight is claimed for it."""
+    from mempath import LLM
+    path, _ = model_factory("qwen3_moe")
+    llm = LLM(path, device="cpu", dtype="float32", show_progress=False)
+    assert bench_mix.step_costs(llm.engine, rate=1e12, bandwidth=1e11) is None
