@@ -96,10 +96,15 @@ def _set_cublas(default: bool):
     torch.backends.cuda.preferred_blas_library("cublas" if default else "cublaslt")
 
 
+def _set_dense_gemv(on: bool):
+    from mempath.model import quant
+    quant.USE_DENSE_GEMV = on
+
+
 # --variants NAME: the same measurement with one choice flipped, in the same run:
 # a fast-path piece turned off, or an alternative we did not adopt.
 VARIANTS = {"no-fused-rope-store": _set_rope_store, "no-fused-qk-norm": _set_qk_norm, "no-pdl": _set_pdl,
-            "cublaslt": _set_cublas}
+            "cublaslt": _set_cublas, "no-dense-gemv": _set_dense_gemv}
 
 
 def copy_weights(llm, hf) -> None:

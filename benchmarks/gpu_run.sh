@@ -5,6 +5,7 @@
 #   blocks (~3 min)  multiturn (~5 min)  diagnose (~2 min, three shapes)  serve (needs .whl, below)
 #   pending, fp8-gemv, fp8-latency, mix-qwen3, mix-llama, mix-moe, mix-tokens, structured, moe-offload, moe-resident,
 #   spec-a, spec-bc, multi, sleep-tests, sleep, fp8-kv-tests, fp8-kv, fp8-transfer, mix-fp8, fp8-sweep, fp8-gemv-tests (the open issues, below; STEPS="wheels pending ..." for those needing xgrammar)
+#   dense-gemv (~2 min: the dense GEMV's table), dense-latency (~5 min: decode with and without it)
 #   decode-sweep (~8 min; DECODE_RUNS picks the shapes)  router-tests, moe-router (~7 min: #21's router kernel)
 #   profile (~1 min: kernel table at batch 1), profile-moe, profile-mistral  profile-workload (~1 min: host/device split of the throughput run)
 # For `serve`, carry fastapi/uvicorn/starlette/pydantic(+core)/anyio/h11/sniffio/annotated-types/
@@ -113,6 +114,24 @@ step moe-resident 300 python3 benchmarks/bench_moe.py --parts pinned,resident
 # The router kernel (#21, 2026-12-04): its GPU tests, then the resident decode with and without it.
 step router-tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_moe_triton.py tests/test_moe.py -k "cuda or gpu"
 step moe-router 480 python3 benchmarks/bench_moe.py --parts pinned,resident --variants no-router-kernel
+# The dense GEMV (#17, 2026-12-04): bf16 layers at decode batches through the GEMV kernel where it beats cuBLAS in chains
+# of RMSNorm + projection; swept and written where the engine reads it (a copy comes back in $OUT to be committed),
+# then decode with and without it (DENSE_RUNS: shape:batch:prompt:hf_tokens). Rows 1 and 2 by default: the chains'
+# gains at 4, 8 and 16 rows turned into losses in the decode step (BENCHMARKS.md, "the dense GEMV").
+step dense-gemv 400 python3 benchmarks/bench_dense_gemv.py --rows "${DENSE_GEMV_ROWS:-1,2}" \
+  --shape "${DENSE_GEMV_SHAPES:-llama-3.1-8b,mistral-7b-v0.1,qwen2.5-7b-instruct,qwen3-0.6b,qwen3-30b-a3b}" \
+  --out mempath/assets/dense_gemv_configs.json
+want dense-gemv && cp mempath/assets/dense_gemv_configs.json "$OUT/" 2>/dev/null
+if want dense-latency; then
+  for run in ${DENSE_RUNS:-llama-3.1-8b:1:128:32 mistral-7b-v0.1:1:512:0 qwen2.5-7b-instruct:1:128:0 llama-3.1-8b:8:960:0 \
+             llama-3.1-8b:16:960:0}; do
+    IFS=: read -r shape batch prompt hf <<< "$run"
+    step dense-latency 150 python3 benchmarks/bench_engine.py latency --shape "$shape" --batch "$batch" \
+      --prompt-len "$prompt" --new-tokens 128 --hf-tokens "$hf" --variants no-dense-gemv
+    mv "$LOGS/dense-latency.log" "$LOGS/dense-latency-$shape-b$batch-p$prompt.log"
+  done
+  tar -czf "$OUT/logs.tgz" -C "$LOGS" .
+fi
 # The fp8 KV cache (#20, 2026-12-02): its GPU tests (needle retrieval at 8k/32k, kernels, tier transfers), decode at
 # batch 64 x 8k and retrieval at 4k-32k against bf16, tier transfers in both dtypes; fp8 weights and KV on the mix.
 step fp8-kv-tests 400 python3 -m pytest -q -p no:cacheprovider --durations=8 tests/test_fp8_kv_retrieval.py tests/test_fp8_kv.py \

@@ -92,6 +92,27 @@ def check_fp8_gemv(device: str, dtypes, rows_list=(1, 3, 16), seed: int = 0, sha
                     assert not workspace.partials.any() and not workspace.counters.any(), config
 
 
+def check_16bit_weight_gemv(device: str, dtype, rows_list=(1, 3), seed: int = 0, shapes=SHAPES, configs=None):
+    """With no weight scale the kernel multiplies by a 16-bit weight as it is: F.linear's product (in
+    float32, one rounding to x's dtype), bias or not, the workspace zero afterwards."""
+    from mempath.kernels.fp8_gemv_triton import GemvWorkspace, triton_fp8_gemv
+    gen = torch.Generator().manual_seed(seed)
+    workspace = GemvWorkspace(max(n for n, _ in shapes), torch.device(device))
+    for n, k in shapes:
+        w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype).to(device)
+        bias = torch.randn(n, generator=gen).to(dtype).to(device)
+        for rows in rows_list:
+            x = torch.randn(rows, k, generator=gen).to(dtype).to(device)
+            for i, config in enumerate(configs or gemv_configs()):
+                b = bias if (i + rows) % 2 else None
+                out = triton_fp8_gemv(x, w, None, b, workspace, config)
+                ref = x.float() @ w.float().t() + (b.float() if b is not None else 0)
+                ulp = torch.finfo(dtype).eps
+                torch.testing.assert_close(out.float(), ref.to(dtype).float(), rtol=2 * ulp, atol=2 * ulp,
+                                           msg=lambda m: f"{dtype} {rows}x{n}x{k} {config}: {m}")
+                assert not workspace.partials.any() and not workspace.counters.any(), config
+
+
 def run_interpreted(code: str) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
@@ -122,6 +143,23 @@ def test_interpreted_gemv_matches_twin():
         "check_fp8_gemv('cpu', (torch.float16,), rows_list=(16,), shapes=((64, 256),), configs=gemv_configs()[::4]); "
         "check_fp8_gemv('cpu', (torch.bfloat16,), rows_list=(2,), shapes=((80, 200),), "
         "configs=[c for c in gemv_configs() if not c.use_dot])")
+
+
+def test_interpreted_gemv_of_a_16bit_weight_is_f_linear():
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the GPU test runs the compiled kernel")
+    run_interpreted(
+        "import sys, torch; sys.path.insert(0, 'tests'); from test_triton_interpret import _patch_interpreter_for_numpy; "
+        "_patch_interpreter_for_numpy(); from tests.test_fp8_gemv import check_16bit_weight_gemv; "
+        "check_16bit_weight_gemv('cpu', torch.float16, shapes=((80, 200),))")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_gemv_of_a_16bit_weight_is_f_linear():
+    pytest.importorskip("triton")
+    for dtype in (torch.bfloat16, torch.float16):
+        check_16bit_weight_gemv("cuda", dtype, rows_list=(1, 3, 16))
 
 
 def test_interpreted_gemv_summing_k_each_step_matches_twin():
@@ -300,6 +338,36 @@ def test_decode_batches_take_the_gemv_and_larger_ones_scaled_mm(monkeypatch):
     assert ran == ["gemv", "scaled_mm", "gemv", "gemv", "scaled_mm", "scaled_mm"]
 
 
+def test_dense_layers_take_the_gemv_only_where_the_table_lists_their_bucket(monkeypatch):
+    """A 16-bit layer: the GEMV at a row bucket the dense table lists, F.linear at the others, above
+    16 rows, and where the table splits K wider than the workspace (the LM head's vocabulary)."""
+    from mempath.kernels.fp8_gemv_triton import Fp8Gemv, GemvConfig
+    ran = []
+
+    def fake_gemv(self, x, weight, weight_scale, bias, config):
+        assert weight_scale is None
+        ran.append(f"gemv split {config.split_k}")
+        return torch.nn.functional.linear(x, weight, bias)
+
+    monkeypatch.setattr(Fp8Gemv, "__call__", fake_gemv)
+    table = {"64x32": {"1": GemvConfig(block_n=16, block_k=32), "4": GemvConfig(split_k=2)},
+             "96x32": {"1": GemvConfig(split_k=4)}}
+    gemv = Fp8Gemv(64, torch.device("cpu"), table)
+    w, w_wide, bias = torch.randn(64, 32), torch.randn(96, 32), torch.randn(64)
+    for rows in (1, 2, 3, 17):
+        x = torch.randn(rows, 32)
+        before = len(ran)
+        torch.testing.assert_close(quant.dense_linear_cuda(x, w, bias, gemv), torch.nn.functional.linear(x, w, bias))
+        ran += [] if len(ran) > before else ["F.linear"]
+    x = torch.randn(1, 1, 32)
+    assert quant.dense_linear_cuda(x, w, None, gemv).shape == (1, 1, 64)
+    quant.dense_linear_cuda(torch.randn(1, 32), w_wide, None, gemv)
+    ran += [] if len(ran) > 6 else ["F.linear"]
+    assert ran == ["gemv split 1", "F.linear", "gemv split 2", "F.linear", "gemv split 1", "F.linear"]
+    assert gemv.chosen["96x32 rows<=1"] == gemv.chosen["64x32 rows<=2"] == "cuBLAS (F.linear)"
+    assert gemv.chosen["64x32 rows<=4"] == table["64x32"]["4"].describe()
+
+
 def test_workspace_bytes_are_the_plans():
     from mempath.kernels.fp8_gemv_triton import GemvWorkspace
     assert GemvWorkspace(28672, torch.device("cpu")).nbytes() == fp8_gemv_workspace_bytes(28672)
@@ -309,6 +377,9 @@ def test_workspace_bytes_are_the_plans():
     widest = max(shape.num_heads * shape.head_dim + 2 * shape.num_kv_heads * shape.head_dim,
                  2 * shape.intermediate_size)
     assert fp8_workspace_bytes(shape) == fp8_gemv_workspace_bytes(widest) == 4 * 32 * widest + 4 * -(-widest // 16)
+    shape.quantization = None  # a 16-bit model has the dense GEMV's workspace where the Triton kernels run
+    assert fp8_workspace_bytes(shape, 2, fused_kernels=True) == fp8_gemv_workspace_bytes(widest)
+    assert fp8_workspace_bytes(shape, 2, fused_kernels=False) == fp8_workspace_bytes(shape, 4, fused_kernels=True) == 0
 
 
 def test_cpu_models_have_no_gemv_workspace(tmp_path):
@@ -392,6 +463,35 @@ def test_gpu_gemv_is_captured_by_a_cuda_graph(reduce, quantize_x):
                                    atol=1e-2)
     assert not workspace.partials.any() and not workspace.counters.any()
     assert eager.shape == out.shape
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_engine_runs_the_dense_gemv_and_counts_its_workspace(tmp_path, monkeypatch):
+    """A bf16 model on CUDA: decode batches of a shape the dense table lists take the GEMV (one row
+    and a split one), the others cuBLAS; the workspace is the plan's and in the ledger."""
+    pytest.importorskip("triton")
+    from tests.conftest import make_model
+    from mempath import LLM, SamplingParams
+    from mempath.kernels.fp8_gemv_triton import GemvConfig, table_json
+    make_model(tmp_path / "model", "llama", dtype=torch.bfloat16)
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    h, heads = config["hidden_size"], config["num_attention_heads"]
+    d = config.get("head_dim") or h // heads
+    qkv = f"{(heads + 2 * config['num_key_value_heads']) * d}x{h}"
+    table = {qkv: {"1": GemvConfig(block_n=16, block_k=32)}, f"{h}x{heads * d}": {"1": GemvConfig(split_k=2)}}
+    (tmp_path / "dense.json").write_text(table_json(table, device="test", made_by="test", shapes={}))
+    monkeypatch.setenv("MEMPATH_DENSE_GEMV_CONFIGS", str(tmp_path / "dense.json"))
+    llm = LLM(str(tmp_path / "model"), show_progress=False, gpu_memory_utilization=0.3, max_num_seqs=4)
+    model = llm.engine.model
+    out = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].token_ids) == 8
+    chosen = model.fp8_gemv.chosen
+    assert chosen[f"{qkv} rows<=1"].startswith("gemv") and chosen[f"{h}x{heads * d} rows<=1"].startswith("gemv")
+    assert chosen[f"{2 * config['intermediate_size']}x{h} rows<=1"] == "cuBLAS (F.linear)"
+    shape = read_shape(config)
+    assert quant.fp8_gemv_bytes(model) == fp8_workspace_bytes(shape, 2, fused_kernels=True) > 0
+    assert llm.engine.ledger.get("step_buffers") >= quant.fp8_gemv_bytes(model)
+    assert not model.fp8_gemv.workspace.partials.any() and not model.fp8_gemv.workspace.counters.any()
 
 
 @needs_fp8_gpu

@@ -149,11 +149,17 @@ def test_workspace_figures():
     wide = plan_memory(TINY, dtype="float32", max_num_seqs=256, max_num_batched_tokens=256)
     assert wide.logits_bytes == 256 * 1000 * 4 + 1000 * 8 * 256
     # The step peaks in the forward or in the sampling phase after it, whichever is larger,
-    # on top of the serving stream's cuBLAS workspace (Hopper's 32 MiB by default; none on the CPU).
+    # on top of the serving stream's cuBLAS workspace (Hopper's 32 MiB by default; none on the CPU)
+    # and, on the fused path (CUDA with Triton), the dense GEMV's split-K workspace: float32 partial
+    # sums of 32 rows of the widest projection (gate/up, 2i) and an int32 counter per 16 outputs.
     sampling = (100 + 8) * h * 2 + plan.logits_bytes
-    assert plan.step_peak_bytes == max(plan.activation_peak_bytes, sampling) + (32 << 20)
+    gemv = 4 * 32 * 2 * i + 4 * (2 * i // 16)
+    assert plan.step_peak_bytes == max(plan.activation_peak_bytes, sampling) + (32 << 20) + gemv
     cpu = plan_memory(TINY, max_num_seqs=8, max_num_batched_tokens=100, cublas_workspace=0)
-    assert cpu.step_peak_bytes == max(cpu.activation_peak_bytes, sampling)
+    assert cpu.step_peak_bytes == max(cpu.activation_peak_bytes, sampling) + gemv
+    assert reference.step_peak_bytes == max(reference.activation_peak_bytes, sampling) + (32 << 20)
+    f32 = plan_memory(TINY, dtype="float32", max_num_seqs=8, max_num_batched_tokens=100)  # no dense GEMV
+    assert f32.step_peak_bytes == max(f32.activation_peak_bytes, (100 + 8) * h * 4 + f32.logits_bytes) + (32 << 20)
     assert plan.workspace_bytes == plan.step_peak_bytes + plan.cuda_graph_bytes
     assert plan_memory(TINY, cuda_graphs=False).cuda_graph_bytes == 0
 

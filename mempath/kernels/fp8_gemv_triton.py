@@ -8,6 +8,11 @@ weight (stored as the loader stores it: row-major [out, in], one row per output 
 converts it and multiplies it with the rows of x, accumulating in float32, and applies the
 channel's scale (and the bias) once at the end. Its PyTorch twin is ``mempath.model.quant.fp8_gemv_torch``.
 
+The same kernel takes a 16-bit weight without scales (``weight_scale`` None; twin ``F.linear``):
+the dense GEMV of bf16/fp16 models at decode batches (``mempath.model.quant.set_dense_gemv``),
+where the table measured it faster than cuBLAS, e.g. loading its first weight tiles before the
+PDL wait (``prefetch``), which a library kernel cannot (BENCHMARKS.md, "the dense GEMV").
+
 Three products: ``USE_DOT`` multiplies on the tensor cores (the weight tile converted to x's
 dtype, exact for e4m3 in bf16 and fp16, times x transposed, at least 16 rows padded); with
 ``QUANT_X`` too, x is quantized to e4m3 in groups of ``QUANT_X_GROUP`` along K (each row's
@@ -58,6 +63,10 @@ if HAS_TRITON:
 GEMV_MAX_ROWS = 16
 DEFAULT_TABLE = Path(__file__).resolve().parents[1] / "assets" / "fp8_gemv_configs.json"
 TABLE_ENV = "MEMPATH_FP8_GEMV_CONFIGS"  # another table's path, e.g. one just swept
+# The 16-bit weights' table (mempath.model.quant.set_dense_gemv): only shapes and buckets where the GEMV
+# measured faster than cuBLAS (benchmarks/bench_dense_gemv.py); no heuristic for the others.
+DENSE_TABLE = DEFAULT_TABLE.with_name("dense_gemv_configs.json")
+DENSE_TABLE_ENV = "MEMPATH_DENSE_GEMV_CONFIGS"
 # tl.dot needs at least 16 rows on each side.
 DOT_MIN_ROWS = 16
 # quantize_x: the K width of one activation scale, and so the configuration's block_k.
@@ -134,6 +143,12 @@ def load_table(path: str | os.PathLike | None = None) -> dict[str, dict[str, Gem
     """{"NxK": {bucket: GemvConfig}} from a table file (``TABLE_ENV`` or the shipped one by default)."""
     path = Path(path or os.environ.get(TABLE_ENV) or DEFAULT_TABLE)
     return load_config_table(path, GemvConfig, "bucket", "benchmarks/bench_fp8_gemv.py")
+
+
+def load_dense_table(path: str | os.PathLike | None = None) -> dict[str, dict[str, GemvConfig]]:
+    """The 16-bit weights' table (``DENSE_TABLE_ENV`` or the shipped one by default)."""
+    path = Path(path or os.environ.get(DENSE_TABLE_ENV) or DENSE_TABLE)
+    return load_config_table(path, GemvConfig, "bucket", "benchmarks/bench_dense_gemv.py --out FILE")
 
 
 class GemvWorkspace:
@@ -253,9 +268,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _store_scaled(acc, scale_ptr, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, stride_om,
-                      HAS_BIAS: tl.constexpr):
-        """out[m, n] = acc · scale[n] (+ bias[n]), in out's dtype."""
-        y = acc * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+                      HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr):
+        """out[m, n] = acc · scale[n] (+ bias[n]), in out's dtype (a 16-bit weight has no scale)."""
+        y = acc
+        if HAS_SCALE:
+            y = acc * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
         if HAS_BIAS:
             y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
@@ -267,7 +284,7 @@ if HAS_TRITON:
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
                          TWO_PASS: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr,
                          SUM_K_EACH_STEP: tl.constexpr, QUANT_X: tl.constexpr, FP8_MAX: tl.constexpr,
-                         MIN_SCALE: tl.constexpr, PDL: tl.constexpr):
+                         MIN_SCALE: tl.constexpr, PDL: tl.constexpr, HAS_SCALE: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -282,7 +299,8 @@ if HAS_TRITON:
         tile = offs_m[:, None] * N + offs_n[None, :]
         tile_mask = m_mask[:, None] & n_mask[None, :]
         if split_k == 1:
-            _store_scaled(acc, scale_ptr, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, stride_om, HAS_BIAS)
+            _store_scaled(acc, scale_ptr, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, stride_om, HAS_BIAS,
+                          HAS_SCALE)
         else:
             if TWO_PASS:
                 tl.store(ws_ptr + pid_k * M * N + tile, acc, mask=tile_mask)
@@ -299,11 +317,12 @@ if HAS_TRITON:
                                                                                                 bitcast=True)
                     tl.atomic_xchg(count_ptr + pid_n, 0)
                     _store_scaled(total, scale_ptr, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, stride_om,
-                                  HAS_BIAS)
+                                  HAS_BIAS, HAS_SCALE)
 
     @triton.jit(do_not_specialize=["M", "split_k"])
     def _fp8_gemv_reduce_kernel(ws_ptr, scale_ptr, bias_ptr, out_ptr, M, N, split_k, stride_om,
-                                HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+                                HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+                                HAS_SCALE: tl.constexpr):
         """The second pass: out[m] = the splits' partial sums, scaled."""
         pid_n = tl.program_id(0)
         m = tl.program_id(1)
@@ -316,22 +335,21 @@ if HAS_TRITON:
             acc += tl.load(part, mask=n_mask, other=0.0)[None, :]
             tl.store(part, tl.zeros([BLOCK_N], dtype=tl.float32), mask=n_mask)  # zero again, as the atomic way needs
         offs_m = m + tl.arange(0, 1)
-        _store_scaled(acc, scale_ptr, bias_ptr, out_ptr, offs_m, offs_n, offs_m < M, n_mask, stride_om, HAS_BIAS)
+        _store_scaled(acc, scale_ptr, bias_ptr, out_ptr, offs_m, offs_n, offs_m < M, n_mask, stride_om, HAS_BIAS,
+                      HAS_SCALE)
 
 
-def triton_fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-                    workspace: GemvWorkspace, config: GemvConfig) -> torch.Tensor:
+def triton_fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
+                    bias: torch.Tensor | None, workspace: GemvWorkspace, config: GemvConfig) -> torch.Tensor:
     """x [rows, K] (model dtype) times ``weight`` [N, K] float8_e4m3fn scaled per row by ``weight_scale``
-    [N, 1] float32, plus ``bias``: [rows, N] in x's dtype. Allocates only the output."""
+    [N, 1] float32, plus ``bias``: [rows, N] in x's dtype. Allocates only the output. With
+    ``weight_scale`` None the weight is 16-bit (x's dtype), read as it is: F.linear's arithmetic."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     rows, k = x.shape
     n = weight.shape[0]
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
-    if rows * n > workspace.partials.numel() or n > workspace.max_out_features:
-        raise ValueError(f"fp8 GEMV: {rows} rows x {n} outputs do not fit the workspace of "
-                         f"{workspace.max_out_features} outputs (at most {GEMV_MAX_ROWS} rows)")
     # tl.dot of float32 would be tf32, and quantize_x of float32 x differs from its twin on the H200 in a few
     # roundings (not understood; the engine gives float32 activations to _scaled_mm): float32 x multiply-adds.
     use_dot = config.use_dot and x.dtype in (torch.bfloat16, torch.float16)
@@ -339,10 +357,14 @@ def triton_fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     split = fitted_split(config, rows, n, k, workspace)
     k_per_split = -(-(-(-k // split)) // config.block_k) * config.block_k
     split = -(-k // k_per_split)  # no split left without work
+    if split > 1 and (rows * n > workspace.partials.numel() or n > workspace.max_out_features):
+        raise ValueError(f"GEMV: {rows} rows x {n} outputs split {split} ways do not fit the workspace of "
+                         f"{workspace.max_out_features} outputs (at most {GEMV_MAX_ROWS} rows)")
     two_pass = config.reduce == "two_pass" and split > 1
     even = k % config.block_k == 0 and n % config.block_n == 0
     pdl = pdl_options(x.device)
-    has_bias = bias is not None
+    has_bias, has_scale = bias is not None, weight_scale is not None
+    weight_scale = weight_scale if has_scale else weight
     grid = (triton.cdiv(n, config.block_n), split)
     _fp8_gemv_kernel[grid](x, weight, weight_scale, bias if has_bias else weight_scale, out, workspace.partials,
                            workspace.counters, rows, n, k, k_per_split, split, x.stride(0), weight.stride(0),
@@ -350,12 +372,12 @@ def triton_fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
                            BLOCK_K=config.block_k, USE_DOT=use_dot, TWO_PASS=two_pass, EVEN=even,
                            PREFETCH=config.prefetch, SUM_K_EACH_STEP=config.sum_k_each_step,
                            QUANT_X=use_dot and config.quantize_x, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, **pdl,
-                           num_warps=config.num_warps, num_stages=config.num_stages)
+                           HAS_SCALE=has_scale, num_warps=config.num_warps, num_stages=config.num_stages)
     if two_pass:
         block = 256
         _fp8_gemv_reduce_kernel[(triton.cdiv(n, block), rows)](
             workspace.partials, weight_scale, bias if has_bias else weight_scale, out, rows, n, split, out.stride(0),
-            HAS_BIAS=has_bias, BLOCK_N=block, **pdl, num_warps=4)
+            HAS_BIAS=has_bias, BLOCK_N=block, **pdl, HAS_SCALE=has_scale, num_warps=4)
     return out
 
 
@@ -369,7 +391,7 @@ class Fp8Gemv:
         self.table = load_table() if table is None else table
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         self.chosen: dict[str, str] = {}
-        self._configs: dict[tuple[int, int, int], GemvConfig] = {}
+        self._configs: dict[tuple[int, int, int], GemvConfig | None] = {}
 
     def config(self, n: int, k: int, rows: int) -> GemvConfig:
         bucket = row_bucket(rows)
@@ -380,6 +402,19 @@ class Fp8Gemv:
             self.chosen[f"{n}x{k} rows<={bucket}"] = config.describe()
         return self._configs[key]
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+    def tabled_config(self, n: int, k: int, rows: int) -> GemvConfig | None:
+        """The table's configuration for a 16-bit layer (the dense GEMV): None where the table lists
+        none for the bucket (cuBLAS was faster there) or where it splits K wider than the workspace."""
+        bucket = row_bucket(rows)
+        key = (n, k, bucket)
+        if key not in self._configs:
+            config = self.table.get(f"{n}x{k}", {}).get(str(bucket))
+            if config is not None and config.split_k > 1 and n > self.workspace.max_out_features:
+                config = None
+            self._configs[key] = config
+            self.chosen[f"{n}x{k} rows<={bucket}"] = config.describe() if config else "cuBLAS (F.linear)"
+        return self._configs[key]
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
                  bias: torch.Tensor | None, config: GemvConfig) -> torch.Tensor:
         return triton_fp8_gemv(x, weight, weight_scale, bias, self.workspace, config)

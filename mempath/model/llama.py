@@ -21,7 +21,7 @@ from torch import nn
 
 from mempath.kernels.dispatch import Kernels
 from mempath.model.moe import MoEBlock
-from mempath.model.quant import make_linear
+from mempath.model.quant import Linear, make_linear
 from mempath.model.spec import ModelSpec
 
 
@@ -219,7 +219,7 @@ class CausalLM(nn.Module):
         self.spec = spec
         self.kernels = kernels
         self.model = DecoderModel(spec, max_positions, kernels)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False, projection=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

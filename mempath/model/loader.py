@@ -29,7 +29,7 @@ from mempath.model.llama import CausalLM
 from mempath.model.spec import CheckpointError, ModelSpec, describe, json_kind
 from mempath.model.moe import offloaded_weights, set_expert_cache_size, set_expert_prefetch
 from mempath.model.quant import (FP8_DTYPE, check_fp8_device, copy_quantized, copy_scale, quantized_targets,
-                                 set_fp8_matmul)
+                                 set_dense_gemv, set_fp8_matmul)
 
 log = logging.getLogger(__name__)
 
@@ -267,6 +267,7 @@ def build_model(spec: ModelSpec, max_positions: int, dtype: torch.dtype, device:
     if expert_cache_size is not None and device.type == "cuda":
         set_expert_prefetch(model, True)  # the slots were shaped on the meta device
     set_fp8_matmul(model, device)
+    set_dense_gemv(model, device)
     return model.eval().requires_grad_(False)
 
 

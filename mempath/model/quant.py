@@ -19,6 +19,7 @@ The loader fills a layer either from a float checkpoint tensor, quantized as it 
 import functools
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mempath.constants import FP8_MAX, MIN_SCALE
@@ -133,11 +134,25 @@ class Fp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, fp8"
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose product set_dense_gemv may send to the GEMV kernel at decode batches
+    (``matmul``: F.linear until then). ``projection``: a decoder projection (the GEMV's workspace
+    is sized by the widest), not the LM head."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, projection: bool = True):
+        super().__init__(in_features, out_features, bias=bias)
+        self.projection = projection
+        self.matmul = F.linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.weight, self.bias)
+
+
 def make_linear(in_features: int, out_features: int, bias: bool, quantization: str | None) -> nn.Module:
     """The decoder's q/k/v, o, gate/up and down projections: fp8 when the model is quantized."""
     if quantization == "fp8":
         return Fp8Linear(in_features, out_features, bias)
-    return nn.Linear(in_features, out_features, bias=bias)
+    return Linear(in_features, out_features, bias)
 
 
 def fp8_layers(model: nn.Module) -> list[Fp8Linear]:
@@ -177,6 +192,42 @@ def set_fp8_matmul(model: nn.Module, device: torch.device) -> None:
                              f"{SCALED_MM_ALIGNMENT} (the fp8 matmul's tile); one is {layer.in_features} -> "
                              f"{layer.out_features}: serve this model unquantized")
         layer.matmul = matmul
+
+
+# Set to False to leave 16-bit layers to F.linear at decode batches too (A/B measurements:
+# bench_engine --variants no-dense-gemv).
+USE_DENSE_GEMV = True
+
+
+def dense_linear_cuda(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` of a 16-bit layer: the GEMV (``gemv``: a kernels.fp8_gemv_triton.Fp8Gemv
+    over the dense table) where the table lists the layer's shape at x's batch bucket, else F.linear."""
+    from mempath.kernels.fp8_gemv_triton import GEMV_MAX_ROWS
+    n, k = weight.shape
+    rows = x.numel() // k
+    config = gemv.tabled_config(n, k, rows) if 0 < rows <= GEMV_MAX_ROWS else None
+    if config is None:
+        return F.linear(x, weight, bias)
+    return gemv(x.reshape(rows, k), weight, None, bias, config).view(*x.shape[:-1], n)
+
+
+def set_dense_gemv(model: nn.Module, device: torch.device) -> None:
+    """A 16-bit model on CUDA with the Triton kernels: its Linear layers (projections, LM head) run
+    dense_linear_cuda, so decode batches of the shapes the dense table lists take the GEMV kernel
+    (mempath/assets/dense_gemv_configs.json, written by benchmarks/bench_dense_gemv.py: measured
+    faster than cuBLAS there, as the step runs them, each after a kernel launched with PDL). Its
+    split-K workspace is ``model.fp8_gemv``, sized by the widest projection (fp8_gemv_bytes,
+    memory.formulas.fp8_workspace_bytes); an fp8 model keeps its own (set_fp8_matmul)."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    if (device.type != "cuda" or not model.kernels.triton or fp8_layers(model) or not linears
+            or linears[0].weight.dtype not in (torch.bfloat16, torch.float16)):
+        return
+    from mempath.kernels.fp8_gemv_triton import Fp8Gemv, load_dense_table
+    widest = max(m.out_features for m in linears if m.projection)
+    model.fp8_gemv = Fp8Gemv(widest, device, table=load_dense_table())
+    if USE_DENSE_GEMV:
+        for layer in linears:
+            layer.matmul = functools.partial(dense_linear_cuda, gemv=model.fp8_gemv)
 
 
 def fp8_gemv_bytes(model: nn.Module) -> int:
