@@ -368,6 +368,18 @@ def test_dense_layers_take_the_gemv_only_where_the_table_lists_their_bucket(monk
     assert gemv.chosen["64x32 rows<=4"] == table["64x32"]["4"].describe()
 
 
+def test_the_shipped_dense_table_loads_and_refuses_fp8_choices(tmp_path, monkeypatch):
+    from mempath.kernels.fp8_gemv_triton import GemvConfig, load_dense_table, table_json
+    shipped = load_dense_table()
+    assert shipped and all(c.kernel == "gemv" and not c.quantize_x for b in shipped.values() for c in b.values())
+    for bad in (GemvConfig(kernel="scaled_mm"), GemvConfig(block_k=128, use_dot=True, quantize_x=True)):
+        path = tmp_path / "dense.json"
+        path.write_text(table_json({"64x32": {"1": bad}}, device="test"))
+        monkeypatch.setenv("MEMPATH_DENSE_GEMV_CONFIGS", str(path))
+        with pytest.raises(ValueError, match=r"dense.json: 64x32 bucket 1: a 16-bit weight's table lists only"):
+            load_dense_table()
+
+
 def test_workspace_bytes_are_the_plans():
     from mempath.kernels.fp8_gemv_triton import GemvWorkspace
     assert GemvWorkspace(28672, torch.device("cpu")).nbytes() == fp8_gemv_workspace_bytes(28672)

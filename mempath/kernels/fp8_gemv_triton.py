@@ -148,7 +148,15 @@ def load_table(path: str | os.PathLike | None = None) -> dict[str, dict[str, Gem
 def load_dense_table(path: str | os.PathLike | None = None) -> dict[str, dict[str, GemvConfig]]:
     """The 16-bit weights' table (``DENSE_TABLE_ENV`` or the shipped one by default)."""
     path = Path(path or os.environ.get(DENSE_TABLE_ENV) or DENSE_TABLE)
-    return load_config_table(path, GemvConfig, "bucket", "benchmarks/bench_dense_gemv.py --out FILE")
+    table = load_config_table(path, GemvConfig, "bucket", "benchmarks/bench_dense_gemv.py --out FILE")
+    for shape, buckets in table.items():
+        for bucket, config in buckets.items():
+            # Both are fp8 weights' choices: a bucket cuBLAS wins is left out of this table instead.
+            if config.kernel != "gemv" or config.quantize_x:
+                raise ValueError(f"{path}: {shape} bucket {bucket}: a 16-bit weight's table lists only the GEMV "
+                                 f"without quantize_x, got {config.describe()}: remove the entry (cuBLAS runs "
+                                 f"that bucket) or rewrite the table with benchmarks/bench_dense_gemv.py")
+    return table
 
 
 class GemvWorkspace:
