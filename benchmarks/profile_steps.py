@@ -67,13 +67,18 @@ def kernel_table(prof, top: int) -> list[dict]:
 
 
 def bench_decode(args) -> dict:
+    # The first sequences decode while the last are still prefilled, one token a prefill step (steps
+    # of max_num_batched_tokens prompt tokens, 8,192 by default: the bound below holds down to 2,048),
+    # and none may finish before the profiled steps.
+    prefill_steps = -(-args.batch * args.context // 2048)
+    max_tokens = args.steps * 3 + prefill_steps + 64
     llm = LLM(model_dir(args.shape), load_format="dummy", dtype="bfloat16", max_num_seqs=args.batch,
-              max_model_len=args.context + args.steps * 3 + 64, show_progress=False,
+              max_model_len=args.context + max_tokens, show_progress=False,
               enforce_eager=args.enforce_eager)
     engine = llm.engine
     engine.outputs.emit_progress = False
     rng = np.random.default_rng(0)
-    params = SamplingParams(max_tokens=args.steps * 3, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for _ in range(args.batch):
         engine.add_request(rng.integers(0, engine.spec.vocab_size, args.context).tolist(), params)
     while any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running) or engine.scheduler.waiting:
@@ -96,13 +101,17 @@ def bench_decode(args) -> dict:
         torch.cuda.synchronize()
     kernels = kernel_table(prof, args.top)
     wall_ms, gpu_ms = 1e3 * float(np.median(walls)), 1e3 * float(np.median(gpu))
+    # What the profiled steps ran: the batch the scheduler kept and its mean context.
+    running = engine.scheduler.running
+    mean_context = float(np.mean([r.num_tokens for r in running])) if running else 0.0
     print(f"\ndecode {args.shape} batch {args.batch} context ~{args.context}: wall {wall_ms:.3f} ms/step, "
-          f"device-work window {gpu_ms:.3f} ms/step, host-only {wall_ms - gpu_ms:.3f} ms/step")
+          f"device-work window {gpu_ms:.3f} ms/step, host-only {wall_ms - gpu_ms:.3f} ms/step; "
+          f"{len(running)} sequences running at the end, mean context {mean_context:.0f}")
     print(f"{'kernel':90} {'calls/step':>10} {'us/step':>9}")
     for k in kernels:
         print(f"{k['name']:90} {k['count'] / 10:>10.1f} {k['total_us'] / 10:>9.1f}")
     return {"bench": "profile-decode", "shape": args.shape, "batch": args.batch, "wall_ms": wall_ms,
-            "device_window_ms": gpu_ms, "kernels_per_step": [
+            "device_window_ms": gpu_ms, "running": len(running), "mean_context": mean_context, "kernels_per_step": [
                 {**k, "us_per_step": k["total_us"] / 10, "calls_per_step": k["count"] / 10} for k in kernels]}
 
 
