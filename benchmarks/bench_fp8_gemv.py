@@ -274,7 +274,10 @@ def main() -> None:
     num_sms = 4 if args.smoke else torch.cuda.get_device_properties(0).multi_processor_count
     bandwidth = 1e9 if args.smoke else copy_bandwidth()
     read_bw = bandwidth  # bytes read + written per second by a copy: the rate a read-only stream gets too
-    table = load_table(args.table)
+    try:
+        table = load_table(args.table)
+    except ValueError as error:  # absent or malformed: one line
+        parser.error(f"--table: {error}")
     shapes = projections(config)
     workspace = GemvWorkspace(max(n for n, _ in shapes.values()), torch.device(DEVICE))
     device_name = "cpu (Triton's interpreter)" if args.smoke else torch.cuda.get_device_name()

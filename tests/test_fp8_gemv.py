@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mempath.memory.formulas import fp8_gemv_workspace_bytes, fp8_workspace_bytes, read_shape
+from mempath.memory.formulas import fp8_gemv_workspace_bytes, gemv_workspace_bytes, read_shape
 from mempath.model import quant
 from mempath.model.quant import fp8_gemv_torch, quantize_rows
 
@@ -354,16 +354,17 @@ def test_dense_layers_take_the_gemv_only_where_the_table_lists_their_bucket(monk
              "96x32": {"1": GemvConfig(split_k=4)}}
     gemv = Fp8Gemv(64, torch.device("cpu"), table)
     w, w_wide, bias = torch.randn(64, 32), torch.randn(96, 32), torch.randn(64)
-    for rows in (1, 2, 3, 17):
-        x = torch.randn(rows, 32)
+
+    def route(x, weight, bias=None):
         before = len(ran)
-        torch.testing.assert_close(quant.dense_linear_cuda(x, w, bias, gemv), torch.nn.functional.linear(x, w, bias))
-        ran += [] if len(ran) > before else ["F.linear"]
-    x = torch.randn(1, 1, 32)
-    assert quant.dense_linear_cuda(x, w, None, gemv).shape == (1, 1, 64)
-    quant.dense_linear_cuda(torch.randn(1, 32), w_wide, None, gemv)
-    ran += [] if len(ran) > 6 else ["F.linear"]
-    assert ran == ["gemv split 1", "F.linear", "gemv split 2", "F.linear", "gemv split 1", "F.linear"]
+        out = quant.dense_linear_cuda(x, weight, bias, gemv)
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias))
+        return ran[-1] if len(ran) > before else "F.linear"
+
+    assert [route(torch.randn(rows, 32), w, bias) for rows in (1, 2, 3, 17)] == [
+        "gemv split 1", "F.linear", "gemv split 2", "F.linear"]
+    assert route(torch.randn(1, 1, 32), w) == "gemv split 1"  # [batch, seq, hidden] keeps its shape
+    assert route(torch.randn(1, 32), w_wide) == "F.linear"
     assert gemv.chosen["96x32 rows<=1"] == gemv.chosen["64x32 rows<=2"] == "cuBLAS (F.linear)"
     assert gemv.chosen["64x32 rows<=4"] == table["64x32"]["4"].describe()
 
@@ -380,18 +381,30 @@ def test_the_shipped_dense_table_loads_and_refuses_fp8_choices(tmp_path, monkeyp
             load_dense_table()
 
 
+@pytest.mark.parametrize("loader, env", [("load_table", "MEMPATH_FP8_GEMV_CONFIGS"),
+                                         ("load_dense_table", "MEMPATH_DENSE_GEMV_CONFIGS")])
+def test_a_table_named_but_missing_is_one_line_not_the_shipped_one(tmp_path, monkeypatch, loader, env):
+    from mempath.kernels import fp8_gemv_triton
+    monkeypatch.setenv(env, str(tmp_path / "typo.json"))
+    with pytest.raises(ValueError, match=rf"^{env} names .*typo.json, which does not exist: point it at a table "
+                                         rf"\(benchmarks/bench_\w+_gemv.py --out FILE writes one\) or unset it$"):
+        getattr(fp8_gemv_triton, loader)()
+    with pytest.raises(ValueError, match=r"^the table .*other.json, which does not exist"):
+        getattr(fp8_gemv_triton, loader)(tmp_path / "other.json")
+
+
 def test_workspace_bytes_are_the_plans():
     from mempath.kernels.fp8_gemv_triton import GemvWorkspace
     assert GemvWorkspace(28672, torch.device("cpu")).nbytes() == fp8_gemv_workspace_bytes(28672)
     shape = read_shape(json.loads((ROOT / "mempath" / "assets" / "mempath-tiny" / "config.json").read_text()))
-    assert fp8_workspace_bytes(shape) == 0  # not quantized
+    assert gemv_workspace_bytes(shape) == 0  # not quantized
     shape.quantization = "fp8"
     widest = max(shape.num_heads * shape.head_dim + 2 * shape.num_kv_heads * shape.head_dim,
                  2 * shape.intermediate_size)
-    assert fp8_workspace_bytes(shape) == fp8_gemv_workspace_bytes(widest) == 4 * 32 * widest + 4 * -(-widest // 16)
+    assert gemv_workspace_bytes(shape) == fp8_gemv_workspace_bytes(widest) == 4 * 32 * widest + 4 * -(-widest // 16)
     shape.quantization = None  # a 16-bit model has the dense GEMV's workspace where the Triton kernels run
-    assert fp8_workspace_bytes(shape, 2, fused_kernels=True) == fp8_gemv_workspace_bytes(widest)
-    assert fp8_workspace_bytes(shape, 2, fused_kernels=False) == fp8_workspace_bytes(shape, 4, fused_kernels=True) == 0
+    assert gemv_workspace_bytes(shape, 2, fused_kernels=True) == fp8_gemv_workspace_bytes(widest)
+    assert gemv_workspace_bytes(shape, 2, fused_kernels=False) == gemv_workspace_bytes(shape, 4, fused_kernels=True) == 0
 
 
 def test_cpu_models_have_no_gemv_workspace(tmp_path):
@@ -501,7 +514,7 @@ def test_gpu_engine_runs_the_dense_gemv_and_counts_its_workspace(tmp_path, monke
     assert chosen[f"{qkv} rows<=1"].startswith("gemv") and chosen[f"{h}x{heads * d} rows<=1"].startswith("gemv")
     assert chosen[f"{2 * config['intermediate_size']}x{h} rows<=1"] == "cuBLAS (F.linear)"
     shape = read_shape(config)
-    assert quant.fp8_gemv_bytes(model) == fp8_workspace_bytes(shape, 2, fused_kernels=True) > 0
+    assert quant.fp8_gemv_bytes(model) == gemv_workspace_bytes(shape, 2, fused_kernels=True) > 0
     assert llm.engine.ledger.get("step_buffers") >= quant.fp8_gemv_bytes(model)
     assert not model.fp8_gemv.workspace.partials.any() and not model.fp8_gemv.workspace.counters.any()
 
@@ -519,5 +532,5 @@ def test_gpu_engine_runs_the_gemv_and_counts_its_workspace(tmp_path):
     assert any(v.startswith("gemv") for v in model.fp8_gemv.chosen.values()), model.fp8_gemv.chosen
     shape = read_shape(json.loads((tmp_path / "config.json").read_text()))
     shape.quantization = "fp8"
-    assert quant.fp8_gemv_bytes(model) == fp8_workspace_bytes(shape)
+    assert quant.fp8_gemv_bytes(model) == gemv_workspace_bytes(shape)
     assert llm.engine.ledger.get("step_buffers") >= quant.fp8_gemv_bytes(model)

@@ -108,7 +108,9 @@ def test_the_fp8_gemv_table_reads_as_before(tmp_path):
     path.write_text(json.dumps({"configs": {"64x256": {"1": {"block_n": 64, "blockk": 128}}}}))
     with pytest.raises(ValueError, match=r"^.*t\.json: 64x256 bucket 1 has unknown fields \['blockk'\]"):
         fp8_gemv_triton.load_table(path)
-    assert fp8_gemv_triton.load_table(tmp_path / "absent.json") == {}
+    # A table given by path must exist (only the shipped one may be absent): kernels/common.py::table_path.
+    with pytest.raises(ValueError, match=r"^the table .*absent\.json, which does not exist: point it at a table"):
+        fp8_gemv_triton.load_table(tmp_path / "absent.json")
 
 
 # ---------------------------------------------------------------- benchmarks/bench_moe_gemm.py

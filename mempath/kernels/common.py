@@ -39,6 +39,19 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def table_path(path: str | os.PathLike | None, env: str, shipped: Path, sweep: str) -> Path:
+    """Which launch table to read: ``path``, else the file the environment variable ``env`` names, else
+    the shipped one. Only the shipped table may be absent (not swept yet: the loaders read it as {});
+    one given or named that does not exist is one line naming it and ``sweep``, the command that writes one."""
+    from_env = path is None and os.environ.get(env)
+    chosen = Path(path or from_env or shipped)
+    if chosen != shipped and not chosen.exists():
+        named = f"{env} names {chosen}" if from_env else f"the table {chosen}"
+        raise ValueError(f"{named}, which does not exist: point it at a table ({sweep} --out FILE writes one)"
+                         f"{' or unset it' if from_env else ''}")
+    return chosen
+
+
 def read_table_file(path: Path, remake: str) -> dict:
     """A launch table file's JSON object ({} when there is no file); not JSON, or no "configs" object
     in it, is one line naming the file and ``remake``, the command that rewrites it."""

@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 from mempath.constants import FP8_MAX, MIN_SCALE
-from mempath.kernels.common import HAS_TRITON, load_config_table, next_pow2, pdl_options
+from mempath.kernels.common import HAS_TRITON, load_config_table, next_pow2, pdl_options, table_path
 from mempath.kernels.common import config_table_json as table_json  # noqa: F401 - the fp8 table's writer
 from mempath.memory.formulas import FP8_GEMV_MIN_BLOCK_N, FP8_GEMV_WORKSPACE_ROWS, fp8_gemv_workspace_bytes
 
@@ -141,13 +141,13 @@ def heuristic_config(n: int, k: int, rows: int, num_sms: int) -> GemvConfig:
 
 def load_table(path: str | os.PathLike | None = None) -> dict[str, dict[str, GemvConfig]]:
     """{"NxK": {bucket: GemvConfig}} from a table file (``TABLE_ENV`` or the shipped one by default)."""
-    path = Path(path or os.environ.get(TABLE_ENV) or DEFAULT_TABLE)
+    path = table_path(path, TABLE_ENV, DEFAULT_TABLE, "benchmarks/bench_fp8_gemv.py")
     return load_config_table(path, GemvConfig, "bucket", "benchmarks/bench_fp8_gemv.py")
 
 
 def load_dense_table(path: str | os.PathLike | None = None) -> dict[str, dict[str, GemvConfig]]:
     """The 16-bit weights' table (``DENSE_TABLE_ENV`` or the shipped one by default)."""
-    path = Path(path or os.environ.get(DENSE_TABLE_ENV) or DENSE_TABLE)
+    path = table_path(path, DENSE_TABLE_ENV, DENSE_TABLE, "benchmarks/bench_dense_gemv.py")
     table = load_config_table(path, GemvConfig, "bucket", "benchmarks/bench_dense_gemv.py --out FILE")
     for shape, buckets in table.items():
         for bucket, config in buckets.items():

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from mempath.kernels.common import HAS_TRITON, next_pow2, pdl_options, read_config, read_table_file
+from mempath.kernels.common import HAS_TRITON, next_pow2, pdl_options, read_config, read_table_file, table_path
 
 if HAS_TRITON:
     import triton
@@ -227,12 +227,7 @@ Entry = GroupedGemmConfig | dict[str, GroupedGemmConfig]
 def load_moe_gemm_table(path: str | os.PathLike | None = None) -> dict[str, dict[str, Entry]]:
     """{"NxK": {block_m: GroupedGemmConfig or {pairs bucket: GroupedGemmConfig}}} from a table file
     (``MOE_GEMM_TABLE_ENV`` or the shipped one); {} when the shipped one is absent."""
-    from_env = path is None and os.environ.get(MOE_GEMM_TABLE_ENV)
-    path = Path(path or from_env or DEFAULT_MOE_GEMM_TABLE)
-    if path != DEFAULT_MOE_GEMM_TABLE and not path.exists():  # only the shipped table may be absent (not swept yet)
-        named = f"{MOE_GEMM_TABLE_ENV} names {path}" if from_env else f"the table {path}"
-        raise ValueError(f"{named}, which does not exist: point it at a table ({SWEEP} --out FILE writes one)"
-                         f"{' or unset it' if from_env else ''}")
+    path = table_path(path, MOE_GEMM_TABLE_ENV, DEFAULT_MOE_GEMM_TABLE, SWEEP)
     remake = f"{SWEEP} --out {path}"
     raw = read_table_file(path, remake)
     table = {}

@@ -202,7 +202,7 @@ def fp8_gemv_workspace_bytes(max_out_features: int) -> int:
     return 4 * FP8_GEMV_WORKSPACE_ROWS * max_out_features + 4 * -(-max_out_features // FP8_GEMV_MIN_BLOCK_N)
 
 
-def fp8_workspace_bytes(shape: ModelShape, dtype_bytes: int = 4, fused_kernels: bool = False) -> int:
+def gemv_workspace_bytes(shape: ModelShape, dtype_bytes: int = 4, fused_kernels: bool = False) -> int:
     """The GEMV workspace of a model (CUDA with the Triton kernels), sized by the widest projection
     (fused q/k/v and gate/up count as one): an fp8 model's always; a 16-bit model's (``dtype_bytes`` 2)
     where the Triton kernels run (``fused_kernels``: the dense GEMV, mempath.model.quant.set_dense_gemv);
@@ -594,7 +594,7 @@ def serving_figures(shape: ModelShape, dtype_bytes: int, *, max_model_len: int, 
         # The first matmul on the serving stream allocates cuBLAS's workspace; it stays. So does the
         # GEMV's, allocated with the model.
         step_peak_bytes=(step_peak_bytes(shape, max_num_batched_tokens, rows, b, fused_kernels) + cublas_workspace
-                         + fp8_workspace_bytes(shape, b, fused_kernels)),
+                         + gemv_workspace_bytes(shape, b, fused_kernels)),
         cuda_graph_batch=graph_batch,
         cuda_graph_bytes=cuda_graph_bytes(shape, graph_batch, b, cublas_workspace) if cuda_graphs else 0,
     )

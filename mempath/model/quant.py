@@ -217,7 +217,7 @@ def set_dense_gemv(model: nn.Module, device: torch.device) -> None:
     (mempath/assets/dense_gemv_configs.json, written by benchmarks/bench_dense_gemv.py: measured
     faster than cuBLAS there, as the step runs them, each after a kernel launched with PDL). Its
     split-K workspace is ``model.fp8_gemv``, sized by the widest projection (fp8_gemv_bytes,
-    memory.formulas.fp8_workspace_bytes); an fp8 model keeps its own (set_fp8_matmul)."""
+    memory.formulas.gemv_workspace_bytes); an fp8 model keeps its own (set_fp8_matmul)."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if (device.type != "cuda" or not model.kernels.triton or fp8_layers(model) or not linears
             or linears[0].weight.dtype not in (torch.bfloat16, torch.float16)):
@@ -231,7 +231,7 @@ def set_dense_gemv(model: nn.Module, device: torch.device) -> None:
 
 
 def fp8_gemv_bytes(model: nn.Module) -> int:
-    """Device bytes of the model's fp8 GEMV workspace (memory.formulas.fp8_workspace_bytes), 0 without one."""
+    """Device bytes of the model's fp8 GEMV workspace (memory.formulas.gemv_workspace_bytes), 0 without one."""
     gemv = getattr(model, "fp8_gemv", None)
     return gemv.workspace.nbytes() if gemv is not None else 0
 
