@@ -279,8 +279,13 @@ def engine_options(args) -> dict:
 
 
 def run_mempath(args, prompts, output_lens, rate: float, max_num_seqs: int | None,
-                max_num_batched_tokens: int | None, quantization: str = "none", kv_cache_dtype: str = "auto") -> dict:
-    """One engine on the whole mix, after a short warm-up; the engine is released before returning."""
+                max_num_batched_tokens: int | None, quantization: str = "none", kv_cache_dtype: str = "auto",
+                decode_order: str = "longest-first") -> dict:
+    """One engine on the whole mix, after a short warm-up; the engine is released before returning.
+    ``decode_order`` "batch": the decode attention kernel starts the sequences in batch order
+    (engine.runner.DECODE_LONGEST_FIRST off), the A/B of the runner's longest-first order."""
+    from mempath.engine import runner as runner_module
+    runner_module.DECODE_LONGEST_FIRST = decode_order == "longest-first"
     limits = {k: v for k, v in (("max_num_seqs", max_num_seqs),
                                 ("max_num_batched_tokens", max_num_batched_tokens)) if v is not None}
     llm = LLM(show_progress=False, **engine_options(args), **limits, kv_cache_dtype=kv_cache_dtype,
@@ -307,7 +312,8 @@ def run_mempath(args, prompts, output_lens, rate: float, max_num_seqs: int | Non
     result.update(quantization=engine.config.quantization or "none", kv_cache_dtype=engine.config.kv_cache_dtype,
                   weight_bytes=engine.ledger.get("weights"), max_num_seqs=engine.config.max_num_seqs,
                   max_num_batched_tokens=engine.config.max_num_batched_tokens,
-                  kv_blocks=stats["kv_blocks_total"], preemptions=stats["num_preemptions"])
+                  kv_blocks=stats["kv_blocks_total"], preemptions=stats["num_preemptions"], decode_order=decode_order)
+    runner_module.DECODE_LONGEST_FIRST = True
     del llm, engine, outs
     gc.collect()
     if torch.cuda.is_available():
@@ -364,6 +370,8 @@ def parse_args(argv=None):
                         help="comma-separated weights: none (the model dtype), fp8; a sweep")
     parser.add_argument("--kv-cache-dtype", type=lambda s: s.split(","), default=["auto"],
                         help="comma-separated KV cache dtypes: auto, fp8; a sweep")
+    parser.add_argument("--decode-order", type=lambda s: s.split(","), default=["longest-first"],
+                        help="comma-separated: longest-first (the engine's), batch; a sweep")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--enforce-eager", action="store_true")
@@ -372,10 +380,11 @@ def parse_args(argv=None):
     parser.add_argument("--out", help="append one JSON line per result to this file")
     args = parser.parse_args(argv)
     bad = [q for q in args.quantization if q not in ("none", "fp8")] + \
-        [k for k in args.kv_cache_dtype if k not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")]
+        [k for k in args.kv_cache_dtype if k not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")] + \
+        [o for o in args.decode_order if o not in ("longest-first", "batch")]
     if bad:
-        parser.error(f"unknown --quantization / --kv-cache-dtype value(s) {bad}: quantization is none or fp8, "
-                     f"the KV dtype auto, fp8, fp8_e4m3 or fp8_e5m2")
+        parser.error(f"unknown --quantization / --kv-cache-dtype / --decode-order value(s) {bad}: quantization is "
+                     f"none or fp8, the KV dtype auto, fp8, fp8_e4m3 or fp8_e5m2, the order longest-first or batch")
     if args.requests is None:
         args.requests = 12 if args.tiny else 1000
     if args.sharegpt and not args.tokenizer:
@@ -412,11 +421,13 @@ def main(argv=None) -> list[dict]:
               "source": args.sharegpt or "lognormal", "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
     results = []
-    for quantization, kv, seqs, tokens in itertools.product(args.quantization, args.kv_cache_dtype,
-                                                            args.max_num_seqs, args.max_num_batched_tokens):
-        r = {**common, "engine": "mempath", **run_mempath(args, prompts, output_lens, rate, seqs, tokens, quantization, kv)}
+    for quantization, kv, seqs, tokens, order in itertools.product(args.quantization, args.kv_cache_dtype,
+                                                                   args.max_num_seqs, args.max_num_batched_tokens,
+                                                                   args.decode_order):
+        r = {**common, "engine": "mempath",
+             **run_mempath(args, prompts, output_lens, rate, seqs, tokens, quantization, kv, order)}
         print_row(f"mempath weights={quantization} kv={kv} max_num_seqs={r['max_num_seqs']} "
-                  f"max_num_batched_tokens={r['max_num_batched_tokens']}", r)
+                  f"max_num_batched_tokens={r['max_num_batched_tokens']} decode order {order}", r)
         results.append(r)
     if args.hf_seconds > 0:
         try:

@@ -531,3 +531,37 @@ def test_token_id_prompts_take_any_integers_and_refuse_the_rest_in_one_line(llm)
         with pytest.raises(ValueError, match=says):
             llm.generate(bad, greedy(2))
     assert llm.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("min_seqs", [1, 6])
+def test_wide_steps_order_their_sequences_longest_first(model_factory, monkeypatch, min_seqs):
+    """From DECODE_ORDER_MIN_SEQS sequences, the runner hands the decode kernel the step's sequences by
+    descending context (stable among equals), a permutation uploaded beside seq_lens, in mixed steps and
+    decode steps; narrower steps keep batch order (no seq_order)."""
+    from mempath.engine import runner as runner_module
+    monkeypatch.setattr(runner_module, "DECODE_ORDER_MIN_SEQS", min_seqs)
+    path, _ = model_factory("llama")
+    llm = LLM(path, dtype="float32", show_progress=False)
+    runner = llm.engine.runner
+    seen = []
+    prepare = runner.prepare
+
+    def recording(batch, *args, **kwargs):
+        out = prepare(batch, *args, **kwargs)
+        meta = out[2]
+        n = meta.seq_lens.shape[0]
+        order = None if meta.seq_order is None else meta.seq_order.cpu().numpy().copy()
+        seen.append((runner.buffers.seq_lens[:n].copy(), order, max(batch.num_new_tokens)))
+        return out
+
+    runner.prepare = recording
+    prompts = [[5] * 3, [6] * 40, [7] * 17, [8] * 40, [9] * 2]
+    llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert any(q == 1 for *_, q in seen) and any(q > 1 for *_, q in seen)
+    if min_seqs > len(prompts):
+        assert all(order is None for _, order, _ in seen)
+        return
+    for seq_lens, order, _ in seen:
+        assert sorted(order.tolist()) == list(range(len(seq_lens)))
+        assert order.tolist() == sorted(range(len(seq_lens)), key=lambda i: (-int(seq_lens[i]), i))
+    assert any(order.tolist() != list(range(len(order))) for _, order, _ in seen)  # not batch order throughout

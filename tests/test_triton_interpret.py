@@ -24,7 +24,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from test_triton_kernels import Case, assert_close, check_attention, check_write_kv  # noqa: E402
+from test_triton_kernels import Case, assert_close, check_attention, check_decode_seq_order, check_write_kv  # noqa: E402
 
 DEVICE = "cpu"
 
@@ -99,6 +99,7 @@ CHECKS = {
     "decode_padding_and_workspace": check_decode_padding_and_workspace,
     "odd_head_dim": check_odd_head_dim,
     "mixed_decode_rows": check_mixed_decode_rows,
+    "decode_seq_order": lambda ta: check_decode_seq_order(ta, DEVICE, torch.float32),
 }
 for _group in (1, 4):
     for _dtype in (torch.float32, torch.float16):

@@ -132,6 +132,28 @@ def check_attention(ta, case: Case, dtype, kernel="auto", **kwargs):
     assert_close(out, ref, dtype)
 
 
+def check_decode_seq_order(ta, device, dtype, head_dim=32, group=2):
+    """The order the decode kernel starts the sequences in (``seq_order``) changes no result: the same
+    bits as batch order, in one launch or split, alone or as a mixed batch's decode rows."""
+    lens = [5, 300, 1, 77, 130, 64, 9, 200]
+    case = Case([(1, n) for n in lens], 2 * group, 2, head_dim, 8, dtype, device, seed=11)
+    longest_first = torch.tensor(sorted(range(len(lens)), key=lambda i: -lens[i]), dtype=torch.int32, device=device)
+    shuffled = torch.tensor([3, 0, 7, 1, 6, 2, 5, 4], dtype=torch.int32, device=device)
+    for splits in (1, 4):
+        base = ta.triton_decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                                          case.scale, out=case.poisoned_out(), num_splits=splits)
+        assert_close(base, case.reference(), dtype)
+        for order in (longest_first, shuffled):
+            out = ta.triton_decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables,
+                                             case.seq_lens, case.scale, out=case.poisoned_out(), num_splits=splits,
+                                             seq_order=order)
+            assert torch.equal(out, base)
+    # A mixed batch: the decode kernel takes its one-row sequences in the given order, the prefill kernel the rest.
+    mixed = Case([(1, 77), (33, 100), (1, 5), (7, 7), (1, 200)], 2 * group, 2, head_dim, 8, dtype, device, seed=12)
+    order = torch.tensor([4, 1, 0, 3, 2], dtype=torch.int32, device=device)
+    check_attention(ta, mixed, dtype, "auto", max_query_len=mixed.max_query_len, seq_order=order)
+
+
 # --------------------------------------------------------------------------- GPU
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels need CUDA")
@@ -190,6 +212,12 @@ def test_decode_long_context(ta, context):
         case = Case(seqs, 32, 8, 128, 16, torch.bfloat16, DEVICE, seed=context)
         check_attention(ta, case, torch.bfloat16, "decode")
         check_attention(ta, case, torch.bfloat16, "decode", num_splits=1)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_seq_order_changes_no_result(ta, dtype):
+    check_decode_seq_order(ta, DEVICE, dtype, head_dim=128, group=4)
 
 
 @cuda

@@ -27,6 +27,20 @@ from mempath.model.spec import ModelSpec
 from mempath.structured.bitmask import GrammarBitmask
 
 
+# Steps of at least this many sequences hand the decode attention kernel their order by descending
+# context: across unequal contexts a wide batch then ends on short programs rather than on a long one
+# started last. Below it the order bought nothing measurable and cost a load per program
+# (BENCHMARKS.md, "Decode attention over unequal contexts"). Graph sizes are fixed, so a captured size
+# is ordered or not for good. DECODE_LONGEST_FIRST False turns it off (A/B: bench_mix --decode-order
+# batch, bench_engine --variants batch-decode-order); both are read when an engine is built and at every step.
+DECODE_LONGEST_FIRST = True
+DECODE_ORDER_MIN_SEQS = 128
+
+
+def decode_order_on(num_seqs: int) -> bool:
+    return DECODE_LONGEST_FIRST and num_seqs >= DECODE_ORDER_MIN_SEQS
+
+
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """Decode batch sizes that get a CUDA graph: 1, 2, 4, 8, then every 8 up to the limit."""
     sizes = [s for s in (1, 2, 4) if s < max_num_seqs] + list(range(8, max_num_seqs + 1, 8))
@@ -52,6 +66,8 @@ class StepBuffers:
         self.tables_h, self.tables, self.tables_d = pair((max_seqs, max_blocks), torch.int32)
         self.qsl_h, self.qsl, self.qsl_d = pair(max_seqs + 1, torch.int32)
         self.seq_lens_h, self.seq_lens, self.seq_lens_d = pair(max_seqs, torch.int32)
+        # The sequences by descending length: the decode attention kernel starts the longest first.
+        self.seq_order_h, self.seq_order, self.seq_order_d = pair(max_seqs, torch.int32)
         self.rows_h, self.rows, self.rows_d = pair(max_seqs, torch.int64)
         # Rows of the previous step's sampled tokens that feed this step (async scheduling).
         self.src_rows_h, self.src_rows, self.src_rows_d = pair(max_seqs, torch.int64)
@@ -66,7 +82,7 @@ class StepBuffers:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (
             self.input_ids_d, self.positions_d, self.slots_d, self.tables_d, self.qsl_d,
-            self.seq_lens_d, self.rows_d, self.src_rows_d))
+            self.seq_lens_d, self.seq_order_d, self.rows_d, self.src_rows_d))
 
     def wait_until_reusable(self) -> None:
         if self.uploaded is not None:
@@ -80,6 +96,7 @@ class StepBuffers:
                              (self.tables_h, self.tables_d, num_seqs),
                              (self.qsl_h, self.qsl_d, num_seqs + 1),
                              (self.seq_lens_h, self.seq_lens_d, num_seqs),
+                             (self.seq_order_h, self.seq_order_d, num_seqs),
                              (self.rows_h, self.rows_d, num_rows)):
             dev[:n].copy_(host[:n], non_blocking=True)
         if self.uploaded is not None:
@@ -176,6 +193,9 @@ class ModelRunner:
             buf.qsl[num_seqs + 1:pad_to + 1] = np.arange(t + 1, t + 1 + pad_to - num_seqs)
             buf.seq_lens[pad] = 1
             num_seqs, t = pad_to, pad_to
+        ordered = decode_order_on(num_seqs)
+        if ordered:  # stable: equal lengths keep batch order
+            buf.seq_order[:num_seqs] = np.argsort(-buf.seq_lens[:num_seqs], kind="stable")
         if tokens_from is not None:
             pending, src = tokens_from
             buf.src_rows[:len(src)] = src
@@ -187,7 +207,8 @@ class ModelRunner:
             slot_mapping=buf.slots_d[:t], block_tables=buf.tables_d[:num_seqs],
             query_start_loc=buf.qsl_d[:num_seqs + 1], seq_lens=buf.seq_lens_d[:num_seqs],
             max_query_len=max(batch.num_new_tokens), max_seq_len=max_seq_len,
-            decode_workspace=self.decode_workspace)
+            decode_workspace=self.decode_workspace,
+            seq_order=buf.seq_order_d[:num_seqs] if ordered else None)
         return buf.input_ids_d[:t], buf.positions_d[:t], meta, buf.rows_d[:rows]
 
     def _fill_decode(self, requests: list[Request], sampling: set[int], tokens_on_device: bool = False):
@@ -392,6 +413,7 @@ class ModelRunner:
         self.table_rows.forget(slice(None))
         buf.qsl[:max_size + 1] = np.arange(max_size + 1)
         buf.seq_lens[:max_size] = 1
+        buf.seq_order[:max_size] = np.arange(max_size)
         buf.rows[:max_size] = np.arange(max_size)
         buf.upload(max_size, max_size, max_size)
         self.graph_logits = torch.empty(max_size, self.spec.vocab_size, dtype=self.dtype, device=self.device)
@@ -401,7 +423,8 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=buf.slots_d[:size], block_tables=buf.tables_d[:size],
             query_start_loc=buf.qsl_d[:size + 1], seq_lens=buf.seq_lens_d[:size],
-            max_query_len=1, max_seq_len=None, decode_workspace=self.decode_workspace)
+            max_query_len=1, max_seq_len=None, decode_workspace=self.decode_workspace,
+            seq_order=buf.seq_order_d[:size] if decode_order_on(size) else None)
         ids, pos = buf.input_ids_d[:size], buf.positions_d[:size]
 
         def step():

@@ -243,7 +243,7 @@ if HAS_TRITON:
     # compile of hundreds of milliseconds inside a step.
     @triton.jit(do_not_specialize=["num_heads", "num_splits"])
     def _decode_split_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, seq_order_ptr,
         out_ptr, part_out_ptr, part_lse_ptr,
         qk_scale,
         stride_qt, stride_qh, stride_qd,
@@ -256,11 +256,15 @@ if HAS_TRITON:
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
         SPLIT: tl.constexpr, PRECISION: tl.constexpr, VARLEN: tl.constexpr, KV_FP8: tl.constexpr,
-        DOTS_FP16: tl.constexpr, PDL: tl.constexpr,
+        DOTS_FP16: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr,
     ):
         pdl_wait(PDL)
-        seq = tl.program_id(0)
-        kv_head = tl.program_id(1)
+        # The KV heads vary fastest, so a sequence's programs start together; with ORDERED the
+        # sequences start in seq_order's order (longest first: the last programs are short ones).
+        kv_head = tl.program_id(0)
+        seq = tl.program_id(1)
+        if ORDERED:
+            seq = tl.load(seq_order_ptr + seq)
         split = tl.program_id(2)
         q_row, is_decode = _decode_row(query_start_ptr, seq, VARLEN)
         if not is_decode:
@@ -515,6 +519,7 @@ def triton_decode_attention(
     num_splits: Optional[int] = None,
     max_seq_len: Optional[int] = None,
     query_start_loc: Optional[torch.Tensor] = None,
+    seq_order: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of one query row per sequence (``query: [B, num_heads, head_dim]``).
 
@@ -527,6 +532,11 @@ def triton_decode_attention(
     the sequences with exactly one query row are computed, the other rows of
     ``out`` are left alone (for :func:`triton_prefill_attention` with
     ``skip_decode=True``).
+
+    ``seq_order`` (int32 [B], a permutation of the sequences): the order in which the kernel starts
+    them, all of one sequence's KV heads together. Longest first (the runner's order), a batch of
+    unequal contexts ends with short programs instead of a long one started last: BENCHMARKS.md,
+    "Decode attention over unequal contexts". It changes no result.
     """
     _require_triton()
     _check_cache(k_cache, v_cache)
@@ -577,8 +587,12 @@ def triton_decode_attention(
         stages = FP8_DECODE_STAGES or stages
         warps = FP8_DECODE_WARPS or warps
     pdl = pdl_options(query.device)
-    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, k_cache, v_cache, block_tables, seq_lens, query_start,
+    ordered = seq_order is not None
+    if ordered and (seq_order.shape != (num_seqs,) or seq_order.dtype != torch.int32):
+        raise ValueError(f"decode: seq_order must be int32 [{num_seqs}] (a permutation of the batch's sequences), "
+                         f"got {seq_order.dtype} {tuple(seq_order.shape)}: pass one entry per sequence, or None")
+    _decode_split_kernel[(num_kv_heads, num_seqs, num_splits)](
+        query, k_cache, v_cache, block_tables, seq_lens, query_start, seq_order if ordered else seq_lens,
         out, part_out, part_lse,
         scale * LOG2E,
         *query.stride(), *k_cache.stride(), *v_cache.stride(),
@@ -589,7 +603,7 @@ def triton_decode_attention(
         HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, TILE=tile,
         SPLIT=split, PRECISION=_dot_precision(torch.float16 if dots_fp16 else _compute_dtype(query, k_cache)),
-        VARLEN=varlen, KV_FP8=kv_fp8, DOTS_FP16=dots_fp16,
+        VARLEN=varlen, KV_FP8=kv_fp8, DOTS_FP16=dots_fp16, ORDERED=ordered,
         **pdl, num_warps=warps, num_stages=stages,
     )
     if split:
@@ -716,6 +730,7 @@ def paged_attention_triton(
     out: Optional[torch.Tensor] = None,
     workspace: Optional[DecodeWorkspace] = None,
     split_decodes: bool = True,
+    seq_order: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Drop-in for ``paged_attention``.
 
@@ -728,7 +743,7 @@ def paged_attention_triton(
       no decode rows, to save the decode launch.
 
     Pass ``max_query_len`` to skip a device-to-host sync (and for CUDA graphs);
-    ``max_seq_len`` and ``workspace`` go to :func:`triton_decode_attention`.
+    ``max_seq_len``, ``workspace`` and ``seq_order`` go to :func:`triton_decode_attention`.
     """
     num_seqs = seq_lens.shape[0]
     if max_query_len is None:
@@ -738,7 +753,7 @@ def paged_attention_triton(
     if max_query_len == 1 and query.shape[0] == num_seqs:
         return triton_decode_attention(
             query, k_cache, v_cache, block_tables, seq_lens, scale,
-            out=out, workspace=workspace, max_seq_len=max_seq_len,
+            out=out, workspace=workspace, max_seq_len=max_seq_len, seq_order=seq_order,
         )
     if out is None:
         out = torch.empty_like(query)
@@ -746,6 +761,7 @@ def paged_attention_triton(
         triton_decode_attention(
             query, k_cache, v_cache, block_tables, seq_lens, scale,
             out=out, workspace=workspace, max_seq_len=max_seq_len, query_start_loc=query_start_loc,
+            seq_order=seq_order,
         )
     return triton_prefill_attention(
         query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
@@ -757,4 +773,5 @@ def attend_triton(query, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
     """`paged_attention_triton` called with an AttentionMetadata (the model's calling convention)."""
     return paged_attention_triton(
         query, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
-        max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, workspace=meta.decode_workspace)
+        max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, workspace=meta.decode_workspace,
+        seq_order=meta.seq_order)

@@ -36,6 +36,9 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int | None  # None under CUDA graphs: kernels must not depend on it
     decode_workspace: object = None  # preallocated split-K buffers for the Triton decode kernel
+    # int32 [B]: the sequences by descending seq_len, the order the Triton decode kernel starts them in
+    # (None: batch order). It changes which program runs when, never a result.
+    seq_order: torch.Tensor | None = None
 
 
 class RMSNorm(nn.Module):
