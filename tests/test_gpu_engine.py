@@ -29,6 +29,28 @@ def test_cuda_float32_matches_cpu_path(arch, tmp_path):
         torch.cuda.empty_cache()
 
 
+def test_longest_first_decode_order_changes_no_token(tmp_path, monkeypatch):
+    """Steps ordered longest first (the threshold lowered so a small batch reaches it), eager and replayed
+    from graphs captured with the order, padded rows included, give the CPU path's float32 tokens."""
+    from mempath.engine import runner as runner_module
+    make_model(tmp_path, "llama")
+    prompts = [[(7 * i + j) % 90 + 3 for j in range(3 + 11 * i % 61)] for i in range(13)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    cpu = LLM(str(tmp_path), dtype="float32", device="cpu", show_progress=False)
+    ref = [o.token_ids for o in cpu.generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setattr(runner_module, "DECODE_ORDER_MIN_SEQS", 8)
+    for eager in (True, False):
+        gpu = LLM(str(tmp_path), dtype="float32", device="cuda", show_progress=False, enforce_eager=eager,
+                  max_num_seqs=16)
+        runner = gpu.engine.runner
+        assert runner.decode_order_on(16) and not runner.decode_order_on(4)
+        assert bool(runner.graphs) == (not eager)
+        out = [o.token_ids for o in gpu.generate(prompts, params, use_tqdm=False)]
+        assert out == ref, f"eager={eager}"
+        del gpu
+        torch.cuda.empty_cache()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or not kernels_common.use_pdl(torch.device("cuda")),
                     reason="programmatic dependent launch needs Hopper or later and Triton >= 3.4")
 def test_programmatic_dependent_launch_changes_no_token(tmp_path, monkeypatch):

@@ -32,13 +32,10 @@ from mempath.structured.bitmask import GrammarBitmask
 # started last. Below it the order bought nothing measurable and cost a load per program
 # (BENCHMARKS.md, "Decode attention over unequal contexts"). Graph sizes are fixed, so a captured size
 # is ordered or not for good. DECODE_LONGEST_FIRST False turns it off (A/B: bench_mix --decode-order
-# batch, bench_engine --variants batch-decode-order); both are read when an engine is built and at every step.
+# batch, bench_engine --variants batch-decode-order). Both are read once, when a runner is built: a graph
+# captured with the order must be replayed with a fresh one.
 DECODE_LONGEST_FIRST = True
 DECODE_ORDER_MIN_SEQS = 128
-
-
-def decode_order_on(num_seqs: int) -> bool:
-    return DECODE_LONGEST_FIRST and num_seqs >= DECODE_ORDER_MIN_SEQS
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -122,6 +119,8 @@ class ModelRunner:
         self.arange = np.arange(max(self.max_tokens, max_model_len) + 1, dtype=np.int64)
         self.table_rows = BlockTableRows(config.max_num_seqs)  # what each row of buffers.tables holds
         self.decode_workspace = None
+        # Steps of at least this many sequences pass the decode kernel their longest-first order (None: never).
+        self.decode_order_min_seqs = DECODE_ORDER_MIN_SEQS if DECODE_LONGEST_FIRST else None
         self.graphs: dict[int, torch.cuda.CUDAGraph | PiecewiseGraph] = {}
         # MoE layers with experts in host memory: decode graphs are cut at them (engine/piecewise.py).
         self.cut_blocks = moe_slots.offloaded_blocks(model) if device.type == "cuda" else []
@@ -134,6 +133,9 @@ class ModelRunner:
             from mempath.kernels.attention_triton import alloc_decode_workspace
             self.decode_workspace = alloc_decode_workspace(
                 self.max_num_seqs, spec.num_heads, spec.num_kv_heads, spec.head_dim, device)
+
+    def decode_order_on(self, num_seqs: int) -> bool:
+        return self.decode_order_min_seqs is not None and num_seqs >= self.decode_order_min_seqs
 
     def kv_bytes_per_block(self) -> int:
         s = self.spec
@@ -193,7 +195,7 @@ class ModelRunner:
             buf.qsl[num_seqs + 1:pad_to + 1] = np.arange(t + 1, t + 1 + pad_to - num_seqs)
             buf.seq_lens[pad] = 1
             num_seqs, t = pad_to, pad_to
-        ordered = decode_order_on(num_seqs)
+        ordered = self.decode_order_on(num_seqs)
         if ordered:  # stable: equal lengths keep batch order
             buf.seq_order[:num_seqs] = np.argsort(-buf.seq_lens[:num_seqs], kind="stable")
         if tokens_from is not None:
@@ -424,7 +426,7 @@ class ModelRunner:
             slot_mapping=buf.slots_d[:size], block_tables=buf.tables_d[:size],
             query_start_loc=buf.qsl_d[:size + 1], seq_lens=buf.seq_lens_d[:size],
             max_query_len=1, max_seq_len=None, decode_workspace=self.decode_workspace,
-            seq_order=buf.seq_order_d[:size] if decode_order_on(size) else None)
+            seq_order=buf.seq_order_d[:size] if self.decode_order_on(size) else None)
         ids, pos = buf.input_ids_d[:size], buf.positions_d[:size]
 
         def step():

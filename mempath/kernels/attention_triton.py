@@ -71,6 +71,8 @@ FP8_DECODE_WARPS = None
 # Upper bound on splits per (sequence, KV head); beyond it the merge costs
 # more than the extra parallelism brings.
 MAX_DECODE_SPLITS = 64
+# CUDA's limit on a grid's second axis, where the decode kernel puts the sequences.
+MAX_GRID_Y = 65535
 # Target number of decode programs per SM: enough to hide memory latency.
 DECODE_PROGRAMS_PER_SM = 4
 
@@ -588,9 +590,14 @@ def triton_decode_attention(
         warps = FP8_DECODE_WARPS or warps
     pdl = pdl_options(query.device)
     ordered = seq_order is not None
-    if ordered and (seq_order.shape != (num_seqs,) or seq_order.dtype != torch.int32):
-        raise ValueError(f"decode: seq_order must be int32 [{num_seqs}] (a permutation of the batch's sequences), "
-                         f"got {seq_order.dtype} {tuple(seq_order.shape)}: pass one entry per sequence, or None")
+    if ordered and (seq_order.shape != (num_seqs,) or seq_order.dtype != torch.int32
+                    or seq_order.device != query.device or seq_order.stride(0) != 1):
+        raise ValueError(f"decode: seq_order must be a contiguous int32 [{num_seqs}] on {query.device} (a "
+                         f"permutation of the batch's sequences), got {seq_order.dtype} {tuple(seq_order.shape)} on "
+                         f"{seq_order.device}: pass one entry per sequence, or None")
+    if num_seqs > MAX_GRID_Y:
+        raise ValueError(f"decode: at most {MAX_GRID_Y} sequences a call (the grid's second axis), got {num_seqs}: "
+                         f"split the batch")
     _decode_split_kernel[(num_kv_heads, num_seqs, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, query_start, seq_order if ordered else seq_lens,
         out, part_out, part_lse,

@@ -94,6 +94,7 @@ def time_forward(runner, row_buf: RowBuffers, num_seqs: int, query_len: int, rep
     runner.table_rows.forget(slice(None))
     buf.qsl[:num_seqs + 1] = np.arange(num_seqs + 1) * query_len
     buf.seq_lens[:num_seqs] = query_len
+    buf.seq_order[:num_seqs] = np.arange(num_seqs)  # a replayed graph of an ordered size reads it
     row_buf.rows[:t] = np.arange(t)
     row_buf.rows_d[:t].copy_(row_buf.rows_h[:t], non_blocking=True)
     buf.upload(t, num_seqs, 0)
