@@ -85,17 +85,19 @@ class StepBuffers:
         if self.uploaded is not None:
             self.uploaded.synchronize()
 
-    def upload(self, num_tokens: int, num_seqs: int, num_rows: int) -> None:
-        """Copy the filled prefixes host → device (asynchronous from pinned memory)."""
+    def upload(self, num_tokens: int, num_seqs: int, num_rows: int, num_ordered: int = 0) -> None:
+        """Copy the filled prefixes host → device (asynchronous from pinned memory); ``seq_order`` only
+        for a step that passes it (``num_ordered`` sequences), so other steps pay no copy for it."""
         for host, dev, n in ((self.input_ids_h, self.input_ids_d, num_tokens),
                              (self.positions_h, self.positions_d, num_tokens),
                              (self.slots_h, self.slots_d, num_tokens),
                              (self.tables_h, self.tables_d, num_seqs),
                              (self.qsl_h, self.qsl_d, num_seqs + 1),
                              (self.seq_lens_h, self.seq_lens_d, num_seqs),
-                             (self.seq_order_h, self.seq_order_d, num_seqs),
+                             (self.seq_order_h, self.seq_order_d, num_ordered),
                              (self.rows_h, self.rows_d, num_rows)):
-            dev[:n].copy_(host[:n], non_blocking=True)
+            if n:
+                dev[:n].copy_(host[:n], non_blocking=True)
         if self.uploaded is not None:
             self.uploaded.record()
 
@@ -202,7 +204,7 @@ class ModelRunner:
             pending, src = tokens_from
             buf.src_rows[:len(src)] = src
             buf.src_rows_d[:len(src)].copy_(buf.src_rows_h[:len(src)], non_blocking=True)
-        buf.upload(t, num_seqs, rows)
+        buf.upload(t, num_seqs, rows, num_seqs if ordered else 0)
         if tokens_from is not None:
             torch.index_select(pending.tokens, 0, buf.src_rows_d[:len(src)], out=buf.input_ids_d[:len(src)])
         meta = AttentionMetadata(
@@ -417,7 +419,7 @@ class ModelRunner:
         buf.seq_lens[:max_size] = 1
         buf.seq_order[:max_size] = np.arange(max_size)
         buf.rows[:max_size] = np.arange(max_size)
-        buf.upload(max_size, max_size, max_size)
+        buf.upload(max_size, max_size, max_size, max_size)
         self.graph_logits = torch.empty(max_size, self.spec.vocab_size, dtype=self.dtype, device=self.device)
 
     def _capture_decode(self, size: int, pool) -> "torch.cuda.CUDAGraph":

@@ -97,7 +97,7 @@ def time_forward(runner, row_buf: RowBuffers, num_seqs: int, query_len: int, rep
     buf.seq_order[:num_seqs] = np.arange(num_seqs)  # a replayed graph of an ordered size reads it
     row_buf.rows[:t] = np.arange(t)
     row_buf.rows_d[:t].copy_(row_buf.rows_h[:t], non_blocking=True)
-    buf.upload(t, num_seqs, 0)
+    buf.upload(t, num_seqs, 0, num_seqs)
     meta = AttentionMetadata(
         slot_mapping=buf.slots_d[:t], block_tables=buf.tables_d[:num_seqs],
         query_start_loc=buf.qsl_d[:num_seqs + 1], seq_lens=buf.seq_lens_d[:num_seqs],
