@@ -9,6 +9,7 @@ files in tests/data/configs; mempath loads them with load_format="dummy").
 Each command prints a table and one JSON line (prefix ``RESULT``).
 """
 import argparse
+import atexit
 import json
 import shutil
 import sys
@@ -31,6 +32,7 @@ SHAPES = ROOT / "tests" / "data" / "configs"
 def model_dir(shape: str) -> str:
     """A directory holding only the shape's config.json (weights come from load_format=dummy)."""
     directory = Path(tempfile.mkdtemp(prefix=f"mempath-{shape}-"))
+    atexit.register(shutil.rmtree, directory, True)  # the bench made it: gone when it exits
     shutil.copy(SHAPES / f"{shape}.json", directory / "config.json")
     return str(directory)
 

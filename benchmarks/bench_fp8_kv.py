@@ -24,8 +24,10 @@ to 32k), ``--prompts`` prompts per length, bf16 weights, KV auto (bf16) and fp8,
 on; and transformers (sdpa, bf16) on the same prompts as the reference.
 """
 import argparse
+import atexit
 import json
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -205,7 +207,9 @@ def bench_retrieval(args) -> list[dict]:
     results = []
     for sharpness in args.sharpness:
         spec = NeedleSpec(sharpness=sharpness)
-        path = str(build_needle_model(Path(tempfile.mkdtemp(prefix="mempath-needle-")), spec))
+        needle_dir = tempfile.mkdtemp(prefix="mempath-needle-")
+        atexit.register(shutil.rmtree, needle_dir, True)  # the bench made it: gone when it exits
+        path = str(build_needle_model(Path(needle_dir), spec))
         prompt_sets = {n: needle_prompts(spec, n, args.prompts, seed=n) for n in args.lengths}
         row = {"bench": "fp8-kv-retrieval", "sharpness": sharpness, "prompts": args.prompts, "accuracy": {}}
         for kv in KV_DTYPES:

@@ -31,10 +31,12 @@ resident  Qwen3-30B-A3B and Mixtral-8x7B shapes with every expert resident (the 
 Each result is one JSON line (prefix ``RESULT``), naming the router that produced it.
 """
 import argparse
+import atexit
 import contextlib
 import dataclasses
 import gc
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -73,6 +75,7 @@ def result(part: str, **figures) -> dict:
 
 def model_dir(name: str, config: dict) -> str:
     directory = Path(tempfile.mkdtemp(prefix=f"mempath-moe-{name}-"))
+    atexit.register(shutil.rmtree, directory, True)  # the bench made it: gone when it exits
     (directory / "config.json").write_text(json.dumps(config))
     return str(directory)
 

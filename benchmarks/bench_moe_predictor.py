@@ -12,7 +12,9 @@ named for that token (k guesses each, so precision is the same figure), over eve
 nearly uniform) and the synthetic skewed bias (synthetic_router_bias, skew 1.0).
 """
 import argparse
+import atexit
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -70,6 +72,7 @@ def main() -> int:
     args = parser.parse_args()
     for arch in ("mixtral", "qwen3_moe"):
         path = tempfile.mkdtemp(prefix=f"mempath-predictor-{arch}-")
+        atexit.register(shutil.rmtree, path, True)  # the bench made it: gone when it exits
         make_model(path, arch, num_hidden_layers=args.layers)
         llm = LLM(path, dtype="float32", device="cpu", show_progress=False, enable_prefix_caching=False)
         for router in ("model", "skewed"):

@@ -18,8 +18,10 @@ Every configuration has the same KV bytes (``--pages`` pages of one 8B block, 16
 Prints a table per part and one JSON line (prefix ``RESULT``).
 """
 import argparse
+import atexit
 import gc
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -49,6 +51,7 @@ TEMPLATE = "Summary: {output}\nAnswer:"
 def model_dir(name: str, config: dict, tokenizer_dir: Path) -> str:
     """A dummy-weights directory: config.json with the tokenizer's vocabulary, and the tokenizer."""
     directory = Path(tempfile.mkdtemp(prefix=f"mempath-multi-{name}-"))
+    atexit.register(shutil.rmtree, directory, True)  # the bench made it: gone when it exits
     vocab = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]
     (directory / "config.json").write_text(json.dumps({**config, "vocab_size": len(vocab),
                                                        "bos_token_id": 0, "eos_token_id": 1}))
@@ -197,6 +200,7 @@ def main() -> None:
     args.output_len = args.output_len or (8 if args.tiny else 64)
     args.pipelines = args.pipelines or (4 if args.tiny else 64)
     work = Path(tempfile.mkdtemp(prefix="mempath-multi-tok-"))
+    atexit.register(shutil.rmtree, work, True)  # the bench made it: gone when it exits
     corpus = 1 << 20 if args.tiny else 4 << 20
     t1 = bpe_tokenizer.train(work / "t1", 512 if args.tiny else 8192, corpus)
     t2 = bpe_tokenizer.train(work / "t2", 400 if args.tiny else 6000, corpus // 2)

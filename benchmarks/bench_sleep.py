@@ -48,8 +48,9 @@ class Clock:
         return self.now
 
 
-def model_dir(name: str, config: dict) -> str:
-    directory = Path(tempfile.mkdtemp(prefix=f"mempath-sleep-{name}-"))
+def model_dir(root: Path, name: str, config: dict) -> str:
+    directory = root / name
+    directory.mkdir()
     (directory / "config.json").write_text(json.dumps(config))
     return str(directory)
 
@@ -117,14 +118,10 @@ def cycle(engine: MultiEngine, clock: Clock, sleeper: str, other: str, tag: str)
             "freed_bytes": None if free_awake is None else free_asleep - free_awake}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
-    device = "cpu" if args.tiny else "cuda"
-    big = model_dir("big", {**BIG, **TINY} if args.tiny else BIG)
-    small = model_dir("small", {**SMALL, **TINY} if args.tiny else SMALL)
+def run(args, device: str, root: Path) -> tuple[list[tuple], dict]:
+    """Both models put to sleep and woken ``args.repeats`` times: the table's rows and the RESULT line."""
+    big = model_dir(root, "big", {**BIG, **TINY} if args.tiny else BIG)
+    small = model_dir(root, "small", {**SMALL, **TINY} if args.tiny else SMALL)
     llm = LLM([f"big={big}", f"small={small}"], load_format="dummy", max_model_len=1024, max_num_seqs=8,
               sleep_after=5, sleep_offload_weights=True, show_progress=False, device=device,
               **({"dtype": "float32"} if args.tiny else {}))
@@ -155,6 +152,17 @@ def main() -> None:
                      "-" if later is None else f"{later:.3f}", f"{wake * 1e3:.1f}",
                      "-" if bound is None else f"{bound * 1e3:.1f}", "-" if bound is None else f"{wake / bound:.2f}",
                      "-" if freed[0] is None else f"{np.median(freed) / 2**30:.2f}", same, same_weights))
+    return rows, result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    device = "cpu" if args.tiny else "cuda"
+    with tempfile.TemporaryDirectory(prefix="mempath-sleep-") as root:  # the two configs, gone after
+        rows, result = run(args, device, Path(root))
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     print("sleep and wake with --sleep-offload-weights (bound: weights bytes / pinned H2D bandwidth, this run)")
     for n, row in enumerate(rows):

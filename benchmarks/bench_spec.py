@@ -17,8 +17,10 @@
 Prints a table per part and one JSON line (prefix ``RESULT``).
 """
 import argparse
+import atexit
 import gc
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -42,6 +44,7 @@ TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "nu
 
 def model_dir(name: str, **overrides) -> str:
     directory = Path(tempfile.mkdtemp(prefix=f"mempath-spec-{name}-"))
+    atexit.register(shutil.rmtree, directory, True)  # the bench made it: gone when it exits
     config = {**TARGET, **overrides}
     (directory / "config.json").write_text(json.dumps(config))
     return str(directory)

@@ -15,6 +15,7 @@ of one step's mask fill (xgrammar's batched fill, measured inside GrammarBitmask
 Prints a table and one RESULT JSON line.
 """
 import argparse
+import atexit
 import json
 import shutil
 import statistics
@@ -47,6 +48,7 @@ SCHEMA = {"type": "object", "properties": {"records": {"type": "array", "items":
 
 def shape_dir(shape: str, vocab: int) -> str:
     directory = Path(tempfile.mkdtemp(prefix=f"mempath-structured-{shape}-"))
+    atexit.register(shutil.rmtree, directory, True)  # the bench made it: gone when it exits
     shutil.copy(ROOT / "tests" / "data" / "configs" / f"{shape}.json", directory / "config.json")
     bpe_tokenizer.train(directory, vocab)
     return str(directory)

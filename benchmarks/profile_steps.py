@@ -2,12 +2,15 @@
 
     python benchmarks/profile_steps.py decode --shape llama-3.1-8b --batch 1 --context 128
     python benchmarks/profile_steps.py workload --shape qwen3-0.6b      # the throughput workload
+    python benchmarks/profile_steps.py mix --shape llama-3.1-8b         # bench_mix's 1,000 requests
 
 ``decode`` runs steady decode steps at a fixed batch and prints wall and GPU time
 per step and the torch.profiler kernel table. ``workload`` runs the throughput
 benchmark's 256 requests step by step and splits the wall time into GPU time
 (CUDA events around each step's device work) and host time, by step kind and
-batch size. GPU only. Prints a table and one JSON line (prefix ``RESULT``).
+batch size. ``mix`` submits bench_mix's lognormal mix at once (max_num_seqs 1,024) and prints the
+kernel tables of its first prefill-carrying steps (8,192 prompt tokens each) and of later ones that
+also carry hundreds of decode rows. GPU only. Prints a table and one JSON line (prefix ``RESULT``).
 """
 import argparse
 import json
@@ -193,6 +196,50 @@ def profile_workload_steps(engine, prompts, output_lens, top: int) -> dict:
     return tables
 
 
+def bench_mix_steps(args) -> dict:
+    from bench_mix import MixSpec, synthetic_mix
+    from torch.profiler import ProfilerActivity, profile
+
+    from mempath.model.loader import read_config
+    path = model_dir(args.shape)
+    prompts, output_lens = synthetic_mix(args.num_requests, 0, read_config(path)["vocab_size"], MixSpec())
+    llm = LLM(path, load_format="dummy", dtype="bfloat16", show_progress=False, max_model_len=4096,
+              max_num_seqs=1024, max_num_batched_tokens=8192, enforce_eager=args.enforce_eager)
+    engine = llm.engine
+    engine.outputs.emit_progress = False
+    # Warm-up over the same kinds of steps (full prefill chunks, mixed, decode), then a cold prefix cache.
+    llm.generate(prompts[-64:], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    engine.kv.pool.reset_prefix_cache()
+    for p, n in zip(prompts, output_lens):
+        engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    tables, step = {}, 0
+    for first, count in ((0, 2), (args.later_step, 2)):
+        while step < first:
+            engine.step()
+            step += 1
+        sched = engine.scheduler
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(count):
+                engine.step()
+            torch.cuda.synchronize()
+        step += count
+        rows = len(sched.running)
+        name = f"steps {first}-{first + count - 1} ({rows} running after)"
+        kernels = kernel_table(prof, args.top)
+        total = sum(k["total_us"] for k in kernel_table(prof, 10 ** 6)) / count
+        tables[name] = {"device_us_per_step": total,
+                        "kernels": [{**k, "us_per_step": k["total_us"] / count} for k in kernels]}
+        print(f"\n{name}: {total / 1e3:.2f} ms of kernels a step")
+        print(f"{'kernel':90} {'calls/step':>10} {'us/step':>9} {'share':>6}")
+        for k in kernels:
+            print(f"{k['name']:90} {k['count'] / count:>10.1f} {k['total_us'] / count:>9.1f} "
+                  f"{100 * k['total_us'] / count / total:>5.1f}%")
+    for request_id in list(engine.outputs.requests):
+        engine.abort_request(request_id)
+    return {"bench": "profile-mix", "shape": args.shape, "requests": args.num_requests, "tables": tables}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="bench", required=True)
@@ -206,10 +253,15 @@ def main() -> None:
     work.add_argument("--shape", default="qwen3-0.6b")
     work.add_argument("--num-requests", type=int, default=256)
     work.add_argument("--top", type=int, default=25)
+    mix = sub.add_parser("mix")
+    mix.add_argument("--shape", default="llama-3.1-8b")
+    mix.add_argument("--num-requests", type=int, default=1000)
+    mix.add_argument("--later-step", type=int, default=24, help="the second profiled pair of steps")
+    mix.add_argument("--top", type=int, default=25)
     for p in sub.choices.values():
         p.add_argument("--enforce-eager", action="store_true")
     args = parser.parse_args()
-    result = {"decode": bench_decode, "workload": bench_workload}[args.bench](args)
+    result = {"decode": bench_decode, "workload": bench_workload, "mix": bench_mix_steps}[args.bench](args)
     result.update(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"))
     print("RESULT " + json.dumps(result))
 

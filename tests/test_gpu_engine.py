@@ -31,24 +31,26 @@ def test_cuda_float32_matches_cpu_path(arch, tmp_path):
 
 def test_longest_first_decode_order_changes_no_token(tmp_path, monkeypatch):
     """Steps ordered longest first (the threshold lowered so a small batch reaches it), eager and replayed
-    from graphs captured with the order, padded rows included, give the CPU path's float32 tokens."""
+    from graphs captured with the order, padded rows included, give the unordered engine's float32 tokens
+    bit for bit. (Against the CPU path this many random-weight sequences meet near-ties: the order's claim
+    is that it changes nothing, and the unordered GPU path is held to the CPU by the test above.)"""
     from mempath.engine import runner as runner_module
     make_model(tmp_path, "llama")
     prompts = [[(7 * i + j) % 90 + 3 for j in range(3 + 11 * i % 61)] for i in range(13)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    cpu = LLM(str(tmp_path), dtype="float32", device="cpu", show_progress=False)
-    ref = [o.token_ids for o in cpu.generate(prompts, params, use_tqdm=False)]
-    monkeypatch.setattr(runner_module, "DECODE_ORDER_MIN_SEQS", 8)
     for eager in (True, False):
-        gpu = LLM(str(tmp_path), dtype="float32", device="cuda", show_progress=False, enforce_eager=eager,
-                  max_num_seqs=16)
-        runner = gpu.engine.runner
-        assert runner.decode_order_on(16) and not runner.decode_order_on(4)
-        assert bool(runner.graphs) == (not eager)
-        out = [o.token_ids for o in gpu.generate(prompts, params, use_tqdm=False)]
-        assert out == ref, f"eager={eager}"
-        del gpu
-        torch.cuda.empty_cache()
+        outs = {}
+        for min_seqs in (8, 10 ** 6):
+            monkeypatch.setattr(runner_module, "DECODE_ORDER_MIN_SEQS", min_seqs)
+            gpu = LLM(str(tmp_path), dtype="float32", device="cuda", show_progress=False, enforce_eager=eager,
+                      max_num_seqs=16)
+            runner = gpu.engine.runner
+            assert runner.decode_order_on(16) == (min_seqs == 8) and not runner.decode_order_on(4)
+            assert bool(runner.graphs) == (not eager)
+            outs[min_seqs] = [o.token_ids for o in gpu.generate(prompts, params, use_tqdm=False)]
+            del gpu
+            torch.cuda.empty_cache()
+        assert outs[8] == outs[10 ** 6], f"eager={eager}"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not kernels_common.use_pdl(torch.device("cuda")),

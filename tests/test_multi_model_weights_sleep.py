@@ -136,9 +136,12 @@ def test_an_arena_with_experts_in_host_memory_is_refused_in_one_line(model_facto
         LLM(path, dtype="float32", show_progress=False, weights_arena=True, moe_expert_cache_size=2)
 
 
-def test_the_wake_benchmark_runs_on_tiny_shapes(monkeypatch, capsys):
+def test_the_wake_benchmark_runs_on_tiny_shapes_and_leaves_no_files(monkeypatch, capsys, tmp_path):
+    """It writes its two models' configs into a temporary directory of its own, gone when it returns."""
     monkeypatch.setattr(sys, "argv", ["bench_sleep.py", "--tiny", "--repeats", "2"])
+    monkeypatch.setattr(__import__("tempfile"), "tempdir", str(tmp_path))
     bench_sleep.main()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("mempath")] == []  # (torch may cache there)
     result = [line for line in capsys.readouterr().out.splitlines() if line.startswith("RESULT ")]
     models = __import__("json").loads(result[0][len("RESULT "):])["models"]
     assert all(m["same_tokens"] and m["same_weights"] and len(m["wake_s"]) == 2 for m in models.values())
