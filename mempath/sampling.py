@@ -69,8 +69,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
-            raise ValueError(f"logprobs must be in [0, {max_logprobs}], got {self.logprobs}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= max_logprobs):
+            raise ValueError(f"logprobs must be a whole number in [0, {max_logprobs}], got {self.logprobs!r}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if any(not s for s in self.stop):
