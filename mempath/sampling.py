@@ -71,7 +71,7 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= max_logprobs):
-            raise ValueError(f"logprobs must be a whole number in [0, {max_logprobs}], got {self.logprobs!r}")
+            raise ValueError(f"logprobs must be in [0, {max_logprobs}] (a whole number), got {self.logprobs!r}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if any(not s for s in self.stop):

@@ -571,7 +571,7 @@ def test_wide_steps_order_their_sequences_longest_first(model_factory, monkeypat
 def test_a_logprobs_count_that_is_not_a_whole_number_is_refused_and_the_engine_keeps_serving(llm, bad):
     """It used to pass the range check (True is an int), fail inside the sampler's top-k, and leave the
     request scheduled: every later call raised the same error."""
-    with pytest.raises(ValueError, match="logprobs must be a whole number"):
+    with pytest.raises(ValueError, match=r"logprobs must be in \[0, \d+\] \(a whole number\)"):
         llm.generate("def f", SamplingParams(logprobs=bad, max_tokens=4))
     assert llm.generate("def f", greedy(3))[0].token_ids
     assert not llm.engine.has_unfinished_requests() and llm.stats()["kv_blocks_used"] == 0
