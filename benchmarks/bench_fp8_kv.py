@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from mempath import LLM, SamplingParams  # noqa: E402
+from mempath.kernels.attention_torch import token_major_v  # noqa: E402
 from mempath.memory.formulas import kv_bytes_per_token, read_shape  # noqa: E402
 
 KV_DTYPES = ("auto", "fp8")
@@ -69,17 +70,17 @@ def run_decode(args, kv: str, prompts: list[list[int]], config: dict) -> dict:
     return result
 
 
-VARIANT = re.compile(r"tile(16|32|64|128|256)(?:-s([1-8]))?(?:-w([1248]))?")
+VARIANT = re.compile(r"tile(16|32|64|128|256)(?:-s([1-8]))?(?:-w([1248]))?(-vt)?")
 
 
 def fp8_variant_list(text: str) -> list[str]:
-    """--fp8-variants: comma-separated tile<16..256>[-s<1..8>][-w<1|2|4|8>] names."""
+    """--fp8-variants: comma-separated tile<16..256>[-s<1..8>][-w<1|2|4|8>][-vt] names (-vt: V token-major)."""
     names = text.split(",")
     bad = [n for n in names if not VARIANT.fullmatch(n)]
     if bad:
         raise argparse.ArgumentTypeError(f"{bad}: a variant is tile16, tile32, tile64, tile128 or tile256, optionally "
-                                         f"with -s1..-s8 (pipeline stages) and -w1, -w2, -w4 or -w8 (warps), "
-                                         f"e.g. tile32-s6-w4")
+                                         f"with -s1..-s8 (pipeline stages), -w1, -w2, -w4 or -w8 (warps) and -vt "
+                                         f"(V token-major in each block), e.g. tile32-s6-w4-vt")
     return names
 
 
@@ -87,7 +88,7 @@ def set_fp8_variant(name: str) -> None:
     """"tile128" or "tile32-s6-w2" -> the decode kernel's tile, pipeline stages and warps over an fp8
     cache (module settings, read at launch; left out: the kernel's own choice)."""
     from mempath.kernels import attention_triton as ta
-    tile, stages, warps = VARIANT.fullmatch(name).groups()
+    tile, stages, warps, _ = VARIANT.fullmatch(name).groups()
     ta.DECODE_TILE_FP8 = int(tile)
     ta.FP8_DECODE_STAGES = int(stages) if stages else None
     ta.FP8_DECODE_WARPS = int(warps) if warps else None
@@ -166,21 +167,24 @@ def bench_kernel(args) -> list[dict]:
                    "bf16_us": 1e3 * bench_kernels.bench(lambda: run(pb.k_cache, pb.v_cache))}
             row["bf16_tb_s"] = 2 * fp8_bytes / row["bf16_us"] / 1e6
             k8, v8 = pb.k_cache.to(torch.float8_e4m3fn), pb.v_cache.to(torch.float8_e4m3fn)
+            v8_token_major = token_major_v(torch.empty_like(v8))
+            v8_token_major.copy_(v8)
             set_fp8_variant(defaults)
             reference = run(k8, v8).float().clone()
             row["fp8"] = {}
             names = args.fp8_variants or FP8_VARIANTS
             for name in names:
                 set_fp8_variant(name)
-                us = 1e3 * bench_kernels.bench(lambda: run(k8, v8))
-                err = (run(k8, v8).float() - reference).abs().max().item()
+                v = v8_token_major if name.endswith("-vt") else v8
+                us = 1e3 * bench_kernels.bench(lambda: run(k8, v))
+                err = (run(k8, v).float() - reference).abs().max().item()
                 row["fp8"][name] = {"us": us, "tb_s": fp8_bytes / us / 1e6, "max_diff": err}
             best = min(row["fp8"], key=lambda k: row["fp8"][k]["us"])
             print(f"  batch {batch:3d} context {context:5d}: bf16 {row['bf16_us']:.1f} ({row['bf16_tb_s']:.2f}); "
                   + "; ".join(f"{k} {v['us']:.1f} ({v['tb_s']:.2f}, {v['max_diff']:.1e})" for k, v in row["fp8"].items())
                   + f"; best {best}: {row['bf16_us'] / row['fp8'][best]['us']:.2f}x bf16")
             results.append(row)
-            del pb, k8, v8
+            del pb, k8, v8, v8_token_major
             torch.cuda.empty_cache()
     finally:
         set_fp8_variant(defaults)

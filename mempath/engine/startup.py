@@ -460,7 +460,10 @@ class Startup:
         in the model directory (docs/tiers.md).
         """
         c = self.config
-        parts = [self.dtype_name, c.load_format] + ([] if c.kv_cache_dtype == "auto" else [str(c.kv_torch_dtype(self.dtype))])
+        # An fp8 cache's blocks hold V token-major (attention_torch.token_major_v): blocks written before that
+        # layout carry no such part, so they never match.
+        parts = [self.dtype_name, c.load_format] + ([] if c.kv_cache_dtype == "auto"
+                                                    else [str(c.kv_torch_dtype(self.dtype)), "v=token-major"])
         if self.spec.quantization:  # fp8 weights compute other KV from the same files
             parts.append(f"weights={self.spec.quantization}")
         if c.disk_kv_path:
