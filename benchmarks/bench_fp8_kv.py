@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from mempath import LLM, SamplingParams  # noqa: E402
 from mempath.kernels.attention_torch import token_major_v  # noqa: E402
+from mempath.model import llama  # noqa: E402
 from mempath.memory.formulas import kv_bytes_per_token, read_shape  # noqa: E402
 
 KV_DTYPES = ("auto", "fp8")
@@ -109,15 +110,21 @@ def bench_decode(args, extra_fp8_variant: str | None = None) -> list[dict]:
     mean_context = args.context + args.new_tokens / 2
     results = []
     default = current_fp8_variant()
-    runs = [("auto", None), ("fp8", default)] + ([("fp8", extra_fp8_variant)] if extra_fp8_variant
-                                                 and extra_fp8_variant != default else [])
+    # "-vt": V token-major (llama.FP8_V_TOKEN_MAJOR, the engine's default); without it V in K's layout.
+    default_vt = default + "-vt" if llama.FP8_V_TOKEN_MAJOR else default
+    fp8_runs = [default_vt] + list(dict.fromkeys(v for v in (args.decode_fp8_variants or []) + [extra_fp8_variant]
+                                                 if v and v != default_vt))
+    runs = [("auto", None)] + [("fp8", v) for v in fp8_runs]
+    saved_layout = llama.FP8_V_TOKEN_MAJOR
     for kv, variant in runs:
         if variant:
             set_fp8_variant(variant)
+            llama.FP8_V_TOKEN_MAJOR = variant.endswith("-vt")
         try:
             r = run_decode(args, kv, prompts, config)
         finally:
             set_fp8_variant(default)
+            llama.FP8_V_TOKEN_MAJOR = saved_layout
         r["fp8_decode_kernel"] = variant
         limit = decode_read_limit_ms(r["weight_bytes"], r["kv_bytes_per_token"], args.batch, mean_context, bandwidth)
         r.update(bench="fp8-kv-decode", shape=args.shape, batch=args.batch, context=args.context,
@@ -127,11 +134,13 @@ def bench_decode(args, extra_fp8_variant: str | None = None) -> list[dict]:
     base, fp8 = results[0], max(results[1:], key=lambda r: r["output_tok_s"])
     print(f"\ndecode: {args.shape}, batch {args.batch}, context {args.context}, {args.new_tokens} new tokens; "
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    print(f"{'KV':>18} {'blocks':>8} {'ms/step':>8} {'tok/s':>8} {'limit ms':>9} {'of limit':>9} {'prefill s':>10}")
+    print(f"{'KV':>22} {'blocks':>8} {'ms/step':>8} {'tok/s':>8} {'limit ms':>9} {'of limit':>9} {'prefill s':>10}")
     for r in results:
         label = r["kv_cache_dtype"] + (" " + r["fp8_decode_kernel"] if r["fp8_decode_kernel"] else "")
-        print(f"{label:>18} {r['kv_blocks']:>8} {r['ms_per_step']:>8.2f} {r['output_tok_s']:>8.0f} "
+        print(f"{label:>22} {r['kv_blocks']:>8} {r['ms_per_step']:>8.2f} {r['output_tok_s']:>8.0f} "
               f"{r['limit_ms_per_step']:>9.2f} {100 * r['of_limit']:>8.1f}% {r['prefill_s']:>10.1f}")
+    for r in results[1:]:
+        r["tok_s_over_bf16"] = r["output_tok_s"] / base["output_tok_s"]
     print(f"fp8 ({fp8['fp8_decode_kernel']}) / bf16: {fp8['output_tok_s'] / base['output_tok_s']:.2f}x tok/s, "
           f"{fp8['kv_blocks'] / base['kv_blocks']:.3f}x blocks; every prompt found "
           f"{min(r['min_cached_prompt_tokens'] for r in results)} of its {args.context} tokens cached")
@@ -249,6 +258,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--prompts", type=int, default=200)
     parser.add_argument("--fp8-variants", type=fp8_variant_list, default=None,
                         help="the kernel part's fp8 launches, e.g. tile32-s6,tile64-w8 (default: FP8_VARIANTS)")
+    parser.add_argument("--decode-fp8-variants", type=fp8_variant_list, default=None,
+                        help="the decode part's fp8 engines beside the default and the kernel part's fastest at the "
+                             "decode case, e.g. tile128-s5 (V in K's layout)")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' answers in the retrieval part")
     args = parser.parse_args(argv)
     parts = args.parts.split(",")
