@@ -41,8 +41,6 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from mempath import LLM, SamplingParams  # noqa: E402
-from mempath.kernels.attention_torch import token_major_v  # noqa: E402
-from mempath.model import llama  # noqa: E402
 from mempath.memory.formulas import kv_bytes_per_token, read_shape  # noqa: E402
 
 KV_DTYPES = ("auto", "fp8")
@@ -71,17 +69,17 @@ def run_decode(args, kv: str, prompts: list[list[int]], config: dict) -> dict:
     return result
 
 
-VARIANT = re.compile(r"tile(16|32|64|128|256)(?:-s([1-8]))?(?:-w([1248]))?(-vt)?")
+VARIANT = re.compile(r"tile(16|32|64|128|256)(?:-s([1-8]))?(?:-w([1248]))?")
 
 
 def fp8_variant_list(text: str) -> list[str]:
-    """--fp8-variants: comma-separated tile<16..256>[-s<1..8>][-w<1|2|4|8>][-vt] names (-vt: V token-major)."""
+    """--fp8-variants: comma-separated tile<16..256>[-s<1..8>][-w<1|2|4|8>] names."""
     names = text.split(",")
     bad = [n for n in names if not VARIANT.fullmatch(n)]
     if bad:
         raise argparse.ArgumentTypeError(f"{bad}: a variant is tile16, tile32, tile64, tile128 or tile256, optionally "
-                                         f"with -s1..-s8 (pipeline stages), -w1, -w2, -w4 or -w8 (warps) and -vt "
-                                         f"(V token-major in each block), e.g. tile32-s6-w4-vt")
+                                         f"with -s1..-s8 (pipeline stages) and -w1, -w2, -w4 or -w8 (warps), "
+                                         f"e.g. tile32-s6-w4")
     return names
 
 
@@ -89,7 +87,7 @@ def set_fp8_variant(name: str) -> None:
     """"tile128" or "tile32-s6-w2" -> the decode kernel's tile, pipeline stages and warps over an fp8
     cache (module settings, read at launch; left out: the kernel's own choice)."""
     from mempath.kernels import attention_triton as ta
-    tile, stages, warps, _ = VARIANT.fullmatch(name).groups()
+    tile, stages, warps = VARIANT.fullmatch(name).groups()
     ta.DECODE_TILE_FP8 = int(tile)
     ta.FP8_DECODE_STAGES = int(stages) if stages else None
     ta.FP8_DECODE_WARPS = int(warps) if warps else None
@@ -110,21 +108,15 @@ def bench_decode(args, extra_fp8_variant: str | None = None) -> list[dict]:
     mean_context = args.context + args.new_tokens / 2
     results = []
     default = current_fp8_variant()
-    # "-vt": V token-major (llama.FP8_V_TOKEN_MAJOR, the engine's default); without it V in K's layout.
-    default_vt = default + "-vt" if llama.FP8_V_TOKEN_MAJOR else default
-    fp8_runs = [default_vt] + list(dict.fromkeys(v for v in (args.decode_fp8_variants or []) + [extra_fp8_variant]
-                                                 if v and v != default_vt))
-    runs = [("auto", None)] + [("fp8", v) for v in fp8_runs]
-    saved_layout = llama.FP8_V_TOKEN_MAJOR
+    runs = [("auto", None), ("fp8", default)] + ([("fp8", extra_fp8_variant)] if extra_fp8_variant
+                                                 and extra_fp8_variant != default else [])
     for kv, variant in runs:
         if variant:
             set_fp8_variant(variant)
-            llama.FP8_V_TOKEN_MAJOR = variant.endswith("-vt")
         try:
             r = run_decode(args, kv, prompts, config)
         finally:
             set_fp8_variant(default)
-            llama.FP8_V_TOKEN_MAJOR = saved_layout
         r["fp8_decode_kernel"] = variant
         limit = decode_read_limit_ms(r["weight_bytes"], r["kv_bytes_per_token"], args.batch, mean_context, bandwidth)
         r.update(bench="fp8-kv-decode", shape=args.shape, batch=args.batch, context=args.context,
@@ -134,13 +126,11 @@ def bench_decode(args, extra_fp8_variant: str | None = None) -> list[dict]:
     base, fp8 = results[0], max(results[1:], key=lambda r: r["output_tok_s"])
     print(f"\ndecode: {args.shape}, batch {args.batch}, context {args.context}, {args.new_tokens} new tokens; "
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    print(f"{'KV':>22} {'blocks':>8} {'ms/step':>8} {'tok/s':>8} {'limit ms':>9} {'of limit':>9} {'prefill s':>10}")
+    print(f"{'KV':>18} {'blocks':>8} {'ms/step':>8} {'tok/s':>8} {'limit ms':>9} {'of limit':>9} {'prefill s':>10}")
     for r in results:
         label = r["kv_cache_dtype"] + (" " + r["fp8_decode_kernel"] if r["fp8_decode_kernel"] else "")
-        print(f"{label:>22} {r['kv_blocks']:>8} {r['ms_per_step']:>8.2f} {r['output_tok_s']:>8.0f} "
+        print(f"{label:>18} {r['kv_blocks']:>8} {r['ms_per_step']:>8.2f} {r['output_tok_s']:>8.0f} "
               f"{r['limit_ms_per_step']:>9.2f} {100 * r['of_limit']:>8.1f}% {r['prefill_s']:>10.1f}")
-    for r in results[1:]:
-        r["tok_s_over_bf16"] = r["output_tok_s"] / base["output_tok_s"]
     print(f"fp8 ({fp8['fp8_decode_kernel']}) / bf16: {fp8['output_tok_s'] / base['output_tok_s']:.2f}x tok/s, "
           f"{fp8['kv_blocks'] / base['kv_blocks']:.3f}x blocks; every prompt found "
           f"{min(r['min_cached_prompt_tokens'] for r in results)} of its {args.context} tokens cached")
@@ -176,24 +166,21 @@ def bench_kernel(args) -> list[dict]:
                    "bf16_us": 1e3 * bench_kernels.bench(lambda: run(pb.k_cache, pb.v_cache))}
             row["bf16_tb_s"] = 2 * fp8_bytes / row["bf16_us"] / 1e6
             k8, v8 = pb.k_cache.to(torch.float8_e4m3fn), pb.v_cache.to(torch.float8_e4m3fn)
-            v8_token_major = token_major_v(torch.empty_like(v8))
-            v8_token_major.copy_(v8)
             set_fp8_variant(defaults)
             reference = run(k8, v8).float().clone()
             row["fp8"] = {}
             names = args.fp8_variants or FP8_VARIANTS
             for name in names:
                 set_fp8_variant(name)
-                v = v8_token_major if name.endswith("-vt") else v8
-                us = 1e3 * bench_kernels.bench(lambda: run(k8, v))
-                err = (run(k8, v).float() - reference).abs().max().item()
+                us = 1e3 * bench_kernels.bench(lambda: run(k8, v8))
+                err = (run(k8, v8).float() - reference).abs().max().item()
                 row["fp8"][name] = {"us": us, "tb_s": fp8_bytes / us / 1e6, "max_diff": err}
             best = min(row["fp8"], key=lambda k: row["fp8"][k]["us"])
             print(f"  batch {batch:3d} context {context:5d}: bf16 {row['bf16_us']:.1f} ({row['bf16_tb_s']:.2f}); "
                   + "; ".join(f"{k} {v['us']:.1f} ({v['tb_s']:.2f}, {v['max_diff']:.1e})" for k, v in row["fp8"].items())
                   + f"; best {best}: {row['bf16_us'] / row['fp8'][best]['us']:.2f}x bf16")
             results.append(row)
-            del pb, k8, v8, v8_token_major
+            del pb, k8, v8
             torch.cuda.empty_cache()
     finally:
         set_fp8_variant(defaults)
@@ -258,9 +245,6 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--prompts", type=int, default=200)
     parser.add_argument("--fp8-variants", type=fp8_variant_list, default=None,
                         help="the kernel part's fp8 launches, e.g. tile32-s6,tile64-w8 (default: FP8_VARIANTS)")
-    parser.add_argument("--decode-fp8-variants", type=fp8_variant_list, default=None,
-                        help="the decode part's fp8 engines beside the default and the kernel part's fastest at the "
-                             "decode case, e.g. tile128-s5 (V in K's layout)")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' answers in the retrieval part")
     args = parser.parse_args(argv)
     parts = args.parts.split(",")

@@ -20,7 +20,7 @@ import torch
 from mempath import LLM, SamplingParams
 from mempath.config import EngineConfig
 from mempath.kernels import elementwise_torch as ops
-from mempath.kernels.attention_torch import paged_attention, quantize_kv, token_major_v, write_kv
+from mempath.kernels.attention_torch import paged_attention, quantize_kv, write_kv
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -140,12 +140,6 @@ def check_fp8_write_kv(ta, dtype, device, src_dtype, on_grid=True, seed=0):
     got_k, got_v = init[0].clone(), init[1].clone()
     ta.triton_write_kv(key, value, got_k, got_v, slots)
     assert same_bytes(got_k, ref_k) and same_bytes(got_v, ref_v)
-    # V token-major in each block, as the engine keeps an fp8 cache: the same values, other byte order
-    memory = torch.empty_like(init[1])
-    got_v = token_major_v(memory)
-    got_v.copy_(init[1])
-    ta.triton_write_kv(key, value, got_k, got_v, slots)
-    assert same_bytes(got_v, ref_v) and not same_bytes(memory, ref_v)
 
 
 def fp8_case(seqs, dtype, query_dtype, device, group=2, seed=0):
@@ -159,18 +153,11 @@ def fp8_case(seqs, dtype, query_dtype, device, group=2, seed=0):
     return case
 
 
-def check_fp8_attention(ta, dtype, query_dtype, device, group, v_token_major=True):
-    """``v_token_major``: V kept as the engine keeps an fp8 cache (token-major in each block,
-    ``token_major_v``), else in the K layout; its unused slots hold NaN in either."""
+def check_fp8_attention(ta, dtype, query_dtype, device, group):
     decode = fp8_case([(1, n) for n in (1, 7, 9, 64, 65, 200)], dtype, query_dtype, device, group, seed=group)
     mixed = fp8_case([(1, 1), (9, 9), (1, 77), (33, 100), (70, 70), (5, 67)], dtype, query_dtype, device,
                      group, seed=group + 1)
     for case, kernels in ((decode, ("decode", "auto")), (mixed, ("prefill", "auto"))):
-        if v_token_major:
-            v_cache = token_major_v(torch.empty_like(case.v_cache))
-            v_cache.copy_(case.v_cache)
-            case.v_cache = v_cache
-            assert ta.v_token_major(case.v_cache)
         ref = case.reference()  # the twin: float32 over the dequantized cache
         for kernel in kernels:
             out = case.poisoned_out()
@@ -207,15 +194,12 @@ def check_fp8_rope_and_store(tops, dtype, device, act_dtype, on_grid=True, seed=
     slots = torch.randperm(4 * block, generator=gen)[:tokens]
     slots[::4] = -1
     slots = slots.to(device)
-    caches = [torch.full((4, block, kv_heads, dim), float("nan"), device=device).to(dtype) for _ in range(5)]
-    caches[4] = token_major_v(caches[4])  # V as the engine keeps an fp8 cache
+    caches = [torch.full((4, block, kv_heads, dim), float("nan"), device=device).to(dtype) for _ in range(4)]
     ref_q = ops.rope_and_store_torch(positions, q.clone(), k.clone(), v, cos, sin, caches[0], caches[1],
                                      slots)
     tops.triton_rope_and_store(positions, q, k, v, cos, sin, caches[2], caches[3], slots)
     assert torch.equal(q, ref_q)
     assert same_bytes(caches[2], caches[0]) and same_bytes(caches[3], caches[1])
-    tops.triton_rope_and_store(positions, q.clone(), k.clone(), v, cos, sin, caches[2], caches[4], slots)
-    assert same_bytes(caches[4], caches[1])
 
 
 INTERPRETED = {}
@@ -229,8 +213,6 @@ for _dt in FP8:
         _g = 1 if _src == torch.float32 else 4  # the GPU tests take every pair
         INTERPRETED[f"attention_{_n}_{_s}_g{_g}"] = (
             lambda ta, tops, d=_dt, s=_src, g=_g: check_fp8_attention(ta, d, s, "cpu", g))
-        INTERPRETED[f"attention_{_n}_{_s}_g{_g}_v_like_k"] = (
-            lambda ta, tops, d=_dt, s=_src, g=_g: check_fp8_attention(ta, d, s, "cpu", g, v_token_major=False))
 
 
 def check_fp8_attention_tile(ta, dtype, device, tile, stages=None, warps=None):
@@ -298,10 +280,9 @@ def test_gpu_fp8_write_kernels_match_twin(dtype, src):
 @pytest.mark.parametrize("dtype", FP8)
 @pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("group", [1, 4, 8])
-@pytest.mark.parametrize("v_token_major", [True, False])
-def test_gpu_fp8_attention_matches_twin(dtype, query_dtype, group, v_token_major):
+def test_gpu_fp8_attention_matches_twin(dtype, query_dtype, group):
     from mempath.kernels import attention_triton as ta
-    check_fp8_attention(ta, dtype, query_dtype, "cuda", group, v_token_major)
+    check_fp8_attention(ta, dtype, query_dtype, "cuda", group)
 
 
 @pytest.mark.parametrize("tile, stages, warps", [(48, None, None), (8, None, None), (128, 0, None),
@@ -377,10 +358,6 @@ def test_fp8_cache_holds_four_times_the_float32_blocks(model_factory):
     assert fp8.kv.num_blocks == 4 * full.kv.num_blocks
     layer = next(iter(fp8.model.attention_layers()))
     assert layer.k_cache.dtype == torch.float8_e4m3fn
-    # V token-major in each block over fp8 only (what the fp8 decode kernel reads fastest); K as before
-    from mempath.kernels.attention_triton import v_token_major
-    assert v_token_major(layer.v_cache) and not v_token_major(layer.k_cache)
-    assert not v_token_major(next(iter(full.model.attention_layers())).v_cache)
     # The ledger counts the bytes allocated: the same budget, a quarter of the bytes per block.
     assert fp8.ledger.get("kv_cache") == fp8.kv.num_blocks * fp8.runner.kv_bytes_per_block()
     assert fp8.ledger.get("kv_cache") == full.ledger.get("kv_cache")

@@ -165,7 +165,9 @@ class ModelRunner:
         self.kv_cache = torch.empty(
             s.num_layers, 2, num_blocks, self.block_size, s.num_kv_heads, s.head_dim,
             dtype=storage_dtype, device=self.device)
-        self.model.attach_kv_cache(self.kv_cache, kv_dtype)
+        for i, attn in enumerate(self.model.attention_layers()):
+            attn.k_cache = self.kv_cache[i, 0].view(kv_dtype)
+            attn.v_cache = self.kv_cache[i, 1].view(kv_dtype)
 
     # ----------------------------------------------------------------- inputs
     def prepare(self, batch: ScheduledBatch, sampling: set[int], pad_to: int | None = None,

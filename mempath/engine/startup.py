@@ -26,7 +26,6 @@ from mempath.memory.device_cap import hold_device_cap
 from mempath.memory.formulas import resolve_expert_cache_size, shape_from_spec
 from mempath.memory.ledger import Pathway, format_bytes
 from mempath.memory.oom import oom_guard
-from mempath.model import llama
 from mempath.model.moe import expert_slot_bytes
 from mempath.model.moe_host import check_cpu_experts, set_cpu_experts
 from mempath.model.spec import ConfigFields, ModelSpec
@@ -461,11 +460,7 @@ class Startup:
         in the model directory (docs/tiers.md).
         """
         c = self.config
-        # An fp8 cache's blocks may hold V token-major (llama.FP8_V_TOKEN_MAJOR): blocks of the other layout
-        # never match.
-        parts = [self.dtype_name, c.load_format]
-        if c.kv_cache_dtype != "auto":
-            parts += [str(c.kv_torch_dtype(self.dtype))] + (["v=token-major"] if llama.FP8_V_TOKEN_MAJOR else [])
+        parts = [self.dtype_name, c.load_format] + ([] if c.kv_cache_dtype == "auto" else [str(c.kv_torch_dtype(self.dtype))])
         if self.spec.quantization:  # fp8 weights compute other KV from the same files
             parts.append(f"weights={self.spec.quantization}")
         if c.disk_kv_path:

@@ -38,19 +38,6 @@ def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     return x.float().clamp(-limit, limit).to(cache_dtype)
 
 
-def token_major_v(v_cache: torch.Tensor) -> torch.Tensor:
-    """The same memory as ``v_cache`` (``[num_blocks, block_size, num_kv_heads, head_dim]``, each block's
-    elements contiguous), read with every block's V token-major: ``[num_kv_heads, head_dim, block_size]``
-    in memory, indexed as before. An fp8 cache keeps V so: the decode kernel then reads a tile's tokens
-    (the reduction axis of its second dot) contiguous, which an fp8 tile needs to reach the tensor cores
-    without byte-wise reads (BENCHMARKS.md, "fp8 KV: V token-major"). Indexing, the tiers' block copies and
-    a page pool's byte layout are unchanged; only what the bytes inside a block mean differs."""
-    num_blocks, block_size, num_kv_heads, head_dim = v_cache.shape
-    if v_cache.stride(1) != num_kv_heads * head_dim or v_cache.stride(2) != head_dim or v_cache.stride(3) != 1:
-        raise ValueError(f"token_major_v takes a cache with contiguous blocks, got strides {v_cache.stride()}")
-    return v_cache.as_strided(v_cache.shape, (v_cache.stride(0), 1, head_dim * block_size, block_size))
-
-
 def write_kv(
     key: torch.Tensor,
     value: torch.Tensor,

@@ -184,80 +184,27 @@ if HAS_TRITON:
         return ((seq_len + num_splits - 1) // num_splits + TILE - 1) // TILE * TILE
 
     @triton.jit
-    def _load_cache_tile(cache_ptr, bt_row, pos, valid, kv_head, dims, dim_mask,
-                         stride_blk, stride_off, stride_h, stride_d, compute_dtype, BLOCK_SIZE: tl.constexpr):
-        """One KV head's K (or V) at token positions ``pos`` of a sequence, found through its block-table
-        row ``bt_row``, in ``compute_dtype`` (an fp8 cache is dequantized here, scale 1.0; otherwise a
-        no-op). ``valid`` masks positions past the range; None: every position is in range, and the
-        loads need no mask but the head dimension's."""
+    def _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, pos, valid, kv_head, dims, dim_mask,
+                      stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
+                      stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d,
+                      compute_dtype, BLOCK_SIZE: tl.constexpr):
+        """K and V of one KV head at token positions ``pos`` of a sequence, found through its
+        block-table row ``bt_row``, in ``compute_dtype`` (an fp8 cache is dequantized here, scale
+        1.0; otherwise a no-op). ``valid`` masks positions past the range; None: every position
+        is in range, and the loads need no mask but the head dimension's."""
         if valid is None:
             block = tl.load(bt_row + pos // BLOCK_SIZE).to(tl.int64)
         else:
             block = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         offset = pos % BLOCK_SIZE
-        mask = dim_mask[None, :] if valid is None else valid[:, None] & dim_mask[None, :]
-        x = tl.load(cache_ptr + block[:, None] * stride_blk + offset[:, None] * stride_off
-                    + kv_head * stride_h + dims[None, :] * stride_d, mask=mask, other=0.0)
-        return x.to(compute_dtype)
-
-    @triton.jit
-    def _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, pos, valid, kv_head, dims, dim_mask,
-                      stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
-                      stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d,
-                      compute_dtype, BLOCK_SIZE: tl.constexpr):
-        """K and V through ``_load_cache_tile`` (either layout: the strides say where a token lies)."""
-        k = _load_cache_tile(k_cache_ptr, bt_row, pos, valid, kv_head, dims, dim_mask,
-                             stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d, compute_dtype, BLOCK_SIZE)
-        v = _load_cache_tile(v_cache_ptr, bt_row, pos, valid, kv_head, dims, dim_mask,
-                             stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d, compute_dtype, BLOCK_SIZE)
-        return k, v
-
-    @triton.jit
-    def _load_v_tile_token_major(v_cache_ptr, bt_row, pos, end, valid, kv_head, dims, dim_mask,
-                                 stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d,
-                                 compute_dtype, BLOCK_SIZE: tl.constexpr):
-        """V of one KV head at positions ``pos`` (a tile starting at a multiple of BLOCK_SIZE) from a cache
-        whose blocks hold V token-major (``stride_vc_off == 1``: a head dimension's BLOCK_SIZE tokens are
-        adjacent). Loaded as [dims, tokens] and masked a whole block at a time, each dimension's tokens of a
-        block are one wide load, and the tile reaches the second dot with its reduction axis (the tokens)
-        contiguous: an fp8 tile then needs no byte-wise shared-memory reads. Positions past ``end`` inside
-        the last block hold whatever the slot held: they are zeroed (``valid``; None: every position is in
-        range), since a stale NaN times a zero weight is still NaN."""
-        block_first = pos // BLOCK_SIZE * BLOCK_SIZE
-        block = tl.load(bt_row + pos // BLOCK_SIZE, mask=block_first < end, other=0).to(tl.int64)
-        offsets = (block[None, :] * stride_vc_blk + (pos % BLOCK_SIZE)[None, :] * stride_vc_off
-                   + kv_head * stride_vc_h + dims[:, None] * stride_vc_d)
-        # A block's tokens are adjacent (the block table is read per token, so the compiler cannot see it).
-        offsets = tl.max_contiguous(tl.multiple_of(offsets, [1, BLOCK_SIZE]), [1, BLOCK_SIZE])
-        v = tl.load(v_cache_ptr + offsets, mask=dim_mask[:, None] & (block_first < end)[None, :], other=0.0)
-        v = tl.trans(v.to(compute_dtype))
-        if valid is not None:
-            v = tl.where(valid[:, None], v, 0.0)
-        return v
-
-    @triton.jit
-    def _decode_tile_token_major(q, k_cache_ptr, v_cache_ptr, bt_row, pos, end, MASKED: tl.constexpr, kv_head, dims,
-                                 dim_mask, m_i, l_i, acc, qk_scale,
-                                 stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
-                                 stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d,
-                                 PRECISION: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-        """One KV tile of the decode kernel over a token-major V: the running max, sum and output updated.
-        ``MASKED``: the tile may pass ``end`` (the last one); the others load and compute with no mask, so
-        the converted V tile goes straight to the dot's registers."""
-        valid = pos < end if MASKED else None
-        k = _load_cache_tile(k_cache_ptr, bt_row, pos, valid, kv_head, dims, dim_mask, stride_kc_blk,
-                             stride_kc_off, stride_kc_h, stride_kc_d, q.dtype, BLOCK_SIZE)
-        v = _load_v_tile_token_major(v_cache_ptr, bt_row, pos, end, valid, kv_head, dims, dim_mask,
-                                     stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d, q.dtype, BLOCK_SIZE)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        if MASKED:
-            s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        return m_new, l_i, acc
+        kv_mask = dim_mask[None, :] if valid is None else valid[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + block[:, None] * stride_kc_blk + offset[:, None] * stride_kc_off
+                    + kv_head * stride_kc_h + dims[None, :] * stride_kc_d,
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + block[:, None] * stride_vc_blk + offset[:, None] * stride_vc_off
+                    + kv_head * stride_vc_h + dims[None, :] * stride_vc_d,
+                    mask=kv_mask, other=0.0)
+        return k.to(compute_dtype), v.to(compute_dtype)
 
     @triton.jit
     def _write_kv_kernel(
@@ -311,7 +258,7 @@ if HAS_TRITON:
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
         SPLIT: tl.constexpr, PRECISION: tl.constexpr, VARLEN: tl.constexpr, KV_FP8: tl.constexpr,
-        DOTS_FP16: tl.constexpr, ORDERED: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr, PDL: tl.constexpr,
+        DOTS_FP16: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr,
     ):
         pdl_wait(PDL)
         # The KV heads vary fastest, so a sequence's programs start together; with ORDERED the
@@ -354,36 +301,20 @@ if HAS_TRITON:
         l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
         acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
         tok = tl.arange(0, TILE)
-        if V_TOKEN_MAJOR:
-            # Whole tiles first, unmasked; the last, partial tile alone (its stale slots zeroed).
-            full_end = start + (end - start) // TILE * TILE
-            for n in range(start, full_end, TILE):
-                m_i, l_i, acc = _decode_tile_token_major(
-                    q, k_cache_ptr, v_cache_ptr, bt_row, tl.multiple_of(n, TILE) + tok, end, False, kv_head, dims,
-                    dim_mask, m_i, l_i, acc, qk_scale,
-                    stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
-                    stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d, PRECISION, BLOCK_SIZE)
-            if full_end < end:
-                m_i, l_i, acc = _decode_tile_token_major(
-                    q, k_cache_ptr, v_cache_ptr, bt_row, tl.multiple_of(full_end, TILE) + tok, end, True, kv_head,
-                    dims, dim_mask, m_i, l_i, acc, qk_scale,
-                    stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
-                    stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d, PRECISION, BLOCK_SIZE)
-        else:
-            for n in range(start, end, TILE):
-                pos = n + tok
-                valid = pos < end
-                k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, pos, valid, kv_head, dims, dim_mask,
-                                     stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
-                                     stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d, q.dtype, BLOCK_SIZE)
-                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-                s = tl.where(valid[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-                m_i = m_new
+        for n in range(start, end, TILE):
+            pos = n + tok
+            valid = pos < end
+            k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, pos, valid, kv_head, dims, dim_mask,
+                                 stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
+                                 stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d, q.dtype, BLOCK_SIZE)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
 
         # An empty sequence (padding in a captured batch) yields zeros.
         out = acc / tl.maximum(l_i, 1.0e-30)[:, None]
@@ -445,8 +376,7 @@ if HAS_TRITON:
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        PRECISION: tl.constexpr, SKIP_DECODE: tl.constexpr, KV_FP8: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr,
-        PDL: tl.constexpr,
+        PRECISION: tl.constexpr, SKIP_DECODE: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr,
     ):
         pdl_wait(PDL)
         # The longest-running tiles (the last queries, which see the most keys)
@@ -496,17 +426,9 @@ if HAS_TRITON:
         full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
         for n in range(0, full_end, BLOCK_N):
             pos = n + cols
-            if V_TOKEN_MAJOR:
-                k = _load_cache_tile(k_cache_ptr, bt_row, pos, None, kv_head, dims, dim_mask, stride_kc_blk,
-                                     stride_kc_off, stride_kc_h, stride_kc_d, q.dtype, BLOCK_SIZE)
-                v = _load_v_tile_token_major(v_cache_ptr, bt_row, tl.multiple_of(n, BLOCK_N) + cols, seq_len, None,
-                                             kv_head, dims, dim_mask,
-                                             stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d, q.dtype,
-                                             BLOCK_SIZE)
-            else:
-                k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, pos, None, kv_head, dims, dim_mask,
-                                     stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
-                                     stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d, q.dtype, BLOCK_SIZE)
+            k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, pos, None, kv_head, dims, dim_mask,
+                                 stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
+                                 stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d, q.dtype, BLOCK_SIZE)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
@@ -520,17 +442,9 @@ if HAS_TRITON:
         for n in range(full_end, kv_end, BLOCK_N):
             pos = n + cols
             valid = pos < kv_end
-            if V_TOKEN_MAJOR:
-                k = _load_cache_tile(k_cache_ptr, bt_row, pos, valid, kv_head, dims, dim_mask, stride_kc_blk,
-                                     stride_kc_off, stride_kc_h, stride_kc_d, q.dtype, BLOCK_SIZE)
-                v = _load_v_tile_token_major(v_cache_ptr, bt_row, tl.multiple_of(n, BLOCK_N) + cols, kv_end, valid,
-                                             kv_head, dims, dim_mask,
-                                             stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d, q.dtype,
-                                             BLOCK_SIZE)
-            else:
-                k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, pos, valid, kv_head, dims, dim_mask,
-                                     stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
-                                     stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d, q.dtype, BLOCK_SIZE)
+            k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, pos, valid, kv_head, dims, dim_mask,
+                                 stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
+                                 stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d, q.dtype, BLOCK_SIZE)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
             s = tl.where(visible, s, float("-inf"))
@@ -551,21 +465,6 @@ def _compute_dtype(query: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
     """What the attention kernels multiply in: the cache dtype, or the query's over an fp8 cache
     (except the decode kernel's float16 for a bfloat16 query over fp8: its launcher says so)."""
     return query.dtype if is_fp8(k_cache.dtype) else k_cache.dtype
-
-
-def v_token_major(v_cache: torch.Tensor) -> bool:
-    """Whether ``v_cache`` (``[num_blocks, block_size, num_kv_heads, head_dim]`` as indexed) keeps each
-    block's V token-major: a head dimension's ``block_size`` tokens adjacent (``mempath.kv.layout``)."""
-    return v_cache.shape[1] > 1 and v_cache.stride(1) == 1 and v_cache.stride(3) == v_cache.shape[1]
-
-
-def _v_by_block(v_cache: torch.Tensor, tile: int) -> bool:
-    """Whether the kernels read V a block at a time (``_load_v_tile_token_major``): V token-major, tiles of
-    whole blocks, and every block's first token at an offset the kernel may promise is a multiple of the
-    block size (its wide loads rely on it)."""
-    block_size = v_cache.shape[1]
-    return (v_token_major(v_cache) and tile % block_size == 0
-            and v_cache.data_ptr() % 16 == 0 and all(s % block_size == 0 for s in (v_cache.stride(0), v_cache.stride(2))))
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -712,7 +611,6 @@ def triton_decode_attention(
         BLOCK_SIZE=block_size, TILE=tile,
         SPLIT=split, PRECISION=_dot_precision(torch.float16 if dots_fp16 else _compute_dtype(query, k_cache)),
         VARLEN=varlen, KV_FP8=kv_fp8, DOTS_FP16=dots_fp16, ORDERED=ordered,
-        V_TOKEN_MAJOR=_v_by_block(v_cache, tile),
         **pdl, num_warps=warps, num_stages=stages,
     )
     if split:
@@ -811,7 +709,7 @@ def triton_prefill_attention(
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=config.block_n,
         PRECISION=_dot_precision(_compute_dtype(query, k_cache)), SKIP_DECODE=skip_decode,
-        KV_FP8=is_fp8(k_cache.dtype), V_TOKEN_MAJOR=_v_by_block(v_cache, config.block_n),
+        KV_FP8=is_fp8(k_cache.dtype),
         **pdl_options(query.device),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -92,8 +92,7 @@ if HAS_TRITON:
     @triton.jit
     def _rope_store_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
-                           stride_block, stride_token, stride_v_block, stride_v_token, stride_v_head, stride_v_dim,
-                           block_size, num_q_heads, num_kv_heads, q_norm_ptr,
+                           stride_block, stride_token, block_size, num_q_heads, num_kv_heads, q_norm_ptr,
                            k_norm_ptr, eps, HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr,
                            KV_HEADS_PAD: tl.constexpr, KV_FP8_MAX: tl.constexpr, QK_NORM: tl.constexpr,
                            PDL: tl.constexpr):
@@ -120,12 +119,9 @@ if HAS_TRITON:
             mask = (heads[:, None] < num_kv_heads) & (d[None, :] < HALF)
             cache_dtype = v_cache_ptr.dtype.element_ty
             vsrc = v_ptr + t * stride_vt + heads[:, None] * stride_vh + d[None, :]
-            # V has strides of its own: an fp8 cache keeps it token-major in each block (attention_torch.token_major_v).
-            vdst = (v_cache_ptr + (slot // block_size) * stride_v_block + (slot % block_size) * stride_v_token
-                    + heads[:, None] * stride_v_head + d[None, :] * stride_v_dim)
+            vdst = v_cache_ptr + cache_offset + heads[:, None] * (2 * HALF) + d[None, :]
             tl.store(vdst, to_cache_dtype(tl.load(vsrc, mask=mask), cache_dtype, KV_FP8_MAX), mask=mask)
-            tl.store(vdst + HALF * stride_v_dim, to_cache_dtype(tl.load(vsrc + HALF, mask=mask), cache_dtype, KV_FP8_MAX),
-                     mask=mask)
+            tl.store(vdst + HALF, to_cache_dtype(tl.load(vsrc + HALF, mask=mask), cache_dtype, KV_FP8_MAX), mask=mask)
 
     @triton.jit
     def _rope_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
@@ -220,14 +216,14 @@ def triton_rope_and_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Ten
     assert positions.shape == slot_mapping.shape == (num_tokens,)
     assert positions.is_contiguous() and slot_mapping.is_contiguous()
     assert k_cache.shape[-2:] == (num_kv_heads, head_dim) and k_cache.stride()[1:] == (num_kv_heads * head_dim, head_dim, 1)
-    assert v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype
+    assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride() and v_cache.dtype == k_cache.dtype
     q_weight, k_weight, eps = qk_norm if qk_norm is not None else (q, k, 0.0)
     assert qk_norm is None or q_weight.shape == k_weight.shape == (head_dim,)
     half = head_dim // 2
     _rope_store_kernel[(num_tokens,)](
         positions, q, k, v, cos, sin, slot_mapping, k_cache, v_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
-        k_cache.stride(0), k_cache.stride(1), *v_cache.stride(), k_cache.shape[1], num_q_heads, num_kv_heads, q_weight, k_weight, eps,
+        k_cache.stride(0), k_cache.stride(1), k_cache.shape[1], num_q_heads, num_kv_heads, q_weight, k_weight, eps,
         HALF=half, HALF_PAD=next_pow2(half), HEADS_PAD=next_pow2(num_q_heads),
         KV_HEADS_PAD=next_pow2(num_kv_heads), KV_FP8_MAX=kv_fp8_max(k_cache.dtype), QK_NORM=qk_norm is not None,
         **pdl_options(q.device), num_warps=4,

@@ -19,16 +19,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mempath.kernels.attention_torch import is_fp8, token_major_v
 from mempath.kernels.dispatch import Kernels
 from mempath.model.moe import MoEBlock
 from mempath.model.quant import Linear, make_linear
 from mempath.model.spec import ModelSpec
-
-# An fp8 cache keeps V token-major in each block (attention_torch.token_major_v), which the decode kernel
-# reads without byte-wise shared-memory loads; benchmarks/bench_fp8_kv.py turns it off for an A/B
-# (BENCHMARKS.md, "fp8 KV: V token-major"). Read when a cache is attached; the disk tier's fingerprint names it.
-FP8_V_TOKEN_MAJOR = True
 
 
 @dataclass
@@ -240,15 +234,6 @@ class CausalLM(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]
-
-    def attach_kv_cache(self, kv_cache: torch.Tensor, kv_dtype: torch.dtype) -> None:
-        """Point each attention layer at its K and V in ``kv_cache`` (``[layers, 2, blocks, block_size,
-        kv_heads, head_dim]``, an fp8 cache stored as bytes), read as ``kv_dtype``. An fp8 cache keeps V
-        token-major in each block (``token_major_v``, while ``FP8_V_TOKEN_MAJOR``)."""
-        for i, attn in enumerate(self.attention_layers()):
-            attn.k_cache = kv_cache[i, 0].view(kv_dtype)
-            v_cache = kv_cache[i, 1].view(kv_dtype)
-            attn.v_cache = token_major_v(v_cache) if is_fp8(kv_dtype) and FP8_V_TOKEN_MAJOR else v_cache
 
     def moe_blocks(self) -> list[MoEBlock]:
         """The routed MLPs, in layer order (none in a dense model)."""

@@ -50,4 +50,6 @@ def attach_pages(runner, pages: torch.Tensor) -> None:
     runner.graphs.clear()  # graphs captured against an old cache would read freed memory
     runner.graph_logits = None
     runner.kv_cache = blocks.permute(1, 2, 0, 3, 4, 5)
-    runner.model.attach_kv_cache(runner.kv_cache, kv_dtype)
+    for i, attn in enumerate(runner.model.attention_layers()):
+        attn.k_cache = runner.kv_cache[i, 0].view(kv_dtype)
+        attn.v_cache = runner.kv_cache[i, 1].view(kv_dtype)
