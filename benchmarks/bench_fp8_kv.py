@@ -60,7 +60,10 @@ def run_decode(args, kv: str, prompts: list[list[int]], config: dict) -> dict:
     outs = llm.generate(prompts, params, use_tqdm=False)
     step_s = max(o.total_time - o.time_to_first_token for o in outs) / (args.new_tokens - 1)
     cached = min(o.num_cached_tokens for o in outs)
-    result = {"kv_cache_dtype": kv, "kv_blocks": stats["kv_blocks_total"], "prefill_s": prefill_s,
+    block_size = llm.engine.config.block_size
+    needed = args.batch * -(-(args.context + args.new_tokens) // block_size)
+    result = {"kv_cache_dtype": kv, "kv_blocks": stats["kv_blocks_total"], "kv_blocks_needed": needed,
+              "holds_batch": stats["kv_blocks_total"] >= needed, "prefill_s": prefill_s,
               "ms_per_step": 1e3 * step_s, "output_tok_s": args.batch / step_s,
               "min_cached_prompt_tokens": cached, "weight_bytes": llm.engine.ledger.get("weights"),
               "kv_bytes_per_token": kv_bytes_per_token(read_shape(config), 1 if kv.startswith("fp8") else 2)}
@@ -131,6 +134,10 @@ def bench_decode(args, extra_fp8_variant: str | None = None) -> list[dict]:
         label = r["kv_cache_dtype"] + (" " + r["fp8_decode_kernel"] if r["fp8_decode_kernel"] else "")
         print(f"{label:>18} {r['kv_blocks']:>8} {r['ms_per_step']:>8.2f} {r['output_tok_s']:>8.0f} "
               f"{r['limit_ms_per_step']:>9.2f} {100 * r['of_limit']:>8.1f}% {r['prefill_s']:>10.1f}")
+    for r in results:
+        if not r["holds_batch"]:
+            print(f"{r['kv_cache_dtype']} KV: {r['kv_blocks']} blocks, the batch needs {r['kv_blocks_needed']}: its "
+                  f"requests preempt each other, so its tok/s is no decode speed (on this GPU, lower --batch or --context)")
     print(f"fp8 ({fp8['fp8_decode_kernel']}) / bf16: {fp8['output_tok_s'] / base['output_tok_s']:.2f}x tok/s, "
           f"{fp8['kv_blocks'] / base['kv_blocks']:.3f}x blocks; every prompt found "
           f"{min(r['min_cached_prompt_tokens'] for r in results)} of its {args.context} tokens cached")

@@ -1,5 +1,6 @@
 """Several models in one process over one shared KV page pool (mempath/multi, docs/multi_model.md)."""
 import pytest
+import torch
 
 from mempath import LLM, SamplingParams
 from mempath.multi.engine import MultiEngine, UnknownModelError
@@ -147,3 +148,19 @@ def test_bad_input_one_line(two_models):
         LLM([llama, qwen], dtype="float32", show_progress=False, tokenizer=llama)
     with pytest.raises(ValueError, match="serves one model"):
         LLM(llama, dtype="float32", show_progress=False, num_gpu_blocks_override=8).generate([1], GREEDY, model="a")
+
+
+def test_fp8_kv_in_shared_pages_equals_alone(two_models):
+    """fp8 caches in the shared page pool (a block is a slice of a page, a page apart from the next): the
+    same greedy tokens as each model alone over its own fp8 cache."""
+    llama, qwen = two_models
+    expected_a = alone(llama, PROMPTS, kv_cache_dtype="fp8")
+    expected_b = alone(qwen, PROMPTS, kv_cache_dtype="fp8")
+    llm = together(two_models, kv_cache_dtype="fp8")
+    assert all(layer.k_cache.dtype == torch.float8_e4m3fn
+               for engine in llm.engines.values() for layer in engine.model.attention_layers())
+    requests = [(model, p) for p in PROMPTS for model in ("a", "b")]
+    done = run_all(llm.engine, requests)
+    assert [done[f"r{i}"] for i in range(0, len(requests), 2)] == expected_a
+    assert [done[f"r{i}"] for i in range(1, len(requests), 2)] == expected_b
+    assert_all_free(llm.engine)
