@@ -72,17 +72,17 @@ def run_decode(args, kv: str, prompts: list[list[int]], config: dict) -> dict:
     return result
 
 
-VARIANT = re.compile(r"tile(16|32|64|128|256)(?:-s([1-8]))?(?:-w([1248]))?")
+VARIANT = re.compile(r"tile(16|32|64|128|256)(?:-s([1-8]))?(?:-w([1248]))?(?:-r(\d{2,3}))?")
 
 
 def fp8_variant_list(text: str) -> list[str]:
-    """--fp8-variants: comma-separated tile<16..256>[-s<1..8>][-w<1|2|4|8>] names."""
+    """--fp8-variants: comma-separated tile<16..256>[-s<1..8>][-w<1|2|4|8>][-r<registers>] names."""
     names = text.split(",")
     bad = [n for n in names if not VARIANT.fullmatch(n)]
     if bad:
         raise argparse.ArgumentTypeError(f"{bad}: a variant is tile16, tile32, tile64, tile128 or tile256, optionally "
-                                         f"with -s1..-s8 (pipeline stages) and -w1, -w2, -w4 or -w8 (warps), "
-                                         f"e.g. tile32-s6-w4")
+                                         f"with -s1..-s8 (pipeline stages), -w1, -w2, -w4 or -w8 (warps) and -r64 to "
+                                         f"-r248 (registers a thread, a multiple of 8), e.g. tile128-s3-w4-r128")
     return names
 
 
@@ -90,16 +90,18 @@ def set_fp8_variant(name: str) -> None:
     """"tile128" or "tile32-s6-w2" -> the decode kernel's tile, pipeline stages and warps over an fp8
     cache (module settings, read at launch; left out: the kernel's own choice)."""
     from mempath.kernels import attention_triton as ta
-    tile, stages, warps = VARIANT.fullmatch(name).groups()
+    tile, stages, warps, registers = VARIANT.fullmatch(name).groups()
     ta.DECODE_TILE_FP8 = int(tile)
     ta.FP8_DECODE_STAGES = int(stages) if stages else None
     ta.FP8_DECODE_WARPS = int(warps) if warps else None
+    ta.FP8_DECODE_MAXNREG = int(registers) if registers else None
 
 
 def current_fp8_variant() -> str:
     from mempath.kernels import attention_triton as ta
     return (f"tile{ta.DECODE_TILE_FP8}" + (f"-s{ta.FP8_DECODE_STAGES}" if ta.FP8_DECODE_STAGES else "")
-            + (f"-w{ta.FP8_DECODE_WARPS}" if ta.FP8_DECODE_WARPS else ""))
+            + (f"-w{ta.FP8_DECODE_WARPS}" if ta.FP8_DECODE_WARPS else "")
+            + (f"-r{ta.FP8_DECODE_MAXNREG}" if ta.FP8_DECODE_MAXNREG else ""))
 
 
 def bench_decode(args, extra_fp8_variant: str | None = None) -> list[dict]:

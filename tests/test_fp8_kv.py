@@ -215,21 +215,23 @@ for _dt in FP8:
             lambda ta, tops, d=_dt, s=_src, g=_g: check_fp8_attention(ta, d, s, "cpu", g))
 
 
-def check_fp8_attention_tile(ta, dtype, device, tile, stages=None, warps=None):
-    """The decode kernel at another tile, pipeline depth and warp count over an fp8 cache (bf16
-    queries on CUDA: float16 dots), against the twin."""
-    saved = ta.DECODE_TILE_FP8, ta.FP8_DECODE_STAGES, ta.FP8_DECODE_WARPS
-    ta.DECODE_TILE_FP8, ta.FP8_DECODE_STAGES, ta.FP8_DECODE_WARPS = tile, stages, warps
+def check_fp8_attention_tile(ta, dtype, device, tile, stages=None, warps=None, registers=None):
+    """The decode kernel at another tile, pipeline depth, warp count and register cap over an fp8 cache
+    (bf16 queries on CUDA: float16 dots), against the twin."""
+    saved = ta.DECODE_TILE_FP8, ta.FP8_DECODE_STAGES, ta.FP8_DECODE_WARPS, ta.FP8_DECODE_MAXNREG
+    ta.DECODE_TILE_FP8, ta.FP8_DECODE_STAGES, ta.FP8_DECODE_WARPS, ta.FP8_DECODE_MAXNREG = tile, stages, warps, registers
     try:
         check_fp8_attention(ta, dtype, torch.bfloat16 if device == "cuda" else torch.float16, device, 4)
     finally:
-        ta.DECODE_TILE_FP8, ta.FP8_DECODE_STAGES, ta.FP8_DECODE_WARPS = saved
+        ta.DECODE_TILE_FP8, ta.FP8_DECODE_STAGES, ta.FP8_DECODE_WARPS, ta.FP8_DECODE_MAXNREG = saved
 
 
 # (The interpreter multiplies bfloat16 as raw bits: bfloat16 queries over fp8, and their float16 dots, run on CUDA only.)
 INTERPRETED["attention_e4m3_tile32"] = lambda ta, tops: check_fp8_attention_tile(ta, torch.float8_e4m3fn, "cpu", 32)
 INTERPRETED["attention_e4m3_tile16_stages6_warps2"] = (
     lambda ta, tops: check_fp8_attention_tile(ta, torch.float8_e4m3fn, "cpu", 16, 6, 2))
+INTERPRETED["attention_e4m3_tile128_registers128"] = (
+    lambda ta, tops: check_fp8_attention_tile(ta, torch.float8_e4m3fn, "cpu", 128, 3, 4, 128))
 
 
 def _run_interpreted() -> dict:
@@ -301,6 +303,19 @@ def test_fp8_decode_settings_out_of_range_are_refused(monkeypatch, tile, stages,
                                    case.scale, num_splits=1)
 
 
+@pytest.mark.parametrize("registers", [60, 100, 256])
+def test_fp8_decode_register_cap_out_of_range_is_refused(monkeypatch, registers):
+    """ptxas takes a register cap of 24-255; below 64 a decode program spills most of its tiles, and one
+    that is not a multiple of 8 is rounded: each refused before a launch, in one line."""
+    pytest.importorskip("triton")
+    from mempath.kernels import attention_triton as ta
+    monkeypatch.setattr(ta, "FP8_DECODE_MAXNREG", registers)
+    case = fp8_case([(1, 9)], torch.float8_e4m3fn, torch.float16, "cpu")
+    with pytest.raises(ValueError, match=f"FP8_DECODE_MAXNREG None or a multiple of 8 in 64-248; got .*{registers}"):
+        ta.triton_decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                                   case.scale, num_splits=1)
+
+
 @cuda
 @pytest.mark.parametrize("dtype", FP8)
 @pytest.mark.parametrize("tile, stages, warps", [(t, None, None) for t in (32, 64, 128, 256)]
@@ -308,6 +323,13 @@ def test_fp8_decode_settings_out_of_range_are_refused(monkeypatch, tile, stages,
 def test_gpu_fp8_decode_tiles_match_twin(dtype, tile, stages, warps):
     from mempath.kernels import attention_triton as ta
     check_fp8_attention_tile(ta, dtype, "cuda", tile, stages, warps)
+
+
+@cuda
+@pytest.mark.parametrize("registers", [128, 168])
+def test_gpu_fp8_decode_under_a_register_cap_matches_twin(registers):
+    from mempath.kernels import attention_triton as ta
+    check_fp8_attention_tile(ta, torch.float8_e4m3fn, "cuda", 128, 3, 4, registers)
 
 
 # ------------------------------------------------------------------------ the engine

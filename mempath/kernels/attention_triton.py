@@ -68,6 +68,9 @@ DECODE_TILE_FP8 = 128
 # cache on the H200"); benchmarks/bench_fp8_kv.py --parts kernel sweeps them.
 FP8_DECODE_STAGES = 5
 FP8_DECODE_WARPS = None
+# A cap on the fp8 decode kernel's registers a thread (None: the compiler's choice, ~200 at tile 128, so two
+# programs an SM); under it the compiler spills to local memory. bench_fp8_kv.py's -r variants sweep it.
+FP8_DECODE_MAXNREG = None
 # Upper bound on splits per (sequence, KV head); beyond it the merge costs
 # more than the extra parallelism brings.
 MAX_DECODE_SPLITS = 64
@@ -559,10 +562,11 @@ def triton_decode_attention(
     kv_fp8 = is_fp8(k_cache.dtype)
     tile = DECODE_TILE_FP8 if kv_fp8 else DECODE_TILE
     if kv_fp8 and (tile < 16 or tile & (tile - 1) or FP8_DECODE_STAGES not in (None, *range(1, 9))
-                   or FP8_DECODE_WARPS not in (None, 1, 2, 4, 8)):
+                   or FP8_DECODE_WARPS not in (None, 1, 2, 4, 8)
+                   or FP8_DECODE_MAXNREG not in (None, *range(64, 256, 8))):
         raise ValueError(f"fp8 decode: DECODE_TILE_FP8 must be a power of two >= 16, FP8_DECODE_STAGES None or "
-                         f"1-8 and FP8_DECODE_WARPS None, 1, 2, 4 or 8; got {tile}, {FP8_DECODE_STAGES} and "
-                         f"{FP8_DECODE_WARPS}")
+                         f"1-8, FP8_DECODE_WARPS None, 1, 2, 4 or 8 and FP8_DECODE_MAXNREG None or a multiple of 8 "
+                         f"in 64-248; got {tile}, {FP8_DECODE_STAGES}, {FP8_DECODE_WARPS} and {FP8_DECODE_MAXNREG}")
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, query.device, max_seq_len, tile)
     d_pad = next_pow2(head_dim)
@@ -585,9 +589,12 @@ def triton_decode_attention(
     dots_fp16 = kv_fp8 and query.dtype == torch.bfloat16
     stages = _pipeline_stages(2 * tile * d_pad * k_cache.element_size())
     warps = 4
+    registers = {}
     if kv_fp8:
         stages = FP8_DECODE_STAGES or stages
         warps = FP8_DECODE_WARPS or warps
+        if FP8_DECODE_MAXNREG is not None:
+            registers = {"maxnreg": FP8_DECODE_MAXNREG}
     pdl = pdl_options(query.device)
     ordered = seq_order is not None
     if ordered and (seq_order.shape != (num_seqs,) or seq_order.dtype != torch.int32
@@ -611,7 +618,7 @@ def triton_decode_attention(
         BLOCK_SIZE=block_size, TILE=tile,
         SPLIT=split, PRECISION=_dot_precision(torch.float16 if dots_fp16 else _compute_dtype(query, k_cache)),
         VARLEN=varlen, KV_FP8=kv_fp8, DOTS_FP16=dots_fp16, ORDERED=ordered,
-        **pdl, num_warps=warps, num_stages=stages,
+        **pdl, **registers, num_warps=warps, num_stages=stages,
     )
     if split:
         _decode_merge_kernel[(num_seqs, num_heads)](
