@@ -150,9 +150,12 @@ KERNEL_CASES = ((64, 8192), (1, 8192), (32, 1024), (128, 1024))
 # Fewer registers a program (smaller tiles, fewer warps) let more programs share an SM; deeper
 # pipelines keep more loads in flight each (registers and shared memory from compiling for sm_90:
 # at tile 128, 2 programs an SM at any depth, with 40, 73 and 105 KB of shared memory at 3-4, 5-6
-# and 7-8 stages). Run 2 of the ninth session swept 15 (BENCHMARKS.md); these are its best and their neighbours.
-FP8_VARIANTS = ["tile128-s3", "tile128-s5", "tile128-s6", "tile128-s7", "tile128-s8", "tile64-s5", "tile64-s8",
-                "tile32-s4-w2", "tile16-s6-w2"]
+# and 7-8 stages). Run 2 of the ninth session swept 15 (BENCHMARKS.md); these are its best and their neighbours,
+# then register caps (-r): at tile 128 the compiler takes ~200 registers a thread (2 programs an SM); capped at 168
+# a program spills 104-120 bytes a thread and 3 share an SM, at 128 it spills 208-232 and 4 do (3 at 5 stages,
+# for their 75 KB of shared memory; sm_90 compiles, triton 3.9).
+FP8_VARIANTS = ["tile128-s3", "tile128-s5", "tile128-s6", "tile64-s5", "tile32-s4-w2",
+                "tile128-s5-r168", "tile128-s3-r168", "tile128-s4-r168", "tile128-s3-r128", "tile128-s4-r128"]
 
 
 def bench_kernel(args) -> list[dict]:
