@@ -1,18 +1,25 @@
 """The decode attention kernel's memory instructions in its PTX for sm_90, compiled without a GPU (#20).
 
-    python benchmarks/ptx_decode.py               # needs the triton package (CPU is enough)
+    python benchmarks/ptx_decode.py                      # needs the triton package (CPU is enough)
+    python benchmarks/ptx_decode.py --registers 168,128  # the fp8 kernel under register caps too
 
 Compiles ``_decode_split_kernel`` as the engine launches it on the H200 (Llama-3.1-8B attention shape: 4 query
 heads a KV head, head_dim 128, block 16; strides of 1 and pointers aligned to 16 bytes, as Triton specializes
 them at run time) over a bf16 cache and over an fp8 one, and counts the instructions that move the KV tiles:
 global-to-shared copies, shared-memory loads, ldmatrix, the fp8 conversions and the tensor-core products.
-Prints a table and one ``RESULT`` JSON line.
+Also reads the compiled cubin's resources (triton's bundled ``cuobjdump``): registers and spill bytes a thread and
+shared memory, and from them how many programs fit an SM (an H100/H200 SM: 65,536 registers, allocated in
+256-register steps a warp; 228 KB of shared memory, 1 KB of it reserved a program; 64 warps), which is what
+``FP8_DECODE_MAXNREG`` trades spills for. Prints a table and one ``RESULT`` JSON line.
 """
+import argparse
 import collections
 import inspect
 import json
 import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +37,31 @@ OPS = re.compile(r"(cp\.async\.c[ag]\.shared\.global|ld\.shared\.[a-z0-9.]+|ldma
                  r"cvt\.rn\.f16x2\.e[45]m[23]x2|mma\.sync\.[a-z0-9.]+|wgmma\.mma_async[a-z0-9.]*)")
 
 
-def compile_decode(kv: str, tile: int, stages: int) -> dict:
+SM_REGISTERS, SM_SHARED, SM_WARPS, RESERVED_SHARED = 65536, 228 * 1024, 64, 1024
+
+
+def resources(cubin: bytes, warps: int) -> dict:
+    """Registers and spill (stack) bytes a thread from the cubin, and the programs an SM holds."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    fields = dict(re.findall(r"(REG|STACK|SHARED):(\d+)", text))
+    if "REG" not in fields:
+        return {}
+    return {"registers": int(fields["REG"]), "spill_bytes": int(fields.get("STACK", 0))}
+
+
+def programs_per_sm(registers: int, shared_bytes: int, warps: int) -> int:
+    """Programs of ``warps`` warps an SM holds at once, bounded by registers, shared memory and warps."""
+    per_warp = -(-registers * 32 // 256) * 256
+    return min(SM_REGISTERS // (per_warp * warps), SM_SHARED // (shared_bytes + RESERVED_SHARED), SM_WARPS // warps)
+
+
+def compile_decode(kv: str, tile: int, stages: int, maxnreg: int | None = None, warps: int = 4) -> dict:
     fn = attention._decode_split_kernel
     params = list(inspect.signature(fn.fn).parameters)
     pointers = {"q_ptr": "*bf16", "k_cache_ptr": kv, "v_cache_ptr": kv, "block_tables_ptr": "*i32",
@@ -44,19 +75,33 @@ def compile_decode(kv: str, tile: int, stages: int) -> dict:
     aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
                if p not in constants and (signature[p].startswith("*") or p.startswith("stride"))}
     source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=aligned)
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": stages})
+    options = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     counts = collections.Counter(OPS.findall(kernel.asm["ptx"]))
-    return {"kv": kv.lstrip("*"), "tile": tile, "stages": stages, "shared_bytes": kernel.metadata.shared,
-            "kv_tile_bytes": 2 * tile * 128 * (1 if fp8 else 2), "ops": dict(sorted(counts.items()))}
+    shared = kernel.metadata.shared
+    row = {"kv": kv.lstrip("*"), "tile": tile, "stages": stages, "maxnreg": maxnreg, "shared_bytes": shared,
+           "kv_tile_bytes": 2 * tile * 128 * (1 if fp8 else 2), "ops": dict(sorted(counts.items())),
+           **resources(kernel.asm["cubin"], warps)}
+    if "registers" in row:
+        row["programs_per_sm"] = programs_per_sm(row["registers"], shared, warps)
+    return row
 
 
-def main():
-    rows = [compile_decode("*bf16", attention.DECODE_TILE, 3),
-            compile_decode("*fp8e4nv", attention.DECODE_TILE_FP8, attention.FP8_DECODE_STAGES)]
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--registers", type=lambda s: [int(x) for x in s.split(",")], default=[],
+                        help="register caps a thread for more compiles of the fp8 kernel, e.g. 168,128")
+    args = parser.parse_args(argv)
+    fp8 = ("*fp8e4nv", attention.DECODE_TILE_FP8, attention.FP8_DECODE_STAGES)
+    rows = [compile_decode("*bf16", attention.DECODE_TILE, 3), compile_decode(*fp8)]
+    rows += [compile_decode(*fp8, maxnreg=cap) for cap in args.registers]
     for row in rows:
+        cap = f", at most {row['maxnreg']} registers" if row["maxnreg"] else ""
+        fit = (f"; {row['registers']} registers a thread, {row['spill_bytes']} bytes spilled, "
+               f"{row['programs_per_sm']} programs an SM" if "registers" in row else "")
         print(f"{row['kv']}: tile {row['tile']} tokens ({row['kv_tile_bytes']} bytes of K and V), "
-              f"{row['stages']} stages, {row['shared_bytes']} bytes of shared memory; instructions in the PTX "
-              f"(the loop body once, plus the pipeline's prologue):")
+              f"{row['stages']} stages{cap}, {row['shared_bytes']} bytes of shared memory{fit}; instructions in "
+              f"the PTX (the loop body once, plus the pipeline's prologue):")
         for op, n in row["ops"].items():
             print(f"  {n:5d}  {op}")
     print("RESULT " + json.dumps({"bench": "ptx-decode", "triton": triton.__version__, "target": "sm_90",
