@@ -84,6 +84,7 @@ def compile_decode(kv: str, tile: int, stages: int, maxnreg: int | None = None, 
            **resources(kernel.asm["cubin"], warps)}
     if "registers" in row:
         row["programs_per_sm"] = programs_per_sm(row["registers"], shared, warps)
+        row["warps_per_sm"] = row["programs_per_sm"] * warps
     return row
 
 
@@ -98,7 +99,7 @@ def main(argv=None):
     for row in rows:
         cap = f", at most {row['maxnreg']} registers" if row["maxnreg"] else ""
         fit = (f"; {row['registers']} registers a thread, {row['spill_bytes']} bytes spilled, "
-               f"{row['programs_per_sm']} programs an SM" if "registers" in row else "")
+               f"{row['programs_per_sm']} programs ({row['warps_per_sm']} warps) an SM" if "registers" in row else "")
         print(f"{row['kv']}: tile {row['tile']} tokens ({row['kv_tile_bytes']} bytes of K and V), "
               f"{row['stages']} stages{cap}, {row['shared_bytes']} bytes of shared memory{fit}; instructions in "
               f"the PTX (the loop body once, plus the pipeline's prologue):")
