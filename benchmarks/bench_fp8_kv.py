@@ -72,13 +72,19 @@ def run_decode(args, kv: str, prompts: list[list[int]], config: dict) -> dict:
     return result
 
 
-VARIANT = re.compile(r"tile(16|32|64|128|256)(?:-s([1-8]))?(?:-w([1248]))?(?:-r(\d{2,3}))?")
+VARIANT = re.compile(r"tile(16|32|64|128|256)(?:-s([1-8]))?(?:-w([1248]))?(?:-r([1-9]\d{1,2}))?")
+
+
+def is_fp8_variant(name: str) -> bool:
+    """A variant name whose register cap, if any, is one the launcher takes (FP8_DECODE_MAXNREG)."""
+    match = VARIANT.fullmatch(name)
+    return bool(match) and (match[4] is None or int(match[4]) in range(64, 256, 8))
 
 
 def fp8_variant_list(text: str) -> list[str]:
     """--fp8-variants: comma-separated tile<16..256>[-s<1..8>][-w<1|2|4|8>][-r<registers>] names."""
     names = text.split(",")
-    bad = [n for n in names if not VARIANT.fullmatch(n)]
+    bad = [n for n in names if not is_fp8_variant(n)]
     if bad:
         raise argparse.ArgumentTypeError(f"{bad}: a variant is tile16, tile32, tile64, tile128 or tile256, optionally "
                                          f"with -s1..-s8 (pipeline stages), -w1, -w2, -w4 or -w8 (warps) and -r64 to "
@@ -151,9 +157,9 @@ KERNEL_CASES = ((64, 8192), (1, 8192), (32, 1024), (128, 1024))
 # pipelines keep more loads in flight each (registers and shared memory from compiling for sm_90:
 # at tile 128, 2 programs an SM at any depth, with 40, 73 and 105 KB of shared memory at 3-4, 5-6
 # and 7-8 stages). Run 2 of the ninth session swept 15 (BENCHMARKS.md); these are its best and their neighbours,
-# then register caps (-r): at tile 128 the compiler takes ~200 registers a thread (2 programs an SM); capped at 168
-# a program spills 104-120 bytes a thread and 3 share an SM, at 128 it spills 208-232 and 4 do (3 at 5 stages,
-# for their 75 KB of shared memory; sm_90 compiles, triton 3.9).
+# then register caps (-r): at tile 128 the compiler takes ~200 registers a thread (2 programs an SM); capped
+# at 168 a program spills into a 104-120-byte stack frame a thread and 3 share an SM, at 128 into 208-232
+# and 4 do (3 at 5 stages, for their 73 KB of shared memory; sm_90 compiles, triton 3.9).
 FP8_VARIANTS = ["tile128-s3", "tile128-s5", "tile128-s6", "tile64-s5", "tile32-s4-w2",
                 "tile128-s5-r168", "tile128-s3-r168", "tile128-s3-r128", "tile128-s4-r128", "tile64-s5-r128"]
 

@@ -37,11 +37,11 @@ OPS = re.compile(r"(cp\.async\.c[ag]\.shared\.global|ld\.shared\.[a-z0-9.]+|ldma
                  r"cvt\.rn\.f16x2\.e[45]m[23]x2|mma\.sync\.[a-z0-9.]+|wgmma\.mma_async[a-z0-9.]*)")
 
 
-SM_REGISTERS, SM_SHARED, SM_WARPS, RESERVED_SHARED = 65536, 228 * 1024, 64, 1024
+SM_REGISTERS, SM_SHARED, SM_WARPS, SM_PROGRAMS, RESERVED_SHARED = 65536, 228 * 1024, 64, 32, 1024
 
 
-def resources(cubin: bytes, warps: int) -> dict:
-    """Registers and spill (stack) bytes a thread from the cubin, and the programs an SM holds."""
+def resources(cubin: bytes) -> dict:
+    """Registers and stack-frame bytes (where spills go) a thread, from the cubin."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not tool.exists():
         return {}
@@ -49,16 +49,17 @@ def resources(cubin: bytes, warps: int) -> dict:
         f.write(cubin)
         f.flush()
         text = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    fields = dict(re.findall(r"(REG|STACK|SHARED):(\d+)", text))
+    fields = dict(re.findall(r"(REG|STACK):(\d+)", text))
     if "REG" not in fields:
         return {}
-    return {"registers": int(fields["REG"]), "spill_bytes": int(fields.get("STACK", 0))}
+    return {"registers": int(fields["REG"]), "stack_bytes": int(fields.get("STACK", 0))}
 
 
 def programs_per_sm(registers: int, shared_bytes: int, warps: int) -> int:
-    """Programs of ``warps`` warps an SM holds at once, bounded by registers, shared memory and warps."""
+    """Programs of ``warps`` warps an SM holds at once, bounded by registers, shared memory, warps and programs."""
     per_warp = -(-registers * 32 // 256) * 256
-    return min(SM_REGISTERS // (per_warp * warps), SM_SHARED // (shared_bytes + RESERVED_SHARED), SM_WARPS // warps)
+    return min(SM_REGISTERS // (per_warp * warps), SM_SHARED // (shared_bytes + RESERVED_SHARED), SM_WARPS // warps,
+               SM_PROGRAMS)
 
 
 def compile_decode(kv: str, tile: int, stages: int, maxnreg: int | None = None, warps: int = 4) -> dict:
@@ -81,7 +82,7 @@ def compile_decode(kv: str, tile: int, stages: int, maxnreg: int | None = None, 
     shared = kernel.metadata.shared
     row = {"kv": kv.lstrip("*"), "tile": tile, "stages": stages, "maxnreg": maxnreg, "shared_bytes": shared,
            "kv_tile_bytes": 2 * tile * 128 * (1 if fp8 else 2), "ops": dict(sorted(counts.items())),
-           **resources(kernel.asm["cubin"], warps)}
+           **resources(kernel.asm["cubin"])}
     if "registers" in row:
         row["programs_per_sm"] = programs_per_sm(row["registers"], shared, warps)
         row["warps_per_sm"] = row["programs_per_sm"] * warps
@@ -93,12 +94,14 @@ def main(argv=None):
     parser.add_argument("--registers", type=lambda s: [int(x) for x in s.split(",")], default=[],
                         help="register caps a thread for more compiles of the fp8 kernel, e.g. 168,128")
     args = parser.parse_args(argv)
+    if any(cap not in range(64, 256, 8) for cap in args.registers):
+        parser.error(f"--registers: each a multiple of 8 in 64-248 (as FP8_DECODE_MAXNREG), got {args.registers}")
     fp8 = ("*fp8e4nv", attention.DECODE_TILE_FP8, attention.FP8_DECODE_STAGES)
     rows = [compile_decode("*bf16", attention.DECODE_TILE, 3), compile_decode(*fp8)]
     rows += [compile_decode(*fp8, maxnreg=cap) for cap in args.registers]
     for row in rows:
         cap = f", at most {row['maxnreg']} registers" if row["maxnreg"] else ""
-        fit = (f"; {row['registers']} registers a thread, {row['spill_bytes']} bytes spilled, "
+        fit = (f"; {row['registers']} registers a thread, a {row['stack_bytes']}-byte stack frame (spills), "
                f"{row['programs_per_sm']} programs ({row['warps_per_sm']} warps) an SM" if "registers" in row else "")
         print(f"{row['kv']}: tile {row['tile']} tokens ({row['kv_tile_bytes']} bytes of K and V), "
               f"{row['stages']} stages{cap}, {row['shared_bytes']} bytes of shared memory{fit}; instructions in "

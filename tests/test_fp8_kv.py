@@ -230,8 +230,6 @@ def check_fp8_attention_tile(ta, dtype, device, tile, stages=None, warps=None, r
 INTERPRETED["attention_e4m3_tile32"] = lambda ta, tops: check_fp8_attention_tile(ta, torch.float8_e4m3fn, "cpu", 32)
 INTERPRETED["attention_e4m3_tile16_stages6_warps2"] = (
     lambda ta, tops: check_fp8_attention_tile(ta, torch.float8_e4m3fn, "cpu", 16, 6, 2))
-INTERPRETED["attention_e4m3_tile128_registers128"] = (
-    lambda ta, tops: check_fp8_attention_tile(ta, torch.float8_e4m3fn, "cpu", 128, 3, 4, 128))
 
 
 def _run_interpreted() -> dict:
@@ -303,10 +301,11 @@ def test_fp8_decode_settings_out_of_range_are_refused(monkeypatch, tile, stages,
                                    case.scale, num_splits=1)
 
 
-@pytest.mark.parametrize("registers", [60, 100, 256])
+@pytest.mark.parametrize("registers", [60, 100, 256, 128.0])
 def test_fp8_decode_register_cap_out_of_range_is_refused(monkeypatch, registers):
-    """ptxas takes a register cap of 24-255; below 64 a decode program spills most of its tiles, and one
-    that is not a multiple of 8 is rounded: each refused before a launch, in one line."""
+    """Below 64 a decode program spills most of its tiles, and the SM allocates registers in steps of 8 a
+    thread, so a cap between two steps buys no occupancy for its spills: each refused before a launch, in
+    one line (as is a float, which Triton would pass on as it is)."""
     pytest.importorskip("triton")
     from mempath.kernels import attention_triton as ta
     monkeypatch.setattr(ta, "FP8_DECODE_MAXNREG", registers)
@@ -314,6 +313,27 @@ def test_fp8_decode_register_cap_out_of_range_is_refused(monkeypatch, registers)
     with pytest.raises(ValueError, match=f"FP8_DECODE_MAXNREG None or a multiple of 8 in 64-248; got .*{registers}"):
         ta.triton_decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
                                    case.scale, num_splits=1)
+
+
+@pytest.mark.parametrize("cache_dtype, cap, launched", [(torch.float8_e4m3fn, 128, 128), (torch.float8_e4m3fn, None, None),
+                                                         (torch.float16, 128, None)])
+def test_fp8_decode_register_cap_reaches_the_launch(monkeypatch, cache_dtype, cap, launched):
+    """The interpreter drops launch options a kernel does not declare, so the cap is checked at the launch:
+    an fp8 cache's decode kernel gets ``maxnreg``, a 16-bit cache's and an uncapped one's none."""
+    pytest.importorskip("triton")
+    from mempath.kernels import attention_triton as ta
+    options = {}
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: options.update(kwargs)
+
+    monkeypatch.setattr(ta, "FP8_DECODE_MAXNREG", cap)
+    monkeypatch.setattr(ta, "_decode_split_kernel", Recorder())
+    case = fp8_case([(1, 9)], cache_dtype, torch.float16, "cpu")
+    ta.triton_decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                               case.scale, num_splits=1)
+    assert options.get("maxnreg") == launched and options["KV_FP8"] == (cache_dtype != torch.float16)
 
 
 @cuda

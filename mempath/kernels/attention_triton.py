@@ -563,7 +563,8 @@ def triton_decode_attention(
     tile = DECODE_TILE_FP8 if kv_fp8 else DECODE_TILE
     if kv_fp8 and (tile < 16 or tile & (tile - 1) or FP8_DECODE_STAGES not in (None, *range(1, 9))
                    or FP8_DECODE_WARPS not in (None, 1, 2, 4, 8)
-                   or FP8_DECODE_MAXNREG not in (None, *range(64, 256, 8))):
+                   or not (FP8_DECODE_MAXNREG is None
+                           or type(FP8_DECODE_MAXNREG) is int and FP8_DECODE_MAXNREG in range(64, 256, 8))):
         raise ValueError(f"fp8 decode: DECODE_TILE_FP8 must be a power of two >= 16, FP8_DECODE_STAGES None or "
                          f"1-8, FP8_DECODE_WARPS None, 1, 2, 4 or 8 and FP8_DECODE_MAXNREG None or a multiple of 8 "
                          f"in 64-248; got {tile}, {FP8_DECODE_STAGES}, {FP8_DECODE_WARPS} and {FP8_DECODE_MAXNREG}")
