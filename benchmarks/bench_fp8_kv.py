@@ -77,8 +77,9 @@ VARIANT = re.compile(r"tile(16|32|64|128|256)(?:-s([1-8]))?(?:-w([1248]))?(?:-r(
 
 def is_fp8_variant(name: str) -> bool:
     """A variant name whose register cap, if any, is one the launcher takes (FP8_DECODE_MAXNREG)."""
+    from mempath.kernels.attention_triton import FP8_DECODE_MAXNREG_CHOICES
     match = VARIANT.fullmatch(name)
-    return bool(match) and (match[4] is None or int(match[4]) in range(64, 256, 8))
+    return bool(match) and (match[4] is None or int(match[4]) in FP8_DECODE_MAXNREG_CHOICES)
 
 
 def fp8_variant_list(text: str) -> list[str]:

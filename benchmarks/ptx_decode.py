@@ -40,15 +40,17 @@ OPS = re.compile(r"(cp\.async\.c[ag]\.shared\.global|ld\.shared\.[a-z0-9.]+|ldma
 SM_REGISTERS, SM_SHARED, SM_WARPS, SM_PROGRAMS, RESERVED_SHARED = 65536, 228 * 1024, 64, 32, 1024
 
 
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
 def resources(cubin: bytes) -> dict:
     """Registers and stack-frame bytes (where spills go) a thread, from the cubin."""
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if not tool.exists():
+    if not CUOBJDUMP.exists():
         return {}
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        text = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
     fields = dict(re.findall(r"(REG|STACK):(\d+)", text))
     if "REG" not in fields:
         return {}
@@ -94,7 +96,7 @@ def main(argv=None):
     parser.add_argument("--registers", type=lambda s: [int(x) for x in s.split(",")], default=[],
                         help="register caps a thread for more compiles of the fp8 kernel, e.g. 168,128")
     args = parser.parse_args(argv)
-    if any(cap not in range(64, 256, 8) for cap in args.registers):
+    if any(cap not in attention.FP8_DECODE_MAXNREG_CHOICES for cap in args.registers):
         parser.error(f"--registers: each a multiple of 8 in 64-248 (as FP8_DECODE_MAXNREG), got {args.registers}")
     fp8 = ("*fp8e4nv", attention.DECODE_TILE_FP8, attention.FP8_DECODE_STAGES)
     rows = [compile_decode("*bf16", attention.DECODE_TILE, 3), compile_decode(*fp8)]

@@ -28,7 +28,7 @@ def test_programs_per_sm(registers, shared, warps, programs):
 
 
 def test_a_register_cap_reaches_the_compiled_fp8_kernel():
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
+    if not ptx_decode.CUOBJDUMP.exists():
         pytest.skip("triton's cuobjdump is not bundled here")
     free = ptx_decode.compile_decode("*fp8e4nv", 128, 3)
     capped = ptx_decode.compile_decode("*fp8e4nv", 128, 3, maxnreg=128)

@@ -71,6 +71,8 @@ FP8_DECODE_WARPS = None
 # A cap on the fp8 decode kernel's registers a thread (None: the compiler's choice, ~200 at tile 128, so two
 # programs an SM); under it the compiler spills to local memory. bench_fp8_kv.py's -r variants sweep it.
 FP8_DECODE_MAXNREG = None
+# The caps it takes: from 64 (below, a program spills most of its tiles), in the SM's allocation steps of 8.
+FP8_DECODE_MAXNREG_CHOICES = range(64, 256, 8)
 # Upper bound on splits per (sequence, KV head); beyond it the merge costs
 # more than the extra parallelism brings.
 MAX_DECODE_SPLITS = 64
@@ -564,7 +566,7 @@ def triton_decode_attention(
     if kv_fp8 and (tile < 16 or tile & (tile - 1) or FP8_DECODE_STAGES not in (None, *range(1, 9))
                    or FP8_DECODE_WARPS not in (None, 1, 2, 4, 8)
                    or not (FP8_DECODE_MAXNREG is None
-                           or type(FP8_DECODE_MAXNREG) is int and FP8_DECODE_MAXNREG in range(64, 256, 8))):
+                           or type(FP8_DECODE_MAXNREG) is int and FP8_DECODE_MAXNREG in FP8_DECODE_MAXNREG_CHOICES)):
         raise ValueError(f"fp8 decode: DECODE_TILE_FP8 must be a power of two >= 16, FP8_DECODE_STAGES None or "
                          f"1-8, FP8_DECODE_WARPS None, 1, 2, 4 or 8 and FP8_DECODE_MAXNREG None or a multiple of 8 "
                          f"in 64-248; got {tile}, {FP8_DECODE_STAGES}, {FP8_DECODE_WARPS} and {FP8_DECODE_MAXNREG}")
