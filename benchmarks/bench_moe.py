@@ -26,7 +26,10 @@ resident  Qwen3-30B-A3B and Mixtral-8x7B shapes with every expert resident (the 
           kernel, decode CUDA graphs), batch-1 decode tokens/s against the active-weight
           read limit (bytes one token reads / the device read bandwidth). ``--variants
           no-router-kernel`` measures each again with the router's logits from F.linear (the
-          matmul library) instead of the router kernel, in the same run.
+          matmul library) instead of the router kernel, ``no-fused-silu`` with silu_and_mul
+          in its own launch before the down projection, ``no-fused-route`` with the top k
+          and the pairs' alignment in two launches, ``no-moe-pdl`` with the MoE kernels
+          launched without programmatic dependent launch, in the same run.
 
 Each result is one JSON line (prefix ``RESULT``), naming the router that produced it.
 """
@@ -374,7 +377,44 @@ def without_router_kernel():
         dispatch.triton_kernels = original
 
 
-RESIDENT_VARIANTS = {"no-router-kernel": without_router_kernel}
+@contextlib.contextmanager
+def without_fused_silu():
+    """The down projection's launch reads an activation that silu_and_mul wrote, at every batch size."""
+    from mempath.kernels import moe_triton
+    original = moe_triton.FUSED_SILU_MAX_PAIRS
+    moe_triton.FUSED_SILU_MAX_PAIRS = 0
+    try:
+        yield
+    finally:
+        moe_triton.FUSED_SILU_MAX_PAIRS = original
+
+
+@contextlib.contextmanager
+def without_fused_route():
+    """The router's top k and the pairs' alignment in two launches (their Kernels without moe_route_and_align)."""
+    from mempath.kernels import dispatch
+    original = dispatch.triton_kernels
+    dispatch.triton_kernels = lambda: dataclasses.replace(original(), moe_route_and_align=None)
+    try:
+        yield
+    finally:
+        dispatch.triton_kernels = original
+
+
+@contextlib.contextmanager
+def without_moe_pdl():
+    """Every kernel of kernels/moe_triton.py launched without programmatic dependent launch."""
+    from mempath.kernels import moe_triton
+    original = moe_triton.pdl_options
+    moe_triton.pdl_options = lambda device: {"PDL": False}
+    try:
+        yield
+    finally:
+        moe_triton.pdl_options = original
+
+
+RESIDENT_VARIANTS = {"no-router-kernel": without_router_kernel, "no-fused-silu": without_fused_silu,
+                     "no-fused-route": without_fused_route, "no-moe-pdl": without_moe_pdl}
 
 
 def part_resident(args, configs: list[dict], bandwidth: dict) -> list[dict]:
@@ -390,9 +430,9 @@ def part_resident(args, configs: list[dict], bandwidth: dict) -> list[dict]:
         for variant in [None] + args.variants:
             with RESIDENT_VARIANTS[variant]() if variant else contextlib.nullcontext():
                 llm = engine(path, args)
-            graphs = bool(llm.engine.runner.graphs)
-            rate, tokens, _ = decode(llm, args)
-            del llm
+                graphs = bool(llm.engine.runner.graphs)
+                rate, tokens, _ = decode(llm, args)
+                del llm
             reference = tokens if variant is None else reference
             out.append(result("resident", model=config["architectures"][0], router="model", variant=variant,
                               decode_tok_s=rate, cuda_graphs=graphs, active_GB_per_token=active_bytes / 1e9,
@@ -417,7 +457,12 @@ def main() -> int:
                              "driver's pinned allocator (torch pin_memory), for comparison")
     parser.add_argument("--variants", type=lambda text: text.split(","), default=[],
                         help=f"the resident part again with one choice flipped: {', '.join(RESIDENT_VARIANTS)}")
+    parser.add_argument("--resident-models", type=lambda text: text.split(","),
+                        default=["qwen3-30b-a3b", "mixtral-8x7b"],
+                        help="the resident part's shapes (Mixtral-8x7B's 93 GB fits an H200, not an 80 GB card)")
     args = parser.parse_args()
+    if set(args.resident_models) - {"qwen3-30b-a3b", "mixtral-8x7b"}:
+        parser.error(f"--resident-models takes qwen3-30b-a3b, mixtral-8x7b; got {','.join(args.resident_models)}")
     if set(args.variants) - set(RESIDENT_VARIANTS):
         parser.error(f"--variants takes {', '.join(RESIDENT_VARIANTS)}; got {','.join(args.variants)}")
     if args.host_store == "driver":
@@ -444,7 +489,8 @@ def main() -> int:
     if "offload" in parts:
         part_offload(args, qwen, bandwidth)
     if "resident" in parts:
-        part_resident(args, [qwen, mixtral], bandwidth)
+        part_resident(args, [{"qwen3-30b-a3b": qwen, "mixtral-8x7b": mixtral}[m] for m in args.resident_models],
+                      bandwidth)
     return 0
 
 
