@@ -29,7 +29,8 @@ resident  Qwen3-30B-A3B and Mixtral-8x7B shapes with every expert resident (the 
           matmul library) instead of the router kernel, ``no-fused-silu`` with silu_and_mul
           in its own launch before the down projection, ``no-fused-route`` with the top k
           and the pairs' alignment in two launches, ``no-moe-pdl`` with the MoE kernels
-          launched without programmatic dependent launch, in the same run.
+          launched without programmatic dependent launch, ``unfused-decode`` with all three, in the
+          same run.
 
 Each result is one JSON line (prefix ``RESULT``), naming the router that produced it.
 """
@@ -413,8 +414,16 @@ def without_moe_pdl():
         moe_triton.pdl_options = original
 
 
+@contextlib.contextmanager
+def unfused_decode():
+    """no-fused-silu, no-fused-route and no-moe-pdl together: the MoE decode launches before 2026-12-06."""
+    with without_fused_silu(), without_fused_route(), without_moe_pdl():
+        yield
+
+
 RESIDENT_VARIANTS = {"no-router-kernel": without_router_kernel, "no-fused-silu": without_fused_silu,
-                     "no-fused-route": without_fused_route, "no-moe-pdl": without_moe_pdl}
+                     "no-fused-route": without_fused_route, "no-moe-pdl": without_moe_pdl,
+                     "unfused-decode": unfused_decode}
 
 
 def part_resident(args, configs: list[dict], bandwidth: dict) -> list[dict]:

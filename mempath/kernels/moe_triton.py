@@ -48,7 +48,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from mempath.kernels.common import pdl_wait
+    from mempath.kernels.common import pdl_wait, silu_and_mul_values
 
     @triton.jit
     def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, pair_ptr, block_expert_ptr, weight_ptr, n, k,
@@ -74,9 +74,7 @@ if HAS_TRITON:
             if GATED:  # a is [gate | up], 2k wide: silu(gate) * up as _silu_and_mul_kernel rounds it
                 gate = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 up = tl.load(a_ptrs + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                g = gate.to(tl.float32)
-                act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-                a = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+                a = silu_and_mul_values(gate, up)
             else:
                 a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
