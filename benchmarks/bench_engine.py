@@ -103,11 +103,6 @@ def _set_dense_gemv(on: bool):
     quant.USE_DENSE_GEMV = on
 
 
-def _set_gated_gemv(on: bool):
-    from mempath.model import quant
-    quant.USE_GATED_GEMV = on
-
-
 def _set_decode_order(longest_first: bool):
     from mempath.engine import runner
     runner.DECODE_LONGEST_FIRST = longest_first
@@ -116,8 +111,7 @@ def _set_decode_order(longest_first: bool):
 # --variants NAME: the same measurement with one choice flipped, in the same run:
 # a fast-path piece turned off, or an alternative we did not adopt.
 VARIANTS = {"no-fused-rope-store": _set_rope_store, "no-fused-qk-norm": _set_qk_norm, "no-pdl": _set_pdl,
-            "cublaslt": _set_cublas, "no-dense-gemv": _set_dense_gemv, "batch-decode-order": _set_decode_order,
-            "no-gated-gemv": _set_gated_gemv}
+            "cublaslt": _set_cublas, "no-dense-gemv": _set_dense_gemv, "batch-decode-order": _set_decode_order}
 
 
 def copy_weights(llm, hf) -> None:

@@ -35,7 +35,6 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from mempath import LLM, SamplingParams  # noqa: E402
 from mempath.kernels.fp8_gemv_triton import DEFAULT_TABLE, GEMV_MAX_ROWS, TABLE_ENV  # noqa: E402
-from mempath.model import quant  # noqa: E402
 from mempath.model.llama import AttentionMetadata  # noqa: E402
 
 TINY = str(ROOT / "mempath" / "assets" / "mempath-tiny")
@@ -151,12 +150,10 @@ def bench_latency(args) -> dict:
     prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(args.batch)]
     runs = [("bf16", None, None), ("fp8", "fp8", None)]
     runs += [(f"fp8, {Path(table).name}", "fp8", str(Path(table).resolve())) for table in args.also_table]
-    runs += [(f"fp8, {variant}", "fp8", None) for variant in args.variants]
     measured = {}
     for name, quantization, table in runs:
         if table:
             os.environ[TABLE_ENV] = table
-        quant.USE_GATED_GEMV = not name.endswith("no-gated-gemv")
         llm = LLM(path, load_format="dummy", dtype="bfloat16", quantization=quantization, max_num_seqs=args.batch,
                   max_model_len=args.prompt_len + args.new_tokens + 32, show_progress=False,
                   enforce_eager=args.enforce_eager)
@@ -172,7 +169,6 @@ def bench_latency(args) -> dict:
             measured[name]["table"] = os.environ.get(TABLE_ENV) or str(DEFAULT_TABLE.relative_to(ROOT))
         del llm
         torch.cuda.empty_cache()
-    quant.USE_GATED_GEMV = True
     bf16, fp8 = measured["bf16"], measured["fp8"]
     same = next((i for i, (a, b) in enumerate(zip(bf16["tokens"], fp8["tokens"])) if a != b), args.new_tokens)
     rows = [("weights", "ms/step", "tok/s", "bytes read/step", "limit ms", "% of limit")]
@@ -211,14 +207,9 @@ def main() -> None:
     lat.add_argument("--table", help=f"an fp8 GEMV configuration table (default: {TABLE_ENV} or the shipped one)")
     lat.add_argument("--also-table", action="append", default=[],
                      help="another table, run as a third engine beside the first fp8 one (repeatable)")
-    lat.add_argument("--variants", type=lambda text: text.split(","), default=[],
-                     help="fp8 engines run beside the first with one choice flipped: no-gated-gemv (SiLU-and-mul "
-                          "in its own launch before the down projection's GEMV)")
     lat.add_argument("--batch", type=int, default=1, help="sequences decoded together (the KV read is not in the "
                                                           "limit: keep the prompt short)")
     args = parser.parse_args()
-    if set(getattr(args, "variants", [])) - {"no-gated-gemv"}:
-        parser.error(f"--variants takes no-gated-gemv; got {','.join(args.variants)}")
     if getattr(args, "batch", 1) < 1:
         parser.error(f"--batch {args.batch}: give 1 or more sequences")
     if getattr(args, "table", None):

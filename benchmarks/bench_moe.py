@@ -26,11 +26,7 @@ resident  Qwen3-30B-A3B and Mixtral-8x7B shapes with every expert resident (the 
           kernel, decode CUDA graphs), batch-1 decode tokens/s against the active-weight
           read limit (bytes one token reads / the device read bandwidth). ``--variants
           no-router-kernel`` measures each again with the router's logits from F.linear (the
-          matmul library) instead of the router kernel, ``no-fused-silu`` with silu_and_mul
-          in its own launch before the down projection, ``no-fused-route`` with the top k
-          and the pairs' alignment in two launches, ``no-moe-pdl`` with the MoE kernels
-          launched without programmatic dependent launch, ``unfused-decode`` with all three, in the
-          same run.
+          matmul library) instead of the router kernel, in the same run.
 
 Each result is one JSON line (prefix ``RESULT``), naming the router that produced it.
 """
@@ -378,52 +374,7 @@ def without_router_kernel():
         dispatch.triton_kernels = original
 
 
-@contextlib.contextmanager
-def without_fused_silu():
-    """The down projection's launch reads an activation that silu_and_mul wrote, at every batch size."""
-    from mempath.kernels import moe_triton
-    original = moe_triton.FUSED_SILU_MAX_PAIRS
-    moe_triton.FUSED_SILU_MAX_PAIRS = 0
-    try:
-        yield
-    finally:
-        moe_triton.FUSED_SILU_MAX_PAIRS = original
-
-
-@contextlib.contextmanager
-def without_fused_route():
-    """The router's top k and the pairs' alignment in two launches (their Kernels without moe_route_and_align)."""
-    from mempath.kernels import dispatch
-    original = dispatch.triton_kernels
-    dispatch.triton_kernels = lambda: dataclasses.replace(original(), moe_route_and_align=None)
-    try:
-        yield
-    finally:
-        dispatch.triton_kernels = original
-
-
-@contextlib.contextmanager
-def without_moe_pdl():
-    """Every kernel of kernels/moe_triton.py launched without programmatic dependent launch."""
-    from mempath.kernels import moe_triton
-    original = moe_triton.pdl_options
-    moe_triton.pdl_options = lambda device: {"PDL": False}
-    try:
-        yield
-    finally:
-        moe_triton.pdl_options = original
-
-
-@contextlib.contextmanager
-def unfused_decode():
-    """no-fused-silu, no-fused-route and no-moe-pdl together: the MoE decode launches before 2026-12-06."""
-    with without_fused_silu(), without_fused_route(), without_moe_pdl():
-        yield
-
-
-RESIDENT_VARIANTS = {"no-router-kernel": without_router_kernel, "no-fused-silu": without_fused_silu,
-                     "no-fused-route": without_fused_route, "no-moe-pdl": without_moe_pdl,
-                     "unfused-decode": unfused_decode}
+RESIDENT_VARIANTS = {"no-router-kernel": without_router_kernel}
 
 
 def part_resident(args, configs: list[dict], bandwidth: dict) -> list[dict]:
@@ -437,7 +388,7 @@ def part_resident(args, configs: list[dict], bandwidth: dict) -> list[dict]:
         limit = bandwidth["device_read_GBps"] * 1e9 / active_bytes
         reference = None
         for variant in [None] + args.variants:
-            with RESIDENT_VARIANTS[variant]() if variant else contextlib.nullcontext():
+            with RESIDENT_VARIANTS[variant]() if variant else contextlib.nullcontext():  # a choice read at run time too
                 llm = engine(path, args)
                 graphs = bool(llm.engine.runner.graphs)
                 rate, tokens, _ = decode(llm, args)

@@ -110,7 +110,9 @@ step slots-tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_moe_slo
   tests/test_moe.py tests/test_moe_prefetch.py tests/test_moe_host.py tests/test_moe_gemm_configs.py -k "cuda or gpu or cut"
 step moe-offload-host 420 python3 benchmarks/bench_moe.py --parts pinned,offload --cpu-experts auto
 step moe-skewed-auto 300 python3 benchmarks/bench_moe.py --parts pinned,offload --routers skewed --cpu-experts auto
-step moe-resident 300 python3 benchmarks/bench_moe.py --parts pinned,resident
+# On an 80 GB card, MOE_RESIDENT_MODELS=qwen3-30b-a3b (Mixtral-8x7B's 93 GB does not fit).
+step moe-resident 300 python3 benchmarks/bench_moe.py --parts pinned,resident \
+  ${MOE_RESIDENT_MODELS:+--resident-models "$MOE_RESIDENT_MODELS"}
 # The router kernel (#21, 2026-12-04): its GPU tests, then the resident decode with and without it.
 step router-tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_moe_triton.py tests/test_moe.py -k "cuda or gpu"
 step moe-router 480 python3 benchmarks/bench_moe.py --parts pinned,resident --variants no-router-kernel

@@ -113,40 +113,6 @@ def check_16bit_weight_gemv(device: str, dtype, rows_list=(1, 3), seed: int = 0,
                 assert not workspace.partials.any() and not workspace.counters.any(), config
 
 
-def check_gated_gemv(device: str, dtype, configs, rows_list=(1, 3), seed: int = 0, shapes=SHAPES) -> None:
-    """``gated=True`` over a gate/up output [rows, 2K] gives the bits of the SiLU kernel's launch then the
-    GEMV's (fp8 and 16-bit weights, bias or not), and leaves the workspace zero. An atomic split adds its
-    partials in arrival order, so there both runs of the same x may differ in the last bit: a 2-ulp bound."""
-    from mempath.kernels.elementwise_triton import triton_silu_and_mul
-    from mempath.kernels.fp8_gemv_triton import GemvWorkspace, triton_fp8_gemv
-    gen = torch.Generator().manual_seed(seed)
-    workspace = GemvWorkspace(max(n for n, _ in shapes), torch.device(device))
-    for n, k in shapes:
-        w = torch.randn(n, k, generator=gen) * 0.05
-        weights = [tuple(t.to(device) for t in quantize_rows(w)), (w.to(dtype).to(device), None)]
-        bias = torch.randn(n, generator=gen).to(dtype).to(device)
-        for rows in rows_list:
-            gate_up = (torch.randn(rows, 2 * k, generator=gen) * 3).to(dtype).to(device)
-            for i, config in enumerate(configs):
-                for weight, scale in weights:
-                    if scale is None and config.quantize_x:
-                        continue  # a 16-bit weight's table never quantizes x
-                    b = bias if (i + rows) % 2 else None
-                    apart = triton_fp8_gemv(triton_silu_and_mul(gate_up), weight, scale, b, workspace, config)
-                    gated = triton_fp8_gemv(gate_up, weight, scale, b, workspace, config, gated=True)
-                    what = f"{dtype} {rows}x{n}x{k} {config} {'fp8' if scale is not None else '16-bit'}"
-                    if config.split_k > 1 and config.reduce == "atomic" and device != "cpu":
-                        ulp = torch.finfo(dtype).eps if dtype != torch.float32 else 1e-6
-                        torch.testing.assert_close(gated.float(), apart.float(), rtol=2 * ulp, atol=2 * ulp,
-                                                   msg=lambda m: f"{what}: {m}")
-                    else:
-                        assert torch.equal(gated, apart), what
-                    assert not workspace.partials.any() and not workspace.counters.any(), config
-    x = torch.randn(1, 2 * shapes[0][1] + 1, dtype=dtype, device=device)
-    with pytest.raises(ValueError, match="gated: x is"):
-        triton_fp8_gemv(x, weights[0][0], weights[0][1], None, workspace, configs[0], gated=True)
-
-
 def run_interpreted(code: str) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
@@ -187,29 +153,6 @@ def test_interpreted_gemv_of_a_16bit_weight_is_f_linear():
         "import sys, torch; sys.path.insert(0, 'tests'); from test_triton_interpret import _patch_interpreter_for_numpy; "
         "_patch_interpreter_for_numpy(); from tests.test_fp8_gemv import check_16bit_weight_gemv; "
         "check_16bit_weight_gemv('cpu', torch.float16, shapes=((80, 200),))")
-
-
-def test_interpreted_gated_gemv_is_silu_then_the_gemv():
-    """The down projection gating its rows: the bits of the SiLU launch then the GEMV, in every product
-    (multiply-adds, summed over K each step, tensor cores, fp8 tensor cores) and every split."""
-    pytest.importorskip("triton")
-    if torch.cuda.is_available():
-        pytest.skip("CUDA present: the GPU test runs the compiled kernel")
-    run_interpreted(
-        "import sys, torch; sys.path.insert(0, 'tests'); from test_triton_interpret import _patch_interpreter_for_numpy; "
-        "_patch_interpreter_for_numpy(); from tests.test_fp8_gemv import check_gated_gemv, gemv_configs, "
-        "sum_k_each_step_configs, quantize_x_configs; "
-        "check_gated_gemv('cpu', torch.float16, gemv_configs() + sum_k_each_step_configs()[::2] + quantize_x_configs()[:2], "
-        "shapes=((80, 200),)); "
-        "check_gated_gemv('cpu', torch.float32, gemv_configs()[:3], rows_list=(2,), shapes=((64, 256),))")
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_gated_gemv_is_silu_then_the_gemv():
-    pytest.importorskip("triton")
-    for dtype in (torch.bfloat16, torch.float16):
-        check_gated_gemv("cuda", dtype, gemv_configs() + sum_k_each_step_configs() + quantize_x_configs(),
-                         rows_list=(1, 2, 3, 16))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -393,58 +336,6 @@ def test_decode_batches_take_the_gemv_and_larger_ones_scaled_mm(monkeypatch):
         quant.fp8_linear_cuda(torch.randn(rows, 32, dtype=torch.bfloat16), w, scale, None, gemv)
     quant.fp8_linear_cuda(torch.randn(1, 32), w, scale, None, gemv)  # float32
     assert ran == ["gemv", "scaled_mm", "gemv", "gemv", "scaled_mm", "scaled_mm"]
-
-
-@pytest.mark.parametrize("fp8", [True, False])
-def test_down_projections_gate_in_the_gemv_exactly_where_it_runs(monkeypatch, fp8):
-    """forward_gated: one gated GEMV launch where the layer's product would be the GEMV (fp8: its table's
-    bucket is not _scaled_mm, at most 16 rows, 16-bit x; 16-bit: the dense table lists the bucket); the
-    SiLU launch and then the layer's own product everywhere else, and with USE_GATED_GEMV off."""
-    from mempath.kernels.fp8_gemv_triton import Fp8Gemv, GemvConfig
-    ran = []
-
-    def fake_gemv(self, x, weight, weight_scale, bias, config, gated=False):
-        ran.append("gated" if gated else "gemv")
-        k = weight.shape[1]
-        x = torch.nn.functional.silu(x[:, :k]) * x[:, k:] if gated else x
-        w = weight.float() * weight_scale if weight_scale is not None else weight.float()
-        return torch.nn.functional.linear(x.float(), w).to(x.dtype)
-
-    monkeypatch.setattr(Fp8Gemv, "__call__", fake_gemv)
-    monkeypatch.setattr(quant, "fp8_linear_scaled_mm", lambda x, w, s, b, q: ran.append("scaled_mm") or
-                        torch.nn.functional.linear(x.float(), w.float() * s).to(x.dtype))
-    table = {"64x32": {"1": GemvConfig(), "2": GemvConfig(kernel="scaled_mm") if fp8 else None, "4": GemvConfig()}}
-    table = {shape: {b: c for b, c in buckets.items() if c is not None} for shape, buckets in table.items()}
-    gemv = Fp8Gemv(64, torch.device("cpu"), table)
-    if fp8:
-        layer = quant.Fp8Linear(32, 64, bias=False)
-        layer.weight.data, layer.weight_scale.data = quantize_rows(torch.randn(64, 32))
-        layer.matmul = lambda x, w, s, b: quant.fp8_linear_cuda(x, w, s, b, gemv, quantize=None)
-        layer.gated_matmul = lambda x, w, s, b: quant.fp8_gated_gemv(x, w, s, b, gemv)
-    else:
-        layer = quant.Linear(32, 64, bias=False).to(torch.bfloat16)  # set_dense_gemv takes 16-bit models only
-        layer.matmul = lambda x, w, b: quant.dense_linear_cuda(x, w, b, gemv)
-        layer.gated_matmul = lambda x, w, b: quant.dense_gated_gemv(x, w, b, gemv)
-
-    def silu_and_mul(x):
-        ran.append("silu")
-        return torch.nn.functional.silu(x[..., :32]) * x[..., 32:]
-
-    def path(rows, dtype=torch.bfloat16):
-        ran.clear()
-        gate_up = torch.randn(rows, 64).to(dtype)
-        out = layer.forward_gated(gate_up)
-        if out is None:
-            out = layer(silu_and_mul(gate_up))
-        assert out.shape == (rows, 64)
-        return ",".join(ran)
-
-    second = "silu,scaled_mm" if fp8 else "silu"  # the dense layer's untabled bucket: F.linear, recorded by nothing
-    assert [path(r) for r in (1, 2, 3, 17)] == ["gated", second, "gated", "silu,scaled_mm" if fp8 else "silu"]
-    if fp8:
-        assert path(1, torch.float32) == "silu,scaled_mm"
-    monkeypatch.setattr(quant, "USE_GATED_GEMV", False)
-    assert path(1) == "silu,gemv"
 
 
 def test_dense_layers_take_the_gemv_only_where_the_table_lists_their_bucket(monkeypatch):

@@ -158,14 +158,6 @@ if HAS_TRITON:
             gdc_launch_dependents()
 
     @triton.jit
-    def silu_and_mul_values(gate, up):
-        """silu(gate) * up as every Triton path computes it (the SiLU kernel, the MoE down launch and the
-        GEMV gating their rows): in float32, silu rounded to gate's dtype, then the product rounded."""
-        g = gate.to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-        return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
-
-    @triton.jit
     def to_cache_dtype(x, cache_dtype, KV_FP8_MAX: tl.constexpr):
         """``x`` as ``attention_torch.quantize_kv`` stores it: for an fp8 cache (KV_FP8_MAX > 0)
         clamped to the format's finite range, then rounded to nearest even; otherwise a plain cast."""

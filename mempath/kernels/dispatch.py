@@ -46,14 +46,11 @@ class Kernels:
       slot_mapping) -> q``: the same after a per-head RMSNorm of q and k (Qwen3), one launch on Triton;
     - ``silu_and_mul(x) -> out``;
     - ``attention(q, k_cache, v_cache, meta, scale) -> out`` over the paged cache;
-    - ``grouped_experts(x, router_weights, expert_ids, gate_up_proj, down_proj, silu_and_mul, aligned=None) -> out``:
+    - ``grouped_experts(x, router_weights, expert_ids, gate_up_proj, down_proj, silu_and_mul) -> out``:
       a MoE layer's experts with every expert resident, no host read (None: the PyTorch
       twin in mempath.model.moe, which reads the group sizes on the host);
     - ``moe_route(logits, top_k, norm_topk_prob, weights_dtype) -> (weights, ids)``: the router's
       softmax and top k in one launch, beside grouped_experts (None: ``route_torch``);
-    - ``moe_route_and_align(logits, top_k, norm_topk_prob, weights_dtype) -> (weights, ids, aligned)``:
-      moe_route and grouped_experts' alignment of the pairs to row blocks in one launch, at decode sizes
-      (None past them, or no such kernel: moe_route, then grouped_experts aligns);
     - ``grouped_expert_pairs(x, router_weights, ids, gate_up_proj, down_proj, silu_and_mul) -> pairs``:
       grouped_experts before the sum over k (float32 [T·k, h]), over any stack of experts: an
       expert cache's slots (mempath.model.moe_slots; None: the cache runs the PyTorch twin);
@@ -71,7 +68,6 @@ class Kernels:
     triton: bool  # the Triton kernels (the runner sizes their decode workspace and compiles them)
     grouped_experts: Callable | None = None
     moe_route: Callable | None = None
-    moe_route_and_align: Callable | None = None
     grouped_expert_pairs: Callable | None = None
     sum_expert_pairs: Callable | None = None
     router_logits: Callable | None = None
@@ -87,11 +83,10 @@ def triton_kernels() -> Kernels:
     from mempath.kernels.elementwise_triton import (qk_norm_rope_and_store_triton, rope_and_store_triton,
                                                     triton_rms_norm, triton_silu_and_mul)
     from mempath.kernels.moe_triton import (triton_grouped_expert_pairs, triton_grouped_experts, triton_route,
-                                            triton_route_and_align, triton_router_logits, triton_sum_pairs)
+                                            triton_router_logits, triton_sum_pairs)
     return Kernels(triton_rms_norm, rope_and_store_triton, triton_silu_and_mul, attend_triton,
                    qk_norm_rope_and_store_triton, triton=True, grouped_experts=triton_grouped_experts,
-                   moe_route=triton_route, moe_route_and_align=triton_route_and_align,
-                   grouped_expert_pairs=triton_grouped_expert_pairs,
+                   moe_route=triton_route, grouped_expert_pairs=triton_grouped_expert_pairs,
                    sum_expert_pairs=triton_sum_pairs, router_logits=triton_router_logits)
 
 

@@ -18,7 +18,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from mempath.kernels.common import pdl_wait, silu_and_mul_values, to_cache_dtype
+    from mempath.kernels.common import pdl_wait, to_cache_dtype
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_res, stride_out, n_cols, eps,
@@ -146,7 +146,10 @@ if HAS_TRITON:
         mask = cols < n_cols
         gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
         up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
-        tl.store(out_ptr + row * stride_out + cols, silu_and_mul_values(gate, up), mask=mask)
+        g = gate.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+        y = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+        tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
 
 
 def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,

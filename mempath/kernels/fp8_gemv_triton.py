@@ -56,7 +56,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from mempath.kernels.common import pdl_wait, silu_and_mul_values
+    from mempath.kernels.common import pdl_wait
 
 # Batches up to this many rows run the GEMV (when the table does not send a bucket to
 # _scaled_mm); larger ones run Hopper's fp8 matmul with quantized activations.
@@ -196,16 +196,8 @@ if HAS_TRITON:
         return tl.load(w_ptrs, mask=n_mask[:, None] & (k < k_end)[None, :], other=0.0)
 
     @triton.jit
-    def _load_x(x_ptrs, mask, K, GATED: tl.constexpr):
-        """x at ``x_ptrs``; GATED: x is a gate/up output [gate | up] (2K wide) and the values are
-        silu(gate) * up, rounded as the SiLU kernel rounds them (the same bits as that kernel, then this)."""
-        if GATED:
-            return silu_and_mul_values(tl.load(x_ptrs, mask=mask, other=0.0), tl.load(x_ptrs + K, mask=mask, other=0.0))
-        return tl.load(x_ptrs, mask=mask, other=0.0)
-
-    @triton.jit
-    def _row_products_summed_over_k(w, x_ptr, M, K, k, k_end, stride_xm, BLOCK_M: tl.constexpr,
-                                    BLOCK_N: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr):
+    def _row_products_summed_over_k(w, x_ptr, M, k, k_end, stride_xm, BLOCK_M: tl.constexpr,
+                                    BLOCK_N: tl.constexpr, EVEN: tl.constexpr):
         """[BLOCK_M, BLOCK_N]: each row of x times the weight tile, summed over this step's K.
 
         Row by row, so the converted tile is the only [BLOCK_N, BLOCK_K] value in registers: no
@@ -217,7 +209,7 @@ if HAS_TRITON:
             row_mask = (tl.zeros_like(k) + m) < M  # the rows past M that BLOCK_M pads to read nothing
             if not EVEN:
                 row_mask = row_mask & (k < k_end)
-            x = _load_x(x_ptr + m * stride_xm + k, row_mask, K, GATED).to(tl.float32)
+            x = tl.load(x_ptr + m * stride_xm + k, mask=row_mask, other=0.0).to(tl.float32)
             row = tl.sum(w * x[None, :], axis=1)
             if BLOCK_M == 1:
                 sums += row[None, :]
@@ -226,11 +218,11 @@ if HAS_TRITON:
         return sums
 
     @triton.jit
-    def _partial_product(x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, M, K, k_start, k_end, stride_xm, stride_wn,
+    def _partial_product(x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, M, k_start, k_end, stride_xm, stride_wn,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          USE_DOT: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr,
                          SUM_K_EACH_STEP: tl.constexpr, QUANT_X: tl.constexpr, FP8_MAX: tl.constexpr,
-                         MIN_SCALE: tl.constexpr, PDL: tl.constexpr, GATED: tl.constexpr):
+                         MIN_SCALE: tl.constexpr, PDL: tl.constexpr):
         """sum over k in [k_start, k_end) of x[m, k] · w[n, k], float32 [BLOCK_M, BLOCK_N].
 
         With PREFETCH the next weight tile is loaded while the current one is multiplied (two
@@ -256,14 +248,13 @@ if HAS_TRITON:
                 w = _load_weight_tile(w_ptr, offs_n, n_mask, k0, k_end, stride_wn, BLOCK_N, BLOCK_K, EVEN)
             k = k0 + offs_k
             if SUM_K_EACH_STEP:
-                acc += _row_products_summed_over_k(w, x_ptr, M, K, k, k_end, stride_xm, BLOCK_M, BLOCK_N, EVEN,
-                                                   GATED)
+                acc += _row_products_summed_over_k(w, x_ptr, M, k, k_end, stride_xm, BLOCK_M, BLOCK_N, EVEN)
             else:
                 x_ptrs = x_ptr + offs_m[:, None] * stride_xm + k[None, :]
                 if EVEN:
-                    x = _load_x(x_ptrs, m_mask[:, None], K, GATED)
+                    x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
                 else:
-                    x = _load_x(x_ptrs, m_mask[:, None] & (k < k_end)[None, :], K, GATED)
+                    x = tl.load(x_ptrs, mask=m_mask[:, None] & (k < k_end)[None, :], other=0.0)
                 if QUANT_X:  # the arithmetic of quant.quantize_rows over this block of K, row by row
                     xf = x.to(tl.float32)
                     x_scale = tl.maximum(tl.max(tl.abs(xf), axis=1), MIN_SCALE) * (1.0 / FP8_MAX)
@@ -301,7 +292,7 @@ if HAS_TRITON:
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
                          TWO_PASS: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr,
                          SUM_K_EACH_STEP: tl.constexpr, QUANT_X: tl.constexpr, FP8_MAX: tl.constexpr,
-                         MIN_SCALE: tl.constexpr, PDL: tl.constexpr, HAS_SCALE: tl.constexpr, GATED: tl.constexpr):
+                         MIN_SCALE: tl.constexpr, PDL: tl.constexpr, HAS_SCALE: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -310,9 +301,9 @@ if HAS_TRITON:
         m_mask = offs_m < M
         k_start = pid_k * k_per_split
         k_end = tl.minimum(k_start + k_per_split, K)
-        acc = _partial_product(x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, M, K, k_start, k_end, stride_xm,
+        acc = _partial_product(x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, M, k_start, k_end, stride_xm,
                                stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, EVEN, PREFETCH, SUM_K_EACH_STEP,
-                               QUANT_X, FP8_MAX, MIN_SCALE, PDL, GATED)
+                               QUANT_X, FP8_MAX, MIN_SCALE, PDL)
         tile = offs_m[:, None] * N + offs_n[None, :]
         tile_mask = m_mask[:, None] & n_mask[None, :]
         if split_k == 1:
@@ -357,18 +348,12 @@ if HAS_TRITON:
 
 
 def triton_fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
-                    bias: torch.Tensor | None, workspace: GemvWorkspace, config: GemvConfig,
-                    gated: bool = False) -> torch.Tensor:
+                    bias: torch.Tensor | None, workspace: GemvWorkspace, config: GemvConfig) -> torch.Tensor:
     """x [rows, K] (model dtype) times ``weight`` [N, K] float8_e4m3fn scaled per row by ``weight_scale``
     [N, 1] float32, plus ``bias``: [rows, N] in x's dtype. Allocates only the output. With
-    ``weight_scale`` None the weight is 16-bit (x's dtype), read as it is: F.linear's arithmetic.
-    ``gated``: x is a gate/up output [rows, 2K] and the product takes silu(gate) * up (the bits of
-    ``triton_silu_and_mul(x)`` then this), one launch fewer for an MLP's down projection."""
+    ``weight_scale`` None the weight is 16-bit (x's dtype), read as it is: F.linear's arithmetic."""
     x = x if x.stride(-1) == 1 else x.contiguous()
-    rows, k = x.shape[0], weight.shape[1]
-    if x.shape[1] != (2 * k if gated else k):
-        raise ValueError(f"GEMV: x {tuple(x.shape)} against weight {tuple(weight.shape)}"
-                         f"{' (gated: x is [gate | up], twice the weight width)' if gated else ''}")
+    rows, k = x.shape
     n = weight.shape[0]
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0:
@@ -395,8 +380,7 @@ def triton_fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
                            BLOCK_K=config.block_k, USE_DOT=use_dot, TWO_PASS=two_pass, EVEN=even,
                            PREFETCH=config.prefetch, SUM_K_EACH_STEP=config.sum_k_each_step,
                            QUANT_X=use_dot and config.quantize_x, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, **pdl,
-                           HAS_SCALE=has_scale, GATED=gated, num_warps=config.num_warps,
-                           num_stages=config.num_stages)
+                           HAS_SCALE=has_scale, num_warps=config.num_warps, num_stages=config.num_stages)
     if two_pass:
         block = 256
         _fp8_gemv_reduce_kernel[(triton.cdiv(n, block), rows)](
@@ -440,5 +424,5 @@ class Fp8Gemv:
         return self._configs[key]
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
-                 bias: torch.Tensor | None, config: GemvConfig, gated: bool = False) -> torch.Tensor:
-        return triton_fp8_gemv(x, weight, weight_scale, bias, self.workspace, config, gated)
+                 bias: torch.Tensor | None, config: GemvConfig) -> torch.Tensor:
+        return triton_fp8_gemv(x, weight, weight_scale, bias, self.workspace, config)

@@ -13,8 +13,7 @@ Here nothing is read on the host, so a decode CUDA graph can hold the layer:
 - ``_grouped_gemm_kernel``: each program takes one row block and one column tile,
   loads its expert from the map, gathers its rows (the token's hidden state for
   gate/up, the pair's activation for down) and writes the pair's output row, the
-  down projection's already weighted by the router. At decode sizes the down launch
-  reads the gate/up rows and applies silu(gate) * up itself (``FUSED_SILU_MAX_PAIRS``).
+  down projection's already weighted by the router.
 - ``_sum_pairs_kernel`` (``triton_sum_pairs``, twin ``sum_pairs``): each token's k float32
   pair rows added in float32 and cast to the model dtype in one launch.
 - ``_router_logits_kernel`` (``triton_router_logits``, twin ``F.linear``): the router's logits
@@ -48,15 +47,14 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from mempath.kernels.common import pdl_wait, silu_and_mul_values
+    from mempath.kernels.common import pdl_wait
 
     @triton.jit
     def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, pair_ptr, block_expert_ptr, weight_ptr, n, k,
                              stride_am, stride_be, stride_bn, stride_bk, stride_cm, ROWS_PER_A: tl.constexpr,
-                             WEIGHTED: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                             WEIGHTED: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         block = tl.program_id(0)
-        pdl_wait(PDL)  # the block map and the rows are the kernels' before
         expert = tl.load(block_expert_ptr + block).to(tl.int64)
         if expert < 0:
             return
@@ -71,12 +69,7 @@ if HAS_TRITON:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for start in range(0, k, BLOCK_K):
             k_ok = start + ks < k
-            if GATED:  # a is [gate | up], 2k wide: silu(gate) * up as _silu_and_mul_kernel rounds it
-                gate = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                up = tl.load(a_ptrs + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                a = silu_and_mul_values(gate, up)
-            else:
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             if IEEE:
                 acc = tl.dot(a, b, acc, input_precision="ieee")
@@ -135,9 +128,10 @@ if HAS_TRITON:
                  mask=(rows < tokens)[:, None] & e_ok[None, :])
 
     @triton.jit
-    def _route_token(logits_ptr, weights_ptr, ids_ptr, token, num_experts, stride, TOP_K: tl.constexpr,
-                     NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride, TOP_K: tl.constexpr,
+                      NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
         """One token: softmax over its experts in float32, the top k (ties: the lower expert), renormalised."""
+        token = tl.program_id(0).to(tl.int64)
         experts = tl.arange(0, BLOCK_E)
         x = tl.load(logits_ptr + token * stride + experts, mask=experts < num_experts, other=-float("inf"))
         x = x.to(tl.float32)
@@ -159,15 +153,9 @@ if HAS_TRITON:
         tl.store(ids_ptr + token * TOP_K + slots, top_i, mask=keep)
 
     @triton.jit
-    def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride, TOP_K: tl.constexpr,
-                      NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-        _route_token(logits_ptr, weights_ptr, ids_ptr, tl.program_id(0).to(tl.int64), num_experts, stride,
-                     TOP_K, NORM, BLOCK_E, BLOCK_K)
-
-    @triton.jit
-    def _align_pairs(ids_ptr, pair_of_row_ptr, block_expert_ptr, num_pairs, num_experts, num_rows, num_blocks,
-                     BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
-                     BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
+    def _align_kernel(ids_ptr, pair_of_row_ptr, block_expert_ptr, num_pairs, num_experts, num_rows, num_blocks,
+                      BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+                      BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
         """align_to_blocks in one program, for few pairs (comparisons of every pair with every pair)."""
         pairs = tl.arange(0, BLOCK_P)
         real = pairs < num_pairs
@@ -190,29 +178,6 @@ if HAS_TRITON:
         expert_of_block = tl.sum(passed.to(tl.int32), axis=1)
         expert_of_block = tl.where(expert_of_block < num_experts, expert_of_block, -1)
         tl.store(block_expert_ptr + blocks, expert_of_block.to(tl.int64), mask=blocks < num_blocks)
-
-    @triton.jit
-    def _align_kernel(ids_ptr, pair_of_row_ptr, block_expert_ptr, num_pairs, num_experts, num_rows, num_blocks,
-                      BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
-                      BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
-        _align_pairs(ids_ptr, pair_of_row_ptr, block_expert_ptr, num_pairs, num_experts, num_rows, num_blocks,
-                     BLOCK_M, BLOCK_P, BLOCK_E, BLOCK_R, BLOCK_B)
-
-    @triton.jit(do_not_specialize=["tokens"])
-    def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, pair_of_row_ptr, block_expert_ptr, tokens,
-                            num_experts, stride, num_rows, num_blocks, TOP_K: tl.constexpr, NORM: tl.constexpr,
-                            ROUTE_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr,
-                            BLOCK_B: tl.constexpr, PDL: tl.constexpr):
-        """_route_kernel's tokens one after another, then _align_kernel over the ids they wrote: one program.
-        ROUTE_E is _route_kernel's width (a wider softmax could sum in another order)."""
-        pdl_wait(PDL)
-        for token in range(tokens):
-            _route_token(logits_ptr, weights_ptr, ids_ptr, token, num_experts, stride, TOP_K, NORM,
-                         ROUTE_E, BLOCK_K)
-        tl.debug_barrier()  # the ids this program stored, visible to all its threads
-        _align_pairs(ids_ptr, pair_of_row_ptr, block_expert_ptr, tokens * TOP_K, num_experts, num_rows, num_blocks,
-                     BLOCK_M, BLOCK_P, BLOCK_E, BLOCK_R, BLOCK_B)
 
 
 DEFAULT_MOE_GEMM_TABLE = Path(__file__).resolve().parents[1] / "assets" / "moe_gemm_configs.json"
@@ -345,12 +310,6 @@ def _choose(table: dict, n: int, k: int, bucket: int, itemsize: int) -> GroupedG
 FUSED_ALIGN_MAX_PAIRS = 128
 
 
-# Up to this many pairs the down projection computes silu(gate) * up as it loads its rows (one launch fewer
-# a layer, the activation never written); beyond, ``silu_and_mul`` runs first: in the 64-row blocks of a
-# prefill every column tile would recompute each row's activation.
-FUSED_SILU_MAX_PAIRS = 1024
-
-
 # Decode batches up to this many tokens take the router kernel (MoEBlock.route); larger ones the matmul library.
 ROUTER_KERNEL_MAX_ROWS = 16
 # About this many programs share a router's weight, and each holds at most this many of its values per step.
@@ -396,43 +355,19 @@ def triton_route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, weights
     return weights, ids
 
 
-def _align_launch(num_pairs: int, num_experts: int, block_m: int, device) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """The alignment's two outputs, empty, and the one-program align's launch arguments."""
-    num_blocks = -(-num_pairs // block_m) + min(num_pairs, num_experts)
-    pair_of_row = torch.empty(num_blocks * block_m, dtype=torch.int64, device=device)
-    block_expert = torch.empty(num_blocks, dtype=torch.int64, device=device)
-    args = dict(num_rows=num_blocks * block_m, num_blocks=num_blocks,
-                BLOCK_M=block_m, BLOCK_P=max(16, triton.next_power_of_2(num_pairs)),
-                BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
-                BLOCK_R=triton.next_power_of_2(num_blocks * block_m),
-                BLOCK_B=max(16, triton.next_power_of_2(num_blocks)), num_warps=4)
-    return pair_of_row, block_expert, args
-
-
 def align_fused(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """align_to_blocks' result in one launch (at most FUSED_ALIGN_MAX_PAIRS pairs)."""
     flat = expert_ids.reshape(-1).contiguous()
-    pair_of_row, block_expert, args = _align_launch(flat.numel(), num_experts, block_m, flat.device)
-    _align_kernel[(1,)](flat, pair_of_row, block_expert, flat.numel(), num_experts, **args)
+    num_pairs = flat.numel()
+    num_blocks = -(-num_pairs // block_m) + min(num_pairs, num_experts)
+    pair_of_row = torch.empty(num_blocks * block_m, dtype=torch.int64, device=flat.device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int64, device=flat.device)
+    _align_kernel[(1,)](flat, pair_of_row, block_expert, num_pairs, num_experts, num_blocks * block_m, num_blocks,
+                        BLOCK_M=block_m, BLOCK_P=max(16, triton.next_power_of_2(num_pairs)),
+                        BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
+                        BLOCK_R=triton.next_power_of_2(num_blocks * block_m),
+                        BLOCK_B=max(16, triton.next_power_of_2(num_blocks)), num_warps=4)
     return pair_of_row, block_expert
-
-
-def triton_route_and_align(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, weights_dtype: torch.dtype):
-    """``triton_route``, then ``align_fused`` over its ids, in one launch: (weights, ids, (pair_of_row,
-    block_expert)), the same bits as the two launches. For decode batches of at most
-    FUSED_ALIGN_MAX_PAIRS pairs; None for larger ones (route, then align apart)."""
-    tokens, num_experts = logits.shape
-    num_pairs = tokens * top_k
-    if not tokens or num_pairs > FUSED_ALIGN_MAX_PAIRS:
-        return None
-    logits = logits.contiguous()
-    weights = torch.empty(tokens, top_k, dtype=weights_dtype, device=logits.device)
-    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
-    pair_of_row, block_expert, args = _align_launch(num_pairs, num_experts, block_m_for(num_pairs), logits.device)
-    _route_align_kernel[(1,)](logits, weights, ids, pair_of_row, block_expert, tokens, num_experts, logits.stride(0),
-                              TOP_K=top_k, NORM=norm_topk_prob, ROUTE_E=triton.next_power_of_2(num_experts),
-                              BLOCK_K=triton.next_power_of_2(top_k), **args, **pdl_options(logits.device))
-    return weights, ids, (pair_of_row, block_expert)
 
 
 def block_m_for(num_pairs: int) -> int:
@@ -468,10 +403,9 @@ def align_to_blocks(expert_ids: torch.Tensor, num_experts: int, block_m: int) ->
 
 
 def _grouped_gemm(a, weights, out, pair_of_row, block_expert, block_m, rows_per_a, router_weights=None,
-                  config: GroupedGemmConfig | None = None, gated: bool = False):
+                  config: GroupedGemmConfig | None = None):
     """out[pair] = a[pair // rows_per_a] @ weights[expert].T (times the pair's router weight).
 
-    ``gated``: ``a`` is the gate/up output [gate | up] and the product takes silu(gate) * up.
     ``config`` None: ``grouped_gemm_config``'s choice for the shape (the benchmark passes its candidates)."""
     n, k = weights.shape[1], weights.shape[2]
     config = config or grouped_gemm_config(n, k, out.shape[0], a.dtype)  # out: one row per pair
@@ -479,41 +413,34 @@ def _grouped_gemm(a, weights, out, pair_of_row, block_expert, block_m, rows_per_
     _grouped_gemm_kernel[grid](
         a, weights, out, pair_of_row, block_expert, router_weights if router_weights is not None else out, n, k,
         a.stride(0), weights.stride(0), weights.stride(1), weights.stride(2), out.stride(0),
-        ROWS_PER_A=rows_per_a, WEIGHTED=router_weights is not None, GATED=gated, IEEE=a.dtype == torch.float32,
+        ROWS_PER_A=rows_per_a, WEIGHTED=router_weights is not None, IEEE=a.dtype == torch.float32,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
-        num_stages=config.num_stages, **pdl_options(a.device))
+        num_stages=config.num_stages)
 
 
 def triton_grouped_expert_pairs(x: torch.Tensor, router_weights: torch.Tensor, expert_ids: torch.Tensor,
-                                gate_up_proj: torch.Tensor, down_proj: torch.Tensor, silu_and_mul,
-                                aligned: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                                gate_up_proj: torch.Tensor, down_proj: torch.Tensor, silu_and_mul) -> torch.Tensor:
     """Each (token, choice) pair's expert MLP output times its router weight: float32 [T·k, h].
 
     ``expert_ids`` index the first dimension of ``gate_up_proj [E, 2I, h]`` and ``down_proj
     [E, h, I]``: every expert when all are resident, the slots of an expert cache otherwise
     (mempath/model/moe_slots.py). A pair's row is computed the same way whichever group it
-    sits in, so the two give the same bits. ``silu_and_mul`` gates calls of more than
-    ``FUSED_SILU_MAX_PAIRS`` pairs; smaller ones gate inside the down launch, with
-    ``triton_silu_and_mul``'s arithmetic. ``aligned``: ``expert_ids``' alignment to row blocks, where
-    the router's launch made it (``triton_route_and_align``).
+    sits in, so the two give the same bits.
     """
     tokens, top_k = expert_ids.shape
     num_pairs = tokens * top_k
     block_m = block_m_for(num_pairs)
-    if aligned is None:
-        align = align_fused if num_pairs <= FUSED_ALIGN_MAX_PAIRS else align_to_blocks
-        aligned = align(expert_ids, gate_up_proj.shape[0], block_m)
-    pair_of_row, block_expert = aligned
+    align = align_fused if num_pairs <= FUSED_ALIGN_MAX_PAIRS else align_to_blocks
+    pair_of_row, block_expert = align(expert_ids, gate_up_proj.shape[0], block_m)
     x = x.contiguous()
     gate_up = x.new_empty(num_pairs, gate_up_proj.shape[1])
     _grouped_gemm(x, gate_up_proj, gate_up, pair_of_row, block_expert, block_m, top_k)
-    gated = num_pairs <= FUSED_SILU_MAX_PAIRS
-    activated = gate_up if gated else silu_and_mul(gate_up).contiguous()
+    activated = silu_and_mul(gate_up).contiguous()
     del gate_up
     # Weighted outputs in float32 (the twin weights in the weights' dtype, float32 for Mixtral).
     out = torch.empty(num_pairs, down_proj.shape[1], dtype=torch.float32, device=x.device)
     _grouped_gemm(activated, down_proj, out, pair_of_row, block_expert, block_m, 1,
-                  router_weights.reshape(-1).contiguous(), gated=gated)
+                  router_weights.reshape(-1).contiguous())
     return out
 
 
@@ -551,14 +478,11 @@ def _launch_sum_pairs(pairs: torch.Tensor, out: torch.Tensor, top_k: int) -> Non
 
 
 def triton_grouped_experts(x: torch.Tensor, router_weights: torch.Tensor, expert_ids: torch.Tensor,
-                           gate_up_proj: torch.Tensor, down_proj: torch.Tensor, silu_and_mul,
-                           aligned: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                           gate_up_proj: torch.Tensor, down_proj: torch.Tensor, silu_and_mul) -> torch.Tensor:
     """Every token's k experts' SiLU-gated MLPs, weighted and summed: [T, h] in x's dtype.
 
     ``gate_up_proj [E, 2I, h]``, ``down_proj [E, h, I]`` hold every expert (all resident);
-    ``router_weights`` and ``expert_ids`` are the router's top k, [T, k]; ``aligned`` their
-    alignment if the router made it (``triton_grouped_expert_pairs``).
+    ``router_weights`` and ``expert_ids`` are the router's top k, [T, k].
     """
-    pairs = triton_grouped_expert_pairs(x, router_weights, expert_ids, gate_up_proj, down_proj, silu_and_mul,
-                                        aligned)
+    pairs = triton_grouped_expert_pairs(x, router_weights, expert_ids, gate_up_proj, down_proj, silu_and_mul)
     return triton_sum_pairs(pairs, expert_ids.shape[1], x.dtype)

@@ -431,9 +431,8 @@ def moe_grouped_phase_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, fu
                   then kept: ids T·k·8 and weights T·k·4 (float32: an upper bound)
         maps:     align_to_blocks' pair of each row R·8 and expert of each block B·8; while it
                   runs, at most 8 int64 arrays of R rows (a bound, not the measured 7.8)
-        gate/up:  the pairs' gate/up P·2I_e and activation P·I_e (+ silu(gate) P·I_e unfused), ·b;
-                  up to 1,024 pairs the down launch gates its rows itself: gate/up P·2I_e·b alone
-        down:     activation P·I_e·b (gate/up P·2I_e·b up to 1,024 pairs) and float32 outputs P·h·4
+        gate/up:  the pairs' gate/up P·2I_e and activation P·I_e (+ silu(gate) P·I_e unfused), ·b
+        down:     activation P·I_e·b and float32 outputs P·h·4
         sum:      the outputs P·h·4 and their sum over k in the model dtype T·h·b (one kernel:
                   triton_sum_pairs adds in float32 in registers)
         with an expert cache (``num_expert_slots`` below the experts), a wave after the first
@@ -452,12 +451,8 @@ def moe_grouped_phase_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, fu
     # An expert cache's later waves (mempath/model/moe_slots.py) hold their own pair outputs, slot ids
     # and mask beside the step's pair outputs.
     slot_waves = pairs * (h * 4 + 17) if 0 < shape.num_expert_slots < experts else 0
-    if pairs <= 1024:  # kernels/moe_triton.py FUSED_SILU_MAX_PAIRS: no activation tensor
-        gate_up = pairs * 2 * i * dtype_bytes + slot_waves
-        down = pairs * 2 * i * dtype_bytes + pairs * h * 4 + slot_waves
-    else:
-        gate_up = pairs * i * dtype_bytes * (3 if fused else 4) + slot_waves
-        down = pairs * i * dtype_bytes + pairs * h * 4 + slot_waves
+    gate_up = pairs * i * dtype_bytes * (3 if fused else 4) + slot_waves
+    down = pairs * i * dtype_bytes + pairs * h * 4 + slot_waves
     summed = pairs * h * 4 + tokens * h * dtype_bytes
     return max(routing_peak, routing + pairs * 16 + 8 * rows * 8, routing + maps + max(gate_up, down, summed))
 

@@ -169,13 +169,7 @@ class MLP(nn.Module):
         self.down_proj = make_linear(spec.intermediate_size, spec.hidden_size, spec.mlp_bias, spec.quantization)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        out = self.down_proj.forward_gated(gate_up)  # one launch at decode batches the GEMV takes
-        if out is not None:
-            return out
-        activated = self.kernels.silu_and_mul(gate_up)
-        del gate_up  # not held while down_proj runs (the planner's MLP phase)
-        return self.down_proj(activated)
+        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -88,18 +88,13 @@ class MoEBlock(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(top-k weights [T, k], top-k expert ids [T, k]) of each token."""
-        logits = self.biased_router_logits(x)
+        logits = self.router_logits(x)
+        if self.router_bias is not None:
+            logits = self.router_bias(logits)
+        weights_dtype = torch.float32 if self.routing_weights_float32 else logits.dtype
         grouped = self.uses_grouped_kernel() or moe_slots.uses_slot_kernel(self)
         route = self.experts.kernels.moe_route if grouped else None
-        return (route or route_torch)(logits, self.top_k, self.norm_topk_prob, self.weights_dtype(logits))
-
-    def weights_dtype(self, logits: torch.Tensor) -> torch.dtype:
-        return torch.float32 if self.routing_weights_float32 else logits.dtype
-
-    def biased_router_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The router's logits, moved by the benchmarks' synthetic bias where one is set."""
-        logits = self.router_logits(x)
-        return logits if self.router_bias is None else self.router_bias(logits)
+        return (route or route_torch)(logits, self.top_k, self.norm_topk_prob, weights_dtype)
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """The router's logits: its own kernel at decode batches in 16 bits (kernels.router_logits),
@@ -110,9 +105,11 @@ class MoEBlock(nn.Module):
         return self.gate(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.uses_grouped_kernel():
-            return self.forward_resident(x)
         weights, expert_ids = self.route(x)
+        if self.uses_grouped_kernel():
+            experts = self.experts
+            return experts.kernels.grouped_experts(x, weights, expert_ids, experts.gate_up_proj, experts.down_proj,
+                                                   experts.kernels.silu_and_mul)
         if moe_slots.uses_slot_kernel(self):
             return moe_slots.forward_slots(self, x, weights, expert_ids)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -133,22 +130,6 @@ class MoEBlock(nn.Module):
             sizes = counts.tolist()  # the one host sync: where each group starts
         sorted_out = self.experts(x[order // self.top_k], sizes)
         return combine(sorted_out, weights, order, self.top_k, x.dtype)
-
-    def forward_resident(self, x: torch.Tensor) -> torch.Tensor:
-        """Every expert resident: the grouped kernels. At decode sizes the launch that routes also
-        aligns the pairs to the experts' row blocks (``Kernels.moe_route_and_align``)."""
-        experts, kernels = self.experts, self.experts.kernels
-        weights, expert_ids, aligned = self.route_aligned(x)  # the logits freed before the experts run
-        return kernels.grouped_experts(x, weights, expert_ids, experts.gate_up_proj, experts.down_proj,
-                                       kernels.silu_and_mul, aligned=aligned)
-
-    def route_aligned(self, x: torch.Tensor):
-        """route's (weights, ids), and their alignment where one launch made both (else None)."""
-        kernels = self.experts.kernels
-        logits = self.biased_router_logits(x)
-        args = (logits, self.top_k, self.norm_topk_prob, self.weights_dtype(logits))
-        routed = kernels.moe_route_and_align(*args) if kernels.moe_route_and_align is not None else None
-        return routed or (*(kernels.moe_route or route_torch)(*args), None)
 
     def predict_experts(self, x: torch.Tensor) -> torch.Tensor:
         """Tokens per expert this layer's router would pick for ``x`` (the router bias not advanced)."""

@@ -98,19 +98,6 @@ def fp8_gemv_torch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     return out.to(x.dtype)
 
 
-def fp8_gated_gemv(gate_up: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                   bias: torch.Tensor | None, gemv) -> torch.Tensor | None:
-    """The down projection of silu(gate) * up for a gate/up output [rows, 2K] in one GEMV launch
-    (it gates the rows as it loads them), where ``fp8_linear_cuda`` would run the GEMV for these
-    rows; None elsewhere (the caller gates, then projects)."""
-    from mempath.kernels.fp8_gemv_triton import GEMV_MAX_ROWS
-    rows = gate_up.shape[0]
-    if not (0 < rows <= GEMV_MAX_ROWS and gate_up.dtype != torch.float32 and USE_GATED_GEMV):
-        return None
-    config = gemv.config(weight.shape[0], weight.shape[1], rows)
-    return gemv(gate_up, weight, weight_scale, bias, config, gated=True) if config.kernel == "gemv" else None
-
-
 def fp8_linear_cuda(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                     gemv, quantize=quantize_rows) -> torch.Tensor:
     """CUDA with the Triton kernels: decode batches (at most GEMV_MAX_ROWS rows) run the fp8
@@ -138,18 +125,10 @@ class Fp8Linear(nn.Module):
         self.weight_scale = nn.Parameter(torch.empty(out_features, 1, dtype=torch.float32), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.matmul = fp8_linear_torch  # set_fp8_matmul chooses, once, for the model's device
-        self.gated_matmul = None  # (gate_up rows, weight, scale, bias) -> out, or None where it does not run
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         return self.matmul(rows, self.weight, self.weight_scale, self.bias).view(*x.shape[:-1], self.out_features)
-
-    def forward_gated(self, gate_up: torch.Tensor) -> torch.Tensor | None:
-        """``self(silu_and_mul(gate_up))`` in one launch where the GEMV takes the batch (gated_matmul);
-        None where it does not (the caller gates, then calls the layer)."""
-        rows = gate_up.reshape(-1, 2 * self.in_features)
-        out = self.gated_matmul(rows, self.weight, self.weight_scale, self.bias) if self.gated_matmul else None
-        return None if out is None else out.view(*gate_up.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, fp8"
@@ -164,17 +143,9 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.projection = projection
         self.matmul = F.linear
-        self.gated_matmul = None  # (gate_up rows, weight, bias) -> out, or None where it does not run
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.weight, self.bias)
-
-    def forward_gated(self, gate_up: torch.Tensor) -> torch.Tensor | None:
-        """``self(silu_and_mul(gate_up))`` in one launch where the dense GEMV takes the batch (gated_matmul);
-        None where it does not (the caller gates, then calls the layer)."""
-        rows = gate_up.reshape(-1, 2 * self.in_features)
-        out = self.gated_matmul(rows, self.weight, self.bias) if self.gated_matmul else None
-        return None if out is None else out.view(*gate_up.shape[:-1], self.out_features)
 
 
 def make_linear(in_features: int, out_features: int, bias: bool, quantization: str | None) -> nn.Module:
@@ -215,32 +186,17 @@ def set_fp8_matmul(model: nn.Module, device: torch.device) -> None:
         model.fp8_gemv = Fp8Gemv(max(layer.out_features for layer in layers), device)
         matmul = functools.partial(fp8_linear_cuda, gemv=model.fp8_gemv, quantize=functools.partial(
             triton_quantize_rows, fp8_max=FP8_MAX, min_scale=MIN_SCALE))
-        gated = functools.partial(fp8_gated_gemv, gemv=model.fp8_gemv)
     for layer in layers:
         if cuda and (layer.in_features % SCALED_MM_ALIGNMENT or layer.out_features % SCALED_MM_ALIGNMENT):
             raise ValueError(f"--quantization fp8 on CUDA needs linear layers whose sizes are multiples of "
                              f"{SCALED_MM_ALIGNMENT} (the fp8 matmul's tile); one is {layer.in_features} -> "
                              f"{layer.out_features}: serve this model unquantized")
         layer.matmul = matmul
-        layer.gated_matmul = gated if model.fp8_gemv is not None else None
 
 
 # Set to False to leave 16-bit layers to F.linear at decode batches too (A/B measurements:
 # bench_engine --variants no-dense-gemv).
 USE_DENSE_GEMV = True
-# Set to False to run SiLU-and-mul in its own launch before a GEMV down projection (A/B measurements:
-# bench_engine --variants no-gated-gemv, bench_fp8_weights latency --variants no-gated-gemv).
-USE_GATED_GEMV = True
-
-
-def dense_gated_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv) -> torch.Tensor | None:
-    """The down projection of silu(gate) * up in one dense GEMV launch where dense_linear_cuda would run the
-    GEMV for these rows (the table lists the shape at the bucket); None elsewhere."""
-    from mempath.kernels.fp8_gemv_triton import GEMV_MAX_ROWS
-    n, k = weight.shape
-    rows = gate_up.shape[0]
-    config = gemv.tabled_config(n, k, rows) if 0 < rows <= GEMV_MAX_ROWS and USE_GATED_GEMV else None
-    return gemv(gate_up, weight, None, bias, config, gated=True) if config is not None else None
 
 
 def dense_linear_cuda(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv) -> torch.Tensor:
@@ -272,7 +228,6 @@ def set_dense_gemv(model: nn.Module, device: torch.device) -> None:
     if USE_DENSE_GEMV:
         for layer in linears:
             layer.matmul = functools.partial(dense_linear_cuda, gemv=model.fp8_gemv)
-            layer.gated_matmul = functools.partial(dense_gated_gemv, gemv=model.fp8_gemv)
 
 
 def fp8_gemv_bytes(model: nn.Module) -> int:
