@@ -377,6 +377,9 @@ def without_router_kernel():
 RESIDENT_VARIANTS = {"no-router-kernel": without_router_kernel}
 
 
+RESIDENT_MODELS = ("qwen3-30b-a3b", "mixtral-8x7b")  # --resident-models, in the order of main's (qwen, mixtral)
+
+
 def part_resident(args, configs: list[dict], bandwidth: dict) -> list[dict]:
     out = []
     for config in configs:
@@ -417,12 +420,11 @@ def main() -> int:
                              "driver's pinned allocator (torch pin_memory), for comparison")
     parser.add_argument("--variants", type=lambda text: text.split(","), default=[],
                         help=f"the resident part again with one choice flipped: {', '.join(RESIDENT_VARIANTS)}")
-    parser.add_argument("--resident-models", type=lambda text: text.split(","),
-                        default=["qwen3-30b-a3b", "mixtral-8x7b"],
+    parser.add_argument("--resident-models", type=lambda text: text.split(","), default=list(RESIDENT_MODELS),
                         help="the resident part's shapes (Mixtral-8x7B's 93 GB fits an H200, not an 80 GB card)")
     args = parser.parse_args()
-    if set(args.resident_models) - {"qwen3-30b-a3b", "mixtral-8x7b"}:
-        parser.error(f"--resident-models takes qwen3-30b-a3b, mixtral-8x7b; got {','.join(args.resident_models)}")
+    if set(args.resident_models) - set(RESIDENT_MODELS):
+        parser.error(f"--resident-models takes {', '.join(RESIDENT_MODELS)}; got {','.join(args.resident_models)}")
     if set(args.variants) - set(RESIDENT_VARIANTS):
         parser.error(f"--variants takes {', '.join(RESIDENT_VARIANTS)}; got {','.join(args.variants)}")
     if args.host_store == "driver":
@@ -449,8 +451,8 @@ def main() -> int:
     if "offload" in parts:
         part_offload(args, qwen, bandwidth)
     if "resident" in parts:
-        part_resident(args, [{"qwen3-30b-a3b": qwen, "mixtral-8x7b": mixtral}[m] for m in args.resident_models],
-                      bandwidth)
+        shapes = dict(zip(RESIDENT_MODELS, (qwen, mixtral)))
+        part_resident(args, [shapes[m] for m in args.resident_models], bandwidth)
     return 0
 
 
