@@ -280,12 +280,16 @@ def engine_options(args) -> dict:
 
 def run_mempath(args, prompts, output_lens, rate: float, max_num_seqs: int | None,
                 max_num_batched_tokens: int | None, quantization: str = "none", kv_cache_dtype: str = "auto",
-                decode_order: str = "longest-first") -> dict:
+                decode_order: str = "longest-first", quant_fusion: str = "fused") -> dict:
     """One engine on the whole mix, after a short warm-up; the engine is released before returning.
     ``decode_order`` "batch": the decode attention kernel starts the sequences in batch order
-    (engine.runner.DECODE_LONGEST_FIRST off), the A/B of the runner's longest-first order."""
+    (engine.runner.DECODE_LONGEST_FIRST off), the A/B of the runner's longest-first order.
+    ``quant_fusion`` "unfused": fp8 projections quantize their input in their own launch
+    (model.quant.USE_FUSED_QUANT off), the A/B of the norms and SiLU that quantize for them."""
     from mempath.engine import runner as runner_module
+    from mempath.model import quant as quant_module
     runner_module.DECODE_LONGEST_FIRST = decode_order == "longest-first"
+    quant_module.USE_FUSED_QUANT = quant_fusion == "fused"
     limits = {k: v for k, v in (("max_num_seqs", max_num_seqs),
                                 ("max_num_batched_tokens", max_num_batched_tokens)) if v is not None}
     llm = LLM(show_progress=False, **engine_options(args), **limits, kv_cache_dtype=kv_cache_dtype,
@@ -312,8 +316,10 @@ def run_mempath(args, prompts, output_lens, rate: float, max_num_seqs: int | Non
     result.update(quantization=engine.config.quantization or "none", kv_cache_dtype=engine.config.kv_cache_dtype,
                   weight_bytes=engine.ledger.get("weights"), max_num_seqs=engine.config.max_num_seqs,
                   max_num_batched_tokens=engine.config.max_num_batched_tokens,
-                  kv_blocks=stats["kv_blocks_total"], preemptions=stats["num_preemptions"], decode_order=decode_order)
+                  kv_blocks=stats["kv_blocks_total"], preemptions=stats["num_preemptions"], decode_order=decode_order,
+                  quant_fusion=quant_fusion)
     runner_module.DECODE_LONGEST_FIRST = True
+    quant_module.USE_FUSED_QUANT = True
     del llm, engine, outs
     gc.collect()
     if torch.cuda.is_available():
@@ -372,6 +378,9 @@ def parse_args(argv=None):
                         help="comma-separated KV cache dtypes: auto, fp8; a sweep")
     parser.add_argument("--decode-order", type=lambda s: s.split(","), default=["longest-first"],
                         help="comma-separated: longest-first (the engine's), batch; a sweep")
+    parser.add_argument("--quant-fusion", type=lambda s: s.split(","), default=["fused"],
+                        help="fp8 weights: fused (the norm and SiLU kernels quantize a projection's input), unfused "
+                             "(a launch of its own), or both, comma-separated")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--enforce-eager", action="store_true")
@@ -381,10 +390,12 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     bad = [q for q in args.quantization if q not in ("none", "fp8")] + \
         [k for k in args.kv_cache_dtype if k not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")] + \
-        [o for o in args.decode_order if o not in ("longest-first", "batch")]
+        [o for o in args.decode_order if o not in ("longest-first", "batch")] + \
+        [f for f in args.quant_fusion if f not in ("fused", "unfused")]
     if bad:
-        parser.error(f"unknown --quantization / --kv-cache-dtype / --decode-order value(s) {bad}: quantization is "
-                     f"none or fp8, the KV dtype auto, fp8, fp8_e4m3 or fp8_e5m2, the order longest-first or batch")
+        parser.error(f"unknown --quantization / --kv-cache-dtype / --decode-order / --quant-fusion value(s) {bad}: "
+                     f"quantization is none or fp8, the KV dtype auto, fp8, fp8_e4m3 or fp8_e5m2, the order "
+                     f"longest-first or batch, the fusion fused or unfused")
     if args.requests is None:
         args.requests = 12 if args.tiny else 1000
     if args.sharegpt and not args.tokenizer:
@@ -421,13 +432,16 @@ def main(argv=None) -> list[dict]:
               "source": args.sharegpt or "lognormal", "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
     results = []
-    for quantization, kv, seqs, tokens, order in itertools.product(args.quantization, args.kv_cache_dtype,
-                                                                   args.max_num_seqs, args.max_num_batched_tokens,
-                                                                   args.decode_order):
+    for quantization, kv, seqs, tokens, order, fusion in itertools.product(
+            args.quantization, args.kv_cache_dtype, args.max_num_seqs, args.max_num_batched_tokens, args.decode_order,
+            args.quant_fusion):
+        if quantization == "none" and fusion == "unfused" and "fused" in args.quant_fusion:
+            continue  # no fp8 projection: the same run twice
         r = {**common, "engine": "mempath",
-             **run_mempath(args, prompts, output_lens, rate, seqs, tokens, quantization, kv, order)}
+             **run_mempath(args, prompts, output_lens, rate, seqs, tokens, quantization, kv, order, fusion)}
         print_row(f"mempath weights={quantization} kv={kv} max_num_seqs={r['max_num_seqs']} "
-                  f"max_num_batched_tokens={r['max_num_batched_tokens']} decode order {order}", r)
+                  f"max_num_batched_tokens={r['max_num_batched_tokens']} decode order {order}"
+                  + (f" quantization {fusion}" if quantization != "none" else ""), r)
         results.append(r)
     if args.hf_seconds > 0:
         try:

@@ -69,6 +69,12 @@ def kernel_table(prof, top: int) -> list[dict]:
     return rows[:top]
 
 
+def pathway_options(args) -> dict:
+    """--quantization and --kv-cache-dtype as LLM arguments (the engine's defaults where not given)."""
+    return {"quantization": None if args.quantization == "none" else args.quantization,
+            "kv_cache_dtype": args.kv_cache_dtype}
+
+
 def bench_decode(args) -> dict:
     # The first sequences decode while the last are still prefilled, one token a prefill step (steps
     # of max_num_batched_tokens prompt tokens, 8,192 by default: the bound below holds down to 2,048),
@@ -77,7 +83,7 @@ def bench_decode(args) -> dict:
     max_tokens = args.steps * 3 + prefill_steps + 64
     llm = LLM(model_dir(args.shape), load_format="dummy", dtype="bfloat16", max_num_seqs=args.batch,
               max_model_len=args.context + max_tokens, show_progress=False,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, **pathway_options(args))
     engine = llm.engine
     engine.outputs.emit_progress = False
     rng = np.random.default_rng(0)
@@ -204,7 +210,8 @@ def bench_mix_steps(args) -> dict:
     path = model_dir(args.shape)
     prompts, output_lens = synthetic_mix(args.num_requests, 0, read_config(path)["vocab_size"], MixSpec())
     llm = LLM(path, load_format="dummy", dtype="bfloat16", show_progress=False, max_model_len=4096,
-              max_num_seqs=1024, max_num_batched_tokens=8192, enforce_eager=args.enforce_eager)
+              max_num_seqs=1024, max_num_batched_tokens=8192, enforce_eager=args.enforce_eager,
+              **pathway_options(args))
     engine = llm.engine
     engine.outputs.emit_progress = False
     # Warm-up over the same kinds of steps (full prefill chunks, mixed, decode), then a cold prefix cache.
@@ -260,9 +267,12 @@ def main() -> None:
     mix.add_argument("--top", type=int, default=25)
     for p in sub.choices.values():
         p.add_argument("--enforce-eager", action="store_true")
+        p.add_argument("--quantization", choices=("none", "fp8"), default="none")
+        p.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8, fp8_e4m3 or fp8_e5m2")
     args = parser.parse_args()
     result = {"decode": bench_decode, "workload": bench_workload, "mix": bench_mix_steps}[args.bench](args)
-    result.update(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"))
+    result.update(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"),
+                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     print("RESULT " + json.dumps(result))
 
 

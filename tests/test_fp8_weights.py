@@ -104,6 +104,62 @@ def test_interpreted_quantize_kernel_matches_twin():
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+def check_fused_quant_kernels(device: str, against_twins: bool, seed: int = 0) -> None:
+    """The RMSNorm and SiLU-and-mul kernels with the per-row quantization inside give the bytes, scales
+    and residual of the two launches they replace: the 16-bit kernel, then ``triton_quantize_rows``
+    (both checked against their twins elsewhere; ``against_twins``: against the PyTorch twins too,
+    which the interpreter's fp8 rounding cannot be, see check_triton_quantize_rows)."""
+    from mempath.kernels.elementwise_torch import rms_norm_torch, silu_and_mul_torch
+    from mempath.kernels.elementwise_triton import triton_rms_norm, triton_silu_and_mul
+    from mempath.kernels.quant_triton import triton_quantize_rows, triton_rms_norm_quant, triton_silu_and_mul_quant
+    gen = torch.Generator().manual_seed(seed)
+
+    def same(a, b, what):
+        (qa, sa), (qb, sb) = a, b
+        assert torch.equal(sa, sb) and torch.equal(qa.view(torch.uint8), qb.view(torch.uint8)), what
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for rows, cols in ((1, 64), (5, 300), (3, 5000)):
+            x = (torch.randn(rows, cols, generator=gen) * 3).to(dtype)
+            x[-1] = 0 if rows > 1 else x[-1]  # a zero row: graph padding
+            residual = (torch.randn(rows, cols, generator=gen)).to(dtype)
+            weight = (1 + 0.1 * torch.randn(cols, generator=gen)).to(dtype)
+            x, residual, weight = x.to(device), residual.to(device), weight.to(device)
+            for with_residual in (False, True):
+                what = (dtype, rows, cols, "norm", with_residual)
+                res_fused, res_split = (residual.clone(), residual.clone()) if with_residual else (None, None)
+                q, scale, res_out = triton_rms_norm_quant(x.clone(), weight, 1e-5, res_fused, FP8_MAX, MIN_SCALE)
+                normed, res_split_out = triton_rms_norm(x.clone(), weight, 1e-5, res_split)
+                same((q, scale), triton_quantize_rows(normed, FP8_MAX, MIN_SCALE), what)
+                if with_residual:
+                    assert res_out is res_fused and torch.equal(res_fused, res_split), what
+                if against_twins:
+                    twin, twin_res = rms_norm_torch(x, weight, 1e-5, residual if with_residual else None)
+                    same((q, scale), quantize_rows(twin), what)
+                    assert not with_residual or torch.equal(res_fused, twin_res), what
+            gate_up = (torch.randn(rows, 2 * cols, generator=gen) * 2).to(dtype).to(device)
+            q, scale = triton_silu_and_mul_quant(gate_up, FP8_MAX, MIN_SCALE)
+            assert q.shape == (rows, cols) and scale.shape == (rows, 1)
+            same((q, scale), triton_quantize_rows(triton_silu_and_mul(gate_up), FP8_MAX, MIN_SCALE),
+                 (dtype, rows, cols, "silu"))
+            if against_twins:
+                same((q, scale), quantize_rows(silu_and_mul_torch(gate_up)), (dtype, rows, cols, "silu twin"))
+
+
+def test_interpreted_fused_quant_kernels_match_the_two_launches():
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the GPU test runs the compiled kernels")
+    code = ("import sys; sys.path.insert(0, 'tests'); from test_triton_interpret import _patch_interpreter_for_numpy; "
+            "_patch_interpreter_for_numpy(); from tests.test_fp8_weights import check_fused_quant_kernels; "
+            "check_fused_quant_kernels('cpu', against_twins=False)")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 # ---------------------------------------------------------------- the reference model
 
 
@@ -232,6 +288,42 @@ def test_moe_model_keeps_its_experts_and_routers_in_the_model_dtype(tmp_path):
     assert len(llm.generate(PROMPTS[:1], greedy(4), use_tqdm=False)[0].token_ids) == 4
     plan = plan_memory(str(tmp_path), dtype="float32", quantization="fp8")
     assert plan.weight_bytes == llm.stats()["ledger"]["weights"]["bytes"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_norm_and_silu_quantizing_for_the_projection_change_no_bit(tmp_path, arch):
+    """The model's side of the fused quantization, on the CPU: Kernels whose RMSNorm and SiLU-and-mul
+    also quantize (here their twins, then quantize_rows) and fp8 layers that ask for it at every batch
+    give the same tokens and logprobs, bit for bit, as each layer quantizing its own input. The MoE
+    model's sparse layers keep their post-attention norm unquantized: their experts are bf16."""
+    from mempath.kernels.elementwise_torch import rms_norm_torch, silu_and_mul_torch
+    from mempath.model.quant import fp8_layers
+    make_model(tmp_path, arch, dtype=torch.bfloat16)
+    llm = LLM(str(tmp_path), dtype="bfloat16", quantization="fp8", enable_prefix_caching=False, show_progress=False)
+    expected = llm.generate(PROMPTS, greedy(8, logprobs=2), use_tqdm=False)
+    model = llm.engine.model
+    calls = {"norm": 0, "silu": 0}
+
+    def rms_norm_quant(x, weight, eps, residual=None):
+        calls["norm"] += 1
+        out, residual = rms_norm_torch(x, weight, eps, residual)
+        return (*quantize_rows(out), residual)
+
+    def silu_and_mul_quant(x):
+        calls["silu"] += 1
+        return quantize_rows(silu_and_mul_torch(x))
+
+    model.kernels.rms_norm_quant, model.kernels.silu_and_mul_quant = rms_norm_quant, silu_and_mul_quant
+    for layer in fp8_layers(model):
+        layer.wants_quantized = lambda rows: True
+    got = llm.generate(PROMPTS, greedy(8, logprobs=2), use_tqdm=False)
+    for a, b in zip(expected, got):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+    layers, sparse = len(model.model.layers), len(model.moe_blocks())
+    assert sparse == (0 if arch == "llama" else layers - 1)
+    steps = calls["silu"] // (layers - sparse)  # one SiLU a dense layer a step
+    assert steps >= 8 and calls["silu"] == steps * (layers - sparse)
+    assert calls["norm"] == steps * (2 * layers - sparse)  # both norms of a layer, but a sparse one's second
 
 
 def test_dummy_fp8_weights_are_the_dummy_weights_quantized(tmp_path):
@@ -412,6 +504,34 @@ def test_gpu_scaled_mm_matches_the_dequantized_twin(dtype, rows):
 def test_gpu_quantize_kernel_matches_twin(on_grid):
     pytest.importorskip("triton")
     check_triton_quantize_rows("cuda", on_grid)
+
+
+@needs_fp8_gpu
+def test_gpu_fused_quant_kernels_match_the_two_launches_and_the_twins():
+    pytest.importorskip("triton")
+    check_fused_quant_kernels("cuda", against_twins=True)
+
+
+@needs_fp8_gpu
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_gpu_fused_quantization_changes_no_token(tmp_path, monkeypatch, enforce_eager):
+    """24 sequences: past the GEMV's 16 rows, so decode steps run _scaled_mm too. The norms and SiLU that
+    quantize for it give the tokens and logprobs of the separate quantization launch, bit for bit."""
+    from mempath.model import quant
+    make_model(tmp_path, "llama", dtype=torch.bfloat16)
+    prompts = [[1 + (7 * p + 3 * i) % 300 for i in range(5 + p)] for p in range(24)]
+    outputs = []
+    for fused in (False, True):
+        monkeypatch.setattr(quant, "USE_FUSED_QUANT", fused)
+        llm = LLM(str(tmp_path), quantization="fp8", show_progress=False, gpu_memory_utilization=0.3,
+                  enforce_eager=enforce_eager)
+        layer = llm.engine.model.model.layers[0].mlp.down_proj
+        assert (layer.wants_quantized is not None) == fused and layer.takes_quantized(24) == fused
+        assert not layer.takes_quantized(1)  # one row: the weight-only GEMV, which takes x unquantized
+        outputs.append(llm.generate(prompts, greedy(12, logprobs=1), use_tqdm=False))
+        del llm
+    for a, b in zip(*outputs):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
 
 
 @needs_fp8_gpu

@@ -18,12 +18,14 @@ object, chosen at build time, rather than a per-call test of each tensor's devic
 
 Importing this module imports no Triton code (nor Triton) until a model on CUDA asks for it.
 """
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from mempath.constants import FP8_MAX, MIN_SCALE
 from mempath.kernels.attention_torch import attend_torch
 from mempath.kernels.elementwise_torch import (qk_norm_rope_and_store_torch, rms_norm_torch, rope_and_store_torch,
                                                silu_and_mul_torch)
@@ -57,7 +59,11 @@ class Kernels:
     - ``sum_expert_pairs(pairs, top_k, dtype) -> out``: those pairs summed over k and cast, as
       grouped_experts sums them (None: ``moe_triton.sum_pairs``, its twin);
     - ``router_logits(x, weight) -> logits``: the router's ``F.linear`` at decode batches (at most
-      ``moe_triton.ROUTER_KERNEL_MAX_ROWS`` tokens, 16-bit; None: ``F.linear`` always).
+      ``moe_triton.ROUTER_KERNEL_MAX_ROWS`` tokens, 16-bit; None: ``F.linear`` always);
+    - ``rms_norm_quant(x, weight, eps, residual=None) -> (fp8 values, scales, new_residual)`` and
+      ``silu_and_mul_quant(x) -> (fp8 values, scales)``: rms_norm and silu_and_mul with their output
+      quantized per row for an fp8 projection (``mempath.model.quant.Fp8Activation``; None: the
+      projection quantizes its input itself).
     """
 
     rms_norm: Callable
@@ -71,6 +77,8 @@ class Kernels:
     grouped_expert_pairs: Callable | None = None
     sum_expert_pairs: Callable | None = None
     router_logits: Callable | None = None
+    rms_norm_quant: Callable | None = None
+    silu_and_mul_quant: Callable | None = None
 
 
 def torch_kernels() -> Kernels:
@@ -84,10 +92,14 @@ def triton_kernels() -> Kernels:
                                                     triton_rms_norm, triton_silu_and_mul)
     from mempath.kernels.moe_triton import (triton_grouped_expert_pairs, triton_grouped_experts, triton_route,
                                             triton_router_logits, triton_sum_pairs)
+    from mempath.kernels.quant_triton import triton_rms_norm_quant, triton_silu_and_mul_quant
+    fp8 = {"fp8_max": FP8_MAX, "min_scale": MIN_SCALE}
     return Kernels(triton_rms_norm, rope_and_store_triton, triton_silu_and_mul, attend_triton,
                    qk_norm_rope_and_store_triton, triton=True, grouped_experts=triton_grouped_experts,
                    moe_route=triton_route, grouped_expert_pairs=triton_grouped_expert_pairs,
-                   sum_expert_pairs=triton_sum_pairs, router_logits=triton_router_logits)
+                   sum_expert_pairs=triton_sum_pairs, router_logits=triton_router_logits,
+                   rms_norm_quant=functools.partial(triton_rms_norm_quant, **fp8),
+                   silu_and_mul_quant=functools.partial(triton_silu_and_mul_quant, **fp8))
 
 
 def kernels_for(device: torch.device) -> Kernels:

@@ -31,16 +31,22 @@ if HAS_TRITON:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0)
         pdl_wait(PDL)
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        y = rms_norm_row(x, res_ptr + row * stride_res + cols, w, mask, n_cols, eps, HAS_RESIDUAL)
+        tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def rms_norm_row(x, res_ptrs, w, mask, n_cols, eps, HAS_RESIDUAL: tl.constexpr):
+        """One row's RMSNorm in x's dtype, rounded where ``rms_norm_torch`` rounds; with HAS_RESIDUAL,
+        of ``x + residual``, which is stored back into the residual row (``res_ptrs``) first."""
         if HAS_RESIDUAL:
-            r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+            r = tl.load(res_ptrs, mask=mask, other=0.0)
             # Round the sum to the activation dtype, as `x + residual` does in PyTorch.
             x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-            tl.store(res_ptr + row * stride_res + cols, x, mask=mask)
+            tl.store(res_ptrs, x, mask=mask)
         xf = x.to(tl.float32)
         variance = tl.sum(xf * xf, axis=0) / n_cols
         normed = (xf * (1.0 / tl.sqrt(variance + eps))).to(x.dtype)
-        y = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
+        return (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
 
     @triton.jit
     def _cos_sin(pos_ptr, cos_ptr, sin_ptr, t, stride_cos, dtype, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
@@ -144,12 +150,18 @@ if HAS_TRITON:
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n_cols
-        gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-        up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
+        y = silu_and_mul_row(x_ptr + row * stride_x + cols, n_cols, mask)
+        tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
+
+    @triton.jit
+    def silu_and_mul_row(gate_ptrs, n_cols, mask):
+        """silu(gate) * up for the columns at ``gate_ptrs`` (up is ``n_cols`` further), in the
+        activation dtype, rounded after the activation and after the product as ``silu_and_mul_torch``."""
+        gate = tl.load(gate_ptrs, mask=mask, other=0.0)
+        up = tl.load(gate_ptrs + n_cols, mask=mask, other=0.0)
         g = gate.to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-        y = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
-        tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
+        return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
 
 
 def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,

@@ -11,7 +11,8 @@ that says which rows belong to which sequence and where their KV lives. The
 config it is built from is read by mempath.model.spec; the kernels each op runs are
 chosen once, by mempath.kernels.dispatch. With ``spec.quantization == "fp8"`` the
 projections are mempath.model.quant.Fp8Linear; embeddings, norms, the LM head, routers
-and routed experts stay in the model dtype.
+and routed experts stay in the model dtype. Where such a projection runs the fp8 matmul, the
+norm or SiLU-and-mul before it may hand it its input already quantized (an Fp8Activation).
 """
 import math
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from torch import nn
 
 from mempath.kernels.dispatch import Kernels
 from mempath.model.moe import MoEBlock
-from mempath.model.quant import Linear, make_linear
+from mempath.model.quant import Fp8Activation, Linear, make_linear
 from mempath.model.spec import ModelSpec
 
 
@@ -48,14 +49,22 @@ class RMSNorm(nn.Module):
         self.kernels = kernels
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, out: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                quantize_for: nn.Module | None = None):
         """Normalise x (x + residual when given; then also return the new residual).
 
         float32 statistics, then back to the input dtype before the scale, exactly
         as transformers does, so greedy outputs match it. ``out``: where the fused
         kernel may write the result (see mempath.kernels.dispatch.Kernels).
+        ``quantize_for``: the projection the result goes to; where it takes its input quantized
+        (an fp8 layer about to run _scaled_mm) the kernel quantizes it too: an Fp8Activation.
         """
-        out, residual_out = self.kernels.rms_norm(x, self.weight, self.eps, residual, out)
+        if self.kernels.rms_norm_quant is not None and quantize_for is not None \
+                and quantize_for.takes_quantized(x.numel() // x.shape[-1]):
+            values, scale, residual_out = self.kernels.rms_norm_quant(x, self.weight, self.eps, residual)
+            out = Fp8Activation(values, scale, x.dtype)
+        else:
+            out, residual_out = self.kernels.rms_norm(x, self.weight, self.eps, residual, out)
         return out if residual is None else (out, residual_out)
 
 
@@ -169,7 +178,14 @@ class MLP(nn.Module):
         self.down_proj = make_linear(spec.intermediate_size, spec.hidden_size, spec.mlp_bias, spec.quantization)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.kernels.silu_and_mul_quant is not None \
+                and self.down_proj.takes_quantized(gate_up.numel() // gate_up.shape[-1]):
+            activated = Fp8Activation(*self.kernels.silu_and_mul_quant(gate_up), gate_up.dtype)
+        else:
+            activated = self.kernels.silu_and_mul(gate_up)
+        del gate_up  # the down projection runs beside the activation alone (the plan's MLP phase)
+        return self.down_proj(activated)
 
 
 class DecoderLayer(nn.Module):
@@ -182,18 +198,21 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions, hidden, residual, meta):
         """Returns (sublayer output, residual stream); the next norm adds them."""
+        qkv_proj = self.self_attn.qkv_proj
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            hidden = self.input_layernorm(hidden, quantize_for=qkv_proj)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, quantize_for=qkv_proj)
         # The normalised input is dead once attention has read it, but in every layer
         # after the first the caller's loop still holds it: the next norm writes there,
         # and the attention output (no name keeps it) is freed as the norm returns, so
         # the MLP runs beside two [T, hidden] streams, not three (on the H200 the third
-        # was +8% of Llama-8B's forward peak).
+        # was +8% of Llama-8B's forward peak). An fp8 input (Fp8Activation) is no such buffer.
         hidden, residual = self.post_attention_layernorm(
-            self.self_attn(positions, hidden, meta), residual, out=hidden)
+            self.self_attn(positions, hidden, meta), residual,
+            out=hidden if isinstance(hidden, torch.Tensor) else None,
+            quantize_for=None if isinstance(self.mlp, MoEBlock) else self.mlp.gate_up_proj)
         return self.mlp(hidden), residual
 
 

@@ -17,6 +17,7 @@ The loader fills a layer either from a float checkpoint tensor, quantized as it 
 ``weight_scale``; docs/quantization.md).
 """
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -61,21 +62,45 @@ def fp8_linear_torch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     return out.to(x.dtype)
 
 
-def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                         bias: torch.Tensor | None, quantize=quantize_rows) -> torch.Tensor:
-    """The CUDA path: x quantized per token (``quantize``: quantize_rows or its fused Triton twin),
-    then one fp8 matmul with row-wise scales.
+class Fp8Activation(NamedTuple):
+    """A projection's input already quantized per token (``quantize_rows``' arithmetic) by the kernel
+    that produced it: ``values`` float8_e4m3fn [rows, in], ``scale`` float32 [rows, 1], and ``dtype``,
+    the model dtype the values stand for (the projection's output dtype)."""
+    values: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+
+def scaled_mm_quantized(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                        bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """One fp8 matmul of a per-token quantized input with row-wise scales, the result in ``dtype``.
 
     ``torch._scaled_mm`` takes the weight column-major (the transpose of our row-major
     [out, in] storage, no copy) and, with row-wise scales, writes bfloat16 only; another
     model dtype gets a cast.
     """
-    xq, x_scale = quantize(x)
     out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
                            out_dtype=torch.bfloat16)
     if bias is not None:
         out += bias
-    return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
+    return out if dtype == torch.bfloat16 else out.to(dtype)
+
+
+def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                         bias: torch.Tensor | None, quantize=quantize_rows) -> torch.Tensor:
+    """The CUDA path: x quantized per token (``quantize``: quantize_rows or its fused Triton twin),
+    then ``scaled_mm_quantized``."""
+    xq, x_scale = quantize(x)
+    return scaled_mm_quantized(xq, x_scale, weight, weight_scale, bias, x.dtype)
+
+
+def fp8_linear_quantized_torch(x: Fp8Activation, weight: torch.Tensor, weight_scale: torch.Tensor,
+                               bias: torch.Tensor | None) -> torch.Tensor:
+    """``fp8_linear_torch`` of an input quantized beforehand: the same dequantized float32 matmul."""
+    out = dequantize_rows(x.values, x.scale) @ dequantize_rows(weight, weight_scale).t()
+    if bias is not None:
+        out += bias.to(torch.float32)
+    return out.to(x.dtype)
 
 
 def quantize_groups(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -104,13 +129,21 @@ def fp8_linear_cuda(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     GEMV (``gemv``: a kernels.fp8_gemv_triton.Fp8Gemv) with the configuration its table gives the
     shape and batch bucket; larger batches, buckets the table sends there and float32 activations
     (the GEMV's tensor-core product takes 16-bit ones), _scaled_mm."""
+    config = gemv_config(gemv, weight, x.shape[0], x.dtype)
+    if config is not None:
+        return gemv(x, weight, weight_scale, bias, config)
+    return fp8_linear_scaled_mm(x, weight, weight_scale, bias, quantize)
+
+
+def gemv_config(gemv, weight: torch.Tensor, rows: int, dtype: torch.dtype):
+    """The GEMV launch ``fp8_linear_cuda`` gives ``rows`` rows of ``dtype`` through this weight, or None:
+    they go to _scaled_mm, whose input is quantized per token."""
     from mempath.kernels.fp8_gemv_triton import GEMV_MAX_ROWS
-    rows = x.shape[0]
-    if 0 < rows <= GEMV_MAX_ROWS and x.dtype != torch.float32:
+    if 0 < rows <= GEMV_MAX_ROWS and dtype != torch.float32:
         config = gemv.config(weight.shape[0], weight.shape[1], rows)
         if config.kernel == "gemv":
-            return gemv(x, weight, weight_scale, bias, config)
-    return fp8_linear_scaled_mm(x, weight, weight_scale, bias, quantize)
+            return config
+    return None
 
 
 class Fp8Linear(nn.Module):
@@ -125,8 +158,19 @@ class Fp8Linear(nn.Module):
         self.weight_scale = nn.Parameter(torch.empty(out_features, 1, dtype=torch.float32), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.matmul = fp8_linear_torch  # set_fp8_matmul chooses, once, for the model's device
+        # The product of an Fp8Activation, and which row counts the layer wants one for (None: never);
+        # set_fp8_matmul sets both where the kernel before the layer can quantize its output.
+        self.matmul_quantized = fp8_linear_quantized_torch
+        self.wants_quantized = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def takes_quantized(self, rows: int) -> bool:
+        """Whether an input of ``rows`` rows should reach this layer as an Fp8Activation: the layer
+        would quantize it per token itself, so the kernel that makes it can do it instead."""
+        return self.wants_quantized is not None and self.wants_quantized(rows)
+
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        if isinstance(x, Fp8Activation):
+            return self.matmul_quantized(x, self.weight, self.weight_scale, self.bias)
         rows = x.reshape(-1, self.in_features)
         return self.matmul(rows, self.weight, self.weight_scale, self.bias).view(*x.shape[:-1], self.out_features)
 
@@ -146,6 +190,10 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.weight, self.bias)
+
+    def takes_quantized(self, rows: int) -> bool:
+        """A 16-bit layer takes its input as it is (Fp8Linear.takes_quantized)."""
+        return False
 
 
 def make_linear(in_features: int, out_features: int, bias: bool, quantization: str | None) -> nn.Module:
@@ -192,6 +240,25 @@ def set_fp8_matmul(model: nn.Module, device: torch.device) -> None:
                              f"{SCALED_MM_ALIGNMENT} (the fp8 matmul's tile); one is {layer.in_features} -> "
                              f"{layer.out_features}: serve this model unquantized")
         layer.matmul = matmul
+        if model.fp8_gemv is not None and USE_FUSED_QUANT:
+            layer.matmul_quantized = fp8_linear_quantized_cuda
+            layer.wants_quantized = functools.partial(_scaled_mm_rows, model.fp8_gemv, layer.weight,
+                                                      model.lm_head.weight.dtype)
+
+
+# Set to False to quantize every fp8 projection's input in its own launch (A/B measurements:
+# bench_fp8_weights / bench_mix --variants unfused-quant); True: the RMSNorm and SiLU-and-mul kernels
+# before a projection that runs _scaled_mm write its fp8 input (mempath.kernels.quant_triton).
+USE_FUSED_QUANT = True
+
+
+def _scaled_mm_rows(gemv, weight: torch.Tensor, dtype: torch.dtype, rows: int) -> bool:
+    return rows > 0 and gemv_config(gemv, weight, rows, dtype) is None
+
+
+def fp8_linear_quantized_cuda(x: Fp8Activation, weight: torch.Tensor, weight_scale: torch.Tensor,
+                              bias: torch.Tensor | None) -> torch.Tensor:
+    return scaled_mm_quantized(x.values, x.scale, weight, weight_scale, bias, x.dtype)
 
 
 # Set to False to leave 16-bit layers to F.linear at decode batches too (A/B measurements:
