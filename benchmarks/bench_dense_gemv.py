@@ -57,10 +57,11 @@ def projections(config: dict) -> dict[str, tuple[int, int]]:
     return {**out, "lm_head": (config["vocab_size"], h)}
 
 
-def candidates(n: int, k: int, rows: int, num_sms: int, max_split_n: int) -> list[GemvConfig]:
-    """Split K only for layers at most ``max_split_n`` wide (the workspace's width)."""
+def candidates(n: int, k: int, rows: int, num_sms: int, max_split_n: int, dot_from_rows: int = 2) -> list[GemvConfig]:
+    """Split K only for layers at most ``max_split_n`` wide (the workspace's width); the tensor-core tiles
+    from ``dot_from_rows`` rows."""
     out = []
-    tiles = [(t, False) for t in FMA_TILES if rows <= 4] + [(t, True) for t in DOT_TILES if rows >= 2]
+    tiles = [(t, False) for t in FMA_TILES if rows <= 4] + [(t, True) for t in DOT_TILES if rows >= dot_from_rows]
     for (bn, bk, warps, stages), dot in tiles:
         for split in (1, 2, 4, 8):
             programs = -(-n // bn) * split
@@ -117,6 +118,8 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,4,8,16")
     parser.add_argument("--layers", type=int, default=16, help="links of the timed chain")
     parser.add_argument("--out", required=True, help="where the configurations that beat cuBLAS go")
+    parser.add_argument("--dot-from-one-row", action="store_true",
+                        help="also the tensor-core tiles at one row (else from two: the sweep of 2026-12-04)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("CUDA is needed: this times kernels in CUDA graphs (the kernel's CPU test is "
@@ -148,7 +151,8 @@ def main() -> None:
                 norm_only = chain.time_us(lambda h, w: h)
             cublas_us = chain.time_us(F.linear)
             timed, dropped = [], []
-            for candidate in candidates(n, k, rows, num_sms, 0 if name.startswith("lm_head") else workspace.max_out_features):
+            for candidate in candidates(n, k, rows, num_sms, 0 if name.startswith("lm_head") else workspace.max_out_features,
+                                        dot_from_rows=1 if args.dot_from_one_row else 2):
                 fn = lambda h, w, c=candidate: triton_fp8_gemv(h, w, None, None, workspace, c)  # noqa: E731
                 try:
                     h, _ = triton_rms_norm(chain.x, chain.norm_weight, 1e-5)

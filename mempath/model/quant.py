@@ -51,17 +51,6 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.to(torch.float32) * scale
 
 
-def fp8_linear_torch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                     bias: torch.Tensor | None) -> torch.Tensor:
-    """The PyTorch path (the oracle): x quantized per token, both operands dequantized, a float32
-    matmul, the bias added, the result in x's dtype."""
-    xq, x_scale = quantize_rows(x)
-    out = dequantize_rows(xq, x_scale) @ dequantize_rows(weight, weight_scale).t()
-    if bias is not None:
-        out += bias.to(torch.float32)
-    return out.to(x.dtype)
-
-
 class Fp8Activation(NamedTuple):
     """A projection's input already quantized per token (``quantize_rows``' arithmetic) by the kernel
     that produced it: ``values`` float8_e4m3fn [rows, in], ``scale`` float32 [rows, 1], and ``dtype``,
@@ -94,9 +83,16 @@ def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
     return scaled_mm_quantized(xq, x_scale, weight, weight_scale, bias, x.dtype)
 
 
+def fp8_linear_torch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """The PyTorch path (the oracle): x quantized per token, both operands dequantized, a float32
+    matmul, the bias added, the result in x's dtype."""
+    return fp8_linear_quantized_torch(Fp8Activation(*quantize_rows(x), x.dtype), weight, weight_scale, bias)
+
+
 def fp8_linear_quantized_torch(x: Fp8Activation, weight: torch.Tensor, weight_scale: torch.Tensor,
                                bias: torch.Tensor | None) -> torch.Tensor:
-    """``fp8_linear_torch`` of an input quantized beforehand: the same dequantized float32 matmul."""
+    """``fp8_linear_torch`` of an input quantized beforehand."""
     out = dequantize_rows(x.values, x.scale) @ dequantize_rows(weight, weight_scale).t()
     if bias is not None:
         out += bias.to(torch.float32)
