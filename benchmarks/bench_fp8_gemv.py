@@ -64,7 +64,7 @@ FP8_DOT_TILES = [(64, QUANT_X_GROUP, 4, 3), (64, QUANT_X_GROUP, 4, 4), (64, QUAN
                  (128, QUANT_X_GROUP, 4, 4), (128, QUANT_X_GROUP, 8, 4), (128, QUANT_X_GROUP, 4, 6),
                  (256, QUANT_X_GROUP, 8, 3), (256, QUANT_X_GROUP, 8, 4)]
 QUICK_FMA, QUICK_DOT, QUICK_SUMMED, QUICK_FP8_DOT = FMA_TILES[:3], DOT_TILES[:4], SUMMED_TILES[2:4], FP8_DOT_TILES[:3]
-PRODUCTS = ("fma", "dot", "sum-k", "dot-fp8", "dot16", "scaled_mm")
+PRODUCTS = ("fma", "dot", "sum-k", "dot-fp8", "scaled_mm")
 
 
 def projections(config: dict) -> dict[str, tuple[int, int]]:
@@ -89,8 +89,6 @@ def candidates(n: int, k: int, rows: int, num_sms: int, quick: bool, products=PR
               for prefetch in (False, True) if fma and "sum-k" in products]
     tiles += [(t, dict(use_dot=True, quantize_x=True)) for t in (QUICK_FP8_DOT if quick else FP8_DOT_TILES)
               if "dot-fp8" in products]
-    # The float16 tensor cores from one row: the fp8 tile converts to float16 in half an instruction a value.
-    tiles += [(t, dict(use_dot=True, dot_fp16=True)) for t in (QUICK_DOT if quick else DOT_TILES) if "dot16" in products]
     for (bn, bk, warps, stages), options in tiles:
         for split in (1, 2, 4, 8, 16):
             programs = -(-n // bn) * split
@@ -132,10 +130,9 @@ class Layer:
         if config.kernel == "scaled_mm":
             return None  # its own arithmetic (quantized input): tests/test_fp8_weights.py checks it
         x_group = QUANT_X_GROUP if config.quantize_x else None
-        key = (x_group, config.dot_fp16)
-        if key not in refs:
-            refs[key] = fp8_gemv_torch(x, self.wq, self.scale, None, x_group=x_group, x_fp16=config.dot_fp16)
-        ref = refs[key]
+        if x_group not in refs:
+            refs[x_group] = fp8_gemv_torch(x, self.wq, self.scale, None, x_group=x_group)
+        ref = refs[x_group]
         err = (out.float() - ref.float()).abs().max().item()
         tol = 2 * torch.finfo(DTYPE).eps * max(1.0, ref.float().abs().max().item())
         if not err <= tol:
@@ -225,13 +222,11 @@ def sweep_point(layer: Layer, rows: int, table_config: GemvConfig, num_sms: int,
             ((layer.run(x, config).float() - exact).pow(2).mean() / exact.pow(2).mean()).sqrt().item()
     best_us, best = min(timed + ([(table_us, table_config)] if table_us else []), key=lambda t: t[0])
     fp8_dot_us, fp8_dot = min(((t, c) for t, c in timed if c.quantize_x), key=lambda t: t[0], default=(None, None))
-    dot16_us, dot16 = min(((t, c) for t, c in timed if c.dot_fp16), key=lambda t: t[0], default=(None, None))
     # The best tile summed over K each step, beside the best overall, whichever wins: the A/B the option awaits.
     summed_us, summed = min(((t, c) for t, c in timed if c.sum_k_each_step), key=lambda t: t[0], default=(None, None))
     return {"rows": rows, "best": best, "best_us": best_us,
             "sum_k_best": summed.describe() if summed else None, "sum_k_us": summed_us,
             "dot_fp8_best": fp8_dot.describe() if fp8_dot else None, "dot_fp8_us": fp8_dot_us,
-            "dot16_best": dot16.describe() if dot16 else None, "dot16_us": dot16_us,
             "error_vs_bf16": {"weight_only": relative_error(GemvConfig(block_n=64, block_k=128)),
                               "dot_fp8": relative_error(fp8_dot), "scaled_mm": relative_error(GemvConfig(
                                   kernel="scaled_mm"))},
@@ -300,8 +295,7 @@ def main() -> None:
             best_table.setdefault(f"{n}x{k}", {})[str(row_bucket(rows))] = point["best"]
         results[name] = rows_out
         print(f"\n{name} {n}x{k}: fp8 weight {layer.fp8_bytes / 1e6:.1f} MB ({time.time() - shape_started:.0f} s)")
-        table_rows = [("rows", "best", "us", "GB/s", "% of copy", "table's us", "best dot-fp8 us", "best dot16 us",
-                       "bf16 us",
+        table_rows = [("rows", "best", "us", "GB/s", "% of copy", "table's us", "best dot-fp8 us", "bf16 us",
                        "_scaled_mm us",
                        "x bf16", "x _scaled_mm", "checked", "dropped")]
         for p in rows_out:
@@ -309,8 +303,7 @@ def main() -> None:
             table_rows.append((p["rows"], p["best"].describe(), f"{p['best_us']:.1f}",
                                f"{gbps(layer.fp8_bytes, p['best_us']):.0f}",
                                f"{100 * layer.fp8_bytes / (p['best_us'] * 1e-6) / read_bw:.0f}%", table_col,
-                               f"{p['dot_fp8_us']:.1f}" if p["dot_fp8_us"] else "-",
-                               f"{p['dot16_us']:.1f}" if p["dot16_us"] else "-", f"{p['bf16_us']:.1f}",
+                               f"{p['dot_fp8_us']:.1f}" if p["dot_fp8_us"] else "-", f"{p['bf16_us']:.1f}",
                                f"{p['scaled_mm_us']:.1f}", f"{p['bf16_us'] / p['best_us']:.2f}",
                                f"{p['scaled_mm_us'] / p['best_us']:.2f}", p["candidates"], len(p["failed"])))
         print_table(table_rows)
@@ -347,7 +340,6 @@ def main() -> None:
                            "table_us": p["table_us"], "bf16_us": p["bf16_us"], "scaled_mm_us": p["scaled_mm_us"],
                            "sum_k_best": p["sum_k_best"], "sum_k_us": p["sum_k_us"],
                            "dot_fp8_best": p["dot_fp8_best"], "dot_fp8_us": p["dot_fp8_us"],
-                           "dot16_best": p["dot16_best"], "dot16_us": p["dot16_us"],
                            "error_vs_bf16": p["error_vs_bf16"],
                            "dropped": len(p["failed"])} for p in r] for name, r in results.items()}}))
 

@@ -49,15 +49,6 @@ def quantize_x_configs():
             GemvConfig(block_n=64, block_k=128, split_k=2, use_dot=True, quantize_x=True, reduce="two_pass")]
 
 
-def dot_fp16_configs():
-    """The float16 tensor-core product: the dot tiles above, and one row's (the sweep tries it from 1 row)."""
-    from mempath.kernels.fp8_gemv_triton import GemvConfig
-    return [GemvConfig(block_n=32, block_k=32, split_k=2, use_dot=True, dot_fp16=True),
-            GemvConfig(block_n=16, block_k=32, split_k=4, use_dot=True, dot_fp16=True, reduce="two_pass",
-                       prefetch=True),
-            GemvConfig(block_n=64, block_k=64, use_dot=True, dot_fp16=True)]
-
-
 def on_fp8_grid(x: torch.Tensor, group: int) -> torch.Tensor:
     """x moved onto the grid its groups quantize to without rounding: each group of ``group`` along a
     row holds e4m3 values times 2^j, one of them 448 · 2^j (Triton's interpreter rounds some values
@@ -89,14 +80,11 @@ def check_fp8_gemv(device: str, dtypes, rows_list=(1, 3, 16), seed: int = 0, sha
             for rows in rows_list:
                 x = torch.randn(rows, k, generator=gen)
                 x = (on_fp8_grid(x, QUANT_X_GROUP) if x_on_grid else x).to(dtype).to(device)
-                if dtype == torch.bfloat16:  # past float16's range and below its normal numbers: dot_fp16's clamp
-                    x[0, :2] = torch.tensor([7e4, 3e-7], dtype=dtype)
                 for i, config in enumerate(configs or gemv_configs()):
                     b = bias if (i + rows) % 2 else None
                     out = triton_fp8_gemv(x, wq, scale, b, workspace, config)
-                    tensor_cores = dtype != torch.float32  # float32 x: the multiply-adds
-                    ref = fp8_gemv_torch(x, wq, scale, b, x_group=QUANT_X_GROUP if config.quantize_x and tensor_cores
-                                         else None, x_fp16=config.dot_fp16 and tensor_cores)
+                    quantized = config.quantize_x and dtype != torch.float32  # float32 x: the multiply-adds
+                    ref = fp8_gemv_torch(x, wq, scale, b, x_group=QUANT_X_GROUP if quantized else None)
                     assert out.dtype == dtype and out.shape == (rows, n)
                     ulp = torch.finfo(dtype).eps if dtype != torch.float32 else 1e-5
                     torch.testing.assert_close(out.float(), ref.float(), rtol=2 * ulp, atol=2 * ulp,
@@ -221,45 +209,6 @@ def test_interpreted_gemv_quantizing_x_matches_twin():
         "x_on_grid=True); "
         "check_fp8_gemv('cpu', (torch.bfloat16,), rows_list=(16,), shapes=((64, 256),), "
         "configs=quantize_x_configs()[1:], x_on_grid=True)")
-
-
-def test_interpreted_gemv_in_float16_matches_twin():
-    """The float16 tensor-core product under the interpreter: one row and three, each reduce, bf16 x with
-    values past float16's range (clamped) and below its normal numbers, fp16 x, float32 x (multiply-adds)."""
-    pytest.importorskip("triton")
-    if torch.cuda.is_available():
-        pytest.skip("CUDA present: the GPU test runs the compiled kernel")
-    run_interpreted(
-        "import sys, torch; sys.path.insert(0, 'tests'); from test_triton_interpret import _patch_interpreter_for_numpy; "
-        "_patch_interpreter_for_numpy(); from tests.test_fp8_gemv import check_fp8_gemv, dot_fp16_configs; "
-        "check_fp8_gemv('cpu', (torch.bfloat16, torch.float16, torch.float32), rows_list=(1, 3), "
-        "configs=dot_fp16_configs())")
-
-
-def test_fp8_gemv_torch_in_float16_clamps_and_rounds_x():
-    x = torch.tensor([[7e4, -7e4, 3e-7, 1.0 + 2 ** -7]], dtype=torch.bfloat16)
-    w = torch.eye(4)
-    wq, scale = quantize_rows(w)
-    out = fp8_gemv_torch(x, wq, scale, None, x_fp16=True)
-    # float16 holds bf16's 1 + 2^-7 exactly, flushes nothing above 6e-8 (3e-7 becomes a subnormal, rounded)
-    expected = torch.tensor([[65504.0, -65504.0, float(torch.tensor(3e-7, dtype=torch.bfloat16).half()), 1.0 + 2 ** -7]])
-    assert torch.equal(out.float(), expected.to(torch.bfloat16).float())
-
-
-def test_dot_fp16_is_an_fp8_weight_tensor_core_choice():
-    from mempath.kernels.common import HAS_TRITON
-    from mempath.kernels.fp8_gemv_triton import GemvConfig, GemvWorkspace, triton_fp8_gemv
-    assert GemvConfig(block_n=64, block_k=128, split_k=2, use_dot=True, dot_fp16=True).describe() == \
-        "gemv dot16 n64 k128 split2 atomic w4 s3"
-    for bad in (dict(use_dot=False), dict(use_dot=True, quantize_x=True, block_k=128)):
-        with pytest.raises(ValueError, match="dot_fp16 is the float16 tensor-core product: set use_dot true and "
-                                             "quantize_x false"):
-            GemvConfig(dot_fp16=True, **bad)
-    if HAS_TRITON:
-        w = torch.zeros(32, 32, dtype=torch.bfloat16)
-        with pytest.raises(ValueError, match="converts an fp8 weight to float16; a 16-bit weight takes use_dot"):
-            triton_fp8_gemv(torch.zeros(1, 32, dtype=torch.bfloat16), w, None, None,
-                            GemvWorkspace(32, torch.device("cpu")), GemvConfig(use_dot=True, dot_fp16=True))
 
 
 def test_quantize_x_configs_are_tensor_core_tiles_one_scale_wide():
@@ -491,21 +440,6 @@ def test_gpu_gemv_summing_k_each_step_matches_twin(dtype):
                    (4, "atomic"), (4, "two_pass")) for prefetch in (False, True)]
     check_fp8_gemv("cuda", (dtype,), rows_list=(1, 2, 3, 4), configs=sum_k_each_step_configs())
     if dtype != torch.float32:  # float32 output: 4096 terms summed in another order differ by more than its 2 ulp
-        check_fp8_gemv("cuda", (dtype,), rows_list=(1, 3), shapes=((1000, 4096), (1024, 4096)), configs=sweep_tiles)
-
-
-@needs_fp8_gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_gpu_gemv_in_float16_matches_twin(dtype):
-    """The float16 tensor-core product compiled, at the test's tiles and the sweep's (bf16 x clamped)."""
-    pytest.importorskip("triton")
-    from mempath.kernels.fp8_gemv_triton import GemvConfig
-    check_fp8_gemv("cuda", (dtype,), rows_list=(1, 2, 3, 16), configs=dot_fp16_configs())
-    if dtype != torch.float32:
-        sweep_tiles = [GemvConfig(block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=3, reduce=reduce,
-                                  use_dot=True, dot_fp16=True)
-                       for bn, bk in ((64, 128), (128, 256)) for split, reduce in ((1, "atomic"), (4, "atomic"),
-                                                                                (4, "two_pass"))]
         check_fp8_gemv("cuda", (dtype,), rows_list=(1, 3), shapes=((1000, 4096), (1024, 4096)), configs=sweep_tiles)
 
 

@@ -18,7 +18,7 @@ from mempath.model.loader import load_model
 from mempath.model.quant import (FP8_DTYPE, FP8_MAX, MIN_SCALE, check_fp8_device, dequantize_rows, fp8_linear_cuda,
                                  fp8_linear_scaled_mm, fp8_linear_torch, quantize_rows)
 from mempath.model.spec import CheckpointError, ModelSpec
-from tests.conftest import make_model
+from tests.conftest import make_model, release_cuda
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FUSED_PROJECTIONS = PROJECTIONS + ("qkv_proj", "gate_up_proj")  # Phi-3's checkpoint names
@@ -107,8 +107,10 @@ def test_interpreted_quantize_kernel_matches_twin():
 def check_fused_quant_kernels(device: str, against_twins: bool, seed: int = 0) -> None:
     """The RMSNorm and SiLU-and-mul kernels with the per-row quantization inside give the bytes, scales
     and residual of the two launches they replace: the 16-bit kernel, then ``triton_quantize_rows``
-    (both checked against their twins elsewhere; ``against_twins``: against the PyTorch twins too,
-    which the interpreter's fp8 rounding cannot be, see check_triton_quantize_rows)."""
+    (both checked against their twins elsewhere; ``against_twins``: against the PyTorch twins too, in
+    bfloat16, where the compiled RMSNorm and SiLU kernels give their twins' bits (tests/test_fused_ops.py;
+    in float16 and float32 they may differ by a unit in the last place, and so may a quantized byte);
+    the interpreter's fp8 rounding cannot be, see check_triton_quantize_rows)."""
     from mempath.kernels.elementwise_torch import rms_norm_torch, silu_and_mul_torch
     from mempath.kernels.elementwise_triton import triton_rms_norm, triton_silu_and_mul
     from mempath.kernels.quant_triton import triton_quantize_rows, triton_rms_norm_quant, triton_silu_and_mul_quant
@@ -133,7 +135,7 @@ def check_fused_quant_kernels(device: str, against_twins: bool, seed: int = 0) -
                 same((q, scale), triton_quantize_rows(normed, FP8_MAX, MIN_SCALE), what)
                 if with_residual:
                     assert res_out is res_fused and torch.equal(res_fused, res_split), what
-                if against_twins:
+                if against_twins and dtype == torch.bfloat16:
                     twin, twin_res = rms_norm_torch(x, weight, 1e-5, residual if with_residual else None)
                     same((q, scale), quantize_rows(twin), what)
                     assert not with_residual or torch.equal(res_fused, twin_res), what
@@ -142,7 +144,7 @@ def check_fused_quant_kernels(device: str, against_twins: bool, seed: int = 0) -
             assert q.shape == (rows, cols) and scale.shape == (rows, 1)
             same((q, scale), triton_quantize_rows(triton_silu_and_mul(gate_up), FP8_MAX, MIN_SCALE),
                  (dtype, rows, cols, "silu"))
-            if against_twins:
+            if against_twins and dtype == torch.bfloat16:
                 same((q, scale), quantize_rows(silu_and_mul_torch(gate_up)), (dtype, rows, cols, "silu twin"))
 
 
@@ -529,7 +531,8 @@ def test_gpu_fused_quantization_changes_no_token(tmp_path, monkeypatch, enforce_
         assert (layer.wants_quantized is not None) == fused and layer.takes_quantized(24) == fused
         assert not layer.takes_quantized(1)  # one row: the weight-only GEMV, which takes x unquantized
         outputs.append(llm.generate(prompts, greedy(12, logprobs=1), use_tqdm=False))
-        del llm
+        del llm, layer
+        release_cuda()  # the next engine's budget is the device less what this one held
     for a, b in zip(*outputs):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
 

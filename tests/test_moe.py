@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from mempath import LLM, SamplingParams
-from mempath.memory.formulas import decoder_peak_bytes, load_bytes, moe_phase_bytes, read_shape
+from mempath.memory.formulas import decoder_peak_bytes, gemv_workspace_bytes, load_bytes, moe_phase_bytes, read_shape
 from mempath.model.spec import CheckpointError, ModelSpec
 from mempath.model.loader import load_model
 from mempath.model.moe import (
@@ -461,7 +461,9 @@ def test_cuda_eager_matches_cpu_for_every_cache_size(arch, model_factory, refere
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_load_allocates_only_the_resident_experts(model_factory):
-    """On the device: the planner's resident weights and the rotary tables; every expert pinned on the host."""
+    """On the device: the planner's resident weights, the rotary tables and the dense GEMV's workspace (a
+    16-bit model on CUDA with the Triton kernels, memory.formulas.gemv_workspace_bytes); every expert pinned
+    on the host."""
     path, _ = model_factory("mixtral")
     device = torch.device("cuda")
     torch.cuda.synchronize()
@@ -472,7 +474,8 @@ def test_cuda_load_allocates_only_the_resident_experts(model_factory):
     planned = load_bytes(read_shape(json.loads((Path(path) / "config.json").read_text())), 2, 512,
                          expert_cache_size=2)
     rounding = 512 * (len(list(model.parameters())) + 8)  # the allocator rounds each block up to 512 bytes
-    kept = planned["weights"] + planned["rotary_tables"]
+    shape = read_shape(json.loads((Path(path) / "config.json").read_text()))
+    kept = planned["weights"] + planned["rotary_tables"] + gemv_workspace_bytes(shape, 2, model.kernels.triton)
     assert kept <= torch.cuda.memory_allocated(device) - before <= kept + rounding
     assert report.host_weight_bytes == planned["host_experts"]
     assert all(t.is_pinned() for block in model.moe_blocks() for t in block.experts.cache.host.values())

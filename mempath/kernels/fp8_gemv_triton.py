@@ -90,10 +90,6 @@ class GemvConfig:
     sum_k_each_step: bool = False
     # The tensor cores in fp8: x quantized per row in groups of QUANT_X_GROUP (= block_k) along K.
     quantize_x: bool = False
-    # The tensor cores in float16 (use_dot, fp8 weights): e4m3 converts to float16 in one instruction per
-    # two values, to bfloat16 or float32 only with a second instruction per value; a bfloat16 x is
-    # clamped to float16's range and converted once per K step (its 8-bit significands fit in float16's 11).
-    dot_fp16: bool = False
     kernel: str = "gemv"
 
     def __post_init__(self):
@@ -111,14 +107,11 @@ class GemvConfig:
             raise ValueError(f"fp8 GEMV config: quantize_x is a tensor-core product with one activation scale a "
                              f"block of K: set use_dot true, block_k {QUANT_X_GROUP} and prefetch false, "
                              f"or quantize_x false")
-        if self.dot_fp16 and (not self.use_dot or self.quantize_x):
-            raise ValueError("fp8 GEMV config: dot_fp16 is the float16 tensor-core product: set use_dot true and "
-                             "quantize_x false, or dot_fp16 false")
 
     def describe(self) -> str:
         if self.kernel == "scaled_mm":
             return "_scaled_mm"
-        product = "dot-fp8" if self.quantize_x else "dot16" if self.dot_fp16 else "dot" if self.use_dot else "fma"
+        product = "dot-fp8" if self.quantize_x else "dot" if self.use_dot else "fma"
         return (f"gemv {product} n{self.block_n} k{self.block_k} split{self.split_k}"
                 f"{' ' + self.reduce if self.split_k > 1 else ''} w{self.num_warps} s{self.num_stages}"
                 f"{' prefetch' if self.prefetch else ''}{' sum-k-each-step' if self.sum_k_each_step else ''}")
@@ -158,8 +151,8 @@ def load_dense_table(path: str | os.PathLike | None = None) -> dict[str, dict[st
     table = load_config_table(path, GemvConfig, "bucket", "benchmarks/bench_dense_gemv.py --out FILE")
     for shape, buckets in table.items():
         for bucket, config in buckets.items():
-            # All three are fp8 weights' choices: a bucket cuBLAS wins is left out of this table instead.
-            if config.kernel != "gemv" or config.quantize_x or config.dot_fp16:
+            # Both are fp8 weights' choices: a bucket cuBLAS wins is left out of this table instead.
+            if config.kernel != "gemv" or config.quantize_x:
                 raise ValueError(f"{path}: {shape} bucket {bucket}: a 16-bit weight's table lists only the GEMV "
                                  f"without quantize_x, got {config.describe()}: remove the entry (cuBLAS runs "
                                  f"that bucket) or rewrite the table with benchmarks/bench_dense_gemv.py")
@@ -229,7 +222,7 @@ if HAS_TRITON:
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          USE_DOT: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr,
                          SUM_K_EACH_STEP: tl.constexpr, QUANT_X: tl.constexpr, FP8_MAX: tl.constexpr,
-                         MIN_SCALE: tl.constexpr, PDL: tl.constexpr, DOT_FP16: tl.constexpr):
+                         MIN_SCALE: tl.constexpr, PDL: tl.constexpr):
         """sum over k in [k_start, k_end) of x[m, k] · w[n, k], float32 [BLOCK_M, BLOCK_N].
 
         With PREFETCH the next weight tile is loaded while the current one is multiplied (two
@@ -268,9 +261,6 @@ if HAS_TRITON:
                     xq = tl.minimum(tl.maximum(tl.math.div_rn(xf, x_scale[:, None]), -FP8_MAX), FP8_MAX)
                     xq = xq.to(w.dtype, fp_downcast_rounding="rtne")
                     acc += tl.dot(w, tl.trans(xq)) * x_scale[None, :]
-                elif USE_DOT and DOT_FP16:
-                    x16 = tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-                    acc = tl.dot(w.to(tl.float16), tl.trans(x16), acc)
                 elif USE_DOT:  # [BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M]: the weight is the wide operand
                     acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
                 elif BLOCK_M == 1:
@@ -302,8 +292,7 @@ if HAS_TRITON:
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
                          TWO_PASS: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr,
                          SUM_K_EACH_STEP: tl.constexpr, QUANT_X: tl.constexpr, FP8_MAX: tl.constexpr,
-                         MIN_SCALE: tl.constexpr, PDL: tl.constexpr, HAS_SCALE: tl.constexpr,
-                         DOT_FP16: tl.constexpr):
+                         MIN_SCALE: tl.constexpr, PDL: tl.constexpr, HAS_SCALE: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -314,7 +303,7 @@ if HAS_TRITON:
         k_end = tl.minimum(k_start + k_per_split, K)
         acc = _partial_product(x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, M, k_start, k_end, stride_xm,
                                stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, EVEN, PREFETCH, SUM_K_EACH_STEP,
-                               QUANT_X, FP8_MAX, MIN_SCALE, PDL, DOT_FP16)
+                               QUANT_X, FP8_MAX, MIN_SCALE, PDL)
         tile = offs_m[:, None] * N + offs_n[None, :]
         tile_mask = m_mask[:, None] & n_mask[None, :]
         if split_k == 1:
@@ -383,9 +372,6 @@ def triton_fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     even = k % config.block_k == 0 and n % config.block_n == 0
     pdl = pdl_options(x.device)
     has_bias, has_scale = bias is not None, weight_scale is not None
-    if config.dot_fp16 and not has_scale:
-        raise ValueError(f"GEMV: {config.describe()} converts an fp8 weight to float16; a 16-bit weight takes "
-                         f"use_dot without dot_fp16 (the dense table's products)")
     weight_scale = weight_scale if has_scale else weight
     grid = (triton.cdiv(n, config.block_n), split)
     _fp8_gemv_kernel[grid](x, weight, weight_scale, bias if has_bias else weight_scale, out, workspace.partials,
@@ -394,8 +380,7 @@ def triton_fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
                            BLOCK_K=config.block_k, USE_DOT=use_dot, TWO_PASS=two_pass, EVEN=even,
                            PREFETCH=config.prefetch, SUM_K_EACH_STEP=config.sum_k_each_step,
                            QUANT_X=use_dot and config.quantize_x, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, **pdl,
-                           HAS_SCALE=has_scale, DOT_FP16=use_dot and config.dot_fp16, num_warps=config.num_warps,
-                           num_stages=config.num_stages)
+                           HAS_SCALE=has_scale, num_warps=config.num_warps, num_stages=config.num_stages)
     if two_pass:
         block = 256
         _fp8_gemv_reduce_kernel[(triton.cdiv(n, block), rows)](

@@ -107,19 +107,12 @@ def quantize_groups(x: torch.Tensor, group: int) -> torch.Tensor:
     return dequantize_rows(*quantize_rows(padded)).view(rows, -1)[:, :k]
 
 
-FP16_MAX = 65504.0
-
-
 def fp8_gemv_torch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                   bias: torch.Tensor | None, x_group: int | None = None, x_fp16: bool = False) -> torch.Tensor:
+                   bias: torch.Tensor | None, x_group: int | None = None) -> torch.Tensor:
     """The twin of the CUDA GEMV (mempath.kernels.fp8_gemv_triton): x in its dtype (weight-only fp8),
-    or with ``x_group`` quantized in groups of that many along K (``quantize_groups``), or with ``x_fp16``
-    clamped to float16's range and rounded to it (the float16 tensor-core product); the float32
+    or with ``x_group`` quantized in groups of that many along K (``quantize_groups``); the float32
     product with the fp8 weight is scaled per output channel, the bias added, the result in x's dtype."""
-    if x_fp16:
-        xf = x.to(torch.float32).clamp(-FP16_MAX, FP16_MAX).to(torch.float16).to(torch.float32)
-    else:
-        xf = x.to(torch.float32) if x_group is None else quantize_groups(x, x_group)
+    xf = x.to(torch.float32) if x_group is None else quantize_groups(x, x_group)
     out = (xf @ weight.to(torch.float32).t()) * weight_scale.view(1, -1)
     if bias is not None:
         out += bias.to(torch.float32)
