@@ -140,10 +140,11 @@ def check_fused_quant_kernels(device: str, against_twins: bool, seed: int = 0) -
                     same((q, scale), quantize_rows(twin), what)
                     assert not with_residual or torch.equal(res_fused, twin_res), what
             gate_up = (torch.randn(rows, 2 * cols, generator=gen) * 2).to(dtype).to(device)
-            q, scale = triton_silu_and_mul_quant(gate_up, FP8_MAX, MIN_SCALE)
-            assert q.shape == (rows, cols) and scale.shape == (rows, 1)
-            same((q, scale), triton_quantize_rows(triton_silu_and_mul(gate_up), FP8_MAX, MIN_SCALE),
-                 (dtype, rows, cols, "silu"))
+            expected = triton_quantize_rows(triton_silu_and_mul(gate_up), FP8_MAX, MIN_SCALE)
+            for block in (None, 64):  # the row in registers, and 64 columns at a time (computed twice)
+                q, scale = triton_silu_and_mul_quant(gate_up, FP8_MAX, MIN_SCALE, block=block)
+                assert q.shape == (rows, cols) and scale.shape == (rows, 1)
+                same((q, scale), expected, (dtype, rows, cols, "silu", block))
             if against_twins and dtype == torch.bfloat16:
                 same((q, scale), quantize_rows(silu_and_mul_torch(gate_up)), (dtype, rows, cols, "silu twin"))
 

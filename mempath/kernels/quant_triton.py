@@ -55,12 +55,19 @@ if HAS_TRITON:
     @triton.jit
     def _silu_and_mul_quant_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, n_cols, min_scale,
                                    FP8_MAX: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        """One row: silu(gate) * up, its amax over the row, then the values again, quantized (an MLP's
-        row is too wide for the registers, so the activation is computed twice rather than stored)."""
+        """One row: silu(gate) * up, its amax over the row, then its values quantized. A row of at most
+        BLOCK columns is held in registers; a wider one is computed twice (its amax, then its values)."""
         pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         gate_ptrs = x_ptr + row * stride_x + cols
+        if n_cols <= BLOCK:
+            mask = cols < n_cols
+            y = silu_and_mul_row(gate_ptrs, n_cols, mask)
+            scale = _row_scale(tl.max(tl.abs(y.to(tl.float32)), axis=0), min_scale, FP8_MAX)
+            tl.store(scale_ptr + row, scale)
+            tl.store(q_ptr + row * stride_q + cols, _quantized(y, scale, q_ptr.dtype.element_ty, FP8_MAX), mask=mask)
+            return
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK):
             y = silu_and_mul_row(gate_ptrs + start, n_cols, start + cols < n_cols)
@@ -128,9 +135,16 @@ def triton_rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, res
     return q, scale, residual
 
 
-def triton_silu_and_mul_quant(x: torch.Tensor, fp8_max: float, min_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+# The widest SiLU-and-mul row held in registers, computed once (16 warps, 75 registers a thread at this width
+# for sm_90); a wider one is computed twice, 4,096 columns at a time.
+SILU_QUANT_ONE_PASS_COLUMNS = 16384
+
+
+def triton_silu_and_mul_quant(x: torch.Tensor, fp8_max: float, min_scale: float,
+                              block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``triton_silu_and_mul`` of ``x = [gate | up]`` quantized per row as ``triton_quantize_rows`` does, in one
-    launch: (float8_e4m3fn values [rows, n], float32 scales [rows, 1]); the 16-bit activation is never stored."""
+    launch: (float8_e4m3fn values [rows, n], float32 scales [rows, 1]); the 16-bit activation is never stored.
+    ``block``: columns a step (a power of two; None: the whole row up to SILU_QUANT_ONE_PASS_COLUMNS)."""
     n_cols = x.shape[-1] // 2
     rows = x.numel() // x.shape[-1]
     q = torch.empty(rows, n_cols, dtype=torch.float8_e4m3fn, device=x.device)
@@ -138,7 +152,9 @@ def triton_silu_and_mul_quant(x: torch.Tensor, fp8_max: float, min_scale: float)
     if rows == 0:
         return q, scale
     x2 = x.view(rows, 2 * n_cols)
-    block = min(4096, next_pow2(n_cols))
+    if block is None:
+        whole = next_pow2(n_cols)
+        block = whole if whole <= SILU_QUANT_ONE_PASS_COLUMNS else 4096
     _silu_and_mul_quant_kernel[(rows,)](x2, q, scale, x2.stride(0), q.stride(0), n_cols, min_scale, FP8_MAX=fp8_max,
                                         BLOCK=block, **pdl_options(x.device), num_warps=min(16, max(1, block // 256)))
     return q, scale
