@@ -90,18 +90,23 @@ def check_triton_quantize_rows(device: str, on_grid: bool, seed: int = 0) -> Non
             assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)), (dtype, rows, cols)
 
 
-def test_interpreted_quantize_kernel_matches_twin():
+def run_interpreted(check: str) -> None:
+    """``check`` (a call of a check function of this module) in a child process under Triton's interpreter;
+    skipped where CUDA is present (the GPU tests run the compiled kernels)."""
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         pytest.skip("CUDA present: the GPU test runs the compiled kernel")
     code = ("import sys; sys.path.insert(0, 'tests'); from test_triton_interpret import _patch_interpreter_for_numpy; "
-            "_patch_interpreter_for_numpy(); from tests.test_fp8_weights import check_triton_quantize_rows; "
-            "check_triton_quantize_rows('cpu', on_grid=True)")
+            f"_patch_interpreter_for_numpy(); import tests.test_fp8_weights as t; t.{check}")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_interpreted_quantize_kernel_matches_twin():
+    run_interpreted("check_triton_quantize_rows('cpu', on_grid=True)")
 
 
 def check_fused_quant_kernels(device: str, against_twins: bool, seed: int = 0) -> None:
@@ -150,17 +155,7 @@ def check_fused_quant_kernels(device: str, against_twins: bool, seed: int = 0) -
 
 
 def test_interpreted_fused_quant_kernels_match_the_two_launches():
-    pytest.importorskip("triton")
-    if torch.cuda.is_available():
-        pytest.skip("CUDA present: the GPU test runs the compiled kernels")
-    code = ("import sys; sys.path.insert(0, 'tests'); from test_triton_interpret import _patch_interpreter_for_numpy; "
-            "_patch_interpreter_for_numpy(); from tests.test_fp8_weights import check_fused_quant_kernels; "
-            "check_fused_quant_kernels('cpu', against_twins=False)")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_interpreted("check_fused_quant_kernels('cpu', against_twins=False)")
 
 
 # ---------------------------------------------------------------- the reference model

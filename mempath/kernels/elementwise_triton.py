@@ -24,20 +24,26 @@ if HAS_TRITON:
     def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_res, stride_out, n_cols, eps,
                          HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < n_cols
         # All loads issued up front: at one row per step the kernel is load latency.
         # The weight is constant, so it is read while the previous kernel finishes.
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        cols, mask, w = rms_norm_weight(w_ptr, n_cols, BLOCK)
         pdl_wait(PDL)
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-        y = rms_norm_row(x, res_ptr + row * stride_res + cols, w, mask, n_cols, eps, HAS_RESIDUAL)
+        y = rms_norm_row(x_ptr + row * stride_x + cols, res_ptr + row * stride_res + cols, w, mask, n_cols, eps,
+                         HAS_RESIDUAL)
         tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def rms_norm_row(x, res_ptrs, w, mask, n_cols, eps, HAS_RESIDUAL: tl.constexpr):
-        """One row's RMSNorm in x's dtype, rounded where ``rms_norm_torch`` rounds; with HAS_RESIDUAL,
-        of ``x + residual``, which is stored back into the residual row (``res_ptrs``) first."""
+    def rms_norm_weight(w_ptr, n_cols, BLOCK: tl.constexpr):
+        """(cols, mask, the norm's weight) of a row held whole in registers."""
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        return cols, mask, tl.load(w_ptr + cols, mask=mask, other=0.0)
+
+    @triton.jit
+    def rms_norm_row(x_ptrs, res_ptrs, w, mask, n_cols, eps, HAS_RESIDUAL: tl.constexpr):
+        """The RMSNorm of the row at ``x_ptrs``, in its dtype, rounded where ``rms_norm_torch`` rounds; with
+        HAS_RESIDUAL, of ``x + residual``, which is stored back into the residual row (``res_ptrs``) first."""
+        x = tl.load(x_ptrs, mask=mask, other=0.0)
         if HAS_RESIDUAL:
             r = tl.load(res_ptrs, mask=mask, other=0.0)
             # Round the sum to the activation dtype, as `x + residual` does in PyTorch.

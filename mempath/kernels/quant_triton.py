@@ -23,7 +23,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from mempath.kernels.common import pdl_wait
-    from mempath.kernels.elementwise_triton import rms_norm_row, silu_and_mul_row
+    from mempath.kernels.elementwise_triton import rms_norm_row, rms_norm_weight, silu_and_mul_row
 
     @triton.jit
     def _row_scale(amax, min_scale, FP8_MAX: tl.constexpr):
@@ -42,12 +42,10 @@ if HAS_TRITON:
                                BLOCK: tl.constexpr, PDL: tl.constexpr):
         """One row: the RMSNorm kernel's output (a whole row in registers), quantized per row."""
         row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        cols, mask, w = rms_norm_weight(w_ptr, n_cols, BLOCK)
         pdl_wait(PDL)
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-        y = rms_norm_row(x, res_ptr + row * stride_res + cols, w, mask, n_cols, eps, HAS_RESIDUAL)
+        y = rms_norm_row(x_ptr + row * stride_x + cols, res_ptr + row * stride_res + cols, w, mask, n_cols, eps,
+                         HAS_RESIDUAL)
         scale = _row_scale(tl.max(tl.abs(y.to(tl.float32)), axis=0), min_scale, FP8_MAX)
         tl.store(scale_ptr + row, scale)
         tl.store(q_ptr + row * stride_q + cols, _quantized(y, scale, q_ptr.dtype.element_ty, FP8_MAX), mask=mask)
