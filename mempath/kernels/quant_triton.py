@@ -11,8 +11,9 @@ clamped to ±448 and rounded to nearest even.
 Where an fp8 projection's input comes out of an RMSNorm or a SiLU-and-mul, the quantization
 can run inside that kernel (``triton_rms_norm_quant``, ``triton_silu_and_mul_quant``): the
 16-bit activation is rounded as before, then quantized in registers, and only its fp8 values
-and scales are written. No launch and no 16-bit round trip through memory for the quantization;
-the twins are the two kernels' twins one after the other, bit for bit.
+and scales are written. No launch and no 16-bit round trip through memory for the quantization.
+Each gives the bytes of the two launches it replaces; its twin is their twins one after the other
+(bit for bit in bfloat16, where the 16-bit kernels match their twins: tests/test_fused_ops.py).
 """
 import torch
 
