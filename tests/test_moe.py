@@ -471,10 +471,9 @@ def test_cuda_load_allocates_only_the_resident_experts(model_factory):
     model, _, report = load_model(path, torch.bfloat16, device, max_positions=512, show_progress=False,
                                   expert_cache_size=2)
     torch.cuda.synchronize()
-    planned = load_bytes(read_shape(json.loads((Path(path) / "config.json").read_text())), 2, 512,
-                         expert_cache_size=2)
-    rounding = 512 * (len(list(model.parameters())) + 8)  # the allocator rounds each block up to 512 bytes
     shape = read_shape(json.loads((Path(path) / "config.json").read_text()))
+    planned = load_bytes(shape, 2, 512, expert_cache_size=2)
+    rounding = 512 * (len(list(model.parameters())) + 8)  # the allocator rounds each block up to 512 bytes
     kept = planned["weights"] + planned["rotary_tables"] + gemv_workspace_bytes(shape, 2, model.kernels.triton)
     assert kept <= torch.cuda.memory_allocated(device) - before <= kept + rounding
     assert report.host_weight_bytes == planned["host_experts"]

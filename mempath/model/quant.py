@@ -243,8 +243,8 @@ def set_fp8_matmul(model: nn.Module, device: torch.device) -> None:
 
 
 # Set to False to quantize every fp8 projection's input in its own launch (A/B measurements:
-# bench_fp8_weights / bench_mix --variants unfused-quant); True: the RMSNorm and SiLU-and-mul kernels
-# before a projection that runs _scaled_mm write its fp8 input (mempath.kernels.quant_triton).
+# bench_mix --quant-fusion fused,unfused); True: the RMSNorm and SiLU-and-mul kernels before a
+# projection that runs _scaled_mm write its fp8 input (mempath.kernels.quant_triton).
 USE_FUSED_QUANT = True
 
 
