@@ -135,9 +135,11 @@ def decode_ms(llm, prompts: list[list[int]], new_tokens: int) -> tuple[float, li
 def fp8_kernels(llm) -> dict[str, str]:
     """What each fp8 layer shape ran, by batch bucket (filled as the buckets first ran: eagerly or
     at graph capture); batches over GEMV_MAX_ROWS rows, here the prompt, always run _scaled_mm."""
-    gemv = llm.engine.model.fp8_gemv
+    gemv, gemm = llm.engine.model.fp8_gemv, llm.engine.model.fp8_gemm
     kernels = dict(gemv.chosen) if gemv is not None else {"every batch": "_scaled_mm (no Triton kernels)"}
-    kernels[f"rows>{GEMV_MAX_ROWS}"] = "_scaled_mm, input quantized by the Triton kernel"
+    kernels.update(gemm.chosen if gemm is not None else {})
+    if gemv is not None and gemm is None:
+        kernels[f"rows>{GEMV_MAX_ROWS}"] = "_scaled_mm, input quantized by the Triton kernel"
     return kernels
 
 
@@ -148,12 +150,16 @@ def bench_latency(args) -> dict:
     vocab = json.loads(Path(path, "config.json").read_text())["vocab_size"]
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(args.batch)]
-    runs = [("bf16", None, None), ("fp8", "fp8", None)]
-    runs += [(f"fp8, {Path(table).name}", "fp8", str(Path(table).resolve())) for table in args.also_table]
+    from mempath.model import quant
+    runs = [("bf16", None, None, True), ("fp8", "fp8", None, True)]
+    runs += [(f"fp8, {Path(table).name}", "fp8", str(Path(table).resolve()), True) for table in args.also_table]
+    if args.also_scaled_mm:
+        runs.append((f"fp8, _scaled_mm above {GEMV_MAX_ROWS} rows", "fp8", None, False))
     measured = {}
-    for name, quantization, table in runs:
+    for name, quantization, table, fp8_gemm in runs:
         if table:
             os.environ[TABLE_ENV] = table
+        quant.USE_FP8_GEMM = fp8_gemm
         llm = LLM(path, load_format="dummy", dtype="bfloat16", quantization=quantization, max_num_seqs=args.batch,
                   max_model_len=args.prompt_len + args.new_tokens + 32, show_progress=False,
                   enforce_eager=args.enforce_eager)
@@ -169,6 +175,7 @@ def bench_latency(args) -> dict:
             measured[name]["table"] = os.environ.get(TABLE_ENV) or str(DEFAULT_TABLE.relative_to(ROOT))
         del llm
         torch.cuda.empty_cache()
+    quant.USE_FP8_GEMM = True
     bf16, fp8 = measured["bf16"], measured["fp8"]
     same = next((i for i, (a, b) in enumerate(zip(bf16["tokens"], fp8["tokens"])) if a != b), args.new_tokens)
     rows = [("weights", "ms/step", "tok/s", "bytes read/step", "limit ms", "% of limit")]
@@ -207,6 +214,9 @@ def main() -> None:
     lat.add_argument("--table", help=f"an fp8 GEMV configuration table (default: {TABLE_ENV} or the shipped one)")
     lat.add_argument("--also-table", action="append", default=[],
                      help="another table, run as a third engine beside the first fp8 one (repeatable)")
+    lat.add_argument("--also-scaled-mm", action="store_true",
+                     help="a third fp8 engine whose batches above the GEMV's rows all run _scaled_mm "
+                          "(model.quant.USE_FP8_GEMM off: the A/B of the fp8 GEMM's table)")
     lat.add_argument("--batch", type=int, default=1, help="sequences decoded together (the KV read is not in the "
                                                           "limit: keep the prompt short)")
     args = parser.parse_args()

@@ -280,16 +280,19 @@ def engine_options(args) -> dict:
 
 def run_mempath(args, prompts, output_lens, rate: float, max_num_seqs: int | None,
                 max_num_batched_tokens: int | None, quantization: str = "none", kv_cache_dtype: str = "auto",
-                decode_order: str = "longest-first", quant_fusion: str = "fused") -> dict:
+                decode_order: str = "longest-first", quant_fusion: str = "fused", fp8_gemm: str = "table") -> dict:
     """One engine on the whole mix, after a short warm-up; the engine is released before returning.
     ``decode_order`` "batch": the decode attention kernel starts the sequences in batch order
     (engine.runner.DECODE_LONGEST_FIRST off), the A/B of the runner's longest-first order.
     ``quant_fusion`` "unfused": fp8 projections quantize their input in their own launch
-    (model.quant.USE_FUSED_QUANT off), the A/B of the norms and SiLU that quantize for them."""
+    (model.quant.USE_FUSED_QUANT off), the A/B of the norms and SiLU that quantize for them. ``fp8_gemm``
+    "scaled-mm": every quantized fp8 product on _scaled_mm (model.quant.USE_FP8_GEMM off), the A/B of the
+    Triton fp8 GEMM's table."""
     from mempath.engine import runner as runner_module
     from mempath.model import quant as quant_module
     runner_module.DECODE_LONGEST_FIRST = decode_order == "longest-first"
     quant_module.USE_FUSED_QUANT = quant_fusion == "fused"
+    quant_module.USE_FP8_GEMM = fp8_gemm == "table"
     limits = {k: v for k, v in (("max_num_seqs", max_num_seqs),
                                 ("max_num_batched_tokens", max_num_batched_tokens)) if v is not None}
     llm = LLM(show_progress=False, **engine_options(args), **limits, kv_cache_dtype=kv_cache_dtype,
@@ -317,9 +320,9 @@ def run_mempath(args, prompts, output_lens, rate: float, max_num_seqs: int | Non
                   weight_bytes=engine.ledger.get("weights"), max_num_seqs=engine.config.max_num_seqs,
                   max_num_batched_tokens=engine.config.max_num_batched_tokens,
                   kv_blocks=stats["kv_blocks_total"], preemptions=stats["num_preemptions"], decode_order=decode_order,
-                  quant_fusion=quant_fusion)
+                  quant_fusion=quant_fusion, fp8_gemm=fp8_gemm)
     runner_module.DECODE_LONGEST_FIRST = True
-    quant_module.USE_FUSED_QUANT = True
+    quant_module.USE_FUSED_QUANT = quant_module.USE_FP8_GEMM = True
     del llm, engine, outs
     gc.collect()
     if torch.cuda.is_available():
@@ -381,6 +384,9 @@ def parse_args(argv=None):
     parser.add_argument("--quant-fusion", type=lambda s: s.split(","), default=["fused"],
                         help="fp8 weights: fused (the norm and SiLU kernels quantize a projection's input), unfused "
                              "(a launch of its own), or both, comma-separated")
+    parser.add_argument("--fp8-gemm", type=lambda s: s.split(","), default=["table"],
+                        help="fp8 weights above the GEMV's rows: table (the Triton fp8 GEMM where its table lists "
+                             "the bucket, _scaled_mm elsewhere), scaled-mm (always), or both, comma-separated")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--enforce-eager", action="store_true")
@@ -391,11 +397,12 @@ def parse_args(argv=None):
     bad = [q for q in args.quantization if q not in ("none", "fp8")] + \
         [k for k in args.kv_cache_dtype if k not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")] + \
         [o for o in args.decode_order if o not in ("longest-first", "batch")] + \
-        [f for f in args.quant_fusion if f not in ("fused", "unfused")]
+        [f for f in args.quant_fusion if f not in ("fused", "unfused")] + \
+        [g for g in args.fp8_gemm if g not in ("table", "scaled-mm")]
     if bad:
-        parser.error(f"unknown --quantization / --kv-cache-dtype / --decode-order / --quant-fusion value(s) {bad}: "
-                     f"quantization is none or fp8, the KV dtype auto, fp8, fp8_e4m3 or fp8_e5m2, the order "
-                     f"longest-first or batch, the fusion fused or unfused")
+        parser.error(f"unknown --quantization / --kv-cache-dtype / --decode-order / --quant-fusion / --fp8-gemm "
+                     f"value(s) {bad}: quantization is none or fp8, the KV dtype auto, fp8, fp8_e4m3 or fp8_e5m2, "
+                     f"the order longest-first or batch, the fusion fused or unfused, the GEMM table or scaled-mm")
     if args.requests is None:
         args.requests = 12 if args.tiny else 1000
     if args.sharegpt and not args.tokenizer:
@@ -432,16 +439,16 @@ def main(argv=None) -> list[dict]:
               "source": args.sharegpt or "lognormal", "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
     results = []
-    for quantization, kv, seqs, tokens, order, fusion in itertools.product(
+    for quantization, kv, seqs, tokens, order, fusion, gemm in itertools.product(
             args.quantization, args.kv_cache_dtype, args.max_num_seqs, args.max_num_batched_tokens, args.decode_order,
-            args.quant_fusion):
-        if quantization == "none" and fusion == "unfused" and "fused" in args.quant_fusion:
-            continue  # no fp8 projection: the same run twice
+            args.quant_fusion, args.fp8_gemm):
+        if quantization == "none" and ((fusion, gemm) != (args.quant_fusion[0], args.fp8_gemm[0])):
+            continue  # no fp8 projection: the same run again
         r = {**common, "engine": "mempath",
-             **run_mempath(args, prompts, output_lens, rate, seqs, tokens, quantization, kv, order, fusion)}
+             **run_mempath(args, prompts, output_lens, rate, seqs, tokens, quantization, kv, order, fusion, gemm)}
         print_row(f"mempath weights={quantization} kv={kv} max_num_seqs={r['max_num_seqs']} "
                   f"max_num_batched_tokens={r['max_num_batched_tokens']} decode order {order}"
-                  + (f" quantization {fusion}" if quantization != "none" else ""), r)
+                  + (f" quantization {fusion}, fp8 GEMM {gemm}" if quantization != "none" else ""), r)
         results.append(r)
     if args.hf_seconds > 0:
         try:

@@ -326,9 +326,14 @@ def test_the_sweep_tries_summing_k_each_step_on_the_multiply_add_tiles():
 
 
 def test_decode_batches_take_the_gemv_and_larger_ones_scaled_mm(monkeypatch):
+    """The GEMV up to 16 rows (unless the table sends a bucket to _scaled_mm), above it _scaled_mm, or the
+    fp8 GEMM where its table lists the bucket; float32 activations _scaled_mm."""
+    from mempath.kernels import fp8_gemm_triton
+    from mempath.kernels.fp8_gemm_triton import Fp8Gemm, GemmConfig
     from mempath.kernels.fp8_gemv_triton import Fp8Gemv, GemvConfig
     ran = []
-    monkeypatch.setattr(quant, "fp8_linear_scaled_mm", lambda *a, **k: ran.append("scaled_mm"))
+    monkeypatch.setattr(quant, "scaled_mm_quantized", lambda *a, **k: ran.append("scaled_mm"))
+    monkeypatch.setattr(fp8_gemm_triton, "triton_fp8_gemm", lambda *a, **k: ran.append("gemm"))
     gemv = Fp8Gemv(64, torch.device("cpu"), {"64x32": {"2": GemvConfig(kernel="scaled_mm")}})
     monkeypatch.setattr(Fp8Gemv, "__call__", lambda self, *a: ran.append("gemv"))
     w, scale = quantize_rows(torch.randn(64, 32))
@@ -336,6 +341,11 @@ def test_decode_batches_take_the_gemv_and_larger_ones_scaled_mm(monkeypatch):
         quant.fp8_linear_cuda(torch.randn(rows, 32, dtype=torch.bfloat16), w, scale, None, gemv)
     quant.fp8_linear_cuda(torch.randn(1, 32), w, scale, None, gemv)  # float32
     assert ran == ["gemv", "scaled_mm", "gemv", "gemv", "scaled_mm", "scaled_mm"]
+    ran.clear()
+    gemm = Fp8Gemm(table={"64x32": {"32": GemmConfig(block_m=32, swap_ab=True)}})
+    for rows in (17, 33):
+        quant.fp8_linear_cuda(torch.randn(rows, 32, dtype=torch.bfloat16), w, scale, None, gemv, gemm=gemm)
+    assert ran == ["gemm", "scaled_mm"]
 
 
 def test_dense_layers_take_the_gemv_only_where_the_table_lists_their_bucket(monkeypatch):

@@ -14,7 +14,7 @@ import textwrap
 import pytest
 import torch
 
-from mempath.kernels import attention_triton, common, elementwise_triton, quant_triton
+from mempath.kernels import attention_triton, common, elementwise_triton, fp8_gemm_triton, quant_triton
 
 # Names of pointers a kernel may read before its wait: weights, never written by a kernel.
 READ_BEFORE_WAIT = {"w_ptr"}
@@ -32,7 +32,8 @@ def _calls(node, name):
             and (getattr(c.func, "attr", None) == name or getattr(c.func, "id", None) == name)]
 
 
-@pytest.mark.parametrize("module", [attention_triton, elementwise_triton, quant_triton], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [attention_triton, elementwise_triton, quant_triton, fp8_gemm_triton],
+                         ids=lambda m: m.__name__)
 def test_every_kernel_waits_before_touching_activations(module):
     kernels = list(_kernels(module))
     assert kernels, "no kernels found: the check would pass vacuously"

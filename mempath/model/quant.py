@@ -120,15 +120,16 @@ def fp8_gemv_torch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
 
 
 def fp8_linear_cuda(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-                    gemv, quantize=quantize_rows) -> torch.Tensor:
+                    gemv, quantize=quantize_rows, gemm=None) -> torch.Tensor:
     """CUDA with the Triton kernels: decode batches (at most GEMV_MAX_ROWS rows) run the fp8
     GEMV (``gemv``: a kernels.fp8_gemv_triton.Fp8Gemv) with the configuration its table gives the
     shape and batch bucket; larger batches, buckets the table sends there and float32 activations
-    (the GEMV's tensor-core product takes 16-bit ones), _scaled_mm."""
+    (the GEMV's tensor-core product takes 16-bit ones) are quantized per token (``quantize``) and
+    multiplied by ``fp8_linear_quantized_cuda``."""
     config = gemv_config(gemv, weight, x.shape[0], x.dtype)
     if config is not None:
         return gemv(x, weight, weight_scale, bias, config)
-    return fp8_linear_scaled_mm(x, weight, weight_scale, bias, quantize)
+    return fp8_linear_quantized_cuda(Fp8Activation(*quantize(x), x.dtype), weight, weight_scale, bias, gemm)
 
 
 def gemv_config(gemv, weight: torch.Tensor, rows: int, dtype: torch.dtype):
@@ -223,13 +224,16 @@ def set_fp8_matmul(model: nn.Module, device: torch.device) -> None:
     cuda = device.type == "cuda"
     layers = fp8_layers(model)
     matmul = fp8_linear_scaled_mm if cuda else fp8_linear_torch
-    model.fp8_gemv = None
+    model.fp8_gemv = model.fp8_gemm = None
     if cuda and model.kernels.triton and layers:
+        from mempath.kernels.fp8_gemm_triton import Fp8Gemm
         from mempath.kernels.fp8_gemv_triton import Fp8Gemv
         from mempath.kernels.quant_triton import triton_quantize_rows
         model.fp8_gemv = Fp8Gemv(max(layer.out_features for layer in layers), device)
-        matmul = functools.partial(fp8_linear_cuda, gemv=model.fp8_gemv, quantize=functools.partial(
-            triton_quantize_rows, fp8_max=FP8_MAX, min_scale=MIN_SCALE))
+        model.fp8_gemm = Fp8Gemm() if USE_FP8_GEMM else None
+        matmul = functools.partial(fp8_linear_cuda, gemv=model.fp8_gemv, gemm=model.fp8_gemm,
+                                   quantize=functools.partial(triton_quantize_rows, fp8_max=FP8_MAX,
+                                                              min_scale=MIN_SCALE))
     for layer in layers:
         if cuda and (layer.in_features % SCALED_MM_ALIGNMENT or layer.out_features % SCALED_MM_ALIGNMENT):
             raise ValueError(f"--quantization fp8 on CUDA needs linear layers whose sizes are multiples of "
@@ -237,10 +241,15 @@ def set_fp8_matmul(model: nn.Module, device: torch.device) -> None:
                              f"{layer.out_features}: serve this model unquantized")
         layer.matmul = matmul
         if model.fp8_gemv is not None and USE_FUSED_QUANT:
-            layer.matmul_quantized = fp8_linear_quantized_cuda
+            layer.matmul_quantized = functools.partial(fp8_linear_quantized_cuda, gemm=model.fp8_gemm)
             layer.wants_quantized = functools.partial(_scaled_mm_rows, model.fp8_gemv, layer.weight,
                                                       model.lm_head.weight.dtype)
 
+
+# Set to False to run every quantized fp8 product on _scaled_mm (A/B measurements: bench_mix --fp8-gemm
+# table,scaled-mm); True: the Triton fp8 GEMM where its table (mempath/assets/fp8_gemm_configs.json) lists the
+# projection's shape and batch bucket.
+USE_FP8_GEMM = True
 
 # Set to False to quantize every fp8 projection's input in its own launch (A/B measurements:
 # bench_mix --quant-fusion fused,unfused); True: the RMSNorm and SiLU-and-mul kernels before a
@@ -253,7 +262,13 @@ def _scaled_mm_rows(gemv, weight: torch.Tensor, dtype: torch.dtype, rows: int) -
 
 
 def fp8_linear_quantized_cuda(x: Fp8Activation, weight: torch.Tensor, weight_scale: torch.Tensor,
-                              bias: torch.Tensor | None) -> torch.Tensor:
+                              bias: torch.Tensor | None, gemm=None) -> torch.Tensor:
+    """The product of a quantized input on CUDA: the Triton fp8 GEMM where ``gemm`` (a
+    kernels.fp8_gemm_triton.Fp8Gemm) lists the shape at this batch bucket, else _scaled_mm."""
+    config = gemm.config(weight.shape[0], weight.shape[1], x.values.shape[0]) if gemm is not None else None
+    if config is not None:
+        from mempath.kernels.fp8_gemm_triton import triton_fp8_gemm
+        return triton_fp8_gemm(x.values, x.scale, weight, weight_scale, bias, x.dtype, config)
     return scaled_mm_quantized(x.values, x.scale, weight, weight_scale, bias, x.dtype)
 
 
