@@ -134,7 +134,7 @@ def decode_ms(llm, prompts: list[list[int]], new_tokens: int) -> tuple[float, li
 
 def fp8_kernels(llm) -> dict[str, str]:
     """What each fp8 layer shape ran, by batch bucket (filled as the buckets first ran: eagerly or
-    at graph capture); batches over GEMV_MAX_ROWS rows, here the prompt, always run _scaled_mm."""
+    at graph capture); batches over GEMV_MAX_ROWS rows run the fp8 GEMM where its table lists them, else _scaled_mm."""
     gemv, gemm = llm.engine.model.fp8_gemv, llm.engine.model.fp8_gemm
     kernels = dict(gemv.chosen) if gemv is not None else {"every batch": "_scaled_mm (no Triton kernels)"}
     kernels.update(gemm.chosen if gemm is not None else {})
@@ -156,9 +156,14 @@ def bench_latency(args) -> dict:
     if args.also_scaled_mm:
         runs.append((f"fp8, _scaled_mm above {GEMV_MAX_ROWS} rows", "fp8", None, False))
     measured = {}
+    given_table = os.environ.get(TABLE_ENV)
     for name, quantization, table, fp8_gemm in runs:
         if table:
             os.environ[TABLE_ENV] = table
+        elif given_table is None:
+            os.environ.pop(TABLE_ENV, None)
+        else:
+            os.environ[TABLE_ENV] = given_table
         quant.USE_FP8_GEMM = fp8_gemm
         llm = LLM(path, load_format="dummy", dtype="bfloat16", quantization=quantization, max_num_seqs=args.batch,
                   max_model_len=args.prompt_len + args.new_tokens + 32, show_progress=False,

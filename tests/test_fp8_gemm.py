@@ -102,8 +102,10 @@ def test_gpu_gemm_is_captured_by_a_cuda_graph():
 def test_config_checks_name_the_field():
     with pytest.raises(ValueError, match="block_n must be a power of two >= 16, got 48"):
         GemmConfig(block_n=48)
-    with pytest.raises(ValueError, match="num_warps 4 or 8"):
+    with pytest.raises(ValueError, match="num_warps must be 4 or 8, got 2"):
         GemmConfig(num_warps=2)
+    with pytest.raises(ValueError, match="num_stages must be 1-8, got 9"):
+        GemmConfig(num_stages=9)
     assert GemmConfig(swap_ab=True, block_m=16).describe() == "gemm swap m16 n128 k128 w4 s4 g8"
 
 
@@ -130,6 +132,10 @@ def test_a_bad_table_is_one_line_naming_the_entry(tmp_path):
     path.write_text(json.dumps({"configs": {"4096x4096": {"32": {"tile": 1}}}}))
     with pytest.raises(ValueError, match=r"unknown fields \['tile'\]"):
         load_table(path)
+    for bucket in ("48", "16384", "x"):  # no batch would ever look these up
+        path.write_text(json.dumps({"configs": {"4096x4096": {bucket: {}}}}))
+        with pytest.raises(ValueError, match=rf"4096x4096 bucket '{bucket}' is no batch bucket .* rewrite the table"):
+            load_table(path)
 
 
 def test_the_shipped_table_loads():
@@ -140,7 +146,8 @@ def test_the_shipped_table_loads():
         assert all(isinstance(c, GemmConfig) for c in buckets.values())
 
 
-@needs_fp8_gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the engine takes the fp8 GEMM's table on Hopper only")
 def test_gpu_engine_runs_the_tabled_gemm_with_cuda_graphs(tmp_path, monkeypatch):
     """An fp8 engine whose table lists every projection at the buckets of 24 decoding sequences and their
     prefill: the kernel runs there (eager and in graphs) and its first tokens' logprobs are _scaled_mm's
@@ -150,22 +157,27 @@ def test_gpu_engine_runs_the_tabled_gemm_with_cuda_graphs(tmp_path, monkeypatch)
     from mempath.kernels.common import config_table_json
     from mempath.model import quant
     from tests.conftest import make_model, release_cuda
-    make_model(tmp_path / "m", "llama", dtype=torch.bfloat16)
-    prompts = [[1 + (7 * p + 3 * i) % 300 for i in range(5 + p)] for p in range(24)]
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
     config = GemmConfig(block_m=32, block_n=64, block_k=64, swap_ab=True, num_stages=3)
     wide = GemmConfig(block_m=64, block_n=64, block_k=64, num_stages=3)
+    hf = make_model(tmp_path / "m", "llama", dtype=torch.bfloat16)
+    c = hf.config
+    head_dim = c.hidden_size // c.num_attention_heads
+    shapes = [((c.num_attention_heads + 2 * c.num_key_value_heads) * head_dim, c.hidden_size),
+              (c.hidden_size, c.num_attention_heads * head_dim), (2 * c.intermediate_size, c.hidden_size),
+              (c.hidden_size, c.intermediate_size)]
+    table = {f"{n}x{k}": {"32": config, "256": wide, "512": wide} for n, k in shapes}
+    (tmp_path / "t.json").write_text(config_table_json(table, device="test", made_by="test"))
+    prompts = [[1 + (7 * p + 3 * i) % 300 for i in range(5 + p)] for p in range(24)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
     outputs = {}
     for use_gemm in (False, True):
         monkeypatch.setattr(quant, "USE_FP8_GEMM", use_gemm)
         if use_gemm:
-            table = {f"{n}x{k}": {"32": config, "256": wide, "512": wide} for n, k in shapes}
-            (tmp_path / "t.json").write_text(config_table_json(table, device="test", made_by="test"))
             monkeypatch.setenv("MEMPATH_FP8_GEMM_CONFIGS", str(tmp_path / "t.json"))
         for eager in (True, False):
             llm = LLM(str(tmp_path / "m"), quantization="fp8", show_progress=False, gpu_memory_utilization=0.3,
                       enforce_eager=eager, max_num_batched_tokens=512)
-            shapes = sorted({tuple(layer.weight.shape) for layer in quant.fp8_layers(llm.engine.model)})
+            assert {tuple(layer.weight.shape) for layer in quant.fp8_layers(llm.engine.model)} == set(shapes)
             outputs[use_gemm, eager] = llm.generate(prompts, params, use_tqdm=False)
             chosen = llm.engine.model.fp8_gemm.chosen if use_gemm else {}
             del llm

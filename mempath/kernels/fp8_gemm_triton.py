@@ -34,6 +34,8 @@ DEFAULT_TABLE = Path(__file__).resolve().parents[1] / "assets" / "fp8_gemm_confi
 TABLE_ENV = "MEMPATH_FP8_GEMM_CONFIGS"  # another table's path, e.g. one just swept
 # The largest bucket a table keys: batches above it take the largest bucket's entry.
 MAX_BUCKET = 8192
+# K summed on the fp8 tensor cores between additions to the float32 accumulator, at most (_scaled_mm's interval).
+PROMOTE_K = 128
 
 
 @dataclass(frozen=True)
@@ -52,8 +54,12 @@ class GemmConfig:
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"fp8 GEMM config: {name} must be a power of two >= 16, got {value}")
-        if self.group_m < 1 or self.num_warps not in (4, 8) or not 1 <= self.num_stages <= 8:
-            raise ValueError(f"fp8 GEMM config: group_m >= 1, num_warps 4 or 8 and num_stages 1-8, got {self}")
+        if self.group_m < 1:
+            raise ValueError(f"fp8 GEMM config: group_m must be >= 1, got {self.group_m}")
+        if self.num_warps not in (4, 8):
+            raise ValueError(f"fp8 GEMM config: num_warps must be 4 or 8, got {self.num_warps}")
+        if not 1 <= self.num_stages <= 8:
+            raise ValueError(f"fp8 GEMM config: num_stages must be 1-8, got {self.num_stages}")
 
     def describe(self) -> str:
         order = "swap " if self.swap_ab else ""
@@ -69,7 +75,14 @@ def row_bucket(rows: int) -> int:
 def load_table(path: str | os.PathLike | None = None) -> dict[str, dict[str, GemmConfig]]:
     """{"NxK": {bucket: GemmConfig}} from a table file (``TABLE_ENV`` or the shipped one by default)."""
     path = table_path(path, TABLE_ENV, DEFAULT_TABLE, "benchmarks/bench_fp8_gemm.py")
-    return load_config_table(path, GemmConfig, "bucket", "benchmarks/bench_fp8_gemm.py --out FILE")
+    table = load_config_table(path, GemmConfig, "bucket", "benchmarks/bench_fp8_gemm.py --out FILE")
+    for shape, buckets in table.items():
+        for bucket in buckets:
+            if not bucket.isdigit() or row_bucket(int(bucket)) != int(bucket):
+                raise ValueError(f"{path}: {shape} bucket {bucket!r} is no batch bucket (a power of two up to "
+                                 f"{MAX_BUCKET}), so no batch would use it: rewrite the table with "
+                                 f"benchmarks/bench_fp8_gemm.py --out FILE")
+    return table
 
 
 if HAS_TRITON:
@@ -96,7 +109,8 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["M"])
     def _fp8_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
                          stride_om, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SWAP_AB: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SWAP_AB: tl.constexpr,
+                         PROMOTE_K: tl.constexpr, PDL: tl.constexpr):
         pid = tl.program_id(0)
         tiles_m = tl.cdiv(M, BLOCK_M)
         tiles_n = tl.cdiv(N, BLOCK_N)
@@ -121,12 +135,12 @@ if HAS_TRITON:
             k_mask = (k0 + offs_k) < K
             x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            # Hopper's fp8 tensor cores sum in less than float32; the step's sums are added to the float32
-            # accumulator once a step (max_num_imprecise_acc), as _scaled_mm's default does every 128 of K.
+            # Hopper's warpgroup fp8 products sum in less than float32: every PROMOTE_K of K the sums are
+            # added to the float32 accumulator (max_num_imprecise_acc), as _scaled_mm's default does every 128.
             if SWAP_AB:  # [BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M]: the channels are the tensor cores' M
-                acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=BLOCK_K)
+                acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=PROMOTE_K)
             else:
-                acc = tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=BLOCK_K)
+                acc = tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=PROMOTE_K)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         _store_scaled(acc, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, stride_om,
@@ -142,6 +156,11 @@ def triton_fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tenso
         xq = xq.contiguous()
     rows, k = xq.shape
     n = weight.shape[0]
+    # The kernel reads a scale a row and a weight row's K contiguously.
+    x_scale, weight_scale = x_scale.reshape(rows).contiguous(), weight_scale.reshape(n).contiguous()
+    if weight.stride(1) != 1:
+        raise ValueError(f"fp8 GEMM: the weight must be row-major [out, in] (stride {tuple(weight.stride())}): "
+                         f"pass weight.contiguous()")
     out = torch.empty(rows, n, dtype=dtype, device=xq.device)
     if rows == 0:
         return out
@@ -149,7 +168,8 @@ def triton_fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tenso
     _fp8_gemm_kernel[grid](xq, x_scale, weight, weight_scale, bias if bias is not None else weight_scale, out,
                            rows, n, k, xq.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
                            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                           GROUP_M=config.group_m, SWAP_AB=config.swap_ab, **pdl_options(xq.device),
+                           GROUP_M=config.group_m, SWAP_AB=config.swap_ab,
+                           PROMOTE_K=min(config.block_k, PROMOTE_K), **pdl_options(xq.device),
                            num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 

@@ -57,7 +57,8 @@ class RMSNorm(nn.Module):
         as transformers does, so greedy outputs match it. ``out``: where the fused
         kernel may write the result (see mempath.kernels.dispatch.Kernels).
         ``quantize_for``: the projection the result goes to; where it takes its input quantized
-        (an fp8 layer about to run _scaled_mm) the kernel quantizes it too: an Fp8Activation.
+        (an fp8 layer about to run its quantized path: the fp8 GEMM or _scaled_mm) the kernel
+        quantizes it too: an Fp8Activation.
         """
         if self.kernels.rms_norm_quant is not None and quantize_for is not None \
                 and quantize_for.takes_quantized(x.numel() // x.shape[-1]):

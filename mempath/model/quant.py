@@ -4,7 +4,8 @@ A quantized linear holds its weight in float8_e4m3fn, one float32 scale per outp
 channel (row), and its bias in the model dtype. Its input is quantized per token (per
 row) on the fly: scale = amax(|row|) / 448, stored = round-to-nearest-even of row / scale,
 clamped to e4m3's finite range. On CUDA the product is Hopper's fp8 matmul
-(``torch._scaled_mm`` with row-wise scales, float32 accumulation); elsewhere the PyTorch
+(``torch._scaled_mm`` with row-wise scales, float32 accumulation, or the Triton fp8 GEMM where its
+table lists the batch); elsewhere the PyTorch
 path dequantizes both operands with the same arithmetic and runs a float32 matmul: it is
 the oracle of the CUDA path and the CPU path. At decode batches on CUDA (the Triton kernels)
 an fp8 GEMV (mempath.kernels.fp8_gemv_triton, twin ``fp8_gemv_torch``) reads the weight once,
@@ -134,7 +135,7 @@ def fp8_linear_cuda(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
 
 def gemv_config(gemv, weight: torch.Tensor, rows: int, dtype: torch.dtype):
     """The GEMV launch ``fp8_linear_cuda`` gives ``rows`` rows of ``dtype`` through this weight, or None:
-    they go to _scaled_mm, whose input is quantized per token."""
+    they take the quantized path (the fp8 GEMM or _scaled_mm), whose input is quantized per token."""
     from mempath.kernels.fp8_gemv_triton import GEMV_MAX_ROWS
     if 0 < rows <= GEMV_MAX_ROWS and dtype != torch.float32:
         config = gemv.config(weight.shape[0], weight.shape[1], rows)
@@ -220,7 +221,8 @@ def set_fp8_matmul(model: nn.Module, device: torch.device) -> None:
     """Every fp8 layer of ``model`` runs Hopper's fp8 matmul on CUDA, the PyTorch path elsewhere.
     Where the model runs the Triton kernels (``model.kernels``, mempath.kernels.dispatch), decode
     batches run the weight-only fp8 GEMV (``fp8_linear_cuda``; its workspace is ``model.fp8_gemv``,
-    counted by fp8_gemv_bytes) and the input of _scaled_mm is quantized by the Triton kernel."""
+    counted by fp8_gemv_bytes), larger ones the fp8 GEMM where its table lists the batch (Hopper only: the
+    table's tiles were measured there) and _scaled_mm elsewhere, their input quantized by a Triton kernel."""
     cuda = device.type == "cuda"
     layers = fp8_layers(model)
     matmul = fp8_linear_scaled_mm if cuda else fp8_linear_torch
@@ -230,7 +232,8 @@ def set_fp8_matmul(model: nn.Module, device: torch.device) -> None:
         from mempath.kernels.fp8_gemv_triton import Fp8Gemv
         from mempath.kernels.quant_triton import triton_quantize_rows
         model.fp8_gemv = Fp8Gemv(max(layer.out_features for layer in layers), device)
-        model.fp8_gemm = Fp8Gemm() if USE_FP8_GEMM else None
+        hopper = torch.cuda.get_device_capability(device)[0] == 9
+        model.fp8_gemm = Fp8Gemm() if USE_FP8_GEMM and hopper else None
         matmul = functools.partial(fp8_linear_cuda, gemv=model.fp8_gemv, gemm=model.fp8_gemm,
                                    quantize=functools.partial(triton_quantize_rows, fp8_max=FP8_MAX,
                                                               min_scale=MIN_SCALE))
@@ -242,7 +245,7 @@ def set_fp8_matmul(model: nn.Module, device: torch.device) -> None:
         layer.matmul = matmul
         if model.fp8_gemv is not None and USE_FUSED_QUANT:
             layer.matmul_quantized = functools.partial(fp8_linear_quantized_cuda, gemm=model.fp8_gemm)
-            layer.wants_quantized = functools.partial(_scaled_mm_rows, model.fp8_gemv, layer.weight,
+            layer.wants_quantized = functools.partial(_quantized_rows, model.fp8_gemv, layer.weight,
                                                       model.lm_head.weight.dtype)
 
 
@@ -253,11 +256,12 @@ USE_FP8_GEMM = True
 
 # Set to False to quantize every fp8 projection's input in its own launch (A/B measurements:
 # bench_mix --quant-fusion fused,unfused); True: the RMSNorm and SiLU-and-mul kernels before a
-# projection that runs _scaled_mm write its fp8 input (mempath.kernels.quant_triton).
+# projection that runs the quantized path (fp8 GEMM or _scaled_mm) write its fp8 input (mempath.kernels.quant_triton).
 USE_FUSED_QUANT = True
 
 
-def _scaled_mm_rows(gemv, weight: torch.Tensor, dtype: torch.dtype, rows: int) -> bool:
+def _quantized_rows(gemv, weight: torch.Tensor, dtype: torch.dtype, rows: int) -> bool:
+    """Whether ``rows`` rows through ``weight`` take the quantized path (not the GEMV)."""
     return rows > 0 and gemv_config(gemv, weight, rows, dtype) is None
 
 
