@@ -387,6 +387,9 @@ def parse_args(argv=None):
     parser.add_argument("--fp8-gemm", type=lambda s: s.split(","), default=["table"],
                         help="fp8 weights above the GEMV's rows: table (the Triton fp8 GEMM where its table lists "
                              "the bucket, _scaled_mm elsewhere), scaled-mm (always), or both, comma-separated")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run every configuration this many times, interleaved round by round, and print each "
+                             "one's median (an A/B on one machine varies by a few percent from run to run)")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--enforce-eager", action="store_true")
@@ -403,6 +406,8 @@ def parse_args(argv=None):
         parser.error(f"unknown --quantization / --kv-cache-dtype / --decode-order / --quant-fusion / --fp8-gemm "
                      f"value(s) {bad}: quantization is none or fp8, the KV dtype auto, fp8, fp8_e4m3 or fp8_e5m2, "
                      f"the order longest-first or batch, the fusion fused or unfused, the GEMM table or scaled-mm")
+    if args.repeat < 1:
+        parser.error(f"--repeat {args.repeat}: give 1 or more rounds")
     if args.requests is None:
         args.requests = 12 if args.tiny else 1000
     if args.sharegpt and not args.tokenizer:
@@ -439,17 +444,26 @@ def main(argv=None) -> list[dict]:
               "source": args.sharegpt or "lognormal", "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
     results = []
-    for quantization, kv, seqs, tokens, order, fusion, gemm in itertools.product(
-            args.quantization, args.kv_cache_dtype, args.max_num_seqs, args.max_num_batched_tokens, args.decode_order,
-            args.quant_fusion, args.fp8_gemm):
-        if quantization == "none" and ((fusion, gemm) != (args.quant_fusion[0], args.fp8_gemm[0])):
-            continue  # no fp8 projection: the same run again
-        r = {**common, "engine": "mempath",
-             **run_mempath(args, prompts, output_lens, rate, seqs, tokens, quantization, kv, order, fusion, gemm)}
-        print_row(f"mempath weights={quantization} kv={kv} max_num_seqs={r['max_num_seqs']} "
-                  f"max_num_batched_tokens={r['max_num_batched_tokens']} decode order {order}"
-                  + (f" quantization {fusion}, fp8 GEMM {gemm}" if quantization != "none" else ""), r)
-        results.append(r)
+    configs = [c for c in itertools.product(args.quantization, args.kv_cache_dtype, args.max_num_seqs,
+                                            args.max_num_batched_tokens, args.decode_order, args.quant_fusion,
+                                            args.fp8_gemm)
+               # no fp8 projection: the fp8-only options would give the same run again
+               if c[0] != "none" or (c[5], c[6]) == (args.quant_fusion[0], args.fp8_gemm[0])]
+    labels = {}
+    for repeat in range(args.repeat):  # interleaved: each configuration once a round, so drift hits all alike
+        for quantization, kv, seqs, tokens, order, fusion, gemm in configs:
+            r = {**common, "engine": "mempath", "repeat": repeat,
+                 **run_mempath(args, prompts, output_lens, rate, seqs, tokens, quantization, kv, order, fusion, gemm)}
+            label = (f"mempath weights={quantization} kv={kv} max_num_seqs={r['max_num_seqs']} "
+                     f"max_num_batched_tokens={r['max_num_batched_tokens']} decode order {order}"
+                     + (f" quantization {fusion}, fp8 GEMM {gemm}" if quantization != "none" else ""))
+            print_row(label + (f" (round {repeat + 1} of {args.repeat})" if args.repeat > 1 else ""), r)
+            labels.setdefault(label, []).append(r["output_tok_s"])
+            results.append(r)
+    if args.repeat > 1:
+        print(f"\noutput tok/s over {args.repeat} interleaved rounds (median, min-max):")
+        for label, values in labels.items():
+            print(f"  {label}: {np.median(values):,.0f} ({min(values):,.0f}-{max(values):,.0f})")
     if args.hf_seconds > 0:
         try:
             hf = run_transformers(args, prompts, output_lens)

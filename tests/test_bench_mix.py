@@ -80,6 +80,19 @@ def test_tiny_run_sweeps_quantization_and_kv_dtype(tmp_path):
         bench_mix.main(["--tiny", "--quantization", "int4"])
 
 
+def test_repeat_interleaves_the_configurations_and_prints_their_medians(capsys):
+    results = bench_mix.main(["--tiny", "--requests", "3", "--max-num-seqs", "2,4", "--repeat", "2"])
+    assert [(r["max_num_seqs"], r["repeat"]) for r in results] == [(2, 0), (4, 0), (2, 1), (4, 1)]
+    out = capsys.readouterr().out
+    assert "over 2 interleaved rounds (median, min-max)" in out
+    for seqs in (2, 4):
+        values = [r["output_tok_s"] for r in results if r["max_num_seqs"] == seqs]
+        assert f"max_num_seqs={seqs} max_num_batched_tokens" in out
+        assert f"{np.median(values):,.0f} ({min(values):,.0f}-{max(values):,.0f})" in out
+    with pytest.raises(SystemExit):
+        bench_mix.main(["--tiny", "--repeat", "0"])
+
+
 def test_step_classes_split_steps_and_bound_each():
     """Each step in its class; its bound the larger of its matmul FLOPs and its bytes, at the run's rates."""
     costs = bench_mix.StepCosts(layer_params=100, lm_head_params=10, weight_bytes=1000, kv_bytes_per_token=2,
