@@ -4,7 +4,8 @@
 #   tests (~3 min)  latency (~1 min, +0.5 per --variants entry)  tput-qwen3, tput-llama (~1.5 min each with HF_TIMEOUT=40)
 #   blocks (~3 min)  multiturn (~5 min)  diagnose (~2 min, three shapes)  serve (needs .whl, below)
 #   pending, fp8-gemv, fp8-latency, mix-qwen3, mix-llama, mix-moe, mix-tokens, structured, moe-offload, moe-resident,
-#   spec-a, spec-bc, multi, sleep-tests, sleep, fp8-kv-tests, fp8-kv, fp8-transfer, mix-fp8, fp8-sweep, fp8-gemv-tests (the open issues, below; STEPS="wheels pending ..." for those needing xgrammar)
+#   spec-a, spec-bc, multi, sleep-tests, sleep, fp8-kv-tests, fp8-kv, fp8-transfer, mix-fp8, fp8-sweep, fp8-gemv-tests,
+#   fp8-gemm-tests, fp8-gemm, fp8-gemm-latency (the open issues, below; STEPS="wheels pending ..." for those needing xgrammar)
 #   dense-gemv (~2 min: the dense GEMV's table), dense-latency (~5 min: decode with and without it)
 #   decode-sweep (~8 min; DECODE_RUNS picks the shapes)  router-tests, moe-router (~7 min: #21's router kernel)
 #   profile (~1 min: kernel table at batch 1), profile-moe, profile-mistral  profile-workload (~1 min: host/device split of the throughput run)
@@ -90,6 +91,19 @@ step fp8-latency 200 python3 benchmarks/bench_fp8_weights.py latency --shape lla
   --table "$( [ -s "$LOGS/fp8_gemv_configs.json" ] && echo "$LOGS/fp8_gemv_configs.json" || echo mempath/assets/fp8_gemv_configs.json )"
 step fp8-gemv-tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_gemv.py tests/test_fp8_weights.py \
   -k "gpu or cuda"
+# The fp8 GEMM above 16 rows (#20): its GPU tests, its sweep (the table where it beats _scaled_mm, into LOGS), then
+# decode at 32 and 64 sequences with that table against _scaled_mm (~1 min each on the H100).
+step fp8-gemm-tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_gemm.py
+step fp8-gemm 300 python3 benchmarks/bench_fp8_gemm.py --out "$LOGS/fp8_gemm_configs.json"
+if want fp8-gemm-latency; then
+  for batch in 32 64; do
+    step fp8-gemm-latency 200 env MEMPATH_FP8_GEMM_CONFIGS="$( [ -s "$LOGS/fp8_gemm_configs.json" ] && \
+      echo "$LOGS/fp8_gemm_configs.json" || echo mempath/assets/fp8_gemm_configs.json )" \
+      python3 benchmarks/bench_fp8_weights.py latency --shape llama-3.1-8b --batch "$batch" --prompt-len 128 \
+      --new-tokens 64 --also-scaled-mm
+    mv "$LOGS/fp8-gemm-latency.log" "$LOGS/fp8-gemm-latency-b$batch.log"
+  done
+fi
 step mix-qwen3 200 python3 benchmarks/bench_mix.py --shape qwen3-0.6b --max-num-seqs 256,1024
 step mix-llama 240 python3 benchmarks/bench_mix.py --shape llama-3.1-8b --max-num-seqs 256,1024
 # #21's all-resident MoE shapes on the realistic mix, transformers CB beside them (time-capped).
@@ -140,7 +154,9 @@ step fp8-kv-tests 400 python3 -m pytest -q -p no:cacheprovider --durations=8 tes
   tests/test_bench_transfer.py tests/test_fp8_gemv.py -k "gpu or cuda"
 step fp8-kv 420 python3 benchmarks/bench_fp8_kv.py --parts "${FP8_KV_PARTS:-kernel,decode,retrieval}"
 step fp8-transfer 120 python3 benchmarks/bench_transfer.py --compare-kv-dtypes --quick
-step mix-fp8 300 python3 benchmarks/bench_mix.py --shape llama-3.1-8b --max-num-seqs 1024 --quantization none,fp8
+# MIX_REPEAT rounds, interleaved: a same-machine A/B varies by a few percent from run to run.
+step mix-fp8 "$((300 * ${MIX_REPEAT:-1}))" python3 benchmarks/bench_mix.py --shape llama-3.1-8b --max-num-seqs 1024 \
+  --quantization none,fp8 --repeat "${MIX_REPEAT:-1}"
 step mix-fp8-kv 300 python3 benchmarks/bench_mix.py --shape llama-3.1-8b --max-num-seqs 1024 --kv-cache-dtype fp8 \
   --quantization none,fp8
 if want diagnose; then
