@@ -174,20 +174,22 @@ def test_a_probe_that_cost_more_than_predicted_makes_the_next_wait_longer(model_
     long = SamplingParams(max_tokens=PROBE_EVERY * 6, temperature=0.0, ignore_eos=True)
     counts = []
     for slow in (False, True):
-        # 50 ms plain steps: a probe's measured cost is its wall time less that, about 0 on any CPU.
-        llm = probing_engine(path, draft, 1e-5, {1: 0.05, 2: 0.0505, 5: 0.0505}, max_model_len=long.max_tokens + 64)
+        # 200 ms plain steps: a probe's measured cost is its wall time less that, 0 on any CPU short of a probe
+        # step taking 456 ms (the second probe's budget, below, plus the step), as under a loaded machine it can
+        # take over 100.
+        llm = probing_engine(path, draft, 1e-5, {1: 0.2, 2: 0.202, 5: 0.202}, max_model_len=long.max_tokens + 64)
         decoder = llm.engine.spec_decoder
         if slow:
             propose = decoder._propose_with_draft
 
             def slow_propose(*args, **kwargs):
-                _time.sleep(0.2)
+                _time.sleep(0.8)
                 return propose(*args, **kwargs)
 
             decoder._propose_with_draft = slow_propose
         llm.generate(PROMPTS[:1], long, use_tqdm=False)
         counts.append(llm.stats()["spec_decode"]["num_probes"])
     assert MAX_PROBE_EVERY > 4 * PROBE_EVERY
-    # Predicted cost: probes after 64 and 64 + 256 steps. Measured 200 ms: 0.5% of 12.8 s of
-    # decoding at K = 0 (64 ms) does not cover it, so no second probe in this request.
+    # Predicted cost: probes after 64 and 64 + 256 steps. Measured 600 ms or more: 0.5% of 51.2 s of
+    # decoding at K = 0 (256 ms) does not cover it, so no second probe in this request.
     assert counts == [2, 1]
