@@ -58,7 +58,6 @@ def candidates(rows: int) -> list[GemmConfig]:
         block_m = min(128, max(16, row_bucket(rows)))
         out += [GemmConfig(block_m=block_m, block_n=n, block_k=k, num_warps=w, num_stages=s, swap_ab=True)
                 for n, k, w, s in SWAP_TILES]
-
     if rows >= TILES_MIN_ROWS:
         out += [GemmConfig(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=s) for m, n, k, w, s in TILES]
     return out

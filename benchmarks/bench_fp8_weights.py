@@ -134,7 +134,8 @@ def decode_ms(llm, prompts: list[list[int]], new_tokens: int) -> tuple[float, li
 
 def fp8_kernels(llm) -> dict[str, str]:
     """What each fp8 layer shape ran, by batch bucket (filled as the buckets first ran: eagerly or
-    at graph capture); batches over GEMV_MAX_ROWS rows run the fp8 GEMM where its table lists them, else _scaled_mm."""
+    at graph capture); batches over GEMV_MAX_ROWS rows run the fp8 GEMM where its table lists them, else
+    _scaled_mm."""
     gemv, gemm = llm.engine.model.fp8_gemv, llm.engine.model.fp8_gemm
     kernels = dict(gemv.chosen) if gemv is not None else {"every batch": "_scaled_mm (no Triton kernels)"}
     kernels.update(gemm.chosen if gemm is not None else {})

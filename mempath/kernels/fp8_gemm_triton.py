@@ -176,7 +176,7 @@ def triton_fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tenso
 
 class Fp8Gemm:
     """The table's choice per projection shape and batch bucket: a GemmConfig, or None where the
-    table lists none (``torch._scaled_mm`` runs the bucket). ``chosen`` records what ran."""
+    table lists none (``torch._scaled_mm`` runs the bucket), and the launch. ``chosen`` records what ran."""
 
     def __init__(self, table: dict | None = None):
         self.table = load_table() if table is None else table
@@ -191,3 +191,7 @@ class Fp8Gemm:
             self._configs[key] = config
             self.chosen[f"{n}x{k} rows<={bucket}"] = config.describe() if config else "_scaled_mm"
         return self._configs[key]
+
+    def __call__(self, xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                 bias: torch.Tensor | None, dtype: torch.dtype, config: GemmConfig) -> torch.Tensor:
+        return triton_fp8_gemm(xq, x_scale, weight, weight_scale, bias, dtype, config)

@@ -271,8 +271,7 @@ def fp8_linear_quantized_cuda(x: Fp8Activation, weight: torch.Tensor, weight_sca
     kernels.fp8_gemm_triton.Fp8Gemm) lists the shape at this batch bucket, else _scaled_mm."""
     config = gemm.config(weight.shape[0], weight.shape[1], x.values.shape[0]) if gemm is not None else None
     if config is not None:
-        from mempath.kernels.fp8_gemm_triton import triton_fp8_gemm
-        return triton_fp8_gemm(x.values, x.scale, weight, weight_scale, bias, x.dtype, config)
+        return gemm(x.values, x.scale, weight, weight_scale, bias, x.dtype, config)
     return scaled_mm_quantized(x.values, x.scale, weight, weight_scale, bias, x.dtype)
 
 
