@@ -126,10 +126,11 @@ def measure_latency(args, prompts, hf=None) -> dict:
     path = model_dir(args.shape)
     llm = LLM(path, load_format="dummy", dtype="bfloat16", max_num_seqs=args.batch,
               max_model_len=args.prompt_len + args.new_tokens + 32, show_progress=False,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, quantization=getattr(args, "quantization", None))
     if hf is not None:
         copy_weights(llm, hf)
     weight_bytes = llm.engine.ledger.get("weights")
+    read_bytes = decode_weight_bytes(llm.engine, args.batch)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
     runs = []
@@ -149,12 +150,23 @@ def measure_latency(args, prompts, hf=None) -> dict:
     return {"ms_per_token": 1e3 * float(np.median([r[0] for r in runs])),
             # At batch > 1 the timed run's prompts come from the prefix cache: no TTFT to report.
             "ttft_ms": 1e3 * float(np.median([r[1] for r in runs])) if args.batch == 1 else None,
-            "weight_bytes": weight_bytes, "tokens": tokens}
+            "weight_bytes": weight_bytes, "read_bytes": read_bytes, "tokens": tokens}
+
+
+def decode_weight_bytes(engine, batch: int) -> int:
+    """The weight bytes a decode step of ``batch`` sequences reads: every weight, except that an untied
+    embedding table gives one row a sequence (a tied one is the LM head too, read whole)."""
+    weights = engine.ledger.get("weights")
+    if engine.spec.tie_word_embeddings:
+        return weights
+    table = engine.model.model.embed_tokens.weight
+    return weights - table.numel() * table.element_size() + batch * table.shape[1] * table.element_size()
 
 
 def decode_read_limit_ms(weight_bytes: int, kv_token_bytes: int, batch: int, mean_context: float,
                          bandwidth: float) -> float:
-    """The step's bytes (weights once, every sequence's cached KV) over the copy bandwidth."""
+    """The step's bytes (the weights it reads, decode_weight_bytes; every sequence's cached KV) over the copy
+    bandwidth."""
     return 1e3 * (weight_bytes + batch * mean_context * kv_token_bytes) / bandwidth
 
 
@@ -170,11 +182,12 @@ def bench_latency(args) -> dict:
     model = hf_model(args.shape) if args.hf_tokens > 0 else None
     main = measure_latency(args, prompts, model)
     ms_token, ttft_ms, weight_bytes = main["ms_per_token"], main["ttft_ms"], main["weight_bytes"]
+    read_bytes = main["read_bytes"]  # the limit's weights: an untied embedding table gives a row a sequence
     # Every sequence's bf16 KV, at the mean context over the decode (prompt to prompt + new tokens).
     kv_token_bytes = kv_bytes_per_token(read_shape(config), 2)
     mean_context = args.prompt_len + args.new_tokens / 2
     kv_read_bytes = args.batch * mean_context * kv_token_bytes
-    limit_ms = decode_read_limit_ms(weight_bytes, kv_token_bytes, args.batch, mean_context, bandwidth)
+    limit_ms = decode_read_limit_ms(read_bytes, kv_token_bytes, args.batch, mean_context, bandwidth)
     variants = {}
     for name in args.variants:
         VARIANTS[name](False)
@@ -242,12 +255,14 @@ def bench_latency(args) -> dict:
         rows.append((f"mempath, {name}" + ("" if result["same_tokens"] else " (tokens differ)"),
                      f"{ms:.2f}", f"{1e3 / ms:.1f}", f"{100 * limit_ms / ms:.1f}%"))
     print(f"\nlatency: {args.shape}, batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
-          f"weights {weight_bytes / 1e9:.2f} GB, KV read {kv_read_bytes / 1e9:.3f} GB a step, "
+          f"weights {weight_bytes / 1e9:.2f} GB ({read_bytes / 1e9:.2f} GB read a step), KV read "
+          f"{kv_read_bytes / 1e9:.3f} GB a step, "
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     print_table(rows)
     return {"bench": "latency", "shape": args.shape, "batch": args.batch, "ms_per_token": ms_token,
             "ttft_ms": ttft_ms, "limit_ms_per_token": limit_ms, "fraction_of_limit": limit_ms / ms_token,
             "hf_ms_per_token": hf_ms, "copy_bandwidth": bandwidth, "weight_bytes": weight_bytes,
+            "weight_read_bytes": read_bytes,
             "kv_read_bytes": kv_read_bytes, "prompt_len": args.prompt_len,
             "variants": variants, "same_tokens_as_hf": same_as_hf, "first_divergence": divergence}
 

@@ -27,6 +27,7 @@ the projections' share of a decode step. Prints tables and one ``RESULT`` JSON l
 """
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -49,7 +50,9 @@ CONFIGS = ROOT / "tests" / "data" / "configs"
 SMOKE_SHAPE = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 2, "num_key_value_heads": 1,
                "num_hidden_layers": 2}
 DEVICE, DTYPE = "cuda", torch.bfloat16
-TIMER = "graph"  # or "do_bench" (--timer)
+TIMER = "graph"  # or "do_bench" or "rotate" (--timer)
+# --timer rotate: each projection's weight copied until the copies hold this many bytes (several times the L2)
+ROTATE_BYTES = 256 << 20
 # (block_n, block_k, num_warps, num_stages): multiply-adds in registers (up to 4 rows) and tensor cores.
 FMA_TILES = [(32, 256, 4, 2), (64, 128, 4, 2), (64, 256, 8, 2), (128, 128, 8, 2), (16, 512, 4, 2), (32, 512, 8, 3)]
 DOT_TILES = [(64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 4, 3), (128, 256, 8, 3), (64, 128, 4, 5), (128, 128, 8, 4),
@@ -111,12 +114,16 @@ class Layer:
         self.w16 = torch.randn(n, k, device=DEVICE, dtype=DTYPE, generator=gen) * 0.02
         self.wq, self.scale = quantize_rows(self.w16)
         self.fp8_bytes = n * k + 4 * n
+        # --timer rotate: copies of the fp8 weight at other addresses, ROTATE_BYTES in all, read in turn
+        copies = max(2, -(-ROTATE_BYTES // self.fp8_bytes)) if TIMER == "rotate" else 1
+        self.copies = [(self.wq, self.scale)] + [(self.wq.clone(), self.scale.clone()) for _ in range(copies - 1)]
 
-    def run(self, x: torch.Tensor, config: GemvConfig) -> torch.Tensor:
+    def run(self, x: torch.Tensor, config: GemvConfig, copy: int = 0) -> torch.Tensor:
+        wq, scale = self.copies[copy % len(self.copies)]
         if config.kernel == "scaled_mm":
-            return fp8_linear_scaled_mm(x, self.wq, self.scale, None, quantize=lambda t: triton_quantize_rows(
+            return fp8_linear_scaled_mm(x, wq, scale, None, quantize=lambda t: triton_quantize_rows(
                 t, fp8_max=FP8_MAX, min_scale=MIN_SCALE))
-        return triton_fp8_gemv(x, self.wq, self.scale, None, self.workspace, config)
+        return triton_fp8_gemv(x, wq, scale, None, self.workspace, config)
 
     def check(self, x: torch.Tensor, config: GemvConfig, refs: dict) -> str | None:
         """None when ``config`` gives the twin's result and leaves the workspace zero, else why not.
@@ -142,7 +149,12 @@ class Layer:
         return None
 
 
-def time_us(fn) -> float:
+def time_us(fn, copies: int = 0) -> float:
+    """µs a call of ``fn``. ``copies``: fn takes the index of the weight copy it reads (--timer rotate)."""
+    if TIMER == "rotate" and copies and DEVICE != "cpu":
+        return rotate_time_us(fn, copies)
+    if copies:
+        fn = functools.partial(fn, 0)
     if DEVICE == "cpu":
         start = time.perf_counter()
         fn()
@@ -189,6 +201,32 @@ def graph_time_us(fn, calls: int = 20, replays: int = 5) -> float:
     return 1e3 * max(0.0, median(times[True]) - median(times[False])) / calls
 
 
+def rotate_time_us(fn, copies: int, calls: int = 24, replays: int = 5) -> float:
+    """µs per call of ``fn(i)`` in a CUDA graph of ``calls`` calls back to back, each reading the next of
+    ``copies`` weight copies (several times the L2 in all, so no call finds its weight there), no write between
+    them: the median of ``replays`` replays. Unlike the flushing timer, no L2 write-back of a flush competes with
+    the call's reads, and each call can overlap the previous one's tail as in a decode step's chain."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(copies):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i % copies)
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return 1e3 * sorted(times)[len(times) // 2] / calls
+
+
 def sweep_point(layer: Layer, rows: int, table_config: GemvConfig, num_sms: int, quick: bool,
                 products=PRODUCTS) -> dict:
     """Check and time every candidate at one shape and batch; the best (the table's configuration
@@ -202,7 +240,7 @@ def sweep_point(layer: Layer, rows: int, table_config: GemvConfig, num_sms: int,
         if error:
             failed.append(f"{config.describe()}: {error}")
             continue
-        timed.append((time_us(lambda: layer.run(x, config)), config))
+        timed.append((time_us(lambda i: layer.run(x, config, i), len(layer.copies)), config))
     # Prefetching (a second weight tile in registers, the first before the PDL wait) on the three
     # fastest GEMV configurations only: on the whole grid it would double the compilations. (The
     # grid has the tiles summed over K each step with it already.)
@@ -213,8 +251,8 @@ def sweep_point(layer: Layer, rows: int, table_config: GemvConfig, num_sms: int,
         if error:
             failed.append(f"{config.describe()}: {error}")
             continue
-        timed.append((time_us(lambda: layer.run(x, config)), config))
-    table_us = None if table_error else time_us(lambda: layer.run(x, table_config))
+        timed.append((time_us(lambda i: layer.run(x, config, i), len(layer.copies)), config))
+    table_us = None if table_error else time_us(lambda i: layer.run(x, table_config, i), len(layer.copies))
     # What each product costs in accuracy: the RMS of its difference from the bf16 product, over that product's RMS.
     exact = x.float() @ layer.w16.float().t()
     def relative_error(config):
@@ -249,8 +287,10 @@ def main() -> None:
     parser.add_argument("--out", default=str(DEFAULT_TABLE), help="where the best configurations go")
     parser.add_argument("--table", default=str(DEFAULT_TABLE), help="the table whose configurations are checked")
     parser.add_argument("--quick", action="store_true", help="a third of the grid")
-    parser.add_argument("--timer", choices=("graph", "do_bench"), default="graph",
-                        help="calls back to back in a CUDA graph (default), or triton's do_bench of single calls")
+    parser.add_argument("--timer", choices=("graph", "do_bench", "rotate"), default="graph",
+                        help="calls back to back in a CUDA graph, each after an L2-flushing write (default); "
+                             "triton's do_bench of single calls; or rotate: a graph of calls back to back over "
+                             "copies of the weight that together overflow the L2, no write between them")
     parser.add_argument("--products", default=",".join(PRODUCTS),
                         help=f"the products swept, of {','.join(PRODUCTS)} (the table's configuration is timed "
                              f"and kept where it is faster, whatever it is)")
@@ -330,6 +370,7 @@ def main() -> None:
         best_table, device=device_name,
         made_by=f"benchmarks/bench_fp8_gemv.py --shape {args.shape} --rows {args.rows}"
                 f"{' --quick' if args.quick else ''}"
+                f"{'' if args.timer == 'graph' else ' --timer ' + args.timer}"
                 f"{'' if products == PRODUCTS else ' --products ' + ','.join(products)}",
         shapes={f"{n}x{k}": f"{name} ({args.shape})" for name, (n, k) in shapes.items()}))
     print(f"\nbest configurations written to {args.out} ({time.time() - started:.0f} s in all)")

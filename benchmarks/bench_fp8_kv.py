@@ -48,7 +48,7 @@ PARTS = ("kernel", "decode", "retrieval")
 
 
 def run_decode(args, kv: str, prompts: list[list[int]], config: dict) -> dict:
-    from bench_engine import model_dir
+    from bench_engine import decode_weight_bytes, model_dir
     llm = LLM(model_dir(args.shape), load_format="dummy", dtype="bfloat16", kv_cache_dtype=kv,
               max_num_seqs=args.batch, max_model_len=args.context + args.new_tokens + 16,
               gpu_memory_utilization=args.gpu_memory_utilization, show_progress=False)
@@ -66,6 +66,7 @@ def run_decode(args, kv: str, prompts: list[list[int]], config: dict) -> dict:
               "holds_batch": stats["kv_blocks_total"] >= needed, "prefill_s": prefill_s,
               "ms_per_step": 1e3 * step_s, "output_tok_s": args.batch / step_s,
               "min_cached_prompt_tokens": cached, "weight_bytes": llm.engine.ledger.get("weights"),
+              "weight_read_bytes": decode_weight_bytes(llm.engine, args.batch),
               "kv_bytes_per_token": kv_bytes_per_token(read_shape(config), 1 if kv.startswith("fp8") else 2)}
     del llm, outs
     torch.cuda.empty_cache()
@@ -130,7 +131,8 @@ def bench_decode(args, extra_fp8_variant: str | None = None) -> list[dict]:
         finally:
             set_fp8_variant(default)
         r["fp8_decode_kernel"] = variant
-        limit = decode_read_limit_ms(r["weight_bytes"], r["kv_bytes_per_token"], args.batch, mean_context, bandwidth)
+        limit = decode_read_limit_ms(r["weight_read_bytes"], r["kv_bytes_per_token"], args.batch, mean_context,
+                                     bandwidth)
         r.update(bench="fp8-kv-decode", shape=args.shape, batch=args.batch, context=args.context,
                  new_tokens=args.new_tokens, copy_bandwidth=bandwidth, limit_ms_per_step=limit,
                  of_limit=limit / r["ms_per_step"])

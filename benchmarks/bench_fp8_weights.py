@@ -145,7 +145,7 @@ def fp8_kernels(llm) -> dict[str, str]:
 
 
 def bench_latency(args) -> dict:
-    from bench_engine import copy_bandwidth, model_dir, print_table
+    from bench_engine import copy_bandwidth, decode_weight_bytes, model_dir, print_table
     bandwidth = copy_bandwidth()
     path = model_dir(args.shape)
     vocab = json.loads(Path(path, "config.json").read_text())["vocab_size"]
@@ -170,9 +170,7 @@ def bench_latency(args) -> dict:
                   max_model_len=args.prompt_len + args.new_tokens + 32, show_progress=False,
                   enforce_eager=args.enforce_eager)
         weights = llm.engine.ledger.get("weights")
-        embedding = llm.engine.model.model.embed_tokens.weight
-        tied = llm.engine.spec.tie_word_embeddings
-        read = weights - (0 if tied else embedding.numel() * embedding.element_size())  # one row is read
+        read = decode_weight_bytes(llm.engine, args.batch)
         ms, tokens = decode_ms(llm, prompts, args.new_tokens)
         measured[name] = {"ms_per_token": ms, "weight_bytes": weights, "bytes_read_per_token": read,
                           "limit_ms": 1e3 * read / bandwidth, "tokens": tokens}

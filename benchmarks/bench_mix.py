@@ -236,13 +236,15 @@ def step_classes(shapes: list[tuple[int, int, int, int]], times: list[float], co
 
 def step_costs(engine, rate: float, bandwidth: float) -> StepCosts | None:
     """The engine's StepCosts; None for a mixture of experts (a step reads only its routed experts)."""
+    from bench_engine import decode_weight_bytes
     spec = engine.spec
     if getattr(spec, "num_experts", 0):
         return None
     model = engine.runner.model
     layers = sum(p.numel() for p in model.model.layers.parameters())
     return StepCosts(layer_params=layers, lm_head_params=model.lm_head.weight.numel(),
-                     weight_bytes=engine.ledger.get("weights"),
+                     # an untied embedding table's rows (a few MB a step at most) are left out
+                     weight_bytes=decode_weight_bytes(engine, 0),
                      kv_bytes_per_token=engine.runner.kv_bytes_per_block() // engine.runner.block_size,
                      matmul_rate=rate, bandwidth=bandwidth)
 

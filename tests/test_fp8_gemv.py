@@ -322,6 +322,41 @@ def test_the_sweep_tries_summing_k_each_step_on_the_multiply_add_tiles():
     assert any(c.sum_k_each_step for c in candidates(64, 96, 1, 4, quick=True))  # what --smoke runs
 
 
+
+def test_the_rotating_timer_reads_a_copy_of_the_weight_in_turn(monkeypatch):
+    """--timer rotate: the layer's copies hold at least ROTATE_BYTES, and run(copy=i) multiplies by copy i."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_fp8_gemv as bench
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "DTYPE", torch.float32)
+    monkeypatch.setattr(bench, "TIMER", "rotate")
+    monkeypatch.setattr(bench, "ROTATE_BYTES", 3 * (64 * 128 + 4 * 64) + 1)
+    layer = bench.Layer(64, 128, bench.GemvWorkspace(64, torch.device("cpu")))
+    assert len(layer.copies) == 4 and len({w.data_ptr() for w, _ in layer.copies}) == 4
+    layer.copies[2][1].mul_(2.0)  # copy 2's scales doubled: its product doubles
+    x = torch.randn(1, 128)
+    config = bench.GemvConfig(kernel="scaled_mm")
+    runs = {}
+    monkeypatch.setattr(bench, "fp8_linear_scaled_mm", lambda x, w, scale, bias, quantize: fp8_gemv_torch(
+        x, w, scale, bias))
+    for copy in (0, 2, 6):
+        runs[copy] = layer.run(x, config, copy)
+    torch.testing.assert_close(runs[2], 2 * runs[0])
+    torch.testing.assert_close(runs[6], runs[2])  # 6 % 4 copies
+    monkeypatch.setattr(bench, "TIMER", "graph")
+    assert len(bench.Layer(64, 128, bench.GemvWorkspace(64, torch.device("cpu"))).copies) == 1
+
+
+def test_the_tma_gemv_bench_matches_the_twin_in_the_interpreter():
+    """benchmarks/bench_gemv_tma.py --smoke: its kernel (fp8 and bf16 weights, split and not) against the twins."""
+    pytest.importorskip("triton.tools.tensor_descriptor")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, "benchmarks/bench_gemv_tma.py", "--smoke"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "fp8 toy: 2 candidates match the twin" in proc.stdout and "bf16 toy: 2 candidates match" in proc.stdout
+
 # ---------------------------------------------------------------- dispatch and memory
 
 

@@ -361,6 +361,11 @@ def test_planner_reference_figures():
     assert qwen.active_params == 3_353_032_704  # the "A3B"
     mixtral = plan_memory(CONFIGS / "mixtral-8x7b-v0.1.json")
     assert mixtral.total_params == 46_702_792_704 and mixtral.active_params == 12_879_925_248
+    # What a decode token reads: an untied embedding table gives it one row, not the 151,936 or 32,000.
+    assert qwen.read_params_per_token == 3_353_032_704 - 151_936 * 2048 + 2048
+    assert mixtral.read_params_per_token == 12_879_925_248 - 32_000 * 4096 + 4096
+    tied = plan_memory(CONFIGS / "qwen3-0.6b.json")
+    assert tied.tied_embeddings and tied.read_params_per_token == tied.active_params == tied.total_params
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)

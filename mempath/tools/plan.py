@@ -99,6 +99,8 @@ class MemoryPlan:
     resident_weight_bytes: int = 0  # what the device holds: weight_bytes less the experts not resident
     host_expert_bytes: int = 0  # with fewer resident, host memory holds every expert (slots copy from it)
     active_params: int = 0  # parameters one token reads: all but the routed experts, plus k of them per layer
+    # what a decode token reads of them: an untied embedding table gives one row (a tied one is the LM head)
+    read_params_per_token: int = 0
     # batch-1 decode with fewer experts resident (None otherwise): the uniform router's hit rate
     # (resident fraction), the misses' copies at moe_h2d_bytes_per_s, the active weights' read
     moe_hit_rate: float | None = None
@@ -374,6 +376,7 @@ def _plan_experts(shape: ModelShape, b: int, params: dict[str, int], total_bytes
     total, resident = expert_bytes(shape, b, cache_size)
     active = params["experts"] // shape.num_experts * shape.num_experts_per_tok if shape.num_experts else 0
     active_params = params["total"] - params["experts"] + active
+    read_params = active_params - (0 if shape.tied_embeddings else params["embedding"] - shape.hidden_size)
     prediction = {"moe_h2d_bytes_per_s": rates[0], "moe_device_read_bytes_per_s": rates[1],
                   "moe_host_read_bytes_per_s": rates[2], "moe_cpu_experts": cpu_experts}
     if resident < total:
@@ -384,7 +387,7 @@ def _plan_experts(shape: ModelShape, b: int, params: dict[str, int], total_bytes
         prediction["moe_hit_rate"] = hit_rate
         if cpu_experts != "always":
             prediction["moe_decode_tokens_per_s"] = moe_offload_tokens_per_second(
-                shape, b, hit_rate, rates[0], active_params * b / rates[1], ASSUMED_CUT_SECONDS, **split)
+                shape, b, hit_rate, rates[0], read_params * b / rates[1], ASSUMED_CUT_SECONDS, **split)
     return {**prediction,
         "num_experts": shape.num_experts,
         "num_experts_per_tok": shape.num_experts_per_tok,
@@ -395,6 +398,7 @@ def _plan_experts(shape: ModelShape, b: int, params: dict[str, int], total_bytes
         "resident_weight_bytes": total_bytes - total + resident,
         "host_expert_bytes": total if resident < total else 0,
         "active_params": active_params,
+        "read_params_per_token": read_params,
     }
 
 

@@ -41,7 +41,9 @@ def format_plan(plan: MemoryPlan) -> str:
         _row("total", p.weight_bytes, p.total_params),
         *([_row(f"on the device ({p.expert_cache_size} experts/layer)", p.resident_weight_bytes),
            _row("in host memory (every expert)", p.host_expert_bytes),
-           _row("read per token (k experts/layer)", p.active_params * p.dtype_bytes, p.active_params)]
+           _row("active (k experts/layer)", p.active_params * p.dtype_bytes, p.active_params),
+           _row("read per decode token (one embedding row)" if not p.tied_embeddings else "read per decode token",
+                p.read_params_per_token * p.dtype_bytes, p.read_params_per_token)]
           if p.num_experts else []),
         *([_moe_decode_line(p)] if p.moe_hit_rate is not None else []),
         "",
@@ -76,7 +78,7 @@ def _moe_decode_line(p: MemoryPlan) -> str:
     return (f"  predicted batch-1 decode {p.moe_decode_tokens_per_s:.1f} tok/s: hit rate {p.moe_hit_rate:.0%} = "
             f"the resident fraction {p.expert_cache_size}/{p.num_experts} (the uniform router's; a router with "
             f"locality hits more), misses copied at {p.moe_h2d_bytes_per_s / 1e9:.0f} GB/s pinned host->device, "
-            f"{p.moe_device_read_bytes_per_s / 1e9:.0f} GB/s device read for the active weights, not overlapped "
+            f"{p.moe_device_read_bytes_per_s / 1e9:.0f} GB/s device read for the weights a token reads, not overlapped "
             f"(--h2d-gbps, --device-read-gbps), and {ASSUMED_CUT_SECONDS * 1e6:.0f} us a MoE layer for the decode "
             f"graph's host step (measured on an H200){host}")
 
