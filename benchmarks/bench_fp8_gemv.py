@@ -50,7 +50,7 @@ CONFIGS = ROOT / "tests" / "data" / "configs"
 SMOKE_SHAPE = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 2, "num_key_value_heads": 1,
                "num_hidden_layers": 2}
 DEVICE, DTYPE = "cuda", torch.bfloat16
-TIMER = "graph"  # or "do_bench" or "rotate" (--timer)
+TIMER = "graph"  # or "do_bench", "rotate" or "chain" (--timer)
 # --timer rotate: each projection's weight copied until the copies hold this many bytes (several times the L2)
 ROTATE_BYTES = 256 << 20
 # (block_n, block_k, num_warps, num_stages): multiply-adds in registers (up to 4 rows) and tensor cores.
@@ -115,7 +115,7 @@ class Layer:
         self.wq, self.scale = quantize_rows(self.w16)
         self.fp8_bytes = n * k + 4 * n
         # --timer rotate: copies of the fp8 weight at other addresses, ROTATE_BYTES in all, read in turn
-        copies = max(2, -(-ROTATE_BYTES // self.fp8_bytes)) if TIMER == "rotate" else 1
+        copies = max(2, -(-ROTATE_BYTES // self.fp8_bytes)) if TIMER in ("rotate", "chain") else 1
         self.copies = [(self.wq, self.scale)] + [(self.wq.clone(), self.scale.clone()) for _ in range(copies - 1)]
 
     def run(self, x: torch.Tensor, config: GemvConfig, copy: int = 0) -> torch.Tensor:
@@ -151,8 +151,8 @@ class Layer:
 
 def time_us(fn, copies: int = 0) -> float:
     """µs a call of ``fn``. ``copies``: fn takes the index of the weight copy it reads (--timer rotate)."""
-    if TIMER == "rotate" and copies and DEVICE != "cpu":
-        return rotate_time_us(fn, copies)
+    if TIMER in ("rotate", "chain") and copies and DEVICE != "cpu":
+        return rotate_time_us(fn, copies, norm_first=TIMER == "chain")
     if copies:
         fn = functools.partial(fn, 0)
     if DEVICE == "cpu":
@@ -201,21 +201,31 @@ def graph_time_us(fn, calls: int = 20, replays: int = 5) -> float:
     return 1e3 * max(0.0, median(times[True]) - median(times[False])) / calls
 
 
-def rotate_time_us(fn, copies: int, calls: int = 24, replays: int = 5) -> float:
+def rotate_time_us(fn, copies: int, calls: int = 24, replays: int = 5, norm_first: bool = False) -> float:
     """µs per call of ``fn(i)`` in a CUDA graph of ``calls`` calls back to back, each reading the next of
     ``copies`` weight copies (several times the L2 in all, so no call finds its weight there), no write between
     them: the median of ``replays`` replays. Unlike the flushing timer, no L2 write-back of a flush competes with
-    the call's reads, and each call can overlap the previous one's tail as in a decode step's chain."""
+    the call's reads, and each call can overlap the previous one's tail. ``norm_first`` (--timer chain): each
+    call after an RMSNorm launch (Triton, PDL) of a hidden row, as a projection follows a kernel in a decode step;
+    the norm's ~1-2 µs are in the figure."""
+    from mempath.kernels.elementwise_triton import triton_rms_norm
+    hidden = torch.randn(1, 4096, device=DEVICE, dtype=DTYPE)
+    norm_weight = torch.ones(4096, device=DEVICE, dtype=DTYPE)
+
+    def call(i):
+        if norm_first:
+            triton_rms_norm(hidden, norm_weight, 1e-5)
+        fn(i)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for i in range(copies):
-            fn(i)
+            call(i)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(calls):
-            fn(i % copies)
+            call(i % copies)
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -287,10 +297,11 @@ def main() -> None:
     parser.add_argument("--out", default=str(DEFAULT_TABLE), help="where the best configurations go")
     parser.add_argument("--table", default=str(DEFAULT_TABLE), help="the table whose configurations are checked")
     parser.add_argument("--quick", action="store_true", help="a third of the grid")
-    parser.add_argument("--timer", choices=("graph", "do_bench", "rotate"), default="graph",
+    parser.add_argument("--timer", choices=("graph", "do_bench", "rotate", "chain"), default="graph",
                         help="calls back to back in a CUDA graph, each after an L2-flushing write (default); "
                              "triton's do_bench of single calls; or rotate: a graph of calls back to back over "
-                             "copies of the weight that together overflow the L2, no write between them")
+                             "copies of the weight that together overflow the L2, no write between them; or chain: "
+                             "rotate with an RMSNorm launch before each call")
     parser.add_argument("--products", default=",".join(PRODUCTS),
                         help=f"the products swept, of {','.join(PRODUCTS)} (the table's configuration is timed "
                              f"and kept where it is faster, whatever it is)")

@@ -324,7 +324,8 @@ def test_the_sweep_tries_summing_k_each_step_on_the_multiply_add_tiles():
 
 
 def test_the_rotating_timer_reads_a_copy_of_the_weight_in_turn(monkeypatch):
-    """--timer rotate: the layer's copies hold at least ROTATE_BYTES, and run(copy=i) multiplies by copy i."""
+    """--timer rotate (and chain): the layer's copies hold at least ROTATE_BYTES, and run(copy=i) multiplies by
+    copy i."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_fp8_gemv as bench
     monkeypatch.setattr(bench, "DEVICE", "cpu")
@@ -343,6 +344,8 @@ def test_the_rotating_timer_reads_a_copy_of_the_weight_in_turn(monkeypatch):
         runs[copy] = layer.run(x, config, copy)
     torch.testing.assert_close(runs[2], 2 * runs[0])
     torch.testing.assert_close(runs[6], runs[2])  # 6 % 4 copies
+    monkeypatch.setattr(bench, "TIMER", "chain")
+    assert len(bench.Layer(64, 128, bench.GemvWorkspace(64, torch.device("cpu"))).copies) == 4
     monkeypatch.setattr(bench, "TIMER", "graph")
     assert len(bench.Layer(64, 128, bench.GemvWorkspace(64, torch.device("cpu"))).copies) == 1
 
