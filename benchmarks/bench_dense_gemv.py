@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from bench_fp8_gemv import median_replay_ms  # noqa: E402
 from mempath.kernels.elementwise_triton import triton_rms_norm  # noqa: E402
 from mempath.kernels.fp8_gemv_triton import GemvConfig, GemvWorkspace, row_bucket, table_json, triton_fp8_gemv  # noqa: E402
 
@@ -98,16 +99,9 @@ class Chain:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self.run(linear)
-        times = []
-        for _ in range(replays):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
+        ms = median_replay_ms(graph, replays)
         del graph
-        return 1e3 * sorted(times)[len(times) // 2] / len(self.weights)
+        return 1e3 * ms / len(self.weights)
 
 
 def main() -> None:

@@ -259,7 +259,8 @@ def bench_latency(args) -> dict:
           f"{kv_read_bytes / 1e9:.3f} GB a step, "
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     print_table(rows)
-    return {"bench": "latency", "shape": args.shape, "batch": args.batch, "ms_per_token": ms_token,
+    return {"bench": "latency", "shape": args.shape, "batch": args.batch, "quantization": args.quantization,
+            "ms_per_token": ms_token,
             "ttft_ms": ttft_ms, "limit_ms_per_token": limit_ms, "fraction_of_limit": limit_ms / ms_token,
             "hf_ms_per_token": hf_ms, "copy_bandwidth": bandwidth, "weight_bytes": weight_bytes,
             "weight_read_bytes": read_bytes,
@@ -387,6 +388,8 @@ def main() -> None:
     lat.add_argument("--hf-tokens", type=int, default=32, help="tokens for the transformers run (0: skip)")
     lat.add_argument("--variants", type=lambda s: s.split(","), default=[],
                      help=f"also measure these variants, comma-separated: {', '.join(VARIANTS)}")
+    lat.add_argument("--quantization", choices=("none", "fp8"), default="none",
+                     help="fp8: weights quantized at load (give --hf-tokens 0: transformers runs bf16)")
     for p in (sub.add_parser("throughput"), sub.add_parser("block-size")):
         p.add_argument("--shape", default="qwen3-0.6b")
         p.add_argument("--num-requests", type=int, default=256)
@@ -399,6 +402,10 @@ def main() -> None:
     for p in sub.choices.values():
         p.add_argument("--enforce-eager", action="store_true")
     args = parser.parse_args()
+    if getattr(args, "quantization", "none") == "fp8" and args.hf_tokens:
+        parser.error("--quantization fp8 runs mempath's fp8 engine only: give --hf-tokens 0")
+    if getattr(args, "quantization", None) == "none":
+        args.quantization = None
     fn = {"latency": bench_latency, "throughput": bench_throughput, "block-size": bench_block_size}[args.bench]
     result = fn(args)
     result.update(device=torch.cuda.get_device_name(), torch=torch.__version__,

@@ -226,6 +226,11 @@ def rotate_time_us(fn, copies: int, calls: int = 24, replays: int = 5, norm_firs
     with torch.cuda.graph(graph):
         for i in range(calls):
             call(i % copies)
+    return 1e3 * median_replay_ms(graph, replays) / calls
+
+
+def median_replay_ms(graph, replays: int) -> float:
+    """The median of ``replays`` replays of a captured CUDA graph, ms (CUDA events around each)."""
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -234,7 +239,7 @@ def rotate_time_us(fn, copies: int, calls: int = 24, replays: int = 5, norm_firs
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return 1e3 * sorted(times)[len(times) // 2] / calls
+    return sorted(times)[len(times) // 2]
 
 
 def sweep_point(layer: Layer, rows: int, table_config: GemvConfig, num_sms: int, quick: bool,

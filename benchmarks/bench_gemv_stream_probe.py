@@ -52,6 +52,15 @@ def _plain_kernel(w_ptr, out_ptr, K_WORDS, k_per_split, BLOCK_N: tl.constexpr, B
     tl.atomic_add(out_ptr + rows, acc, sem="relaxed")
 
 
+def timed(best: list, name: str, fn) -> None:
+    """Append (µs, name) of ``fn`` to ``best``; a launch that fails is printed and left out."""
+    try:
+        fn()
+        best.append((bench.time_us(fn), name))
+    except Exception as error:  # noqa: BLE001 - a tile that does not compile is dropped
+        print(f"  {name}: {type(error).__name__} {str(error)[:100]}")
+
+
 def main():
     out_rows = []
     for n, k in ((28672, 4096), (4096, 14336), (6144, 4096)):
@@ -60,33 +69,20 @@ def main():
         out = torch.zeros(n, dtype=torch.int32, device="cuda")
         best = []
         for bn, bk in ((32, 64), (16, 256), (32, 256), (8, 256), (64, 64), (16, 128), (64, 32)):
+            kw = k // 4
             for split in (1, 2, 4):
-                kw = k // 4
                 if kw % (bk * split):
                     continue
                 for stages in (3, 4, 6):
-                    for warps in (4,):
-                        desc = TensorDescriptor.from_tensor(w, [bn, bk])
-                        fn = lambda: _stream_kernel[(n // bn, split)](desc, out, kw, kw // split, BLOCK_N=bn,  # noqa: E731
-                                                                      BLOCK_K=bk, STAGES=stages, num_warps=warps)
-                        try:
-                            fn()
-                            us = bench.time_us(fn)
-                        except Exception as error:  # noqa: BLE001
-                            print(f"  tma n{bn} w{bk * 4}B: {type(error).__name__} {str(error)[:100]}")
-                            continue
-                        best.append((us, f"tma n{bn} row{bk * 4}B split{split} s{stages} w{warps}"))
+                    desc = TensorDescriptor.from_tensor(w, [bn, bk])
+                    timed(best, f"tma n{bn} row{bk * 4}B split{split} s{stages} w4",
+                          lambda: _stream_kernel[(n // bn, split)](desc, out, kw, kw // split, BLOCK_N=bn, BLOCK_K=bk,
+                                                                   STAGES=stages, num_warps=4))
                 if split == 1:
                     for warps in (4, 8):
-                        fn = lambda: _plain_kernel[(n // bn, split)](w, out, kw, kw // split, BLOCK_N=bn,  # noqa: E731
-                                                                     BLOCK_K=bk, num_warps=warps)
-                        try:
-                            fn()
-                            us = bench.time_us(fn)
-                        except Exception as error:  # noqa: BLE001
-                            print(f"  plain n{bn}: {type(error).__name__} {str(error)[:100]}")
-                            continue
-                        best.append((us, f"plain n{bn} row{bk * 4}B w{warps}"))
+                        timed(best, f"plain n{bn} row{bk * 4}B w{warps}",
+                              lambda: _plain_kernel[(n // bn, 1)](w, out, kw, kw, BLOCK_N=bn, BLOCK_K=bk,
+                                                                  num_warps=warps))
         best.sort()
         print(f"{n}x{k} fp8 bytes {nbytes / 1e6:.1f} MB: " + "; ".join(f"{d} {t:.1f} us ({nbytes / t / 1e3:.0f} GB/s)"
                                                                    for t, d in best[:6]))

@@ -43,7 +43,7 @@ def _gemv_tma_kernel(x_ptr, w_desc, scale_ptr, out_ptr, ws_ptr, count_ptr, N, K,
     pid_k = tl.program_id(1)
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
+    offs_m = tl.arange(0, 1)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     pdl_wait(PDL)
@@ -52,22 +52,9 @@ def _gemv_tma_kernel(x_ptr, w_desc, scale_ptr, out_ptr, ws_ptr, count_ptr, N, K,
         w = w_desc.load([n0, k0]).to(tl.float32)
         x = tl.load(x_ptr + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
         acc += tl.sum(w * x[None, :], axis=1)
-    if split_k == 1:
-        y = acc
-        if HAS_SCALE:
-            y = y * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)
-        tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
-    else:
-        tl.atomic_add(ws_ptr + offs_n, acc, mask=n_mask, sem="relaxed")
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
-        if arrived == split_k - 1:
-            bits = ws_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-            total = tl.atomic_xchg(bits + offs_n, tl.zeros_like(offs_n), mask=n_mask).to(tl.float32, bitcast=True)
-            tl.atomic_xchg(count_ptr + pid_n, 0)
-            if HAS_SCALE:
-                total = total * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)
-            tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
+    # The shipped GEMV's epilogue: stored scaled, or added across the splits (the last one in stores the sums).
+    gemv._store_or_add_split(tl.reshape(acc, [1, BLOCK_N]), scale_ptr, out_ptr, out_ptr, ws_ptr, count_ptr, offs_m,
+                             offs_n, offs_m < 1, offs_n < N, pid_n, pid_k, 1, N, split_k, N, False, HAS_SCALE, False)
 
 
 class TmaGemv:

@@ -269,10 +269,16 @@ def main() -> None:
         p.add_argument("--enforce-eager", action="store_true")
         p.add_argument("--quantization", choices=("none", "fp8"), default="none")
         p.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8, fp8_e4m3 or fp8_e5m2")
+        p.add_argument("--no-pdl", action="store_true",
+                       help="launch without programmatic dependent launch: each kernel's time is then its own, "
+                            "not also the wait for the kernel before it")
     args = parser.parse_args()
+    if args.no_pdl:
+        from mempath.kernels import common
+        common.USE_PDL = False
     result = {"decode": bench_decode, "workload": bench_workload, "mix": bench_mix_steps}[args.bench](args)
     result.update(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"),
-                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, pdl=not args.no_pdl)
     print("RESULT " + json.dumps(result))
 
 

@@ -286,24 +286,13 @@ if HAS_TRITON:
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
                  mask=m_mask[:, None] & n_mask[None, :])
 
-    @triton.jit(do_not_specialize=["M", "split_k"])
-    def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_per_split,
-                         split_k, stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-                         TWO_PASS: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr,
-                         SUM_K_EACH_STEP: tl.constexpr, QUANT_X: tl.constexpr, FP8_MAX: tl.constexpr,
-                         MIN_SCALE: tl.constexpr, PDL: tl.constexpr, HAS_SCALE: tl.constexpr):
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_m = tl.arange(0, BLOCK_M)
-        n_mask = offs_n < N
-        m_mask = offs_m < M
-        k_start = pid_k * k_per_split
-        k_end = tl.minimum(k_start + k_per_split, K)
-        acc = _partial_product(x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, M, k_start, k_end, stride_xm,
-                               stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, EVEN, PREFETCH, SUM_K_EACH_STEP,
-                               QUANT_X, FP8_MAX, MIN_SCALE, PDL)
+    @triton.jit
+    def _store_or_add_split(acc, scale_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, offs_m, offs_n, m_mask, n_mask,
+                            pid_n, pid_k, M, N, split_k, stride_om, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
+                            TWO_PASS: tl.constexpr):
+        """A program's [BLOCK_M, BLOCK_N] partial product: stored scaled when K is not split; else stored in the
+        split's slice (TWO_PASS: the reduce kernel sums them), or added into the workspace, the last split in
+        taking the sums out and storing them scaled."""
         tile = offs_m[:, None] * N + offs_n[None, :]
         tile_mask = m_mask[:, None] & n_mask[None, :]
         if split_k == 1:
@@ -326,6 +315,27 @@ if HAS_TRITON:
                     tl.atomic_xchg(count_ptr + pid_n, 0)
                     _store_scaled(total, scale_ptr, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, stride_om,
                                   HAS_BIAS, HAS_SCALE)
+
+    @triton.jit(do_not_specialize=["M", "split_k"])
+    def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_per_split,
+                         split_k, stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+                         TWO_PASS: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr,
+                         SUM_K_EACH_STEP: tl.constexpr, QUANT_X: tl.constexpr, FP8_MAX: tl.constexpr,
+                         MIN_SCALE: tl.constexpr, PDL: tl.constexpr, HAS_SCALE: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        n_mask = offs_n < N
+        m_mask = offs_m < M
+        k_start = pid_k * k_per_split
+        k_end = tl.minimum(k_start + k_per_split, K)
+        acc = _partial_product(x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, M, k_start, k_end, stride_xm,
+                               stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, EVEN, PREFETCH, SUM_K_EACH_STEP,
+                               QUANT_X, FP8_MAX, MIN_SCALE, PDL)
+        _store_or_add_split(acc, scale_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, offs_m, offs_n, m_mask, n_mask,
+                            pid_n, pid_k, M, N, split_k, stride_om, HAS_BIAS, HAS_SCALE, TWO_PASS)
 
     @triton.jit(do_not_specialize=["M", "split_k"])
     def _fp8_gemv_reduce_kernel(ws_ptr, scale_ptr, bias_ptr, out_ptr, M, N, split_k, stride_om,
