@@ -66,8 +66,11 @@ SUMMED_TILES = [(128, 128, 8, 2), (16, 512, 4, 2), (128, 128, 4, 2), (64, 256, 4
 FP8_DOT_TILES = [(64, QUANT_X_GROUP, 4, 3), (64, QUANT_X_GROUP, 4, 4), (64, QUANT_X_GROUP, 4, 6),
                  (128, QUANT_X_GROUP, 4, 4), (128, QUANT_X_GROUP, 8, 4), (128, QUANT_X_GROUP, 4, 6),
                  (256, QUANT_X_GROUP, 8, 3), (256, QUANT_X_GROUP, 8, 4)]
+# One row through the TMA (GemvConfig.tma): tiles 256 B wide (the box's limit), pipelined 3 to 6 deep.
+TMA_TILES = [(16, 256, 4, 4), (16, 256, 4, 6), (32, 256, 4, 3), (32, 256, 4, 4), (64, 256, 4, 3), (64, 128, 4, 4)]
 QUICK_FMA, QUICK_DOT, QUICK_SUMMED, QUICK_FP8_DOT = FMA_TILES[:3], DOT_TILES[:4], SUMMED_TILES[2:4], FP8_DOT_TILES[:3]
-PRODUCTS = ("fma", "dot", "sum-k", "dot-fp8", "scaled_mm")
+QUICK_TMA = TMA_TILES[::2]
+PRODUCTS = ("fma", "dot", "sum-k", "dot-fp8", "tma", "scaled_mm")
 
 
 def projections(config: dict) -> dict[str, tuple[int, int]]:
@@ -92,13 +95,15 @@ def candidates(n: int, k: int, rows: int, num_sms: int, quick: bool, products=PR
               for prefetch in (False, True) if fma and "sum-k" in products]
     tiles += [(t, dict(use_dot=True, quantize_x=True)) for t in (QUICK_FP8_DOT if quick else FP8_DOT_TILES)
               if "dot-fp8" in products]
+    tiles += [(t, dict(tma=True)) for t in (QUICK_TMA if quick else TMA_TILES) if rows == 1 and "tma" in products]
     for (bn, bk, warps, stages), options in tiles:
         for split in (1, 2, 4, 8, 16):
             programs = -(-n // bn) * split
             if split > 1 and (programs > 8 * num_sms or k // split < bk or programs < num_sms // 2):
                 continue
             # The summed tiles ask about the accumulator, not the reduce: one launch (atomic) keeps the grid small.
-            two_pass = split > 1 and not options.get("sum_k_each_step")
+            # The TMA tiles have the atomic reduce only.
+            two_pass = split > 1 and not options.get("sum_k_each_step") and not options.get("tma")
             for reduce in (("atomic", "two_pass") if two_pass else ("atomic",)):
                 out.append(GemvConfig(block_n=bn, block_k=bk, split_k=split, num_warps=warps, num_stages=stages,
                                       reduce=reduce, **options))
@@ -260,7 +265,7 @@ def sweep_point(layer: Layer, rows: int, table_config: GemvConfig, num_sms: int,
     # fastest GEMV configurations only: on the whole grid it would double the compilations. (The
     # grid has the tiles summed over K each step with it already.)
     fastest = sorted((t for t in timed if t[1].kernel == "gemv" and not t[1].sum_k_each_step
-                      and not t[1].quantize_x), key=lambda t: t[0])[:3]
+                      and not t[1].quantize_x and not t[1].tma), key=lambda t: t[0])[:3]
     for config in (dataclasses.replace(c, prefetch=True) for _, c in fastest):
         error = layer.check(x, config, refs)
         if error:

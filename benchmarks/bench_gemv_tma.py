@@ -104,10 +104,15 @@ def main(argv=None):
     parser.add_argument("--dtypes", default="fp8,bf16")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--top", type=int, default=3)
+    parser.add_argument("--timer", choices=("graph", "chain"), default="graph",
+                        help="bench_fp8_gemv.py's timers: L2-flushing writes between calls, or calls after an "
+                             "RMSNorm launch each over weight copies that overflow the L2 (the one that matched a "
+                             "decode step's GEMV time, BENCHMARKS.md)")
     args = parser.parse_args(argv)
     import bench_fp8_gemv as bench
     device = "cpu" if args.smoke else "cuda"
     bench.DEVICE = device
+    bench.TIMER = args.timer
     shapes = {"toy": (64, 512)} if args.smoke else {s: SHAPES[s] for s in args.shapes.split(",")}
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 4
     dense_table = gemv.load_dense_table()
@@ -124,7 +129,7 @@ def main(argv=None):
                 ref = fp8_gemv_torch(x, weight, scale, None)
                 elem = 1
                 shipped = fp8_table.get(f"{n}x{k}", {}).get("1") or gemv.heuristic_config(n, k, 1, num_sms)
-                shipped_fn = lambda: gemv.triton_fp8_gemv(x, weight, scale, None, workspace, shipped)  # noqa: E731
+                shipped_fn = lambda w, s: gemv.triton_fp8_gemv(x, w, s, None, workspace, shipped)  # noqa: E731
                 shipped_name = shipped.describe()
             else:
                 weight, scale = w16, None
@@ -132,20 +137,25 @@ def main(argv=None):
                 elem = 2
                 config = dense_table.get(f"{n}x{k}", {}).get("1")
                 if config is None:
-                    shipped_fn = lambda: torch.nn.functional.linear(x, weight)  # noqa: E731
+                    shipped_fn = lambda w, s: torch.nn.functional.linear(x, w)  # noqa: E731
                     shipped_name = "cuBLAS"
                 else:
-                    shipped_fn = lambda: gemv.triton_fp8_gemv(x, weight, None, None, workspace, config)  # noqa: E731
+                    shipped_fn = lambda w, s: gemv.triton_fp8_gemv(x, w, None, None, workspace, config)  # noqa: E731
                     shipped_name = config.describe()
             nbytes = weight.numel() * elem
-            row = {"dtype": dtype_name, "proj": name, "n": n, "k": k, "shipped": shipped_name}
+            # --timer chain: the weight (and scales) copied until the copies overflow the L2; call i reads copy i
+            copies = [(weight, scale)] + [(weight.clone(), None if scale is None else scale.clone())
+                                          for _ in range(max(2, -(-bench.ROTATE_BYTES // nbytes)) - 1
+                                                         if args.timer == "chain" else 0)]
+            row = {"dtype": dtype_name, "proj": name, "n": n, "k": k, "shipped": shipped_name, "timer": args.timer}
             if device == "cuda":
-                row["shipped_us"] = bench.time_us(shipped_fn)
+                row["shipped_us"] = bench.time_us(lambda i: shipped_fn(*copies[i]), len(copies))
             timed = []
             for bn, bk, split, stages, warps in (candidates(n, k, elem, num_sms, args.quick) if not args.smoke
                                                  else [(16, 64, 2, 3, 4), (32, 128, 1, 2, 4)]):
                 try:
-                    fn = TmaGemv(weight, scale, workspace, bn, bk, split, stages, warps)
+                    fns = [TmaGemv(w, sc, workspace, bn, bk, split, stages, warps) for w, sc in copies]
+                    fn = fns[0]
                     got = fn(x)
                     if device == "cuda":
                         torch.cuda.synchronize()
@@ -160,7 +170,7 @@ def main(argv=None):
                           f"the workspace dirty: dropped")
                     continue
                 if device == "cuda":
-                    timed.append((bench.time_us(lambda: fn(x)), fn.describe()))
+                    timed.append((bench.time_us(lambda i: fns[i](x), len(fns)), fn.describe()))
                 else:
                     timed.append((0.0, fn.describe()))
             timed.sort()

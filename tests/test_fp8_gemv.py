@@ -40,6 +40,13 @@ def sum_k_each_step_configs():
             GemvConfig(block_n=32, block_k=32, split_k=4, reduce="two_pass", prefetch=True, sum_k_each_step=True)]
 
 
+def tma_configs():
+    """Tiles brought by the TMA: no split, an atomic split with a short last split (3 over K)."""
+    from mempath.kernels.fp8_gemv_triton import GemvConfig
+    return [GemvConfig(block_n=32, block_k=64, tma=True), GemvConfig(block_n=16, block_k=32, split_k=3, num_stages=3,
+                                                                     tma=True)]
+
+
 def quantize_x_configs():
     """The fp8 tensor-core product (x quantized in groups of 128 along K): no split, both reduces of
     a split (a short last split at 3), tiles of 16 and 64 outputs."""
@@ -173,6 +180,38 @@ def test_interpreted_gemv_summing_k_each_step_matches_twin():
         "check_fp8_gemv('cpu', (torch.float16,), rows_list=(1, 3), configs=sum_k_each_step_configs()); "
         "check_fp8_gemv('cpu', (torch.float32,), rows_list=(1,), shapes=((80, 200),), "
         "configs=sum_k_each_step_configs()[2:4])")
+
+
+def test_interpreted_tma_gemv_matches_twin():
+    """One row through the TMA (K of 208: the last tile and N's last tile read past the weight, as zeros), and the
+    rows and weights it cannot take (3 rows; K of 200, rows not 16-byte aligned) through the multiply-adds."""
+    pytest.importorskip("triton.tools.tensor_descriptor")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the GPU test runs the compiled kernel")
+    run_interpreted(
+        "import sys, torch; sys.path.insert(0, 'tests'); from test_triton_interpret import _patch_interpreter_for_numpy; "
+        "_patch_interpreter_for_numpy(); from tests.test_fp8_gemv import check_fp8_gemv, check_16bit_weight_gemv, "
+        "tma_configs; shapes = ((80, 208), (64, 256), (80, 200)); "
+        "check_fp8_gemv('cpu', (torch.float16, torch.bfloat16), rows_list=(1, 3), shapes=shapes, configs=tma_configs()); "
+        "check_16bit_weight_gemv('cpu', torch.float16, rows_list=(1,), shapes=shapes[:2], configs=tma_configs())")
+
+
+def test_tma_runs_one_aligned_row_and_its_configs_are_checked(monkeypatch):
+    pytest.importorskip("triton.tools.tensor_descriptor")
+    from mempath.kernels import fp8_gemv_triton as gemv
+    aligned, unaligned = torch.zeros(80, 208, dtype=torch.float8_e4m3fn), torch.zeros(80, 200, dtype=torch.float8_e4m3fn)
+    assert gemv.tma_fits(aligned, 1) and not gemv.tma_fits(aligned, 3) and not gemv.tma_fits(unaligned, 1)
+    assert not gemv.tma_fits(aligned[:, 1:], 1)  # the rows start one byte in
+    monkeypatch.setattr(gemv, "TensorDescriptor", None)  # a triton without host-side descriptors
+    assert not gemv.tma_fits(aligned, 1)
+    config = gemv.GemvConfig(block_n=16, block_k=256, split_k=2, num_stages=4, tma=True)
+    assert gemv.without_tma(config) == gemv.GemvConfig(block_n=16, block_k=256, split_k=2, num_stages=4,
+                                                       sum_k_each_step=True)
+    assert config.describe() == "gemv tma n16 k256 split2 atomic w4 s4"
+    for bad in (dict(use_dot=True), dict(sum_k_each_step=True), dict(prefetch=True), dict(reduce="two_pass"),
+                dict(block_k=512)):
+        with pytest.raises(ValueError, match="tma is its own one-row product"):
+            gemv.GemvConfig(**{**dict(block_n=16, block_k=256, tma=True), **bad})
 
 
 def test_fp8_gemv_torch_quantizes_x_in_groups_along_k():
@@ -474,6 +513,22 @@ needs_fp8_gpu = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.g
 def test_gpu_gemv_matches_twin():
     pytest.importorskip("triton")
     check_fp8_gemv("cuda", (torch.bfloat16, torch.float16, torch.float32), rows_list=(1, 2, 3, 8, 16))
+
+
+@needs_fp8_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_tma_gemv_matches_twin(dtype):
+    """The TMA tiles compiled: the test's configurations, the sweep's tiles on a 4096-wide weight, and a 16-bit
+    weight (the dense GEMV's use of the same kernel)."""
+    pytest.importorskip("triton.tools.tensor_descriptor")
+    from mempath.kernels.fp8_gemv_triton import GemvConfig
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the TMA needs Hopper")
+    shapes = ((80, 208), (64, 256), (1000, 4096))
+    sweep_tiles = [GemvConfig(block_n=bn, block_k=bk, split_k=split, num_stages=stages, tma=True)
+                   for bn, bk in ((16, 256), (32, 256), (64, 128)) for split in (1, 4) for stages in (3, 6)]
+    check_fp8_gemv("cuda", (dtype,), rows_list=(1, 3), shapes=shapes, configs=tma_configs() + sweep_tiles)
+    check_16bit_weight_gemv("cuda", dtype, rows_list=(1,), shapes=shapes, configs=tma_configs() + sweep_tiles[::2])
 
 
 @needs_fp8_gpu

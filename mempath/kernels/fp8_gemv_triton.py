@@ -13,7 +13,7 @@ the dense GEMV of bf16/fp16 models at decode batches (``mempath.model.quant.set_
 where the table measured it faster than cuBLAS, e.g. loading its first weight tiles before the
 PDL wait (``prefetch``), which a library kernel cannot (BENCHMARKS.md, "the dense GEMV").
 
-Three products: ``USE_DOT`` multiplies on the tensor cores (the weight tile converted to x's
+Three products and a way to load: ``USE_DOT`` multiplies on the tensor cores (the weight tile converted to x's
 dtype, exact for e4m3 in bf16 and fp16, times x transposed, at least 16 rows padded); with
 ``QUANT_X`` too, x is quantized to e4m3 in groups of ``QUANT_X_GROUP`` along K (each row's
 group its own scale, DeepSeek-V3's 1 x 128 activation tiles) and the fp8 weight tile goes to
@@ -24,6 +24,10 @@ accumulates a [BLOCK_N, BLOCK_K] float32 tile and sums it over K after the loop;
 ``GemvConfig.sum_k_each_step`` instead sums each step's product over K at once (row by row), so
 the accumulator is [rows, BLOCK_N] and fewer registers per thread may let more programs share an
 SM: an option of the sweep, off in the shipped table until an H200 sweep measures it.
+``GemvConfig.tma`` (one row, Hopper): the same multiply-adds summed each step, but each weight tile
+reaches shared memory by a TMA copy, ``num_stages`` in flight a program, where the other products'
+loads go to registers, one tile at a time (``_fp8_gemv_tma_kernel``; ``tma_fits`` says where it runs,
+elsewhere the tiles take the registers' product).
 
 The K dimension can be split over ``split_k`` programs per tile of N so that a 4096 x 4096
 layer still fills every SM; the splits' float32 partial sums meet in a workspace allocated
@@ -41,6 +45,7 @@ best per layer shape and batch bucket are read from a JSON table
 (``mempath/assets/fp8_gemv_configs.json``, written by benchmarks/bench_fp8_gemv.py), with a
 heuristic for shapes it does not list.
 """
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,11 +57,16 @@ from mempath.kernels.common import HAS_TRITON, load_config_table, next_pow2, pdl
 from mempath.kernels.common import config_table_json as table_json  # noqa: F401 - the fp8 table's writer
 from mempath.memory.formulas import FP8_GEMV_MIN_BLOCK_N, FP8_GEMV_WORKSPACE_ROWS, fp8_gemv_workspace_bytes
 
+TensorDescriptor = None  # triton's host-side TMA descriptor (3.3 and later); without it no tma configuration runs
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
     from mempath.kernels.common import pdl_wait
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        pass
 
 # Batches up to this many rows run the GEMV (when the table does not send a bucket to
 # _scaled_mm); larger ones run Hopper's fp8 matmul with quantized activations.
@@ -71,6 +81,8 @@ DENSE_TABLE_ENV = "MEMPATH_DENSE_GEMV_CONFIGS"
 DOT_MIN_ROWS = 16
 # quantize_x: the K width of one activation scale, and so the configuration's block_k.
 QUANT_X_GROUP = 128
+# A TMA copy's box: at most this many elements along each side.
+TMA_MAX_BOX = 256
 
 
 @dataclass(frozen=True)
@@ -90,6 +102,9 @@ class GemvConfig:
     sum_k_each_step: bool = False
     # The tensor cores in fp8: x quantized per row in groups of QUANT_X_GROUP (= block_k) along K.
     quantize_x: bool = False
+    # One row only: each weight tile reaches shared memory by a TMA copy, pipelined num_stages deep (the loads of
+    # the other products go to registers, one tile in flight a program); multiply-adds summed over K each step.
+    tma: bool = False
     kernel: str = "gemv"
 
     def __post_init__(self):
@@ -103,6 +118,11 @@ class GemvConfig:
         if self.use_dot and self.sum_k_each_step:
             raise ValueError("fp8 GEMV config: sum_k_each_step is for the multiply-add product: "
                              "set use_dot or sum_k_each_step false")
+        if self.tma and (self.use_dot or self.quantize_x or self.prefetch or self.sum_k_each_step
+                         or self.reduce != "atomic" or self.block_n > TMA_MAX_BOX or self.block_k > TMA_MAX_BOX):
+            raise ValueError(f"fp8 GEMV config: tma is its own one-row product with an atomic split: set use_dot, "
+                             f"quantize_x, prefetch and sum_k_each_step false, reduce atomic, block_n and block_k "
+                             f"at most {TMA_MAX_BOX}; got {self}")
         if self.quantize_x and (not self.use_dot or self.block_k != QUANT_X_GROUP or self.prefetch):
             raise ValueError(f"fp8 GEMV config: quantize_x is a tensor-core product with one activation scale a "
                              f"block of K: set use_dot true, block_k {QUANT_X_GROUP} and prefetch false, "
@@ -111,7 +131,7 @@ class GemvConfig:
     def describe(self) -> str:
         if self.kernel == "scaled_mm":
             return "_scaled_mm"
-        product = "dot-fp8" if self.quantize_x else "dot" if self.use_dot else "fma"
+        product = "dot-fp8" if self.quantize_x else "dot" if self.use_dot else "tma" if self.tma else "fma"
         return (f"gemv {product} n{self.block_n} k{self.block_k} split{self.split_k}"
                 f"{' ' + self.reduce if self.split_k > 1 else ''} w{self.num_warps} s{self.num_stages}"
                 f"{' prefetch' if self.prefetch else ''}{' sum-k-each-step' if self.sum_k_each_step else ''}")
@@ -337,6 +357,30 @@ if HAS_TRITON:
         _store_or_add_split(acc, scale_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, offs_m, offs_n, m_mask, n_mask,
                             pid_n, pid_k, M, N, split_k, stride_om, HAS_BIAS, HAS_SCALE, TWO_PASS)
 
+    @triton.jit(do_not_specialize=["split_k"])
+    def _fp8_gemv_tma_kernel(x_ptr, w_desc, scale_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, N, K, k_per_split,
+                             split_k, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             STAGES: tl.constexpr, PDL: tl.constexpr, HAS_SCALE: tl.constexpr):
+        """One row of x times the weight, whose [BLOCK_N, BLOCK_K] tiles the TMA copies into shared memory
+        (zeros past N and K), STAGES deep; the multiply-adds summed over K each step, then the same epilogue."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        n0 = pid_n * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, 1)
+        k_start = pid_k * k_per_split
+        k_end = tl.minimum(k_start + k_per_split, K)
+        pdl_wait(PDL)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
+            k = k0 + tl.arange(0, BLOCK_K)
+            w = w_desc.load([n0, k0]).to(tl.float32)
+            x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            acc += tl.sum(w * x[None, :], axis=1)
+        _store_or_add_split(tl.reshape(acc, [1, BLOCK_N]), scale_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, offs_m,
+                            offs_n, offs_m < 1, offs_n < N, pid_n, pid_k, 1, N, split_k, N, HAS_BIAS, HAS_SCALE,
+                            False)
+
     @triton.jit(do_not_specialize=["M", "split_k"])
     def _fp8_gemv_reduce_kernel(ws_ptr, scale_ptr, bias_ptr, out_ptr, M, N, split_k, stride_om,
                                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
@@ -368,6 +412,8 @@ def triton_fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
+    if config.tma and not tma_fits(weight, rows):
+        config = without_tma(config)
     # tl.dot of float32 would be tf32, and quantize_x of float32 x differs from its twin on the H200 in a few
     # roundings (not understood; the engine gives float32 activations to _scaled_mm): float32 x multiply-adds.
     use_dot = config.use_dot and x.dtype in (torch.bfloat16, torch.float16)
@@ -384,6 +430,13 @@ def triton_fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     has_bias, has_scale = bias is not None, weight_scale is not None
     weight_scale = weight_scale if has_scale else weight
     grid = (triton.cdiv(n, config.block_n), split)
+    if config.tma:
+        _fp8_gemv_tma_kernel[grid](x, TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k]),
+                                   weight_scale, bias if has_bias else weight_scale, out, workspace.partials,
+                                   workspace.counters, n, k, k_per_split, split, HAS_BIAS=has_bias,
+                                   BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.num_stages, **pdl,
+                                   HAS_SCALE=has_scale, num_warps=config.num_warps)
+        return out
     _fp8_gemv_kernel[grid](x, weight, weight_scale, bias if has_bias else weight_scale, out, workspace.partials,
                            workspace.counters, rows, n, k, k_per_split, split, x.stride(0), weight.stride(0),
                            out.stride(0), HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=config.block_n,
@@ -397,6 +450,22 @@ def triton_fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
             workspace.partials, weight_scale, bias if has_bias else weight_scale, out, rows, n, split, out.stride(0),
             HAS_BIAS=has_bias, BLOCK_N=block, **pdl, HAS_SCALE=has_scale, num_warps=4)
     return out
+
+
+def tma_fits(weight: torch.Tensor, rows: int) -> bool:
+    """Whether a tma configuration can run: one row, a triton with host-side TMA descriptors, a device with the
+    TMA (Hopper on; or Triton's interpreter), and a weight the TMA can address (16-byte aligned rows)."""
+    if rows != 1 or TensorDescriptor is None or weight.stride(1) != 1:
+        return False
+    if weight.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") \
+            and torch.cuda.get_device_capability(weight.device)[0] < 9:
+        return False
+    return weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0
+
+
+def without_tma(config: GemvConfig) -> GemvConfig:
+    """The same tiles through the multiply-add product summed each step (where tma_fits says no)."""
+    return dataclasses.replace(config, tma=False, sum_k_each_step=True)
 
 
 class Fp8Gemv:
@@ -435,4 +504,8 @@ class Fp8Gemv:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
                  bias: torch.Tensor | None, config: GemvConfig) -> torch.Tensor:
+        if config.tma and not tma_fits(weight, x.shape[0]):
+            config = without_tma(config)
+            self.chosen[f"{weight.shape[0]}x{weight.shape[1]} rows<={row_bucket(x.shape[0])}"] = \
+                f"{config.describe()} (the table's tma cannot run here)"
         return triton_fp8_gemv(x, weight, weight_scale, bias, self.workspace, config)
