@@ -3,10 +3,11 @@
     python benchmarks/bench_gemv_tma.py                      # Llama-3.1-8B projections, fp8 and bf16 weights (CUDA)
     TRITON_INTERPRET=1 python benchmarks/bench_gemv_tma.py --smoke   # CPU: the kernel against the twin only
 
-The lead: compiled for sm_90, the shipped one-row GEMV (multiply-adds) loads its weight tile with plain
+The lead: compiled for sm_90, the one-row GEMV's multiply-adds load their weight tile with plain
 ``ld.global`` (no ``cp.async``, whatever ``num_stages``): each program has one tile in flight and waits for
-it, so the bytes in flight an SM are bounded by the registers. Here each tile arrives by a TMA copy into
-shared memory, which Triton pipelines ``num_stages`` deep, so the bytes in flight are bounded by shared memory.
+it, so the bytes in flight an SM are bounded by the registers. The TMA path (``GemvConfig.tma``, which this
+bench led to) brings each tile into shared memory by a TMA copy, pipelined ``num_stages`` deep, so the bytes
+in flight are bounded by shared memory. The bench sweeps its tiles against the table's entry.
 
 Each candidate is checked against ``fp8_gemv_torch`` (``F.linear`` for bf16) and timed as
 bench_fp8_gemv.py times the table (a CUDA graph of 20 calls after L2-flushing writes, less the writes),
@@ -24,62 +25,29 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
-from mempath.kernels.common import pdl_options, pdl_wait  # noqa: E402
 from mempath.kernels import fp8_gemv_triton as gemv  # noqa: E402
 from mempath.model.quant import fp8_gemv_torch, quantize_rows  # noqa: E402
-
-from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402 - triton 3.3 and later
 
 SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096), "down_proj": (4096, 14336)}
 
 
-@triton.jit
-def _gemv_tma_kernel(x_ptr, w_desc, scale_ptr, out_ptr, ws_ptr, count_ptr, N, K, k_per_split, split_k,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, HAS_SCALE: tl.constexpr,
-                     PDL: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    n0 = pid_n * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, 1)
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
-    pdl_wait(PDL)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
-        w = w_desc.load([n0, k0]).to(tl.float32)
-        x = tl.load(x_ptr + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
-        acc += tl.sum(w * x[None, :], axis=1)
-    # The shipped GEMV's epilogue: stored scaled, or added across the splits (the last one in stores the sums).
-    gemv._store_or_add_split(tl.reshape(acc, [1, BLOCK_N]), scale_ptr, out_ptr, out_ptr, ws_ptr, count_ptr, offs_m,
-                             offs_n, offs_m < 1, offs_n < N, pid_n, pid_k, 1, N, split_k, N, False, HAS_SCALE, False)
-
-
 class TmaGemv:
-    """One weight's descriptor, made once (the weight never moves), and the launch."""
+    """One weight through the engine's TMA path (``GemvConfig.tma``: ``_fp8_gemv_tma_kernel``) at one tile."""
 
     def __init__(self, weight, scale, workspace, block_n, block_k, split_k, stages, warps):
-        n, k = weight.shape
-        if k % (block_k * split_k) or n % block_n:
-            raise ValueError("uneven")
+        if not gemv.tma_fits(weight, 1):
+            raise ValueError("the TMA cannot address this weight here (gemv.tma_fits)")
         self.weight, self.scale, self.workspace = weight, scale, workspace
-        self.block_n, self.block_k, self.split_k, self.stages, self.warps = block_n, block_k, split_k, stages, warps
-        self.desc = TensorDescriptor.from_tensor(weight, [block_n, block_k])
-        self.n, self.k = n, k
+        self.config = gemv.GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=warps,
+                                      num_stages=stages, tma=True)
 
     def describe(self) -> str:
-        return f"tma n{self.block_n} k{self.block_k} split{self.split_k} w{self.warps} s{self.stages}"
+        c = self.config
+        return f"tma n{c.block_n} k{c.block_k} split{c.split_k} w{c.num_warps} s{c.num_stages}"
 
     def __call__(self, x):
-        out = torch.empty(1, self.n, dtype=x.dtype, device=x.device)
-        has_scale = self.scale is not None
-        _gemv_tma_kernel[(self.n // self.block_n, self.split_k)](
-            x, self.desc, self.scale if has_scale else x, out, self.workspace.partials, self.workspace.counters,
-            self.n, self.k, self.k // self.split_k, self.split_k, BLOCK_N=self.block_n, BLOCK_K=self.block_k,
-            STAGES=self.stages, HAS_SCALE=has_scale, **pdl_options(x.device), num_warps=self.warps)
-        return out
+        return gemv.triton_fp8_gemv(x, self.weight, self.scale, None, self.workspace, self.config)
 
 
 def candidates(n, k, elem_bytes, num_sms, quick):
