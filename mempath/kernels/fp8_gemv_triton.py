@@ -452,14 +452,21 @@ def triton_fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     return out
 
 
+_TMA_DEVICES: dict[int, bool] = {}
+
+
 def tma_fits(weight: torch.Tensor, rows: int) -> bool:
     """Whether a tma configuration can run: one row, a triton with host-side TMA descriptors, a device with the
     TMA (Hopper on; or Triton's interpreter), and a weight the TMA can address (16-byte aligned rows)."""
     if rows != 1 or TensorDescriptor is None or weight.stride(1) != 1:
         return False
-    if weight.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") \
-            and torch.cuda.get_device_capability(weight.device)[0] < 9:
-        return False
+    if weight.is_cuda:
+        index = weight.device.index if weight.device.index is not None else torch.cuda.current_device()
+        if index not in _TMA_DEVICES:  # once a device: this runs at every eager launch of a tma configuration
+            interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+            _TMA_DEVICES[index] = interpreted or torch.cuda.get_device_capability(index)[0] >= 9
+        if not _TMA_DEVICES[index]:
+            return False
     return weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0
 
 
