@@ -16,7 +16,9 @@ each beside its weight-read limit (the bytes a decode step reads: every weight b
 input embedding, over the device-to-device copy bandwidth measured in the same run,
 bench_engine.copy_bandwidth), and their greedy agreement; then which kernel each fp8 layer
 shape ran at each batch bucket (the weight-only GEMV's configuration, or _scaled_mm). Prints
-tables and one ``RESULT`` JSON line.
+tables and one ``RESULT`` JSON line. ``--also-table`` adds an fp8 engine on another fp8 GEMV table,
+``--also-dense-table`` a bf16 engine on another dense GEMV table: the end-to-end A/B of a table's
+entries, in one process (how the dense table's one-row MLP entries were chosen).
 """
 import argparse
 import json
@@ -34,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from mempath import LLM, SamplingParams  # noqa: E402
-from mempath.kernels.fp8_gemv_triton import DEFAULT_TABLE, GEMV_MAX_ROWS, TABLE_ENV  # noqa: E402
+from mempath.kernels.fp8_gemv_triton import DEFAULT_TABLE, DENSE_TABLE_ENV, GEMV_MAX_ROWS, TABLE_ENV  # noqa: E402
 from mempath.model.llama import AttentionMetadata  # noqa: E402
 
 TINY = str(ROOT / "mempath" / "assets" / "mempath-tiny")
@@ -152,19 +154,22 @@ def bench_latency(args) -> dict:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(args.batch)]
     from mempath.model import quant
+    # (name, quantization, the table for its env variable: fp8 GEMV's or, for bf16, the dense GEMV's; fp8 GEMM on)
     runs = [("bf16", None, None, True), ("fp8", "fp8", None, True)]
+    runs += [(f"bf16, {Path(table).name}", None, str(Path(table).resolve()), True) for table in args.also_dense_table]
     runs += [(f"fp8, {Path(table).name}", "fp8", str(Path(table).resolve()), True) for table in args.also_table]
     if args.also_scaled_mm:
         runs.append((f"fp8, _scaled_mm above {GEMV_MAX_ROWS} rows", "fp8", None, False))
     measured = {}
-    given_table = os.environ.get(TABLE_ENV)
+    given = {env: os.environ.get(env) for env in (TABLE_ENV, DENSE_TABLE_ENV)}
     for name, quantization, table, fp8_gemm in runs:
-        if table:
-            os.environ[TABLE_ENV] = table
-        elif given_table is None:
-            os.environ.pop(TABLE_ENV, None)
-        else:
-            os.environ[TABLE_ENV] = given_table
+        for env, value in given.items():
+            if table and env == (TABLE_ENV if quantization else DENSE_TABLE_ENV):
+                os.environ[env] = table
+            elif value is None:
+                os.environ.pop(env, None)
+            else:
+                os.environ[env] = value
         quant.USE_FP8_GEMM = fp8_gemm
         llm = LLM(path, load_format="dummy", dtype="bfloat16", quantization=quantization, max_num_seqs=args.batch,
                   max_model_len=args.prompt_len + args.new_tokens + 32, show_progress=False,
@@ -177,6 +182,9 @@ def bench_latency(args) -> dict:
         if quantization:
             measured[name]["kernels"] = fp8_kernels(llm)
             measured[name]["table"] = os.environ.get(TABLE_ENV) or str(DEFAULT_TABLE.relative_to(ROOT))
+        elif llm.engine.model.fp8_gemv is not None:  # the dense GEMV's choices, cuBLAS where its table lists none
+            measured[name]["kernels"] = dict(llm.engine.model.fp8_gemv.chosen)
+            measured[name]["table"] = os.environ.get(DENSE_TABLE_ENV) or "the shipped dense table"
         del llm
         torch.cuda.empty_cache()
     quant.USE_FP8_GEMM = True
@@ -193,7 +201,7 @@ def bench_latency(args) -> dict:
     speedup = bf16["ms_per_token"] / fp8["ms_per_token"]
     for name, m in measured.items():
         if "kernels" in m:
-            print(f"{name}: the fp8 kernels that ran (GEMV configurations from {m['table']}):")
+            print(f"{name}: the kernels that ran (GEMV configurations from {m['table']}):")
             for shape, kernel in m["kernels"].items():
                 print(f"  {shape}: {kernel}")
     print(f"fp8 / bf16 tokens/s: {speedup:.2f}x; greedy tokens identical for the first {same} of {args.new_tokens} "
@@ -218,6 +226,8 @@ def main() -> None:
     lat.add_argument("--table", help=f"an fp8 GEMV configuration table (default: {TABLE_ENV} or the shipped one)")
     lat.add_argument("--also-table", action="append", default=[],
                      help="another table, run as a third engine beside the first fp8 one (repeatable)")
+    lat.add_argument("--also-dense-table", action="append", default=[],
+                     help="a dense GEMV table (bench_dense_gemv.py's), run as another bf16 engine (repeatable)")
     lat.add_argument("--also-scaled-mm", action="store_true",
                      help="a third fp8 engine whose batches above the GEMV's rows all run _scaled_mm "
                           "(model.quant.USE_FP8_GEMM off: the A/B of the fp8 GEMM's table)")
@@ -226,6 +236,12 @@ def main() -> None:
     args = parser.parse_args()
     if getattr(args, "batch", 1) < 1:
         parser.error(f"--batch {args.batch}: give 1 or more sequences")
+    for flag in ("table", "also_table", "also_dense_table"):
+        given = getattr(args, flag, None)
+        for table in [given] if isinstance(given, str) else given or []:
+            if not Path(table).is_file():
+                parser.error(f"--{flag.replace('_', '-')} {table}: no such file (bench_fp8_gemv.py or "
+                             f"bench_dense_gemv.py --out FILE writes a table)")
     if getattr(args, "table", None):
         os.environ[TABLE_ENV] = str(Path(args.table).resolve())
     if args.bench == "accuracy":

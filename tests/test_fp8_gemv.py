@@ -456,6 +456,25 @@ def test_dense_layers_take_the_gemv_only_where_the_table_lists_their_bucket(monk
     assert gemv.chosen["64x32 rows<=4"] == table["64x32"]["4"].describe()
 
 
+def test_a_dense_tma_entry_that_cannot_run_is_cublas_not_its_fallback_tiles(monkeypatch):
+    """The dense table's TMA tiles were measured against cuBLAS; where the TMA cannot run (before Hopper, a
+    triton without descriptors) the layer takes F.linear, and ``chosen`` says why."""
+    pytest.importorskip("triton")
+    from mempath.kernels import fp8_gemv_triton as gemv_module
+    from mempath.kernels.fp8_gemv_triton import Fp8Gemv, GemvConfig
+    ran = []
+    monkeypatch.setattr(Fp8Gemv, "__call__", lambda self, x, w, s, b, config: ran.append(config) or x @ w.t())
+    table = {"64x32": {"1": GemvConfig(block_n=16, block_k=32, tma=True)}}
+    gemv = Fp8Gemv(64, torch.device("cpu"), table)
+    w, x = torch.randn(64, 32), torch.randn(1, 32)
+    if gemv_module.TensorDescriptor is not None:
+        quant.dense_linear_cuda(x, w, None, gemv)
+        assert ran == [table["64x32"]["1"]]  # the TMA can run here (Triton's interpreter on the CPU)
+    monkeypatch.setattr(gemv_module, "TensorDescriptor", None)
+    torch.testing.assert_close(quant.dense_linear_cuda(x, w, None, gemv), torch.nn.functional.linear(x, w))
+    assert len(ran) <= 1 and gemv.chosen["64x32 rows<=1"] == "cuBLAS (F.linear; the table's tma cannot run here)"
+
+
 def test_the_shipped_dense_table_loads_and_refuses_fp8_choices(tmp_path, monkeypatch):
     from mempath.kernels.fp8_gemv_triton import GemvConfig, load_dense_table, table_json
     shipped = load_dense_table()
@@ -518,17 +537,19 @@ def test_gpu_gemv_matches_twin():
 @needs_fp8_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_tma_gemv_matches_twin(dtype):
-    """The TMA tiles compiled: the test's configurations, the sweep's tiles on a 4096-wide weight, and a 16-bit
-    weight (the dense GEMV's use of the same kernel)."""
+    """The TMA tiles compiled: the test's configurations, the sweep's tiles (each depth on half of them) on a
+    4096-wide weight, and 16-bit weights (the dense GEMV's use of the same kernel) with the dense table's tiles."""
     pytest.importorskip("triton.tools.tensor_descriptor")
     from mempath.kernels.fp8_gemv_triton import GemvConfig
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the TMA needs Hopper")
     shapes = ((80, 208), (64, 256), (1000, 4096))
-    sweep_tiles = [GemvConfig(block_n=bn, block_k=bk, split_k=split, num_stages=stages, tma=True)
-                   for bn, bk in ((16, 256), (32, 256), (64, 128)) for split in (1, 4) for stages in (3, 6)]
+    sweep_tiles = [GemvConfig(block_n=bn, block_k=bk, split_k=split, num_stages=3 + 3 * ((i + j) % 2), tma=True)
+                   for i, (bn, bk) in enumerate(((16, 256), (32, 256), (64, 128))) for j, split in enumerate((1, 4))]
+    dense_tiles = [GemvConfig(block_n=32, block_k=128, split_k=split, tma=True) for split in (1, 8)]
     check_fp8_gemv("cuda", (dtype,), rows_list=(1, 3), shapes=shapes, configs=tma_configs() + sweep_tiles)
-    check_16bit_weight_gemv("cuda", dtype, rows_list=(1,), shapes=shapes, configs=tma_configs() + sweep_tiles[::2])
+    check_16bit_weight_gemv("cuda", dtype, rows_list=(1,), shapes=shapes,
+                            configs=tma_configs() + sweep_tiles[::2] + dense_tiles)
 
 
 @needs_fp8_gpu

@@ -282,11 +282,16 @@ USE_DENSE_GEMV = True
 
 def dense_linear_cuda(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` of a 16-bit layer: the GEMV (``gemv``: a kernels.fp8_gemv_triton.Fp8Gemv
-    over the dense table) where the table lists the layer's shape at x's batch bucket, else F.linear."""
-    from mempath.kernels.fp8_gemv_triton import GEMV_MAX_ROWS
+    over the dense table) where the table lists the layer's shape at x's batch bucket, else F.linear. A TMA
+    entry where the TMA cannot run (before Hopper) is F.linear too: the table measured those tiles against
+    cuBLAS, not the tiles' fallback product."""
+    from mempath.kernels.fp8_gemv_triton import GEMV_MAX_ROWS, row_bucket, tma_fits
     n, k = weight.shape
     rows = x.numel() // k
     config = gemv.tabled_config(n, k, rows) if 0 < rows <= GEMV_MAX_ROWS else None
+    if config is not None and config.tma and not tma_fits(weight, rows):
+        gemv.chosen[f"{n}x{k} rows<={row_bucket(rows)}"] = "cuBLAS (F.linear; the table's tma cannot run here)"
+        config = None
     if config is None:
         return F.linear(x, weight, bias)
     return gemv(x.reshape(rows, k), weight, None, bias, config).view(*x.shape[:-1], n)
