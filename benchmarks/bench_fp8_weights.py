@@ -123,12 +123,16 @@ def bench_accuracy(args) -> dict:
 
 # --------------------------------------------------------------------------- latency (CUDA)
 def decode_ms(llm, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[int]]:
-    """ms a decode step of the batch of ``prompts`` (prefilled together), the median over three runs of
-    the requests' median; and the first request's tokens."""
+    """ms a decode step of the batch of ``prompts``, the median over three runs of the requests' median; and
+    the first request's tokens. Several prompts are prefilled first, so that the timed run finds them in the
+    prefix cache and starts every request in one step: otherwise prompts over max_num_batched_tokens prefill
+    in chunks beside the first requests' decode, and those steps would count as decode (as bench_engine does)."""
     llm.generate(prompts, greedy(8), use_tqdm=False)
     runs = []
     for _ in range(3):
         llm.engine.kv.pool.reset_prefix_cache()
+        if len(prompts) > 1:
+            llm.generate(prompts, greedy(1), use_tqdm=False)
         outs = llm.generate(prompts, greedy(new_tokens), use_tqdm=False)
         runs.append(float(np.median([(o.total_time - o.time_to_first_token) / (new_tokens - 1) for o in outs])))
     return 1e3 * float(np.median(runs)), outs[0].token_ids
