@@ -6,7 +6,8 @@
 #   pending, fp8-gemv, fp8-latency, mix-qwen3, mix-llama, mix-moe, mix-tokens, structured, moe-offload, moe-resident,
 #   spec-a, spec-bc, multi, sleep-tests, sleep, fp8-kv-tests, fp8-kv, fp8-transfer, mix-fp8, fp8-sweep, fp8-gemv-tests,
 #   fp8-gemm-tests, fp8-gemm, fp8-gemm-latency (the open issues, below; STEPS="wheels pending ..." for those needing xgrammar)
-#   dense-gemv (~2 min: the dense GEMV's table), dense-latency (~5 min: decode with and without it)
+#   dense-gemv (~2 min: the dense GEMV's table), dense-latency (~5 min: decode with and without it),
+#   dense-mlp-ab (~1.5 min: the table's one-row TMA entries against cuBLAS)
 #   decode-sweep (~8 min; DECODE_RUNS picks the shapes)  router-tests, moe-router (~7 min: #21's router kernel)
 #   profile (~1 min: kernel table at batch 1), profile-moe, profile-mistral  profile-workload (~1 min: host/device split of the throughput run)
 # For `serve`, carry fastapi/uvicorn/starlette/pydantic(+core)/anyio/h11/sniffio/annotated-types/
@@ -134,10 +135,42 @@ step moe-router 480 python3 benchmarks/bench_moe.py --parts pinned,resident --va
 # of RMSNorm + projection; swept and written where the engine reads it (a copy comes back in $OUT to be committed),
 # then decode with and without it (DENSE_RUNS: shape:batch:prompt:hf_tokens). Rows 1 and 2 by default: the chains'
 # gains at 4, 8 and 16 rows turned into losses in the decode step (BENCHMARKS.md, "the dense GEMV").
+# The table's one-row TMA entries (gate/up and down of Llama and Mistral, 2026-12-06) were chosen end to end, not by
+# this sweep, which times no TMA tiles: the sweep's table gets them back where it lists nothing for their bucket
+# (dense-mlp-ab below measures them against cuBLAS).
+want dense-gemv && cp mempath/assets/dense_gemv_configs.json /tmp/dense-before-sweep.json
 step dense-gemv 400 python3 benchmarks/bench_dense_gemv.py --rows "${DENSE_GEMV_ROWS:-1,2}" \
   --shape "${DENSE_GEMV_SHAPES:-llama-3.1-8b,mistral-7b-v0.1,qwen2.5-7b-instruct,qwen3-0.6b,qwen3-30b-a3b}" \
   --out mempath/assets/dense_gemv_configs.json
+want dense-gemv && python3 - <<'PY'
+import json
+from mempath.kernels.fp8_gemv_triton import DENSE_TABLE, load_dense_table, table_json
+before, after = load_dense_table("/tmp/dense-before-sweep.json"), load_dense_table()
+about = json.loads(DENSE_TABLE.read_text())
+for shape, buckets in before.items():
+    for bucket, config in buckets.items():
+        if config.tma and bucket not in after.get(shape, {}):
+            after[shape] = dict(sorted({**after.get(shape, {}), bucket: config}.items(), key=lambda kv: int(kv[0])))
+DENSE_TABLE.write_text(table_json(after, **{k: v for k, v in about.items() if k != "configs"}))
+PY
 want dense-gemv && cp mempath/assets/dense_gemv_configs.json "$OUT/" 2>/dev/null
+# The one-row TMA entries against cuBLAS, end to end: the shipped table against itself without them.
+if want dense-mlp-ab; then
+  python3 - <<'PY'
+import json
+table = json.load(open("mempath/assets/dense_gemv_configs.json"))
+for buckets in table["configs"].values():
+    for bucket in [b for b, config in buckets.items() if config.get("tma")]:
+        del buckets[bucket]
+json.dump(table, open("/tmp/dense-without-tma.json", "w"))
+PY
+  for shape in llama-3.1-8b mistral-7b-v0.1; do
+    step dense-mlp-ab 150 python3 benchmarks/bench_fp8_weights.py latency --shape "$shape" --new-tokens 128 \
+      --also-dense-table /tmp/dense-without-tma.json
+    mv "$LOGS/dense-mlp-ab.log" "$LOGS/dense-mlp-ab-$shape.log"
+  done
+  tar -czf "$OUT/logs.tgz" -C "$LOGS" .
+fi
 if want dense-latency; then
   for run in ${DENSE_RUNS:-llama-3.1-8b:1:128:32 mistral-7b-v0.1:1:512:0 qwen2.5-7b-instruct:1:128:0 llama-3.1-8b:8:960:0 \
              llama-3.1-8b:16:960:0}; do
