@@ -108,10 +108,21 @@ def _set_decode_order(longest_first: bool):
     runner.DECODE_LONGEST_FIRST = longest_first
 
 
+def _decode_programs_per_sm(programs: int):
+    """A setter of the decode attention's target programs an SM (how many splits a batch gets)."""
+    def set_programs(default: bool):
+        from mempath.kernels import attention_triton
+        attention_triton.DECODE_PROGRAMS_PER_SM = DEFAULT_DECODE_PROGRAMS_PER_SM if default else programs
+    return set_programs
+
+
+DEFAULT_DECODE_PROGRAMS_PER_SM = 4  # mempath.kernels.attention_triton's (checked where the variant runs)
+
 # --variants NAME: the same measurement with one choice flipped, in the same run:
 # a fast-path piece turned off, or an alternative we did not adopt.
 VARIANTS = {"no-fused-rope-store": _set_rope_store, "no-fused-qk-norm": _set_qk_norm, "no-pdl": _set_pdl,
-            "cublaslt": _set_cublas, "no-dense-gemv": _set_dense_gemv, "batch-decode-order": _set_decode_order}
+            "cublaslt": _set_cublas, "no-dense-gemv": _set_dense_gemv, "batch-decode-order": _set_decode_order,
+            **{f"decode-programs-{n}": _decode_programs_per_sm(n) for n in (1, 2, 8)}}
 
 
 def copy_weights(llm, hf) -> None:
@@ -190,6 +201,9 @@ def bench_latency(args) -> dict:
     limit_ms = decode_read_limit_ms(read_bytes, kv_token_bytes, args.batch, mean_context, bandwidth)
     variants = {}
     for name in args.variants:
+        if name.startswith("decode-programs-"):
+            from mempath.kernels import attention_triton
+            assert attention_triton.DECODE_PROGRAMS_PER_SM == DEFAULT_DECODE_PROGRAMS_PER_SM
         VARIANTS[name](False)
         try:
             result = measure_latency(args, prompts, model)
