@@ -109,14 +109,19 @@ def _set_decode_order(longest_first: bool):
 
 
 def _decode_programs_per_sm(programs: int):
-    """A setter of the decode attention's target programs an SM (how many splits a batch gets)."""
+    """A setter of the decode attention's target programs an SM (how many splits a batch gets): ``programs``,
+    then back to the value it replaced."""
+    replaced = []
+
     def set_programs(default: bool):
         from mempath.kernels import attention_triton
-        attention_triton.DECODE_PROGRAMS_PER_SM = DEFAULT_DECODE_PROGRAMS_PER_SM if default else programs
+        if default:
+            attention_triton.DECODE_PROGRAMS_PER_SM = replaced.pop()
+        else:
+            replaced.append(attention_triton.DECODE_PROGRAMS_PER_SM)
+            attention_triton.DECODE_PROGRAMS_PER_SM = programs
     return set_programs
 
-
-DEFAULT_DECODE_PROGRAMS_PER_SM = 4  # mempath.kernels.attention_triton's (checked where the variant runs)
 
 # --variants NAME: the same measurement with one choice flipped, in the same run:
 # a fast-path piece turned off, or an alternative we did not adopt.
@@ -201,9 +206,6 @@ def bench_latency(args) -> dict:
     limit_ms = decode_read_limit_ms(read_bytes, kv_token_bytes, args.batch, mean_context, bandwidth)
     variants = {}
     for name in args.variants:
-        if name.startswith("decode-programs-"):
-            from mempath.kernels import attention_triton
-            assert attention_triton.DECODE_PROGRAMS_PER_SM == DEFAULT_DECODE_PROGRAMS_PER_SM
         VARIANTS[name](False)
         try:
             result = measure_latency(args, prompts, model)
