@@ -374,7 +374,18 @@ def without_router_kernel():
         dispatch.triton_kernels = original
 
 
-RESIDENT_VARIANTS = {"no-router-kernel": without_router_kernel}
+@contextlib.contextmanager
+def without_chain_pdl():
+    """Route, align and the grouped GEMMs launched without programmatic dependent launch (as before)."""
+    from mempath.kernels import moe_triton
+    moe_triton.MOE_CHAIN_PDL = False
+    try:
+        yield
+    finally:
+        moe_triton.MOE_CHAIN_PDL = True
+
+
+RESIDENT_VARIANTS = {"no-router-kernel": without_router_kernel, "no-chain-pdl": without_chain_pdl}
 
 
 RESIDENT_MODELS = ("qwen3-30b-a3b", "mixtral-8x7b")  # --resident-models, in the order of main's (qwen, mixtral)

@@ -14,10 +14,10 @@ import textwrap
 import pytest
 import torch
 
-from mempath.kernels import attention_triton, common, elementwise_triton, fp8_gemm_triton, quant_triton
+from mempath.kernels import attention_triton, common, elementwise_triton, fp8_gemm_triton, moe_triton, quant_triton
 
 # Names of pointers a kernel may read before its wait: weights, never written by a kernel.
-READ_BEFORE_WAIT = {"w_ptr"}
+READ_BEFORE_WAIT = {"w_ptr", "w_rows"}
 
 
 def _kernels(module):
@@ -32,7 +32,7 @@ def _calls(node, name):
             and (getattr(c.func, "attr", None) == name or getattr(c.func, "id", None) == name)]
 
 
-@pytest.mark.parametrize("module", [attention_triton, elementwise_triton, quant_triton, fp8_gemm_triton],
+@pytest.mark.parametrize("module", [attention_triton, elementwise_triton, quant_triton, fp8_gemm_triton, moe_triton],
                          ids=lambda m: m.__name__)
 def test_every_kernel_waits_before_touching_activations(module):
     kernels = list(_kernels(module))

@@ -22,6 +22,11 @@ Here nothing is read on the host, so a decode CUDA graph can hold the layer:
   block read before the wait for the kernel before it (programmatic dependent launch: the
   weights are never written by a step).
 
+Every launch here waits for the kernel before it on the device (programmatic dependent launch,
+mempath.kernels.common.pdl_options), so at batch 1 a layer's chain of small launches starts each
+one while the previous drains; ``MOE_CHAIN_PDL = False`` launches route, align and the grouped GEMMs
+plainly, for A/B measurements.
+
 Float32 inputs are multiplied in IEEE float32 (no TF32), so the oracle comparison is
 against the twin's float32 arithmetic, not a lower precision.
 
@@ -53,7 +58,8 @@ if HAS_TRITON:
     def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, pair_ptr, block_expert_ptr, weight_ptr, n, k,
                              stride_am, stride_be, stride_bn, stride_bk, stride_cm, ROWS_PER_A: tl.constexpr,
                              WEIGHTED: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)  # the row blocks' experts are the align kernel's output
         block = tl.program_id(0)
         expert = tl.load(block_expert_ptr + block).to(tl.int64)
         if expert < 0:
@@ -129,8 +135,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride, TOP_K: tl.constexpr,
-                      NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                      NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         """One token: softmax over its experts in float32, the top k (ties: the lower expert), renormalised."""
+        pdl_wait(PDL)
         token = tl.program_id(0).to(tl.int64)
         experts = tl.arange(0, BLOCK_E)
         x = tl.load(logits_ptr + token * stride + experts, mask=experts < num_experts, other=-float("inf"))
@@ -155,8 +162,9 @@ if HAS_TRITON:
     @triton.jit
     def _align_kernel(ids_ptr, pair_of_row_ptr, block_expert_ptr, num_pairs, num_experts, num_rows, num_blocks,
                       BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
-                      BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
+                      BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr):
         """align_to_blocks in one program, for few pairs (comparisons of every pair with every pair)."""
+        pdl_wait(PDL)
         pairs = tl.arange(0, BLOCK_P)
         real = pairs < num_pairs
         expert_of = tl.load(ids_ptr + pairs, mask=real, other=num_experts).to(tl.int32)
@@ -309,6 +317,15 @@ def _choose(table: dict, n: int, k: int, bucket: int, itemsize: int) -> GroupedG
 # (BENCHMARKS.md, the Qwen3-30B-A3B kernel table); up to this many pairs one program does it.
 FUSED_ALIGN_MAX_PAIRS = 128
 
+# The route, align and grouped-GEMM launches with programmatic dependent launch (as the router's
+# logits and the pair sum already were). False: those three launched plainly, for A/B measurements
+# of them alone (common.USE_PDL switches every kernel).
+MOE_CHAIN_PDL = True
+
+
+def _chain_pdl(device: torch.device) -> dict:
+    return pdl_options(device) if MOE_CHAIN_PDL else {"PDL": False}
+
 
 # Decode batches up to this many tokens take the router kernel (MoEBlock.route); larger ones the matmul library.
 ROUTER_KERNEL_MAX_ROWS = 16
@@ -351,7 +368,7 @@ def triton_route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, weights
     if tokens:
         _route_kernel[(tokens,)](logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
                                  NORM=norm_topk_prob, BLOCK_E=triton.next_power_of_2(num_experts),
-                                 BLOCK_K=triton.next_power_of_2(top_k), num_warps=1)
+                                 BLOCK_K=triton.next_power_of_2(top_k), **_chain_pdl(logits.device), num_warps=1)
     return weights, ids
 
 
@@ -366,7 +383,8 @@ def align_fused(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tup
                         BLOCK_M=block_m, BLOCK_P=max(16, triton.next_power_of_2(num_pairs)),
                         BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
                         BLOCK_R=triton.next_power_of_2(num_blocks * block_m),
-                        BLOCK_B=max(16, triton.next_power_of_2(num_blocks)), num_warps=4)
+                        BLOCK_B=max(16, triton.next_power_of_2(num_blocks)), **_chain_pdl(flat.device),
+                        num_warps=4)
     return pair_of_row, block_expert
 
 
@@ -414,8 +432,8 @@ def _grouped_gemm(a, weights, out, pair_of_row, block_expert, block_m, rows_per_
         a, weights, out, pair_of_row, block_expert, router_weights if router_weights is not None else out, n, k,
         a.stride(0), weights.stride(0), weights.stride(1), weights.stride(2), out.stride(0),
         ROWS_PER_A=rows_per_a, WEIGHTED=router_weights is not None, IEEE=a.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
-        num_stages=config.num_stages)
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, **_chain_pdl(a.device),
+        num_warps=config.num_warps, num_stages=config.num_stages)
 
 
 def triton_grouped_expert_pairs(x: torch.Tensor, router_weights: torch.Tensor, expert_ids: torch.Tensor,
