@@ -385,7 +385,19 @@ def without_chain_pdl():
         moe_triton.MOE_CHAIN_PDL = True
 
 
-RESIDENT_VARIANTS = {"no-router-kernel": without_router_kernel, "no-chain-pdl": without_chain_pdl}
+@contextlib.contextmanager
+def aligned_one_token():
+    """A single token's pairs sorted by the align launch, as any batch's (before: one pair a block, unsorted)."""
+    from mempath.kernels import moe_triton
+    moe_triton.ONE_TOKEN_UNALIGNED = False
+    try:
+        yield
+    finally:
+        moe_triton.ONE_TOKEN_UNALIGNED = True
+
+
+RESIDENT_VARIANTS = {"no-router-kernel": without_router_kernel, "no-chain-pdl": without_chain_pdl,
+                     "aligned-one-token": aligned_one_token}
 
 
 RESIDENT_MODELS = ("qwen3-30b-a3b", "mixtral-8x7b")  # --resident-models, in the order of main's (qwen, mixtral)

@@ -100,6 +100,31 @@ COMPARE = textwrap.dedent("""
         cached = triton_grouped_experts(x, weights, slot_of[ids], gate_up[resident], down[resident], silu)
         assert torch.equal(full, cached), (tokens, experts, top_k, (full - cached).abs().max().item())
 
+    def check_one_token(experts, top_k, hidden, inter, dtype, device, seed=0):
+        # One token's pairs run one a block with no align launch, and give the aligned launch's bits.
+        from mempath.kernels import moe_triton
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(1, hidden, generator=g).to(device, dtype)
+        gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.1).to(device, dtype)
+        down = (torch.randn(experts, hidden, inter, generator=g) * 0.1).to(device, dtype)
+        weights, ids = torch.topk(torch.softmax(torch.rand(1, experts, generator=g), -1), top_k, dim=-1)
+        weights, ids = weights.to(device, dtype), ids.to(device)
+        silu = torch_kernels().silu_and_mul
+        aligners = moe_triton.align_fused, moe_triton.align_to_blocks
+        def no_align(*args):
+            raise AssertionError("one token's pairs were aligned")
+        moe_triton.align_fused = moe_triton.align_to_blocks = no_align
+        try:
+            unaligned = moe_triton.triton_grouped_expert_pairs(x, weights, ids, gate_up, down, silu)
+        finally:
+            moe_triton.align_fused, moe_triton.align_to_blocks = aligners
+        moe_triton.ONE_TOKEN_UNALIGNED = False
+        try:
+            aligned = moe_triton.triton_grouped_expert_pairs(x, weights, ids, gate_up, down, silu)
+        finally:
+            moe_triton.ONE_TOKEN_UNALIGNED = True
+        assert torch.equal(unaligned, aligned), (experts, top_k, dtype, (unaligned - aligned).abs().max().item())
+
     def run_configs(device, dtype):
         from mempath.kernels.moe_triton import GroupedGemmConfig
         configs = [GroupedGemmConfig(block_n=16, block_k=32, num_warps=2, num_stages=2),
@@ -112,6 +137,7 @@ COMPARE = textwrap.dedent("""
         with_config(configs[0], check, 600, 8, 2, 64, 48, dtype, device, seed=30)         # 64-row blocks
         check_slots(4, 16, 4, 64, 48, dtype, device)
         with_config(configs[1], check_slots, 3, 8, 2, 32, 40, dtype, device, seed=1)
+        with_config(configs[2], check_one_token, 16, 4, 32, 40, dtype, device, seed=2)  # tails in N and K
 
     def run_all(device, dtypes):
         check_align(1, 128, 8, 16, device)                                # Qwen3-30B-A3B decode, batch 1
@@ -124,6 +150,7 @@ COMPARE = textwrap.dedent("""
             check_route(3, 60, 4, False, dtype, dtype, device, seed=1)     # not renormalised
         for dtype in dtypes:
             check(1, 8, 2, 64, 48, dtype, device)                      # decode, batch 1
+            check_one_token(128, 8, 64, 48, dtype, device)             # Qwen3-30B-A3B's routing, batch 1
             check(37, 8, 2, 64, 48, dtype, device, skip_expert=3)       # an empty group, ragged groups
             check(5, 16, 4, 32, 40, dtype, device, seed=1)              # K, N not multiples of the tiles
             check(600, 8, 2, 64, 48, dtype, device, seed=2)             # prefill-sized: 64-row blocks

@@ -9,7 +9,9 @@ Here nothing is read on the host, so a decode CUDA graph can hold the layer:
   ``moe_align_block_size``): a row block then belongs to one expert, and a block→expert
   map says which (-1: past the last group). The number of blocks has a bound that
   depends only on the shapes, ``cdiv(pairs, BLOCK_M) + min(pairs, E)``, so the grid is
-  fixed for a captured batch size and the empty blocks return at once.
+  fixed for a captured batch size and the empty blocks return at once. A single token (decode
+  at batch 1) needs none of it: its k experts are distinct, so each pair is a group of one, and the
+  GEMMs run one pair a block straight from the router's ids (``ONE_TOKEN_UNALIGNED``).
 - ``_grouped_gemm_kernel``: each program takes one row block and one column tile,
   loads its expert from the map, gathers its rows (the token's hidden state for
   gate/up, the pair's activation for down) and writes the pair's output row, the
@@ -55,16 +57,22 @@ if HAS_TRITON:
     from mempath.kernels.common import pdl_wait
 
     @triton.jit
-    def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, pair_ptr, block_expert_ptr, weight_ptr, n, k,
+    def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, pair_ptr, block_expert_ptr, weight_ptr, n, k, num_experts,
                              stride_am, stride_be, stride_bn, stride_bk, stride_cm, ROWS_PER_A: tl.constexpr,
                              WEIGHTED: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-        pdl_wait(PDL)  # the row blocks' experts are the align kernel's output
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PAIR: tl.constexpr,
+                             PDL: tl.constexpr):
+        """ONE_PAIR: block b is pair b alone (its row 0; ``block_expert_ptr`` the pairs' experts), for one
+        token, whose k experts are distinct: no align launch, and each row is the product it is in a group."""
+        pdl_wait(PDL)  # the row blocks' experts are the align (or route) kernel's output
         block = tl.program_id(0)
         expert = tl.load(block_expert_ptr + block).to(tl.int64)
-        if expert < 0:
+        if (expert < 0) | (expert >= num_experts):
             return
-        pairs = tl.load(pair_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        if ONE_PAIR:
+            pairs = tl.where(tl.arange(0, BLOCK_M) == 0, block, -1).to(tl.int64)
+        else:
+            pairs = tl.load(pair_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         row_ok = pairs >= 0
         a_rows = tl.where(row_ok, pairs // ROWS_PER_A, 0)  # gate/up reads the token's row, down the pair's
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -323,6 +331,11 @@ FUSED_ALIGN_MAX_PAIRS = 128
 MOE_CHAIN_PDL = True
 
 
+# A single token's pairs run one pair a block, unsorted (no align launch). False: aligned as any batch,
+# for A/B measurements; the bits are the same either way.
+ONE_TOKEN_UNALIGNED = True
+
+
 def _chain_pdl(device: torch.device) -> dict:
     return pdl_options(device) if MOE_CHAIN_PDL else {"PDL": False}
 
@@ -424,16 +437,18 @@ def _grouped_gemm(a, weights, out, pair_of_row, block_expert, block_m, rows_per_
                   config: GroupedGemmConfig | None = None):
     """out[pair] = a[pair // rows_per_a] @ weights[expert].T (times the pair's router weight).
 
+    ``pair_of_row`` None: one pair a block, ``block_expert`` the pairs' experts (one token's, all distinct).
     ``config`` None: ``grouped_gemm_config``'s choice for the shape (the benchmark passes its candidates)."""
     n, k = weights.shape[1], weights.shape[2]
     config = config or grouped_gemm_config(n, k, out.shape[0], a.dtype)  # out: one row per pair
     grid = (block_expert.numel(), triton.cdiv(n, config.block_n))
     _grouped_gemm_kernel[grid](
-        a, weights, out, pair_of_row, block_expert, router_weights if router_weights is not None else out, n, k,
+        a, weights, out, pair_of_row if pair_of_row is not None else block_expert, block_expert,
+        router_weights if router_weights is not None else out, n, k, weights.shape[0],
         a.stride(0), weights.stride(0), weights.stride(1), weights.stride(2), out.stride(0),
         ROWS_PER_A=rows_per_a, WEIGHTED=router_weights is not None, IEEE=a.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, **_chain_pdl(a.device),
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, ONE_PAIR=pair_of_row is None,
+        **_chain_pdl(a.device), num_warps=config.num_warps, num_stages=config.num_stages)
 
 
 def triton_grouped_expert_pairs(x: torch.Tensor, router_weights: torch.Tensor, expert_ids: torch.Tensor,
@@ -448,8 +463,13 @@ def triton_grouped_expert_pairs(x: torch.Tensor, router_weights: torch.Tensor, e
     tokens, top_k = expert_ids.shape
     num_pairs = tokens * top_k
     block_m = block_m_for(num_pairs)
-    align = align_fused if num_pairs <= FUSED_ALIGN_MAX_PAIRS else align_to_blocks
-    pair_of_row, block_expert = align(expert_ids, gate_up_proj.shape[0], block_m)
+    if tokens == 1 and ONE_TOKEN_UNALIGNED:
+        # One token's top k are k distinct experts: each is a group of one pair, which is what a
+        # block of one pair computes, so the pairs need no sorting (and no align launch).
+        pair_of_row, block_expert = None, expert_ids.reshape(-1)
+    else:
+        align = align_fused if num_pairs <= FUSED_ALIGN_MAX_PAIRS else align_to_blocks
+        pair_of_row, block_expert = align(expert_ids, gate_up_proj.shape[0], block_m)
     x = x.contiguous()
     gate_up = x.new_empty(num_pairs, gate_up_proj.shape[1])
     _grouped_gemm(x, gate_up_proj, gate_up, pair_of_row, block_expert, block_m, top_k)
