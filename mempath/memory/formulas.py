@@ -430,7 +430,8 @@ def moe_grouped_phase_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, fu
         routing:  logits T·E·b, float32 softmax T·E·4, top-k values and ids, the sum T·4;
                   then kept: ids T·k·8 and weights T·k·4 (float32: an upper bound)
         maps:     align_to_blocks' pair of each row R·8 and expert of each block B·8; while it
-                  runs, at most 8 int64 arrays of R rows (a bound, not the measured 7.8)
+                  runs, at most 8 int64 arrays of R rows (a bound, not the measured 7.8); none for
+                  one token, whose pairs run unsorted (moe_triton.ONE_TOKEN_UNALIGNED)
         gate/up:  the pairs' gate/up P·2I_e and activation P·I_e (+ silu(gate) P·I_e unfused), ·b
         down:     activation P·I_e·b and float32 outputs P·h·4
         sum:      the outputs P·h·4 and their sum over k in the model dtype T·h·b (one kernel:
@@ -447,14 +448,16 @@ def moe_grouped_phase_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, fu
     rows = blocks * block_m
     routing = pairs * 12
     routing_peak = tokens * (experts * (dtype_bytes + 4) + 4) + pairs * (dtype_bytes + 8)
-    maps = rows * 8 + blocks * 8
+    one_token = tokens == 1  # no sort, so no maps and no align temporaries
+    maps = 0 if one_token else rows * 8 + blocks * 8
+    aligning = 0 if one_token else routing + pairs * 16 + 8 * rows * 8
     # An expert cache's later waves (mempath/model/moe_slots.py) hold their own pair outputs, slot ids
     # and mask beside the step's pair outputs.
     slot_waves = pairs * (h * 4 + 17) if 0 < shape.num_expert_slots < experts else 0
     gate_up = pairs * i * dtype_bytes * (3 if fused else 4) + slot_waves
     down = pairs * i * dtype_bytes + pairs * h * 4 + slot_waves
     summed = pairs * h * 4 + tokens * h * dtype_bytes
-    return max(routing_peak, routing + pairs * 16 + 8 * rows * 8, routing + maps + max(gate_up, down, summed))
+    return max(routing_peak, aligning, routing + maps + max(gate_up, down, summed))
 
 
 
