@@ -125,6 +125,11 @@ USE_PDL = True
 _PDL_DEVICES = {}
 
 
+def interpreted() -> bool:
+    """Whether Triton runs its kernels in the interpreter (TRITON_INTERPRET): no PTX is compiled there."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def use_pdl(device: torch.device) -> bool:
     """Whether kernels launched on ``device`` use programmatic dependent launch.
 
@@ -137,8 +142,8 @@ def use_pdl(device: torch.device) -> bool:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _PDL_DEVICES:  # once per device: this runs at every kernel launch
-        interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # no griddepcontrol there
-        _PDL_DEVICES[index] = not interpreted and torch.cuda.get_device_capability(index)[0] >= 9
+        # No griddepcontrol in the interpreter.
+        _PDL_DEVICES[index] = not interpreted() and torch.cuda.get_device_capability(index)[0] >= 9
     return _PDL_DEVICES[index]
 
 

@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 
 from mempath.constants import FP8_MAX, MIN_SCALE
-from mempath.kernels.common import HAS_TRITON, load_config_table, next_pow2, pdl_options, table_path
+from mempath.kernels.common import HAS_TRITON, interpreted, load_config_table, next_pow2, pdl_options, table_path
 from mempath.kernels.common import config_table_json as table_json  # noqa: F401 - the fp8 table's writer
 from mempath.memory.formulas import FP8_GEMV_MIN_BLOCK_N, FP8_GEMV_WORKSPACE_ROWS, fp8_gemv_workspace_bytes
 
@@ -463,8 +463,7 @@ def tma_fits(weight: torch.Tensor, rows: int) -> bool:
     if weight.is_cuda:
         index = weight.device.index if weight.device.index is not None else torch.cuda.current_device()
         if index not in _TMA_DEVICES:  # once a device: this runs at every eager launch of a tma configuration
-            interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-            _TMA_DEVICES[index] = interpreted or torch.cuda.get_device_capability(index)[0] >= 9
+            _TMA_DEVICES[index] = interpreted() or torch.cuda.get_device_capability(index)[0] >= 9
         if not _TMA_DEVICES[index]:
             return False
     return weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0
