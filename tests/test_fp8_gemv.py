@@ -1,6 +1,7 @@
 """The weight-only fp8 GEMV of decode batches (mempath.kernels.fp8_gemv_triton): its twin, the kernel
 against the twin (Triton's interpreter on the CPU, compiled on CUDA, CUDA-graph capture), the
 configuration table, the dispatch by batch size, and the workspace's bytes against the plan's."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -120,6 +121,37 @@ def check_16bit_weight_gemv(device: str, dtype, rows_list=(1, 3), seed: int = 0,
                 assert not workspace.partials.any() and not workspace.counters.any(), config
 
 
+def check_split_sums_in_order(device: str, calls: int = 3, shapes=((256, 2048), (1000, 2048))) -> None:
+    """A split K's partial sums are added in split order: the atomic way (the last split in adds the
+    slices) gives the two-pass kernel's bits, and the same bits on every call (on the GPU the splits
+    arrive in another order each time). Both reduce with 8 splits, one row and several, on a width that
+    is a multiple of the tile and one that is not; and with the tensor-core tile of 8 warps, where the
+    compiled reduce once read slices another thread had already zeroed (2026-12-06)."""
+    from mempath.kernels.fp8_gemv_triton import GemvConfig, GemvWorkspace, triton_fp8_gemv
+    gen = torch.Generator().manual_seed(5)
+    for n, k in shapes:
+        workspace = GemvWorkspace(n, torch.device(device))
+        w = (torch.randn(n, k, generator=gen) * 0.05).to(device)
+        wq, scale = quantize_rows(w.cpu())
+        weights = [(w.to(torch.bfloat16), None), (wq.to(device), scale.to(device))]
+        for rows in (1, 3):
+            x = torch.randn(rows, k, generator=gen).to(torch.bfloat16).to(device)
+            for weight, weight_scale in weights:
+                pairs = [(GemvConfig(block_n=32, block_k=128, split_k=8, tma=tma, sum_k_each_step=not tma),
+                          GemvConfig(block_n=32, block_k=128, split_k=8, sum_k_each_step=True, reduce="two_pass"))
+                         for tma in ((False, True) if rows == 1 else (False,))]
+                dot = GemvConfig(block_n=128, block_k=128, split_k=8, num_warps=8, num_stages=4, use_dot=True,
+                                 quantize_x=weight_scale is not None)
+                pairs.append((dot, dataclasses.replace(dot, reduce="two_pass")))
+                for atomic, two_pass in pairs:
+                    want = triton_fp8_gemv(x, weight, weight_scale, None, workspace, two_pass)
+                    for _ in range(calls):
+                        got = triton_fp8_gemv(x, weight, weight_scale, None, workspace, atomic)
+                        assert torch.equal(got, want), (n, rows, atomic.describe(), weight.dtype,
+                                                        (got.float() - want.float()).abs().max())
+                        assert not workspace.partials.any() and not workspace.counters.any()
+
+
 def run_interpreted(code: str) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
@@ -135,6 +167,15 @@ def test_fp8_gemv_torch_is_the_weight_only_product():
     expected = x.double() @ (wq.double() * scale.double()).t() + bias.double()  # x itself: no input quantization
     torch.testing.assert_close(fp8_gemv_torch(x, wq, scale, bias).double(), expected, rtol=1e-6, atol=1e-6)
     assert fp8_gemv_torch(x.bfloat16(), wq, scale, None).dtype == torch.bfloat16
+
+
+def test_interpreted_split_k_sums_in_split_order():
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the GPU test runs the compiled kernel")
+    run_interpreted("import sys, torch; sys.path.insert(0, 'tests'); from test_triton_interpret import "
+                    "_patch_interpreter_for_numpy; _patch_interpreter_for_numpy(); "
+                    "from tests.test_fp8_gemv import check_split_sums_in_order; check_split_sums_in_order('cpu', shapes=((200, 1024),))")
 
 
 def test_interpreted_gemv_matches_twin():
@@ -327,14 +368,16 @@ def test_heuristic_splits_k_until_the_sms_are_covered():
     assert heuristic_config(64, 256, 1, 132).split_k == 1  # too short to split
 
 
-def test_two_pass_splits_fit_the_workspace():
+def test_splits_fit_the_workspace():
+    """Each split keeps its own rows x N partials, both ways (the atomic way added them into one M x N sum until
+    2026-12-06, in the order the splits arrived)."""
     from mempath.kernels.fp8_gemv_triton import GemvConfig, GemvWorkspace, fitted_split
     workspace = GemvWorkspace(4096, torch.device("cpu"))  # 32 rows of 4096 partial sums
-    two_pass = GemvConfig(split_k=16, reduce="two_pass", block_k=128)
-    assert fitted_split(two_pass, 16, 4096, 4096, workspace) == 2
-    assert fitted_split(two_pass, 1, 4096, 4096, workspace) == 16
-    assert fitted_split(GemvConfig(split_k=16, block_k=128), 16, 4096, 4096, workspace) == 16  # atomic: M x N
-    assert fitted_split(GemvConfig(split_k=16, block_k=128), 1, 4096, 256, workspace) == 2  # one step of K each
+    for reduce in ("two_pass", "atomic"):
+        config = GemvConfig(split_k=16, reduce=reduce, block_k=128)
+        assert fitted_split(config, 16, 4096, 4096, workspace) == 2
+        assert fitted_split(config, 1, 4096, 4096, workspace) == 16
+        assert fitted_split(config, 1, 4096, 256, workspace) == 2  # one step of K each
 
 
 def test_the_sweep_tries_summing_k_each_step_on_the_multiply_add_tiles():
@@ -532,6 +575,14 @@ needs_fp8_gpu = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.g
 def test_gpu_gemv_matches_twin():
     pytest.importorskip("triton")
     check_fp8_gemv("cuda", (torch.bfloat16, torch.float16, torch.float32), rows_list=(1, 2, 3, 8, 16))
+
+
+@needs_fp8_gpu
+def test_gpu_split_k_sums_in_split_order_every_call():
+    """The bug this pins (2026-12-06): the atomic way added each split into one float32 sum as it arrived, so a
+    projection's bits, and at a near-tie a greedy token, changed from run to run."""
+    pytest.importorskip("triton.tools.tensor_descriptor")
+    check_split_sums_in_order("cuda", calls=50)
 
 
 @needs_fp8_gpu

@@ -33,11 +33,14 @@ The K dimension can be split over ``split_k`` programs per tile of N so that a 4
 layer still fills every SM; the splits' float32 partial sums meet in a workspace allocated
 once per model (:class:`GemvWorkspace`, ``memory.formulas.fp8_gemv_workspace_bytes``), either
 
-- atomically: each split adds its partials into the workspace, then counts itself in on the
-  tile's counter; the last to arrive takes the sums out (an exchange with zeros, so the
-  workspace and the counter are zero again for the next call) and writes the output: one
-  launch; or
+- atomically ("atomic"): each split writes its partials into its own slice of the workspace, then
+  counts itself in on the tile's counter; the last to arrive adds the slices up in split order,
+  zeroes them and the counter for the next call, and writes the output: one launch; or
 - in two passes: each split stores its partials in its own slice, a second kernel sums them.
+
+Both add the splits in the same order, so a call gives the same bits every run (until 2026-12-06
+the atomic way added each split into one sum as it arrived, and a greedy decode could differ from
+run to run).
 
 Nothing is allocated but the output, and nothing is read back to the host, so CUDA graphs
 capture it. Block sizes, the split, warps and stages are arguments (:class:`GemvConfig`); the
@@ -180,9 +183,9 @@ def load_dense_table(path: str | os.PathLike | None = None) -> dict[str, dict[st
 
 
 class GemvWorkspace:
-    """The split-K partial sums (float32, FP8_GEMV_WORKSPACE_ROWS rows of the widest layer) and
-    one arrival counter per tile of the widest layer, shared by every fp8 layer of a model:
-    layers run one after another on one stream. Zero between calls."""
+    """The split-K partial sums (float32, FP8_GEMV_WORKSPACE_ROWS rows of the widest layer: a split
+    of a call's rows a slice) and one arrival counter per tile of the widest layer, shared by every
+    fp8 layer of a model: layers run one after another on one stream. Zero between calls."""
 
     def __init__(self, max_out_features: int, device: torch.device):
         self.max_out_features = max_out_features
@@ -195,11 +198,10 @@ class GemvWorkspace:
 
 
 def fitted_split(config: GemvConfig, rows: int, n: int, k: int, workspace: GemvWorkspace) -> int:
-    """config.split_k, lowered to what the workspace holds (two passes keep split · rows · N
-    partials) and to at most one BLOCK_K step per split."""
+    """config.split_k, lowered to what the workspace holds (each split keeps its rows · N partials)
+    and to at most one BLOCK_K step per split."""
     split = min(config.split_k, max(1, -(-k // config.block_k)))
-    if config.reduce == "two_pass":
-        split = min(split, workspace.partials.numel() // (rows * n))
+    split = min(split, workspace.partials.numel() // (rows * n))
     return max(1, split)
 
 
@@ -309,10 +311,11 @@ if HAS_TRITON:
     @triton.jit
     def _store_or_add_split(acc, scale_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, offs_m, offs_n, m_mask, n_mask,
                             pid_n, pid_k, M, N, split_k, stride_om, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
-                            TWO_PASS: tl.constexpr):
+                            TWO_PASS: tl.constexpr, SPLIT_PAD: tl.constexpr):
         """A program's [BLOCK_M, BLOCK_N] partial product: stored scaled when K is not split; else stored in the
-        split's slice (TWO_PASS: the reduce kernel sums them), or added into the workspace, the last split in
-        taking the sums out and storing them scaled."""
+        split's slice of the workspace, where the reduce kernel sums the slices (TWO_PASS) or the last split to
+        arrive on the tile's counter does, in split order, and stores the sums scaled. Either way the sums are
+        added in the same order every call: the same bits every run, in both ways."""
         tile = offs_m[:, None] * N + offs_n[None, :]
         tile_mask = m_mask[:, None] & n_mask[None, :]
         if split_k == 1:
@@ -322,16 +325,28 @@ if HAS_TRITON:
             if TWO_PASS:
                 tl.store(ws_ptr + pid_k * M * N + tile, acc, mask=tile_mask)
             else:
-                tl.atomic_add(ws_ptr + tile, acc, mask=tile_mask, sem="relaxed")
-                # Every thread's adds are issued before the counter's release; the last split in
-                # reads the sums with atomics, from L2, after its acquire.
+                # The slice is written with atomics at the device's scope, each added into a zero (0 + x is x).
+                # The barrier orders every thread's writes before the counter's release by one thread (release
+                # is cumulative in PTX; CUTLASS's split-K semaphore relies on the same); a fence in every
+                # thread was slower and changed no result (BENCHMARKS.md, twenty-fifth session). The last
+                # split in reads the slices from L2 after its acquire.
+                tl.atomic_add(ws_ptr + pid_k * M * N + tile, acc, mask=tile_mask, sem="relaxed")
                 tl.debug_barrier()
                 arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
                 if arrived == split_k - 1:
-                    # Exchanged as int32 bits (the same on the device; Triton's interpreter exchanges integers only).
-                    bits = ws_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-                    total = tl.atomic_xchg(bits + tile, tl.zeros_like(tile), mask=tile_mask).to(tl.float32,
-                                                                                                bitcast=True)
+                    # Unrolled, with no store between them, so every slice's load is in flight at once; from
+                    # L2 (.cg: this SM's L1 may hold an earlier call's values). Then zeroed for the next call.
+                    total = tl.zeros_like(acc)
+                    for s in tl.static_range(SPLIT_PAD):
+                        in_split = tile_mask & ((tl.zeros_like(tile) + s) < split_k)
+                        total += tl.load(ws_ptr + s * M * N + tile, mask=in_split, other=0.0, cache_modifier=".cg")
+                    # Triton may give the zeroing stores another layout than the loads, so another thread could
+                    # zero an element before its load is done (it did, for the dot tiles of 8 warps where N is
+                    # not a multiple of BLOCK_N): every load done before any store.
+                    tl.debug_barrier()
+                    for s in tl.static_range(SPLIT_PAD):
+                        in_split = tile_mask & ((tl.zeros_like(tile) + s) < split_k)
+                        tl.store(ws_ptr + s * M * N + tile, tl.zeros_like(total), mask=in_split)
                     tl.atomic_xchg(count_ptr + pid_n, 0)
                     _store_scaled(total, scale_ptr, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask, stride_om,
                                   HAS_BIAS, HAS_SCALE)
@@ -342,7 +357,8 @@ if HAS_TRITON:
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
                          TWO_PASS: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr,
                          SUM_K_EACH_STEP: tl.constexpr, QUANT_X: tl.constexpr, FP8_MAX: tl.constexpr,
-                         MIN_SCALE: tl.constexpr, PDL: tl.constexpr, HAS_SCALE: tl.constexpr):
+                         MIN_SCALE: tl.constexpr, PDL: tl.constexpr, HAS_SCALE: tl.constexpr,
+                         SPLIT_PAD: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -355,12 +371,13 @@ if HAS_TRITON:
                                stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, EVEN, PREFETCH, SUM_K_EACH_STEP,
                                QUANT_X, FP8_MAX, MIN_SCALE, PDL)
         _store_or_add_split(acc, scale_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, offs_m, offs_n, m_mask, n_mask,
-                            pid_n, pid_k, M, N, split_k, stride_om, HAS_BIAS, HAS_SCALE, TWO_PASS)
+                            pid_n, pid_k, M, N, split_k, stride_om, HAS_BIAS, HAS_SCALE, TWO_PASS, SPLIT_PAD)
 
     @triton.jit(do_not_specialize=["split_k"])
     def _fp8_gemv_tma_kernel(x_ptr, w_desc, scale_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, N, K, k_per_split,
                              split_k, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             STAGES: tl.constexpr, PDL: tl.constexpr, HAS_SCALE: tl.constexpr):
+                             STAGES: tl.constexpr, PDL: tl.constexpr, HAS_SCALE: tl.constexpr,
+                             SPLIT_PAD: tl.constexpr):
         """One row of x times the weight, whose [BLOCK_N, BLOCK_K] tiles the TMA copies into shared memory
         (zeros past N and K), STAGES deep; the multiply-adds summed over K each step, then the same epilogue."""
         pid_n = tl.program_id(0)
@@ -379,7 +396,7 @@ if HAS_TRITON:
             acc += tl.sum(w * x[None, :], axis=1)
         _store_or_add_split(tl.reshape(acc, [1, BLOCK_N]), scale_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, offs_m,
                             offs_n, offs_m < 1, offs_n < N, pid_n, pid_k, 1, N, split_k, N, HAS_BIAS, HAS_SCALE,
-                            False)
+                            False, SPLIT_PAD)
 
     @triton.jit(do_not_specialize=["M", "split_k"])
     def _fp8_gemv_reduce_kernel(ws_ptr, scale_ptr, bias_ptr, out_ptr, M, N, split_k, stride_om,
@@ -395,7 +412,7 @@ if HAS_TRITON:
         for s in range(0, split_k):
             part = ws_ptr + (s * M + m) * N + offs_n
             acc += tl.load(part, mask=n_mask, other=0.0)[None, :]
-            tl.store(part, tl.zeros([BLOCK_N], dtype=tl.float32), mask=n_mask)  # zero again, as the atomic way needs
+            tl.store(part, tl.zeros([BLOCK_N], dtype=tl.float32), mask=n_mask)  # zero again, as the atomic way leaves it
         offs_m = m + tl.arange(0, 1)
         _store_scaled(acc, scale_ptr, bias_ptr, out_ptr, offs_m, offs_n, offs_m < M, n_mask, stride_om, HAS_BIAS,
                       HAS_SCALE)
@@ -435,7 +452,8 @@ def triton_fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
                                    weight_scale, bias if has_bias else weight_scale, out, workspace.partials,
                                    workspace.counters, n, k, k_per_split, split, HAS_BIAS=has_bias,
                                    BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.num_stages, **pdl,
-                                   HAS_SCALE=has_scale, num_warps=config.num_warps)
+                                   HAS_SCALE=has_scale, SPLIT_PAD=next_pow2(split),
+                                   num_warps=config.num_warps)
         return out
     _fp8_gemv_kernel[grid](x, weight, weight_scale, bias if has_bias else weight_scale, out, workspace.partials,
                            workspace.counters, rows, n, k, k_per_split, split, x.stride(0), weight.stride(0),
@@ -443,7 +461,8 @@ def triton_fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
                            BLOCK_K=config.block_k, USE_DOT=use_dot, TWO_PASS=two_pass, EVEN=even,
                            PREFETCH=config.prefetch, SUM_K_EACH_STEP=config.sum_k_each_step,
                            QUANT_X=use_dot and config.quantize_x, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, **pdl,
-                           HAS_SCALE=has_scale, num_warps=config.num_warps, num_stages=config.num_stages)
+                           HAS_SCALE=has_scale, SPLIT_PAD=next_pow2(split) if split > 1 and not two_pass else 1,
+                           num_warps=config.num_warps, num_stages=config.num_stages)
     if two_pass:
         block = 256
         _fp8_gemv_reduce_kernel[(triton.cdiv(n, block), rows)](
