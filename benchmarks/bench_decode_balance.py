@@ -9,7 +9,11 @@ programs the GPU starts last decide when the kernel ends. This times one layer's
 (Llama-3.1-8B attention shape, bf16 cache, block 16) at several batch sizes with every sequence at
 the mean context, with lognormal contexts of the same mean in random order, longest first,
 shortest first, in random order but started longest first (``seq_order``, as the runner orders wide
-steps), and with ``--splits`` forced. Prints a table and one ``RESULT`` JSON line.
+steps), and with ``--splits`` forced. ``--floor-splits`` adds the split floor (``decode_split_floor``:
+the batch's tokens shared among the programs, so a long sequence takes more splits than a short one,
+up to that many) at each of those grid widths. Prints a table and one ``RESULT`` JSON line.
+
+    python benchmarks/bench_decode_balance.py --batches 8,16,32,64,128 --splits 1,4 --floor-splits 4,8,16
 """
 import argparse
 import json
@@ -22,7 +26,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mempath.kernels.attention_triton import alloc_decode_workspace, decode_num_splits, triton_decode_attention  # noqa: E402
+from mempath.kernels.attention_triton import (alloc_decode_workspace, decode_num_splits,  # noqa: E402
+                                              decode_split_floor, triton_decode_attention)
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 
@@ -59,8 +64,9 @@ def time_graph(fns, replays: int = 5) -> float:
     return best
 
 
-def case(ctx: np.ndarray, k_cache, v_cache, rng, splits=None, ordered=False) -> tuple[float, float]:
-    """µs per call and KV TB/s for one batch of contexts (in the given order).
+def case(ctx: np.ndarray, k_cache, v_cache, rng, splits=None, ordered=False, floored=False) -> tuple[float, float]:
+    """µs per call and KV TB/s for one batch of contexts (in the given order); ``floored``: with the
+    batch's split floor.
 
     The cache holds ``copies`` disjoint sets of the batch's blocks (``cache_copies``), and the timed
     graph runs one call on each set in turn, as a step's layers each read their own KV: a batch
@@ -74,6 +80,8 @@ def case(ctx: np.ndarray, k_cache, v_cache, rng, splits=None, ordered=False) -> 
     perm = torch.randperm(k_cache.shape[0], device="cuda")
     seq_lens = torch.tensor(ctx, dtype=torch.int32, device="cuda")
     order = torch.tensor(np.argsort(-ctx, kind="stable"), dtype=torch.int32, device="cuda") if ordered else None
+    floor = (torch.tensor([decode_split_floor(ctx, KV_HEADS, torch.device("cuda"))], dtype=torch.int32,
+                          device="cuda") if floored else None)
     q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
     ws = alloc_decode_workspace(batch, HEADS, KV_HEADS, HEAD_DIM, "cuda")
@@ -89,7 +97,7 @@ def case(ctx: np.ndarray, k_cache, v_cache, rng, splits=None, ordered=False) -> 
             used += n
         calls.append(lambda tables=tables: triton_decode_attention(
             q, k_cache, v_cache, tables, seq_lens, HEAD_DIM ** -0.5, out=out, workspace=ws, num_splits=splits,
-            seq_order=order))
+            seq_order=order, split_floor=floor))
     us = time_graph(calls * max(1, 32 // copies))
     kv_bytes = int(ctx.sum()) * KV_HEADS * HEAD_DIM * 2 * 2
     return us, kv_bytes / (us * 1e-6) / 1e12
@@ -109,6 +117,8 @@ def main():
     parser.add_argument("--sigma", type=float, default=0.9)
     parser.add_argument("--max-len", type=int, default=3072)
     parser.add_argument("--splits", type=lambda v: [int(x) for x in v.split(",")], default=[])
+    parser.add_argument("--floor-splits", type=lambda v: [int(x) for x in v.split(",")], default=[],
+                        help="grid widths (most splits a sequence) to time with the split floor")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_decode_balance needs CUDA")
@@ -130,12 +140,19 @@ def main():
         for s in args.splits:
             cases += [(f"mixed, {s} splits", mixed, s), (f"uniform, {s} splits", uniform, s),
                       (f"mixed, seq_order, {s} splits", mixed, s, True)]
-        for name, ctx, splits, *ordered in cases:
-            us, tbs = case(ctx, k_cache, v_cache, rng, splits, bool(ordered))
+        for s in args.floor_splits:
+            cases += [(f"mixed, floor, {s} splits", mixed, s, False, True),
+                      (f"uniform, floor, {s} splits", uniform, s, False, True),
+                      (f"mixed, seq_order, floor, {s}", mixed, s, True, True)]
+        for name, ctx, splits, *flags in cases:
+            ordered, floored = (list(flags) + [False, False])[:2]
+            us, tbs = case(ctx, k_cache, v_cache, rng, splits, ordered, floored)
             print(f"{batch:5} {name:28} {us:8.1f} {tbs:8.2f}  ({int(ctx.max())}, {splits or default_splits})")
             results.append({"batch": batch, "case": name, "us": round(us, 2), "kv_tb_s": round(tbs, 3),
                             "mean_ctx": float(ctx.mean()), "max_ctx": int(ctx.max()),
-                            "splits": splits or default_splits, "seq_order": bool(ordered)})
+                            "splits": splits or default_splits, "seq_order": bool(ordered),
+                            "split_floor": decode_split_floor(ctx, KV_HEADS, torch.device("cuda")) if floored
+                            else None})
         del k_cache, v_cache
         torch.cuda.empty_cache()
     print("RESULT " + json.dumps({"bench": "decode_balance", "device": torch.cuda.get_device_name(),

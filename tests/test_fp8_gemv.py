@@ -175,7 +175,8 @@ def test_interpreted_split_k_sums_in_split_order():
         pytest.skip("CUDA present: the GPU test runs the compiled kernel")
     run_interpreted("import sys, torch; sys.path.insert(0, 'tests'); from test_triton_interpret import "
                     "_patch_interpreter_for_numpy; _patch_interpreter_for_numpy(); "
-                    "from tests.test_fp8_gemv import check_split_sums_in_order; check_split_sums_in_order('cpu', shapes=((200, 1024),))")
+                    "from tests.test_fp8_gemv import check_split_sums_in_order; "
+                    "check_split_sums_in_order('cpu', shapes=((200, 1024),))")
 
 
 def test_interpreted_gemv_matches_twin():

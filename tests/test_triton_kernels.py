@@ -154,6 +154,41 @@ def check_decode_seq_order(ta, device, dtype, head_dim=32, group=2):
     check_attention(ta, mixed, dtype, "auto", max_query_len=mixed.max_query_len, seq_order=order)
 
 
+def check_decode_split_floor(ta, device, dtype, head_dim=32, group=2):
+    """With a split floor the decode kernel splits the batch's tokens, not each sequence alike: a sequence
+    takes as many splits as ``max(len / splits, floor)`` in whole tiles gives it, the other splits' workspace
+    rows are left alone, and the merged result is the attention's, for floors below, among and above the
+    lengths."""
+    lens = [5, 300, 1, 77, 1030, 64, 9, 200]
+    num_heads, splits, tile = 2 * group, 8, ta.DECODE_TILE
+    case = Case([(1, n) for n in lens], num_heads, 2, head_dim, 8, dtype, device, seed=13)
+    rows = len(lens) * num_heads * splits
+    for floor in (tile, 3 * tile, 4096):
+        ws = ta.DecodeWorkspace(torch.full((rows * head_dim,), float("nan"), device=device),
+                                torch.full((rows,), float("nan"), device=device))
+        out = ta.triton_decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                                         case.scale, out=case.poisoned_out(), workspace=ws, num_splits=splits,
+                                         split_floor=torch.tensor([floor], dtype=torch.int32, device=device))
+        assert_close(out, case.reference(), dtype)
+        written = ~torch.isnan(ws.partial_lse.view(len(lens), num_heads, splits)).cpu()
+        for i, n in enumerate(lens):
+            per = -(-max(-(-n // splits), floor) // tile) * tile
+            used = torch.arange(splits) < -(-n // per)
+            assert torch.equal(written[i], used.expand(num_heads, splits)), (floor, n, written[i])
+
+
+def test_split_floor_shares_the_batch_tokens_among_the_programs():
+    from mempath.kernels.attention_triton import DECODE_PROGRAMS_PER_SM, DECODE_TILE, decode_split_floor
+    cpu = torch.device("cpu")  # 8 "SMs" off CUDA
+    programs = DECODE_PROGRAMS_PER_SM * 8
+    lens = [100, 3000, 460, 20] * 4
+    floor = decode_split_floor(lens, 8, cpu)
+    assert floor % DECODE_TILE == 0 and floor >= sum(lens) * 8 / programs
+    assert floor - DECODE_TILE < sum(lens) * 8 / programs  # the least whole tiles that do
+    assert decode_split_floor([1, 2], 8, cpu) == DECODE_TILE  # never below one tile
+    assert decode_split_floor(lens, 8, cpu, tile=128) % 128 == 0
+
+
 # --------------------------------------------------------------------------- GPU
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels need CUDA")
@@ -218,6 +253,12 @@ def test_decode_long_context(ta, context):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_decode_seq_order_changes_no_result(ta, dtype):
     check_decode_seq_order(ta, DEVICE, dtype, head_dim=128, group=4)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_split_floor_splits_the_batch_tokens(ta, dtype):
+    check_decode_split_floor(ta, DEVICE, dtype, head_dim=128, group=4)
 
 
 @cuda

@@ -34,7 +34,9 @@ go to a workspace that can be allocated once with
 :func:`alloc_decode_workspace`. How many tokens a split covers is computed on
 the device from ``seq_lens``, so the workspace does not grow with
 ``max_model_len``: it holds ``max_b(b * num_splits(b)) * num_heads * (head_dim + 1)``
-float32 values, b ranging over 1..max_num_seqs (see ``decode_workspace_numel``).
+float32 values, b ranging over 1..max_num_seqs (see ``decode_workspace_numel``). A split floor
+(``split_floor``: the least tokens a split covers) is read from a device tensor too, so one graph
+replays any step's.
 The prefill kernel's grid depends on ``max_query_len``; pass it to avoid a
 device-to-host sync.
 
@@ -126,6 +128,16 @@ def decode_num_splits(
     return min(MAX_DECODE_SPLITS, next_pow2(max(1, want)))
 
 
+def decode_split_floor(seq_lens, num_kv_heads: int, device: torch.device, tile: int = DECODE_TILE) -> int:
+    """The least tokens a decode split covers for a batch of these context lengths (host ints), so that
+    about ``DECODE_PROGRAMS_PER_SM`` programs an SM share the batch's KV: a long sequence gets more
+    splits than a short one (up to ``num_splits``), where without a floor each gets ``num_splits``.
+    Whole tiles, at least one. The value goes to ``triton_decode_attention`` in a device tensor."""
+    programs = DECODE_PROGRAMS_PER_SM * _sm_count(device)
+    floor = -(-int(sum(int(n) for n in seq_lens)) * num_kv_heads // programs)
+    return max(tile, -(-floor // tile) * tile)
+
+
 def decode_workspace_numel(
     max_num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
 ) -> int:
@@ -184,9 +196,19 @@ if HAS_TRITON:
         return q_row, is_decode
 
     @triton.jit
-    def _split_len(seq_len, num_splits, TILE: tl.constexpr):
-        """Tokens per decode split: whole tiles, so the count of non-empty splits follows."""
-        return ((seq_len + num_splits - 1) // num_splits + TILE - 1) // TILE * TILE
+    def _split_len(seq_len, num_splits, floor, TILE: tl.constexpr):
+        """Tokens per decode split: the sequence over ``num_splits``, at least ``floor`` (0: no floor), in
+        whole tiles, so the count of non-empty splits follows."""
+        return (tl.maximum((seq_len + num_splits - 1) // num_splits, floor) + TILE - 1) // TILE * TILE
+
+    @triton.jit
+    def _split_floor(split_floor_ptr, FLOORED: tl.constexpr):
+        """The batch's least tokens a split (``decode_split_floor``), read on the device so that a CUDA graph
+        replays each step's; 0 without one."""
+        floor = 0
+        if FLOORED:
+            floor = tl.load(split_floor_ptr)
+        return floor
 
     @triton.jit
     def _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, pos, valid, kv_head, dims, dim_mask,
@@ -251,7 +273,7 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["num_heads", "num_splits"])
     def _decode_split_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, seq_order_ptr,
-        out_ptr, part_out_ptr, part_lse_ptr,
+        split_floor_ptr, out_ptr, part_out_ptr, part_lse_ptr,
         qk_scale,
         stride_qt, stride_qh, stride_qd,
         stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
@@ -263,7 +285,7 @@ if HAS_TRITON:
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
         SPLIT: tl.constexpr, PRECISION: tl.constexpr, VARLEN: tl.constexpr, KV_FP8: tl.constexpr,
-        DOTS_FP16: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr,
+        DOTS_FP16: tl.constexpr, ORDERED: tl.constexpr, FLOORED: tl.constexpr, PDL: tl.constexpr,
     ):
         pdl_wait(PDL)
         # The KV heads vary fastest, so a sequence's programs start together; with ORDERED the
@@ -278,7 +300,7 @@ if HAS_TRITON:
             return
 
         seq_len = tl.load(seq_lens_ptr + seq)
-        split_len = _split_len(seq_len, num_splits, TILE)
+        split_len = _split_len(seq_len, num_splits, _split_floor(split_floor_ptr, FLOORED), TILE)
         start = split * split_len
         end = tl.minimum(start + split_len, seq_len)
         if SPLIT:
@@ -335,11 +357,12 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["num_heads", "num_splits"])
     def _decode_merge_kernel(
-        seq_lens_ptr, query_start_ptr, part_out_ptr, part_lse_ptr, out_ptr,
+        seq_lens_ptr, query_start_ptr, split_floor_ptr, part_out_ptr, part_lse_ptr, out_ptr,
         stride_ot, stride_oh, stride_od,
         num_heads, num_splits,
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-        SPLITS_PAD: tl.constexpr, TILE: tl.constexpr, VARLEN: tl.constexpr, PDL: tl.constexpr,
+        SPLITS_PAD: tl.constexpr, TILE: tl.constexpr, VARLEN: tl.constexpr, FLOORED: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         pdl_wait(PDL)
         seq = tl.program_id(0)
@@ -349,7 +372,7 @@ if HAS_TRITON:
             return
         seq_len = tl.load(seq_lens_ptr + seq)
         # Which splits wrote.
-        split_len = _split_len(seq_len, num_splits, TILE)
+        split_len = _split_len(seq_len, num_splits, _split_floor(split_floor_ptr, FLOORED), TILE)
         used = (seq_len + split_len - 1) // tl.maximum(split_len, 1)
 
         splits = tl.arange(0, SPLITS_PAD)
@@ -527,6 +550,7 @@ def triton_decode_attention(
     max_seq_len: Optional[int] = None,
     query_start_loc: Optional[torch.Tensor] = None,
     seq_order: Optional[torch.Tensor] = None,
+    split_floor: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of one query row per sequence (``query: [B, num_heads, head_dim]``).
 
@@ -544,6 +568,12 @@ def triton_decode_attention(
     them, all of one sequence's KV heads together. Longest first (the runner's order), a batch of
     unequal contexts ends with short programs instead of a long one started last: BENCHMARKS.md,
     "Decode attention over unequal contexts". It changes no result.
+
+    ``split_floor`` (int32 [1] on the device, in tokens; see :func:`decode_split_floor`): each split
+    covers at least that many tokens, so a sequence shorter than ``num_splits`` floors takes fewer
+    splits, and ``num_splits`` is only the most a sequence takes (splitting the batch's tokens rather
+    than each sequence alike). A device tensor, so a captured graph reads each step's. Only a split
+    call (``num_splits > 1``) reads it.
     """
     _require_triton()
     _check_cache(k_cache, v_cache)
@@ -605,12 +635,18 @@ def triton_decode_attention(
         raise ValueError(f"decode: seq_order must be a contiguous int32 [{num_seqs}] on {query.device} (a "
                          f"permutation of the batch's sequences), got {seq_order.dtype} {tuple(seq_order.shape)} on "
                          f"{seq_order.device}: pass one entry per sequence, or None")
+    floored = split_floor is not None
+    if floored and (split_floor.shape != (1,) or split_floor.dtype != torch.int32
+                    or split_floor.device != query.device):
+        raise ValueError(f"decode: split_floor must be an int32 [1] tensor on {query.device} (the least tokens a "
+                         f"split covers, decode_split_floor), got {split_floor.dtype} {tuple(split_floor.shape)} "
+                         f"on {split_floor.device}: pass one value, or None")
     if num_seqs > MAX_GRID_Y:
         raise ValueError(f"decode: at most {MAX_GRID_Y} sequences a call (the grid's second axis), got {num_seqs}: "
                          f"split the batch")
     _decode_split_kernel[(num_kv_heads, num_seqs, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, query_start, seq_order if ordered else seq_lens,
-        out, part_out, part_lse,
+        split_floor if floored else seq_lens, out, part_out, part_lse,
         scale * LOG2E,
         *query.stride(), *k_cache.stride(), *v_cache.stride(),
         block_tables.stride(0),
@@ -620,17 +656,17 @@ def triton_decode_attention(
         HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, TILE=tile,
         SPLIT=split, PRECISION=_dot_precision(torch.float16 if dots_fp16 else _compute_dtype(query, k_cache)),
-        VARLEN=varlen, KV_FP8=kv_fp8, DOTS_FP16=dots_fp16, ORDERED=ordered,
+        VARLEN=varlen, KV_FP8=kv_fp8, DOTS_FP16=dots_fp16, ORDERED=ordered, FLOORED=floored and split,
         **pdl, **registers, num_warps=warps, num_stages=stages,
     )
     if split:
         _decode_merge_kernel[(num_seqs, num_heads)](
-            seq_lens, query_start, part_out, part_lse, out,
+            seq_lens, query_start, split_floor if floored else seq_lens, part_out, part_lse, out,
             *out.stride(),
             num_heads, num_splits,
             HEAD_DIM=head_dim, D_PAD=d_pad,
             # One width for every split count: one compiled variant (unused splits are masked).
-            SPLITS_PAD=next_pow2(MAX_DECODE_SPLITS), TILE=tile, VARLEN=varlen,
+            SPLITS_PAD=next_pow2(MAX_DECODE_SPLITS), TILE=tile, VARLEN=varlen, FLOORED=floored,
             **pdl,
             num_warps=4 if next_pow2(MAX_DECODE_SPLITS) * d_pad <= 8192 else 8,
         )

@@ -412,7 +412,7 @@ if HAS_TRITON:
         for s in range(0, split_k):
             part = ws_ptr + (s * M + m) * N + offs_n
             acc += tl.load(part, mask=n_mask, other=0.0)[None, :]
-            tl.store(part, tl.zeros([BLOCK_N], dtype=tl.float32), mask=n_mask)  # zero again, as the atomic way leaves it
+            tl.store(part, tl.zeros([BLOCK_N], dtype=tl.float32), mask=n_mask)  # zero again, as the atomic way does
         offs_m = m + tl.arange(0, 1)
         _store_scaled(acc, scale_ptr, bias_ptr, out_ptr, offs_m, offs_n, offs_m < M, n_mask, stride_om, HAS_BIAS,
                       HAS_SCALE)
