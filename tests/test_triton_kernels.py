@@ -177,6 +177,16 @@ def check_decode_split_floor(ta, device, dtype, head_dim=32, group=2):
             assert torch.equal(written[i], used.expand(num_heads, splits)), (floor, n, written[i])
 
 
+def test_a_malformed_split_floor_is_refused_before_any_launch():
+    pytest.importorskip("triton")
+    from mempath.kernels import attention_triton as ta
+    case = Case([(1, 30), (1, 90)], 4, 2, 32, 8, torch.float32, "cpu", seed=1)
+    for bad in (torch.tensor([64]), torch.tensor([64, 64], dtype=torch.int32)):  # int64; two values
+        with pytest.raises(ValueError, match=r"split_floor must be an int32 \[1\] tensor .*pass one value, or None"):
+            ta.triton_decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                                       case.scale, num_splits=2, split_floor=bad)
+
+
 def test_split_floor_shares_the_batch_tokens_among_the_programs():
     from mempath.kernels.attention_triton import DECODE_PROGRAMS_PER_SM, DECODE_TILE, decode_split_floor
     cpu = torch.device("cpu")  # 8 "SMs" off CUDA
