@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mempath.kernels.attention_triton import (alloc_decode_workspace, decode_num_splits,  # noqa: E402
-                                              decode_split_floor, triton_decode_attention)
+                                              decode_split_floor, decode_splits_used, triton_decode_attention)
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 
@@ -124,7 +124,7 @@ def main():
         sys.exit("bench_decode_balance needs CUDA")
     rng = np.random.default_rng(0)
     results = []
-    print(f"{'batch':>5} {'case':28} {'µs':>8} {'KV TB/s':>8}  (max ctx, splits)")
+    print(f"{'batch':>5} {'case':28} {'µs':>8} {'KV TB/s':>8}  (max ctx, splits, programs reading KV / grid)")
     for batch in (int(b) for b in args.batches.split(",")):
         mixed = contexts(batch, args.mean, args.sigma, args.max_len, rng)
         uniform = np.full(batch, int(round(mixed.mean())))
@@ -147,12 +147,16 @@ def main():
         for name, ctx, splits, *flags in cases:
             ordered, floored = (list(flags) + [False, False])[:2]
             us, tbs = case(ctx, k_cache, v_cache, rng, splits, ordered, floored)
-            print(f"{batch:5} {name:28} {us:8.1f} {tbs:8.2f}  ({int(ctx.max())}, {splits or default_splits})")
+            width = splits or default_splits
+            floor = decode_split_floor(ctx, KV_HEADS, torch.device("cuda")) if floored else None
+            # Programs that read KV, of the grid's batch x KV heads x splits (one split: no workspace, all read).
+            working = KV_HEADS * sum(decode_splits_used(ctx, width, floor or 0)) if width > 1 else batch * KV_HEADS
+            print(f"{batch:5} {name:28} {us:8.1f} {tbs:8.2f}  ({int(ctx.max())}, {width}, "
+                  f"{working}/{batch * KV_HEADS * width} programs)")
             results.append({"batch": batch, "case": name, "us": round(us, 2), "kv_tb_s": round(tbs, 3),
-                            "mean_ctx": float(ctx.mean()), "max_ctx": int(ctx.max()),
-                            "splits": splits or default_splits, "seq_order": bool(ordered),
-                            "split_floor": decode_split_floor(ctx, KV_HEADS, torch.device("cuda")) if floored
-                            else None})
+                            "mean_ctx": float(ctx.mean()), "max_ctx": int(ctx.max()), "splits": width,
+                            "seq_order": bool(ordered), "split_floor": floor, "working_programs": working,
+                            "grid_programs": batch * KV_HEADS * width})
         del k_cache, v_cache
         torch.cuda.empty_cache()
     print("RESULT " + json.dumps({"bench": "decode_balance", "device": torch.cuda.get_device_name(),

@@ -163,18 +163,21 @@ def check_decode_split_floor(ta, device, dtype, head_dim=32, group=2):
     num_heads, splits, tile = 2 * group, 8, ta.DECODE_TILE
     case = Case([(1, n) for n in lens], num_heads, 2, head_dim, 8, dtype, device, seed=13)
     rows = len(lens) * num_heads * splits
-    for floor in (tile, 3 * tile, 4096):
+    for floor in (0, tile, 3 * tile, 4096):  # 0: no floor, each sequence over all its splits
         ws = ta.DecodeWorkspace(torch.full((rows * head_dim,), float("nan"), device=device),
                                 torch.full((rows,), float("nan"), device=device))
+        split_floor = torch.tensor([floor], dtype=torch.int32, device=device) if floor else None
         out = ta.triton_decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
                                          case.scale, out=case.poisoned_out(), workspace=ws, num_splits=splits,
-                                         split_floor=torch.tensor([floor], dtype=torch.int32, device=device))
+                                         split_floor=split_floor)
         assert_close(out, case.reference(), dtype)
         written = ~torch.isnan(ws.partial_lse.view(len(lens), num_heads, splits)).cpu()
+        reported = ta.decode_splits_used(lens, splits, floor, tile)  # the host's count, for the bench's reports
         for i, n in enumerate(lens):
             per = -(-max(-(-n // splits), floor) // tile) * tile
             used = torch.arange(splits) < -(-n // per)
             assert torch.equal(written[i], used.expand(num_heads, splits)), (floor, n, written[i])
+            assert reported[i] == int(used.sum()), (floor, n, reported[i])
 
 
 def test_a_malformed_split_floor_is_refused_before_any_launch():

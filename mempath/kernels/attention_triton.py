@@ -138,6 +138,17 @@ def decode_split_floor(seq_lens, num_kv_heads: int, device: torch.device, tile: 
     return max(tile, -(-floor // tile) * tile)
 
 
+def decode_splits_used(seq_lens, num_splits: int, floor: int = 0, tile: int = DECODE_TILE) -> list[int]:
+    """How many of its ``num_splits`` programs each sequence's context (host ints) fills in the decode
+    kernel, with a split floor of ``floor`` tokens (0: none): the kernel's ``_split_len`` on the host,
+    for reports (a program past them exits at once)."""
+    used = []
+    for n in seq_lens:
+        per = -(-max(-(-int(n) // num_splits), floor) // tile) * tile
+        used.append(-(-int(n) // per) if per else 0)
+    return used
+
+
 def decode_workspace_numel(
     max_num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
 ) -> int:
