@@ -11,9 +11,11 @@ the mean context, with lognormal contexts of the same mean in random order, long
 shortest first, in random order but started longest first (``seq_order``, as the runner orders wide
 steps), and with ``--splits`` forced. ``--floor-splits`` adds the split floor (``decode_split_floor``:
 the batch's tokens shared among the programs, so a long sequence takes more splits than a short one,
-up to that many) at each of those grid widths. Prints a table and one ``RESULT`` JSON line.
+up to that many) at each of those grid widths; ``--work-items`` the batch cut by tokens into work items
+(``plan_decode_work``: one program an item and KV head, the grid no wider than the plan's capacity).
+Prints a table and one ``RESULT`` JSON line.
 
-    python benchmarks/bench_decode_balance.py --batches 8,16,32,64,128 --splits 1,4 --floor-splits 4,8,16
+    python benchmarks/bench_decode_balance.py --batches 8,16,32,64,128 --splits 1,4 --floor-splits 4,8,16 --work-items
 """
 import argparse
 import json
@@ -26,8 +28,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mempath.kernels.attention_triton import (alloc_decode_workspace, decode_num_splits,  # noqa: E402
-                                              decode_split_floor, decode_splits_used, triton_decode_attention)
+from mempath.kernels.attention_triton import (DecodeWork, alloc_decode_workspace, decode_num_splits,  # noqa: E402
+                                              decode_split_floor, decode_splits_used, decode_work_capacity,
+                                              plan_decode_work, triton_decode_attention)
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 
@@ -64,9 +67,10 @@ def time_graph(fns, replays: int = 5) -> float:
     return best
 
 
-def case(ctx: np.ndarray, k_cache, v_cache, rng, splits=None, ordered=False, floored=False) -> tuple[float, float]:
+def case(ctx: np.ndarray, k_cache, v_cache, rng, splits=None, ordered=False, floored=False,
+         worklist=False) -> tuple[float, float]:
     """µs per call and KV TB/s for one batch of contexts (in the given order); ``floored``: with the
-    batch's split floor.
+    batch's split floor; ``worklist``: cut into work items.
 
     The cache holds ``copies`` disjoint sets of the batch's blocks (``cache_copies``), and the timed
     graph runs one call on each set in turn, as a step's layers each read their own KV: a batch
@@ -88,6 +92,13 @@ def case(ctx: np.ndarray, k_cache, v_cache, rng, splits=None, ordered=False, flo
     if splits is not None and splits > 1:
         rows = batch * HEADS * splits
         ws = type(ws)(torch.empty(rows * HEAD_DIM, device="cuda"), torch.empty(rows, device="cuda"))
+    work = None
+    if worklist:
+        capacity = decode_work_capacity(batch, KV_HEADS, torch.device("cuda"))
+        items, first = plan_decode_work(ctx, KV_HEADS, torch.device("cuda"), capacity)
+        work = DecodeWork(torch.from_numpy(items).cuda(), torch.from_numpy(first).cuda())
+        rows = capacity * HEADS
+        ws = type(ws)(torch.empty(rows * HEAD_DIM, device="cuda"), torch.empty(rows, device="cuda"))
     calls = []
     for copy in range(copies):
         tables = torch.zeros(batch, width, dtype=torch.int32, device="cuda")
@@ -97,7 +108,7 @@ def case(ctx: np.ndarray, k_cache, v_cache, rng, splits=None, ordered=False, flo
             used += n
         calls.append(lambda tables=tables: triton_decode_attention(
             q, k_cache, v_cache, tables, seq_lens, HEAD_DIM ** -0.5, out=out, workspace=ws, num_splits=splits,
-            seq_order=order, split_floor=floor))
+            seq_order=order, split_floor=floor, work=work))
     us = time_graph(calls * max(1, 32 // copies))
     kv_bytes = int(ctx.sum()) * KV_HEADS * HEAD_DIM * 2 * 2
     return us, kv_bytes / (us * 1e-6) / 1e12
@@ -119,6 +130,7 @@ def main():
     parser.add_argument("--splits", type=lambda v: [int(x) for x in v.split(",")], default=[])
     parser.add_argument("--floor-splits", type=lambda v: [int(x) for x in v.split(",")], default=[],
                         help="grid widths (most splits a sequence) to time with the split floor")
+    parser.add_argument("--work-items", action="store_true", help="also time the batch cut into work items")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_decode_balance needs CUDA")
@@ -144,19 +156,27 @@ def main():
             cases += [(f"mixed, floor, {s} splits", mixed, s, False, True),
                       (f"uniform, floor, {s} splits", uniform, s, False, True),
                       (f"mixed, seq_order, floor, {s}", mixed, s, True, True)]
+        if args.work_items:
+            cases += [("mixed, work items", mixed, None, False, False, True),
+                      ("uniform, work items", uniform, None, False, False, True)]
         for name, ctx, splits, *flags in cases:
-            ordered, floored = (list(flags) + [False, False])[:2]
-            us, tbs = case(ctx, k_cache, v_cache, rng, splits, ordered, floored)
+            ordered, floored, worklist = (list(flags) + [False, False, False])[:3]
+            us, tbs = case(ctx, k_cache, v_cache, rng, splits, ordered, floored, worklist)
             width = splits or default_splits
-            floor = decode_split_floor(ctx, KV_HEADS, torch.device("cuda")) if floored else None
+            floor = decode_split_floor(ctx, KV_HEADS, torch.device("cuda")) if floored or worklist else None
             # Programs that read KV, of the grid's batch x KV heads x splits (one split: no workspace, all read).
             working = KV_HEADS * sum(decode_splits_used(ctx, width, floor or 0)) if width > 1 else batch * KV_HEADS
-            print(f"{batch:5} {name:28} {us:8.1f} {tbs:8.2f}  ({int(ctx.max())}, {width}, "
-                  f"{working}/{batch * KV_HEADS * width} programs)")
+            grid = batch * KV_HEADS * width
+            if worklist:
+                capacity = decode_work_capacity(batch, KV_HEADS, torch.device("cuda"))
+                items, _ = plan_decode_work(ctx, KV_HEADS, torch.device("cuda"), capacity)
+                working, grid, width = KV_HEADS * int((items[0] >= 0).sum()), KV_HEADS * capacity, None
+            print(f"{batch:5} {name:28} {us:8.1f} {tbs:8.2f}  ({int(ctx.max())}, {width or 'items'}, "
+                  f"{working}/{grid} programs)")
             results.append({"batch": batch, "case": name, "us": round(us, 2), "kv_tb_s": round(tbs, 3),
                             "mean_ctx": float(ctx.mean()), "max_ctx": int(ctx.max()), "splits": width,
-                            "seq_order": bool(ordered), "split_floor": floor, "working_programs": working,
-                            "grid_programs": batch * KV_HEADS * width})
+                            "seq_order": bool(ordered), "split_floor": floor, "work_items": worklist,
+                            "working_programs": working, "grid_programs": grid})
         del k_cache, v_cache
         torch.cuda.empty_cache()
     print("RESULT " + json.dumps({"bench": "decode_balance", "device": torch.cuda.get_device_name(),
