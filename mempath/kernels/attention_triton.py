@@ -175,7 +175,7 @@ def decode_work_capacity(num_seqs: int, num_kv_heads: int, device: torch.device)
 
 
 def plan_decode_work(seq_lens, num_kv_heads: int, device: torch.device, capacity: int,
-                     tile: int = DECODE_TILE) -> tuple:
+                     tile: int = DECODE_TILE) -> tuple[np.ndarray, np.ndarray]:
     """A decode batch cut by tokens, on the host: each sequence into items of at least the split floor
     (:func:`decode_split_floor`) and at most ``MAX_ITEMS_PER_SEQ`` items, in whole tiles, the longest
     sequences' items first. Returns int32 arrays ``items`` [4, capacity] and ``first`` [2, num_seqs] of
