@@ -9,13 +9,11 @@ programs the GPU starts last decide when the kernel ends. This times one layer's
 (Llama-3.1-8B attention shape, bf16 cache, block 16) at several batch sizes with every sequence at
 the mean context, with lognormal contexts of the same mean in random order, longest first,
 shortest first, in random order but started longest first (``seq_order``, as the runner orders wide
-steps), and with ``--splits`` forced. ``--floor-splits`` adds the split floor (``decode_split_floor``:
-the batch's tokens shared among the programs, so a long sequence takes more splits than a short one,
-up to that many) at each of those grid widths; ``--work-items`` the batch cut by tokens into work items
-(``plan_decode_work``: one program an item and KV head, the grid no wider than the plan's capacity).
-Prints a table and one ``RESULT`` JSON line.
+steps), and with ``--splits`` forced. ``--work-items`` adds the batch cut by its tokens into work
+items (``plan_decode_work``: one program an item and KV head, so a long sequence gets more than a short
+one, and the grid no wider than the plan's capacity). Prints a table and one ``RESULT`` JSON line.
 
-    python benchmarks/bench_decode_balance.py --batches 8,16,32,64,128 --splits 1,4 --floor-splits 4,8,16 --work-items
+    python benchmarks/bench_decode_balance.py --batches 8,16,32,64,128 --splits 1,4 --work-items
 """
 import argparse
 import json
@@ -67,10 +65,9 @@ def time_graph(fns, replays: int = 5) -> float:
     return best
 
 
-def case(ctx: np.ndarray, k_cache, v_cache, rng, splits=None, ordered=False, floored=False,
-         worklist=False) -> tuple[float, float]:
-    """µs per call and KV TB/s for one batch of contexts (in the given order); ``floored``: with the
-    batch's split floor; ``worklist``: cut into work items.
+def case(ctx: np.ndarray, k_cache, v_cache, rng, splits=None, ordered=False, worklist=False) -> tuple[float, float]:
+    """µs per call and KV TB/s for one batch of contexts (in the given order); ``worklist``: cut into work
+    items.
 
     The cache holds ``copies`` disjoint sets of the batch's blocks (``cache_copies``), and the timed
     graph runs one call on each set in turn, as a step's layers each read their own KV: a batch
@@ -84,8 +81,6 @@ def case(ctx: np.ndarray, k_cache, v_cache, rng, splits=None, ordered=False, flo
     perm = torch.randperm(k_cache.shape[0], device="cuda")
     seq_lens = torch.tensor(ctx, dtype=torch.int32, device="cuda")
     order = torch.tensor(np.argsort(-ctx, kind="stable"), dtype=torch.int32, device="cuda") if ordered else None
-    floor = (torch.tensor([decode_split_floor(ctx, KV_HEADS, torch.device("cuda"))], dtype=torch.int32,
-                          device="cuda") if floored else None)
     q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
     ws = alloc_decode_workspace(batch, HEADS, KV_HEADS, HEAD_DIM, "cuda")
@@ -108,7 +103,7 @@ def case(ctx: np.ndarray, k_cache, v_cache, rng, splits=None, ordered=False, flo
             used += n
         calls.append(lambda tables=tables: triton_decode_attention(
             q, k_cache, v_cache, tables, seq_lens, HEAD_DIM ** -0.5, out=out, workspace=ws, num_splits=splits,
-            seq_order=order, split_floor=floor, work=work))
+            seq_order=order, work=work))
     us = time_graph(calls * max(1, 32 // copies))
     kv_bytes = int(ctx.sum()) * KV_HEADS * HEAD_DIM * 2 * 2
     return us, kv_bytes / (us * 1e-6) / 1e12
@@ -128,8 +123,6 @@ def main():
     parser.add_argument("--sigma", type=float, default=0.9)
     parser.add_argument("--max-len", type=int, default=3072)
     parser.add_argument("--splits", type=lambda v: [int(x) for x in v.split(",")], default=[])
-    parser.add_argument("--floor-splits", type=lambda v: [int(x) for x in v.split(",")], default=[],
-                        help="grid widths (most splits a sequence) to time with the split floor")
     parser.add_argument("--work-items", action="store_true", help="also time the batch cut into work items")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -152,20 +145,16 @@ def main():
         for s in args.splits:
             cases += [(f"mixed, {s} splits", mixed, s), (f"uniform, {s} splits", uniform, s),
                       (f"mixed, seq_order, {s} splits", mixed, s, True)]
-        for s in args.floor_splits:
-            cases += [(f"mixed, floor, {s} splits", mixed, s, False, True),
-                      (f"uniform, floor, {s} splits", uniform, s, False, True),
-                      (f"mixed, seq_order, floor, {s}", mixed, s, True, True)]
         if args.work_items:
-            cases += [("mixed, work items", mixed, None, False, False, True),
-                      ("uniform, work items", uniform, None, False, False, True)]
+            cases += [("mixed, work items", mixed, None, False, True),
+                      ("uniform, work items", uniform, None, False, True)]
         for name, ctx, splits, *flags in cases:
-            ordered, floored, worklist = (list(flags) + [False, False, False])[:3]
-            us, tbs = case(ctx, k_cache, v_cache, rng, splits, ordered, floored, worklist)
+            ordered, worklist = (list(flags) + [False, False])[:2]
+            us, tbs = case(ctx, k_cache, v_cache, rng, splits, ordered, worklist)
             width = splits or default_splits
-            floor = decode_split_floor(ctx, KV_HEADS, torch.device("cuda")) if floored or worklist else None
+            floor = decode_split_floor(ctx, KV_HEADS, torch.device("cuda")) if worklist else None
             # Programs that read KV, of the grid's batch x KV heads x splits (one split: no workspace, all read).
-            working = KV_HEADS * sum(decode_splits_used(ctx, width, floor or 0)) if width > 1 else batch * KV_HEADS
+            working = KV_HEADS * sum(decode_splits_used(ctx, width)) if width > 1 else batch * KV_HEADS
             grid = batch * KV_HEADS * width
             if worklist:
                 capacity = decode_work_capacity(batch, KV_HEADS, torch.device("cuda"))
@@ -175,7 +164,7 @@ def main():
                   f"{working}/{grid} programs)")
             results.append({"batch": batch, "case": name, "us": round(us, 2), "kv_tb_s": round(tbs, 3),
                             "mean_ctx": float(ctx.mean()), "max_ctx": int(ctx.max()), "splits": width,
-                            "seq_order": bool(ordered), "split_floor": floor, "work_items": worklist,
+                            "seq_order": bool(ordered), "work_floor": floor, "work_items": worklist,
                             "working_programs": working, "grid_programs": grid})
         del k_cache, v_cache
         torch.cuda.empty_cache()

@@ -154,30 +154,25 @@ def check_decode_seq_order(ta, device, dtype, head_dim=32, group=2):
     check_attention(ta, mixed, dtype, "auto", max_query_len=mixed.max_query_len, seq_order=order)
 
 
-def check_decode_split_floor(ta, device, dtype, head_dim=32, group=2):
-    """With a split floor the decode kernel splits the batch's tokens, not each sequence alike: a sequence
-    takes as many splits as ``max(len / splits, floor)`` in whole tiles gives it, the other splits' workspace
-    rows are left alone, and the merged result is the attention's, for floors below, among and above the
-    lengths."""
+def check_decode_split_rows(ta, device, dtype, head_dim=32, group=2):
+    """The splits a sequence fills (``decode_splits_used``, the host's count for the bench's reports) are the
+    workspace rows the decode kernel writes; the others are left alone, and the merge gives the attention."""
     lens = [5, 300, 1, 77, 1030, 64, 9, 200]
     num_heads, splits, tile = 2 * group, 8, ta.DECODE_TILE
     case = Case([(1, n) for n in lens], num_heads, 2, head_dim, 8, dtype, device, seed=13)
     rows = len(lens) * num_heads * splits
-    for floor in (0, tile, 3 * tile, 4096):  # 0: no floor, each sequence over all its splits
-        ws = ta.DecodeWorkspace(torch.full((rows * head_dim,), float("nan"), device=device),
-                                torch.full((rows,), float("nan"), device=device))
-        split_floor = torch.tensor([floor], dtype=torch.int32, device=device) if floor else None
-        out = ta.triton_decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
-                                         case.scale, out=case.poisoned_out(), workspace=ws, num_splits=splits,
-                                         split_floor=split_floor)
-        assert_close(out, case.reference(), dtype)
-        written = ~torch.isnan(ws.partial_lse.view(len(lens), num_heads, splits)).cpu()
-        reported = ta.decode_splits_used(lens, splits, floor, tile)  # the host's count, for the bench's reports
-        for i, n in enumerate(lens):
-            per = -(-max(-(-n // splits), floor) // tile) * tile
-            used = torch.arange(splits) < -(-n // per)
-            assert torch.equal(written[i], used.expand(num_heads, splits)), (floor, n, written[i])
-            assert reported[i] == int(used.sum()), (floor, n, reported[i])
+    ws = ta.DecodeWorkspace(torch.full((rows * head_dim,), float("nan"), device=device),
+                            torch.full((rows,), float("nan"), device=device))
+    out = ta.triton_decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                                     case.scale, out=case.poisoned_out(), workspace=ws, num_splits=splits)
+    assert_close(out, case.reference(), dtype)
+    written = ~torch.isnan(ws.partial_lse.view(len(lens), num_heads, splits)).cpu()
+    reported = ta.decode_splits_used(lens, splits, tile)
+    for i, n in enumerate(lens):
+        per = -(-(-(-n // splits)) // tile) * tile
+        used = torch.arange(splits) < -(-n // per)
+        assert torch.equal(written[i], used.expand(num_heads, splits)), (n, written[i])
+        assert reported[i] == int(used.sum()), (n, reported[i])
 
 
 def check_decode_work(ta, device, dtype, head_dim=32, group=2):
@@ -209,14 +204,10 @@ def check_decode_work(ta, device, dtype, head_dim=32, group=2):
         assert rows_i.all() if first[1, i] > 1 else not rows_i.any(), (n, rows_i)
 
 
-def test_a_malformed_split_floor_or_work_plan_is_refused_before_any_launch():
+def test_a_malformed_work_plan_is_refused_before_any_launch():
     pytest.importorskip("triton")
     from mempath.kernels import attention_triton as ta
     case = Case([(1, 30), (1, 90)], 4, 2, 32, 8, torch.float32, "cpu", seed=1)
-    for bad in (torch.tensor([64]), torch.tensor([64, 64], dtype=torch.int32)):  # int64; two values
-        with pytest.raises(ValueError, match=r"split_floor must be an int32 \[1\] tensor .*pass one value, or None"):
-            ta.triton_decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
-                                       case.scale, num_splits=2, split_floor=bad)
     items, first = (torch.from_numpy(a) for a in ta.plan_decode_work([30, 90], 2, torch.device("cpu"), 20))
     for bad in (ta.DecodeWork(items.long(), first), ta.DecodeWork(items, first[:, :1])):  # int64; another batch's
         with pytest.raises(ValueError, match=r"work must be plan_decode_work's .*plan this batch, or pass work=None"):
@@ -226,7 +217,7 @@ def test_a_malformed_split_floor_or_work_plan_is_refused_before_any_launch():
         ta.plan_decode_work([30, 90], 2, torch.device("cpu"), 1)
 
 
-def test_split_floor_shares_the_batch_tokens_among_the_programs():
+def test_the_work_floor_shares_the_batch_tokens_among_the_programs():
     from mempath.kernels.attention_triton import DECODE_PROGRAMS_PER_SM, DECODE_TILE, decode_split_floor
     cpu = torch.device("cpu")  # 8 "SMs" off CUDA
     programs = DECODE_PROGRAMS_PER_SM * 8
@@ -306,8 +297,8 @@ def test_decode_seq_order_changes_no_result(ta, dtype):
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_decode_split_floor_splits_the_batch_tokens(ta, dtype):
-    check_decode_split_floor(ta, DEVICE, dtype, head_dim=128, group=4)
+def test_decode_split_rows_are_the_reported_ones(ta, dtype):
+    check_decode_split_rows(ta, DEVICE, dtype, head_dim=128, group=4)
 
 
 @cuda

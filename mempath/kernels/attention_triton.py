@@ -13,8 +13,8 @@ Kernels
 - :func:`triton_decode_attention` — one query row per sequence. A program owns
   one (sequence, KV head, split): it handles every query head of its KV head so
   each KV block is read once per KV head, and a long context is cut into splits
-  (flash-decoding) whose partial results a second small kernel merges. A split floor, or a plan of
-  work items (:func:`plan_decode_work`), splits the batch by its tokens instead.
+  (flash-decoding) whose partial results a second small kernel merges. A plan of work items
+  (:func:`plan_decode_work`) splits the batch by its tokens instead.
 - :func:`triton_prefill_attention` — variable-length query chunks on top of a
   cached prefix, flash-attention tiling (query tile x KV tile) with the KV read
   through the block table. Also correct for decode rows, so a mixed batch can
@@ -35,9 +35,7 @@ go to a workspace that can be allocated once with
 :func:`alloc_decode_workspace`. How many tokens a split covers is computed on
 the device from ``seq_lens``, so the workspace does not grow with
 ``max_model_len``: it holds ``max_b(b * num_splits(b)) * num_heads * (head_dim + 1)``
-float32 values, b ranging over 1..max_num_seqs (see ``decode_workspace_numel``). A split floor
-(``split_floor``: the least tokens a split covers) is read from a device tensor too, so one graph
-replays any step's.
+float32 values, b ranging over 1..max_num_seqs (see ``decode_workspace_numel``).
 The prefill kernel's grid depends on ``max_query_len``; pass it to avoid a
 device-to-host sync.
 
@@ -143,22 +141,20 @@ def decode_num_splits(
 
 
 def decode_split_floor(seq_lens, num_kv_heads: int, device: torch.device, tile: int = DECODE_TILE) -> int:
-    """The least tokens a decode split covers for a batch of these context lengths (host ints), so that
-    about ``DECODE_PROGRAMS_PER_SM`` programs an SM share the batch's KV: a long sequence gets more
-    splits than a short one (up to ``num_splits``), where without a floor each gets ``num_splits``.
-    Whole tiles, at least one. The value goes to ``triton_decode_attention`` in a device tensor."""
+    """The least tokens a work item of :func:`plan_decode_work` covers for a batch of these context
+    lengths (host ints), so that about ``DECODE_PROGRAMS_PER_SM`` programs an SM share the batch's KV:
+    a long sequence gets more items than a short one. Whole tiles, at least one."""
     programs = DECODE_PROGRAMS_PER_SM * _sm_count(device)
-    floor = -(-int(sum(int(n) for n in seq_lens)) * num_kv_heads // programs)
+    floor = -(-int(np.sum(np.asarray(seq_lens, dtype=np.int64))) * num_kv_heads // programs)
     return max(tile, -(-floor // tile) * tile)
 
 
-def decode_splits_used(seq_lens, num_splits: int, floor: int = 0, tile: int = DECODE_TILE) -> list[int]:
+def decode_splits_used(seq_lens, num_splits: int, tile: int = DECODE_TILE) -> list[int]:
     """How many of its ``num_splits`` programs each sequence's context (host ints) fills in the decode
-    kernel, with a split floor of ``floor`` tokens (0: none): the kernel's ``_split_len`` on the host,
-    for reports (a program past them exits at once)."""
+    kernel: the kernel's ``_split_len`` on the host, for reports (a program past them exits at once)."""
     used = []
     for n in seq_lens:
-        per = -(-max(-(-int(n) // num_splits), floor) // tile) * tile
+        per = -(-(-(-int(n) // num_splits)) // tile) * tile
         used.append(-(-int(n) // per) if per else 0)
     return used
 
@@ -260,19 +256,9 @@ if HAS_TRITON:
         return q_row, is_decode
 
     @triton.jit
-    def _split_len(seq_len, num_splits, floor, TILE: tl.constexpr):
-        """Tokens per decode split: the sequence over ``num_splits``, at least ``floor`` (0: no floor), in
-        whole tiles, so the count of non-empty splits follows."""
-        return (tl.maximum((seq_len + num_splits - 1) // num_splits, floor) + TILE - 1) // TILE * TILE
-
-    @triton.jit
-    def _split_floor(split_floor_ptr, FLOORED: tl.constexpr):
-        """The batch's least tokens a split (``decode_split_floor``), read on the device so that a CUDA graph
-        replays each step's; 0 without one."""
-        floor = 0
-        if FLOORED:
-            floor = tl.load(split_floor_ptr)
-        return floor
+    def _split_len(seq_len, num_splits, TILE: tl.constexpr):
+        """Tokens per decode split: whole tiles, so the count of non-empty splits follows."""
+        return ((seq_len + num_splits - 1) // num_splits + TILE - 1) // TILE * TILE
 
     @triton.jit
     def _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, pos, valid, kv_head, dims, dim_mask,
@@ -337,7 +323,7 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["num_heads", "num_splits", "work_capacity"])
     def _decode_split_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, seq_order_ptr,
-        split_floor_ptr, work_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+        work_ptr, out_ptr, part_out_ptr, part_lse_ptr,
         qk_scale,
         stride_qt, stride_qh, stride_qd,
         stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
@@ -349,8 +335,7 @@ if HAS_TRITON:
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
         SPLIT: tl.constexpr, PRECISION: tl.constexpr, VARLEN: tl.constexpr, KV_FP8: tl.constexpr,
-        DOTS_FP16: tl.constexpr, ORDERED: tl.constexpr, FLOORED: tl.constexpr, WORKLIST: tl.constexpr,
-        PDL: tl.constexpr,
+        DOTS_FP16: tl.constexpr, ORDERED: tl.constexpr, WORKLIST: tl.constexpr, PDL: tl.constexpr,
     ):
         pdl_wait(PDL)
         # The KV heads vary fastest, so a sequence's programs start together; with ORDERED the
@@ -377,7 +362,7 @@ if HAS_TRITON:
                 return
 
             seq_len = tl.load(seq_lens_ptr + seq)
-            split_len = _split_len(seq_len, num_splits, _split_floor(split_floor_ptr, FLOORED), TILE)
+            split_len = _split_len(seq_len, num_splits, TILE)
             start = split * split_len
             end = tl.minimum(start + split_len, seq_len)
             if SPLIT:
@@ -443,12 +428,12 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["num_heads", "num_splits", "num_seqs"])
     def _decode_merge_kernel(
-        seq_lens_ptr, query_start_ptr, split_floor_ptr, work_first_ptr, part_out_ptr, part_lse_ptr, out_ptr,
+        seq_lens_ptr, query_start_ptr, work_first_ptr, part_out_ptr, part_lse_ptr, out_ptr,
         stride_ot, stride_oh, stride_od,
         num_heads, num_splits, num_seqs,
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-        SPLITS_PAD: tl.constexpr, TILE: tl.constexpr, VARLEN: tl.constexpr, FLOORED: tl.constexpr,
-        WORKLIST: tl.constexpr, PDL: tl.constexpr,
+        SPLITS_PAD: tl.constexpr, TILE: tl.constexpr, VARLEN: tl.constexpr, WORKLIST: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         pdl_wait(PDL)
         seq = tl.program_id(0)
@@ -468,7 +453,7 @@ if HAS_TRITON:
                 return
             seq_len = tl.load(seq_lens_ptr + seq)
             # Which splits wrote.
-            split_len = _split_len(seq_len, num_splits, _split_floor(split_floor_ptr, FLOORED), TILE)
+            split_len = _split_len(seq_len, num_splits, TILE)
             used = (seq_len + split_len - 1) // tl.maximum(split_len, 1)
             row = (seq * num_heads + head).to(tl.int64) * num_splits + splits
 
@@ -645,7 +630,6 @@ def triton_decode_attention(
     max_seq_len: Optional[int] = None,
     query_start_loc: Optional[torch.Tensor] = None,
     seq_order: Optional[torch.Tensor] = None,
-    split_floor: Optional[torch.Tensor] = None,
     work: Optional[DecodeWork] = None,
 ) -> torch.Tensor:
     """Attention of one query row per sequence (``query: [B, num_heads, head_dim]``).
@@ -665,17 +649,11 @@ def triton_decode_attention(
     unequal contexts ends with short programs instead of a long one started last: BENCHMARKS.md,
     "Decode attention over unequal contexts". It changes no result.
 
-    ``split_floor`` (int32 [1] on the device, in tokens; see :func:`decode_split_floor`): each split
-    covers at least that many tokens, so a sequence shorter than ``num_splits`` floors takes fewer
-    splits, and ``num_splits`` is only the most a sequence takes (splitting the batch's tokens rather
-    than each sequence alike). A device tensor, so a captured graph reads each step's. Only a split
-    call (``num_splits > 1``) reads it.
-
     ``work`` (:class:`DecodeWork`, from :func:`plan_decode_work`): one program per work item and KV
     head instead of per (sequence, split): the grid is as wide as the plan's capacity, every item but
     those past the plan's count reads KV, and a sequence of one item writes its output with no merge.
-    It replaces ``num_splits``, ``split_floor`` and ``seq_order`` (the plan orders its items) and takes
-    decode-only batches. The workspace holds capacity x num_heads rows.
+    It replaces ``num_splits`` and ``seq_order`` (the plan orders its items) and takes decode-only
+    batches. The workspace holds capacity x num_heads rows.
     """
     _require_triton()
     _check_cache(k_cache, v_cache)
@@ -705,13 +683,13 @@ def triton_decode_attention(
     worklist = work is not None
     if worklist:
         capacity = work.items.shape[-1]
-        if (varlen or seq_order is not None or split_floor is not None or work.items.shape != (4, capacity)
+        if (varlen or seq_order is not None or work.items.shape != (4, capacity)
                 or work.first.shape != (2, num_seqs)
                 or any(t.dtype != torch.int32 or t.device != query.device or not t.is_contiguous()
                        for t in work)):
             raise ValueError(f"decode: work must be plan_decode_work's contiguous int32 items [4, capacity] and first "
-                             f"[2, {num_seqs}] on {query.device}, for a decode-only batch without seq_order or "
-                             f"split_floor; got items {tuple(work.items.shape)}, first {tuple(work.first.shape)}: "
+                             f"[2, {num_seqs}] on {query.device}, for a decode-only batch without seq_order; "
+                             f"got items {tuple(work.items.shape)}, first {tuple(work.first.shape)}: "
                              f"plan this batch, or pass work=None")
         num_splits, split = 1, True
         need = capacity * num_heads
@@ -730,10 +708,8 @@ def triton_decode_attention(
                 torch.empty(need, dtype=torch.float32, device=query.device),
             )
         elif workspace.partial_lse.numel() < need or workspace.partial_out.numel() < need * head_dim:
-            raise ValueError(
-                f"decode workspace too small: need {need} rows for {num_seqs} seqs x {num_splits} splits"
-                + (f" ({capacity} work items)" if worklist else "")
-            )
+            cut = f"{capacity} work items" if worklist else f"{num_seqs} seqs x {num_splits} splits"
+            raise ValueError(f"decode workspace too small: need {need} rows for {cut}")
         part_out, part_lse = workspace.partial_out, workspace.partial_lse
     else:
         part_out = part_lse = out  # unused by the kernel
@@ -754,18 +730,12 @@ def triton_decode_attention(
         raise ValueError(f"decode: seq_order must be a contiguous int32 [{num_seqs}] on {query.device} (a "
                          f"permutation of the batch's sequences), got {seq_order.dtype} {tuple(seq_order.shape)} on "
                          f"{seq_order.device}: pass one entry per sequence, or None")
-    floored = split_floor is not None
-    if floored and (split_floor.shape != (1,) or split_floor.dtype != torch.int32
-                    or split_floor.device != query.device):
-        raise ValueError(f"decode: split_floor must be an int32 [1] tensor on {query.device} (the least tokens a "
-                         f"split covers, decode_split_floor), got {split_floor.dtype} {tuple(split_floor.shape)} "
-                         f"on {split_floor.device}: pass one value, or None")
     if grid[1] > MAX_GRID_Y:
         raise ValueError(f"decode: at most {MAX_GRID_Y} sequences (or work items) a call (the grid's second axis), "
                          f"got {grid[1]}: split the batch")
     _decode_split_kernel[grid](
         query, k_cache, v_cache, block_tables, seq_lens, query_start, seq_order if ordered else seq_lens,
-        split_floor if floored else seq_lens, work.items if worklist else seq_lens, out, part_out, part_lse,
+        work.items if worklist else seq_lens, out, part_out, part_lse,
         scale * LOG2E,
         *query.stride(), *k_cache.stride(), *v_cache.stride(),
         block_tables.stride(0),
@@ -775,19 +745,18 @@ def triton_decode_attention(
         HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, TILE=tile,
         SPLIT=split, PRECISION=_dot_precision(torch.float16 if dots_fp16 else _compute_dtype(query, k_cache)),
-        VARLEN=varlen, KV_FP8=kv_fp8, DOTS_FP16=dots_fp16, ORDERED=ordered, FLOORED=floored and split,
-        WORKLIST=worklist, **pdl, **registers, num_warps=warps, num_stages=stages,
+        VARLEN=varlen, KV_FP8=kv_fp8, DOTS_FP16=dots_fp16, ORDERED=ordered, WORKLIST=worklist,
+        **pdl, **registers, num_warps=warps, num_stages=stages,
     )
     if split:
         _decode_merge_kernel[(num_seqs, num_heads)](
-            seq_lens, query_start, split_floor if floored else seq_lens, work.first if worklist else seq_lens,
-            part_out, part_lse, out,
+            seq_lens, query_start, work.first if worklist else seq_lens, part_out, part_lse, out,
             *out.stride(),
             num_heads, num_splits, num_seqs,
             HEAD_DIM=head_dim, D_PAD=d_pad,
             # One width for every split count: one compiled variant (unused splits are masked).
-            SPLITS_PAD=next_pow2(MAX_DECODE_SPLITS), TILE=tile, VARLEN=varlen, FLOORED=floored,
-            WORKLIST=worklist, **pdl,
+            SPLITS_PAD=next_pow2(MAX_DECODE_SPLITS), TILE=tile, VARLEN=varlen, WORKLIST=worklist,
+            **pdl,
             num_warps=4 if next_pow2(MAX_DECODE_SPLITS) * d_pad <= 8192 else 8,
         )
     return out
