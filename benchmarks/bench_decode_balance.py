@@ -11,9 +11,13 @@ the mean context, with lognormal contexts of the same mean in random order, long
 shortest first, in random order but started longest first (``seq_order``, as the runner orders wide
 steps), and with ``--splits`` forced. ``--work-items`` adds the batch cut by its tokens into work
 items (``plan_decode_work``: one program an item and KV head, so a long sequence gets more than a short
-one, and the grid no wider than the plan's capacity). Prints a table and one ``RESULT`` JSON line.
+one, and the grid no wider than the plan's capacity). ``--work-costs`` adds, over equal contexts, the items
+on a grid of the plan's items alone, one item a whole sequence (the one-split partition, through the items'
+path), and those and ``--splits`` without programmatic dependent launch: where the items' fixed cost goes.
+Prints a table and one ``RESULT`` JSON line.
 
     python benchmarks/bench_decode_balance.py --batches 8,16,32,64,128 --splits 1,4 --work-items
+    python benchmarks/bench_decode_balance.py --batches 32,128 --mean 1024 --splits 1,2 --work-items --work-costs
 """
 import argparse
 import json
@@ -26,6 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from mempath.kernels import common  # noqa: E402
 from mempath.kernels.attention_triton import (DecodeWork, alloc_decode_workspace, decode_num_splits,  # noqa: E402
                                               decode_split_floor, decode_splits_used, decode_work_capacity,
                                               plan_decode_work, triton_decode_attention)
@@ -65,9 +70,20 @@ def time_graph(fns, replays: int = 5) -> float:
     return best
 
 
-def case(ctx: np.ndarray, k_cache, v_cache, rng, splits=None, ordered=False, worklist=False) -> tuple[float, float]:
+def whole_sequence_plan(ctx: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """A work plan of one item a sequence (each writes its output, the merge kernel exits at once): the
+    per-sequence kernel's partition, for telling the work items' own cost from their partition's."""
+    batch = len(ctx)
+    items = np.full((4, capacity), -1, dtype=np.int32)
+    items[0, :batch], items[1, :batch], items[2, :batch], items[3, :batch] = np.arange(batch), 0, ctx, 1
+    return items, np.stack([np.arange(batch), np.ones(batch)]).astype(np.int32)
+
+
+def case(ctx: np.ndarray, k_cache, v_cache, rng, splits=None, ordered=False, worklist=False,
+         grid: str = "capacity") -> tuple[float, float]:
     """µs per call and KV TB/s for one batch of contexts (in the given order); ``worklist``: cut into work
-    items.
+    items, on a grid of ``decode_work_capacity`` programs ("capacity", the engine's: any plan of the batch
+    size fits), of the plan's items alone ("exact"), or one item a whole sequence ("whole", on the capacity).
 
     The cache holds ``copies`` disjoint sets of the batch's blocks (``cache_copies``), and the timed
     graph runs one call on each set in turn, as a step's layers each read their own KV: a batch
@@ -90,7 +106,13 @@ def case(ctx: np.ndarray, k_cache, v_cache, rng, splits=None, ordered=False, wor
     work = None
     if worklist:
         capacity = decode_work_capacity(batch, KV_HEADS, torch.device("cuda"))
-        items, first = plan_decode_work(ctx, KV_HEADS, torch.device("cuda"), capacity)
+        if grid == "whole":
+            items, first = whole_sequence_plan(ctx, capacity)
+        else:
+            items, first = plan_decode_work(ctx, KV_HEADS, torch.device("cuda"), capacity)
+            if grid == "exact":
+                capacity = int((items[0] >= 0).sum())
+                items = np.ascontiguousarray(items[:, :capacity])
         work = DecodeWork(torch.from_numpy(items).cuda(), torch.from_numpy(first).cuda())
         rows = capacity * HEADS
         ws = type(ws)(torch.empty(rows * HEAD_DIM, device="cuda"), torch.empty(rows, device="cuda"))
@@ -124,6 +146,10 @@ def main():
     parser.add_argument("--max-len", type=int, default=3072)
     parser.add_argument("--splits", type=lambda v: [int(x) for x in v.split(",")], default=[])
     parser.add_argument("--work-items", action="store_true", help="also time the batch cut into work items")
+    parser.add_argument("--work-costs", action="store_true",
+                        help="with --work-items, where the items' time goes over equal contexts: a grid of the "
+                             "plan's items alone, one item a sequence, and each of those and --splits without "
+                             "programmatic dependent launch")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_decode_balance needs CUDA")
@@ -148,9 +174,19 @@ def main():
         if args.work_items:
             cases += [("mixed, work items", mixed, None, False, True),
                       ("uniform, work items", uniform, None, False, True)]
+        if args.work_items and args.work_costs:
+            costs = [("uniform, items, exact grid", uniform, None, False, True, "exact"),
+                     ("uniform, items, whole seqs", uniform, None, False, True, "whole"),
+                     ("mixed, items, exact grid", mixed, None, False, True, "exact")]
+            cases += costs + [(f"{name}, no PDL", *rest, "no-pdl") for name, *rest in
+                              [("uniform, work items", uniform, None, False, True, "capacity"), *costs,
+                               *[(f"uniform, {s} splits", uniform, s, False, False, "capacity")
+                                 for s in args.splits]]]
         for name, ctx, splits, *flags in cases:
-            ordered, worklist = (list(flags) + [False, False])[:2]
-            us, tbs = case(ctx, k_cache, v_cache, rng, splits, ordered, worklist)
+            ordered, worklist, grid_kind, pdl = (list(flags) + [False, False, "capacity", "pdl"])[:4]
+            common.USE_PDL = pdl != "no-pdl"
+            us, tbs = case(ctx, k_cache, v_cache, rng, splits, ordered, worklist, grid_kind)
+            common.USE_PDL = True
             width = splits or default_splits
             floor = decode_split_floor(ctx, KV_HEADS, torch.device("cuda")) if worklist else None
             # Programs that read KV, of the grid's batch x KV heads x splits (one split: no workspace, all read).
@@ -159,13 +195,15 @@ def main():
             if worklist:
                 capacity = decode_work_capacity(batch, KV_HEADS, torch.device("cuda"))
                 items, _ = plan_decode_work(ctx, KV_HEADS, torch.device("cuda"), capacity)
-                working, grid, width = KV_HEADS * int((items[0] >= 0).sum()), KV_HEADS * capacity, None
+                used = batch if grid_kind == "whole" else int((items[0] >= 0).sum())
+                working, grid, width = KV_HEADS * used, KV_HEADS * (used if grid_kind == "exact" else capacity), None
             print(f"{batch:5} {name:28} {us:8.1f} {tbs:8.2f}  ({int(ctx.max())}, {width or 'items'}, "
                   f"{working}/{grid} programs)")
             results.append({"batch": batch, "case": name, "us": round(us, 2), "kv_tb_s": round(tbs, 3),
                             "mean_ctx": float(ctx.mean()), "max_ctx": int(ctx.max()), "splits": width,
                             "seq_order": bool(ordered), "work_floor": floor, "work_items": worklist,
-                            "working_programs": working, "grid_programs": grid})
+                            "working_programs": working, "grid_programs": grid, "work_grid": grid_kind,
+                            "pdl": pdl != "no-pdl"})
         del k_cache, v_cache
         torch.cuda.empty_cache()
     print("RESULT " + json.dumps({"bench": "decode_balance", "device": torch.cuda.get_device_name(),

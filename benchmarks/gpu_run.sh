@@ -121,11 +121,12 @@ step moe-offload 300 python3 benchmarks/bench_moe.py --parts pinned,offload
 # steps after it in the same call run with it; a copy comes back in $OUT to be committed.
 step moe-gemm 300 python3 benchmarks/bench_moe_gemm.py --out mempath/assets/moe_gemm_configs.json
 want moe-gemm && cp mempath/assets/moe_gemm_configs.json "$OUT/" 2>/dev/null
-# Decode split by the batch's tokens (#17, 2026-12-06; the runner does not use it yet): the work items' GPU tests,
-# then one layer's decode over equal and lognormal contexts at 8-300 sequences, per-sequence splits against items.
+# Decode split by the batch's tokens (#17, 2026-12-06; measured in the engine and not used by it, BENCHMARKS.md): the
+# work items' GPU tests, then one layer's decode over equal and lognormal contexts at 8-300 sequences, per-sequence
+# splits against items, and where the items' time goes over equal contexts (--work-costs).
 step decode-work 420 bash -c "python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
   -k 'work_items or split_rows' && python3 benchmarks/bench_decode_balance.py --batches 8,16,32,64,128,300 \
-  --splits 4,8 --work-items"
+  --splits 1,4,8 --work-items --work-costs"
 # Decode graphs cut at the MoE layers of an expert cache (#21, 2026-12-02): their GPU tests.
 step slots-tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_moe_slots.py tests/test_moe_triton.py \
   tests/test_moe.py tests/test_moe_prefetch.py tests/test_moe_host.py tests/test_moe_gemm_configs.py -k "cuda or gpu or cut"
