@@ -14,10 +14,12 @@ items (``plan_decode_work``: one program an item and KV head, so a long sequence
 one, and the grid no wider than the plan's capacity). ``--work-costs`` adds, over equal contexts, the items
 on a grid of the plan's items alone, one item a whole sequence (the one-split partition, through the items'
 path), and those and ``--splits`` without programmatic dependent launch: where the items' fixed cost goes.
+``--work-programs`` plans the items for other targets of programs an SM (the split floor's aim).
 Prints a table and one ``RESULT`` JSON line.
 
     python benchmarks/bench_decode_balance.py --batches 8,16,32,64,128 --splits 1,4 --work-items
     python benchmarks/bench_decode_balance.py --batches 32,128 --mean 1024 --splits 1,2 --work-items --work-costs
+    python benchmarks/bench_decode_balance.py --batches 8,32,128 --mean 1024 --work-items --work-programs 1,2,8
 """
 import argparse
 import json
@@ -30,7 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mempath.kernels import common  # noqa: E402
+from mempath.kernels import attention_triton, common  # noqa: E402
 from mempath.kernels.attention_triton import (DecodeWork, alloc_decode_workspace, decode_num_splits,  # noqa: E402
                                               decode_split_floor, decode_splits_used, decode_work_capacity,
                                               plan_decode_work, triton_decode_attention)
@@ -146,6 +148,9 @@ def main():
     parser.add_argument("--max-len", type=int, default=3072)
     parser.add_argument("--splits", type=lambda v: [int(x) for x in v.split(",")], default=[])
     parser.add_argument("--work-items", action="store_true", help="also time the batch cut into work items")
+    parser.add_argument("--work-programs", type=lambda v: [int(x) for x in v.split(",")], default=[],
+                        help="with --work-items, also plan for these programs an SM (the floor's target; the "
+                             "engine's DECODE_PROGRAMS_PER_SM otherwise), e.g. 1,2,8")
     parser.add_argument("--work-costs", action="store_true",
                         help="with --work-items, where the items' time goes over equal contexts: a grid of the "
                              "plan's items alone, one item a sequence, and each of those and --splits without "
@@ -174,6 +179,9 @@ def main():
         if args.work_items:
             cases += [("mixed, work items", mixed, None, False, True),
                       ("uniform, work items", uniform, None, False, True)]
+        for p in args.work_programs if args.work_items else []:
+            cases += [(f"mixed, items, {p} an SM", mixed, None, False, True, "capacity", "pdl", p),
+                      (f"uniform, items, {p} an SM", uniform, None, False, True, "capacity", "pdl", p)]
         if args.work_items and args.work_costs:
             costs = [("uniform, items, exact grid", uniform, None, False, True, "exact"),
                      ("uniform, items, whole seqs", uniform, None, False, True, "whole"),
@@ -183,8 +191,11 @@ def main():
                                *[(f"uniform, {s} splits", uniform, s, False, False, "capacity")
                                  for s in args.splits]]]
         for name, ctx, splits, *flags in cases:
-            ordered, worklist, grid_kind, pdl = (list(flags) + [False, False, "capacity", "pdl"])[:4]
+            ordered, worklist, grid_kind, pdl, programs = (
+                list(flags) + [False, False, "capacity", "pdl", attention_triton.DECODE_PROGRAMS_PER_SM][len(flags):])
             common.USE_PDL = pdl != "no-pdl"
+            shipped_programs = attention_triton.DECODE_PROGRAMS_PER_SM
+            attention_triton.DECODE_PROGRAMS_PER_SM = programs
             us, tbs = case(ctx, k_cache, v_cache, rng, splits, ordered, worklist, grid_kind)
             common.USE_PDL = True
             width = splits or default_splits
@@ -197,13 +208,14 @@ def main():
                 items, _ = plan_decode_work(ctx, KV_HEADS, torch.device("cuda"), capacity)
                 used = batch if grid_kind == "whole" else int((items[0] >= 0).sum())
                 working, grid, width = KV_HEADS * used, KV_HEADS * (used if grid_kind == "exact" else capacity), None
+            attention_triton.DECODE_PROGRAMS_PER_SM = shipped_programs
             print(f"{batch:5} {name:28} {us:8.1f} {tbs:8.2f}  ({int(ctx.max())}, {width or 'items'}, "
                   f"{working}/{grid} programs)")
             results.append({"batch": batch, "case": name, "us": round(us, 2), "kv_tb_s": round(tbs, 3),
                             "mean_ctx": float(ctx.mean()), "max_ctx": int(ctx.max()), "splits": width,
                             "seq_order": bool(ordered), "work_floor": floor, "work_items": worklist,
                             "working_programs": working, "grid_programs": grid, "work_grid": grid_kind,
-                            "pdl": pdl != "no-pdl"})
+                            "pdl": pdl != "no-pdl", "work_programs_per_sm": programs if worklist else None})
         del k_cache, v_cache
         torch.cuda.empty_cache()
     print("RESULT " + json.dumps({"bench": "decode_balance", "device": torch.cuda.get_device_name(),

@@ -126,7 +126,7 @@ want moe-gemm && cp mempath/assets/moe_gemm_configs.json "$OUT/" 2>/dev/null
 # splits against items, and where the items' time goes over equal contexts (--work-costs).
 step decode-work 420 bash -c "python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
   -k 'work_items or split_rows' && python3 benchmarks/bench_decode_balance.py --batches 8,16,32,64,128,300 \
-  --splits 1,4,8 --work-items --work-costs"
+  --splits 1,4,8 --work-items --work-costs --work-programs 2"
 # Decode graphs cut at the MoE layers of an expert cache (#21, 2026-12-02): their GPU tests.
 step slots-tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_moe_slots.py tests/test_moe_triton.py \
   tests/test_moe.py tests/test_moe_prefetch.py tests/test_moe_host.py tests/test_moe_gemm_configs.py -k "cuda or gpu or cut"
