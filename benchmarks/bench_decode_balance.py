@@ -82,10 +82,11 @@ def whole_sequence_plan(ctx: np.ndarray, capacity: int) -> tuple[np.ndarray, np.
 
 
 def case(ctx: np.ndarray, k_cache, v_cache, rng, splits=None, ordered=False, worklist=False,
-         grid: str = "capacity") -> tuple[float, float]:
-    """µs per call and KV TB/s for one batch of contexts (in the given order); ``worklist``: cut into work
-    items, on a grid of ``decode_work_capacity`` programs ("capacity", the engine's: any plan of the batch
-    size fits), of the plan's items alone ("exact"), or one item a whole sequence ("whole", on the capacity).
+         grid: str = "capacity") -> tuple[float, float, tuple[int, int] | None]:
+    """µs per call, KV TB/s and, for work items, (items planned, grid width) for one batch of contexts (in the
+    given order); ``worklist``: cut into work items, on a grid of ``decode_work_capacity`` programs ("capacity",
+    the engine's: any plan of the batch size fits), of the plan's items alone ("exact"), or one item a whole
+    sequence ("whole", on the capacity).
 
     The cache holds ``copies`` disjoint sets of the batch's blocks (``cache_copies``), and the timed
     graph runs one call on each set in turn, as a step's layers each read their own KV: a batch
@@ -105,16 +106,18 @@ def case(ctx: np.ndarray, k_cache, v_cache, rng, splits=None, ordered=False, wor
     if splits is not None and splits > 1:
         rows = batch * HEADS * splits
         ws = type(ws)(torch.empty(rows * HEAD_DIM, device="cuda"), torch.empty(rows, device="cuda"))
-    work = None
+    work = plan = None
     if worklist:
         capacity = decode_work_capacity(batch, KV_HEADS, torch.device("cuda"))
         if grid == "whole":
             items, first = whole_sequence_plan(ctx, capacity)
         else:
             items, first = plan_decode_work(ctx, KV_HEADS, torch.device("cuda"), capacity)
-            if grid == "exact":
-                capacity = int((items[0] >= 0).sum())
-                items = np.ascontiguousarray(items[:, :capacity])
+        used = int((items[0] >= 0).sum())
+        if grid == "exact":
+            capacity = used
+            items = np.ascontiguousarray(items[:, :capacity])
+        plan = used, capacity
         work = DecodeWork(torch.from_numpy(items).cuda(), torch.from_numpy(first).cuda())
         rows = capacity * HEADS
         ws = type(ws)(torch.empty(rows * HEAD_DIM, device="cuda"), torch.empty(rows, device="cuda"))
@@ -130,7 +133,7 @@ def case(ctx: np.ndarray, k_cache, v_cache, rng, splits=None, ordered=False, wor
             seq_order=order, work=work))
     us = time_graph(calls * max(1, 32 // copies))
     kv_bytes = int(ctx.sum()) * KV_HEADS * HEAD_DIM * 2 * 2
-    return us, kv_bytes / (us * 1e-6) / 1e12
+    return us, kv_bytes / (us * 1e-6) / 1e12, plan
 
 
 def cache_copies(blocks: int) -> int:
@@ -156,6 +159,8 @@ def main():
                              "plan's items alone, one item a sequence, and each of those and --splits without "
                              "programmatic dependent launch")
     args = parser.parse_args()
+    if (args.work_programs or args.work_costs) and not args.work_items:
+        parser.error("--work-programs and --work-costs time work items: add --work-items")
     if not torch.cuda.is_available():
         sys.exit("bench_decode_balance needs CUDA")
     rng = np.random.default_rng(0)
@@ -169,53 +174,53 @@ def main():
         k_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         v_cache = torch.randn_like(k_cache)
         default_splits = decode_num_splits(batch, KV_HEADS, torch.device("cuda"))
-        cases = [("uniform", uniform, None), ("mixed", mixed, None),
-                 ("mixed, seq_order longest first", mixed, None, True),
-                 ("mixed, rows longest first", np.sort(mixed)[::-1].copy(), None),
-                 ("mixed, rows shortest first", np.sort(mixed), None)]
+        items = {"worklist": True}
+        cases = [("uniform", uniform, None, {}), ("mixed", mixed, None, {}),
+                 ("mixed, seq_order longest first", mixed, None, {"ordered": True}),
+                 ("mixed, rows longest first", np.sort(mixed)[::-1].copy(), None, {}),
+                 ("mixed, rows shortest first", np.sort(mixed), None, {})]
         for s in args.splits:
-            cases += [(f"mixed, {s} splits", mixed, s), (f"uniform, {s} splits", uniform, s),
-                      (f"mixed, seq_order, {s} splits", mixed, s, True)]
+            cases += [(f"mixed, {s} splits", mixed, s, {}), (f"uniform, {s} splits", uniform, s, {}),
+                      (f"mixed, seq_order, {s} splits", mixed, s, {"ordered": True})]
         if args.work_items:
-            cases += [("mixed, work items", mixed, None, False, True),
-                      ("uniform, work items", uniform, None, False, True)]
-        for p in args.work_programs if args.work_items else []:
-            cases += [(f"mixed, items, {p} an SM", mixed, None, False, True, "capacity", "pdl", p),
-                      (f"uniform, items, {p} an SM", uniform, None, False, True, "capacity", "pdl", p)]
+            cases += [("mixed, work items", mixed, None, items), ("uniform, work items", uniform, None, items)]
+            for p in args.work_programs:
+                cases += [(f"{kind}, items, {p} an SM", ctx, None, {**items, "programs": p})
+                          for kind, ctx in (("mixed", mixed), ("uniform", uniform))]
         if args.work_items and args.work_costs:
-            costs = [("uniform, items, exact grid", uniform, None, False, True, "exact"),
-                     ("uniform, items, whole seqs", uniform, None, False, True, "whole"),
-                     ("mixed, items, exact grid", mixed, None, False, True, "exact")]
-            cases += costs + [(f"{name}, no PDL", *rest, "no-pdl") for name, *rest in
-                              [("uniform, work items", uniform, None, False, True, "capacity"), *costs,
-                               *[(f"uniform, {s} splits", uniform, s, False, False, "capacity")
-                                 for s in args.splits]]]
-        for name, ctx, splits, *flags in cases:
-            ordered, worklist, grid_kind, pdl, programs = (
-                list(flags) + [False, False, "capacity", "pdl", attention_triton.DECODE_PROGRAMS_PER_SM][len(flags):])
-            common.USE_PDL = pdl != "no-pdl"
+            costs = [("uniform, items, exact grid", uniform, None, {**items, "grid": "exact"}),
+                     ("uniform, items, whole seqs", uniform, None, {**items, "grid": "whole"}),
+                     ("mixed, items, exact grid", mixed, None, {**items, "grid": "exact"})]
+            no_pdl = [("uniform, work items", uniform, None, items), *costs,
+                      *[(f"uniform, {s} splits", uniform, s, {}) for s in args.splits]]
+            cases += costs + [(f"{name}, no PDL", ctx, splits, {**options, "pdl": False})
+                              for name, ctx, splits, options in no_pdl]
+        for name, ctx, splits, options in cases:
+            worklist = options.get("worklist", False)
             shipped_programs = attention_triton.DECODE_PROGRAMS_PER_SM
-            attention_triton.DECODE_PROGRAMS_PER_SM = programs
-            us, tbs = case(ctx, k_cache, v_cache, rng, splits, ordered, worklist, grid_kind)
-            common.USE_PDL = True
+            programs = options.get("programs", shipped_programs)
+            common.USE_PDL, attention_triton.DECODE_PROGRAMS_PER_SM = options.get("pdl", True), programs
+            try:
+                us, tbs, plan = case(ctx, k_cache, v_cache, rng, splits, options.get("ordered", False), worklist,
+                                     options.get("grid", "capacity"))
+                floor = decode_split_floor(ctx, KV_HEADS, torch.device("cuda")) if worklist else None
+            finally:
+                common.USE_PDL, attention_triton.DECODE_PROGRAMS_PER_SM = True, shipped_programs
             width = splits or default_splits
-            floor = decode_split_floor(ctx, KV_HEADS, torch.device("cuda")) if worklist else None
             # Programs that read KV, of the grid's batch x KV heads x splits (one split: no workspace, all read).
             working = KV_HEADS * sum(decode_splits_used(ctx, width)) if width > 1 else batch * KV_HEADS
             grid = batch * KV_HEADS * width
-            if worklist:
-                capacity = decode_work_capacity(batch, KV_HEADS, torch.device("cuda"))
-                items, _ = plan_decode_work(ctx, KV_HEADS, torch.device("cuda"), capacity)
-                used = batch if grid_kind == "whole" else int((items[0] >= 0).sum())
-                working, grid, width = KV_HEADS * used, KV_HEADS * (used if grid_kind == "exact" else capacity), None
-            attention_triton.DECODE_PROGRAMS_PER_SM = shipped_programs
+            if plan is not None:
+                (used, capacity), width = plan, None
+                working, grid = KV_HEADS * used, KV_HEADS * capacity
             print(f"{batch:5} {name:28} {us:8.1f} {tbs:8.2f}  ({int(ctx.max())}, {width or 'items'}, "
                   f"{working}/{grid} programs)")
             results.append({"batch": batch, "case": name, "us": round(us, 2), "kv_tb_s": round(tbs, 3),
                             "mean_ctx": float(ctx.mean()), "max_ctx": int(ctx.max()), "splits": width,
-                            "seq_order": bool(ordered), "work_floor": floor, "work_items": worklist,
-                            "working_programs": working, "grid_programs": grid, "work_grid": grid_kind,
-                            "pdl": pdl != "no-pdl", "work_programs_per_sm": programs if worklist else None})
+                            "seq_order": options.get("ordered", False), "work_floor": floor, "work_items": worklist,
+                            "working_programs": working, "grid_programs": grid,
+                            "work_grid": options.get("grid", "capacity"), "pdl": options.get("pdl", True),
+                            "work_programs_per_sm": programs if worklist else None})
         del k_cache, v_cache
         torch.cuda.empty_cache()
     print("RESULT " + json.dumps({"bench": "decode_balance", "device": torch.cuda.get_device_name(),
