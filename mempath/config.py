@@ -234,14 +234,6 @@ def chunking_needs_budget(max_num_batched_tokens: int, max_model_len: int) -> st
             f"--max-num-batched-tokens or lower --max-model-len")
 
 
-def parse_dtype(name: str | None, default: torch.dtype = torch.float32) -> torch.dtype:
-    if name is None:
-        return default
-    if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; use one of {sorted(set(_DTYPES))}")
-    return _DTYPES[name]
-
-
 # ---------------------------------------------------------------- CPU threads
 
 _THREADS_CHOSEN: int | None = None  # what choose_cpu_threads set, so a second call leaves it alone

@@ -282,11 +282,6 @@ def _table_for(env_value: str | None) -> dict[str, dict[str, Entry]]:
     return load_moe_gemm_table()
 
 
-def moe_gemm_table() -> dict[str, dict[str, Entry]]:
-    """The table the engine launches by (``MOE_GEMM_TABLE_ENV``'s or the shipped one), read once."""
-    return _table_for(os.environ.get(MOE_GEMM_TABLE_ENV))
-
-
 def grouped_gemm_config(n: int, k: int, pairs: int, dtype: torch.dtype, table: dict | None = None) -> GroupedGemmConfig:
     """The launch for an [E, n, k] weight times ``pairs`` rows (blocks of ``block_m_for(pairs)``):
     the table's entry, else the default.
