@@ -9,17 +9,10 @@ programs the GPU starts last decide when the kernel ends. This times one layer's
 (Llama-3.1-8B attention shape, bf16 cache, block 16) at several batch sizes with every sequence at
 the mean context, with lognormal contexts of the same mean in random order, longest first,
 shortest first, in random order but started longest first (``seq_order``, as the runner orders wide
-steps), and with ``--splits`` forced. ``--work-items`` adds the batch cut by its tokens into work
-items (``plan_decode_work``: one program an item and KV head, so a long sequence gets more than a short
-one, and the grid no wider than the plan's capacity). ``--work-costs`` adds, over equal contexts, the items
-on a grid of the plan's items alone, one item a whole sequence (the one-split partition, through the items'
-path), and those and ``--splits`` without programmatic dependent launch: where the items' fixed cost goes.
-``--work-programs`` plans the items for other targets of programs an SM (the split floor's aim).
-Prints a table and one ``RESULT`` JSON line.
+steps), and with ``--splits`` forced. Prints a table and one ``RESULT`` JSON line.
 
-    python benchmarks/bench_decode_balance.py --batches 8,16,32,64,128 --splits 1,4 --work-items
-    python benchmarks/bench_decode_balance.py --batches 32,128 --mean 1024 --splits 1,2 --work-items --work-costs
-    python benchmarks/bench_decode_balance.py --batches 8,32,128 --mean 1024 --work-items --work-programs 1,2,8
+    python benchmarks/bench_decode_balance.py --batches 8,16,32,64,128 --splits 1,4
+    python benchmarks/bench_decode_balance.py --batches 32,128 --mean 1024 --splits 1,2
 """
 import argparse
 import json
@@ -32,10 +25,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mempath.kernels import attention_triton, common  # noqa: E402
-from mempath.kernels.attention_triton import (DecodeWork, alloc_decode_workspace, decode_num_splits,  # noqa: E402
-                                              decode_split_floor, decode_splits_used, decode_work_capacity,
-                                              plan_decode_work, triton_decode_attention)
+from mempath.kernels.attention_triton import (alloc_decode_workspace, decode_num_splits,  # noqa: E402
+                                              decode_splits_used, triton_decode_attention)
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 
@@ -72,21 +63,8 @@ def time_graph(fns, replays: int = 5) -> float:
     return best
 
 
-def whole_sequence_plan(ctx: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
-    """A work plan of one item a sequence (each writes its output, the merge kernel exits at once): the
-    per-sequence kernel's partition, for telling the work items' own cost from their partition's."""
-    batch = len(ctx)
-    items = np.full((4, capacity), -1, dtype=np.int32)
-    items[0, :batch], items[1, :batch], items[2, :batch], items[3, :batch] = np.arange(batch), 0, ctx, 1
-    return items, np.stack([np.arange(batch), np.ones(batch)]).astype(np.int32)
-
-
-def case(ctx: np.ndarray, k_cache, v_cache, rng, splits=None, ordered=False, worklist=False,
-         grid: str = "capacity") -> tuple[float, float, tuple[int, int] | None]:
-    """µs per call, KV TB/s and, for work items, (items planned, grid width) for one batch of contexts (in the
-    given order); ``worklist``: cut into work items, on a grid of ``decode_work_capacity`` programs ("capacity",
-    the engine's: any plan of the batch size fits), of the plan's items alone ("exact"), or one item a whole
-    sequence ("whole", on the capacity).
+def case(ctx: np.ndarray, k_cache, v_cache, splits=None, ordered=False) -> tuple[float, float]:
+    """µs per call and KV TB/s for one batch of contexts (in the given order).
 
     The cache holds ``copies`` disjoint sets of the batch's blocks (``cache_copies``), and the timed
     graph runs one call on each set in turn, as a step's layers each read their own KV: a batch
@@ -106,21 +84,6 @@ def case(ctx: np.ndarray, k_cache, v_cache, rng, splits=None, ordered=False, wor
     if splits is not None and splits > 1:
         rows = batch * HEADS * splits
         ws = type(ws)(torch.empty(rows * HEAD_DIM, device="cuda"), torch.empty(rows, device="cuda"))
-    work = plan = None
-    if worklist:
-        capacity = decode_work_capacity(batch, KV_HEADS, torch.device("cuda"))
-        if grid == "whole":
-            items, first = whole_sequence_plan(ctx, capacity)
-        else:
-            items, first = plan_decode_work(ctx, KV_HEADS, torch.device("cuda"), capacity)
-        used = int((items[0] >= 0).sum())
-        if grid == "exact":
-            capacity = used
-            items = np.ascontiguousarray(items[:, :capacity])
-        plan = used, capacity
-        work = DecodeWork(torch.from_numpy(items).cuda(), torch.from_numpy(first).cuda())
-        rows = capacity * HEADS
-        ws = type(ws)(torch.empty(rows * HEAD_DIM, device="cuda"), torch.empty(rows, device="cuda"))
     calls = []
     for copy in range(copies):
         tables = torch.zeros(batch, width, dtype=torch.int32, device="cuda")
@@ -130,10 +93,10 @@ def case(ctx: np.ndarray, k_cache, v_cache, rng, splits=None, ordered=False, wor
             used += n
         calls.append(lambda tables=tables: triton_decode_attention(
             q, k_cache, v_cache, tables, seq_lens, HEAD_DIM ** -0.5, out=out, workspace=ws, num_splits=splits,
-            seq_order=order, work=work))
+            seq_order=order))
     us = time_graph(calls * max(1, 32 // copies))
     kv_bytes = int(ctx.sum()) * KV_HEADS * HEAD_DIM * 2 * 2
-    return us, kv_bytes / (us * 1e-6) / 1e12, plan
+    return us, kv_bytes / (us * 1e-6) / 1e12
 
 
 def cache_copies(blocks: int) -> int:
@@ -150,17 +113,7 @@ def main():
     parser.add_argument("--sigma", type=float, default=0.9)
     parser.add_argument("--max-len", type=int, default=3072)
     parser.add_argument("--splits", type=lambda v: [int(x) for x in v.split(",")], default=[])
-    parser.add_argument("--work-items", action="store_true", help="also time the batch cut into work items")
-    parser.add_argument("--work-programs", type=lambda v: [int(x) for x in v.split(",")], default=[],
-                        help="with --work-items, also plan for these programs an SM (the floor's target; the "
-                             "engine's DECODE_PROGRAMS_PER_SM otherwise), e.g. 1,2,8")
-    parser.add_argument("--work-costs", action="store_true",
-                        help="with --work-items, where the items' time goes over equal contexts: a grid of the "
-                             "plan's items alone, one item a sequence, and each of those and --splits without "
-                             "programmatic dependent launch")
     args = parser.parse_args()
-    if (args.work_programs or args.work_costs) and not args.work_items:
-        parser.error("--work-programs and --work-costs time work items: add --work-items")
     if not torch.cuda.is_available():
         sys.exit("bench_decode_balance needs CUDA")
     rng = np.random.default_rng(0)
@@ -174,53 +127,26 @@ def main():
         k_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         v_cache = torch.randn_like(k_cache)
         default_splits = decode_num_splits(batch, KV_HEADS, torch.device("cuda"))
-        items = {"worklist": True}
-        cases = [("uniform", uniform, None, {}), ("mixed", mixed, None, {}),
-                 ("mixed, seq_order longest first", mixed, None, {"ordered": True}),
-                 ("mixed, rows longest first", np.sort(mixed)[::-1].copy(), None, {}),
-                 ("mixed, rows shortest first", np.sort(mixed), None, {})]
+        # (name, contexts, splits forced, started longest first)
+        cases = [("uniform", uniform, None, False), ("mixed", mixed, None, False),
+                 ("mixed, seq_order longest first", mixed, None, True),
+                 ("mixed, rows longest first", np.sort(mixed)[::-1].copy(), None, False),
+                 ("mixed, rows shortest first", np.sort(mixed), None, False)]
         for s in args.splits:
-            cases += [(f"mixed, {s} splits", mixed, s, {}), (f"uniform, {s} splits", uniform, s, {}),
-                      (f"mixed, seq_order, {s} splits", mixed, s, {"ordered": True})]
-        if args.work_items:
-            cases += [("mixed, work items", mixed, None, items), ("uniform, work items", uniform, None, items)]
-            for p in args.work_programs:
-                cases += [(f"{kind}, items, {p} an SM", ctx, None, {**items, "programs": p})
-                          for kind, ctx in (("mixed", mixed), ("uniform", uniform))]
-        if args.work_items and args.work_costs:
-            costs = [("uniform, items, exact grid", uniform, None, {**items, "grid": "exact"}),
-                     ("uniform, items, whole seqs", uniform, None, {**items, "grid": "whole"}),
-                     ("mixed, items, exact grid", mixed, None, {**items, "grid": "exact"})]
-            no_pdl = [("uniform, work items", uniform, None, items), *costs,
-                      *[(f"uniform, {s} splits", uniform, s, {}) for s in args.splits]]
-            cases += costs + [(f"{name}, no PDL", ctx, splits, {**options, "pdl": False})
-                              for name, ctx, splits, options in no_pdl]
-        for name, ctx, splits, options in cases:
-            worklist = options.get("worklist", False)
-            shipped_programs = attention_triton.DECODE_PROGRAMS_PER_SM
-            programs = options.get("programs", shipped_programs)
-            common.USE_PDL, attention_triton.DECODE_PROGRAMS_PER_SM = options.get("pdl", True), programs
-            try:
-                us, tbs, plan = case(ctx, k_cache, v_cache, rng, splits, options.get("ordered", False), worklist,
-                                     options.get("grid", "capacity"))
-                floor = decode_split_floor(ctx, KV_HEADS, torch.device("cuda")) if worklist else None
-            finally:
-                common.USE_PDL, attention_triton.DECODE_PROGRAMS_PER_SM = True, shipped_programs
+            cases += [(f"mixed, {s} splits", mixed, s, False), (f"uniform, {s} splits", uniform, s, False),
+                      (f"mixed, seq_order, {s} splits", mixed, s, True)]
+        for name, ctx, splits, ordered in cases:
+            us, tbs = case(ctx, k_cache, v_cache, splits, ordered)
             width = splits or default_splits
             # Programs that read KV, of the grid's batch x KV heads x splits (one split: no workspace, all read).
             working = KV_HEADS * sum(decode_splits_used(ctx, width)) if width > 1 else batch * KV_HEADS
             grid = batch * KV_HEADS * width
-            if plan is not None:
-                (used, capacity), width = plan, None
-                working, grid = KV_HEADS * used, KV_HEADS * capacity
-            print(f"{batch:5} {name:28} {us:8.1f} {tbs:8.2f}  ({int(ctx.max())}, {width or 'items'}, "
+            print(f"{batch:5} {name:28} {us:8.1f} {tbs:8.2f}  ({int(ctx.max())}, {width}, "
                   f"{working}/{grid} programs)")
             results.append({"batch": batch, "case": name, "us": round(us, 2), "kv_tb_s": round(tbs, 3),
                             "mean_ctx": float(ctx.mean()), "max_ctx": int(ctx.max()), "splits": width,
-                            "seq_order": options.get("ordered", False), "work_floor": floor, "work_items": worklist,
-                            "working_programs": working, "grid_programs": grid,
-                            "work_grid": options.get("grid", "capacity"), "pdl": options.get("pdl", True),
-                            "work_programs_per_sm": programs if worklist else None})
+                            "seq_order": ordered, "working_programs": working,
+                            "grid_programs": grid})
         del k_cache, v_cache
         torch.cuda.empty_cache()
     print("RESULT " + json.dumps({"bench": "decode_balance", "device": torch.cuda.get_device_name(),

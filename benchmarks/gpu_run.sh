@@ -10,7 +10,7 @@
 #   dense-mlp-ab (~1.5 min: the table's one-row TMA entries against cuBLAS)
 #   decode-sweep (~8 min; DECODE_RUNS picks the shapes)  router-tests, moe-router (~7 min: #21's router kernel)
 #   profile (~1 min: kernel table at batch 1), profile-moe, profile-mistral  profile-workload (~1 min: host/device split of the throughput run)
-#   decode-work (~4 min: the decode work items' GPU tests, one layer's decode with and without them)
+#   decode-balance (~2 min: one layer's decode over equal and unequal contexts, split counts)
 # For `serve`, carry fastapi/uvicorn/starlette/pydantic(+core)/anyio/h11/sniffio/annotated-types/
 # typing-inspection/prometheus-client as wheels in .whl (see ../.library/device/README.md).
 set -u
@@ -121,12 +121,9 @@ step moe-offload 300 python3 benchmarks/bench_moe.py --parts pinned,offload
 # steps after it in the same call run with it; a copy comes back in $OUT to be committed.
 step moe-gemm 300 python3 benchmarks/bench_moe_gemm.py --out mempath/assets/moe_gemm_configs.json
 want moe-gemm && cp mempath/assets/moe_gemm_configs.json "$OUT/" 2>/dev/null
-# Decode split by the batch's tokens (#17, 2026-12-06; measured in the engine and not used by it, BENCHMARKS.md): the
-# work items' GPU tests, then one layer's decode over equal and lognormal contexts at 8-300 sequences, per-sequence
-# splits against items, and where the items' time goes over equal contexts (--work-costs).
-step decode-work 420 bash -c "python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
-  -k 'work_items or split_rows' && python3 benchmarks/bench_decode_balance.py --batches 8,16,32,64,128,300 \
-  --splits 1,4,8 --work-items --work-costs --work-programs 2"
+# One layer's decode over equal and lognormal contexts at 8-300 sequences, the engine's split count against
+# others (#17).
+step decode-balance 300 python3 benchmarks/bench_decode_balance.py --batches 8,16,32,64,128,300 --splits 1,4,8
 # Decode graphs cut at the MoE layers of an expert cache (#21, 2026-12-02): their GPU tests.
 step slots-tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_moe_slots.py tests/test_moe_triton.py \
   tests/test_moe.py tests/test_moe_prefetch.py tests/test_moe_host.py tests/test_moe_gemm_configs.py -k "cuda or gpu or cut"

@@ -68,12 +68,12 @@ def compile_decode(kv: str, tile: int, stages: int, maxnreg: int | None = None, 
     fn = attention._decode_split_kernel
     params = list(inspect.signature(fn.fn).parameters)
     pointers = {"q_ptr": "*bf16", "k_cache_ptr": kv, "v_cache_ptr": kv, "block_tables_ptr": "*i32",
-                "seq_lens_ptr": "*i32", "query_start_ptr": "*i32", "seq_order_ptr": "*i32", "work_ptr": "*i32",
-                "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "qk_scale": "fp32"}
+                "seq_lens_ptr": "*i32", "query_start_ptr": "*i32", "seq_order_ptr": "*i32", "out_ptr": "*bf16",
+                "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "qk_scale": "fp32"}
     fp8 = kv != "*bf16"
     constants = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, TILE=tile, SPLIT=True,
-                     PRECISION="ieee", VARLEN=False, KV_FP8=fp8, DOTS_FP16=fp8, ORDERED=True, WORKLIST=False,
-                     PDL=True, stride_qd=1, stride_kc_d=1, stride_vc_d=1, stride_od=1)
+                     PRECISION="ieee", VARLEN=False, KV_FP8=fp8, DOTS_FP16=fp8, ORDERED=True, PDL=True,
+                     stride_qd=1, stride_kc_d=1, stride_vc_d=1, stride_od=1)
     signature = {p: "constexpr" if p in constants else pointers.get(p, "i32") for p in params}
     aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
                if p not in constants and (signature[p].startswith("*") or p.startswith("stride"))}

@@ -25,7 +25,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from test_triton_kernels import (Case, assert_close, check_attention, check_decode_seq_order,  # noqa: E402
-                                check_decode_split_rows, check_decode_work, check_write_kv)
+                                check_decode_split_rows, check_write_kv)
 
 DEVICE = "cpu"
 
@@ -102,7 +102,6 @@ CHECKS = {
     "mixed_decode_rows": check_mixed_decode_rows,
     "decode_seq_order": lambda ta: check_decode_seq_order(ta, DEVICE, torch.float32),
     "decode_split_rows": lambda ta: check_decode_split_rows(ta, DEVICE, torch.float32),
-    "decode_work": lambda ta: check_decode_work(ta, DEVICE, torch.float32),
 }
 for _group in (1, 4):
     for _dtype in (torch.float32, torch.float16):

@@ -175,60 +175,6 @@ def check_decode_split_rows(ta, device, dtype, head_dim=32, group=2):
         assert reported[i] == int(used.sum()), (n, reported[i])
 
 
-def check_decode_work(ta, device, dtype, head_dim=32, group=2):
-    """A batch cut by tokens into work items (plan_decode_work): the attention's result, a sequence of one
-    item writing its output itself (its workspace rows untouched), the others merged from their items'
-    rows; the plan's items cover each sequence once, in whole tiles, within the capacity."""
-    lens = [5, 300, 1, 77, 1030, 64, 9, 200, 2500]
-    num_heads, tile = 2 * group, ta.DECODE_TILE
-    case = Case([(1, n) for n in lens], num_heads, 2, head_dim, 8, dtype, device, seed=14)
-    capacity = ta.decode_work_capacity(len(lens), 2, torch.device(device))
-    items, first = ta.plan_decode_work(lens, 2, torch.device(device), capacity)
-    count = int((items[0] >= 0).sum())
-    assert count <= capacity and (items[0, count:] == -1).all()
-    for i, n in enumerate(lens):
-        mine = items[:, first[0, i]:first[0, i] + first[1, i]]
-        assert (mine[0] == i).all() and mine[1, 0] == 0 and mine[2, -1] == n and (mine[1, 1:] == mine[2, :-1]).all()
-        assert (mine[1] % tile == 0).all() and (mine[3] == (first[1, i] == 1)).all()
-    assert first[1].tolist()[lens.index(2500)] > 1 and first[1].tolist()[lens.index(1)] == 1
-    work = ta.DecodeWork(torch.from_numpy(items).to(device), torch.from_numpy(first).to(device))
-    rows = capacity * num_heads
-    ws = ta.DecodeWorkspace(torch.full((rows * head_dim,), float("nan"), device=device),
-                            torch.full((rows,), float("nan"), device=device))
-    out = ta.triton_decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
-                                     case.scale, out=case.poisoned_out(), workspace=ws, work=work)
-    assert_close(out, case.reference(), dtype)
-    written = ~torch.isnan(ws.partial_lse.view(capacity, num_heads)).cpu()
-    for i, n in enumerate(lens):
-        rows_i = written[first[0, i]:first[0, i] + first[1, i]]
-        assert rows_i.all() if first[1, i] > 1 else not rows_i.any(), (n, rows_i)
-
-
-def test_a_malformed_work_plan_is_refused_before_any_launch():
-    pytest.importorskip("triton")
-    from mempath.kernels import attention_triton as ta
-    case = Case([(1, 30), (1, 90)], 4, 2, 32, 8, torch.float32, "cpu", seed=1)
-    items, first = (torch.from_numpy(a) for a in ta.plan_decode_work([30, 90], 2, torch.device("cpu"), 20))
-    for bad in (ta.DecodeWork(items.long(), first), ta.DecodeWork(items, first[:, :1])):  # int64; another batch's
-        with pytest.raises(ValueError, match=r"work must be plan_decode_work's .*plan this batch, or pass work=None"):
-            ta.triton_decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
-                                       case.scale, work=bad)
-    with pytest.raises(ValueError, match=r"3 items for 2 sequences exceed the capacity of 1 "):
-        ta.plan_decode_work([30, 90], 2, torch.device("cpu"), 1)
-
-
-def test_the_work_floor_shares_the_batch_tokens_among_the_programs():
-    from mempath.kernels.attention_triton import DECODE_PROGRAMS_PER_SM, DECODE_TILE, decode_split_floor
-    cpu = torch.device("cpu")  # 8 "SMs" off CUDA
-    programs = DECODE_PROGRAMS_PER_SM * 8
-    lens = [100, 3000, 460, 20] * 4
-    floor = decode_split_floor(lens, 8, cpu)
-    assert floor % DECODE_TILE == 0 and floor >= sum(lens) * 8 / programs
-    assert floor - DECODE_TILE < sum(lens) * 8 / programs  # the least whole tiles that do
-    assert decode_split_floor([1, 2], 8, cpu) == DECODE_TILE  # never below one tile
-    assert decode_split_floor(lens, 8, cpu, tile=128) % 128 == 0
-
-
 # --------------------------------------------------------------------------- GPU
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels need CUDA")
@@ -299,12 +245,6 @@ def test_decode_seq_order_changes_no_result(ta, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_decode_split_rows_are_the_reported_ones(ta, dtype):
     check_decode_split_rows(ta, DEVICE, dtype, head_dim=128, group=4)
-
-
-@cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_decode_work_items_cover_the_batch(ta, dtype):
-    check_decode_work(ta, DEVICE, dtype, head_dim=128, group=4)
 
 
 @cuda

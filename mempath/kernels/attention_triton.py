@@ -13,8 +13,7 @@ Kernels
 - :func:`triton_decode_attention` — one query row per sequence. A program owns
   one (sequence, KV head, split): it handles every query head of its KV head so
   each KV block is read once per KV head, and a long context is cut into splits
-  (flash-decoding) whose partial results a second small kernel merges. A plan of work items
-  (:func:`plan_decode_work`) splits the batch by its tokens instead.
+  (flash-decoding) whose partial results a second small kernel merges.
 - :func:`triton_prefill_attention` — variable-length query chunks on top of a
   cached prefix, flash-attention tiling (query tile x KV tile) with the KV read
   through the block table. Also correct for decode rows, so a mixed batch can
@@ -44,7 +43,6 @@ and the launchers raise.
 """
 from typing import NamedTuple, Optional
 
-import numpy as np
 import torch
 
 from mempath.kernels.attention_torch import is_fp8
@@ -82,18 +80,6 @@ MAX_DECODE_SPLITS = 64
 MAX_GRID_Y = 65535
 # Target number of decode programs per SM: enough to hide memory latency.
 DECODE_PROGRAMS_PER_SM = 4
-
-
-class DecodeWork(NamedTuple):
-    """A decode batch cut into work items (:func:`plan_decode_work`), on the device.
-
-    ``items`` int32 [4, capacity]: each item's sequence (-1 past the plan's items), first and end token, and
-    whether it is its sequence's only item (then it writes the output itself, with no merge);
-    ``first`` int32 [2, num_seqs]: each sequence's first item (its partial rows start there) and item count.
-    """
-
-    items: torch.Tensor
-    first: torch.Tensor
 
 
 class DecodeWorkspace(NamedTuple):
@@ -140,15 +126,6 @@ def decode_num_splits(
     return min(MAX_DECODE_SPLITS, next_pow2(max(1, want)))
 
 
-def decode_split_floor(seq_lens, num_kv_heads: int, device: torch.device, tile: int = DECODE_TILE) -> int:
-    """The least tokens a work item of :func:`plan_decode_work` covers for a batch of these context
-    lengths (host ints), so that about ``DECODE_PROGRAMS_PER_SM`` programs an SM share the batch's KV:
-    a long sequence gets more items than a short one. Whole tiles, at least one."""
-    programs = DECODE_PROGRAMS_PER_SM * _sm_count(device)
-    floor = -(-int(np.sum(np.asarray(seq_lens, dtype=np.int64))) * num_kv_heads // programs)
-    return max(tile, -(-floor // tile) * tile)
-
-
 def decode_splits_used(seq_lens, num_splits: int, tile: int = DECODE_TILE) -> list[int]:
     """How many of its ``num_splits`` programs each sequence's context (host ints) fills in the decode
     kernel: the kernel's ``_split_len`` on the host, for reports (a program past them exits at once)."""
@@ -157,45 +134,6 @@ def decode_splits_used(seq_lens, num_splits: int, tile: int = DECODE_TILE) -> li
         per = -(-(-(-int(n) // num_splits)) // tile) * tile
         used.append(-(-int(n) // per) if per else 0)
     return used
-
-
-# The most work items a sequence is cut into: the merge kernel's width, as for splits.
-MAX_ITEMS_PER_SEQ = MAX_DECODE_SPLITS
-
-
-def decode_work_capacity(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
-    """Work items :func:`plan_decode_work` makes at most for ``num_seqs`` sequences, whatever their lengths:
-    items of at least the split floor F hold sum(ceil(len / F)) <= total / F + num_seqs items, and F is at
-    least total * num_kv_heads / programs. A captured graph's grid, and the workspace's rows / heads."""
-    return -(-DECODE_PROGRAMS_PER_SM * _sm_count(device) // num_kv_heads) + num_seqs
-
-
-def plan_decode_work(seq_lens, num_kv_heads: int, device: torch.device, capacity: int,
-                     tile: int = DECODE_TILE) -> tuple[np.ndarray, np.ndarray]:
-    """A decode batch cut by tokens, on the host: each sequence into items of at least the split floor
-    (:func:`decode_split_floor`) and at most ``MAX_ITEMS_PER_SEQ`` items, in whole tiles, the longest
-    sequences' items first. Returns int32 arrays ``items`` [4, capacity] and ``first`` [2, num_seqs] of
-    :class:`DecodeWork` (to copy into its device tensors)."""
-    lens = np.asarray(seq_lens, dtype=np.int64)
-    floor = decode_split_floor(lens, num_kv_heads, device, tile)
-    per = -(-np.maximum(floor, -(-lens // MAX_ITEMS_PER_SEQ)) // tile) * tile
-    count = np.maximum(1, -(-lens // per))
-    total = int(count.sum())
-    if total > capacity:
-        raise ValueError(f"decode work: {total} items for {len(lens)} sequences exceed the capacity of {capacity} "
-                         f"(decode_work_capacity gives the bound)")
-    order = np.argsort(-lens, kind="stable")
-    first = np.zeros((2, len(lens)), dtype=np.int32)
-    first[0, order] = np.cumsum(count[order]) - count[order]
-    first[1] = count
-    seq = np.repeat(order, count[order])
-    k = np.arange(total) - np.repeat(first[0, order], count[order])
-    items = np.full((4, capacity), -1, dtype=np.int32)
-    items[0, :total] = seq
-    items[1, :total] = k * per[seq]
-    items[2, :total] = np.minimum(items[1, :total] + per[seq], lens[seq])
-    items[3, :total] = count[seq] == 1
-    return items, first
 
 
 def decode_workspace_numel(
@@ -320,54 +258,42 @@ if HAS_TRITON:
     # Integers that vary with the batch are not specialised on (Triton would compile a
     # variant for == 1 and for multiples of 16): a new variant mid-serving costs a
     # compile of hundreds of milliseconds inside a step.
-    @triton.jit(do_not_specialize=["num_heads", "num_splits", "work_capacity"])
+    @triton.jit(do_not_specialize=["num_heads", "num_splits"])
     def _decode_split_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, seq_order_ptr,
-        work_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+        out_ptr, part_out_ptr, part_lse_ptr,
         qk_scale,
         stride_qt, stride_qh, stride_qd,
         stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
         stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d,
         stride_bt,
         stride_ot, stride_oh, stride_od,
-        num_heads, num_splits, work_capacity,
+        num_heads, num_splits,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
         SPLIT: tl.constexpr, PRECISION: tl.constexpr, VARLEN: tl.constexpr, KV_FP8: tl.constexpr,
-        DOTS_FP16: tl.constexpr, ORDERED: tl.constexpr, WORKLIST: tl.constexpr, PDL: tl.constexpr,
+        DOTS_FP16: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr,
     ):
         pdl_wait(PDL)
         # The KV heads vary fastest, so a sequence's programs start together; with ORDERED the
         # sequences start in seq_order's order (longest first: the last programs are short ones).
         kv_head = tl.program_id(0)
-        if WORKLIST:
-            # One program a work item of plan_decode_work (a sequence's range of tokens): the grid is as
-            # wide as the batch's KV needs, not the batch times a split count.
-            item = tl.program_id(1)
-            seq = tl.load(work_ptr + item)
-            if seq < 0:  # the plan's capacity past its items
-                return
-            start = tl.load(work_ptr + work_capacity + item)
-            end = tl.load(work_ptr + 2 * work_capacity + item)
-            alone = tl.load(work_ptr + 3 * work_capacity + item) != 0  # the sequence's only item
-            q_row = seq
-        else:
-            seq = tl.program_id(1)
-            if ORDERED:
-                seq = tl.load(seq_order_ptr + seq)
-            split = tl.program_id(2)
-            q_row, is_decode = _decode_row(query_start_ptr, seq, VARLEN)
-            if not is_decode:
-                return
+        seq = tl.program_id(1)
+        if ORDERED:
+            seq = tl.load(seq_order_ptr + seq)
+        split = tl.program_id(2)
+        q_row, is_decode = _decode_row(query_start_ptr, seq, VARLEN)
+        if not is_decode:
+            return
 
-            seq_len = tl.load(seq_lens_ptr + seq)
-            split_len = _split_len(seq_len, num_splits, TILE)
-            start = split * split_len
-            end = tl.minimum(start + split_len, seq_len)
-            if SPLIT:
-                if start >= seq_len:
-                    return
+        seq_len = tl.load(seq_lens_ptr + seq)
+        split_len = _split_len(seq_len, num_splits, TILE)
+        start = split * split_len
+        end = tl.minimum(start + split_len, seq_len)
+        if SPLIT:
+            if start >= seq_len:
+                return
 
         g = tl.arange(0, GROUP_PAD)
         dims = tl.arange(0, D_PAD)
@@ -408,16 +334,7 @@ if HAS_TRITON:
         # An empty sequence (padding in a captured batch) yields zeros.
         out = acc / tl.maximum(l_i, 1.0e-30)[:, None]
         out_mask = head_mask[:, None] & dim_mask[None, :]
-        if WORKLIST:
-            if alone:
-                tl.store(out_ptr + q_row.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
-                         + dims[None, :] * stride_od,
-                         out.to(out_ptr.dtype.element_ty), mask=out_mask)
-            else:
-                row = (item * num_heads + heads).to(tl.int64)
-                tl.store(part_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out, mask=out_mask)
-                tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=head_mask)
-        elif SPLIT:
+        if SPLIT:
             row = (seq * num_heads + heads).to(tl.int64) * num_splits + split
             tl.store(part_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out, mask=out_mask)
             tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=head_mask)
@@ -426,39 +343,29 @@ if HAS_TRITON:
                      + dims[None, :] * stride_od,
                      out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
-    @triton.jit(do_not_specialize=["num_heads", "num_splits", "num_seqs"])
+    @triton.jit(do_not_specialize=["num_heads", "num_splits"])
     def _decode_merge_kernel(
-        seq_lens_ptr, query_start_ptr, work_first_ptr, part_out_ptr, part_lse_ptr, out_ptr,
+        seq_lens_ptr, query_start_ptr, part_out_ptr, part_lse_ptr, out_ptr,
         stride_ot, stride_oh, stride_od,
-        num_heads, num_splits, num_seqs,
+        num_heads, num_splits,
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-        SPLITS_PAD: tl.constexpr, TILE: tl.constexpr, VARLEN: tl.constexpr, WORKLIST: tl.constexpr,
-        PDL: tl.constexpr,
+        SPLITS_PAD: tl.constexpr, TILE: tl.constexpr, VARLEN: tl.constexpr, PDL: tl.constexpr,
     ):
         pdl_wait(PDL)
         seq = tl.program_id(0)
         head = tl.program_id(1)
-        splits = tl.arange(0, SPLITS_PAD)
-        if WORKLIST:
-            # The sequence's items are rows first .. first + used - 1; one item wrote the output itself.
-            q_row = seq
-            first = tl.load(work_first_ptr + seq)
-            used = tl.load(work_first_ptr + num_seqs + seq)
-            if used <= 1:
-                return
-            row = (first + splits).to(tl.int64) * num_heads + head
-        else:
-            q_row, is_decode = _decode_row(query_start_ptr, seq, VARLEN)
-            if not is_decode:
-                return
-            seq_len = tl.load(seq_lens_ptr + seq)
-            # Which splits wrote.
-            split_len = _split_len(seq_len, num_splits, TILE)
-            used = (seq_len + split_len - 1) // tl.maximum(split_len, 1)
-            row = (seq * num_heads + head).to(tl.int64) * num_splits + splits
+        q_row, is_decode = _decode_row(query_start_ptr, seq, VARLEN)
+        if not is_decode:
+            return
+        seq_len = tl.load(seq_lens_ptr + seq)
+        # Which splits wrote.
+        split_len = _split_len(seq_len, num_splits, TILE)
+        used = (seq_len + split_len - 1) // tl.maximum(split_len, 1)
 
+        splits = tl.arange(0, SPLITS_PAD)
         dims = tl.arange(0, D_PAD)
         split_mask = splits < used
+        row = (seq * num_heads + head).to(tl.int64) * num_splits + splits
         lse = tl.load(part_lse_ptr + row, mask=split_mask, other=float("-inf"))
         lse_max = tl.maximum(tl.max(lse, 0), -1.0e30)
         weight = tl.exp2(lse - lse_max)
@@ -630,7 +537,6 @@ def triton_decode_attention(
     max_seq_len: Optional[int] = None,
     query_start_loc: Optional[torch.Tensor] = None,
     seq_order: Optional[torch.Tensor] = None,
-    work: Optional[DecodeWork] = None,
 ) -> torch.Tensor:
     """Attention of one query row per sequence (``query: [B, num_heads, head_dim]``).
 
@@ -648,12 +554,6 @@ def triton_decode_attention(
     them, all of one sequence's KV heads together. Longest first (the runner's order), a batch of
     unequal contexts ends with short programs instead of a long one started last: BENCHMARKS.md,
     "Decode attention over unequal contexts". It changes no result.
-
-    ``work`` (:class:`DecodeWork`, from :func:`plan_decode_work`): one program per work item and KV
-    head instead of per (sequence, split): the grid is as wide as the plan's capacity, every item but
-    those past the plan's count reads KV, and a sequence of one item writes its output with no merge.
-    It replaces ``num_splits`` and ``seq_order`` (the plan orders its items) and takes decode-only
-    batches. The workspace holds capacity x num_heads rows.
     """
     _require_triton()
     _check_cache(k_cache, v_cache)
@@ -680,36 +580,21 @@ def triton_decode_attention(
         raise ValueError(f"fp8 decode: DECODE_TILE_FP8 must be a power of two >= 16, FP8_DECODE_STAGES None or "
                          f"1-8, FP8_DECODE_WARPS None, 1, 2, 4 or 8 and FP8_DECODE_MAXNREG None or a multiple of 8 "
                          f"in 64-248; got {tile}, {FP8_DECODE_STAGES}, {FP8_DECODE_WARPS} and {FP8_DECODE_MAXNREG}")
-    worklist = work is not None
-    if worklist:
-        capacity = work.items.shape[-1]
-        if (varlen or seq_order is not None or work.items.shape != (4, capacity)
-                or work.first.shape != (2, num_seqs)
-                or any(t.dtype != torch.int32 or t.device != query.device or not t.is_contiguous()
-                       for t in work)):
-            raise ValueError(f"decode: work must be plan_decode_work's contiguous int32 items [4, capacity] and first "
-                             f"[2, {num_seqs}] on {query.device}, for a decode-only batch without seq_order; "
-                             f"got items {tuple(work.items.shape)}, first {tuple(work.first.shape)}: "
-                             f"plan this batch, or pass work=None")
-        num_splits, split = 1, True
-        need = capacity * num_heads
-        grid = (num_kv_heads, capacity)
-    else:
-        if num_splits is None:
-            num_splits = decode_num_splits(num_seqs, num_kv_heads, query.device, max_seq_len, tile)
-        split = num_splits > 1
-        need = num_seqs * num_heads * num_splits
-        grid = (num_kv_heads, num_seqs, num_splits)
+    if num_splits is None:
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, query.device, max_seq_len, tile)
     d_pad = next_pow2(head_dim)
+    split = num_splits > 1
     if split:
+        need = num_seqs * num_heads * num_splits
         if workspace is None:
             workspace = DecodeWorkspace(
                 torch.empty(need * head_dim, dtype=torch.float32, device=query.device),
                 torch.empty(need, dtype=torch.float32, device=query.device),
             )
         elif workspace.partial_lse.numel() < need or workspace.partial_out.numel() < need * head_dim:
-            cut = f"{capacity} work items" if worklist else f"{num_seqs} seqs x {num_splits} splits"
-            raise ValueError(f"decode workspace too small: need {need} rows for {cut}")
+            raise ValueError(
+                f"decode workspace too small: need {need} rows for {num_seqs} seqs x {num_splits} splits"
+            )
         part_out, part_lse = workspace.partial_out, workspace.partial_lse
     else:
         part_out = part_lse = out  # unused by the kernel
@@ -730,32 +615,32 @@ def triton_decode_attention(
         raise ValueError(f"decode: seq_order must be a contiguous int32 [{num_seqs}] on {query.device} (a "
                          f"permutation of the batch's sequences), got {seq_order.dtype} {tuple(seq_order.shape)} on "
                          f"{seq_order.device}: pass one entry per sequence, or None")
-    if grid[1] > MAX_GRID_Y:
-        raise ValueError(f"decode: at most {MAX_GRID_Y} sequences (or work items) a call (the grid's second axis), "
-                         f"got {grid[1]}: split the batch")
-    _decode_split_kernel[grid](
+    if num_seqs > MAX_GRID_Y:
+        raise ValueError(f"decode: at most {MAX_GRID_Y} sequences a call (the grid's second axis), got {num_seqs}: "
+                         f"split the batch")
+    _decode_split_kernel[(num_kv_heads, num_seqs, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, query_start, seq_order if ordered else seq_lens,
-        work.items if worklist else seq_lens, out, part_out, part_lse,
+        out, part_out, part_lse,
         scale * LOG2E,
         *query.stride(), *k_cache.stride(), *v_cache.stride(),
         block_tables.stride(0),
         *out.stride(),
-        num_heads, num_splits, capacity if worklist else 0,
+        num_heads, num_splits,
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)),
         HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, TILE=tile,
         SPLIT=split, PRECISION=_dot_precision(torch.float16 if dots_fp16 else _compute_dtype(query, k_cache)),
-        VARLEN=varlen, KV_FP8=kv_fp8, DOTS_FP16=dots_fp16, ORDERED=ordered, WORKLIST=worklist,
+        VARLEN=varlen, KV_FP8=kv_fp8, DOTS_FP16=dots_fp16, ORDERED=ordered,
         **pdl, **registers, num_warps=warps, num_stages=stages,
     )
     if split:
         _decode_merge_kernel[(num_seqs, num_heads)](
-            seq_lens, query_start, work.first if worklist else seq_lens, part_out, part_lse, out,
+            seq_lens, query_start, part_out, part_lse, out,
             *out.stride(),
-            num_heads, num_splits, num_seqs,
+            num_heads, num_splits,
             HEAD_DIM=head_dim, D_PAD=d_pad,
             # One width for every split count: one compiled variant (unused splits are masked).
-            SPLITS_PAD=next_pow2(MAX_DECODE_SPLITS), TILE=tile, VARLEN=varlen, WORKLIST=worklist,
+            SPLITS_PAD=next_pow2(MAX_DECODE_SPLITS), TILE=tile, VARLEN=varlen,
             **pdl,
             num_warps=4 if next_pow2(MAX_DECODE_SPLITS) * d_pad <= 8192 else 8,
         )
