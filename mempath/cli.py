@@ -59,6 +59,7 @@ def resolve_model_and_prompt(args) -> tuple[str | None, str]:
 def run_generate(args) -> int:
     from mempath.llm import LLM
     model, prompt = resolve_model_and_prompt(args)
+    sampling_params(args).validate(args.max_logprobs)  # a bad flag fails before the weights load
     llm = LLM(model, show_progress=not args.quiet, **engine_options(args))
     output = llm.generate(prompt, sampling_params(args, llm.sampling_defaults), use_tqdm=False)[0]
     if args.json:
@@ -75,6 +76,7 @@ def run_chat(args) -> int:
     from mempath.llm import LLM
     from mempath.server.cli import read_chat_template
     template = read_chat_template(args.chat_template)  # before the weights load: a bad one fails at once
+    sampling_params(args).validate(args.max_logprobs)  # likewise a bad flag
     llm = LLM(args.model, show_progress=not args.quiet, **engine_options(args))
     output = llm.chat([{"role": "user", "content": args.message}], sampling_params(args, llm.sampling_defaults),
                       use_tqdm=False, chat_template=template)[0]

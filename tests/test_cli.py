@@ -94,6 +94,23 @@ def test_model_given_twice_is_one_line(capsys):
     assert rc == 2 and "not both" in one_error_line(capsys)
 
 
+@pytest.mark.parametrize("command", [["generate", "hi"], ["chat", "--model", default_model_path(), "hi"]])
+@pytest.mark.parametrize("flags, named", [(["--max-tokens", "-1"], "max_tokens"), (["--temperature", "-2"], "temperature"),
+                                          (["--top-p", "1.5"], "top_p")])
+def test_a_bad_sampling_flag_fails_before_the_weights_load(capsys, monkeypatch, command, flags, named):
+    """A flag SamplingParams refuses is one line before the model loads: a 30B checkpoint takes minutes to load, and
+    the mistake does not depend on it."""
+    import mempath.llm
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the sampling flags were checked")
+
+    monkeypatch.setattr(mempath.llm, "LLM", no_load)
+    rc = main([*command, *flags, "--quiet"])
+    err = one_error_line(capsys)
+    assert rc == 2 and named in err and "weights were loaded" not in err, err
+
+
 def test_generate_help_names_one_prompt_and_how_to_give_the_model(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", "--help"])
