@@ -95,8 +95,8 @@ def test_model_given_twice_is_one_line(capsys):
 
 
 @pytest.mark.parametrize("command", [["generate", "hi"], ["chat", "--model", default_model_path(), "hi"]])
-@pytest.mark.parametrize("flags, named", [(["--max-tokens", "-1"], "max_tokens"), (["--temperature", "-2"], "temperature"),
-                                          (["--top-p", "1.5"], "top_p")])
+@pytest.mark.parametrize("flags, named", [(["--max-tokens", "-1"], "max_tokens"),
+                                          (["--temperature", "-2"], "temperature"), (["--top-p", "1.5"], "top_p")])
 def test_a_bad_sampling_flag_fails_before_the_weights_load(capsys, monkeypatch, command, flags, named):
     """A flag SamplingParams refuses is one line before the model loads: a 30B checkpoint takes minutes to load, and
     the mistake does not depend on it."""

@@ -130,9 +130,10 @@ def decode_splits_used(seq_lens, num_splits: int, tile: int = DECODE_TILE) -> li
     """How many of its ``num_splits`` programs each sequence's context (host ints) fills in the decode
     kernel: the kernel's ``_split_len`` on the host, for reports (a program past them exits at once)."""
     used = []
-    for n in seq_lens:
-        per = -(-(-(-int(n) // num_splits)) // tile) * tile
-        used.append(-(-int(n) // per) if per else 0)
+    for n in map(int, seq_lens):
+        share = -(-n // num_splits)
+        per = -(-share // tile) * tile  # whole tiles
+        used.append(-(-n // per) if per else 0)
     return used
 
 
