@@ -11,6 +11,10 @@
 #   decode-sweep (~8 min; DECODE_RUNS picks the shapes)  router-tests, moe-router (~7 min: #21's router kernel)
 #   profile (~1 min: kernel table at batch 1), profile-moe, profile-mistral  profile-workload (~1 min: host/device split of the throughput run)
 #   decode-balance (~2 min: one layer's decode over equal and unequal contexts, split counts)
+# The open issues' H200 targets (#17, #20, #21) in three calls of at most 10 minutes, when an H200 is lent:
+#   STEPS="decode-sweep"                     batch 1 at prompts 128-2,048 (three dense shapes), batch 8-128 at 1k
+#   STEPS="mix-llama mix-qwen3 fp8-latency"  the realistic mix, fp8 weights at batch 1
+#   STEPS="fp8-kv moe-resident" FP8_KV_PARTS=decode  fp8 KV at 64 x 8k, both all-resident MoE shapes (141 GB)
 # For `serve`, carry fastapi/uvicorn/starlette/pydantic(+core)/anyio/h11/sniffio/annotated-types/
 # typing-inspection/prometheus-client as wheels in .whl (see ../.library/device/README.md).
 set -u
@@ -30,7 +34,7 @@ step() {
 }
 step tests 260 python3 -m pytest -q -p no:cacheprovider tests/test_fused_ops.py tests/test_gpu_engine.py tests/test_triton_kernels.py tests/test_tiers.py tests/test_pdl.py
 step kernel-tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
-step gpu-tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_fused_ops.py tests/test_gpu_engine.py tests/test_tiers.py tests/test_pdl.py
+step gpu-tests 400 python3 -m pytest -q -p no:cacheprovider tests/test_fused_ops.py tests/test_gpu_engine.py tests/test_tiers.py tests/test_pdl.py
 step latency 330 python3 benchmarks/bench_engine.py latency --shape llama-3.1-8b --hf-tokens 32 \
   --variants "${VARIANTS:-no-pdl}"
 step tput-qwen3 150 python3 benchmarks/bench_engine.py throughput --shape qwen3-0.6b --hf-timeout "$HF_TIMEOUT"
@@ -187,7 +191,7 @@ if want dense-latency; then
 fi
 # The fp8 KV cache (#20, 2026-12-02): its GPU tests (needle retrieval at 8k/32k, kernels, tier transfers), decode at
 # batch 64 x 8k and retrieval at 4k-32k against bf16, tier transfers in both dtypes; fp8 weights and KV on the mix.
-step fp8-kv-tests 400 python3 -m pytest -q -p no:cacheprovider --durations=8 tests/test_fp8_kv_retrieval.py tests/test_fp8_kv.py \
+step fp8-kv-tests 560 python3 -m pytest -q -p no:cacheprovider --durations=8 tests/test_fp8_kv_retrieval.py tests/test_fp8_kv.py \
   tests/test_bench_transfer.py tests/test_fp8_gemv.py -k "gpu or cuda"
 step fp8-kv 420 python3 benchmarks/bench_fp8_kv.py --parts "${FP8_KV_PARTS:-kernel,decode,retrieval}"
 step fp8-transfer 120 python3 benchmarks/bench_transfer.py --compare-kv-dtypes --quick
