@@ -200,6 +200,14 @@ if HAS_TRITON:
         return ((seq_len + num_splits - 1) // num_splits + TILE - 1) // TILE * TILE
 
     @triton.jit
+    def _decode_seq(query_start_ptr, seq_lens_ptr, seq, num_splits, VARLEN: tl.constexpr, TILE: tl.constexpr):
+        """What the split and merge kernels both need of sequence ``seq``: its query row, whether it
+        is a decode row (``_decode_row``), its context length and its split length (``_split_len``)."""
+        q_row, is_decode = _decode_row(query_start_ptr, seq, VARLEN)
+        seq_len = tl.load(seq_lens_ptr + seq)
+        return q_row, is_decode, seq_len, _split_len(seq_len, num_splits, TILE)
+
+    @triton.jit
     def _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, pos, valid, kv_head, dims, dim_mask,
                       stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
                       stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d,
@@ -284,12 +292,10 @@ if HAS_TRITON:
         if ORDERED:
             seq = tl.load(seq_order_ptr + seq)
         split = tl.program_id(2)
-        q_row, is_decode = _decode_row(query_start_ptr, seq, VARLEN)
+        q_row, is_decode, seq_len, split_len = _decode_seq(query_start_ptr, seq_lens_ptr, seq, num_splits,
+                                                           VARLEN, TILE)
         if not is_decode:
             return
-
-        seq_len = tl.load(seq_lens_ptr + seq)
-        split_len = _split_len(seq_len, num_splits, TILE)
         start = split * split_len
         end = tl.minimum(start + split_len, seq_len)
         if SPLIT:
@@ -355,12 +361,11 @@ if HAS_TRITON:
         pdl_wait(PDL)
         seq = tl.program_id(0)
         head = tl.program_id(1)
-        q_row, is_decode = _decode_row(query_start_ptr, seq, VARLEN)
+        q_row, is_decode, seq_len, split_len = _decode_seq(query_start_ptr, seq_lens_ptr, seq, num_splits,
+                                                           VARLEN, TILE)
         if not is_decode:
             return
-        seq_len = tl.load(seq_lens_ptr + seq)
         # Which splits wrote.
-        split_len = _split_len(seq_len, num_splits, TILE)
         used = (seq_len + split_len - 1) // tl.maximum(split_len, 1)
 
         splits = tl.arange(0, SPLITS_PAD)
