@@ -8,6 +8,7 @@ import torch
 from mempath import constants
 from mempath.constants import DEFAULT_BLOCK_SIZE as AUTO_BLOCK_SIZE  # what --block-size auto picks
 from mempath.engine.spec.config import parse_speculative_config
+from mempath.memory.formulas import check_expert_cache_gb
 
 _DTYPES = {alias: getattr(torch, name) for alias, name in constants.DTYPE_ALIASES.items()}
 KV_CACHE_DTYPES = {alias: getattr(torch, name) for alias, name in constants.KV_CACHE_DTYPES.items()}
@@ -108,7 +109,7 @@ class EngineConfig:
         if self.tokenizer is not None and not Path(self.tokenizer).is_dir():
             raise ValueError(f"tokenizer {self.tokenizer!r} is not a directory; give the directory holding "
                              f"tokenizer.json / tokenizer_config.json")
-        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+        if self.kv_cache_dtype not in ("auto", *KV_CACHE_DTYPES):  # a tuple: a list given is refused, not hashed
             raise ValueError(f"kv_cache_dtype must be auto, {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be fp8 (or None: as the checkpoint is), got {self.quantization!r}")
@@ -161,8 +162,8 @@ class EngineConfig:
                              "layer or the GiB for them, not both")
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ValueError(f"moe_expert_cache_size must be a whole number of experts per layer >= 1, got {size!r}")
-        if gb is not None and not gb > 0:
-            raise ValueError(f"moe_expert_cache_gb must be > 0 GiB, got {gb!r}")
+        if gb is not None:
+            check_expert_cache_gb(gb)
         if self.weights_arena and (size is not None or gb is not None):
             raise ValueError("--sleep-offload-weights moves whole models' weights; with experts in host memory "
                              "(moe_expert_cache_size / moe_expert_cache_gb) leave it off")

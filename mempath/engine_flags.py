@@ -57,6 +57,11 @@ IGNORED = {
     "--disable-frontend-multiprocessing": "accepted, changes nothing: the server is one process",
     "--enable-prompt-tokens-details": "accepted, changes nothing: usage always has cached_tokens",
 }
+# --quantization none (vLLM's spelling of its default): what leaving the flag out does, which is not "unquantized"
+# for an fp8 checkpoint.
+QUANTIZATION_NONE = ("without the flag the checkpoint loads as it is (float, or fp8 where config.json's "
+                     "quantization_config says so; an fp8 checkpoint cannot be loaded unquantized: use the model's "
+                     "bfloat16 checkpoint for that): drop the flag")
 
 
 class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
@@ -83,13 +88,19 @@ class Refuse(argparse.Action):
 
 
 class StoreOrRefuse(Refuse):
-    """A flag whose allowed values are stored; any other is refused as Refuse does."""
+    """A flag whose allowed values are stored; any other is refused as Refuse does, with the reason
+    ``reasons`` gives for that value (lower-cased) where it names one."""
+
+    def __init__(self, option_strings, dest, reasons=None, **kwargs):
+        super().__init__(option_strings, dest, **kwargs)
+        self.reasons = reasons or {}
 
     def __call__(self, parser, namespace, values, option_string=None):
         if values in self.allowed:
             setattr(namespace, self.dest, values)
         else:
-            super().__call__(parser, namespace, values, option_string)
+            reason = self.reasons.get(values.lower(), self.reason)
+            namespace.refused = getattr(namespace, "refused", None) or f"{option_string} {values}: {reason}"
 
 
 def block_size_arg(text: str) -> int | str:
@@ -133,6 +144,7 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
                         reason="only fp8 is supported (weights quantized at load, or an fp8 checkpoint: "
                                "docs/quantization.md); other schemes (AWQ, GPTQ, ...) need kernels mempath "
                                "does not have: use the unquantized checkpoint",
+                        reasons={value: QUANTIZATION_NONE for value in ("none", "")},
                         help="fp8: weights of the linear layers in float8_e4m3fn, quantized at load "
                              "(default: as the checkpoint is; docs/quantization.md)")
 

@@ -234,6 +234,14 @@ def expert_cache_size_for_bytes(shape: ModelShape, dtype_bytes: int, nbytes: int
     return min(shape.num_experts, nbytes // (shape.num_moe_layers * per_layer_expert))
 
 
+def check_expert_cache_gb(gb) -> None:
+    """Refuse a --moe-expert-cache-gb that is not a finite number of GiB above 0: inf and nan would reach
+    int() with a traceback, and a string or a bool is a mistake, not a size."""
+    if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not 0 < gb < math.inf:
+        raise ValueError(f"moe_expert_cache_gb must be > 0 GiB, a finite number (the device GiB for the expert "
+                         f"slots; leave it unset to keep every expert resident), got {gb!r}")
+
+
 def resolve_expert_cache_size(shape: ModelShape, dtype_bytes: int, size: int | None, gb: float | None,
                               source: str) -> int | None:
     """The engine's experts per layer from --moe-expert-cache-size or --moe-expert-cache-gb (None: all).
@@ -244,6 +252,8 @@ def resolve_expert_cache_size(shape: ModelShape, dtype_bytes: int, size: int | N
     flag = ("--moe-expert-cache-size", size) if size is not None else ("--moe-expert-cache-gb", gb)
     if flag[1] is None:
         return None
+    if gb is not None:
+        check_expert_cache_gb(gb)  # the planner's callers have not been through EngineConfig
     if not shape.num_experts:
         raise ValueError(f"{flag[0]} {flag[1]:g}: {source} describes a dense model ({shape.architecture}, no "
                          f"experts): drop the flag")
@@ -252,8 +262,10 @@ def resolve_expert_cache_size(shape: ModelShape, dtype_bytes: int, size: int | N
     if gb is not None:
         size = expert_cache_size_for_bytes(shape, dtype_bytes, int(gb * (1 << 30)))
         if size < k:
+            # Rounded up: the GiB named must hold the k experts, or the advice is refused in turn.
+            enough = math.ceil(k * per_expert / (1 << 30) * 100) / 100
             raise ValueError(f"--moe-expert-cache-gb {gb:g} holds {size} experts per layer, fewer than the {k} "
-                             f"each token routes to: give at least {k * per_expert / (1 << 30):.2f} GiB")
+                             f"each token routes to: give at least {enough:.2f} GiB")
         return None if size == experts else size
     if not k <= size <= experts:
         raise ValueError(f"--moe-expert-cache-size {size}: must be from {k} (the experts each token routes to) "

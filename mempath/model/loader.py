@@ -354,6 +354,9 @@ def copy_checkpoint_tensors(model: CausalLM, tensors, source: str) -> int:
     expected_pieces.update({scale: expected_pieces[weight] for weight, scale in scales.items()})
     loaded = 0
     unexpected = []
+    # fp8 layers' weights by checkpoint name less ".weight": those that arrived as float and were quantized
+    # here (-> where, dtype), those whose weight_scale the checkpoint holds; and how many arrived as fp8.
+    quantized_here, scaled, fp8_weights = {}, set(), 0
     for where, name, read in tensors:
         if _skipped(name, model):
             continue
@@ -364,6 +367,12 @@ def copy_checkpoint_tensors(model: CausalLM, tensors, source: str) -> int:
         tensor = read()
         with torch.no_grad():
             filled = _copy_tensor(tensor, target_name, target, name, where, params, scales, model.spec)
+        if target_name in scales and tensor.dtype == FP8_DTYPE:
+            fp8_weights += 1
+        elif target_name in scales:
+            quantized_here[name.removesuffix(".weight")] = (where, str(tensor.dtype).removeprefix("torch."))
+        elif target_name.endswith(".weight_scale"):
+            scaled.add(name.removesuffix(".weight_scale"))
         del tensor  # one checkpoint tensor in host memory at a time
         # A slice counts one piece; a whole (already fused) tensor counts them all.
         whole = target.shape == params[target_name].shape
@@ -373,6 +382,7 @@ def copy_checkpoint_tensors(model: CausalLM, tensors, source: str) -> int:
     if unexpected:
         log.warning("ignored %d checkpoint tensors mempath does not use, e.g. %s",
                     len(unexpected), unexpected[:3])
+    _check_fp8_mix(quantized_here, scaled, fp8_weights, source)
     if tied:
         received["lm_head.weight"] = expected_pieces["lm_head.weight"]
     missing = [n for n in params if received[n] < expected_pieces[n]]
@@ -382,6 +392,25 @@ def copy_checkpoint_tensors(model: CausalLM, tensors, source: str) -> int:
             f"{' ...' if len(missing) > 5 else ''} ({len(missing)} in all); the checkpoint is "
             f"incomplete or does not match config.json")
     return loaded
+
+
+def _check_fp8_mix(quantized_here: dict[str, tuple], scaled: set[str], fp8_weights: int, source: str) -> None:
+    """A float weight bound for an fp8 layer is quantized at load with scales of its own. Refused where the
+    checkpoint also holds a weight_scale for it: that scale is for float8 values, and copied over the load's
+    own it would give wrong weights without a word. Said in a warning where other weights arrived in fp8:
+    the checkpoint left these unquantized, which mempath's fp8 layers cannot be."""
+    clash = sorted(set(quantized_here) & scaled)
+    if clash:
+        where, dtype = quantized_here[clash[0]]
+        raise CheckpointError(f"{where}: tensor '{clash[0]}.weight' is {dtype} but the checkpoint also has its "
+                              f"weight_scale, which scales float8_e4m3fn values ({len(clash)} such weight(s)); "
+                              f"the checkpoint is damaged or mixes two exports: download it again")
+    if quantized_here and fp8_weights:
+        first = min(quantized_here)
+        log.warning("%s: %d projection weight(s) of this fp8 checkpoint are not fp8 (e.g. %r, %s): the checkpoint "
+                    "leaves them unquantized, but mempath's fp8 layers are every q/k/v, o, gate/up and down "
+                    "projection, so these were quantized at load", source, len(quantized_here),
+                    f"{first}.weight", quantized_here[first][1])
 
 
 def _copy_tensor(tensor, target_name, target, name, where, params, scales, spec) -> tuple[str, ...]:
@@ -401,10 +430,16 @@ def _copy_tensor(tensor, target_name, target, name, where, params, scales, spec)
     fp8_target = target_name in scales
     if tensor.dtype not in _FLOAT_DTYPES and not (fp8_target and tensor.dtype == FP8_DTYPE):
         expected = "float32, float16, bfloat16" + (", float8_e4m3fn" if fp8_target else "")
-        why = ("mempath's fp8 layers are the q/k/v, o, gate/up and down projections" if tensor.dtype == FP8_DTYPE
-               else "the checkpoint is quantized or damaged")
+        if tensor.dtype == FP8_DTYPE and not scales and target_name.endswith("_proj.weight"):
+            # An fp8 projection, but the model was built unquantized: config.json did not say fp8.
+            why = ("config.json has no quantization_config, so the model is built unquantized: restore the fp8 "
+                   "checkpoint's config.json, or")
+        elif tensor.dtype == FP8_DTYPE:
+            why = "mempath's fp8 layers are the q/k/v, o, gate/up and down projections:"
+        else:
+            why = "the checkpoint is quantized or damaged:"
         raise CheckpointError(f"{where}: tensor {name!r} is {dtype}, expected a floating-point weight ({expected}); "
-                              f"{why}: use the model's unquantized checkpoint")
+                              f"{why} use the model's unquantized checkpoint")
     if tuple(tensor.shape) != tuple(target.shape):
         raise CheckpointError(
             f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, expected "

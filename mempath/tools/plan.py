@@ -358,7 +358,9 @@ def _plan_training(plan: MemoryPlan, shape: ModelShape, **settings) -> None:
 def _plan_experts(shape: ModelShape, b: int, params: dict[str, int], total_bytes: int, cache_size: int | None,
                   cache_gb: float | None, source: str, rates: tuple[float, float, float], cpu_experts: str) -> dict:
     """The plan's mixture-of-experts fields; resident_weight_bytes and active_params for any model."""
-    if cache_gb is not None:
+    if cache_size is not None and (isinstance(cache_size, bool) or not isinstance(cache_size, int)):
+        raise ValueError(f"moe_expert_cache_size must be a whole number of experts per layer, got {cache_size!r}")
+    if cache_size is not None or cache_gb is not None:  # refused where start-up refuses it (fewer than top-k)
         cache_size = resolve_expert_cache_size(shape, b, cache_size, cache_gb, source) or shape.num_experts
     resident_all = cache_size is None or cache_size == shape.num_experts
     check_cpu_experts(cpu_experts, None if resident_all else cache_size)
@@ -366,13 +368,6 @@ def _plan_experts(shape: ModelShape, b: int, params: dict[str, int], total_bytes
                           rates):
         if not rate > 0:
             raise ValueError(f"{name} must be > 0 bytes/s, got {rate!r}")
-    if cache_size is not None and not shape.num_experts:
-        raise ValueError(f"moe_expert_cache_size is {cache_size} but {shape.architecture} is a dense model "
-                         f"(no experts): leave it unset")
-    if cache_size is not None and (isinstance(cache_size, bool) or not isinstance(cache_size, int)
-                                   or not 1 <= cache_size <= shape.num_experts):
-        raise ValueError(f"moe_expert_cache_size must be an integer from 1 to {shape.num_experts} (experts "
-                         f"per layer), got {cache_size!r}")
     total, resident = expert_bytes(shape, b, cache_size)
     active = params["experts"] // shape.num_experts * shape.num_experts_per_tok if shape.num_experts else 0
     active_params = params["total"] - params["experts"] + active
