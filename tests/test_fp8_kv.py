@@ -565,3 +565,17 @@ def test_gpu_llm_fp8_with_cuda_graphs():
 
 if __name__ == "__main__" and sys.argv[1:] == ["--child"]:
     print(json.dumps(_run_interpreted()))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_an_fp8_kv_cache_on_a_gpu_before_ada_is_refused_in_one_line(monkeypatch, kv_cache_dtype):
+    from mempath.model.quant import check_fp8_kv_device
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ValueError, match=rf"^--kv-cache-dtype {kv_cache_dtype} needs an NVIDIA GPU of compute "
+                                         r"capability 8.9 or later .*A100-SXM4-80GB is 8.0: drop --kv-cache-dtype"):
+        check_fp8_kv_device(torch.device("cuda", 0), kv_cache_dtype)
+    check_fp8_kv_device(torch.device("cuda", 0), "auto")  # a 16-bit cache needs no fp8 conversion
+    check_fp8_kv_device(torch.device("cpu"), kv_cache_dtype)  # the PyTorch twin converts on the CPU
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    check_fp8_kv_device(torch.device("cuda", 0), kv_cache_dtype)

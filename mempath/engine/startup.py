@@ -29,6 +29,7 @@ from mempath.memory.oom import oom_guard
 from mempath.model.moe import expert_slot_bytes
 from mempath.model.moe_host import check_cpu_experts, set_cpu_experts
 from mempath.model.spec import ConfigFields, ModelSpec
+from mempath.model.quant import check_fp8_kv_device
 from mempath.model.loader import (checkpoint_dtype, digest_cache_file, load_model, read_config,
                                   read_json_object, weights_digest)
 
@@ -119,6 +120,7 @@ class Startup:
             shape_from_spec(self.spec), self.dtype.itemsize, config.moe_expert_cache_size,
             config.moe_expert_cache_gb, str(Path(config.model) / "config.json"))
         check_cpu_experts(config.moe_cpu_experts, self.expert_cache_size)
+        check_fp8_kv_device(self.device, config.kv_cache_dtype)
         self.tenant = tenant or Path(config.model).name or config.model
         # Given back when start-up fails, or by the engine that takes it over (LLMEngine.close).
         self.device_cap = weakref.finalize(self, hold_device_cap(self.device)) if self.device.type == "cuda" else None

@@ -217,6 +217,19 @@ def check_fp8_device(device: torch.device, source: str) -> None:
                          f"unquantized (drop --quantization, or use the checkpoint's bfloat16 version)")
 
 
+def check_fp8_kv_device(device: torch.device, kv_cache_dtype: str) -> None:
+    """Refuse, in one line naming the fix, an fp8 KV cache on a CUDA device whose attention kernels would have
+    no fp8 conversions: the Triton kernels convert e4m3 and e5m2 with instructions of compute capability 8.9."""
+    if device.type != "cuda" or kv_cache_dtype == "auto":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} needs an NVIDIA GPU of compute capability 8.9 or later "
+                         f"(Ada, Hopper: fp8 conversions in the attention kernels); {name} is {major}.{minor}: drop "
+                         f"--kv-cache-dtype (the cache then holds the model's dtype)")
+
+
 def set_fp8_matmul(model: nn.Module, device: torch.device) -> None:
     """Every fp8 layer of ``model`` runs Hopper's fp8 matmul on CUDA, the PyTorch path elsewhere.
     Where the model runs the Triton kernels (``model.kernels``, mempath.kernels.dispatch), decode
