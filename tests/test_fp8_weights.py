@@ -420,6 +420,8 @@ def test_other_quantization_schemes_are_refused_in_one_line():
         "config_groups.group_0.input_activations.dynamic' holds false": {**ct, "config_groups": {"group_0": {
             **group, "input_activations": {**group["input_activations"], "dynamic": False}}}},
         "'quantization_config.kv_cache_scheme'": {**ct, "kv_cache_scheme": {"type": "float", "num_bits": 8}},
+        "'quantization_config.sparsity_config.format' holds \"sparse-24-bitmask\"": {**ct, "sparsity_config": {
+            "format": "sparse-24-bitmask", "sparsity_structure": "2:4", "global_sparsity": 0.5}},
     }
     for expected, quantization_config in cases.items():
         message = spec_error(quantization_config)

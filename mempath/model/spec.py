@@ -364,6 +364,10 @@ def _compressed_tensors_fp8(q: ConfigFields) -> None:
     if q.fields.get("kv_cache_scheme") is not None:
         q.fail("kv_cache_scheme", "null", "KV scales from the checkpoint are not supported: remove it and "
                "use --kv-cache-dtype fp8")
+    # A sparsity_config with format "dense" describes weights stored whole; any other format packs them.
+    sparsity = ConfigFields(q.mapping("sparsity_config"), q.source, q.prefix + "sparsity_config.")
+    sparsity.choice("format", ("dense",), fix="weights stored in a sparse layout (2:4 bitmask and the like) are not "
+                    "supported: use the model's dense fp8 checkpoint, or its bfloat16 one with --quantization fp8")
     groups = q.mapping("config_groups")
     if not groups:
         q.fail("config_groups", "an object of quantization schemes", _FP8_FIX)
