@@ -159,3 +159,15 @@ def test_fp8_weights_without_a_quantization_config_name_the_missing_config(fp8_c
     path = edited_copy(fp8_checkpoint, tmp_path / "no-config", edit_config=lambda c: c.pop("quantization_config"))
     with pytest.raises(CheckpointError, match=r"is float8_e4m3fn, .* config.json has no quantization_config"):
         LLM(path, dtype="float32", show_progress=False)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_weight_scale_that_is_not_a_finite_number_is_refused(fp8_checkpoint, tmp_path, bad):
+    """A NaN scale zeroes or poisons every output of its rows: refused at load, not served."""
+    def poison(tensors):
+        tensors[Q_PROJ + "_scale"] = torch.full_like(tensors[Q_PROJ + "_scale"], bad)
+    path = edited_copy(fp8_checkpoint, tmp_path / "poisoned", poison)
+    with pytest.raises(CheckpointError, match=rf"tensor '{Q_PROJ}_scale' holds 1 value\(s\) that are not finite "
+                                              rf"\(e.g. {bad}\).*download it again") as error:
+        LLM(path, dtype="float32", show_progress=False)
+    assert "\n" not in str(error.value)

@@ -426,6 +426,10 @@ def _copy_tensor(tensor, target_name, target, name, where, params, scales, spec)
             raise CheckpointError(f"{where}: tensor {name!r} is {dtype} of shape {tuple(tensor.shape)}, expected a "
                                   f"float scale per output channel ({target.shape[0]}) or one per tensor; the "
                                   f"checkpoint is damaged or not an fp8 one mempath reads")
+        bad = tensor[~torch.isfinite(tensor)]
+        if bad.numel():  # each scale multiplies a whole row of outputs: a NaN would be served as zeros or NaN
+            raise CheckpointError(f"{where}: tensor {name!r} holds {bad.numel()} value(s) that are not finite (e.g. "
+                                  f"{bad.reshape(-1)[0].item()}); the checkpoint is damaged: download it again")
         return (target_name,)
     fp8_target = target_name in scales
     if tensor.dtype not in _FLOAT_DTYPES and not (fp8_target and tensor.dtype == FP8_DTYPE):
