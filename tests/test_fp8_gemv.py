@@ -551,7 +551,9 @@ def test_workspace_bytes_are_the_plans():
     shape.quantization = "fp8"
     widest = max(shape.num_heads * shape.head_dim + 2 * shape.num_kv_heads * shape.head_dim,
                  2 * shape.intermediate_size)
-    assert gemv_workspace_bytes(shape) == fp8_gemv_workspace_bytes(widest) == 4 * 32 * widest + 4 * -(-widest // 16)
+    assert (gemv_workspace_bytes(shape, fused_kernels=True) == fp8_gemv_workspace_bytes(widest)
+            == 4 * 32 * widest + 4 * -(-widest // 16))
+    assert gemv_workspace_bytes(shape, fused_kernels=False) == 0  # the PyTorch path has no GEMV
     shape.quantization = None  # a 16-bit model has the dense GEMV's workspace where the Triton kernels run
     assert gemv_workspace_bytes(shape, 2, fused_kernels=True) == fp8_gemv_workspace_bytes(widest)
     assert gemv_workspace_bytes(shape, 2, fused_kernels=False) == gemv_workspace_bytes(shape, 4, fused_kernels=True) == 0
@@ -708,5 +710,5 @@ def test_gpu_engine_runs_the_gemv_and_counts_its_workspace(tmp_path):
     assert any(v.startswith("gemv") for v in model.fp8_gemv.chosen.values()), model.fp8_gemv.chosen
     shape = read_shape(json.loads((tmp_path / "config.json").read_text()))
     shape.quantization = "fp8"
-    assert quant.fp8_gemv_bytes(model) == gemv_workspace_bytes(shape)
+    assert quant.fp8_gemv_bytes(model) == gemv_workspace_bytes(shape, fused_kernels=True)
     assert llm.engine.ledger.get("step_buffers") >= quant.fp8_gemv_bytes(model)

@@ -203,11 +203,11 @@ def fp8_gemv_workspace_bytes(max_out_features: int) -> int:
 
 
 def gemv_workspace_bytes(shape: ModelShape, dtype_bytes: int = 4, fused_kernels: bool = False) -> int:
-    """The GEMV workspace of a model (CUDA with the Triton kernels), sized by the widest projection
-    (fused q/k/v and gate/up count as one): an fp8 model's always; a 16-bit model's (``dtype_bytes`` 2)
-    where the Triton kernels run (``fused_kernels``: the dense GEMV, mempath.model.quant.set_dense_gemv);
-    else 0."""
-    if shape.quantization != "fp8" and not (fused_kernels and dtype_bytes == 2):
+    """The GEMV workspace of a model, sized by the widest projection (fused q/k/v and gate/up count as
+    one), where the Triton kernels run (``fused_kernels``: CUDA): an fp8 model's (the fp8 GEMV,
+    mempath.model.quant.set_fp8_matmul) or a 16-bit one's (``dtype_bytes`` 2: the dense GEMV,
+    set_dense_gemv); else 0 (the PyTorch path allocates none)."""
+    if not fused_kernels or (shape.quantization != "fp8" and dtype_bytes != 2):
         return 0
     h, d = shape.hidden_size, shape.head_dim
     widest = max(shape.num_heads * d + 2 * shape.num_kv_heads * d, h)

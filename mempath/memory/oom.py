@@ -127,7 +127,8 @@ def _plan_for(config, dtype: str | None) -> ServingFigures | None:
             shape, dtype_bytes,
             max_model_len=shape.max_position_embeddings if max_model_len is None else max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            block_size=config.block_size, cuda_graphs=not getattr(config, "enforce_eager", True))
+            block_size=config.block_size, cuda_graphs=not getattr(config, "enforce_eager", True),
+            kv_cache_dtype=getattr(config, "kv_cache_dtype", "auto"))  # an fp8 cache's blocks are 1 B an element
     except (ValueError, OSError):
         return None
 

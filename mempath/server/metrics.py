@@ -494,11 +494,13 @@ def spec_decode_families(spec: dict | None, name: str):
 
 def expert_cache_families(cache: dict | None, name: str):
     """A MoE model's expert cache (docs/moe.md), summed over its layers: lookups that found the
-    expert in a device slot or copied it in, the bytes copied, the experts resident now."""
+    expert in a device slot or missed it (copied in, or run on the host), the bytes copied, the experts
+    resident now."""
     if not cache or not cache.get("enabled"):
         return
     for key, metric, doc in (("hits", "hits", "Routed experts found in a device slot (one per layer and step)."),
-                             ("misses", "misses", "Routed experts copied into a device slot from host memory."),
+                             ("misses", "misses", "Routed experts not found in a device slot: copied in from host "
+                                                  "memory, or run on the host (host_experts)."),
                              ("evictions", "evictions", "Experts a copy displaced from their slot."),
                              ("bytes_loaded", "bytes_copied", "Bytes of experts copied from host memory to the device."),
                              ("prefetched", "prefetched", "Experts copied ahead on the next layer's router's prediction."),

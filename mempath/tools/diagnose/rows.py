@@ -26,6 +26,7 @@ class Row:
 
 def weight_rows(plan, model, meter, load: StageRecord | None) -> list[Row]:
     """Each weight pathway of the plan against the bytes of the loaded parameters."""
+    from mempath.model.moe import expert_cache_stats
     groups = {"embedding": 0, "attention": 0, "mlp": 0, "norms": 0, "lm_head": 0}
     if plan.num_experts:
         groups["experts"] = 0
@@ -42,9 +43,15 @@ def weight_rows(plan, model, meter, load: StageRecord | None) -> list[Row]:
                 nbytes, f"plan: {plan_field.get(group, f'{group}_bytes')}", "parameter tensor bytes")
             for group, nbytes in groups.items()]
     if load is not None:
-        rows.append(Row("weights", plan.resident_weight_bytes, load.delta - buffers, "plan: resident_weight_bytes",
-                        f"{meter.source} of the load stage minus buffers",
-                        f"load delta {format_bytes(load.delta)}, buffers {format_bytes(buffers)}"))
+        # The CPU meter counts host tensors too: the experts' host store (fewer resident than all) is loaded
+        # with the weights, and is expert_host's row, not the device's weights. The CUDA meter never sees it.
+        host = expert_cache_stats(model).get("host_bytes", 0) if meter.kind == "cpu" else 0
+        rows.append(Row("weights", plan.resident_weight_bytes, load.delta - buffers - host,
+                        "plan: resident_weight_bytes",
+                        f"{meter.source} of the load stage minus buffers"
+                        + (" and the experts' host store" if host else ""),
+                        f"load delta {format_bytes(load.delta)}, buffers {format_bytes(buffers)}"
+                        + (f", host store {format_bytes(host)}" if host else "")))
     spec = model.spec
     positions = model.model.rotary.max_positions
     rows.append(Row("rotary tables", 2 * positions * spec.head_dim * 4, buffers,

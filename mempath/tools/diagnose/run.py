@@ -132,22 +132,24 @@ def measure_serving(engine, model_dir, recorder: Recorder, torch_device: torch.d
     workspace = 0  # no cuBLAS on the CPU
     if torch_device.type == "cuda":
         workspace = cublas_workspace_bytes(torch.cuda.get_device_capability(torch_device)[0])
+    # What the engine holds, for both plans: its fp8 weights, its KV dtype and its expert slots (whose waves
+    # add to the forward's temporaries).
+    engine_settings = dict(dtype=dtype_name, max_model_len=engine.max_model_len, block_size=config.block_size,
+                           fused_kernels=fused, quantization=config.quantization,
+                           kv_cache_dtype=config.kv_cache_dtype,
+                           moe_expert_cache_size=expert_cache_stats(engine.model).get("num_slots"))
     serving_plan = plan_memory(
-        model_dir, dtype=dtype_name, gpu_mem_bytes=gpu_mem, cublas_workspace=workspace,
-        gpu_memory_utilization=config.gpu_memory_utilization,
-        max_model_len=engine.max_model_len, max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens, block_size=config.block_size,
-        cuda_graphs=not config.enforce_eager, fused_kernels=fused, quantization=config.quantization,
-        moe_expert_cache_size=expert_cache_stats(engine.model).get("num_slots"))
+        model_dir, gpu_mem_bytes=gpu_mem, cublas_workspace=workspace,
+        gpu_memory_utilization=config.gpu_memory_utilization, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens, cuda_graphs=not config.enforce_eager,
+        **engine_settings)
     seqs = max(1, min(probe_seqs, config.max_num_seqs, probe_tokens))
     # The step buffers hold max-num-batched-tokens tokens and max-model-len per sequence.
     tokens = max(seqs, min(probe_tokens, config.max_num_batched_tokens, probe_capacity(engine),
                            seqs * engine.max_model_len))
-    probe_plan = plan_memory(model_dir, dtype=dtype_name, max_model_len=engine.max_model_len,
-                             cublas_workspace=0,  # the probe's rows are deltas: the workspace exists
-                             max_num_seqs=seqs, max_num_batched_tokens=tokens,
-                             block_size=config.block_size, cuda_graphs=False, fused_kernels=fused,
-                             quantization=config.quantization)
+    probe_plan = plan_memory(model_dir, cublas_workspace=0,  # the probe's rows are deltas: the workspace exists
+                             max_num_seqs=seqs, max_num_batched_tokens=tokens, cuda_graphs=False,
+                             **engine_settings)
     forward = measure_forward(engine, recorder, tokens, seqs)
     growth = _run_growth(engine, recorder, serving_plan, growth_requests)
     leak = measure_leak(engine, recorder, leak_requests,
