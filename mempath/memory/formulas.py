@@ -280,10 +280,11 @@ def moe_missed_bytes_per_token(shape: ModelShape, dtype_bytes: int, hit_rate: fl
 
 
 # The planner's rates for a MoE decode prediction when the user gives none (mempath plan --h2d-gbps,
-# --device-read-gbps): an H200's pinned host-to-device copies (diagnose measured ~54 GB/s) and a
-# read rate short of its HBM's 4.8 TB/s peak. bench_moe.py measures both on the machine.
-ASSUMED_H2D_BYTES_PER_S = 54e9
-ASSUMED_DEVICE_READ_BYTES_PER_S = 4.0e12
+# --device-read-gbps), as bench_moe.py measured them on the H200 (BENCHMARKS.md, "Mixture of experts on the
+# H200", 2026-12-01/02): pinned host-to-device copies of one 9.4 MB expert at a time, 54.5 GB/s; a device
+# copy's bytes read and written per second, 4.28 TB/s. bench_moe.py measures both on the machine at hand.
+ASSUMED_H2D_BYTES_PER_S = 54.5e9
+ASSUMED_DEVICE_READ_BYTES_PER_S = 4.28e12
 # --moe-cpu-experts auto's host rates for the planner (mempath plan --host-read-gbps): bench_moe.py on the
 # H200 (2026-12-02, run 5): one Qwen3-30B-A3B expert's row on the host from the huge-page store took
 # 390 us for its 9,437,184 bytes (24.2 GB/s), a row's read-back round trip 31 us, a copy's issue 23 us.

@@ -175,7 +175,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="MoE with fewer experts resident: pinned host-to-device GB/s for the predicted "
                              "decode tok/s (default: an H200's; benchmarks/bench_moe.py measures it)")
     parser.add_argument("--device-read-gbps", type=float, default=ASSUMED_DEVICE_READ_BYTES_PER_S / 1e9,
-                        help="the device's weight-read GB/s for the same prediction")
+                        help="the device's weight-read GB/s for the same prediction (default: an H200's copy "
+                             "rate as bench_moe.py measured it)")
     parser.add_argument("--host-read-gbps", type=float, default=ASSUMED_HOST_READ_BYTES_PER_S / 1e9,
                         help="with --moe-cpu-experts auto: the GB/s at which the host reads an expert's weights "
                              "to run a miss (default: an H200 host's; bench_moe.py's host_row_us measures it)")
