@@ -124,6 +124,8 @@ def test_kv_blocks_leave_room_for_everything_allocated_after_them(monkeypatch, t
     assert ledger.get("activation_peak") == 3 * GiB
     assert ledger.get("cuda_graphs_driver") == 30 * MiB
     assert ledger.get("non_torch") == 700 * MiB
+    # A margin kept spare, not a figure derived from a formula: the ledger says which.
+    assert ledger.as_dict()["outside_torch_growth"]["source"] == "margin"
 
 
 def test_allocated_peak_counts_when_it_is_the_larger(monkeypatch):
