@@ -205,29 +205,29 @@ def fp8_layers(model: nn.Module) -> list[Fp8Linear]:
     return [m for m in model.modules() if isinstance(m, Fp8Linear)]
 
 
-def check_fp8_device(device: torch.device, source: str) -> None:
-    """Refuse, in one line naming the fix, a CUDA device without an fp8 matmul."""
+def _require_fp8_device(device: torch.device, what: str, uses: str, fix: str) -> None:
+    """Refuse, in one line, a CUDA device before compute capability 8.9 (Ada), the first with fp8:
+    ``what`` needs it for ``uses``; ``fix`` says what to do instead."""
     if device.type != "cuda":
         return
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < (8, 9):
-        name = torch.cuda.get_device_name(device)
-        raise ValueError(f"{source}: --quantization fp8 needs an NVIDIA GPU of compute capability 8.9 or later "
-                         f"(Ada, Hopper: fp8 matrix multiply); {name} is {major}.{minor}: serve the model "
-                         f"unquantized (drop --quantization, or use the checkpoint's bfloat16 version)")
+        raise ValueError(f"{what} needs an NVIDIA GPU of compute capability 8.9 or later (Ada, Hopper: {uses}); "
+                         f"{torch.cuda.get_device_name(device)} is {major}.{minor}: {fix}")
+
+
+def check_fp8_device(device: torch.device, source: str) -> None:
+    """Refuse, in one line naming the fix, a CUDA device without an fp8 matmul."""
+    _require_fp8_device(device, f"{source}: --quantization fp8", "fp8 matrix multiply",
+                        "serve the model unquantized (drop --quantization, or use the checkpoint's bfloat16 version)")
 
 
 def check_fp8_kv_device(device: torch.device, kv_cache_dtype: str) -> None:
     """Refuse, in one line naming the fix, an fp8 KV cache on a CUDA device whose attention kernels would have
     no fp8 conversions: the Triton kernels convert e4m3 and e5m2 with instructions of compute capability 8.9."""
-    if device.type != "cuda" or kv_cache_dtype == "auto":
-        return
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < (8, 9):
-        name = torch.cuda.get_device_name(device)
-        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} needs an NVIDIA GPU of compute capability 8.9 or later "
-                         f"(Ada, Hopper: fp8 conversions in the attention kernels); {name} is {major}.{minor}: drop "
-                         f"--kv-cache-dtype (the cache then holds the model's dtype)")
+    if kv_cache_dtype != "auto":
+        _require_fp8_device(device, f"--kv-cache-dtype {kv_cache_dtype}", "fp8 conversions in the attention kernels",
+                            "drop --kv-cache-dtype (the cache then holds the model's dtype)")
 
 
 def set_fp8_matmul(model: nn.Module, device: torch.device) -> None:
