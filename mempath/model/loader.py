@@ -202,8 +202,9 @@ def check_load_fits(spec: ModelSpec, max_positions: int, dtype: torch.dtype, dev
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
         if on_device > free:
+            fits = _expert_cache_that_fits(spec, dtype, on_device, free, expert_cache_size)
             raise CheckpointError(_load_refusal(spec, need, on_device, free, "the GPU has {} free",
-                                                max_positions, dtype, source))
+                                                max_positions, dtype, source, fits))
     else:
         on_host += on_device
     available = psutil.virtual_memory().available
@@ -212,10 +213,29 @@ def check_load_fits(spec: ModelSpec, max_positions: int, dtype: torch.dtype, dev
                                             max_positions, dtype, source))
 
 
-def _load_refusal(spec, need, total, free, where, positions, dtype, source) -> str:
+def _expert_cache_that_fits(spec, dtype: torch.dtype, on_device: int, free: int, size: int | None) -> int | None:
+    """The most experts a MoE layer can keep on the device for the load to fit ``free`` (the rest wait in host
+    memory: --moe-expert-cache-size), if that is fewer than now and at least the experts a token routes to."""
+    from mempath.memory.formulas import expert_bytes, shape_from_spec
+    shape = shape_from_spec(spec)
+    if not shape.num_experts:
+        return None
+    now = shape.num_experts if size is None else size
+    resident_now = expert_bytes(shape, dtype.itemsize, size)[1]
+    for fewer in range(now - 1, shape.num_experts_per_tok - 1, -1):
+        if on_device - resident_now + expert_bytes(shape, dtype.itemsize, fewer)[1] <= free:
+            return fewer
+    return None
+
+
+def _load_refusal(spec, need, total, free, where, positions, dtype, source, expert_cache_size=None) -> str:
     from mempath.memory.formulas import rotary_bytes_per_position
     from mempath.memory.ledger import format_bytes
     fixes = []
+    if expert_cache_size is not None:
+        fixes.append(f"pass --moe-expert-cache-size {expert_cache_size} or less (experts a layer on the GPU, the "
+                     f"others in pinned host memory: docs/moe.md; the KV cache needs room too, which `mempath plan` "
+                     f"with the flag shows)")
     per_position = rotary_bytes_per_position(spec.head_dim)
     fitting = (free - (total - per_position * positions)) // per_position
     if 0 < fitting < positions:
