@@ -8,7 +8,7 @@ import torch
 from mempath import constants
 from mempath.constants import DEFAULT_BLOCK_SIZE as AUTO_BLOCK_SIZE  # what --block-size auto picks
 from mempath.engine.spec.config import parse_speculative_config
-from mempath.memory.formulas import check_expert_cache_gb
+from mempath.memory.formulas import check_expert_cache_gb, check_expert_cache_size
 
 _DTYPES = {alias: getattr(torch, name) for alias, name in constants.DTYPE_ALIASES.items()}
 KV_CACHE_DTYPES = {alias: getattr(torch, name) for alias, name in constants.KV_CACHE_DTYPES.items()}
@@ -160,8 +160,8 @@ class EngineConfig:
         if size is not None and gb is not None:
             raise ValueError("moe_expert_cache_size and moe_expert_cache_gb both given: give the experts per "
                              "layer or the GiB for them, not both")
-        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-            raise ValueError(f"moe_expert_cache_size must be a whole number of experts per layer >= 1, got {size!r}")
+        if size is not None:
+            check_expert_cache_size(size)
         if gb is not None:
             check_expert_cache_gb(gb)
         if self.weights_arena and (size is not None or gb is not None):

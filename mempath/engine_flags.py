@@ -74,33 +74,29 @@ class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class Refuse(argparse.Action):
-    """Records a flag mempath cannot honour; main() refuses it with one line before anything loads."""
+    """Records a flag mempath cannot honour; main() refuses it with one line before anything loads, with the
+    reason ``reasons`` gives for the value (lower-cased) where it names one, else ``reason``."""
 
-    def __init__(self, option_strings, dest, allowed=(), reason="", **kwargs):
+    def __init__(self, option_strings, dest, allowed=(), reason="", reasons=None, **kwargs):
         super().__init__(option_strings, dest, **kwargs)
-        self.allowed, self.reason = allowed, reason
+        self.allowed, self.reason, self.reasons = allowed, reason, reasons or {}
 
     def __call__(self, parser, namespace, values, option_string=None):
         if values in self.allowed:
             return
         given = option_string if self.nargs == 0 else f"{option_string} {values}"
-        namespace.refused = getattr(namespace, "refused", None) or f"{given}: {self.reason}"
+        reason = self.reasons.get(values.lower(), self.reason) if isinstance(values, str) else self.reason
+        namespace.refused = getattr(namespace, "refused", None) or f"{given}: {reason}"
 
 
 class StoreOrRefuse(Refuse):
-    """A flag whose allowed values are stored; any other is refused as Refuse does, with the reason
-    ``reasons`` gives for that value (lower-cased) where it names one."""
-
-    def __init__(self, option_strings, dest, reasons=None, **kwargs):
-        super().__init__(option_strings, dest, **kwargs)
-        self.reasons = reasons or {}
+    """A flag whose allowed values are stored; any other is refused as Refuse does."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         if values in self.allowed:
             setattr(namespace, self.dest, values)
         else:
-            reason = self.reasons.get(values.lower(), self.reason)
-            namespace.refused = getattr(namespace, "refused", None) or f"{option_string} {values}: {reason}"
+            super().__call__(parser, namespace, values, option_string)
 
 
 def block_size_arg(text: str) -> int | str:

@@ -234,6 +234,12 @@ def expert_cache_size_for_bytes(shape: ModelShape, dtype_bytes: int, nbytes: int
     return min(shape.num_experts, nbytes // (shape.num_moe_layers * per_layer_expert))
 
 
+def check_expert_cache_size(size) -> None:
+    """Refuse a --moe-expert-cache-size that is not a whole number of experts above 0 (a bool is a mistake)."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"moe_expert_cache_size must be a whole number of experts per layer >= 1, got {size!r}")
+
+
 def check_expert_cache_gb(gb) -> None:
     """Refuse a --moe-expert-cache-gb that is not a finite number of GiB above 0: inf and nan would reach
     int() with a traceback, and a string or a bool is a mistake, not a size."""
@@ -252,8 +258,10 @@ def resolve_expert_cache_size(shape: ModelShape, dtype_bytes: int, size: int | N
     flag = ("--moe-expert-cache-size", size) if size is not None else ("--moe-expert-cache-gb", gb)
     if flag[1] is None:
         return None
-    if gb is not None:
-        check_expert_cache_gb(gb)  # the planner's callers have not been through EngineConfig
+    if size is not None:  # the planner's callers have not been through EngineConfig
+        check_expert_cache_size(size)
+    else:
+        check_expert_cache_gb(gb)
     if not shape.num_experts:
         raise ValueError(f"{flag[0]} {flag[1]:g}: {source} describes a dense model ({shape.architecture}, no "
                          f"experts): drop the flag")

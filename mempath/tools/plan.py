@@ -358,8 +358,6 @@ def _plan_training(plan: MemoryPlan, shape: ModelShape, **settings) -> None:
 def _plan_experts(shape: ModelShape, b: int, params: dict[str, int], total_bytes: int, cache_size: int | None,
                   cache_gb: float | None, source: str, rates: tuple[float, float, float], cpu_experts: str) -> dict:
     """The plan's mixture-of-experts fields; resident_weight_bytes and active_params for any model."""
-    if cache_size is not None and (isinstance(cache_size, bool) or not isinstance(cache_size, int)):
-        raise ValueError(f"moe_expert_cache_size must be a whole number of experts per layer, got {cache_size!r}")
     if cache_size is not None or cache_gb is not None:  # refused where start-up refuses it (fewer than top-k)
         cache_size = resolve_expert_cache_size(shape, b, cache_size, cache_gb, source) or shape.num_experts
     resident_all = cache_size is None or cache_size == shape.num_experts
