@@ -227,6 +227,16 @@ def expert_bytes(shape: ModelShape, dtype_bytes: int, cache_size: int | None = N
     return total, total // shape.num_experts * resident
 
 
+def resident_weight_bytes(shape: ModelShape, dtype_bytes: int, cache_size: int | None = None) -> int:
+    """The weights on the device: every parameter's bytes (weight_bytes) less the routed experts that
+    ``cache_size`` experts per layer leave in host memory (None: all resident). The expert cache's
+    slots are these resident experts, and a miss is copied from pinned host memory straight into its
+    slot (model.moe.Experts), so no staging buffer adds to them; a cut decode graph's slot tables
+    (model.moe_slots.SlotTable) are the runner's step buffers, not weights."""
+    experts, resident = expert_bytes(shape, dtype_bytes, cache_size)
+    return weight_bytes(shape, dtype_bytes)["total"] - experts + resident
+
+
 def expert_cache_size_for_bytes(shape: ModelShape, dtype_bytes: int, nbytes: int) -> int:
     """Experts per layer whose slots fit in ``nbytes`` of device memory: nbytes // (M·3·h·I_e·b),
     at most E (0 when not even one expert per layer fits)."""
@@ -373,7 +383,7 @@ def load_bytes(shape: ModelShape, dtype_bytes: int, positions: int,
     projection_rows = max(shape.num_heads * d + 2 * shape.num_kv_heads * d, 2 * shape.intermediate_size)
     quantize_build = projection_rows * h * ((checkpoint_dtype_bytes or dtype_bytes) + 4)
     return {
-        "weights": weight_bytes(shape, dtype_bytes)["total"] - experts + resident,
+        "weights": resident_weight_bytes(shape, dtype_bytes, expert_cache_size),
         "quantize_build": quantize_build if shape.quantization == "fp8" else 0,
         "host_experts": experts if resident < experts else 0,
         "rotary_tables": kept,
@@ -571,6 +581,7 @@ class ServingFigures:
     vocab_size: int
     total_params: int
     weight_bytes: int  # every parameter (resident or not), in the model dtype or fp8 (formulas.weight_bytes)
+    resident_weight_bytes: int  # on the device: weight_bytes less the experts an expert cache leaves on the host
     block_size: int
     max_model_len: int
     max_num_seqs: int
@@ -593,7 +604,10 @@ def serving_figures(shape: ModelShape, dtype_bytes: int, *, max_model_len: int, 
                     fused_kernels: bool = True, cublas_workspace: int = CUBLAS_WORKSPACE_BYTES_SM90,
                     kv_cache_dtype: str = "auto") -> ServingFigures:
     """Weights, KV per token / block / sequence, the step's activations and logits, and the
-    decode graphs for these settings; raises ValueError for settings no engine accepts."""
+    decode graphs for these settings; raises ValueError for settings no engine accepts.
+
+    An expert cache is ``shape.num_expert_slots`` (0: every expert resident): it sets both the
+    resident weights and the slot waves in the activation peak, so the two cannot disagree."""
     check_serving_settings(shape, max_model_len, max_num_seqs, max_num_batched_tokens, block_size)
     if kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
         raise ValueError(f"kv_cache_dtype must be auto, fp8, fp8_e4m3 or fp8_e5m2, got {kv_cache_dtype!r}")
@@ -608,6 +622,7 @@ def serving_figures(shape: ModelShape, dtype_bytes: int, *, max_model_len: int, 
     return ServingFigures(
         dtype_bytes=b, vocab_size=shape.vocab_size, total_params=total_params,
         weight_bytes=weight_bytes(shape, b)["total"],
+        resident_weight_bytes=resident_weight_bytes(shape, b, shape.num_expert_slots or None),
         block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         kv_bytes_per_token=per_token, kv_bytes_per_block=per_block, blocks_per_seq=blocks_per_seq,

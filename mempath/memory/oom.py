@@ -23,7 +23,7 @@ import re
 from contextlib import contextmanager
 
 from mempath.memory.formulas import (ServingFigures, decoder_peak_bytes_per_token, logits_bytes, read_shape,
-                                     resolve_dtype, serving_figures)
+                                     resolve_dtype, resolve_expert_cache_size, serving_figures)
 from mempath.memory.ledger import Ledger, format_bytes
 
 GiB = 1 << 30
@@ -122,6 +122,11 @@ def _plan_for(config, dtype: str | None) -> ServingFigures | None:
         if getattr(config, "quantization", None):  # fp8 weights: the bytes the engine holds
             shape = dataclasses.replace(shape, quantization=config.quantization)
         _, dtype_bytes = resolve_dtype(dtype or _engine_dtype(config), shape)
+        # Resolved as start-up resolves it: with an expert cache the device holds only the resident
+        # experts, and a step holds the cache's slot waves (serving_figures reads both from the shape).
+        slots = resolve_expert_cache_size(shape, dtype_bytes, getattr(config, "moe_expert_cache_size", None),
+                                          getattr(config, "moe_expert_cache_gb", None), str(config.model))
+        shape = dataclasses.replace(shape, num_expert_slots=slots or 0)
         max_model_len = getattr(config, "max_model_len", None)
         return serving_figures(
             shape, dtype_bytes,
@@ -143,7 +148,8 @@ def _fixes(stage, plan, config, ledger, requested, free, total) -> list[str]:
     if plan is None:
         return []
     if stage == "load":
-        return _weight_fixes(plan, free)
+        # In bfloat16 a --moe-expert-cache-gb holds more experts: that dtype's own figures, not half.
+        return _weight_fixes(plan, free, _plan_for(config, "bfloat16") if plan.dtype_bytes == 4 else None)
     if stage == "kv_allocation":
         return _kv_fixes(plan, config, ledger, requested, free, total)
     if stage in ("profile", "step"):
@@ -155,12 +161,13 @@ def _fixes(stage, plan, config, ledger, requested, free, total) -> list[str]:
     return []
 
 
-def _weight_fixes(plan, free) -> list[str]:
-    need = plan.weight_bytes
+def _weight_fixes(plan, free, bfloat16) -> list[str]:
+    need = plan.resident_weight_bytes
     fixes = []
-    if plan.dtype_bytes == 4:
-        fixes.append(f"--dtype bfloat16: weights need {format_bytes(need // 2)} instead of "
-                     f"{format_bytes(need)} (planner: {plan.total_params:,} parameters x 2 B)")
+    if bfloat16 is not None:
+        fixes.append(f"--dtype bfloat16: weights need {format_bytes(bfloat16.resident_weight_bytes)} "
+                     f"instead of {format_bytes(need)} (planner: {plan.total_params:,} parameters x 2 B"
+                     + (", less the experts left in host memory)" if need < plan.weight_bytes else ")"))
     if free is not None and need > free:
         fixes.append(f"the weights need {format_bytes(need)} and {format_bytes(free)} is free: free "
                      f"{format_bytes(need - free)} on the device (other processes show in "

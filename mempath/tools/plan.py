@@ -294,7 +294,7 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
                     max_num_batched_tokens, block_size, context_bytes)
 
     params, pathway_bytes = count_params(shape), weight_bytes(shape, b)
-    experts = _plan_experts(shape, b, params, pathway_bytes["total"], moe_expert_cache_size, moe_expert_cache_gb,
+    experts = _plan_experts(shape, b, params, moe_expert_cache_size, moe_expert_cache_gb,
                             source, (moe_h2d_bytes_per_s, moe_device_read_bytes_per_s, moe_host_read_bytes_per_s),
                             moe_cpu_experts)
     serving = serving_figures(_with_expert_slots(shape, experts), b, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -331,7 +331,8 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
 
 def _with_expert_slots(shape: ModelShape, experts: dict) -> ModelShape:
     """The shape with its expert cache's slots when fewer experts are resident than all: the
-    activation peak counts the cache's waves (memory.formulas.moe_grouped_phase_bytes)."""
+    resident weights leave the others out and the activation peak counts the cache's waves
+    (memory.formulas.resident_weight_bytes, moe_grouped_phase_bytes)."""
     slots = experts["expert_cache_size"] if experts["host_expert_bytes"] else 0
     return dataclasses.replace(shape, num_expert_slots=slots)
 
@@ -355,9 +356,10 @@ def _plan_training(plan: MemoryPlan, shape: ModelShape, **settings) -> None:
         plan.train_fits = plan.train_total_bytes <= plan.budget_bytes
 
 
-def _plan_experts(shape: ModelShape, b: int, params: dict[str, int], total_bytes: int, cache_size: int | None,
+def _plan_experts(shape: ModelShape, b: int, params: dict[str, int], cache_size: int | None,
                   cache_gb: float | None, source: str, rates: tuple[float, float, float], cpu_experts: str) -> dict:
-    """The plan's mixture-of-experts fields; resident_weight_bytes and active_params for any model."""
+    """The plan's mixture-of-experts fields and active_params for any model. resident_weight_bytes is
+    serving_figures' (from the shape's expert slots), the figure the out-of-memory advice spends too."""
     if cache_size is not None or cache_gb is not None:  # refused where start-up refuses it (fewer than top-k)
         cache_size = resolve_expert_cache_size(shape, b, cache_size, cache_gb, source) or shape.num_experts
     resident_all = cache_size is None or cache_size == shape.num_experts
@@ -388,7 +390,6 @@ def _plan_experts(shape: ModelShape, b: int, params: dict[str, int], total_bytes
         "expert_params": params["experts"],
         "expert_bytes": total,
         "resident_expert_bytes": resident,
-        "resident_weight_bytes": total_bytes - total + resident,
         "host_expert_bytes": total if resident < total else 0,
         "active_params": active_params,
         "read_params_per_token": read_params,

@@ -1,0 +1,95 @@
+"""The out-of-memory advice for a mixture-of-experts model with an expert cache spends the bytes the engine
+allocates: on the device the dense weights and the N resident experts per layer (not every expert), and in
+a step the cache's slot waves (memory.formulas.moe_grouped_phase_bytes), as `mempath plan` and the loader do."""
+import re
+from pathlib import Path
+
+import pytest
+
+from mempath import LLM
+from mempath.config import EngineConfig
+from mempath.memory.formulas import load_bytes, read_shape
+from mempath.memory.ledger import Ledger, format_bytes
+from mempath.memory.oom import _plan_for, explain_oom
+from mempath.model.loader import read_config
+from mempath.tools.plan import plan_memory
+
+QWEN = Path(__file__).parent / "data" / "configs" / "qwen3-30b-a3b.json"
+GiB = 1 << 30
+SETTINGS = dict(max_model_len=8192, max_num_seqs=64, max_num_batched_tokens=8192)
+# Qwen3-30B-A3B in bfloat16: 61,064,245,248 B of weights, of which 48 MoE layers x 128 experts x
+# 3 x 2048 x 768 x 2 B = 57,982,058,496 are routed experts (452,984,832 B per expert of every layer).
+# 32 resident: 61,064,245,248 - 96 x 452,984,832 = 17,577,701,376 B on the device.
+PER_EXPERT_ALL_LAYERS = 48 * 3 * 2048 * 768 * 2
+RESIDENT_32 = 61_064_245_248 - (128 - 32) * PER_EXPERT_ALL_LAYERS
+# 13.5 GiB holds 14,495,514,624 // 452,984,832 = 32 experts per layer, exactly.
+CACHES = [dict(moe_expert_cache_size=32), dict(moe_expert_cache_gb=13.5)]
+
+
+def _config(**cache) -> EngineConfig:
+    return EngineConfig(model=str(QWEN), **SETTINGS, **cache)
+
+
+@pytest.mark.parametrize("cache", CACHES, ids=["size", "gb"])
+def test_advice_counts_the_resident_experts_as_the_planner_and_the_loader(cache):
+    figures = _plan_for(_config(**cache), "bfloat16")
+    plan = plan_memory(QWEN, dtype="bfloat16", **SETTINGS, **cache)
+    loading = load_bytes(read_shape(read_config(str(QWEN))), 2, 8192, expert_cache_size=32)
+    assert figures.resident_weight_bytes == plan.resident_weight_bytes == loading["weights"] == RESIDENT_32
+    assert figures.weight_bytes == plan.weight_bytes == 61_064_245_248  # still every parameter
+    # Without a cache every expert is on the device.
+    assert _plan_for(_config(), "bfloat16").resident_weight_bytes == 61_064_245_248
+
+
+@pytest.mark.parametrize("cache", CACHES, ids=["size", "gb"])
+def test_load_advice_spends_the_resident_weights(cache):
+    text = explain_oom("load", Ledger(), GiB, 10 * GiB, _config(**cache), dtype="bfloat16")
+    assert "weights pathway exceeded its budget" in text
+    need = format_bytes(RESIDENT_32)  # 16.37 GiB, not the 56.87 GiB of every expert
+    assert (f"the weights need {need} and 10.00 GiB is free: free {format_bytes(RESIDENT_32 - 10 * GiB)} "
+            f"on the device") in text
+    # 20 GiB free holds the resident weights: no claim that the weights alone overflow it.
+    roomy = explain_oom("load", Ledger(), GiB, 20 * GiB, _config(**cache), dtype="bfloat16")
+    assert "the weights need" not in roomy
+
+
+def test_float32_advice_gives_the_bfloat16_resident_bytes():
+    """--dtype bfloat16 halves each expert, so 13.5 GiB of slots holds 32 experts a layer instead of
+    16: the bfloat16 figure is its own plan's, not half the float32 one."""
+    config = _config(moe_expert_cache_gb=13.5)
+    float32 = plan_memory(QWEN, dtype="float32", **SETTINGS, moe_expert_cache_gb=13.5)
+    assert float32.expert_cache_size == 16
+    text = explain_oom("load", Ledger(), GiB, 10 * GiB, config, dtype="float32")
+    assert (f"--dtype bfloat16: weights need {format_bytes(RESIDENT_32)} instead of "
+            f"{format_bytes(float32.resident_weight_bytes)}") in text
+    assert RESIDENT_32 != float32.resident_weight_bytes // 2
+
+
+def test_step_advice_counts_the_slot_waves():
+    config = _config(moe_expert_cache_size=32)
+    figures = _plan_for(config, "bfloat16")
+    cached = plan_memory(QWEN, dtype="bfloat16", **SETTINGS, moe_expert_cache_size=32)
+    resident = plan_memory(QWEN, dtype="bfloat16", **SETTINGS)
+    # The later waves' outputs, slot ids and mask: 8192 x 8 pairs x (2048 x 4 + 17) B more at the MoE peak.
+    assert cached.activation_peak_bytes > resident.activation_peak_bytes
+    assert figures.activation_peak_bytes == cached.activation_peak_bytes
+    free = GiB  # more than the step without the waves needs (969.58 MiB), less than with them
+    assert resident.activation_peak_bytes + resident.logits_bytes < free
+    assert cached.activation_peak_bytes + cached.logits_bytes > free
+    text = explain_oom("step", Ledger(), 512 << 20, free, config, dtype="bfloat16")
+    tokens = int(re.search(r"--max-num-batched-tokens (\d+)", text).group(1))
+    assert 0 < tokens < 8192
+    fitted = plan_memory(QWEN, dtype="bfloat16", **{**SETTINGS, "max_num_batched_tokens": tokens},
+                         moe_expert_cache_size=32)
+    assert fitted.activation_peak_bytes + fitted.logits_bytes <= free  # the advice really fits, waves and all
+
+
+def test_advice_weights_equal_the_engines_ledger(model_factory):
+    """A tiny Mixtral with 2 of 8 experts resident: the ledger's weights and expert slots, measured from
+    the tensors, are the bytes the advice spends."""
+    path, _ = model_factory("mixtral")
+    llm = LLM(path, dtype="float32", device="cpu", show_progress=False, moe_expert_cache_size=2)
+    ledger = llm.stats()["ledger"]
+    on_device = ledger["weights"]["bytes"] + ledger["expert_cache"]["bytes"]
+    figures = _plan_for(llm.engine.config, "float32")
+    assert figures.resident_weight_bytes == on_device < figures.weight_bytes
