@@ -164,11 +164,12 @@ def test_interpreted_fused_quant_kernels_match_the_two_launches():
 def dequantized_reference(hf, quantized: dict | None = None):
     """transformers with each projection's weight replaced by q · scale (``quantized``: the
     checkpoint's, by tensor name; None: its own weights quantized per row) and its input quantized
-    per token, as mempath's fp8 path computes."""
+    per token, as mempath's fp8 path computes. A projection absent from ``quantized`` (one the
+    checkpoint's ignore list keeps in 16 bits) is left as it is."""
     handles = []
     with torch.no_grad():
         for name, module in hf.named_modules():
-            if name.rpartition(".")[2] in FUSED_PROJECTIONS:
+            if name.rpartition(".")[2] in FUSED_PROJECTIONS and (quantized is None or f"{name}.weight" in quantized):
                 q, scale = quantized[f"{name}.weight"] if quantized else quantize_rows(module.weight)
                 module.weight.copy_(dequantize_rows(q, scale))
                 handles.append(module.register_forward_pre_hook(

@@ -10,8 +10,9 @@ tokens: ``input_ids [T]``, ``positions [T]`` and an :class:`AttentionMetadata`
 that says which rows belong to which sequence and where their KV lives. The
 config it is built from is read by mempath.model.spec; the kernels each op runs are
 chosen once, by mempath.kernels.dispatch. With ``spec.quantization == "fp8"`` the
-projections are mempath.model.quant.Fp8Linear; embeddings, norms, the LM head, routers
-and routed experts stay in the model dtype. Where such a projection runs the fp8 matmul, the
+projections are mempath.model.quant.Fp8Linear, but for those an fp8 checkpoint keeps in 16
+bits (``spec.unquantized``); embeddings, norms, the LM head, routers and routed experts stay
+in the model dtype. Where such a projection runs the fp8 matmul, the
 norm or SiLU-and-mul before it may hand it its input already quantized (an Fp8Activation).
 """
 import math
@@ -118,7 +119,9 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, kernels: Kernels):
+    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, kernels: Kernels, prefix: str):
+        """``prefix``: the module's name in the model (model.layers.N.self_attn), which its projections'
+        quantization is looked up by (ModelSpec.projection_quantization)."""
         super().__init__()
         self.kernels = kernels
         self.num_heads = spec.num_heads
@@ -128,8 +131,9 @@ class Attention(nn.Module):
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim ** -0.5
         self.qkv_proj = make_linear(spec.hidden_size, self.q_size + 2 * self.kv_size, spec.qkv_bias,
-                                    spec.quantization)
-        self.o_proj = make_linear(self.q_size, spec.hidden_size, spec.o_bias, spec.quantization)
+                                    spec.projection_quantization(f"{prefix}.qkv_proj"))
+        self.o_proj = make_linear(self.q_size, spec.hidden_size, spec.o_bias,
+                                  spec.projection_quantization(f"{prefix}.o_proj"))
         self.qk_norm_per_head = spec.qk_norm_per_head
         if spec.qk_norm:
             q_width, k_width = (spec.head_dim, spec.head_dim) if spec.qk_norm_per_head else (
@@ -170,13 +174,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec, kernels: Kernels):
+    def __init__(self, spec: ModelSpec, kernels: Kernels, prefix: str):
+        """``prefix``: the module's name in the model (model.layers.N.mlp), as Attention's."""
         super().__init__()
         self.kernels = kernels
         self.intermediate_size = spec.intermediate_size
         self.gate_up_proj = make_linear(spec.hidden_size, 2 * spec.intermediate_size, spec.mlp_bias,
-                                        spec.quantization)
-        self.down_proj = make_linear(spec.intermediate_size, spec.hidden_size, spec.mlp_bias, spec.quantization)
+                                        spec.projection_quantization(f"{prefix}.gate_up_proj"))
+        self.down_proj = make_linear(spec.intermediate_size, spec.hidden_size, spec.mlp_bias,
+                                     spec.projection_quantization(f"{prefix}.down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -193,9 +199,10 @@ class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, index: int, kernels: Kernels):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
-        self.self_attn = Attention(spec, rotary, kernels)
+        self.self_attn = Attention(spec, rotary, kernels, f"model.layers.{index}.self_attn")
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
-        self.mlp = MoEBlock(spec, kernels) if index in spec.moe_layers else MLP(spec, kernels)
+        self.mlp = (MoEBlock(spec, kernels) if index in spec.moe_layers
+                    else MLP(spec, kernels, f"model.layers.{index}.mlp"))
 
     def forward(self, positions, hidden, residual, meta):
         """Returns (sublayer output, residual stream); the next norm adds them."""

@@ -426,9 +426,9 @@ def _check_fp8_mix(quantized_here: dict[str, tuple], scaled: set[str], fp8_weigh
     if quantized_here and fp8_weights:
         first = min(quantized_here)
         log.warning("%s: %d projection weight(s) of this fp8 checkpoint are not fp8 (e.g. %r, %s): the checkpoint "
-                    "leaves them unquantized, but mempath's fp8 layers are every q/k/v, o, gate/up and down "
-                    "projection, so these were quantized at load", source, len(quantized_here),
-                    f"{first}.weight", quantized_here[first][1])
+                    "leaves them unquantized, but its config.json does not say so (a compressed-tensors "
+                    "quantization_config's ignore list keeps the projections it names in 16 bits), so these were "
+                    "quantized at load", source, len(quantized_here), f"{first}.weight", quantized_here[first][1])
 
 
 def _copy_tensor(tensor, target_name, target, name, where, params, scales, spec) -> tuple[str, ...]:
@@ -452,7 +452,12 @@ def _copy_tensor(tensor, target_name, target, name, where, params, scales, spec)
     fp8_target = target_name in scales
     if tensor.dtype not in _FLOAT_DTYPES and not (fp8_target and tensor.dtype == FP8_DTYPE):
         expected = "float32, float16, bfloat16" + (", float8_e4m3fn" if fp8_target else "")
-        if tensor.dtype == FP8_DTYPE and not scales and target_name.endswith("_proj.weight"):
+        fix = "use the model's unquantized checkpoint"
+        if tensor.dtype == FP8_DTYPE and target_name.removesuffix(".weight") in spec.unquantized:
+            why = ("config.json's quantization_config keeps this projection in the model dtype (its ignore list "
+                   "names it, or no config group's targets do), but the checkpoint holds it in fp8:")
+            fix = "restore the checkpoint's config.json, or download the checkpoint again"
+        elif tensor.dtype == FP8_DTYPE and not scales and target_name.endswith("_proj.weight"):
             # An fp8 projection, but the model was built unquantized: config.json did not say fp8.
             why = ("config.json has no quantization_config, so the model is built unquantized: restore the fp8 "
                    "checkpoint's config.json, or")
@@ -461,7 +466,7 @@ def _copy_tensor(tensor, target_name, target, name, where, params, scales, spec)
         else:
             why = "the checkpoint is quantized or damaged:"
         raise CheckpointError(f"{where}: tensor {name!r} is {dtype}, expected a floating-point weight ({expected}); "
-                              f"{why} use the model's unquantized checkpoint")
+                              f"{why} {fix}")
     if tuple(tensor.shape) != tuple(target.shape):
         raise CheckpointError(
             f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, expected "

@@ -5,7 +5,9 @@ mempath cannot run raises CheckpointError with a one-line message naming the fie
 what it holds, what is expected, and the fix (ConfigFields).
 """
 import json
+import logging
 import math
+import re
 from dataclasses import dataclass
 
 from mempath.constants import CHECKPOINT_DTYPES
@@ -24,6 +26,8 @@ MODEL_TYPES = {
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM")
 SUPPORTED_ARCHITECTURES = tuple(MODEL_TYPES.values())
 ROPE_TYPES = ("default", "linear", "llama3")
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -161,6 +165,14 @@ class ModelSpec:
     # per-channel scales (mempath.model.quant): a pre-quantized checkpoint's
     # quantization_config, or the engine's quantization option. None: the model dtype.
     quantization: str | None = None
+    # The projections, by module name ("model.layers.0.self_attn.qkv_proj"), that an fp8 checkpoint
+    # keeps in the model dtype: its compressed-tensors ignore list names them, or no config group
+    # targets them (_unquantized). Built as 16-bit linears; the other projections follow quantization.
+    unquantized: frozenset[str] = frozenset()
+
+    def projection_quantization(self, name: str) -> str | None:
+        """The quantization of the projection ``name`` (its module name): None where the checkpoint keeps it."""
+        return None if name in self.unquantized else self.quantization
 
     @classmethod
     def from_hf_config(cls, cfg: dict, source: str = "config.json") -> "ModelSpec":
@@ -170,7 +182,8 @@ class ModelSpec:
                                   f"settings; pass the model's config.json")
         f = ConfigFields(cfg, source)
         arch = _architecture(f)
-        quantization = _quantization(f, arch)
+        num_layers = f.integer("num_hidden_layers")
+        quantization, unquantized = _quantization(f, arch, num_layers)
         hidden, heads, kv_heads, head_dim = _attention_shape(f)
         act = f.choice("hidden_act", ("silu", "swish"), "silu", "mempath's MLP is SiLU-gated")
         rope_theta, rope_scaling = _rope(f)
@@ -185,7 +198,6 @@ class ModelSpec:
         attention_bias = f.flag("attention_bias") and arch in (
             "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
         dtype_key = "torch_dtype" if cfg.get("torch_dtype") is not None else "dtype"
-        num_layers = f.integer("num_hidden_layers")
         return cls(
             architecture=arch,
             vocab_size=f.integer("vocab_size"),
@@ -211,6 +223,7 @@ class ModelSpec:
             torch_dtype=f.choice(dtype_key, CHECKPOINT_DTYPES,
                                  fix="mempath loads float16, bfloat16, float32 and fp8 checkpoints"),
             quantization=quantization,
+            unquantized=unquantized,
             **_olmoe_attention(f, arch, hidden, heads, head_dim),
             **_moe_fields(f, arch, num_layers),
         )
@@ -334,11 +347,11 @@ _FP8_FIX = ("mempath loads float16 / bfloat16 checkpoints (optionally quantized 
             "and fp8 ones (compressed-tensors or vLLM's fp8, dynamic per-token activation scales)")
 
 
-def _quantization(f: ConfigFields, arch: str) -> str | None:
-    """ "fp8" for the pre-quantized fp8 checkpoints mempath runs, None for a float one; any other
-    quantization_config raises CheckpointError naming the field."""
+def _quantization(f: ConfigFields, arch: str, num_layers: int) -> tuple[str | None, frozenset[str]]:
+    """("fp8", the projections it keeps in the model dtype) for the pre-quantized fp8 checkpoints mempath
+    runs, (None, none) for a float one; any other quantization_config raises CheckpointError naming the field."""
     if f.fields.get("quantization_config") is None:
-        return None
+        return None, frozenset()
     q = ConfigFields(f.mapping("quantization_config"), f.source, "quantization_config.")
     method = q.choice("quant_method", ("compressed-tensors", "fp8"), fix=_FP8_FIX)
     if method is None:
@@ -354,7 +367,7 @@ def _quantization(f: ConfigFields, arch: str) -> str | None:
     if arch in MOE_ARCHITECTURES:
         f.fail("quantization_config", "none for a mixture-of-experts model", "mempath keeps experts in the "
                "model dtype: use the model's bfloat16 checkpoint, with --quantization fp8 for its dense layers")
-    return "fp8"
+    return "fp8", frozenset() if method == "fp8" else _unquantized(q, arch, num_layers)
 
 
 def _compressed_tensors_fp8(q: ConfigFields) -> None:
@@ -391,3 +404,78 @@ def _compressed_tensors_fp8(q: ConfigFields) -> None:
                 s.fail("symmetric", "true", _FP8_FIX)
         if g.fields.get("output_activations") is not None:
             g.fail("output_activations", "null", _FP8_FIX)
+
+
+# mempath's projections in a decoder layer, and the checkpoint's names of a fused one's parts (Phi-3's
+# checkpoints hold them fused, under mempath's names).
+_PROJECTIONS = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "self_attn.o_proj": (),
+                "mlp.gate_up_proj": ("gate_proj", "up_proj"), "mlp.down_proj": ()}
+
+
+def _unquantized(q: ConfigFields, arch: str, num_layers: int) -> frozenset[str]:
+    """The projections a compressed-tensors checkpoint keeps in the model dtype: those its ``ignore`` list
+    names and those no config group's ``targets`` name, as vLLM and compressed-tensors match them
+    (``_select``). An ignore entry that names no layer of the model is named in a warning, not refused:
+    vLLM skips it, and recipes reuse one list across models (a MoE model's "re:.*mlp.gate$")."""
+    projections = {f"model.layers.{i}.{name}": tuple(f"model.layers.{i}.{name.partition('.')[0]}.{part}"
+                                                     for part in parts)
+                   for i in range(num_layers) for name, parts in _PROJECTIONS.items()}
+    linears = set(projections).union(*projections.values())
+    groups = ConfigFields(q.mapping("config_groups"), q.source, q.prefix + "config_groups.")
+    targeted = set()
+    for name in groups.fields:
+        g = ConfigFields(groups.fields[name], q.source, f"{groups.prefix}{name}.")
+        targets = _module_patterns(g, "targets", 'a list of "Linear", module names and "re:" patterns, such as '
+                                   '["Linear"]', required=True)
+        for target in targets:
+            if target != "Linear" and not any(_matches(target, linear) for linear in linears):
+                g.fail("targets", '"Linear" or names / "re:" patterns of the projections', f'"{target}" names none of '
+                       f"this model's q/k/v, o, gate/up and down projections, the only layers mempath holds in fp8: "
+                       f"correct it, or use the model's bfloat16 checkpoint with --quantization fp8")
+        targeted |= set(projections) if "Linear" in targets else _select(g, "targets", targets, projections)
+    ignore = _module_patterns(q, "ignore", 'a list of module names and "re:" patterns, such as ["lm_head"]')
+    ignored = _select(q, "ignore", ignore, projections)
+    unmatched = [entry for entry in ignore if not any(_matches(entry, name) for name in linears | {"lm_head"})]
+    if unmatched:
+        log.warning("%s: quantization_config.ignore entries %s match no linear layer of this %s (%d layers): "
+                    "nothing is kept unquantized for them (vLLM skips them too)", q.source, unmatched, arch,
+                    num_layers)
+    return frozenset(set(projections) - targeted | ignored)
+
+
+def _module_patterns(f: ConfigFields, key: str, expected: str, required: bool = False) -> list[str]:
+    """A list of strings whose "re:" patterns compile; null or absent gives [] (refused where ``required``)."""
+    value = f.fields.get(key)
+    if value is None and not required:
+        return []
+    if not isinstance(value, list) or not all(isinstance(entry, str) for entry in value):
+        f.fail(key, expected, None if value is None else "write its entries as a JSON list of strings")
+    for entry in value:
+        if entry.startswith("re:"):
+            try:
+                re.compile(entry[3:])
+            except re.error as error:
+                f.fail(key, expected, f'its entry "{entry}" is not a valid regular expression ({error}): correct '
+                       f'the pattern (after "re:", Python\'s re syntax)')
+    return value
+
+
+def _matches(entry: str, name: str) -> bool:
+    """vLLM's match of a module name: a "re:" pattern matched from the start (re.match), else equality."""
+    return re.match(entry[3:], name) is not None if entry.startswith("re:") else entry == name
+
+
+def _select(f: ConfigFields, key: str, entries: list[str], projections: dict) -> set[str]:
+    """The projections ``entries`` name: a fused one by its own name or by every one of its parts. Naming
+    some parts of one but not all is refused: its parts are one matrix, fp8 or not as a whole."""
+    selected = set()
+    for name, parts in projections.items():
+        named = [part for part in parts if any(_matches(entry, part) for entry in entries)]
+        if any(_matches(entry, name) for entry in entries) or (named and len(named) == len(parts)):
+            selected.add(name)
+        elif named:
+            missed = ", ".join(part.rpartition(".")[2] for part in parts if part not in named)
+            f.fail(key, "entries that name every part of a fused projection or none", f"it names {named[0]} but not "
+                   f"{missed}, which mempath fuses with it into one matrix ({name.rpartition('.')[2]}), fp8 or not as "
+                   f"a whole (vLLM refuses this too): name all of them or none")
+    return selected
