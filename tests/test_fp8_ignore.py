@@ -2,6 +2,7 @@
 the checkpoint leaves in 16 bits are built and loaded as plain linears (vLLM keeps them unquantized too),
 greedy outputs match transformers on the dequantized weights, and a bad list is refused in one line
 naming the field and the fix (CPU, tiny models)."""
+import dataclasses
 import json
 import logging
 import re
@@ -11,11 +12,16 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mempath import LLM
+from mempath.memory.formulas import (FP8_SCALE_BYTES, fp8_gemv_workspace_bytes, gemv_workspace_bytes,
+                                     resident_weight_bytes, shape_from_spec, weight_bytes)
 from mempath.model.loader import load_model
-from mempath.model.quant import Fp8Linear, Linear
+from mempath.model.quant import Fp8Linear, Linear, fp8_gemv_bytes, fp8_layers
 from mempath.model.spec import CheckpointError, ModelSpec
-from tests.conftest import make_model
-from tests.test_fp8_weights import (QUANT_CONFIGS, check_against_reference, dequantized_reference,
+from mempath.tools.diagnose.rows import weight_rows
+from mempath.tools.plan import plan_memory
+from mempath.tools.plan_cli import format_plan
+from tests.conftest import make_model, release_cuda
+from tests.test_fp8_weights import (QUANT_CONFIGS, check_against_reference, dequantized_reference, needs_fp8_gpu,
                                     write_fp8_checkpoint)
 
 # Layer 0's o projection by its name, layer 1's down projection and its q, k and v (fused in mempath) by
@@ -28,19 +34,26 @@ KEPT_TENSORS = ["model.layers.0.self_attn.o_proj.weight", "model.layers.1.mlp.do
 MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
-def write_checkpoint(root, ignore=IGNORE, kept_tensors=KEPT_TENSORS, arch="llama"):
-    """A bfloat16 model written as the hub's per-channel FP8-dynamic checkpoints are, but for
-    ``kept_tensors``, stored as the bfloat16 weights they were (no weight_scale), and with ``ignore``.
+# IGNORE in exact names, as a quant_method "fp8" checkpoint's ignored_layers holds them (vLLM reads no "re:" there).
+IGNORED_LAYERS = ["lm_head", "model.layers.0.self_attn.o_proj", "model.layers.1.mlp.down_proj",
+                  *(f"model.layers.1.self_attn.{p}_proj" for p in "qkv")]
+
+
+def write_checkpoint(root, ignore=IGNORE, kept_tensors=KEPT_TENSORS, arch="llama", method="compressed-tensors"):
+    """A bfloat16 model written as the hub's per-channel FP8-dynamic checkpoints are (``method`` "fp8": as
+    vLLM's own fp8 checkpoints, per-tensor scales), but for ``kept_tensors``, stored as the bfloat16 weights
+    they were (no weight_scale), and with ``ignore`` (``ignored_layers`` for "fp8").
     Returns the float model (bfloat16) and the checkpoint's quantized projections by tensor name."""
     hf = make_model(root / "float", arch, dtype=torch.bfloat16)
-    quantized = write_fp8_checkpoint(root / "float", root / "fp8", hf, "compressed-tensors", "channel")
+    strategy = "tensor" if method == "fp8" else "channel"
+    quantized = write_fp8_checkpoint(root / "float", root / "fp8", hf, method, strategy)
     tensors, state = load_file(root / "fp8" / "model.safetensors"), hf.state_dict()
     for name in kept_tensors:
         tensors[name] = state[name].contiguous()
         del tensors[name + "_scale"], quantized[name]
     save_file(tensors, str(root / "fp8" / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((root / "fp8" / "config.json").read_text())
-    config["quantization_config"]["ignore"] = ignore
+    config["quantization_config"]["ignored_layers" if method == "fp8" else "ignore"] = ignore
     (root / "fp8" / "config.json").write_text(json.dumps(config))
     return hf, quantized
 
@@ -215,14 +228,166 @@ def test_a_bad_targets_list_is_refused_in_one_line(targets, expected):
     assert re.search(expected, message), message
 
 
+# ---------------------------------------------------------------- vLLM's fp8 checkpoints: ignored_layers
+
+
+def test_vllm_fp8_ignored_layers_stay_in_16_bits_and_match_transformers(tmp_path, caplog):
+    hf, quantized = write_checkpoint(tmp_path, ignore=IGNORED_LAYERS, method="fp8")
+    with caplog.at_level(logging.WARNING, logger="mempath"):
+        llm = LLM(str(tmp_path / "fp8"), dtype="float32", show_progress=False)
+    assert llm.engine.spec.quantization == "fp8" and llm.engine.spec.unquantized == KEPT
+    for name, layer in projections(llm.engine.model).items():
+        assert (type(layer) is Linear) if name in KEPT else isinstance(layer, Fp8Linear), name
+    assert "not fp8" not in caplog.text and "quantized at load" not in caplog.text, caplog.text
+    assert "match no" not in caplog.text, caplog.text
+    dequantized_reference(hf.float(), quantized)
+    check_against_reference(llm, hf)
+
+
+def read_fp8_spec(ignored_layers=("lm_head",), num_layers=2, arch="LlamaForCausalLM") -> ModelSpec:
+    """The spec of a tiny model's quant_method "fp8" config.json with these ``ignored_layers``."""
+    quantization_config = QUANT_CONFIGS["fp8"]("tensor")
+    quantization_config.pop("ignored_layers")
+    if ignored_layers is not ABSENT:
+        quantization_config["ignored_layers"] = (list(ignored_layers) if isinstance(ignored_layers, tuple)
+                                                 else ignored_layers)
+    return ModelSpec.from_hf_config({
+        "architectures": [arch], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": num_layers,
+        "num_attention_heads": 4, "vocab_size": 320, "quantization_config": quantization_config})
+
+
+def test_vllm_fp8_ignored_layers_select_projections_by_exact_name():
+    assert read_fp8_spec().unquantized == frozenset()  # ["lm_head"]: the hub's usual list
+    for empty in ([], None, ABSENT):
+        assert read_fp8_spec(empty).unquantized == frozenset()
+    assert read_fp8_spec(IGNORED_LAYERS).unquantized == KEPT
+    # a fused projection by its own name, or by all of its parts
+    assert read_fp8_spec(["model.layers.0.self_attn.qkv_proj", "model.layers.1.mlp.gate_proj",
+                          "model.layers.1.mlp.up_proj"]).unquantized == {
+        "model.layers.0.self_attn.qkv_proj", "model.layers.1.mlp.gate_up_proj"}
+    # exact names, not prefixes: "model.layers.1" names no projection of layer 1 (nor of layers 10-11)
+    assert read_fp8_spec(["model.layers.1"], num_layers=12).unquantized == frozenset()
+
+
+def test_vllm_fp8_ignored_layers_that_name_no_layer_are_named_in_a_warning(caplog):
+    """As the compressed-tensors ignore list's: vLLM skips them. A "re:" entry is no pattern here (vLLM's fp8
+    compares names): it names no layer, and the warning says so."""
+    with caplog.at_level(logging.WARNING, logger="mempath.model.spec"):
+        spec = read_fp8_spec(["lm_head", r"re:.*down_proj", "model.layers.7.mlp.down_proj",
+                              "model.layers.0.mlp.down_proj"])
+    assert spec.unquantized == {"model.layers.0.mlp.down_proj"}
+    assert len(caplog.records) == 1, caplog.text
+    message = caplog.records[0].getMessage()
+    assert "quantization_config.ignored_layers" in message and "'re:.*down_proj'" in message
+    assert "'model.layers.7.mlp.down_proj'" in message and "lm_head" not in message
+    assert 'exact module names, not "re:" patterns' in message
+
+
+@pytest.mark.parametrize("ignored_layers,expected", [
+    ("lm_head", r"'quantization_config.ignored_layers' holds \"lm_head\" \(a string\), expected a list of module "
+                r"names, such as \[\"lm_head\"\]; write its entries as a JSON list of strings$"),
+    ([3], r"'quantization_config.ignored_layers' holds \[3\] \(a list\), expected a list of module names"),
+    (["model.layers.0.self_attn.q_proj"], r"'quantization_config.ignored_layers' .*names "
+                                          r"model.layers.0.self_attn.q_proj but not k_proj, v_proj, which mempath "
+                                          r"fuses with it into one matrix \(qkv_proj\), fp8 or not as a whole"),
+    (["model.layers.1.mlp.up_proj"], r"names model.layers.1.mlp.up_proj but not gate_proj, .* \(gate_up_proj\)"),
+])
+def test_a_bad_ignored_layers_is_refused_in_one_line(ignored_layers, expected):
+    with pytest.raises(CheckpointError) as error:
+        read_fp8_spec(ignored_layers)
+    message = str(error.value)
+    assert "\n" not in message and message.startswith("config.json: field 'quantization_config."), message
+    assert re.search(expected, message), message
+
+
 # ---------------------------------------------------------------- the plan
 
 
-@pytest.mark.xfail(strict=True, reason="memory.formulas.weight_bytes counts every projection of an fp8 model at one "
-                                       "byte a weight; ModelShape does not carry ModelSpec.unquantized yet")
-def test_plan_counts_ignored_projections_in_the_model_dtype(tmp_path):
-    from mempath.tools.plan import plan_memory
-    write_checkpoint(tmp_path)
+def kept_bytes_over_fp8(model, names) -> int:
+    """What the projections ``names`` hold in the model's dtype beyond their fp8 figure: each weight's
+    bytes less one byte a weight and FP8_SCALE_BYTES an output channel (its bias is the model dtype's both ways)."""
+    layers = projections(model)
+    return sum(layers[n].weight.numel() * (layers[n].weight.element_size() - 1)
+               - layers[n].out_features * FP8_SCALE_BYTES for n in names)
+
+
+@pytest.mark.parametrize("method", ["compressed-tensors", "fp8"])
+def test_plan_counts_ignored_projections_in_the_model_dtype(tmp_path, method):
+    """The planner's weights (and load_bytes, diagnose's rows) are the bytes the engine allocates, the ledger's
+    weights: the kept projections in the model dtype, not at fp8's byte a weight."""
+    write_checkpoint(tmp_path, ignore=IGNORED_LAYERS if method == "fp8" else IGNORE, method=method)
     llm = LLM(str(tmp_path / "fp8"), dtype="float32", show_progress=False)
+    model, spec = llm.engine.model, llm.engine.spec
     plan = plan_memory(str(tmp_path / "fp8"), dtype="float32")
-    assert plan.weight_bytes == llm.stats()["ledger"]["weights"]["bytes"]
+    all_fp8 = weight_bytes(dataclasses.replace(shape_from_spec(spec), unquantized=frozenset()), 4)["total"]
+    assert plan.weight_bytes == llm.stats()["ledger"]["weights"]["bytes"] == all_fp8 + kept_bytes_over_fp8(model, KEPT)
+    assert plan.weight_bytes > all_fp8
+    # the loader's check_load_fits counts the same weights (load_bytes, resident_weight_bytes)
+    assert resident_weight_bytes(shape_from_spec(spec), 4) == plan.weight_bytes
+    # mempath diagnose's weights rows: each pathway of the plan against the parameters of that pathway
+    rows = {row.pathway: row for row in weight_rows(plan, model, None, None)}
+    for pathway in ("attention", "mlp", "embedding", "norms", "lm_head"):
+        assert rows[f"weights.{pathway}"].predicted == rows[f"weights.{pathway}"].measured, pathway
+    # the plan's title says how many projections stay in 16 bits
+    assert (plan.fp8_projections, plan.unquantized_projections) == (5, 3)
+    title = format_plan(plan).splitlines()[0]
+    assert title.endswith("projections in fp8 (1 B/weight + a float32 scale per output channel); 3 of the 8 stay "
+                          "in float32, as the checkpoint's quantization_config keeps them"), title
+
+
+def test_plan_of_an_fp8_checkpoint_without_kept_projections_says_nothing_of_them(tmp_path):
+    write_checkpoint(tmp_path, ignore=["lm_head"], kept_tensors=[])
+    plan = plan_memory(str(tmp_path / "fp8"), dtype="bfloat16")
+    assert (plan.fp8_projections, plan.unquantized_projections) == (8, 0)
+    assert format_plan(plan).splitlines()[0].endswith("projections in fp8 (1 B/weight + a float32 scale per output "
+                                                      "channel)")
+
+
+# Every gate/up projection kept: gate_up (2·I = 256 outputs) is the model's widest projection, q/k/v (4 heads
+# + 2·2 KV heads of 16 = 128) its widest fp8 one.
+GATE_UP_KEPT = ["re:.*mlp\\.(gate|up)_proj$"]
+GATE_UP_TENSORS = [f"model.layers.{i}.mlp.{p}_proj.weight" for i in range(2) for p in ("gate", "up")]
+
+
+def test_gemv_workspace_is_sized_by_the_widest_fp8_projection(tmp_path):
+    """set_fp8_matmul sizes the fp8 GEMV's workspace by its fp8 layers (quant.fp8_layers), a kept projection
+    runs F.linear; gemv_workspace_bytes agrees. Every projection kept: the model is a 16-bit one, whose dense
+    GEMV (set_dense_gemv, bfloat16 / float16 only) is sized by every projection."""
+    write_checkpoint(tmp_path, ignore=GATE_UP_KEPT, kept_tensors=GATE_UP_TENSORS)
+    model, spec, _ = load_model(tmp_path / "fp8", torch.bfloat16, torch.device("cpu"), 64, False)
+    assert spec.unquantized == layer_modules(0, 1, kinds=("gate_up_proj",))
+    fp8_widest = max(layer.out_features for layer in fp8_layers(model))
+    assert fp8_widest == 128 < max(layer.out_features for layer in projections(model).values()) == 256
+    shape = shape_from_spec(spec)
+    assert gemv_workspace_bytes(shape, 2, fused_kernels=True) == fp8_gemv_workspace_bytes(128)
+    assert gemv_workspace_bytes(shape, 4, fused_kernels=True) == fp8_gemv_workspace_bytes(128)
+    assert gemv_workspace_bytes(dataclasses.replace(shape, unquantized=frozenset()), 2,
+                                fused_kernels=True) == fp8_gemv_workspace_bytes(256)
+    every = dataclasses.replace(shape, unquantized=frozenset(projections(model)))
+    assert gemv_workspace_bytes(every, 2, fused_kernels=True) == fp8_gemv_workspace_bytes(256)
+    assert gemv_workspace_bytes(every, 4, fused_kernels=True) == 0
+    assert gemv_workspace_bytes(shape, 2, fused_kernels=False) == 0
+
+
+@needs_fp8_gpu
+@pytest.mark.parametrize("kept", ["gate_up", "every"])
+def test_gpu_gemv_workspace_is_the_plans(tmp_path, kept):
+    """On CUDA the engine's GEMV workspace (fp8 GEMV, or the dense one where every projection is kept) is
+    gemv_workspace_bytes of its spec, and the planner's weights are the ledger's."""
+    if kept == "gate_up":
+        write_checkpoint(tmp_path, ignore=GATE_UP_KEPT, kept_tensors=GATE_UP_TENSORS)
+    else:
+        write_checkpoint(tmp_path, ignore=["re:model\\.layers\\..*"], kept_tensors=[
+            f"model.layers.{i}.{m}.{p}_proj.weight" for i in range(2) for m, parts in (
+                ("self_attn", "qkvo"), ("mlp", ("gate", "up", "down"))) for p in parts])
+    llm = LLM(str(tmp_path / "fp8"), show_progress=False, gpu_memory_utilization=0.3, max_num_seqs=4)
+    try:
+        model, spec = llm.engine.model, llm.engine.spec
+        assert bool(fp8_layers(model)) == (kept == "gate_up")
+        assert fp8_gemv_bytes(model) == gemv_workspace_bytes(shape_from_spec(spec), 2, model.kernels.triton) > 0
+        assert fp8_gemv_bytes(model) == fp8_gemv_workspace_bytes(128 if kept == "gate_up" else 256)
+        plan = plan_memory(str(tmp_path / "fp8"), dtype="bfloat16")
+        assert plan.weight_bytes == llm.stats()["ledger"]["weights"]["bytes"]
+    finally:
+        del llm
+        release_cuda()

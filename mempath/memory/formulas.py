@@ -19,6 +19,7 @@ on the meta device.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 from mempath.constants import DTYPE_ALIASES, DTYPE_BYTES, MAX_GRAPH_BATCH, SAMPLER_SORT_ROWS
@@ -53,6 +54,9 @@ class ModelShape:
     num_moe_layers: int = 0  # the other layers have a dense MLP of intermediate_size
     quantization: str | None = None  # "fp8": the projections in one byte per weight (weight_bytes)
     num_expert_slots: int = 0  # experts per MoE layer on the device when fewer than all (0: all)
+    # The projections an fp8 checkpoint keeps in the model dtype, by module name
+    # ("model.layers.0.self_attn.qkv_proj"): ModelSpec.unquantized. The others follow quantization.
+    unquantized: frozenset[str] = frozenset()
 
 
 
@@ -84,6 +88,7 @@ def shape_from_spec(spec) -> ModelShape:
         moe_intermediate_size=spec.moe_intermediate_size,
         num_moe_layers=len(spec.moe_layers),
         quantization=spec.quantization,
+        unquantized=spec.unquantized,
     )
 
 
@@ -170,22 +175,39 @@ def count_params(shape: ModelShape) -> dict[str, int]:
 FP8_SCALE_BYTES = 4
 
 
+# mempath's module of each linear_shapes layer: q/k/v and gate/up are one fused matrix each (model.llama).
+FUSED_INTO = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+              "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
+
+
+def fp8_projection_counts(shape: ModelShape) -> dict[str, int]:
+    """How many of each of mempath's projections (qkv_proj, o_proj, gate_up_proj, down_proj) the model
+    holds in fp8: every layer's attention projections and every dense layer's MLP projections, less
+    those ``shape.unquantized`` keeps in the model dtype; all zero unless ``shape.quantization`` is fp8."""
+    dense = shape.num_layers - shape.num_moe_layers
+    kept = Counter(name.rpartition(".")[2] for name in shape.unquantized)
+    counts = {}
+    for name in linear_shapes(shape):
+        module = FUSED_INTO.get(name, name)
+        layers = shape.num_layers if name in ATTENTION_PROJECTIONS else dense
+        counts[module] = layers - kept[module] if shape.quantization == "fp8" else 0
+    return counts
+
+
 def weight_bytes(shape: ModelShape, dtype_bytes: int) -> dict[str, int]:
     """Bytes per pathway, keyed as count_params: parameters · b, except that with
     ``shape.quantization == "fp8"`` each layer's attention projections and each dense
     layer's MLP projections hold one byte per weight plus FP8_SCALE_BYTES per output
-    channel (their biases stay b). Embeddings, norms, the LM head, routers and routed
-    experts stay in the model dtype."""
+    channel (their biases stay b), but for those ``shape.unquantized`` names: an fp8
+    checkpoint keeps them in the model dtype, as the engine builds them (b per weight, no
+    scales). Embeddings, norms, the LM head, routers and routed experts stay in the model dtype."""
     counts = count_params(shape)
     out = {name: params * dtype_bytes for name, params in counts.items() if name != "total"}
-    if shape.quantization == "fp8":
-        dense = shape.num_layers - shape.num_moe_layers
-        for name, (fan_in, fan_out, _) in linear_shapes(shape).items():
-            saved = fan_in * fan_out * (dtype_bytes - 1) - fan_out * FP8_SCALE_BYTES
-            if name.endswith(("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")):
-                out["attention"] -= shape.num_layers * saved
-            else:
-                out["mlp"] -= dense * saved
+    fp8 = fp8_projection_counts(shape)
+    for name, (fan_in, fan_out, _) in linear_shapes(shape).items():
+        saved = fan_in * fan_out * (dtype_bytes - 1) - fan_out * FP8_SCALE_BYTES
+        out["attention" if name in ATTENTION_PROJECTIONS else "mlp"] -= fp8[FUSED_INTO.get(name, name)] * saved
     out["total"] = sum(out.values())
     return out
 
@@ -205,15 +227,22 @@ def fp8_gemv_workspace_bytes(max_out_features: int) -> int:
 def gemv_workspace_bytes(shape: ModelShape, dtype_bytes: int = 4, fused_kernels: bool = False) -> int:
     """The GEMV workspace of a model, sized by the widest projection (fused q/k/v and gate/up count as
     one), where the Triton kernels run (``fused_kernels``: CUDA): an fp8 model's (the fp8 GEMV,
-    mempath.model.quant.set_fp8_matmul) or a 16-bit one's (``dtype_bytes`` 2: the dense GEMV,
-    set_dense_gemv); else 0 (the PyTorch path allocates none)."""
-    if not fused_kernels or (shape.quantization != "fp8" and dtype_bytes != 2):
+    mempath.model.quant.set_fp8_matmul: the widest projection held in fp8, not one the checkpoint keeps
+    in 16 bits) or a 16-bit one's (``dtype_bytes`` 2: the dense GEMV, set_dense_gemv, which an fp8
+    model whose checkpoint keeps every projection in 16 bits gets too); else 0 (the PyTorch path
+    allocates none)."""
+    if not fused_kernels:
         return 0
-    h, d = shape.hidden_size, shape.head_dim
-    widest = max(shape.num_heads * d + 2 * shape.num_kv_heads * d, h)
-    if shape.num_layers > shape.num_moe_layers:
-        widest = max(widest, 2 * shape.intermediate_size)
-    return fp8_gemv_workspace_bytes(widest)
+    widths, fp8 = Counter(), fp8_projection_counts(shape)
+    for name, (_, fan_out, _) in linear_shapes(shape).items():
+        widths[FUSED_INTO.get(name, name)] += fan_out
+    if any(fp8.values()):
+        return fp8_gemv_workspace_bytes(max(widths[module] for module, count in fp8.items() if count))
+    if dtype_bytes != 2:
+        return 0
+    dense = shape.num_layers > shape.num_moe_layers
+    return fp8_gemv_workspace_bytes(max(width for module, width in widths.items()
+                                        if dense or module in ("qkv_proj", "o_proj")))
 
 
 def expert_bytes(shape: ModelShape, dtype_bytes: int, cache_size: int | None = None) -> tuple[int, int]:

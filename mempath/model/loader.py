@@ -426,9 +426,10 @@ def _check_fp8_mix(quantized_here: dict[str, tuple], scaled: set[str], fp8_weigh
     if quantized_here and fp8_weights:
         first = min(quantized_here)
         log.warning("%s: %d projection weight(s) of this fp8 checkpoint are not fp8 (e.g. %r, %s): the checkpoint "
-                    "leaves them unquantized, but its config.json does not say so (a compressed-tensors "
-                    "quantization_config's ignore list keeps the projections it names in 16 bits), so these were "
-                    "quantized at load", source, len(quantized_here), f"{first}.weight", quantized_here[first][1])
+                    "leaves them unquantized, but its config.json does not say so (quantization_config's ignore "
+                    "list, or ignored_layers for quant_method fp8, keeps the projections it names in 16 bits), so "
+                    "these were quantized at load", source, len(quantized_here), f"{first}.weight",
+                    quantized_here[first][1])
 
 
 def _copy_tensor(tensor, target_name, target, name, where, params, scales, spec) -> tuple[str, ...]:
@@ -454,8 +455,9 @@ def _copy_tensor(tensor, target_name, target, name, where, params, scales, spec)
         expected = "float32, float16, bfloat16" + (", float8_e4m3fn" if fp8_target else "")
         fix = "use the model's unquantized checkpoint"
         if tensor.dtype == FP8_DTYPE and target_name.removesuffix(".weight") in spec.unquantized:
-            why = ("config.json's quantization_config keeps this projection in the model dtype (its ignore list "
-                   "names it, or no config group's targets do), but the checkpoint holds it in fp8:")
+            why = ("config.json's quantization_config keeps this projection in the model dtype (its ignore or "
+                   "ignored_layers list names it, or no config group's targets do), but the checkpoint holds it in "
+                   "fp8:")
             fix = "restore the checkpoint's config.json, or download the checkpoint again"
         elif tensor.dtype == FP8_DTYPE and not scales and target_name.endswith("_proj.weight"):
             # An fp8 projection, but the model was built unquantized: config.json did not say fp8.

@@ -367,7 +367,7 @@ def _quantization(f: ConfigFields, arch: str, num_layers: int) -> tuple[str | No
     if arch in MOE_ARCHITECTURES:
         f.fail("quantization_config", "none for a mixture-of-experts model", "mempath keeps experts in the "
                "model dtype: use the model's bfloat16 checkpoint, with --quantization fp8 for its dense layers")
-    return "fp8", frozenset() if method == "fp8" else _unquantized(q, arch, num_layers)
+    return "fp8", _unquantized(q, arch, num_layers, method)
 
 
 def _compressed_tensors_fp8(q: ConfigFields) -> None:
@@ -412,15 +412,19 @@ _PROJECTIONS = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "self_attn
                 "mlp.gate_up_proj": ("gate_proj", "up_proj"), "mlp.down_proj": ()}
 
 
-def _unquantized(q: ConfigFields, arch: str, num_layers: int) -> frozenset[str]:
-    """The projections a compressed-tensors checkpoint keeps in the model dtype: those its ``ignore`` list
-    names and those no config group's ``targets`` name, as vLLM and compressed-tensors match them
-    (``_select``). An ignore entry that names no layer of the model is named in a warning, not refused:
-    vLLM skips it, and recipes reuse one list across models (a MoE model's "re:.*mlp.gate$")."""
+def _unquantized(q: ConfigFields, arch: str, num_layers: int, method: str) -> frozenset[str]:
+    """The projections an fp8 checkpoint keeps in the model dtype, as vLLM and compressed-tensors match them
+    (``_select``). compressed-tensors: those its ``ignore`` list names and those no config group's ``targets``
+    name. vLLM's own fp8 (``method`` "fp8"): those its ``ignored_layers`` names, by exact module name (vLLM's
+    fp8 compares names: no "re:" patterns). An entry that names no layer of the model is named in a warning,
+    not refused: vLLM skips it, and recipes reuse one list across models (a MoE model's "re:.*mlp.gate$")."""
     projections = {f"model.layers.{i}.{name}": tuple(f"model.layers.{i}.{name.partition('.')[0]}.{part}"
                                                      for part in parts)
                    for i in range(num_layers) for name, parts in _PROJECTIONS.items()}
     linears = set(projections).union(*projections.values())
+    if method == "fp8":
+        return frozenset(_ignored(q, "ignored_layers", 'a list of module names, such as ["lm_head"]', projections,
+                                  linears, arch, num_layers, patterns=False))
     groups = ConfigFields(q.mapping("config_groups"), q.source, q.prefix + "config_groups.")
     targeted = set()
     for name in groups.fields:
@@ -433,24 +437,39 @@ def _unquantized(q: ConfigFields, arch: str, num_layers: int) -> frozenset[str]:
                        f"this model's q/k/v, o, gate/up and down projections, the only layers mempath holds in fp8: "
                        f"correct it, or use the model's bfloat16 checkpoint with --quantization fp8")
         targeted |= set(projections) if "Linear" in targets else _select(g, "targets", targets, projections)
-    ignore = _module_patterns(q, "ignore", 'a list of module names and "re:" patterns, such as ["lm_head"]')
-    ignored = _select(q, "ignore", ignore, projections)
-    unmatched = [entry for entry in ignore if not any(_matches(entry, name) for name in linears | {"lm_head"})]
-    if unmatched:
-        log.warning("%s: quantization_config.ignore entries %s match no linear layer of this %s (%d layers): "
-                    "nothing is kept unquantized for them (vLLM skips them too)", q.source, unmatched, arch,
-                    num_layers)
+    ignored = _ignored(q, "ignore", 'a list of module names and "re:" patterns, such as ["lm_head"]', projections,
+                       linears, arch, num_layers)
     return frozenset(set(projections) - targeted | ignored)
 
 
-def _module_patterns(f: ConfigFields, key: str, expected: str, required: bool = False) -> list[str]:
-    """A list of strings whose "re:" patterns compile; null or absent gives [] (refused where ``required``)."""
+def _ignored(q: ConfigFields, key: str, expected: str, projections: dict, linears: set[str], arch: str,
+             num_layers: int, patterns: bool = True) -> set[str]:
+    """The projections the list ``key`` (compressed-tensors' ignore, vLLM fp8's ignored_layers) keeps in the
+    model dtype; its entries that name no linear layer of the model are named in a warning. ``patterns``:
+    whether its "re:" entries are patterns (else names, as vLLM's fp8 reads them)."""
+    entries = _module_patterns(q, key, expected, patterns=patterns)
+    ignored = _select(q, key, entries, projections, patterns)
+    unmatched = [entry for entry in entries
+                 if not any(_matches(entry, name, patterns) for name in linears | {"lm_head"})]
+    if unmatched:
+        names_only = ("; it takes exact module names, not \"re:\" patterns, as vLLM's fp8 reads it"
+                      if not patterns and any(entry.startswith("re:") for entry in unmatched) else "")
+        log.warning("%s: %s%s entries %s match no linear layer of this %s (%d layers): nothing is kept unquantized "
+                    "for them (vLLM skips them too)%s", q.source, q.prefix, key, unmatched, arch, num_layers,
+                    names_only)
+    return ignored
+
+
+def _module_patterns(f: ConfigFields, key: str, expected: str, required: bool = False,
+                     patterns: bool = True) -> list[str]:
+    """A list of strings whose "re:" patterns compile (``patterns``: else they are names, not compiled); null or
+    absent gives [] (refused where ``required``)."""
     value = f.fields.get(key)
     if value is None and not required:
         return []
     if not isinstance(value, list) or not all(isinstance(entry, str) for entry in value):
         f.fail(key, expected, None if value is None else "write its entries as a JSON list of strings")
-    for entry in value:
+    for entry in value if patterns else ():
         if entry.startswith("re:"):
             try:
                 re.compile(entry[3:])
@@ -460,18 +479,19 @@ def _module_patterns(f: ConfigFields, key: str, expected: str, required: bool = 
     return value
 
 
-def _matches(entry: str, name: str) -> bool:
-    """vLLM's match of a module name: a "re:" pattern matched from the start (re.match), else equality."""
-    return re.match(entry[3:], name) is not None if entry.startswith("re:") else entry == name
+def _matches(entry: str, name: str, patterns: bool = True) -> bool:
+    """vLLM's match of a module name: a "re:" pattern matched from the start (re.match), else equality
+    (equality alone without ``patterns``)."""
+    return re.match(entry[3:], name) is not None if patterns and entry.startswith("re:") else entry == name
 
 
-def _select(f: ConfigFields, key: str, entries: list[str], projections: dict) -> set[str]:
-    """The projections ``entries`` name: a fused one by its own name or by every one of its parts. Naming
-    some parts of one but not all is refused: its parts are one matrix, fp8 or not as a whole."""
+def _select(f: ConfigFields, key: str, entries: list[str], projections: dict, patterns: bool = True) -> set[str]:
+    """The projections ``entries`` name (``_matches``): a fused one by its own name or by every one of its parts.
+    Naming some parts of one but not all is refused: its parts are one matrix, fp8 or not as a whole."""
     selected = set()
     for name, parts in projections.items():
-        named = [part for part in parts if any(_matches(entry, part) for entry in entries)]
-        if any(_matches(entry, name) for entry in entries) or (named and len(named) == len(parts)):
+        named = [part for part in parts if any(_matches(entry, part, patterns) for entry in entries)]
+        if any(_matches(entry, name, patterns) for entry in entries) or (named and len(named) == len(parts)):
             selected.add(name)
         elif named:
             missed = ", ".join(part.rpartition(".")[2] for part in parts if part not in named)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from mempath.constants import DEFAULT_BLOCK_SIZE, default_max_num_seqs
 from mempath.memory.formulas import (CUBLAS_WORKSPACE_BYTES_SM90, ModelShape, check_serving_settings,
-                                     count_params, expert_bytes, read_shape, resolve_dtype,
+                                     count_params, expert_bytes, fp8_projection_counts, read_shape, resolve_dtype,
                                      resolve_expert_cache_size, serving_figures, weight_bytes,
                                      ASSUMED_COPY_ISSUE_SECONDS, ASSUMED_CUT_SECONDS, ASSUMED_DEVICE_READ_BYTES_PER_S,
                                      ASSUMED_H2D_BYTES_PER_S, ASSUMED_HOST_READ_BYTES_PER_S, ASSUMED_HOST_SYNC_SECONDS,
@@ -89,6 +89,10 @@ class MemoryPlan:
     host_mem_bytes: int | None = None  # bounds the host KV tier the advice may propose
     kv_cache_dtype: str = "auto"  # auto: the model dtype; fp8*: one byte per element
     quantization: str | None = None  # fp8: the projections' weights in one byte (formulas.weight_bytes)
+    # fp8: the projections (fused q/k/v and gate/up count as one) held in fp8, and those the checkpoint
+    # keeps in the model dtype (its quantization_config; formulas.fp8_projection_counts)
+    fp8_projections: int = 0
+    unquantized_projections: int = 0
     # mixture of experts (zeros for a dense model); the routed experts are not in mlp_*
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -283,7 +287,8 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
     moe_host_read_bytes_per_s), split as the engine splits them; with "always" (eager decode) none.
 
     quantization="fp8" (or an fp8 checkpoint's quantization_config) counts the projections'
-    weights as the engine holds them: one byte each plus a float32 scale per output channel.
+    weights as the engine holds them: one byte each plus a float32 scale per output channel, but
+    for those the checkpoint keeps in the model dtype (ModelSpec.unquantized).
     """
     shape, source = _read_model_shape(model, quantization)
     dtype_name, b = resolve_dtype(dtype, shape)
@@ -312,7 +317,8 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
         embedding_bytes=pathway_bytes["embedding"], attention_bytes=pathway_bytes["attention"],
         mlp_bytes=pathway_bytes["mlp"], norm_bytes=pathway_bytes["norms"], lm_head_bytes=pathway_bytes["lm_head"],
         gpu_mem_bytes=gpu_mem_bytes, host_mem_bytes=host_mem_bytes, kv_cache_dtype=kv_cache_dtype,
-        quantization=shape.quantization,
+        quantization=shape.quantization, fp8_projections=sum(fp8_projection_counts(shape).values()),
+        unquantized_projections=len(shape.unquantized),
         gpu_memory_utilization=gpu_memory_utilization, cuda_graphs=cuda_graphs, fused_kernels=fused_kernels,
         context_bytes=context_bytes,
         workspace_bytes=serving.step_peak_bytes + serving.cuda_graph_bytes + context_bytes,

@@ -20,11 +20,22 @@ def _row(label: str, n: int, params: int | None = None) -> str:
     return f"  {label:<34}{count}  {format_bytes(n):>12}  {n:>19,} B"
 
 
+def _quantization_text(p: MemoryPlan) -> str:
+    """The title's words on fp8 projections, and how many the checkpoint keeps in the model dtype."""
+    if not p.quantization:
+        return ""
+    text = ", projections in fp8 (1 B/weight + a float32 scale per output channel)"
+    if p.unquantized_projections:
+        total = p.fp8_projections + p.unquantized_projections
+        text += (f"; {p.unquantized_projections} of the {total} stay in {p.dtype}, as the checkpoint's "
+                 f"quantization_config keeps them")
+    return text
+
+
 def format_plan(plan: MemoryPlan) -> str:
     p = plan
     out = [
-        f"mempath plan: {p.architecture}, {p.dtype} ({p.dtype_bytes} B/element)"
-        + (", projections in fp8 (1 B/weight + a float32 scale per output channel)" if p.quantization else ""),
+        f"mempath plan: {p.architecture}, {p.dtype} ({p.dtype_bytes} B/element)" + _quantization_text(p),
         f"  {p.num_layers} layers, hidden {p.hidden_size}, {p.num_heads} heads "
         f"({p.num_kv_heads} KV, head dim {p.head_dim}), intermediate {p.intermediate_size}, "
         f"vocab {p.vocab_size}, embeddings {'tied' if p.tied_embeddings else 'untied'}",
