@@ -19,6 +19,7 @@ from mempath.engine.engine import LLMEngine
 from mempath.engine.startup import Startup, StageObserver, no_observer
 from mempath.kv.manager import KVCacheManager
 from mempath.memory.ledger import Pathway, format_bytes
+from mempath.multi.experts import expert_cache_line, options_by_model
 from mempath.multi.layout import allocate_pages, attach_pages, kv_bytes_per_token, page_layout
 from mempath.multi.pages import POOL_TENANT, PagePool, TenantPages
 
@@ -51,14 +52,16 @@ def refuse_unshared_options(config: EngineConfig) -> None:
 def build_engines(models: list[tuple[str, str]], options: dict, show_progress: bool = True,
                   kv_min_share: float = 0.0, stage_for: Callable[[str], StageObserver] = lambda tenant: no_observer,
                   ) -> tuple[dict[str, LLMEngine], PagePool]:
-    """``models``: (served name, directory) pairs; ``options``: EngineConfig's fields, for all of them;
+    """``models``: (served name, directory) pairs; ``options``: EngineConfig's fields, for all of them (the
+    expert cache's for the mixture-of-experts models only: multi/experts.py);
     ``stage_for(tenant)``: the start-up observer of a model's stages, or of the pool's (POOL_TENANT).
 
     Async scheduling is off: a model's tokens are read back before the next model steps, so
     that the victim policy may preempt any model's requests (none has a step in flight).
     """
     options = {**options, "async_scheduling": False}
-    configs = [EngineConfig.from_kwargs(path, **options) for _, path in models]
+    per_model = options_by_model(models, options)  # the expert cache's options: the MoE models' (experts.py)
+    configs = [EngineConfig.from_kwargs(path, **per_model[name]) for name, path in models]
     for config in configs:
         refuse_unshared_options(config)
     first = TenantStartup(configs[0], stage_for(models[0][0]), tenant=models[0][0])
@@ -87,6 +90,9 @@ def build_engines(models: list[tuple[str, str]], options: dict, show_progress: b
             startup.ledger.discard(Pathway.NON_TORCH)
     log.info("KV page pool: %d pages of %s; block sizes %s", num_pages, format_bytes(page_bytes),
              ", ".join(f"{s.tenant} {s.config.block_size}" for s in startups))
+    line = expert_cache_line(startups)
+    if line is not None:
+        log.info("%s", line)
     engines = {s.tenant: LLMEngine(s.config, parts=s) for s in startups}
     return engines, pool
 

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 from mempath.constants import DEFAULT_BLOCK_SIZE, default_max_num_seqs
 from mempath.memory.ledger import format_bytes
+from mempath.multi.experts import options_by_model
 from mempath.multi.layout import page_layout
 from mempath.multi.names import served_models
 from mempath.tools.plan import MemoryPlan, plan_memory
@@ -60,8 +61,11 @@ def plan_models(models: list[str], *, served_model_name: list[str] | None = None
                 **settings) -> MultiPlan:
     """Plan ``models`` (directories or configs, ``NAME=DIR`` as `mempath serve` reads them) on one
     device. ``settings``: plan_memory's serving keywords, the same for every model (as the engine
-    takes one value of each for all). ``num_gpu_blocks_override``: the number of pages, as the
-    engine's; else, with ``gpu_mem_bytes``, what the budget leaves::
+    takes one value of each for all), but for the expert cache's (moe_expert_cache_size, _gb,
+    moe_cpu_experts): the mixture-of-experts models', refused as start-up refuses them
+    (mempath/multi/experts.py), so a MoE model's device bytes are its resident experts'.
+    ``num_gpu_blocks_override``: the number of pages, as the engine's; else, with
+    ``gpu_mem_bytes``, what the budget leaves::
 
         pages = (budget − Σ (weights + step peak + CUDA graphs) − context) // page bytes
 
@@ -77,12 +81,14 @@ def plan_models(models: list[str], *, served_model_name: list[str] | None = None
     pairs = served_models(models, served_model_name)
     if settings.get("max_num_seqs") is None:  # the engine's default for this device, as plan_memory's
         settings["max_num_seqs"] = default_max_num_seqs(gpu_mem_bytes)
-    common = dict(settings, gpu_memory_utilization=gpu_memory_utilization)
-    per_token = [plan_memory(path, block_size=block_size, **common).kv_bytes_per_token for _, path in pairs]
+    # The expert cache's settings are the MoE models' (mempath/multi/experts.py), as start-up gives them.
+    common = {name: dict(own, gpu_memory_utilization=gpu_memory_utilization)
+              for name, own in options_by_model(pairs, settings, shape_of=_plan_shape).items()}
+    per_token = [plan_memory(path, block_size=block_size, **common[name]).kv_bytes_per_token for name, path in pairs]
     page_bytes, block_sizes = page_layout(per_token, block_size)
     entries = []
     for (name, path), size in zip(pairs, block_sizes):
-        plan = plan_memory(path, block_size=size, **common)
+        plan = plan_memory(path, block_size=size, **common[name])
         entries.append(ModelInPool(name, plan, plan.resident_weight_bytes + plan.step_peak_bytes + plan.cuda_graph_bytes,
                                    plan.kv_bytes_per_block / page_bytes))
         if sleep_offload_weights:
@@ -98,6 +104,14 @@ def plan_models(models: list[str], *, served_model_name: list[str] | None = None
     if result.num_pages is not None:
         _plan_pool(result)
     return result
+
+
+def _plan_shape(model: str):
+    """A model's shape and config source as plan_memory reads them (a directory, a config.json, a cached hub id)."""
+    from mempath.memory.formulas import read_shape
+    from mempath.tools.plan import config_path, load_config
+    source = str(config_path(model))
+    return read_shape(load_config(model), source), source
 
 
 def _plan_pool(result: MultiPlan) -> None:
@@ -126,7 +140,8 @@ def format_multi_plan(p: MultiPlan) -> str:
         out += [f"{m.name}: {q.architecture}, {q.dtype}, {q.num_layers} layers, "
                 f"{format_bytes(q.kv_bytes_per_token)} KV per token, block {q.block_size} tokens "
                 f"({m.page_fill:.0%} of a page)",
-                _row("weights" + (" (resident)" if q.num_experts else ""), q.resident_weight_bytes),
+                _row("weights" + (f" (resident: {q.expert_cache_size} of {q.num_experts} experts/layer)"
+                                  if q.num_experts else ""), q.resident_weight_bytes),
                 _row("activation peak (one layer)", q.activation_peak_bytes),
                 _row("step peak (+ cuBLAS workspace)", q.step_peak_bytes),
                 _row(f"CUDA graphs (batch <= {q.cuda_graph_batch})" if q.cuda_graphs else "CUDA graphs (off)",

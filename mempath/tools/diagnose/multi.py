@@ -193,7 +193,8 @@ def plan_pool(pairs: list[tuple[str, str]], config, dtype: str, kv_min_share: fl
                        dtype=dtype, max_model_len=config.max_model_len,
                        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                        cuda_graphs=not config.enforce_eager, kv_cache_dtype=config.kv_cache_dtype,
-                       quantization=config.quantization)
+                       quantization=config.quantization, moe_expert_cache_size=config.moe_expert_cache_size,
+                       moe_expert_cache_gb=config.moe_expert_cache_gb, moe_cpu_experts=config.moe_cpu_experts)
 
 
 def shared_pages_section(multi, plan, allocation, meter, split: dict) -> dict:
