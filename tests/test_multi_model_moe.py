@@ -246,3 +246,15 @@ def test_diagnose_plans_the_pool_with_the_cache(dense_and_moe):
     for pathway in ("weights", "expert_cache", "expert_host"):
         assert rows["moe"][pathway]["error_pct"] == 0.0, rows["moe"][pathway]
     assert "expert_cache" not in rows["dense"] and rows["dense"]["weights"]["error_pct"] == 0.0
+
+
+def test_plan_cli_passes_the_miss_policy_to_the_moe_model(dense_and_moe, capsys):
+    """`mempath plan A B --moe-cpu-experts auto`: the MoE model's plan is of that policy, the dense one's of
+    none; a policy no model can use is refused in one line, as start-up refuses it."""
+    llama, moe = dense_and_moe
+    argv = ["plan", f"dense={llama}", f"moe={moe}", "--gpu-mem", "1GiB", "--max-model-len", "256", "--json"]
+    assert main(argv + ["--moe-expert-cache-size", "2", "--moe-cpu-experts", "auto"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [m["plan"]["moe_cpu_experts"] for m in data["models"]] == ["never", "auto"]
+    err = one_line_error(capsys, argv + ["--moe-cpu-experts", "always"])
+    assert "--moe-cpu-experts" in err

@@ -239,6 +239,6 @@ def run_multi_plan(args: argparse.Namespace, gpu_mem: int | None, context: int) 
                        max_num_batched_tokens=args.max_num_batched_tokens, cuda_graphs=not args.enforce_eager,
                        kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
                        moe_expert_cache_size=args.moe_expert_cache_size,
-                       moe_expert_cache_gb=args.moe_expert_cache_gb)
+                       moe_expert_cache_gb=args.moe_expert_cache_gb, moe_cpu_experts=args.moe_cpu_experts)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else format_multi_plan(plan))
     return 0
