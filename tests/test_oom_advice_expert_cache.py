@@ -93,3 +93,15 @@ def test_advice_weights_equal_the_engines_ledger(model_factory):
     on_device = ledger["weights"]["bytes"] + ledger["expert_cache"]["bytes"]
     figures = _plan_for(llm.engine.config, "float32")
     assert figures.resident_weight_bytes == on_device < figures.weight_bytes
+
+
+@pytest.mark.parametrize("cache", [*CACHES, {}], ids=["size", "gb", "none"])
+def test_load_advice_names_the_expert_cache_that_fits(cache):
+    """Out of memory at load: the advice names the most experts a layer whose load fits the free memory, as
+    the loader's own pre-check does. 10 GiB free less the 3,082,186,752 B of dense weights holds 16 experts
+    of 452,984,832 B a layer (16.9), at least the 8 a token routes to and fewer than now (32, or all 128)."""
+    text = explain_oom("load", Ledger(), GiB, 10 * GiB, _config(**cache), dtype="bfloat16")
+    assert "--moe-expert-cache-size 16 or less" in text
+    # 3 GiB free does not hold the 8 experts a token needs beside the dense weights: no such advice.
+    tight = explain_oom("load", Ledger(), GiB, 3 * GiB, _config(**cache), dtype="bfloat16")
+    assert "--moe-expert-cache-size" not in tight

@@ -273,6 +273,19 @@ def expert_cache_size_for_bytes(shape: ModelShape, dtype_bytes: int, nbytes: int
     return min(shape.num_experts, nbytes // (shape.num_moe_layers * per_layer_expert))
 
 
+def expert_cache_size_that_fits(shape: ModelShape, dtype_bytes: int, on_device: int, free: int,
+                                size: int | None) -> int | None:
+    """The most experts a MoE layer can keep on the device for ``on_device`` bytes, planned with ``size``
+    experts a layer resident (None: all), to fit ``free`` (the rest wait in pinned host memory:
+    --moe-expert-cache-size), if that is fewer than now and at least the experts a token routes to; else None."""
+    if not shape.num_experts:
+        return None
+    room = free - (on_device - expert_bytes(shape, dtype_bytes, size)[1])  # what the slots may take
+    fits = expert_cache_size_for_bytes(shape, dtype_bytes, max(0, room))
+    now = shape.num_experts if size is None else size
+    return fits if shape.num_experts_per_tok <= fits < now else None
+
+
 def check_expert_cache_size(size) -> None:
     """Refuse a --moe-expert-cache-size that is not a whole number of experts above 0 (a bool is a mistake)."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:

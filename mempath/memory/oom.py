@@ -22,8 +22,9 @@ import math
 import re
 from contextlib import contextmanager
 
-from mempath.memory.formulas import (ServingFigures, decoder_peak_bytes_per_token, logits_bytes, read_shape,
-                                     resolve_dtype, resolve_expert_cache_size, serving_figures)
+from mempath.memory.formulas import (ModelShape, ServingFigures, decoder_peak_bytes_per_token,
+                                     expert_cache_size_that_fits, logits_bytes, read_shape, resolve_dtype,
+                                     resolve_expert_cache_size, serving_figures)
 from mempath.memory.ledger import Ledger, format_bytes
 
 GiB = 1 << 30
@@ -100,7 +101,7 @@ def explain_oom(stage: str, ledger: Ledger, requested_bytes: int | None, free_by
         asked = format_bytes(requested_bytes) if requested_bytes is not None else "an unknown amount"
         free = format_bytes(free_bytes) if free_bytes is not None else "an unknown amount"
         lines.append(f"  one allocation asked for {asked}; {free} was free on the device")
-    fixes = _fixes(stage, plan, config, ledger, requested_bytes, free_bytes, total_bytes)
+    fixes = _fixes(stage, plan, config, dtype, ledger, requested_bytes, free_bytes, total_bytes)
     lines.append("")
     lines.append("memory by pathway at the time (mempath ledger):")
     table = ledger.table() if ledger.entries else "(nothing recorded yet)"
@@ -116,17 +117,8 @@ def explain_oom(stage: str, ledger: Ledger, requested_bytes: int | None, free_by
 
 def _plan_for(config, dtype: str | None) -> ServingFigures | None:
     """The planner's figures for the engine's settings, or None if the config cannot be read."""
-    from mempath.model.loader import read_config
     try:
-        shape = read_shape(read_config(config.model))
-        if getattr(config, "quantization", None):  # fp8 weights: the bytes the engine holds
-            shape = dataclasses.replace(shape, quantization=config.quantization)
-        _, dtype_bytes = resolve_dtype(dtype or _engine_dtype(config), shape)
-        # Resolved as start-up resolves it: with an expert cache the device holds only the resident
-        # experts, and a step holds the cache's slot waves (serving_figures reads both from the shape).
-        slots = resolve_expert_cache_size(shape, dtype_bytes, getattr(config, "moe_expert_cache_size", None),
-                                          getattr(config, "moe_expert_cache_gb", None), str(config.model))
-        shape = dataclasses.replace(shape, num_expert_slots=slots or 0)
+        shape, dtype_bytes = _shape_for(config, dtype)
         max_model_len = getattr(config, "max_model_len", None)
         return serving_figures(
             shape, dtype_bytes,
@@ -138,18 +130,50 @@ def _plan_for(config, dtype: str | None) -> ServingFigures | None:
         return None
 
 
+def _shape_for(config, dtype: str | None) -> tuple[ModelShape, int]:
+    """The model's shape as the engine holds it (fp8 weights, the expert cache's slots) and its dtype's bytes."""
+    from mempath.model.loader import read_config
+    shape = read_shape(read_config(config.model))
+    if getattr(config, "quantization", None):  # fp8 weights: the bytes the engine holds
+        shape = dataclasses.replace(shape, quantization=config.quantization)
+    _, dtype_bytes = resolve_dtype(dtype or _engine_dtype(config), shape)
+    # Resolved as start-up resolves it: with an expert cache the device holds only the resident
+    # experts, and a step holds the cache's slot waves (serving_figures reads both from the shape).
+    slots = resolve_expert_cache_size(shape, dtype_bytes, getattr(config, "moe_expert_cache_size", None),
+                                      getattr(config, "moe_expert_cache_gb", None), str(config.model))
+    return dataclasses.replace(shape, num_expert_slots=slots or 0), dtype_bytes
+
+
+def _expert_cache_fixes(config, dtype: str | None, plan: ServingFigures, free) -> list[str]:
+    """A MoE model whose weights overflow ``free``: the most experts a layer whose load fits, as the loader's
+    own check names them (formulas.expert_cache_size_that_fits)."""
+    if free is None or plan.resident_weight_bytes <= free:
+        return []
+    try:
+        shape, dtype_bytes = _shape_for(config, dtype)
+    except (ValueError, OSError):
+        return []
+    fits = expert_cache_size_that_fits(shape, dtype_bytes, plan.resident_weight_bytes, free,
+                                       shape.num_expert_slots or None)
+    if fits is None:
+        return []
+    return [f"--moe-expert-cache-size {fits} or less: experts a layer on the device, the others in pinned host "
+            f"memory (docs/moe.md); the KV cache needs room too, which `mempath plan` with the flag shows"]
+
+
 def _engine_dtype(config) -> str:
     # Resolve "auto" the way the engine does, so the figures are those of the dtype it runs.
     from mempath.model.loader import checkpoint_dtype, read_config
     return str(config.torch_dtype(checkpoint_dtype(read_config(config.model)))).removeprefix("torch.")
 
 
-def _fixes(stage, plan, config, ledger, requested, free, total) -> list[str]:
+def _fixes(stage, plan, config, dtype, ledger, requested, free, total) -> list[str]:
     if plan is None:
         return []
     if stage == "load":
         # In bfloat16 a --moe-expert-cache-gb holds more experts: that dtype's own figures, not half.
-        return _weight_fixes(plan, free, _plan_for(config, "bfloat16") if plan.dtype_bytes == 4 else None)
+        return (_weight_fixes(plan, free, _plan_for(config, "bfloat16") if plan.dtype_bytes == 4 else None)
+                + _expert_cache_fixes(config, dtype, plan, free))
     if stage == "kv_allocation":
         return _kv_fixes(plan, config, ledger, requested, free, total)
     if stage in ("profile", "step"):

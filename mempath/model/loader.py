@@ -214,16 +214,8 @@ def check_load_fits(spec: ModelSpec, max_positions: int, dtype: torch.dtype, dev
 
 
 def _expert_cache_that_fits(spec, dtype: torch.dtype, on_device: int, free: int, size: int | None) -> int | None:
-    """The most experts a MoE layer can keep on the device for the load to fit ``free`` (the rest wait in host
-    memory: --moe-expert-cache-size), if that is fewer than now and at least the experts a token routes to."""
-    from mempath.memory.formulas import expert_bytes, expert_cache_size_for_bytes, shape_from_spec
-    shape = shape_from_spec(spec)
-    if not shape.num_experts:
-        return None
-    room = free - (on_device - expert_bytes(shape, dtype.itemsize, size)[1])  # what the slots may take
-    fits = expert_cache_size_for_bytes(shape, dtype.itemsize, max(0, room))
-    now = shape.num_experts if size is None else size
-    return fits if shape.num_experts_per_tok <= fits < now else None
+    from mempath.memory.formulas import expert_cache_size_that_fits, shape_from_spec
+    return expert_cache_size_that_fits(shape_from_spec(spec), dtype.itemsize, on_device, free, size)
 
 
 def _load_refusal(spec, need, total, free, where, positions, dtype, source, expert_cache_size=None) -> str:
