@@ -14,6 +14,20 @@ _DTYPES = {alias: getattr(torch, name) for alias, name in constants.DTYPE_ALIASE
 KV_CACHE_DTYPES = {alias: getattr(torch, name) for alias, name in constants.KV_CACHE_DTYPES.items()}
 
 
+def check_expert_cache_options(size, gb, cpu_experts: str = "never") -> None:
+    """The expert cache's model-free checks (one model's EngineConfig, or several models' shared options
+    before any config.json is read: mempath/multi/experts.py); the size against a model's experts is start-up's."""
+    if size is not None and gb is not None:
+        raise ValueError("moe_expert_cache_size and moe_expert_cache_gb both given: give the experts per "
+                         "layer or the GiB for them, not both")
+    if size is not None:
+        check_expert_cache_size(size)
+    if gb is not None:
+        check_expert_cache_gb(gb)
+    if cpu_experts not in ("never", "auto", "always"):
+        raise ValueError(f"moe_cpu_experts must be never, auto or always, got {cpu_experts!r}")
+
+
 @dataclass
 class EngineConfig:
     model: str
@@ -157,18 +171,10 @@ class EngineConfig:
     def _validate_expert_cache(self) -> None:
         """The model-free checks; start-up checks the size against the model's experts (model/moe.py)."""
         size, gb = self.moe_expert_cache_size, self.moe_expert_cache_gb
-        if size is not None and gb is not None:
-            raise ValueError("moe_expert_cache_size and moe_expert_cache_gb both given: give the experts per "
-                             "layer or the GiB for them, not both")
-        if size is not None:
-            check_expert_cache_size(size)
-        if gb is not None:
-            check_expert_cache_gb(gb)
+        check_expert_cache_options(size, gb, self.moe_cpu_experts)
         if self.weights_arena and (size is not None or gb is not None):
             raise ValueError("--sleep-offload-weights moves whole models' weights; with experts in host memory "
                              "(moe_expert_cache_size / moe_expert_cache_gb) leave it off")
-        if self.moe_cpu_experts not in ("never", "auto", "always"):
-            raise ValueError(f"moe_cpu_experts must be never, auto or always, got {self.moe_cpu_experts!r}")
 
     def _validate_tiers(self) -> None:
         if self.cpu_kv_gb < 0 or self.disk_kv_gb < 0:

@@ -26,9 +26,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from mempath.memory.formulas import ModelShape, check_expert_cache_gb, check_expert_cache_size, \
-    resolve_expert_cache_size, shape_from_spec
-from mempath.model.moe_host import CPU_EXPERT_POLICIES
+from mempath.config import check_expert_cache_options
+from mempath.memory.formulas import ModelShape, resolve_expert_cache_size, shape_from_spec
 
 # The options, each with the value that asks for nothing (the dense model's).
 EXPERT_OPTIONS = {"moe_expert_cache_size": None, "moe_expert_cache_gb": None, "moe_cpu_experts": "never"}
@@ -88,15 +87,8 @@ def options_by_model(models: list[tuple[str, str]], options: dict,
 
 def check_values(given: dict) -> None:
     """The model-free checks EngineConfig makes, before any config is read for the model-dependent ones."""
-    if "moe_expert_cache_size" in given and "moe_expert_cache_gb" in given:
-        raise ValueError("moe_expert_cache_size and moe_expert_cache_gb both given: give the experts per "
-                         "layer or the GiB for them, not both")
-    if "moe_expert_cache_size" in given:
-        check_expert_cache_size(given["moe_expert_cache_size"])
-    if "moe_expert_cache_gb" in given:
-        check_expert_cache_gb(given["moe_expert_cache_gb"])
-    if given.get("moe_cpu_experts", "never") not in CPU_EXPERT_POLICIES:
-        raise ValueError(f"moe_cpu_experts must be never, auto or always, got {given['moe_cpu_experts']!r}")
+    check_expert_cache_options(given.get("moe_expert_cache_size"), given.get("moe_expert_cache_gb"),
+                               given.get("moe_cpu_experts", "never"))
 
 
 def expert_cache_line(startups) -> str | None:
