@@ -175,26 +175,28 @@ def test_a_weight_scale_that_is_not_a_finite_number_is_refused(fp8_checkpoint, t
 
 def test_a_moe_model_too_large_for_the_gpu_is_told_the_expert_cache_that_fits(model_factory, monkeypatch):
     """The refusal names the flag made for this case, at the largest size whose load fits what is free."""
-    from mempath.memory.formulas import load_bytes, shape_from_spec
+    from mempath.memory.formulas import load_bytes, load_device_bytes, shape_from_spec
     from mempath.model.loader import check_load_fits, read_spec
     path, _ = model_factory("qwen3_moe")  # 8 experts, 2 a token
     spec = read_spec(path)
     shape = shape_from_spec(spec)
 
     def device_need(size):
-        need = load_bytes(shape, 4, 64, 4, size)
-        return need["weights"] + need["rotary_tables"] + need["rotary_build"] + need["quantize_build"]
+        return load_device_bytes(load_bytes(shape, 4, 64, 4, size))
     free = device_need(5)  # 5 experts a layer fit, 6 do not
     assert device_need(6) > free
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 10 * free))
 
-    def refusal(size):
+    def refusal(size, gb=None):
         with pytest.raises(CheckpointError) as error:
             check_load_fits(spec, 64, torch.float32, torch.device("cuda", 0), dummy=True,
-                            checkpoint_dtype=torch.float32, source="m/config.json", expert_cache_size=size)
+                            checkpoint_dtype=torch.float32, source="m/config.json", expert_cache_size=size,
+                            expert_cache_gb=gb)
         assert "\n" not in str(error.value)
         return str(error.value)
     assert "pass --moe-expert-cache-size 5 or less (experts a layer on the GPU" in refusal(None)
-    assert "pass --moe-expert-cache-size 5 or less" in refusal(7)
+    assert "pass --moe-expert-cache-size 5 or less (" in refusal(7)
+    # A cache given in GiB: the size takes that flag's place (the engine refuses the two together).
+    assert "pass --moe-expert-cache-size 5 or less in place of --moe-expert-cache-gb 0.5 (" in refusal(7, gb=0.5)
     free = device_need(2) - 1  # not even the 2 experts a token routes to
     assert "--moe-expert-cache-size" not in refusal(None)

@@ -107,6 +107,20 @@ def test_unnormalised_top_k_and_sparse_step_match_transformers(tmp_path):
     assert [o.token_ids for o in outputs] == [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
 
 
+def test_qwen3_moe_whose_layers_are_all_dense_is_a_dense_model(tmp_path):
+    """mlp_only_layers naming every layer: transformers builds no expert, so the spec has none (an expert
+    cache on it is refused as on any dense model), and the tokens are transformers'."""
+    hf = make_model(tmp_path, "qwen3_moe", tokenizer=False, mlp_only_layers=[0, 1], num_hidden_layers=2)
+    assert not any(type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock" for layer in hf.model.layers)
+    llm = LLM(str(tmp_path), dtype="float32", show_progress=False)
+    assert llm.engine.spec.num_experts == 0 and llm.engine.spec.moe_layers == ()
+    prompts = PROMPTS[:2]
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
+    with pytest.raises(ValueError, match="dense model.*no MoE layer"):
+        LLM(str(tmp_path), dtype="float32", show_progress=False, moe_expert_cache_size=2)
+
+
 # ---------------------------------------------------------------- the expert cache
 
 

@@ -1,6 +1,7 @@
 """The out-of-memory advice for a mixture-of-experts model with an expert cache spends the bytes the engine
 allocates: on the device the dense weights and the N resident experts per layer (not every expert), and in
 a step the cache's slot waves (memory.formulas.moe_grouped_phase_bytes), as `mempath plan` and the loader do."""
+import json
 import re
 from pathlib import Path
 
@@ -10,7 +11,7 @@ from mempath import LLM
 from mempath.config import EngineConfig
 from mempath.memory.formulas import load_bytes, read_shape
 from mempath.memory.ledger import Ledger, format_bytes
-from mempath.memory.oom import _plan_for, explain_oom
+from mempath.memory.oom import _plan_for, _shape_for, explain_oom
 from mempath.model.loader import read_config
 from mempath.tools.plan import plan_memory
 
@@ -105,3 +106,44 @@ def test_load_advice_names_the_expert_cache_that_fits(cache):
     # 3 GiB free does not hold the 8 experts a token needs beside the dense weights: no such advice.
     tight = explain_oom("load", Ledger(), GiB, 3 * GiB, _config(**cache), dtype="bfloat16")
     assert "--moe-expert-cache-size" not in tight
+
+
+def test_load_advice_is_the_loaders_own_figure_with_fp8_weights(tmp_path):
+    """The advice spends what the loader's pre-check spends (weights, rotary tables and their build, and with
+    fp8 the quantization's copy of the largest projection), so the size it names is one the loader accepts.
+    Free: the dense weights and 20 experts a layer, which leaves no room for those extras at 20 experts."""
+    from mempath.memory.formulas import expert_bytes, expert_cache_size_that_fits
+    config = EngineConfig(model=str(QWEN), **SETTINGS, quantization="fp8")
+    shape, dtype_bytes = _shape_for(config, "bfloat16")
+    experts, _ = expert_bytes(shape, dtype_bytes)
+    need = load_bytes(shape, dtype_bytes, 8192, 2)
+    free = need["weights"] - experts + 20 * (experts // 128) + 1000
+    on_device = need["weights"] + need["rotary_tables"] + need["rotary_build"] + need["quantize_build"]
+    loaders = expert_cache_size_that_fits(shape, dtype_bytes, on_device, free, None)
+    assert loaders == 19  # the extras cost one expert a layer
+    text = explain_oom("load", Ledger(), GiB, free, config, dtype="bfloat16")
+    assert f"--moe-expert-cache-size {loaders} or less" in text
+
+
+def test_load_advice_under_a_cache_in_gib_replaces_that_flag():
+    """Started with --moe-expert-cache-gb, the advice's --moe-expert-cache-size takes that flag's place (the
+    engine refuses the two together), and says so."""
+    text = explain_oom("load", Ledger(), GiB, 10 * GiB, _config(moe_expert_cache_gb=13.5), dtype="bfloat16")
+    assert "--moe-expert-cache-size 16 or less in place of --moe-expert-cache-gb 13.5" in text
+    sized = explain_oom("load", Ledger(), GiB, 10 * GiB, _config(moe_expert_cache_size=32), dtype="bfloat16")
+    assert "--moe-expert-cache-size 16 or less" in sized and "in place of" not in sized
+
+
+def test_moe_config_whose_layers_are_all_dense(tmp_path):
+    """A Qwen3-MoE config.json whose mlp_only_layers name every layer has experts on paper and none in a layer:
+    the out-of-memory advice still explains (no expert-cache advice, no crash), and an expert cache is
+    refused as on a dense model."""
+    config = json.loads(QWEN.read_text())
+    config["mlp_only_layers"] = list(range(config["num_hidden_layers"]))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    engine = EngineConfig(model=str(tmp_path), **SETTINGS)
+    text = explain_oom("load", Ledger(), GiB, GiB, engine, dtype="bfloat16")
+    assert "what would have fitted" in text and "--moe-expert-cache-size" not in text
+    for cache in CACHES:
+        with pytest.raises(ValueError, match="no MoE layer.*drop the flag"):
+            plan_memory(tmp_path, dtype="bfloat16", **SETTINGS, **cache)

@@ -214,7 +214,8 @@ class Startup:
             self.model, self.spec, self.load_report = load_model(
                 config.model, self.dtype, device, self.max_model_len, show_progress,
                 dummy=config.load_format == "dummy", spec=self.spec, quantization=config.quantization,
-                expert_cache_size=self.expert_cache_size, weights_arena=config.weights_arena)
+                expert_cache_size=self.expert_cache_size, weights_arena=config.weights_arena,
+                expert_cache_gb=config.moe_expert_cache_gb)
             set_cpu_experts(self.model, config.moe_cpu_experts)
         fp8 = ", fp8 linear layers" if self.spec.quantization else ""
         slots = expert_slot_bytes(self.model)

@@ -278,7 +278,7 @@ def expert_cache_size_that_fits(shape: ModelShape, dtype_bytes: int, on_device: 
     """The most experts a MoE layer can keep on the device for ``on_device`` bytes, planned with ``size``
     experts a layer resident (None: all), to fit ``free`` (the rest wait in pinned host memory:
     --moe-expert-cache-size), if that is fewer than now and at least the experts a token routes to; else None."""
-    if not shape.num_experts:
+    if not shape.num_experts or not shape.num_moe_layers:
         return None
     room = free - (on_device - expert_bytes(shape, dtype_bytes, size)[1])  # what the slots may take
     fits = expert_cache_size_for_bytes(shape, dtype_bytes, max(0, room))
@@ -314,9 +314,9 @@ def resolve_expert_cache_size(shape: ModelShape, dtype_bytes: int, size: int | N
         check_expert_cache_size(size)
     else:
         check_expert_cache_gb(gb)
-    if not shape.num_experts:
+    if not shape.num_experts or not shape.num_moe_layers:
         raise ValueError(f"{flag[0]} {flag[1]:g}: {source} describes a dense model ({shape.architecture}, no "
-                         f"experts): drop the flag")
+                         f"MoE layer): drop the flag")
     k, experts = shape.num_experts_per_tok, shape.num_experts
     per_expert = expert_bytes(shape, dtype_bytes)[0] // experts  # one expert of every MoE layer
     if gb is not None:
@@ -433,6 +433,12 @@ def load_bytes(shape: ModelShape, dtype_bytes: int, positions: int,
         "modules": shape.num_layers * MODULE_BYTES_PER_LAYER,
         "largest_tensor": fused_rows * h * (checkpoint_dtype_bytes or dtype_bytes),
     }
+
+
+def load_device_bytes(need: dict[str, int]) -> int:
+    """What a load (load_bytes' parts) puts on the device: the resident weights, the rotary tables and
+    their build, and fp8's copy of the largest projection while it is quantized."""
+    return need["weights"] + need["rotary_tables"] + need["rotary_build"] + need["quantize_build"]
 
 
 def decoder_peak_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, fused: bool = True) -> int:

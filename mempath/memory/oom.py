@@ -23,7 +23,8 @@ import re
 from contextlib import contextmanager
 
 from mempath.memory.formulas import (ModelShape, ServingFigures, decoder_peak_bytes_per_token,
-                                     expert_cache_size_that_fits, logits_bytes, read_shape, resolve_dtype,
+                                     expert_cache_size_that_fits, load_bytes, load_device_bytes, logits_bytes,
+                                     read_shape, resolve_dtype,
                                      resolve_expert_cache_size, serving_figures)
 from mempath.memory.ledger import Ledger, format_bytes
 
@@ -145,26 +146,34 @@ def _shape_for(config, dtype: str | None) -> tuple[ModelShape, int]:
 
 
 def _expert_cache_fixes(config, dtype: str | None, plan: ServingFigures, free) -> list[str]:
-    """A MoE model whose weights overflow ``free``: the most experts a layer whose load fits, as the loader's
-    own check names them (formulas.expert_cache_size_that_fits)."""
+    """A MoE model whose load overflows ``free``: the most experts a layer whose load fits, spending what the
+    loader's own check spends (formulas.load_bytes, load_device_bytes), so the size named is one it accepts."""
     if free is None or plan.resident_weight_bytes <= free:
         return []
     try:
         shape, dtype_bytes = _shape_for(config, dtype)
+        checkpoint_bytes = _checkpoint_dtype(config).itemsize
     except (ValueError, OSError):
         return []
-    fits = expert_cache_size_that_fits(shape, dtype_bytes, plan.resident_weight_bytes, free,
-                                       shape.num_expert_slots or None)
+    size = shape.num_expert_slots or None
+    on_device = load_device_bytes(load_bytes(shape, dtype_bytes, plan.max_model_len, checkpoint_bytes, size))
+    fits = expert_cache_size_that_fits(shape, dtype_bytes, on_device, free, size)
     if fits is None:
         return []
-    return [f"--moe-expert-cache-size {fits} or less: experts a layer on the device, the others in pinned host "
-            f"memory (docs/moe.md); the KV cache needs room too, which `mempath plan` with the flag shows"]
+    gb = getattr(config, "moe_expert_cache_gb", None)
+    instead = f" in place of --moe-expert-cache-gb {gb:g}" if gb is not None else ""
+    return [f"--moe-expert-cache-size {fits} or less{instead}: experts a layer on the device, the others in pinned "
+            f"host memory (docs/moe.md); the KV cache needs room too, which `mempath plan` with the flag shows"]
+
+
+def _checkpoint_dtype(config):
+    from mempath.model.loader import checkpoint_dtype, read_config
+    return checkpoint_dtype(read_config(config.model))
 
 
 def _engine_dtype(config) -> str:
     # Resolve "auto" the way the engine does, so the figures are those of the dtype it runs.
-    from mempath.model.loader import checkpoint_dtype, read_config
-    return str(config.torch_dtype(checkpoint_dtype(read_config(config.model)))).removeprefix("torch.")
+    return str(config.torch_dtype(_checkpoint_dtype(config))).removeprefix("torch.")
 
 
 def _fixes(stage, plan, config, dtype, ledger, requested, free, total) -> list[str]:

@@ -185,26 +185,27 @@ def find_weight_files(model_dir: Path) -> list[Path]:
 
 def check_load_fits(spec: ModelSpec, max_positions: int, dtype: torch.dtype, device: torch.device, *,
                     dummy: bool, checkpoint_dtype: torch.dtype, source: str,
-                    expert_cache_size: int | None = None) -> None:
+                    expert_cache_size: int | None = None, expert_cache_gb: float | None = None) -> None:
     """Refuse, before anything is allocated, a load that the device or the host has no room for.
 
     The figures are the planner's (memory.formulas.load_bytes): weights (the resident
     ones), rotary tables and their build, module objects, and on the host the experts
-    kept there and the one checkpoint tensor read at a time.
+    kept there and the one checkpoint tensor read at a time. ``expert_cache_gb``: the
+    --moe-expert-cache-gb that gave ``expert_cache_size``, which the size a refusal names replaces.
     """
     import psutil
 
-    from mempath.memory.formulas import load_bytes, shape_from_spec
+    from mempath.memory.formulas import load_bytes, load_device_bytes, shape_from_spec
     need = load_bytes(shape_from_spec(spec), dtype.itemsize, max_positions, checkpoint_dtype.itemsize,
                       expert_cache_size)
-    on_device = need["weights"] + need["rotary_tables"] + need["rotary_build"] + need["quantize_build"]
+    on_device = load_device_bytes(need)
     on_host = need["modules"] + need["host_experts"] + (0 if dummy else need["largest_tensor"])
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
         if on_device > free:
             fits = _expert_cache_that_fits(spec, dtype, on_device, free, expert_cache_size)
             raise CheckpointError(_load_refusal(spec, need, on_device, free, "the GPU has {} free",
-                                                max_positions, dtype, source, fits))
+                                                max_positions, dtype, source, fits, expert_cache_gb))
     else:
         on_host += on_device
     available = psutil.virtual_memory().available
@@ -218,14 +219,16 @@ def _expert_cache_that_fits(spec, dtype: torch.dtype, on_device: int, free: int,
     return expert_cache_size_that_fits(shape_from_spec(spec), dtype.itemsize, on_device, free, size)
 
 
-def _load_refusal(spec, need, total, free, where, positions, dtype, source, expert_cache_size=None) -> str:
+def _load_refusal(spec, need, total, free, where, positions, dtype, source, expert_cache_size=None,
+                  expert_cache_gb=None) -> str:
     from mempath.memory.formulas import rotary_bytes_per_position
     from mempath.memory.ledger import format_bytes
     fixes = []
     if expert_cache_size is not None:
-        fixes.append(f"pass --moe-expert-cache-size {expert_cache_size} or less (experts a layer on the GPU, the "
-                     f"others in pinned host memory: docs/moe.md; the KV cache needs room too, which `mempath plan` "
-                     f"with the flag shows)")
+        instead = f" in place of --moe-expert-cache-gb {expert_cache_gb:g}" if expert_cache_gb is not None else ""
+        fixes.append(f"pass --moe-expert-cache-size {expert_cache_size} or less{instead} (experts a layer on the "
+                     f"GPU, the others in pinned host memory: docs/moe.md; the KV cache needs room too, which "
+                     f"`mempath plan` with the flag shows)")
     per_position = rotary_bytes_per_position(spec.head_dim)
     fitting = (free - (total - per_position * positions)) // per_position
     if 0 < fitting < positions:
@@ -553,12 +556,13 @@ def fill_dummy_weights(model: CausalLM, seed: int = 0) -> LoadReport:
 def load_model(model_dir: str | Path, dtype: torch.dtype | None, device: torch.device,
                max_positions: int | None = None, show_progress: bool = True, dummy: bool = False,
                expert_cache_size: int | None = None, spec: ModelSpec | None = None,
-               quantization: str | None = None, weights_arena: bool = False):
+               quantization: str | None = None, weights_arena: bool = False, expert_cache_gb: float | None = None):
     """Build the model on `device` and stream the weights into it (``weights_arena``: build_model's).
 
     ``spec``: the caller's ModelSpec of this model's config.json (the engine reads it once);
     None: read here. ``expert_cache_size``: experts per MoE layer resident on `device`
-    (None: all). ``quantization``: "fp8" quantizes a float checkpoint's projections as they
+    (None: all; ``expert_cache_gb``: the --moe-expert-cache-gb it came from, for the refusal's advice).
+    ``quantization``: "fp8" quantizes a float checkpoint's projections as they
     load (a pre-quantized fp8 checkpoint is fp8 without it); the returned spec says which.
     Raises CheckpointError (a ValueError) for a config, a checkpoint or a size it cannot load.
     """
@@ -574,7 +578,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | None, device: torch.d
     dtype = dtype or ckpt_dtype
     positions = max_positions or spec.max_position_embeddings
     check_load_fits(spec, positions, dtype, device, dummy=dummy, checkpoint_dtype=ckpt_dtype, source=source,
-                    expert_cache_size=expert_cache_size)
+                    expert_cache_size=expert_cache_size, expert_cache_gb=expert_cache_gb)
     model = build_model(spec, positions, dtype, device, expert_cache_size, weights_arena)
     report = fill_dummy_weights(model) if dummy else load_weights(model, model_dir, show_progress)
     report.checkpoint_dtype = ckpt_dtype
@@ -586,7 +590,7 @@ def _check_expert_cache_size(spec: ModelSpec, size: int | None, source: str) -> 
         return
     if not spec.num_experts:
         raise ValueError(f"moe_expert_cache_size is {size} but {source} describes a dense model "
-                         f"({spec.architecture}, no experts): leave it unset")
+                         f"({spec.architecture}, no MoE layer): leave it unset")
     if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= spec.num_experts:
         raise ValueError(f"moe_expert_cache_size must be an integer from 1 to {spec.num_experts} (the experts "
                          f"per layer in {source}), got {size!r}")

@@ -257,6 +257,8 @@ def _moe_fields(f: ConfigFields, arch: str, num_layers: int) -> dict:
         step = f.integer("decoder_sparse_step", default=1)
         dense = _layer_list(f, "mlp_only_layers", num_layers)
         layers = [i for i in layers if num_experts and i not in dense and (i + 1) % step == 0]
+        if not layers:  # every layer dense (mlp_only_layers, decoder_sparse_step): a dense model, as in transformers
+            num_experts = top_k = 0
     return {
         "num_experts": num_experts,
         "num_experts_per_tok": top_k,
