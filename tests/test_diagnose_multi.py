@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mempath.memory.budget import ALLOCATION_ROUNDING
 from mempath.cli import main
 from mempath.tools.diagnose.multi import diagnose_models
 from mempath.tools.diagnose.multi_report import format_multi_table
@@ -117,7 +118,10 @@ def test_two_models_on_cuda(two_models):
         assert section["leak"]["kv_blocks_used_after"] == 0
     shared = report["shared_kv_pages"]
     rows = {r["pathway"]: r for r in shared["rows"]}
-    assert rows["shared KV pages"]["measured"] == shared["num_pages"] * shared["page_bytes"]
+    # The pool as allocated: its pages' bytes, rounded up by the caching allocator when it keeps the segment's
+    # last 2 MiB whole (an H100 run measured 393,216 B more than 1,492,712 pages of 16 KiB).
+    asked = shared["num_pages"] * shared["page_bytes"]
+    assert asked <= rows["shared KV pages"]["measured"] <= -(-asked // ALLOCATION_ROUNDING) * ALLOCATION_ROUNDING
     assert all(m["pages"]["max"] > 0 and m["pages"]["final"] == 0 for m in shared["models"].values())
     assert shared["split"]["all_free_at_end"]
 

@@ -380,7 +380,9 @@ class Startup:
         grant(tenant, Pathway.OUTSIDE_TORCH_GROWTH, OUTSIDE_TORCH_GROWTH, "margin",
               "room for kernel modules loaded while serving: 16x the 2 MiB measured over 1,000 steps "
               "(BENCHMARKS.md)")
-        num_blocks = self.budget.grant_blocks(tenant, Pathway.KV_CACHE, per_block, "what the budget leaves, in whole blocks")
+        num_blocks = self.budget.grant_blocks(tenant, Pathway.KV_CACHE, per_block,
+                                              "what the budget leaves, in whole blocks",
+                                              allocations=1 + (self.draft_runner is not None))
         if self.draft_runner is not None:
             # Each block is both models' KV: split the grant by their shares (measured once allocated).
             draft_share = num_blocks * self.draft_runner.kv_bytes_per_block()

@@ -12,6 +12,10 @@ On the CPU there is no device budget: the KV cache has its own size
 """
 from mempath.memory.ledger import Ledger, Pathway
 
+# PyTorch's caching allocator takes a large tensor's memory in a segment rounded up to a multiple of 2 MiB,
+# and hands the tensor the whole segment when less than 1 MiB would be left over.
+ALLOCATION_ROUNDING = 2 << 20
+
 
 class DeviceBudget:
     def __init__(self, device: str, limit: int | None):
@@ -41,8 +45,11 @@ class DeviceBudget:
             raise ValueError("a CPU engine has no device budget: size its KV cache with cpu_kv_cache_bytes")
         return self.limit - self.granted()
 
-    def grant_blocks(self, tenant: str, pathway: Pathway, block_bytes: int, detail: str = "") -> int:
-        """Grant the tenant as many whole blocks as remain; how many (0 when nothing is left)."""
-        num_blocks = max(0, self.remaining()) // block_bytes
+    def grant_blocks(self, tenant: str, pathway: Pathway, block_bytes: int, detail: str = "",
+                     allocations: int = 0) -> int:
+        """Grant the tenant as many whole blocks as remain; how many (0 when nothing is left). The blocks
+        leave ALLOCATION_ROUNDING of what remains for each of the ``allocations`` tensors they will be
+        allocated as, so that those tensors, rounded up by the allocator, stay within the budget."""
+        num_blocks = max(0, self.remaining() - allocations * ALLOCATION_ROUNDING) // block_bytes
         self.grant(tenant, pathway, num_blocks * block_bytes, "derived", detail)
         return num_blocks

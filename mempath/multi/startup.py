@@ -18,6 +18,7 @@ from mempath.config import EngineConfig
 from mempath.engine.engine import LLMEngine
 from mempath.engine.startup import Startup, StageObserver, no_observer
 from mempath.kv.manager import KVCacheManager
+from mempath.memory.budget import ALLOCATION_ROUNDING
 from mempath.memory.ledger import Pathway, format_bytes
 from mempath.multi.experts import expert_cache_line, options_by_model
 from mempath.multi.layout import allocate_pages, attach_pages, kv_bytes_per_token, page_layout
@@ -111,7 +112,8 @@ def size_page_pool(startups: list[TenantStartup], page_bytes: int) -> int:
             startup.ledger.discard(Pathway.KV_CACHE)
             if i:  # room for what grows outside PyTorch is the process's: granted once
                 startup.ledger.discard(Pathway.OUTSIDE_TORCH_GROWTH)
-        num_pages = max(0, startups[0].budget.remaining()) // page_bytes
+        # One tensor, which the allocator may round up (budget.ALLOCATION_ROUNDING): room left for that.
+        num_pages = max(0, startups[0].budget.remaining() - ALLOCATION_ROUNDING) // page_bytes
     if num_pages < 1:
         raise ValueError(f"no memory is left for the shared KV pool (one page needs {format_bytes(page_bytes)}); "
                          f"raise --gpu-memory-utilization or serve fewer or smaller models")

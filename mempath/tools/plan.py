@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mempath.constants import DEFAULT_BLOCK_SIZE, default_max_num_seqs
+from mempath.memory.budget import ALLOCATION_ROUNDING
 from mempath.memory.formulas import (CUBLAS_WORKSPACE_BYTES_SM90, ModelShape, check_serving_settings,
                                      count_params, expert_bytes, fp8_projection_counts, read_shape, resolve_dtype,
                                      resolve_expert_cache_size, serving_figures, weight_bytes,
@@ -347,7 +348,8 @@ def _plan_capacity(plan: MemoryPlan) -> None:
     """The budget, the KV cache it leaves and how many sequences that holds."""
     plan.budget_bytes = int(plan.gpu_mem_bytes * plan.gpu_memory_utilization)
     plan.kv_budget_bytes = plan.budget_bytes - plan.resident_weight_bytes - plan.workspace_bytes
-    plan.num_kv_blocks = max(0, plan.kv_budget_bytes) // plan.kv_bytes_per_block
+    # As the engine grants blocks: room left for the allocator's rounding of the cache's tensor.
+    plan.num_kv_blocks = max(0, plan.kv_budget_bytes - ALLOCATION_ROUNDING) // plan.kv_bytes_per_block
     plan.kv_capacity_tokens = plan.num_kv_blocks * plan.block_size
     plan.max_concurrency = plan.num_kv_blocks // plan.blocks_per_seq
     plan.fits = plan.max_concurrency >= 1

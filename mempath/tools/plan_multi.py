@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from mempath.constants import DEFAULT_BLOCK_SIZE, default_max_num_seqs
+from mempath.memory.budget import ALLOCATION_ROUNDING
 from mempath.memory.ledger import format_bytes
 from mempath.multi.experts import options_by_model
 from mempath.multi.layout import page_layout
@@ -98,7 +99,7 @@ def plan_models(models: list[str], *, served_model_name: list[str] | None = None
     if gpu_mem_bytes is not None:
         result.budget_bytes = int(gpu_mem_bytes * gpu_memory_utilization)
         result.pool_bytes = result.budget_bytes - sum(m.device_bytes for m in entries) - context_bytes
-        result.num_pages = max(0, result.pool_bytes) // page_bytes
+        result.num_pages = max(0, result.pool_bytes - ALLOCATION_ROUNDING) // page_bytes  # as multi/startup.py
     if num_gpu_blocks_override is not None:
         result.num_pages = num_gpu_blocks_override
     if result.num_pages is not None:
