@@ -12,6 +12,7 @@ import errno
 import logging
 import math
 import os
+import re
 import stat
 import threading
 
@@ -236,6 +237,56 @@ def test_a_read_only_parent_is_refused_by_the_config(tmp_path):
         EngineConfig(model="m", cpu_kv_gb=1.0, disk_kv_path=str(parent / "kv"), disk_kv_gb=1.0)
 
 
+# ---------------------------------------------------------------------------- one engine per namespace
+def in_use_message(root):
+    return (rf"--disk-kv-path {re.escape(str(root))} is in use by another engine \(pid {os.getpid()} on .*\).*"
+            r"give each engine its own --disk-kv-path")
+
+
+def test_a_second_store_on_one_namespace_is_refused_and_deletes_nothing(tmp_path):
+    first = store(tmp_path)
+    hashes, data = write_blocks(first, 3)
+    in_flight = first.path_for(keys(1, salt=5)[0]) + ".0123abcd.tmp"  # the first engine's write in progress
+    os.makedirs(os.path.dirname(in_flight), exist_ok=True)
+    open(in_flight, "wb").write(b"half a block")
+    before = snapshot(tmp_path)
+    with pytest.raises(disk_dir.DiskTierPathError, match=in_use_message(tmp_path)) as refused:
+        store(tmp_path)
+    assert "\n" not in str(refused.value)
+    assert snapshot(tmp_path) == before
+    out = torch.empty(SHAPE)
+    assert first.read_async(hashes[1], out).result() and torch.equal(out, data[1])
+    first.close()  # releases the namespace: the same process may open it again
+    again = store(tmp_path)
+    assert all(h in again for h in hashes) and not os.path.exists(in_flight)  # now a leftover: removed
+    again.close()
+
+
+def test_engines_of_other_layouts_share_the_directory_at_once(tmp_path):
+    first, second = store(tmp_path), store(tmp_path, shape=OTHER_BLOCK_SIZE)
+    write_blocks(first, 2)
+    write_blocks(second, 2, salt=1)
+    assert len(block_files(tmp_path)) == 4
+    first.close()
+    second.close()
+
+
+def test_a_lock_file_mempath_did_not_write_is_refused_not_overwritten(tmp_path):
+    disk = store(tmp_path)
+    lock = os.path.join(disk.namespace_path, disk_dir.LOCK_NAME)
+    disk.close()
+    with open(lock, "w") as f:
+        f.write("my notes")
+    with pytest.raises(disk_dir.DiskTierPathError, match=rf"{disk_dir.LOCK_NAME} mempath did not write"):
+        store(tmp_path)
+    assert open(lock).read() == "my notes"
+    os.unlink(lock)
+    os.mkdir(lock)
+    with pytest.raises(disk_dir.DiskTierPathError, match=rf"{disk_dir.LOCK_NAME}"):
+        store(tmp_path)
+    assert os.path.isdir(lock)
+
+
 # ---------------------------------------------------------------------------- who may write it
 @pytest.mark.parametrize("mode", [0o770, 0o722, 0o777])
 def test_a_tier_others_can_write_is_refused(tmp_path, mode):
@@ -380,6 +431,17 @@ def test_the_engine_refuses_a_users_directory_and_changes_nothing(tiny, tmp_path
     with pytest.raises(ValueError, match="--disk-kv-path"):
         engine_on(tiny, tmp_path)
     assert snapshot(tmp_path) == before
+
+
+def test_a_second_engine_on_one_disk_tier_is_refused_until_the_first_closes(tiny, reference, tmp_path):
+    first = engine_on(tiny, tmp_path)
+    with pytest.raises(ValueError, match=in_use_message(tmp_path)):
+        engine_on(tiny, tmp_path)
+    assert first.generate(conversations()[0], greedy(), use_tqdm=False)[0].token_ids == reference[0][0]
+    first.engine.close()
+    second = engine_on(tiny, tmp_path)
+    assert second.engine.kv.tiers.disk.num_blocks == first.engine.kv.tiers.disk.num_blocks
+    second.engine.close()
 
 
 @pytest.mark.parametrize("odd", ["fifo", "directory", "unreadable"])

@@ -21,6 +21,7 @@ import os
 import stat
 import struct
 import threading
+import weakref
 import zlib
 from collections import Counter, OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,9 +29,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from mempath.kv.tiers.disk_dir import (BLOCK_NAME, SHARD_NAME, TMP_NAME, NotOurFile, layout_namespace,
-                                       make_private_dir, open_disk_root, open_regular, read_failure_kind,
-                                       write_failure_kind, write_new_file)
+from mempath.kv.tiers.disk_dir import (BLOCK_NAME, LOCK_NAME, SHARD_NAME, TMP_NAME, NotOurFile, layout_namespace,
+                                       lock_namespace, make_private_dir, open_disk_root, open_regular,
+                                       read_failure_kind, unlock_namespace, write_failure_kind, write_new_file)
 from mempath.kv.tiers.host import HostBlockStore
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,9 @@ class DiskBlockStore:
     own namespace (``mempath.kv.tiers.disk_dir``: the manifest, who may write it, how files
     are opened). The store lists, reads, evicts and deletes only inside its own
     namespace and only the names it writes (``SHARD_NAME``, ``BLOCK_NAME``,
-    ``TMP_NAME``); anything else found there is left alone.
+    ``TMP_NAME``, ``LOCK_NAME``); anything else found there is left alone. One store at a time
+    per namespace, across processes: it holds the namespace's lock (``lock_namespace``) from
+    start-up until ``close``, and a second one is refused at start-up.
 
     File: header (magic, version, payload length, block hash, layout string)
     + payload (the block's bytes) + crc32 of the payload. crc32 rather than a
@@ -124,6 +127,10 @@ class DiskBlockStore:
         self._layout_bytes = self.layout.encode()
         self.path = open_disk_root(path, self.layout)
         self.namespace_path = os.path.join(self.path, layout_namespace(self.layout))
+        # Before the index is rebuilt (which removes temporaries): a second engine of this layout
+        # here would delete this one's blocks and writes in flight. Released by close(), or when
+        # the store is collected or the process exits.
+        self._unlock = weakref.finalize(self, unlock_namespace, lock_namespace(self.path, self.namespace_path))
         self.failures: Counter[str] = Counter()  # kind -> count (FAILURE_KINDS)
         self._lock = threading.RLock()
         self._index: OrderedDict[bytes, int] = OrderedDict()  # hash -> file bytes, LRU first
@@ -169,6 +176,8 @@ class DiskBlockStore:
         """Index this layout's valid block files; remove only its own leftovers and torn blocks."""
         found, outcomes = [], Counter()
         for shard in self._list(self.namespace_path):
+            if shard.name == LOCK_NAME:
+                continue
             if not (SHARD_NAME.fullmatch(shard.name) and shard.is_dir(follow_symlinks=False)):
                 outcomes["left alone"] += 1
                 continue
@@ -421,6 +430,7 @@ class DiskBlockStore:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self._unlock()  # once no write is running: another engine may now open the namespace
 
     def __enter__(self):
         return self

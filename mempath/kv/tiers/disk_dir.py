@@ -3,7 +3,7 @@
 ``--disk-kv-path`` is the tier's *root*: ``mempath-kv.json`` (format, version, the
 layouts present) and one *namespace* directory per layout, named by a digest of the
 layout string (``layout_namespace``), holding shard directories of block files
-(``DiskBlockStore``). A non-empty directory without the manifest was not made by
+(``DiskBlockStore``) and the lock file ``LOCK_NAME``. A non-empty directory without the manifest was not made by
 mempath and is refused; so is one another user owns or can write, because whoever
 can write the tier can change the engine's answers (the checksum only catches
 accidents). Directories are created with mode 0o700 and files with 0o600.
@@ -11,6 +11,10 @@ accidents). Directories are created with mode 0o700 and files with 0o600.
 Files are opened only if they are regular files of this user (``open_regular``),
 never waiting on a FIFO nor following a link; files are written whole under a
 temporary name and renamed into place (``write_new_file``).
+
+One engine per namespace (``lock_namespace``): each engine deletes, at start-up and when it
+evicts, the files of its namespace it does not index, so a second engine of the same layout
+on the same directory would delete the first one's blocks and half-written temporaries.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import json
 import os
 import re
 import secrets
+import socket
 import stat
 
 MANIFEST_NAME = "mempath-kv.json"
@@ -31,6 +36,10 @@ _MANIFEST_FORMAT, _MANIFEST_VERSION = "mempath-kv", 1
 SHARD_NAME = re.compile(r"[0-9a-f]{2}")
 BLOCK_NAME = re.compile(r"(?:[0-9a-f]{2})+\.kv")
 TMP_NAME = re.compile(r"(?:[0-9a-f]{2})+\.kv\.[0-9a-f]{8}\.tmp")
+# In each namespace: flock-ed by the engine using it, holding its pid (never deleted: a lock file
+# unlinked while another engine opens it would let two engines hold "the" lock).
+LOCK_NAME = "mempath-kv.lock"
+_LOCK_PREFIX = b"mempath disk KV tier in use by "
 _MANIFEST_TMP_NAME = re.compile(re.escape(MANIFEST_NAME) + r"\.[0-9a-f]{8}\.tmp")
 OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
 # stats()["tiers"]["disk_failures"] keys: every kind, zero until it happens.
@@ -105,6 +114,59 @@ def open_disk_root(path, layout: str | None = None) -> str:
     finally:
         os.close(root_fd)  # and the lock with it
     return root
+
+
+def lock_namespace(root: str, namespace_path: str) -> int | None:
+    """Take the namespace's lock (exclusive, not waiting) and return its file descriptor, held
+    until ``unlock_namespace``; raise DiskTierPathError naming the holder if another engine has it.
+
+    None on a read-only filesystem without a lock file: there no engine can delete anything.
+    """
+    lock_path = os.path.join(namespace_path, LOCK_NAME)
+    flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    writable = True
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | flags, 0o600)
+    except OSError as error:
+        if error.errno != errno.EROFS:
+            raise _path_error(root, f"cannot hold the lock file {lock_path} ({error.strerror})",
+                              "point it at an empty or new directory") from None
+        writable = False
+        try:
+            fd = os.open(lock_path, os.O_RDONLY | flags)  # flock needs no write access
+        except FileNotFoundError:
+            return None
+    try:
+        st = os.fstat(fd)
+        content = os.pread(fd, 4096, 0) if stat.S_ISREG(st.st_mode) else b""
+        if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & OTHERS_WRITE
+                or (content and not content.startswith(_LOCK_PREFIX))):
+            raise _path_error(root, f"holds a {lock_path} mempath did not write",
+                              "point it at an empty or new directory")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = content[len(_LOCK_PREFIX):].decode(errors="replace").strip()
+            holder = f" ({holder})" if holder else ""
+            raise _path_error(root, f"is in use by another engine{holder} with this model and KV layout, and two "
+                              "engines on one directory delete each other's blocks",
+                              "give each engine its own --disk-kv-path") from None
+        if writable:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, _LOCK_PREFIX + f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def unlock_namespace(fd: int | None) -> None:
+    """Release ``lock_namespace``'s lock; explicitly, as a forked child may still hold the descriptor."""
+    if fd is None:
+        return
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
 
 
 def _record_layout(root: str, layout: str | None) -> None:
