@@ -134,7 +134,9 @@ class LLM:
         ``{prompt}`` for the prompt), is model ``second``'s prompt (docs/multi_model.md, "Hand-off").
 
         One PipelineOutput per prompt (``.first``, ``.second``, ``.text``: the second's answer). A
-        prompt that fails in the first model ends there: ``.second`` is that failure.
+        prompt that fails in the first model, or whose hand-off the second refuses, ends there:
+        ``.second`` is that failure, with none of the first's answer. Second sampling parameters the
+        second model refuses whatever the first answers raise SecondModelError before anything runs.
         """
         from mempath.multi.pipeline import PipelineOutput
         if not self.engines:

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from mempath import LLM, SamplingParams
-from mempath.multi.pipeline import Template, count_device_reads, same_vocabulary
+from mempath.multi.pipeline import SecondModelError, Template, count_device_reads, same_vocabulary
 
 FIRST = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 SECOND = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
@@ -66,7 +66,8 @@ def test_abort_in_the_middle_of_a_pipeline_leaks_nothing(same_tokenizer):
         engine.step()
     assert engine.owner["p0"] is engine.engines["b"] and engine.owner["p1"] is engine.engines["a"]
     assert engine.abort_request("p0").outputs[0].finish_reason == "abort"
-    assert engine.abort_request("p1").outputs[0].finish_reason == "abort"
+    aborted = engine.abort_request("p1")  # in a: nothing of a's answer, which is not the pipeline's
+    assert aborted.outputs[0].finish_reason == "abort" and aborted.outputs[0].token_ids == [] and aborted.text == ""
     assert not engine.has_unfinished_requests() and not engine.pipelines and not engine.owner
     assert engine.pool.pages.num_used == 0
     assert engine.step() == []
@@ -92,3 +93,31 @@ def test_bad_pipeline_requests(same_tokenizer):
     with pytest.raises(ValueError, match="n=1"):
         llm.pipeline([1, 2], "a", "b", TEMPLATE, SamplingParams(n=2, max_tokens=2), SECOND)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_second_model_refusals_come_before_the_first_model_runs(same_tokenizer):
+    llm = same_tokenizer
+    engine = llm.engine
+    before = engine.engines["a"].num_prompt_tokens
+    with pytest.raises(SecondModelError, match="logprobs must be in") as refused:
+        llm.pipeline([[1, 2], [3, 4]], "a", "b", TEMPLATE, FIRST, SamplingParams(max_tokens=2, logprobs=100))
+    assert refused.value.reason.startswith("logprobs") and refused.value.model == "b"
+    with pytest.raises(SecondModelError, match="more than max_model_len"):  # the template with the prompt alone
+        llm.pipeline([1, 2], "a", "b", "x " * 600 + "{output}", FIRST, SECOND)
+    with pytest.raises(SecondModelError, match="logit_bias token id"):
+        llm.pipeline([1, 2], "a", "b", TEMPLATE, FIRST, SamplingParams(max_tokens=2, logit_bias={10**6: 1.0}))
+    assert not engine.has_unfinished_requests() and not engine.pipelines and not engine.owner
+    assert engine.engines["a"].num_prompt_tokens == before
+
+
+def test_a_hand_off_that_fails_answers_nothing_of_the_first_model(same_tokenizer):
+    llm = same_tokenizer
+    b = llm.engines["b"]
+    literal = len(b.tokenizer.encode("x", add_special_tokens=False))
+    prompt = [5 + i % 50 for i in range(b.max_model_len - literal)]  # fits b until a's answer joins it
+    out = llm.pipeline(prompt, "a", "b", "x{prompt}{output}", SamplingParams(max_tokens=1, ignore_eos=True),
+                       SamplingParams(max_tokens=2, logprobs=2))[0]
+    assert out.first.outputs[0].token_ids and out.first.finish_reason == "length"
+    assert out.second.finish_reason == "error" and "max_model_len" in out.second.error
+    assert out.second.outputs[0].token_ids == [] and out.second.text == "" and out.second.logprobs is None
+    assert not llm.engine.pipelines and not llm.engine.owner and llm.engine.pool.pages.num_used == 0

@@ -1,5 +1,6 @@
 """`mempath serve A B`: requests routed by their model over one engine thread and one KV page pool."""
 import concurrent.futures
+import json
 
 import httpx
 import openai
@@ -203,3 +204,70 @@ def test_one_model_metrics_keep_their_series():
     for name in ("mempath:kv_blocks", "mempath:memory_bytes", "mempath:num_requests_running",
                  "mempath:time_to_first_token_seconds", "mempath:request_queue_time_seconds"):
         assert {s.labels["model_name"] for s in families[name].samples} == {"tiny"}
+
+
+def first_model_work(server) -> int:
+    return server.engine.engines["small"].num_prompt_tokens
+
+
+@pytest.mark.parametrize("first, then, param", [
+    ({}, {"logprobs": 100}, "then.logprobs"),
+    ({}, {"max_tokens": 2, "min_tokens": 5}, "then.min_tokens"),
+    ({}, {"logit_bias": {"100000": 1}}, "then.logit_bias"),
+    ({}, {"guided_regex": "(("}, "then.guided_regex"),
+    ({}, {"guided_regex": "a+", "guided_choice": ["a"]}, "then.guided_choice"),
+    ({}, {"max_tokens": 100000}, "then.max_tokens"),
+    ({}, {"template": "a " * 2000 + "{output}"}, "then.template"),  # too long before the first model says a word
+    ({"stream": True}, {"logprobs": 100}, "then.logprobs"),
+    ({}, {"prompt_logprobs": 1}, "then.prompt_logprobs"),  # the answer has no place for the second's prompt
+    ({"logprobs": 1}, {}, "logprobs"),  # the answer is the second model's tokens
+    ({"prompt_logprobs": 1}, {}, "prompt_logprobs"),
+    ({"guided_regex": "(("}, {}, "guided_regex"),
+])
+def test_pipeline_refuses_before_the_first_model_runs(server, first, then, param):
+    second = list(server.app.apps)[1]
+    server.wait_until_idle()
+    before = first_model_work(server)
+    response = post_pipeline(server, {"model": "small", "prompt": "def read_config(path):", "max_tokens": 4,
+                                      **first, "then": {"model": second, "template": "S: {output}", **then}})
+    assert response.status_code == 400, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    assert response.json()["error"]["param"] == param, response.text
+    server.wait_until_idle()
+    assert first_model_work(server) == before
+    assert server.engine.pool.pages.num_used == 0 and not server.engine.pipelines
+
+
+def overflowing_pipeline(server, stream: bool) -> dict:
+    """A pipeline whose second prompt (the first's prompt, then its answer, for the same model) fits
+    max_model_len exactly until the first model's one answer token is added to it."""
+    engine = server.engine.engines["small"]
+    literal = len(engine.tokenizer.encode("x", add_special_tokens=False))
+    prompt = [5 + i % 50 for i in range(engine.max_model_len - literal)]
+    return {"model": "small", "prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True,
+            "stream": stream, "then": {"model": "small", "template": "x{prompt}{output}", "max_tokens": 2,
+                                       "logprobs": 2}}
+
+
+def test_pipeline_failing_after_the_hand_off_is_an_error_without_the_first_answer(server):
+    response = post_pipeline(server, overflowing_pipeline(server, stream=False))
+    assert response.status_code == 500, response.text
+    error = response.json()["error"]
+    assert error["code"] == "generation_failed" and "max_model_len" in error["message"]
+    server.wait_until_idle()
+    assert server.engine.pool.pages.num_used == 0 and not server.engine.pipelines
+
+
+def test_streamed_pipeline_failing_after_the_hand_off_ends_with_an_error_event(server):
+    body = overflowing_pipeline(server, stream=True)
+    with httpx.stream("POST", f"{server.url}/v1/pipelines", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as response:
+        assert response.status_code == 200
+        events = [line for line in response.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert "max_model_len" in payloads[-1]["error"]["message"]
+    # The first model's answer is not the pipeline's: none of it goes out.
+    assert all(c["text"] == "" for p in payloads if "choices" in p for c in p["choices"])
+    server.wait_until_idle()
+    assert server.engine.pool.pages.num_used == 0 and not server.engine.pipelines

@@ -68,7 +68,11 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams,
                     request_id: str | None = None) -> str:
-        request = self.make_request(prompt, params, request_id)
+        return self.add_made_request(self.make_request(prompt, params, request_id))
+
+    def add_made_request(self, request: Request) -> str:
+        """Schedule a request ``make_request`` built: for a caller that checks more between the two
+        (a pipeline checks its second model's request before its first model's may run)."""
         self.outputs.add(request)
         self.scheduler.add(request)
         return request.request_id

@@ -22,8 +22,8 @@ import time
 
 from mempath.engine.engine import LLMEngine
 from mempath.multi.pages import POOL_TENANT, PagePool, TenantPages
-from mempath.multi.pipeline import (Pipeline, Template, count_device_reads, handoff_text, handoff_token_ids,
-                                    same_vocabulary, special_prefix)
+from mempath.multi.pipeline import (Pipeline, SecondModelError, Template, count_device_reads, failed_output,
+                                    handoff_text, handoff_token_ids, same_vocabulary, special_prefix)
 from mempath.multi.sleep import IdleSleep, WeightsOffload
 
 MAX_CACHED_LITERALS = 1024  # template pieces' token ids kept (a client sends few distinct templates)
@@ -100,30 +100,54 @@ class MultiEngine:
     # ----------------------------------------------------------------- requests
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                     model: str | None = None) -> str:
-        if request_id in self.owner:
-            raise ValueError(f"request id {request_id!r} is already running")
+        self._check_new(request_id)
         engine = self.engine(model)
         self.sleep.active(self._name_of(engine))
         engine.add_request(prompt, params, request_id)
         self.owner[request_id] = engine
         return request_id
 
+    def _check_new(self, request_id: str) -> None:
+        if request_id in self.owner:
+            raise ValueError(f"request id {request_id!r} is already running")
+
     def add_pipeline(self, prompt: str | list[int], params: SamplingParams, request_id: str, first: str,
                      second: str, template: str, second_params: SamplingParams) -> Pipeline:
         """A request that ``first`` answers, whose answer through ``template`` ``second`` then
-        answers (pipeline.py); its outputs are the second model's, under ``request_id``."""
-        self.engine(second)
+        answers (pipeline.py); its outputs are the second model's, under ``request_id``.
+
+        The second model's request is checked before the first may run, as far as it can be without
+        the first's answer: its parameters as ``second`` checks any request's, and its prompt made
+        with an empty answer (the shortest it can be); a refusal raises SecondModelError."""
+        second_engine = self.engine(second)
         pipeline = Pipeline(second, Template.parse(template), second_params)
         if params.n != 1 or second_params.n != 1:
             raise ValueError("a pipeline hands one answer on: use n=1 in both models' sampling parameters")
-        self.add_request(prompt, params, request_id, model=first)
+        self._check_new(request_id)
+        first_engine = self.engine(first)
+        request = first_engine.make_request(prompt, params, request_id)  # the first's own refusals come first
+        shortest = RequestOutput.of_sample(request_id=request_id, prompt=request.prompt,
+                                           prompt_token_ids=request.prompt_token_ids, token_ids=[], text="",
+                                           finished=True)
+        try:
+            second_engine.make_request(self._second_prompt(first_engine, pipeline, shortest), second_params,
+                                       request_id)
+        except ValueError as error:
+            raise SecondModelError(second, str(error)) from None
+        self.sleep.active(first)
+        first_engine.add_made_request(request)
+        self.owner[request_id] = first_engine
         self.pipelines[request_id] = pipeline
         return pipeline
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        self.pipelines.pop(request_id, None)
+        pipeline = self.pipelines.pop(request_id, None)
         engine = self.owner.pop(request_id, None)
-        return engine.abort_request(request_id) if engine is not None else None
+        output = engine.abort_request(request_id) if engine is not None else None
+        if pipeline is not None and output is not None:  # still in its first model
+            pipeline.first_output = output
+            return failed_output(output, output.finish_reason, output.error)
+        return output
 
     def pause_request(self, request_id: str) -> None:
         if request_id in self.owner:
@@ -154,41 +178,46 @@ class MultiEngine:
         outputs = []
         for engine in self.engines.values():
             if engine.has_runnable_requests():
-                outputs += [o for o in engine.step() if not self._handed_off(o)]
+                outputs += [o for o in map(self._pipeline_output, engine.step()) if o is not None]
         for output in outputs:
             if output.finished:
                 self.owner.pop(output.request_id, None)
         return outputs
 
-    def _handed_off(self, output: RequestOutput) -> bool:
-        """A first model's output of a pipeline is not the request's: once it finishes well, the
-        second model's request starts (in this loop, so before the second model's next step)."""
+    def _pipeline_output(self, output: RequestOutput) -> RequestOutput | None:
+        """The request's output for a model's: a first model's output of a pipeline is not the
+        request's (None); once it finishes well, the second model's request starts (in this loop,
+        so before the second model's next step). A pipeline that ends before the second model
+        answers ends with a failure that holds nothing of the first's answer."""
         pipeline = self.pipelines.get(output.request_id)
         if pipeline is None:
-            return False
+            return output
         if not output.finished:
-            return True
+            return None
         del self.pipelines[output.request_id]
-        if output.finish_reason in ("error", "abort"):
-            return False  # the pipeline ends with the first model's failure
         pipeline.first_output = output
-        first, second = self.owner.pop(output.request_id), self.engines[pipeline.second]
+        if output.finish_reason in ("error", "abort"):
+            return failed_output(output, output.finish_reason, output.error)
+        first = self.owner.pop(output.request_id)
         start = time.perf_counter()
         with count_device_reads() as reads:
-            if self._same_vocabulary(first, pipeline.second):
-                prompt = handoff_token_ids(pipeline.template, output, self._prefix(first), self._prefix(second),
-                                           lambda text: self._literal_ids(pipeline.second, text))
-            else:
-                prompt = handoff_text(pipeline.template, output, first.tokenizer)
+            prompt = self._second_prompt(first, pipeline, output)
         self.num_handoff_device_reads += reads.count
         try:
             self.add_request(prompt, pipeline.params, output.request_id, model=pipeline.second)
-        except ValueError as error:  # B's prompt too long for it, say: the pipeline ends with that error
-            output.error, output.outputs[0].finish_reason = str(error), "error"
-            return False
+        except ValueError as error:  # the first's answer made the prompt too long for the second, say
+            return failed_output(output, "error", f"the hand-off to {pipeline.second} failed: {error}")
         self.num_handoffs += 1
         self.handoff_seconds += time.perf_counter() - start  # building B's prompt and adding its request
-        return True
+        return None
+
+    def _second_prompt(self, first: LLMEngine, pipeline: Pipeline, output: RequestOutput) -> str | list[int]:
+        """The second model's prompt from the first's (finished) output."""
+        if self._same_vocabulary(first, pipeline.second):
+            return handoff_token_ids(pipeline.template, output, self._prefix(first),
+                                     self._prefix(self.engines[pipeline.second]),
+                                     lambda text: self._literal_ids(pipeline.second, text))
+        return handoff_text(pipeline.template, output, first.tokenizer)
 
     def _prefix(self, engine: LLMEngine) -> list[int]:
         if engine not in self.prefixes:

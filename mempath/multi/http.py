@@ -185,12 +185,13 @@ def build_multi_server_app(models: list[str], engine_options: dict, served_model
     shared = AsyncEngine(multi, metrics, stream_stall_timeout=stream_stall_timeout,
                          log_stats_interval=log_stats_interval)
     listed = [(name, engine.max_model_len) for name, engine in engines.items()]
+    route_limits = {name: Limits(max_tokens=limits.get("max_tokens_limit") or engine.max_model_len,
+                                 max_n=limits.get("max_n", DEFAULT_MAX_N),
+                                 max_body_bytes=limits.get("max_body_bytes", DEFAULT_MAX_BODY_BYTES))
+                    for name, engine in engines.items()}
     apps = {}
     for name, engine in engines.items():
         client = ModelClient(shared, name, engine)
-        route_limits = Limits(max_tokens=limits.get("max_tokens_limit") or engine.max_model_len,
-                              max_n=limits.get("max_n", DEFAULT_MAX_N),
-                              max_body_bytes=limits.get("max_body_bytes", DEFAULT_MAX_BODY_BYTES))
         apps[name] = build_app(client, name, api_key=api_key, sampling_defaults=defaults[name], models_listed=listed,
                                extra_routers=[pipeline_router(client, names, api_key, route_limits, defaults)],
                                **limits, **http_options)

@@ -62,6 +62,25 @@ class Pipeline:
     first_output: RequestOutput | None = field(default=None)  # A's, once finished
 
 
+class SecondModelError(ValueError):
+    """The second model refuses a pipeline's request (its parameters, or the prompt the template
+    makes of the first's prompt alone), found before the first model runs: the fault is the
+    second half's (``then`` over HTTP), not the first's."""
+
+    def __init__(self, model: str, reason: str):
+        super().__init__(f"the second model ({model}) refuses its request: {reason}")
+        self.model, self.reason = model, reason  # reason: the engine's message, which starts with its field
+
+
+def failed_output(output: RequestOutput, finish_reason: str, error: str | None) -> RequestOutput:
+    """A pipeline's end before the second model answered. None of the first model's answer is in
+    it: that is not the pipeline's answer, and a client would take it for the second's."""
+    return RequestOutput.of_sample(request_id=output.request_id, prompt=output.prompt,
+                                   prompt_token_ids=output.prompt_token_ids, token_ids=[], text="",
+                                   finished=True, finish_reason=finish_reason, error=error,
+                                   total_time=output.total_time)
+
+
 @dataclass
 class PipelineOutput:
     """LLM.pipeline's result for one prompt: the first model's output and the second's answer."""

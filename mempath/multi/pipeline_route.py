@@ -4,8 +4,9 @@ The body is a completion request for the first model, with one more field, ``the
 second model's ``model``, the ``template`` its prompt is made from (``{output}``, and
 ``{prompt}``), and its own completion fields (``max_tokens``, ``temperature``, ``stop``...).
 Both halves are validated as /v1/completions validates a body (a bad field is a 400
-naming it, ``then.`` before the second's); the answer is a completion of the second model,
-streamed when ``stream`` is true, as /v1/completions answers.
+naming it, ``then.`` before the second's), the second's before the first model runs, as
+far as it can be without the first's answer (MultiEngine.add_pipeline); the answer is a
+completion of the second model, streamed when ``stream`` is true, as /v1/completions answers.
 """
 from __future__ import annotations
 
@@ -16,28 +17,50 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from mempath.generation_config import with_defaults
-from mempath.multi.pipeline import Template
+from mempath.multi.pipeline import SecondModelError, Template
 from mempath.server.app import (COMPLETION_DEFAULT_MAX_TOKENS, finish_completion, sampling_params,
                                 stream_completion)
-from mempath.server.calls import (Call, Limits, SSEResponse, api_key_checker, check_num_choices, read_body,
-                                  resolve_max_tokens, until_disconnect)
+from mempath.server.calls import (Call, Limits, SSEResponse, api_key_checker, check_num_choices, param_named_in,
+                                  read_body, resolve_max_tokens, until_disconnect)
 from mempath.server.protocol import APIError, CompletionRequest, parse_request
-from mempath.server.structured_request import structured_request
+from mempath.server.structured_request import StructuredRequest, structured_request
 
 
 class PipelineClient:
     """A ModelClient whose requests are pipelines: added to the first model, answered by the second."""
 
-    def __init__(self, client, second: str, template: str, second_params):
+    def __init__(self, client, second: str, template: str, second_params, second_structured):
         self.client, self.second, self.template, self.second_params = client, second, template, second_params
+        self.second_structured = second_structured
         self.tokenizer, self.max_model_len = client.tokenizer, client.max_model_len
 
     async def add_request(self, prompt, params, request_id: str, queue) -> None:
-        await self.client.shared.add_pipeline(prompt, params, request_id, queue, self.client.name, self.second,
-                                              self.template, self.second_params)
+        try:
+            await self.client.shared.add_pipeline(prompt, params, request_id, queue, self.client.name,
+                                                  self.second, self.template, self.second_params)
+        except SecondModelError as error:
+            raise second_model_error(error, self.second_structured) from None
 
     def abort(self, request_id: str) -> None:
         self.client.abort(request_id)
+
+
+def second_model_error(error: SecondModelError, structured: StructuredRequest | None) -> APIError:
+    """The second model's refusal as a 400 naming its field under ``then``."""
+    refused = APIError(400, error.reason, param_named_in(error.reason))
+    if structured is not None:
+        refused = structured.field_error(refused)
+    message, param = refused.message, refused.param
+    if param == "prompt":  # the second model's prompt is the template filled in
+        message, param = (f"then.template with the first model's prompt and no answer yet makes the second "
+                          f"model's prompt, and {message}"), "template"
+    return APIError(400, f"{error.model} refuses the pipeline's second request (then): {message}",
+                    f"then.{param}" if param else "then", refused.code)
+
+
+def under_then(error: APIError) -> APIError:
+    error.param = f"then.{error.param}" if error.param else "then"
+    return error
 
 
 def split_body(body: bytes) -> tuple[bytes, dict]:
@@ -57,7 +80,8 @@ def split_body(body: bytes) -> tuple[bytes, dict]:
 
 
 def second_request(then: dict, names: list[str]) -> tuple[str, str, CompletionRequest]:
-    """The second model's name, template and completion fields, validated as a completion body."""
+    """The second model's name, template and completion fields, validated as a completion body
+    (its fields that need the model: MultiEngine.add_pipeline)."""
     model, template = then.get("model"), then.get("template")
     if model not in names:
         served = ", ".join(f"'{name}'" for name in names)
@@ -76,37 +100,58 @@ def second_request(then: dict, names: list[str]) -> tuple[str, str, CompletionRe
         if name in fields:
             raise APIError(400, f"then.{name} is not taken: the second model's prompt is the template, "
                                 f"its one answer is the response", f"then.{name}")
+    if fields.get("prompt_logprobs") is not None:
+        raise APIError(400, "then.prompt_logprobs is not supported: the answer holds no prompt logprobs of "
+                            "the second model's prompt (the filled template); leave it out", "then.prompt_logprobs")
     try:
         req = parse_request(CompletionRequest, json.dumps({**fields, "prompt": ""}).encode())
     except APIError as error:
-        error.param = f"then.{error.param}" if error.param else "then"
-        raise
+        raise under_then(error) from None
     return model, template, req
 
 
-def pipeline_router(client, names: list[str], api_key: str | None, limits: Limits,
+def refuse_first_logprobs(req: CompletionRequest) -> None:
+    """The answer is the second model's: the first's logprobs would have nowhere to go."""
+    if req.logprobs is not None:
+        raise APIError(400, "logprobs is not supported for the first model of a pipeline: the answer is the "
+                            "second model's tokens; ask for theirs as then.logprobs", "logprobs")
+    if req.prompt_logprobs is not None:
+        raise APIError(400, "prompt_logprobs is not supported in a pipeline: the answer is the second "
+                            "model's; leave it out", "prompt_logprobs")
+
+
+def pipeline_router(client, names: list[str], api_key: str | None, limits_by_model: dict[str, Limits],
                     defaults_by_model: dict[str, dict]) -> APIRouter:
+    """``limits_by_model``: each served model's Limits (the first's for the body, the second's for ``then``)."""
     api = APIRouter(prefix="/v1", dependencies=[Depends(api_key_checker(api_key))])
+    limits = limits_by_model[client.name]
 
     @api.post("/pipelines")
     async def create_pipeline(request: Request):
         first_body, then = split_body(await read_body(request, limits.max_body_bytes))
         req = parse_request(CompletionRequest, first_body)
         second, template, then_req = second_request(then, names)
+        refuse_first_logprobs(req)
         prompts = req.prompts()
         if req.n != 1:
             raise APIError(400, "a pipeline hands one answer on: n must be 1", "n")
         check_num_choices(len(prompts), 1, limits)
+        structured = structured_request(req)
         first_params = with_defaults(
             sampling_params(req, resolve_max_tokens(req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, limits),
-                            req.logprobs, structured_request(req)), req.model_fields_set, defaults_by_model[client.name])
+                            None, structured), req.model_fields_set, defaults_by_model[client.name])
+        try:
+            second_structured = structured_request(then_req)
+            second_max_tokens = resolve_max_tokens(then_req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS,
+                                                   limits_by_model[second])
+        except APIError as error:
+            raise under_then(error) from None
         second_params = with_defaults(
-            sampling_params(then_req, resolve_max_tokens(then_req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, limits),
-                            then_req.logprobs, structured_request(then_req)),
+            sampling_params(then_req, second_max_tokens, then_req.logprobs, second_structured),
             then_req.model_fields_set, defaults_by_model[second])
-        pipeline = PipelineClient(client, second, template, second_params)
+        pipeline = PipelineClient(client, second, template, second_params, second_structured)
         call = Call(pipeline, f"pipe-{uuid.uuid4().hex}", second, then_req.stop_list(), 1, then_req.logprobs)
-        await call.start(prompts, first_params)
+        await call.start(prompts, first_params, structured)
         if req.stream:
             return SSEResponse(stream_completion(call, req.include_usage), on_close=call.abort)
         return JSONResponse(await until_disconnect(request, finish_completion(call)))

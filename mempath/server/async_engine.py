@@ -276,8 +276,20 @@ class AsyncEngine:
     async def add_pipeline(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                            queue: UpdateQueue, first: str, second: str, template: str,
                            second_params: SamplingParams) -> None:
-        """Queue a MultiEngine pipeline (mempath/multi/pipeline.py): its Updates are the second model's."""
+        """Queue a MultiEngine pipeline (mempath/multi/pipeline.py): its Updates are the second model's.
+        Raises the engine's ValueError; SecondModelError for the second model's request."""
+        from mempath.multi.pipeline import SecondModelError
         route = _Route(asyncio.get_running_loop(), queue, model=second)
+        # Compiled in the pool, as add_request's are, so that no compile stalls the engine thread;
+        # the second's too, so that one that does not compile refuses the pipeline before it runs.
+        if params.structured_outputs is not None and not await self._compile_grammar(params, request_id, first):
+            return
+        if second_params.structured_outputs is not None:
+            try:
+                if not await self._compile_grammar(second_params, request_id, second):
+                    return
+            except ValueError as error:
+                raise SecondModelError(second, str(error)) from None
 
         def command():
             self.engine.add_pipeline(prompt, params, request_id, first, second, template, second_params)
