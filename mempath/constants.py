@@ -22,6 +22,12 @@ KV_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m
 FP8_MAX = 448.0
 MIN_SCALE = 1e-12
 
+# The version of the KV cache's numerics, part of the disk tier's fingerprint (with mempath's
+# version): bump it with any change that alters the bytes of a block's KV for the same weights
+# and tokens (attention or projection kernels, rotary embedding, KV quantization, cache layout),
+# so that blocks an older mempath wrote are not served as this one's.
+KV_NUMERICS_VERSION = 1
+
 # Decode graphs are captured for batch sizes up to 512 (larger batches run eagerly:
 # launch overhead is amortised there), all sharing one memory pool.
 MAX_GRAPH_BATCH = 512

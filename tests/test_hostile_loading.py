@@ -474,6 +474,51 @@ def test_the_same_bytes_rewritten_are_hashed_again_and_keep_the_kv(tmp_path, two
     assert [Path(p).name for p in hashed] == ["model.safetensors"]
     assert llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].num_cached_tokens == 32
 
+@pytest.mark.parametrize("change", ["numerics", "release"])
+def test_kv_of_another_mempath_is_not_served(tmp_path, two_models, monkeypatch, change):
+    """KV bytes written by a mempath whose kernels or rotary differ are another model's KV."""
+    import mempath
+    from mempath.engine import startup
+    model, _ = two_models
+    fill_disk_tier(model, tmp_path / "disk")
+    if change == "numerics":
+        monkeypatch.setattr(startup, "KV_NUMERICS_VERSION", startup.KV_NUMERICS_VERSION + 1)
+    else:
+        monkeypatch.setattr(mempath, "__version__", mempath.__version__ + ".post1")
+    llm = tiered(model, tmp_path / "disk")
+    assert llm.engine.kv.tiers.disk.num_blocks == 0
+    assert llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
+
+
+def test_dummy_weights_follow_the_seed(tmp_path):
+    """docs/tiers.md: with load_format=dummy the seed, which keys the disk tier, determines the weights."""
+    make_model(tmp_path, "llama", tokenizer=False)
+
+    def weights(seed):
+        llm = LLM(str(tmp_path), dtype="float32", show_progress=False, load_format="dummy", seed=seed)
+        return llm.engine.model.lm_head.weight.detach().clone()
+
+    first = weights(0)
+    assert torch.equal(first, weights(0)) and not torch.equal(first, weights(1))
+    drawn, _, _ = load_model(tmp_path, torch.float32, CPU, show_progress=False, dummy=True, seed=1)
+    assert torch.equal(drawn.lm_head.weight, weights(1))
+
+
+def test_the_dummy_weights_fingerprint_names_the_device_type(tmp_path):
+    """CPU and CUDA generators draw other dummy weights from one seed: other KV."""
+    from mempath.config import EngineConfig
+    from mempath.engine.startup import Startup
+    config = EngineConfig(model=str(tmp_path), load_format="dummy", cpu_kv_gb=gb(8), disk_kv_path=str(tmp_path / "d"),
+                          disk_kv_gb=gb(64))
+    fake = SimpleNamespace(config=config, dtype_name="float32", spec=SimpleNamespace(quantization=None),
+                           hf_config=CONFIG, device=CPU)
+    on_cpu = Startup.kv_fingerprint(fake)
+    fake.device = torch.device("cuda", 0)
+    on_cuda = Startup.kv_fingerprint(fake)
+    fake.device = torch.device("cuda", 1)
+    assert on_cpu != on_cuda == Startup.kv_fingerprint(fake)  # one generator on every CUDA device
+
+
 
 def test_no_disk_tier_no_hashing(tmp_path, monkeypatch):
     make_model(tmp_path, "llama", tokenizer=False)

@@ -17,6 +17,7 @@ from typing import Callable, ContextManager
 import torch
 
 from mempath.config import EngineConfig
+from mempath.constants import KV_NUMERICS_VERSION
 from mempath.engine.probes import Probes
 from mempath.engine.runner import ModelRunner
 from mempath.kv.manager import KVCacheManager, blocks_for
@@ -213,9 +214,9 @@ class Startup:
         with self._guard("load"), self.stage("load weights", Pathway.WEIGHTS.value):
             self.model, self.spec, self.load_report = load_model(
                 config.model, self.dtype, device, self.max_model_len, show_progress,
-                dummy=config.load_format == "dummy", spec=self.spec, quantization=config.quantization,
-                expert_cache_size=self.expert_cache_size, weights_arena=config.weights_arena,
-                expert_cache_gb=config.moe_expert_cache_gb)
+                dummy=config.load_format == "dummy", seed=config.seed, spec=self.spec,
+                quantization=config.quantization, expert_cache_size=self.expert_cache_size,
+                weights_arena=config.weights_arena, expert_cache_gb=config.moe_expert_cache_gb)
             set_cpu_experts(self.model, config.moe_cpu_experts)
         fp8 = ", fp8 linear layers" if self.spec.quantization else ""
         slots = expert_slot_bytes(self.model)
@@ -258,7 +259,7 @@ class Startup:
         if sc.uses_draft_model:
             with self._guard("load"), self.stage("load draft weights", Pathway.WEIGHTS.value):
                 model, spec, report = load_model(draft_dir, self.dtype, self.device, self.max_model_len, show_progress,
-                                                 dummy=c.load_format == "dummy", spec=spec)
+                                                 dummy=c.load_format == "dummy", seed=c.seed, spec=spec)
             grant(self.draft_tenant, Pathway.WEIGHTS, report.weight_bytes, "measured",
                   f"{report.tensors_loaded} tensors, {self.dtype_name}")
             self.draft_runner = ModelRunner(c, model, spec, self.device, self.dtype, self.max_model_len)
@@ -458,21 +459,30 @@ class Startup:
         return kv
 
     def kv_fingerprint(self) -> str:
-        """What makes a block's bytes this model's: the weights' and config's content, the KV dtype.
+        """What makes a block's bytes this model's: the weights' and config's content, the KV dtype,
+        and the version of mempath and of its KV numerics (``KV_NUMERICS_VERSION``).
 
         Only the disk tier's blocks outlive the process, so without one nothing is hashed.
         Each weights file is hashed once: its digest is cached in mempath's cache directory
         under the file's identity (device, inode, size, mtime, ctime, header hash), never
         in the model directory (docs/tiers.md).
         """
+        import mempath  # at call time: the package sets __version__ after importing the engine
         c = self.config
-        parts = [self.dtype_name, c.load_format] + ([] if c.kv_cache_dtype == "auto" else [str(c.kv_torch_dtype(self.dtype))])
+        kv_dtype = [] if c.kv_cache_dtype == "auto" else [str(c.kv_torch_dtype(self.dtype))]
+        parts = [self.dtype_name, c.load_format] + kv_dtype
         if self.spec.quantization:  # fp8 weights compute other KV from the same files
             parts.append(f"weights={self.spec.quantization}")
         if c.disk_kv_path:
+            # Another release may compute other KV (kernels, rotary) from the same weights.
+            parts += [f"mempath={mempath.__version__}", f"kv_numerics={KV_NUMERICS_VERSION}"]
             parts.append(json.dumps(self.hf_config, sort_keys=True))
             if c.load_format == "dummy":
-                parts.append(f"seed={c.seed}")
+                # The draws come from torch's generator of the device type: CPU and CUDA give other
+                # weights for one seed (every CUDA device the same ones). Only for dummy weights: with
+                # real ones the device changes the KV's rounding, as another GPU or batch does, not
+                # whose KV it is.
+                parts += [f"seed={c.seed}", f"device={self.device.type}", f"torch={torch.__version__}"]
             else:
                 parts.append(weights_digest(self.load_report.file_identities, digest_cache_file()))
         return hashlib.blake2b("|".join(parts).encode(), digest_size=16).hexdigest()

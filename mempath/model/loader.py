@@ -556,7 +556,8 @@ def fill_dummy_weights(model: CausalLM, seed: int = 0) -> LoadReport:
 def load_model(model_dir: str | Path, dtype: torch.dtype | None, device: torch.device,
                max_positions: int | None = None, show_progress: bool = True, dummy: bool = False,
                expert_cache_size: int | None = None, spec: ModelSpec | None = None,
-               quantization: str | None = None, weights_arena: bool = False, expert_cache_gb: float | None = None):
+               quantization: str | None = None, weights_arena: bool = False, expert_cache_gb: float | None = None,
+               seed: int = 0):
     """Build the model on `device` and stream the weights into it (``weights_arena``: build_model's).
 
     ``spec``: the caller's ModelSpec of this model's config.json (the engine reads it once);
@@ -564,6 +565,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | None, device: torch.d
     (None: all; ``expert_cache_gb``: the --moe-expert-cache-gb it came from, for the refusal's advice).
     ``quantization``: "fp8" quantizes a float checkpoint's projections as they
     load (a pre-quantized fp8 checkpoint is fp8 without it); the returned spec says which.
+    ``seed``: what the random weights of ``dummy`` are drawn from (EngineConfig.seed).
     Raises CheckpointError (a ValueError) for a config, a checkpoint or a size it cannot load.
     """
     model_dir = Path(model_dir)
@@ -580,7 +582,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | None, device: torch.d
     check_load_fits(spec, positions, dtype, device, dummy=dummy, checkpoint_dtype=ckpt_dtype, source=source,
                     expert_cache_size=expert_cache_size, expert_cache_gb=expert_cache_gb)
     model = build_model(spec, positions, dtype, device, expert_cache_size, weights_arena)
-    report = fill_dummy_weights(model) if dummy else load_weights(model, model_dir, show_progress)
+    report = fill_dummy_weights(model, seed) if dummy else load_weights(model, model_dir, show_progress)
     report.checkpoint_dtype = ckpt_dtype
     return model, spec, report
 
