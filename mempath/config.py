@@ -1,4 +1,5 @@
 """EngineConfig: every engine knob in one place, validated once."""
+import math
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -177,6 +178,11 @@ class EngineConfig:
                              "(moe_expert_cache_size / moe_expert_cache_gb) leave it off")
 
     def _validate_tiers(self) -> None:
+        for flag, gb in (("--cpu-kv-gb", self.cpu_kv_gb), ("--disk-kv-gb", self.disk_kv_gb)):
+            # nan compares false with everything (the tiers were silently off) and inf overflowed
+            # int() once the weights had loaded.
+            if not math.isfinite(gb):
+                raise ValueError(f"{flag} {gb:g} is not a finite size: give GiB as a number (0: no such tier)")
         if self.cpu_kv_gb < 0 or self.disk_kv_gb < 0:
             raise ValueError(f"cpu_kv_gb and disk_kv_gb must be >= 0, got {self.cpu_kv_gb}, {self.disk_kv_gb}")
         if self.disk_write_policy not in ("write-back", "write-through"):
@@ -197,10 +203,22 @@ class EngineConfig:
         if self.cpu_kv_gb > 0 and not self.enable_prefix_caching and self.preemption_mode == "recompute":
             raise ValueError("cpu_kv_gb would never be used: without enable_prefix_caching the host tier only "
                              "holds swapped requests, and preemption_mode is recompute")
+        if self.cpu_kv_gb > 0:
+            self._check_host_memory()
         if self.disk_kv_path:
             # Here, before the weights load: a path the tier would refuse fails in a second, not minutes.
             from mempath.kv.tiers.disk_dir import check_disk_kv_path
             check_disk_kv_path(self.disk_kv_path)
+
+    def _check_host_memory(self) -> None:
+        """Refuse a host tier the host cannot hold, before the weights load: the tier is reserved whole
+        at start-up (pinned on CUDA), and one larger than the host crashed there, after the weights had
+        loaded. What is available now, not the total: other processes' memory is not the tier's."""
+        import psutil
+        available = psutil.virtual_memory().available
+        if self.cpu_kv_gb * (1 << 30) > available:
+            raise ValueError(f"--cpu-kv-gb {self.cpu_kv_gb:g} is more than the {available / (1 << 30):.3g} GiB of "
+                             f"host memory available now; lower --cpu-kv-gb (or free host memory)")
 
     @property
     def tiers_enabled(self) -> bool:

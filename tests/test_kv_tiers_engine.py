@@ -4,13 +4,17 @@ The device tier is the CPU here, so every path runs for real (transfers complete
 at once). A device pool of a few blocks forces finished conversations down the
 tiers; outputs must equal a run without tiers, token for token.
 """
+import math
 import os
 import random
+import re
+from types import SimpleNamespace
 
 import pytest
 
 from mempath import LLM, SamplingParams
 from mempath.config import EngineConfig
+from mempath.kv.block_pool import hash_block
 
 BLOCK = 16
 DEVICE_BLOCKS = 8
@@ -338,6 +342,48 @@ def test_bad_tier_options_are_refused(kw, message):
 def test_a_host_tier_smaller_than_one_block_names_the_flag(tiny):
     with pytest.raises(ValueError, match=r"--cpu-kv-gb .* holds no KV block: one block is \d+ bytes"):
         make_llm(tiny, cpu_kv_gb=BLOCK_NBYTES / 2 / GIB)
+
+
+@pytest.mark.parametrize("flag, value", [("cpu", math.inf), ("cpu", math.nan), ("disk", math.inf),
+                                         ("disk", math.nan)])
+def test_non_finite_tier_sizes_are_refused_before_anything_loads(tmp_path, flag, value):
+    kw = dict(cpu_kv_gb=1.0, disk_kv_path=str(tmp_path), disk_kv_gb=1.0)
+    kw[f"{flag}_kv_gb"] = value
+    with pytest.raises(ValueError, match=rf"^--{flag}-kv-gb {value:g} is not a finite size") as refused:
+        EngineConfig(model="m", **kw)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_host_tier_larger_than_the_available_memory_is_refused(monkeypatch):
+    import psutil
+    available = 3 * GIB
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=available, total=8 * GIB))
+    with pytest.raises(ValueError, match=r"^--cpu-kv-gb 4 is more than the 3 GiB of host memory available "
+                                         r".*lower --cpu-kv-gb") as refused:
+        EngineConfig(model="m", cpu_kv_gb=4.0)
+    assert "\n" not in str(refused.value)
+    EngineConfig(model="m", cpu_kv_gb=2.5)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="more than the"):
+        EngineConfig(model="m", cpu_kv_gb=100000)  # the audit's: it crashed allocating host memory
+
+
+def test_a_host_tier_below_one_byte_is_named_as_given(tiny):
+    with pytest.raises(ValueError, match=r"^--cpu-kv-gb 1e-12 holds no KV block"):
+        make_llm(tiny, cpu_kv_gb=1e-12)
+
+
+def test_a_disk_tier_smaller_than_one_block_file_names_the_flag(tiny, tmp_path):
+    with pytest.raises(ValueError, match=r"^--disk-kv-gb 1e-06 holds no KV block: one block file is (\d+) bytes") \
+            as refused:
+        make_llm(tiny, cpu_kv_gb=gb(2), disk_kv_path=str(tmp_path), disk_kv_gb=1e-6)
+    assert "\n" not in str(refused.value)
+    assert not os.listdir(tmp_path)  # refused before the tier touched the directory
+    file_nbytes = int(re.search(r"is (\d+) bytes", str(refused.value))[1])
+    llm = make_llm(tiny, cpu_kv_gb=gb(2), disk_kv_path=str(tmp_path), disk_kv_gb=file_nbytes / GIB)
+    disk = llm.engine.kv.tiers.disk
+    assert disk.capacity_bytes == file_nbytes == disk.file_nbytes(hash_block(None, [0]))
+    llm.engine.close()
 
 
 def test_cli_passes_the_tier_flags():

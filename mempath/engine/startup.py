@@ -445,7 +445,8 @@ class Startup:
         c = self.config
         kv = KVCacheManager(num_blocks, c.block_size, c.enable_prefix_caching, TierConfig(
             self.runner.kv_cache, int(c.cpu_kv_gb * (1 << 30)), c.disk_kv_path, int(c.disk_kv_gb * (1 << 30)),
-            c.disk_write_policy == "write-through", self.kv_fingerprint(), c.preemption_mode))
+            c.disk_write_policy == "write-through", self.kv_fingerprint(), c.preemption_mode,
+            cpu_gb=c.cpu_kv_gb, disk_gb=c.disk_kv_gb))
         tiers = kv.tiers
         host = tiers.host
         self.ledger.record(Pathway.KV_CPU, host.capacity_bytes, "cpu", "measured",

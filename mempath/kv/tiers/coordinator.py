@@ -81,6 +81,9 @@ class TierConfig:
     write_through: bool = False  # --disk-write-policy
     fingerprint: str = ""  # names the model whose blocks the disk tier may keep
     preemption_mode: str = "auto"
+    # --cpu-kv-gb and --disk-kv-gb as given, for the refusals (the bytes above round a tiny one to 0).
+    cpu_gb: float | None = None
+    disk_gb: float | None = None
 
 
 class TierCoordinator:
@@ -88,13 +91,12 @@ class TierCoordinator:
         self.pool = pool
         self.block_size = block_size
         self.preemption_mode = config.preemption_mode
-        self.host = HostBlockStore.for_cache(config.kv_cache, config.cpu_bytes)
+        self.host = HostBlockStore.for_cache(config.kv_cache, config.cpu_bytes, flag_gb=config.cpu_gb)
         self.block_nbytes = self.host.block_nbytes
         self.disk = None
         if config.disk_path:
-            self.disk = DiskBlockStore(config.disk_path, config.disk_bytes, self.block_nbytes, config.write_through,
-                                       fingerprint=config.fingerprint, block_shape=self.host.block_shape,
-                                       dtype=self.host.dtype)
+            self.disk = DiskBlockStore.for_host(config.disk_path, config.disk_bytes, self.host, config.write_through,
+                                                fingerprint=config.fingerprint, flag_gb=config.disk_gb)
         self.transfer = TransferEngine(config.kv_cache, self.host,
                                        staging_blocks=min(STAGING_BLOCKS, pool.num_blocks))
         self.rates: dict = {}

@@ -29,6 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
+from mempath.kv.block_pool import hash_block
 from mempath.kv.tiers.disk_dir import (BLOCK_NAME, LOCK_NAME, SHARD_NAME, TMP_NAME, NotOurFile, layout_namespace,
                                        lock_namespace, make_private_dir, open_disk_root, open_regular,
                                        read_failure_kind, unlock_namespace, write_failure_kind, write_new_file)
@@ -68,6 +69,7 @@ _VERSION = 1
 _HEADER = struct.Struct("<4sHHQHH")
 _TRAILER = struct.Struct("<I")  # crc32 of the payload
 _SUFFIX = ".kv"
+_HASH_NBYTES = len(hash_block(None, [0]))  # what names every block the engine stores
 
 
 class DiskBlockStore:
@@ -139,6 +141,24 @@ class DiskBlockStore:
         self._used = 0
         self._pool = ThreadPoolExecutor(max_workers=max(1, num_workers), thread_name_prefix="mempath-disk-kv")
         self._rebuild_index()
+
+    @classmethod
+    def for_host(cls, path, capacity_bytes: int, host: HostBlockStore, write_through: bool = False, *,
+                 fingerprint: str = "", flag_gb: float | None = None) -> DiskBlockStore:
+        """The engine's cold tier for ``host``'s blocks, of ``capacity_bytes`` (``--disk-kv-gb``,
+        ``flag_gb`` as given, for the refusal).
+
+        Refused, as the host tier refuses the same, before the directory is touched when no
+        block's file fits: such a tier was accepted and never stored anything.
+        """
+        layout = block_layout(fingerprint, host.block_shape, host.dtype)
+        file_nbytes = _HEADER.size + _HASH_NBYTES + len(layout.encode()) + host.block_nbytes + _TRAILER.size
+        if capacity_bytes < file_nbytes:
+            given = capacity_bytes / (1 << 30) if flag_gb is None else flag_gb
+            raise ValueError(f"--disk-kv-gb {given:g} holds no KV block: one block file is {file_nbytes} bytes "
+                             f"({file_nbytes / (1 << 30):.6g} GiB); raise it or leave --disk-kv-path unset")
+        return cls(path, capacity_bytes, host.block_nbytes, write_through, fingerprint=fingerprint,
+                   block_shape=host.block_shape, dtype=host.dtype)
 
     # ------------------------------------------------------------ layout of a file
     def path_for(self, block_hash: bytes) -> str:

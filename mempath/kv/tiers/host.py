@@ -71,12 +71,16 @@ class HostBlockStore:
         self._holds: list[tuple[object, list[int], bool]] = []
 
     @classmethod
-    def for_cache(cls, kv_cache: torch.Tensor, capacity_bytes: int, **kwargs) -> HostBlockStore:
-        """As many blocks of the device cache's shape as fit in capacity_bytes (``--cpu-kv-gb``)."""
+    def for_cache(cls, kv_cache: torch.Tensor, capacity_bytes: int, flag_gb: float | None = None,
+                  **kwargs) -> HostBlockStore:
+        """As many blocks of the device cache's shape as fit in capacity_bytes (``--cpu-kv-gb``,
+        ``flag_gb`` as given, for the refusal)."""
         shape = block_shape_of(kv_cache)
         block_nbytes = math.prod(shape) * kv_cache.element_size()
         if capacity_bytes < block_nbytes:
-            raise ValueError(f"--cpu-kv-gb {capacity_bytes / (1 << 30):.6g} holds no KV block: one block is "
+            # As given: capacity_bytes rounds a tiny flag down to 0, which the user never wrote.
+            given = capacity_bytes / (1 << 30) if flag_gb is None else flag_gb
+            raise ValueError(f"--cpu-kv-gb {given:g} holds no KV block: one block is "
                              f"{block_nbytes} bytes ({block_nbytes / (1 << 30):.6g} GiB); raise it or set 0")
         return cls(int(capacity_bytes // block_nbytes), shape, kv_cache.dtype, **kwargs)
 
