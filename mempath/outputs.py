@@ -54,6 +54,8 @@ class RequestOutput:
     # first), and the prompt token's rank among the vocabulary (1: the most likely).
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_logprob_ranks: list[int | None] | None = None
+    # The request field that made it fail (its bad_words left its grammar no token): a 400 on the server.
+    error_param: str | None = None
 
     @classmethod
     def of_sample(cls, *, request_id: str, prompt: str | None, prompt_token_ids: list[int],

@@ -7,6 +7,11 @@ from mempath.structured.params import StructuredOutputsParams
 # Below this temperature a request is greedy, as in vLLM (_SAMPLING_EPS): dividing the logits
 # by a tiny temperature overflows to inf - inf = nan, and its limit is the argmax anyway.
 GREEDY_BELOW_TEMPERATURE = 1e-5
+# The sampler works in float32: a double above its largest value becomes inf there (a -inf logit
+# divided by an infinite temperature is nan), and a divisor below its smallest normal value
+# underflows to 0 (or to a subnormal a GPU may flush to 0).
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38
 
 
 @dataclass
@@ -63,10 +68,16 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature > FLOAT32_MAX:
+            raise ValueError(f"temperature must be in [0, {FLOAT32_MAX:.7g}] (float32's range, which the sampler "
+                             f"computes in), got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 or -1 turns it off), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_p < FLOAT32_TINY:
+            raise ValueError(f"top_p must be in [{FLOAT32_TINY:.7g}, 1] (float32's range, which the sampler "
+                             f"computes in), got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
@@ -93,6 +104,9 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not self.repetition_penalty > 0.0:
             raise ValueError(f"repetition_penalty must be > 0 (1: off), got {self.repetition_penalty}")
+        if not FLOAT32_TINY <= self.repetition_penalty <= FLOAT32_MAX:  # logits are divided by it
+            raise ValueError(f"repetition_penalty must be in [{FLOAT32_TINY:.7g}, {FLOAT32_MAX:.7g}] (float32's "
+                             f"range, which the sampler computes in; 1: off), got {self.repetition_penalty}")
         for token_id, bias in (self.logit_bias or {}).items():
             if isinstance(token_id, bool) or not isinstance(token_id, int):
                 raise ValueError(f"logit_bias keys must be token ids (integers), got {token_id!r}")

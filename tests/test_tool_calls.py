@@ -99,8 +99,8 @@ def test_vllm_fields_regex_choice_and_json(client):
     ({"response_format": {"type": "xml"}}, "response_format.type", "json_schema"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "both constrain"),
     ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "tool_choice", "cannot be combined"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
-     "not in tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice.function.name", "not in tools"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools.0.function.name", "name"),
 ])
 def test_invalid_constraints_are_400s_naming_the_field(server, body, param, says):

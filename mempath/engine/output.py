@@ -14,6 +14,31 @@ from mempath.outputs import RequestOutput
 log = logging.getLogger(__name__)
 
 
+class ConstraintConflict(ValueError):
+    """A request's own constraints leave no token to sample: its fault, named by ``param``, not the engine's."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def constraint_conflict(request: Request) -> ConstraintConflict | None:
+    """Why a token the grammar refused was sampled, when the request's bad_words banned every token the
+    grammar allowed (the sampler then had only -inf scores); None when they did not: the engine's bug."""
+    allowed = request.grammar.allowed_tokens()
+    generated = request.token_ids[request.num_prompt_tokens:-1]  # before the refused token
+    banned = set()
+    for word in request.params.bad_words_token_ids:
+        rest = len(word) - 1
+        if rest == 0 or (len(generated) >= rest and generated[-rest:] == word[:-1]):
+            banned.add(word[-1])
+    if not allowed or not allowed <= banned:
+        return None
+    return ConstraintConflict(f"bad_words rule out every token the request's structured output allows after "
+                              f"{len(generated)} generated tokens; leave those words out or loosen the "
+                              f"constraint", "bad_words")
+
+
 class OutputProcessor:
     def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int,
                  finish: Callable[[Request, str], None]):
@@ -53,6 +78,11 @@ class OutputProcessor:
                 continue
             try:
                 output = self._append_token(request, token_id, row_logprobs, now)
+            except ConstraintConflict as error:
+                log.info("request %s failed: %s", request.request_id, error)
+                request.error, request.error_param = str(error), error.param
+                self.finish(request, "error")
+                output = self.finished(request)
             except Exception as error:
                 log.exception("request %s failed after its step", request.request_id)
                 request.error = f"{type(error).__name__}: {error}"
@@ -90,8 +120,13 @@ class OutputProcessor:
         """Why the request ends with this token, if it does, and its new text cut at a stop string."""
         params = request.params
         if request.grammar is not None:
-            if not request.grammar.accept(token_id):
-                raise ValueError(f"token {token_id} broke the request's grammar")
+            try:
+                request.grammar.accept(token_id)
+            except ValueError:
+                conflict = constraint_conflict(request)
+                if conflict is not None:
+                    raise conflict from None
+                raise
             if request.grammar.finished:  # it took a stop token: the output is complete
                 return "stop", new_text
         if request.num_output_tokens < params.min_tokens:
@@ -137,7 +172,7 @@ class OutputProcessor:
             token_ids=request.output_token_ids if finished else [],
             text=request.output_text, finished=finished, finish_reason=request.finish_reason,
             stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens or 0,
-            logprobs=logprobs, error=request.error, time_to_first_token=ttft,
+            logprobs=logprobs, error=request.error, error_param=request.error_param, time_to_first_token=ttft,
             total_time=total, new_text=new_text, new_token_ids=new_token_ids,
             num_output_tokens=request.num_output_tokens,
             prompt_logprobs=request.prompt_logprobs, prompt_logprob_ranks=request.prompt_logprob_ranks)

@@ -78,13 +78,16 @@ def _upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def build_adjustments(requests: list, tokens_on_device: bool, last_tokens, vocab_size: int,
-                      device: torch.device) -> LogitsAdjustments | None:
+                      device: torch.device, grammar_only_ends=None) -> LogitsAdjustments | None:
     """This step's adjustments for its sampling rows (``requests``, in row order), or None.
 
     ``tokens_on_device``: each request's newest token is not in its ``token_ids`` yet
     (async scheduling). ``last_tokens()``: a device tensor of each sampling row's last
     input token, i.e. the newest token of its history; called only when a row needs
-    its history.
+    its history. ``grammar_only_ends(row, stop_ids)``: whether that row's grammar allows
+    nothing but those tokens now; such a row keeps them although min_tokens are not out,
+    since masking them too would leave no token to sample: the finished grammar ends the
+    output (docs/structured.md).
     """
     add_rows, add_tokens, add_values = [], [], []
     history_rows, bad = [], []
@@ -94,7 +97,8 @@ def build_adjustments(requests: list, tokens_on_device: bool, last_tokens, vocab
         params = request.params
         total = len(request.token_ids) + (1 if tokens_on_device else 0)
         num_output = total - request.num_prompt_tokens  # generated before this row's token
-        if num_output < params.min_tokens and request.min_tokens_stop_ids:
+        if num_output < params.min_tokens and request.min_tokens_stop_ids and not (
+                grammar_only_ends is not None and grammar_only_ends(row, request.min_tokens_stop_ids)):
             add_rows += [row] * len(request.min_tokens_stop_ids)
             add_tokens += request.min_tokens_stop_ids
             add_values += [float("-inf")] * len(request.min_tokens_stop_ids)

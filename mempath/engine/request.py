@@ -44,6 +44,7 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.error: str | None = None
+        self.error_param: str | None = None  # the request field an error is about: the client's fault
         self.output_text = ""
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         # Per prompt token, from the logits before it: {token_id: logprob} for the actual token and

@@ -328,10 +328,14 @@ class ModelRunner:
         # A finished request's row (its stop token was in flight when this step was scheduled)
         # samples a surplus token that is dropped: no mask.
         grammars = [r.grammar if not r.is_finished else None for r in sampling]
+        only_ends = None
         if any(g is not None for g in grammars):
             # Here the forward is queued, not finished: the host fills the masks meanwhile.
             self.grammar_bitmask.apply(logits, grammars)
-        return build_adjustments(sampling, tokens_on_device, last_tokens, self.spec.vocab_size, self.device)
+            only_ends = lambda row, ids: (grammars[row] is not None  # noqa: E731
+                                          and self.grammar_bitmask.allows_only(row, ids))
+        return build_adjustments(sampling, tokens_on_device, last_tokens, self.spec.vocab_size, self.device,
+                                 only_ends)
 
     def _graph_size(self, batch: ScheduledBatch, sampling: list[Request]) -> int | None:
         """The captured graph that can run this batch: decode-only, every row sampling."""

@@ -30,8 +30,9 @@ from mempath.generation_config import with_defaults
 from mempath.sampling import SamplingParams
 from mempath.server.async_engine import AsyncEngine, EngineDeadError, Update
 from mempath.server.calls import (SSE_DONE, Call, ChoiceText, Limits, SSEResponse, api_key_checker,  # noqa: F401
-                                  check_model, check_num_choices, collect, error_of, param_named_in,
-                                  read_body, render_messages, resolve_max_tokens, sse, until_disconnect)
+                                  check_context, check_model, check_num_choices, collect, error_of,
+                                  param_named_in, read_body, render_messages, resolve_max_tokens, sse,
+                                  stream_error_body, token_ids_of, until_disconnect)
 from mempath.server.guards import HeaderLimits, LoopbackHostOnly, is_loopback_address
 from mempath.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_body,
                                      completion_body, error_body, models_body, parse_request)
@@ -150,6 +151,10 @@ def openai_router(engine_client: AsyncEngine, served_model_name: str, api_key: s
         check_num_choices(len(prompts), req.n, limits)
         max_tokens = resolve_max_tokens(req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, limits)
         structured = structured_request(req)
+        prompts = [token_ids_of(engine_client.tokenizer, prompt) for prompt in prompts]
+        for prompt in prompts:
+            if isinstance(prompt, list):
+                check_context(len(prompt), req.max_tokens, engine_client.max_model_len)
         params = with_defaults(sampling_params(req, max_tokens, req.logprobs, structured),
                                req.model_fields_set, sampling_defaults)
         call = Call(engine_client, f"cmpl-{uuid.uuid4().hex}", served_model_name, req.stop_list(),
@@ -174,12 +179,15 @@ def openai_router(engine_client: AsyncEngine, served_model_name: str, api_key: s
             structured = StructuredRequest(plan.grammar(), "tools")
         prompt = render_chat(engine_client.tokenizer, req, plan.tools if plan is not None else None)
         room = max(1, engine_client.max_model_len - len(prompt))
-        max_tokens = resolve_max_tokens(req.requested_max_tokens, room, limits)
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = resolve_max_tokens(req.requested_max_tokens, room, limits, param)
+        check_context(len(prompt), req.requested_max_tokens, engine_client.max_model_len, param, "messages")
         params = with_defaults(sampling_params(req, max_tokens, req.num_logprobs, structured),
                                req.model_fields_set, sampling_defaults)
         call = Call(engine_client, f"chatcmpl-{uuid.uuid4().hex}", served_model_name,
                     req.stop_list(), req.n, req.num_logprobs)
-        await call.start([prompt], params, structured)
+        await call.start([prompt], params, structured,
+                         {"logprobs": "top_logprobs", "max_tokens": param, "prompt": "messages"})
         if req.stream:
             return SSEResponse(stream_chat(call, req.include_usage, plan), on_close=call.abort)
         return JSONResponse(await until_disconnect(request, finish_chat(call, plan)))
@@ -445,7 +453,7 @@ async def stream_sse(call: Call, include_usage: bool, chunk, choice, logprobs_fo
                 for one in made if isinstance(made, list) else [made]:
                     yield chunk([one])
             if failed:
-                yield sse(error_body(update.error or "generation failed", "server_error"))
+                yield sse(stream_error_body(update))
         if include_usage:
             yield chunk([], call.usage(finals))
         yield SSE_DONE

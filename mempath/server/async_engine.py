@@ -66,6 +66,7 @@ class Update:
     error: str | None = None
     # Finished updates of a request with SamplingParams.prompt_logprobs: (entries, ranks).
     prompt_logprobs: tuple[list, list] | None = None
+    error_param: str | None = None  # the request field an error is about (a 400), None: the server's
 
 
 class _Backlog:
@@ -525,7 +526,8 @@ class AsyncEngine:
         if route is None:
             return
         if output is not None:
-            update = dataclasses.replace(self._update(output), finish_reason="error", error=message)
+            update = dataclasses.replace(self._update(output), finish_reason="error", error=message,
+                                         error_param=None)
         else:
             update = Update(request_id, "", [], None, "", True, "error", 0, 0, 0, message)
         self._deliver(route, update)
@@ -541,7 +543,7 @@ class AsyncEngine:
             new_token_ids=list(output.new_token_ids), new_logprobs=new_logprobs, text=output.text,
             finished=output.finished, finish_reason=output.finish_reason,
             num_prompt_tokens=len(output.prompt_token_ids), num_cached_tokens=output.num_cached_tokens,
-            num_output_tokens=output.num_output_tokens, error=output.error,
+            num_output_tokens=output.num_output_tokens, error=output.error, error_param=output.error_param,
             prompt_logprobs=((output.prompt_logprobs, output.prompt_logprob_ranks)
                              if output.finished and output.prompt_logprobs is not None else None))
 

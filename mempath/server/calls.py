@@ -85,13 +85,37 @@ def check_num_choices(num_prompts: int, n: int, limits: Limits) -> None:
                             f"{limits.max_n} per request (--max-n)", "n")
 
 
-def resolve_max_tokens(requested: int | None, default: int, limits: Limits) -> int:
+def resolve_max_tokens(requested: int | None, default: int, limits: Limits, param: str = "max_tokens") -> int:
+    """``param``: the field the client sent it in (max_completion_tokens, max_output_tokens)."""
     if requested is None:
         return min(default, limits.max_tokens)
     if requested > limits.max_tokens:
-        raise APIError(400, f"max_tokens {requested} is more than this server allows per request "
-                            f"({limits.max_tokens}, --max-tokens-limit)", "max_tokens")
+        raise APIError(400, f"{param} {requested} is more than this server allows per request "
+                            f"({limits.max_tokens}, --max-tokens-limit)", param)
     return requested
+
+
+def check_context(num_prompt_tokens: int, requested: int | None, max_model_len: int, param: str = "max_tokens",
+                  prompt_param: str = "prompt") -> None:
+    """APIError(400) for a prompt that leaves no room, or an explicit max_tokens (``param``) past the
+    context, as vLLM's server answers: it is not quietly cut (the offline LLM still caps it)."""
+    if num_prompt_tokens > max_model_len:
+        raise APIError(400, f"{prompt_param} has {num_prompt_tokens} tokens, more than max_model_len "
+                            f"{max_model_len} (this model's maximum context length); shorten it or raise "
+                            f"--max-model-len", prompt_param)
+    if requested is not None and num_prompt_tokens + requested > max_model_len:
+        raise APIError(400, f"'{param}' is too large: {requested}. This model's maximum context length is "
+                            f"{max_model_len} tokens and your request has {num_prompt_tokens} input tokens "
+                            f"({requested} > {max_model_len} - {num_prompt_tokens})", param)
+
+
+def token_ids_of(tokenizer, prompt: str | list[int]) -> str | list[int]:
+    """A text prompt as the token ids the engine would make of it (InputProcessor.tokenize), so that
+    its length can be checked here; empty text, or text without a tokenizer, is left for the engine
+    to refuse."""
+    if isinstance(prompt, str) and prompt and tokenizer is not None:
+        return tokenizer.encode(prompt)
+    return prompt
 
 
 def param_named_in(message: str) -> str | None:
@@ -102,6 +126,15 @@ def param_named_in(message: str) -> str | None:
         if message.startswith(name):
             return name
     return "prompt" if "prompt" in message else None
+
+
+def renamed(error: APIError, fields: dict[str, str]) -> APIError:
+    """``error`` naming the request's field where its param is a SamplingParams field of another name."""
+    name = fields.get(error.param)
+    if name is None:
+        return error
+    message = name + error.message[len(error.param):] if error.message.startswith(error.param) else error.message
+    return APIError(error.status, message, name, error.code, error.type)
 
 
 class Call:
@@ -131,10 +164,11 @@ class Call:
         self._siblings: dict[str, list[tuple[int, str | list[int], SamplingParams]]] = {}
 
     async def start(self, prompts: list[str | list[int]], params: SamplingParams,
-                    structured=None) -> None:
+                    structured=None, fields: dict[str, str] | None = None) -> None:
         """Submit every prompt's first sample; a request the engine rejects raises APIError(400)
         (naming the client's structured-output field, ``structured``'s, when its grammar does
-        not compile)."""
+        not compile). ``fields``: SamplingParams field -> the request field the client sent it as
+        (chat's top_logprobs for logprobs), for the error's param and message."""
         self.num_choices = len(prompts) * self.n
         self.num_prompt_logprobs = params.prompt_logprobs
         request_log.info("request %s: %d prompt(s) of %s tokens, n=%d, %s", self.id, len(prompts),
@@ -147,7 +181,7 @@ class Call:
                 self._siblings[self._request_id(p * self.n)] = samples[1:]
         except ValueError as error:
             self.abort()
-            api_error = APIError(400, str(error), param_named_in(str(error)))
+            api_error = renamed(APIError(400, str(error), param_named_in(str(error))), fields or {})
             raise (structured.field_error(api_error) if structured is not None else api_error) from None
         except BaseException:
             self.abort()
@@ -243,9 +277,18 @@ class ChoiceText:
 def error_of(finals: dict[int, Update]) -> APIError | None:
     for update in finals.values():
         if update.finish_reason in ("error", "abort"):
+            if update.error_param is not None:  # the request's own constraints failed it
+                return APIError(400, update.error, update.error_param, "invalid_value")
             return APIError(500, update.error or "the request was aborted", None, "generation_failed",
                             "server_error")
     return None
+
+
+def stream_error_body(update: Update) -> dict:
+    """The error event of a stream whose request failed: the client's fault when it names a field."""
+    if update.error_param is not None:
+        return error_body(update.error, "invalid_request_error", update.error_param, "invalid_value")
+    return error_body(update.error or "generation failed", "server_error")
 
 
 async def collect(call: Call) -> tuple[dict[int, Update], dict[int, list[int]], dict[int, list]]:

@@ -2,18 +2,24 @@
 
 Requests are parsed in strict mode straight from the JSON bytes: ``"max_tokens": "5"``
 is a wrong type, not a number, and ``Infinity``, ``NaN`` or ``1e999`` are not finite
-numbers; the error names the field. Unknown fields are ignored (clients send fields
-they don't expect us to use, such as ``user`` or ``metadata``); the fields of
-OpenAI's API and vLLM's extensions that would change the answer and that we cannot
-honour are refused, naming the field, unless they hold the value that asks for
-nothing (``NOT_HONOURED``).
+numbers; the error names the field. ``null`` in a field that has a default is that
+default, as OpenAI's spec and vLLM take it. Unknown fields are ignored, with one
+warning per request naming them, as vLLM logs them (clients send fields they don't
+expect us to use, such as ``store`` or ``service_tier``); the fields of OpenAI's API
+and vLLM's extensions that would change the answer and that we cannot honour are
+refused, naming the field, unless they hold the value that asks for nothing
+(``NOT_HONOURED``).
 """
 import json
+import logging
 import math
+import re
 import time
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
+
+log = logging.getLogger(__name__)
 
 # Matching stop strings costs work per token for each of them, in proportion to their
 # length on some paths: bound both (docs/server.md compares these with OpenAI and vLLM).
@@ -22,6 +28,8 @@ MAX_STOP_LENGTH = 256  # characters
 MAX_SEED = 2**63 - 1
 MAX_LOGIT_BIAS = 100  # OpenAI's range for a logit_bias value: -100..100
 MAX_BAD_WORDS = 64  # each is tokenized per request and matched per step
+TOKEN_ID_KEY = re.compile(r"-?[0-9]+")  # a logit_bias key
+MAX_IGNORED_NAMED = 20  # unknown fields a warning names; the body limit bounds the rest
 
 # Field -> the values that ask for nothing beyond what the server does (None: absent).
 NOT_HONOURED_SAMPLING = {
@@ -72,6 +80,21 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 # ----------------------------------------------------------------- requests
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    # Fields checked by a validator of their own rather than declared (NOT_HONOURED_*): not "ignored".
+    checked_fields: ClassVar[tuple[str, ...]] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data, info: ValidationInfo):
+        """Drop the nulls of fields that have a default; note the top level's unknown fields."""
+        if not isinstance(data, dict):
+            return data
+        if info.context is not None and info.context.get("model") is cls:
+            info.context["ignored"] = set(data) - set(cls.model_fields) - set(cls.checked_fields)
+        # OpenAI's clients send null for a field they leave unset; dropped, it is neither a type
+        # error nor in model_fields_set, so the --generation-config default applies to it as well.
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
 
 
 def _same(value, neutral) -> bool:
@@ -104,6 +127,19 @@ def refuse_not_honoured_in_messages(data) -> None:
     messages = data.get("messages") if isinstance(data, dict) else None
     for i, message in enumerate(messages if isinstance(messages, list) else []):
         refuse_not_honoured(message, NOT_HONOURED_MESSAGE, f"messages.{i}.")
+
+
+def refuse_other_parts(messages, where: str, kinds: tuple[str, ...]) -> None:
+    """APIError(400) for the first content part that is not text (images, audio, files), by its type."""
+    for i, message in enumerate(messages if isinstance(messages, list) else []):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind not in kinds:
+                shown = kind if len(kind) <= 40 else kind[:40] + "..."
+                raise APIError(400, f"{shown} content parts are not supported by this server (text only: "
+                                    f"{' or '.join(kinds)} parts, or a string)",
+                               f"{where}.{i}.content.{j}.type")
 
 
 class StreamOptions(_Strict):
@@ -169,14 +205,20 @@ class _SamplingRequest(_Strict):
         """logit_bias with its JSON string keys as token ids; 400 naming the bad entry."""
         if not self.logit_bias:
             return None
-        bias = {}
+        bias, keys = {}, {}
         for key, value in self.logit_bias.items():
-            if not key.strip().lstrip("-").isdigit():
-                raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+            # ASCII digits only: int() also reads "٥", " 5" and "+5", and str.isdigit() takes "²".
+            if not TOKEN_ID_KEY.fullmatch(key):
+                raise APIError(400, f"logit_bias keys must be token ids written as decimal integers "
+                                    f"(\"50256\"), got {key!r}", "logit_bias")
             if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
                 raise APIError(400, f"logit_bias[{key}] must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], "
                                     f"got {value}", "logit_bias")
-            bias[int(key)] = value
+            token_id = int(key)
+            if token_id in bias:
+                raise APIError(400, f"logit_bias names token {token_id} twice ({keys[token_id]!r} and "
+                                    f"{key!r}); give it once", "logit_bias")
+            bias[token_id], keys[token_id] = value, key
         return bias
 
     def stop_list(self) -> list[str]:
@@ -203,6 +245,7 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    checked_fields: ClassVar[tuple[str, ...]] = tuple(NOT_HONOURED_COMPLETION)
 
     @model_validator(mode="before")
     @classmethod
@@ -265,12 +308,14 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[dict] | None = None  # checked by server/tool_choice.py
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
+    checked_fields: ClassVar[tuple[str, ...]] = tuple(NOT_HONOURED_CHAT)
 
     @model_validator(mode="before")
     @classmethod
     def _refuse_not_honoured(cls, data):
         refuse_not_honoured(data, NOT_HONOURED_CHAT)
         refuse_not_honoured_in_messages(data)
+        refuse_other_parts(data.get("messages") if isinstance(data, dict) else None, "messages", ("text",))
         return data
 
     @model_validator(mode="after")
@@ -293,11 +338,20 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 def parse_request(model: type[BaseModel], body: bytes):
-    """Validate JSON bytes into a request model; raise APIError(400) naming the field."""
+    """Validate JSON bytes into a request model; raise APIError(400) naming the field.
+
+    Unknown top-level fields are ignored with one warning naming them (vLLM's line)."""
+    context = {"model": model}
     try:
-        return model.model_validate_json(body)
+        request = model.model_validate_json(body, context=context)
     except ValidationError as error:
         raise validation_error(error) from None
+    if context.get("ignored"):
+        names = sorted(context["ignored"])
+        shown = "{" + ", ".join(repr(n[:64]) for n in names[:MAX_IGNORED_NAMED]) + "}"
+        more = f" and {len(names) - MAX_IGNORED_NAMED} more" if len(names) > MAX_IGNORED_NAMED else ""
+        log.warning("The following fields were present in the request but ignored: %s%s", shown, more)
+    return request
 
 
 def validation_error(error: ValidationError) -> APIError:

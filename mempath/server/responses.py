@@ -16,7 +16,7 @@ import itertools
 import json
 import time
 import uuid
-from typing import Literal
+from typing import ClassVar, Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
@@ -25,9 +25,11 @@ from pydantic import Field, model_validator
 from mempath.generation_config import with_defaults
 from mempath.sampling import SamplingParams
 from mempath.server.async_engine import AsyncEngine, Update
-from mempath.server.calls import (Call, ChoiceText, Limits, SSEResponse, api_key_checker, check_model, collect,
-                                  read_body, render_messages, resolve_max_tokens, until_disconnect)
-from mempath.server.protocol import APIError, _Strict, error_body, parse_request, refuse_not_honoured
+from mempath.server.calls import (Call, ChoiceText, Limits, SSEResponse, api_key_checker, check_context,
+                                  check_model, collect, read_body, render_messages, resolve_max_tokens,
+                                  stream_error_body, until_disconnect)
+from mempath.server.protocol import (APIError, _Strict, error_body, parse_request, refuse_not_honoured,
+                                     refuse_other_parts)
 
 # Field -> the values that ask for nothing this server does not do.
 NOT_HONOURED_RESPONSES = {
@@ -63,6 +65,7 @@ class ResponsesRequest(_Strict):
     stream: bool = False
     metadata: dict[str, str] | None = None
     user: str | None = None
+    checked_fields: ClassVar[tuple[str, ...]] = tuple(NOT_HONOURED_RESPONSES)
 
     @model_validator(mode="before")
     @classmethod
@@ -70,10 +73,14 @@ class ResponsesRequest(_Strict):
         refuse_not_honoured(data, NOT_HONOURED_RESPONSES)
         items = data.get("input") if isinstance(data, dict) else None
         for i, item in enumerate(items if isinstance(items, list) else []):
-            kind = item.get("type", "message") if isinstance(item, dict) else None
-            if kind != "message":
+            if not isinstance(item, dict):
+                raise APIError(400, f"input.{i} must be a message object ({{\"role\": ..., \"content\": ...}}), "
+                                    f"got {type(item).__name__}", f"input.{i}")
+            kind = item.get("type")
+            if kind not in ("message", None):  # null is the default: a message
                 raise APIError(400, f"input.{i}: only messages with text are supported, got type {kind!r}",
                                f"input.{i}.type")
+        refuse_other_parts(items, "input", ("input_text", "output_text"))
         return data
 
     def messages(self) -> list[dict]:
@@ -92,12 +99,13 @@ def responses_router(engine_client: AsyncEngine, served_model_name: str, api_key
         check_model(req.model, served_model_name)
         prompt = render_messages(engine_client.tokenizer, req.messages(), "input")
         room = max(1, engine_client.max_model_len - len(prompt))
-        params = SamplingParams(max_tokens=resolve_max_tokens(req.max_output_tokens, room, limits),
-                                temperature=req.temperature, top_p=req.top_p)
+        max_tokens = resolve_max_tokens(req.max_output_tokens, room, limits, "max_output_tokens")
+        check_context(len(prompt), req.max_output_tokens, engine_client.max_model_len, "max_output_tokens", "input")
+        params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p)
         params = with_defaults(params, req.model_fields_set, sampling_defaults)
         call = Call(engine_client, f"resp_{uuid.uuid4().hex}", served_model_name, [], 1, None)
         shape = ResponseShape(call, req, params)
-        await call.start([prompt], params)
+        await call.start([prompt], params, fields={"max_tokens": "max_output_tokens", "prompt": "input"})
         if req.stream:
             return SSEResponse(stream_response(call, shape), on_close=call.abort)
         return JSONResponse(await until_disconnect(request, finish_response(call, shape)))
@@ -170,10 +178,12 @@ async def stream_response(call: Call, shape: ResponseShape):
                 sent += delta
                 yield event("response.output_text.delta", **where, delta=delta, logprobs=[])
             if update.finish_reason in ("error", "abort"):
-                failure = error_body(update.error or "the request was aborted", "server_error")["error"]
-                yield event("error", code="server_error", message=failure["message"], param=None)
+                failure = (stream_error_body(update) if update.error else
+                           error_body("the request was aborted", "server_error"))["error"]
+                code = "invalid_value" if failure["param"] else "server_error"
+                yield event("error", code=code, message=failure["message"], param=failure["param"])
                 yield event("response.failed", response=shape.body(
-                    "failed", [shape.message("incomplete", sent)], error={"code": "server_error",
+                    "failed", [shape.message("incomplete", sent)], error={"code": code,
                                                                           "message": failure["message"]}))
                 return
             if update.finished:

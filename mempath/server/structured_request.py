@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from mempath.server.protocol import APIError, refuse_not_honoured
 from mempath.structured import StructuredOutputsParams
+from mempath.structured.params import KINDS
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 # vLLM's structured_outputs fields beyond the constraint itself, at the values that ask for nothing.
@@ -52,11 +53,18 @@ def structured_request(req) -> StructuredRequest | None:
     try:
         request.params.validate()
     except ValueError as error:
-        message = str(error)
-        for kind in ("json", "regex", "choice", "grammar", "json_object"):
-            message = message.replace(f"structured_outputs.{kind}", request.field, 1)
-        raise APIError(400, message.replace("structured_outputs", request.field, 1), request.field) from None
+        raise APIError(400, _renamed(str(error), request.field), request.field) from None
     return request
+
+
+def _renamed(message: str, field: str) -> str:
+    """A StructuredOutputsParams message, which names structured_outputs[.kind], naming ``field`` instead."""
+    # Longest first: structured_outputs.json is a prefix of structured_outputs.json_object.
+    for name in sorted((*(f"structured_outputs.{kind}" for kind in KINDS), "structured_outputs"), key=len,
+                       reverse=True):
+        if message.startswith(name):
+            return field + message[len(name):]
+    return message
 
 
 def _from_response_format(value: dict) -> list[StructuredRequest]:
@@ -82,7 +90,11 @@ def _from_response_format(value: dict) -> list[StructuredRequest]:
 
 def _from_structured_outputs(value: dict) -> StructuredRequest:
     refuse_not_honoured(value, NOT_HONOURED_STRUCTURED, "structured_outputs.")
-    fields = {k: value[k] for k in ("json", "regex", "choice", "grammar", "json_object") if value.get(k) is not None}
-    flexible = not value.get("disable_any_whitespace", True)
+    for name in ("json_object", "disable_any_whitespace"):
+        if not isinstance(value.get(name), (bool, type(None))):  # "no" is truthy: never read a flag by truthiness
+            raise APIError(400, f"structured_outputs.{name} must be a boolean (true or false), got "
+                                f"{type(value[name]).__name__}", f"structured_outputs.{name}")
+    fields = {k: value[k] for k in KINDS if value.get(k) is not None and value.get(k) is not False}
+    flexible = value.get("disable_any_whitespace") is False
     field = f"structured_outputs.{next(iter(fields))}" if len(fields) == 1 else "structured_outputs"
     return StructuredRequest(StructuredOutputsParams(**fields, whitespace_flexible=flexible), field)

@@ -73,12 +73,34 @@ def check_tools(tools: list[dict]) -> dict[str, dict]:
         name = function.get("name")
         if not isinstance(name, str) or not name:
             raise APIError(400, f"tools.{i}.function.name must be a non-empty string", f"tools.{i}.function.name")
-        parameters = function.get("parameters") or EMPTY_PARAMETERS
-        if not isinstance(parameters, dict):
-            raise APIError(400, f"tools.{i}.function.parameters must be a JSON schema object",
+        parameters = function.get("parameters")
+        if not isinstance(parameters, (dict, type(None))):
+            raise APIError(400, f"tools.{i}.function.parameters must be a JSON schema object (or left out "
+                                f"for a function without parameters), got {type(parameters).__name__}",
                            f"tools.{i}.function.parameters")
-        functions[name] = parameters
+        functions[name] = parameters or EMPTY_PARAMETERS  # OpenAI: left out, the function takes none
     return functions
+
+
+def named_function(choice: dict, functions: dict[str, dict]) -> str:
+    """The function a ``{"type": "function", "function": {"name": ...}}`` choice names; APIError naming
+    the part of it that is wrong."""
+    if choice.get("type") != "function":
+        raise APIError(400, f"tool_choice.type must be 'function' (or tool_choice none, auto or required), "
+                            f"got {choice.get('type')!r}", "tool_choice.type")
+    function = choice.get("function")
+    if not isinstance(function, dict):
+        raise APIError(400, 'tool_choice.function must be an object naming one of tools: {"name": "..."}, '
+                            f"got {type(function).__name__}", "tool_choice.function")
+    name = function.get("name")
+    if not isinstance(name, str):
+        raise APIError(400, f"tool_choice.function.name must be a string, got {type(name).__name__}",
+                       "tool_choice.function.name")
+    if name not in functions:
+        shown = name if len(name) <= 64 else name[:64] + "..."
+        raise APIError(400, f"tool_choice names function {shown!r}, which is not in tools",
+                       "tool_choice.function.name")
+    return name
 
 
 def plan_tools(req, parser_name: str | None, auto_tool_choice: bool) -> ToolPlan | None:
@@ -91,10 +113,7 @@ def plan_tools(req, parser_name: str | None, auto_tool_choice: bool) -> ToolPlan
     functions = check_tools(tools)
     plan = ToolPlan("auto", tools, parallel=req.parallel_tool_calls, functions=functions)
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
-        if name not in functions:
-            raise APIError(400, f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
-        plan.mode, plan.named = "named", name
+        plan.mode, plan.named = "named", named_function(choice, functions)
     elif choice in ("none", "required"):
         plan.mode = choice
     elif choice not in (None, "auto"):

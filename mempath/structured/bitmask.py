@@ -71,6 +71,15 @@ class GrammarBitmask:
         if self.read is not None:
             self.read.record()
 
+    def allows_only(self, row: int, token_ids: list[int]) -> bool:
+        """Whether host row ``row``, as the last ``apply`` left it, allows no token but ``token_ids``."""
+        words = self.host_np[row].view(np.uint32).copy()
+        ids = np.asarray(token_ids, dtype=np.int64)
+        np.bitwise_and.at(words, ids >> 5, ~np.left_shift(np.uint32(1), (ids & 31).astype(np.uint32)))
+        if self.vocab_size % 32:  # the last word's bits past the vocabulary are no tokens
+            words[-1] &= np.uint32((1 << (self.vocab_size % 32)) - 1)
+        return not words.any()
+
     def fill(self, grammars: list) -> None:
         """Write host row i: the tokens ``grammars[i]`` allows next, all ones for None."""
         host = self.host_np

@@ -39,9 +39,20 @@ def choice_grammar(choices: list[str]) -> str:
 class RequestGrammar:
     """One request's position in its grammar: what it may emit next, whether it is done."""
 
-    def __init__(self, matcher):
+    def __init__(self, matcher, vocab_size: int | None = None):
         self.matcher = matcher
+        self.vocab_size = vocab_size
         self.error: str | None = None  # set when no token is allowed: the request fails with it
+
+    def allowed_tokens(self) -> set[int]:
+        """The tokens the grammar allows next, read on the host for one request (a failure's
+        diagnosis, not the per-step mask: that is GrammarBitmask's)."""
+        import numpy as np
+        import xgrammar
+        mask = xgrammar.allocate_token_bitmask(1, self.vocab_size)
+        self.matcher.fill_next_token_bitmask(mask)
+        bits = np.unpackbits(mask.numpy().view(np.uint8), bitorder="little")[:self.vocab_size]
+        return set(np.flatnonzero(bits).tolist())
 
     def accept(self, token_id: int) -> bool:
         """Advance by the request's newest token; ValueError if the grammar does not allow it.
@@ -173,7 +184,7 @@ class GrammarCompiler:
 
     def matcher(self, params: StructuredOutputsParams) -> RequestGrammar:
         import xgrammar
-        return RequestGrammar(xgrammar.GrammarMatcher(self.compile(params)))
+        return RequestGrammar(xgrammar.GrammarMatcher(self.compile(params)), self.vocab_size)
 
 
 def _valid(params) -> bool:

@@ -1,0 +1,276 @@
+"""Request bodies at the edges of what the server takes: OpenAI's nulls, malformed tool choices and
+logit_bias keys, numbers that are finite as JSON but not as float32, a constraint that meets
+min_tokens, max_tokens past the context, and unknown fields. Each bad body is one 400 naming the
+field; each valid one is answered (tests/test_hostile_server.py has the hostile clients)."""
+import json
+import logging
+
+import httpx
+import pytest
+
+from mempath import LLM, SamplingParams
+from mempath.structured import StructuredOutputsParams
+from tests.test_server import API_KEY, ENGINE_OPTIONS, MAX_MODEL_LEN, assert_error, serving, tiny_llama
+
+COMPLETIONS, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
+MAX_TOKENS_LIMIT = 200
+HI = [{"role": "user", "content": "Hi"}]
+TOOLS = [{"type": "function", "function": {"name": "f"}}]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    return tiny_llama(tmp_path_factory, "requests-model")
+
+
+@pytest.fixture(scope="module")
+def server(model_path):
+    yield from serving(model_path, max_tokens_limit=MAX_TOKENS_LIMIT)
+
+
+@pytest.fixture
+def idle_after(server):
+    yield
+    server.wait_until_idle()
+
+
+def post(server, path: str, body) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", content=json.dumps(body).encode(), timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+
+
+def completion(**fields) -> dict:
+    return {"model": "tiny", "prompt": "Hello", "max_tokens": 2, **fields}
+
+
+def chat(**fields) -> dict:
+    return {"model": "tiny", "messages": HI, "max_tokens": 2, **fields}
+
+
+# ----------------------------------------------------------------- tool_choice's shape
+@pytest.mark.parametrize("choice, param, says", [
+    ({"type": "function", "function": "f"}, "tool_choice.function", "object"),
+    ({"type": "function", "function": ["f"]}, "tool_choice.function", "object"),
+    ({"type": "function", "function": {"name": ["f"]}}, "tool_choice.function.name", "string"),
+    ({"type": "function", "function": {"name": "g"}}, "tool_choice.function.name", "not in tools"),
+    ({"type": "function"}, "tool_choice.function", "object"),
+    ({"type": "custom"}, "tool_choice.type", "'function'"),
+])
+def test_a_malformed_named_tool_choice_is_a_400(server, choice, param, says, idle_after):
+    assert_error(post(server, CHAT, chat(tools=TOOLS, tool_choice=choice)), 400, param, says)
+
+
+@pytest.mark.parametrize("parameters", [[], 0, "", False])
+def test_tool_parameters_that_are_no_schema_are_a_400(server, parameters):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    assert_error(post(server, CHAT, chat(tools=tools, tool_choice="required")), 400,
+                 "tools.0.function.parameters", "JSON schema object")
+
+
+# ----------------------------------------------------------------- a grammar that can only end
+@pytest.mark.parametrize("path, body", [
+    (COMPLETIONS, completion(max_tokens=10, min_tokens=5, guided_choice=["a"])),
+    (COMPLETIONS, completion(max_tokens=10, min_tokens=5, guided_choice=["a"], stream=True)),
+    (CHAT, chat(max_tokens=60, min_tokens=59, tools=TOOLS, tool_choice={"type": "function",
+                                                                        "function": {"name": "f"}})),
+    (CHAT, chat(max_tokens=60, min_tokens=59, tools=TOOLS, tool_choice="required")),
+])
+def test_a_finished_grammar_ends_the_output_before_min_tokens(server, path, body, idle_after):
+    response = post(server, path, body)
+    assert response.status_code == 200, response.text
+    assert "error" not in response.text and "a bug in mempath" not in response.text
+
+
+@pytest.fixture(scope="module")
+def llm(model_path):
+    return LLM(model_path, show_progress=False, **ENGINE_OPTIONS)
+
+
+def test_the_engine_lets_a_grammar_that_can_only_end_end_before_min_tokens(llm):
+    choice = SamplingParams(max_tokens=10, min_tokens=5, temperature=0,
+                            structured_outputs=StructuredOutputsParams(choice=["a"]))
+    out = llm.generate("Hello", choice, use_tqdm=False)[0]
+    assert (out.text, out.finish_reason, out.error) == ("a", "stop", None)
+    # A grammar that may go on still has EOS masked until min_tokens are out.
+    longer = SamplingParams(max_tokens=10, min_tokens=3, temperature=0,
+                            structured_outputs=StructuredOutputsParams(regex="a{1,8}"))
+    out = llm.generate("Hello", longer, use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and len(out.token_ids) >= 3 and set(out.text) == {"a"}, out
+
+
+def test_bad_words_that_leave_the_grammar_no_token_fail_that_request_naming_bad_words(llm):
+    """The token for "x" is both the one the choice allows and a bad word: nothing is left to sample."""
+    conflict = SamplingParams(max_tokens=10, temperature=0, bad_words=["x"],
+                              structured_outputs=StructuredOutputsParams(choice=["x"]))
+    out, beside = llm.generate(["Hello", "Hello"], [conflict, SamplingParams(max_tokens=4, ignore_eos=True)],
+                               use_tqdm=False)
+    assert out.finish_reason == "error" and out.error_param == "bad_words", out
+    assert out.error.startswith("bad_words rule out every token") and "a bug" not in out.error
+    assert beside.finish_reason == "length" and len(beside.token_ids) == 4
+    assert llm.engine.kv.pool.num_used == 0
+
+
+def test_bad_words_that_leave_the_grammar_no_token_are_a_400(server, idle_after):
+    body = completion(max_tokens=10, bad_words=["x"], guided_choice=["x"])
+    assert_error(post(server, COMPLETIONS, body), 400, "bad_words", "structured output allows")
+    streamed = post(server, COMPLETIONS, {**body, "stream": True})
+    assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert [e["error"]["param"] for e in events if "error" in e] == ["bad_words"]
+
+
+# ----------------------------------------------------------------- float32's range
+@pytest.mark.parametrize("fields, param", [
+    ({"temperature": 1e39}, "temperature"),
+    ({"temperature": 1e39, "response_format": {"type": "json_object"}}, "temperature"),
+    ({"repetition_penalty": 1e-300, "guided_choice": ["a"]}, "repetition_penalty"),
+    ({"repetition_penalty": 1e300}, "repetition_penalty"),
+    ({"top_p": 1e-46}, "top_p"),
+])
+def test_numbers_float32_cannot_hold_are_400s_naming_the_range(server, fields, param, idle_after):
+    path, body = (CHAT, chat(**fields)) if "response_format" in fields else (COMPLETIONS, completion(**fields))
+    assert_error(post(server, path, body), 400, param, "float32")
+
+
+def test_sampling_params_bound_by_float32():
+    for name, value in (("temperature", 3.5e38), ("repetition_penalty", 1e-39), ("repetition_penalty", 1e39),
+                        ("top_p", 1e-39)):
+        with pytest.raises(ValueError, match=f"^{name} must be in .*float32") as info:
+            SamplingParams(**{name: value}).validate(max_logprobs=5)
+        assert "\n" not in str(info.value)
+    SamplingParams(temperature=3e38, repetition_penalty=1e-37, top_p=1e-37).validate(max_logprobs=5)
+
+
+# ----------------------------------------------------------------- logit_bias keys
+@pytest.mark.parametrize("key", ["²", "--5", "5.0", " 5", "+5", "٥", ""])
+def test_logit_bias_keys_are_ascii_token_ids(server, key):
+    error = assert_error(post(server, COMPLETIONS, completion(logit_bias={key: 1})), 400, "logit_bias",
+                         "logit_bias")
+    assert repr(key) in error["message"] and "None" not in error["message"]
+
+
+def test_logit_bias_naming_one_token_twice_is_a_400(server):
+    assert_error(post(server, COMPLETIONS, completion(logit_bias={"5": 1, "05": -1})), 400, "logit_bias",
+                 "twice")
+
+
+# ----------------------------------------------------------------- max_tokens past the context
+@pytest.mark.parametrize("path, body, param", [
+    (COMPLETIONS, completion(prompt=[5] * 250, max_tokens=100, ignore_eos=True), "max_tokens"),
+    (CHAT, chat(messages=[{"role": "user", "content": "x " * 110}], max_tokens=200), "max_tokens"),
+    (CHAT, chat(messages=[{"role": "user", "content": "x " * 110}], max_tokens=None, max_completion_tokens=200),
+     "max_completion_tokens"),
+    (RESPONSES, {"model": "tiny", "input": "x " * 110, "max_output_tokens": 200}, "max_output_tokens"),
+])
+def test_max_tokens_past_the_context_is_a_400_as_in_vllm(server, path, body, param, idle_after):
+    error = assert_error(post(server, path, body), 400, param, f"'{param}' is too large")
+    assert f"maximum context length is {MAX_MODEL_LEN} tokens" in error["message"]
+
+
+def test_a_text_prompt_is_counted_in_tokens(server, idle_after):
+    error = assert_error(post(server, COMPLETIONS, completion(prompt="x " * 110, max_tokens=200)), 400,
+                         "max_tokens", "input tokens")
+    assert f"(200 > {MAX_MODEL_LEN} - " in error["message"]
+    fits = post(server, COMPLETIONS, completion(prompt=[5] * 250, max_tokens=6, ignore_eos=True))
+    assert fits.status_code == 200 and fits.json()["usage"]["completion_tokens"] == 6
+    unasked = post(server, COMPLETIONS, completion(prompt=[5] * 250, max_tokens=None, ignore_eos=True))
+    assert unasked.status_code == 200 and unasked.json()["usage"]["completion_tokens"] == 6
+
+
+@pytest.mark.parametrize("path, body, param", [
+    (CHAT, chat(messages=[{"role": "user", "content": "hello " * 400}], max_tokens=None), "messages"),
+    (RESPONSES, {"model": "tiny", "input": "hello " * 400}, "input"),
+])
+def test_a_chat_or_responses_prompt_too_long_names_its_field(server, path, body, param):
+    assert_error(post(server, path, body), 400, param, "maximum context length")
+
+
+def test_the_limit_names_the_field_the_client_sent(server):
+    assert_error(post(server, CHAT, chat(max_tokens=None, max_completion_tokens=10 ** 6)), 400,
+                 "max_completion_tokens", "--max-tokens-limit")
+    assert_error(post(server, RESPONSES, {"model": "tiny", "input": "hi", "max_output_tokens": 10 ** 6}), 400,
+                 "max_output_tokens", "--max-tokens-limit")
+
+
+def test_the_offline_llm_still_caps_max_tokens_at_the_context(llm):
+    out = llm.generate([5] * 250, SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == MAX_MODEL_LEN - 250
+
+
+# ----------------------------------------------------------------- null is the default
+@pytest.mark.parametrize("path, fields", [
+    (COMPLETIONS, {"n": None}), (COMPLETIONS, {"temperature": None}), (COMPLETIONS, {"echo": None}),
+    (COMPLETIONS, {"stream": None}), (COMPLETIONS, {"top_p": None, "seed": None, "stop": None, "user": None}),
+    (COMPLETIONS, {"presence_penalty": None, "frequency_penalty": None, "logit_bias": None, "logprobs": None}),
+    (COMPLETIONS, {"best_of": None, "suffix": None, "max_tokens": None, "stream_options": None}),
+    (CHAT, {"top_p": None}), (CHAT, {"stream": None}), (CHAT, {"logprobs": None}),
+    (CHAT, {"parallel_tool_calls": None}), (CHAT, {"top_logprobs": None, "max_completion_tokens": None}),
+    (CHAT, {"tools": None, "tool_choice": None, "response_format": None, "n": None, "temperature": None}),
+    (RESPONSES, {"temperature": None, "top_p": None, "stream": None, "max_output_tokens": None}),
+])
+def test_null_is_the_default(server, path, fields, idle_after):
+    body = {"model": "tiny", "input": "Hi"} if path == RESPONSES else (
+        completion(**fields) if path == COMPLETIONS else chat(**fields))
+    body.update(fields)
+    response = post(server, path, body)
+    assert response.status_code == 200, response.text
+
+
+def test_null_include_usage_is_the_default(server, idle_after):
+    response = post(server, COMPLETIONS, completion(stream=True, stream_options={"include_usage": None}))
+    assert response.status_code == 200 and "[DONE]" in response.text and '"usage"' not in response.text
+
+
+def test_null_in_a_required_field_is_still_a_400(server):
+    assert_error(post(server, COMPLETIONS, completion(prompt=None)), 400, "prompt")
+    assert_error(post(server, CHAT, chat(messages=None)), 400, "messages")
+
+
+# ----------------------------------------------------------------- naming the right field
+def test_top_logprobs_over_the_limit_names_top_logprobs(server):
+    assert_error(post(server, CHAT, chat(logprobs=True, top_logprobs=100)), 400, "top_logprobs",
+                 "top_logprobs must be in [0, 20]")
+
+
+@pytest.mark.parametrize("fields, param, says", [
+    ({"json_object": "yes"}, "structured_outputs.json_object", "boolean"),
+    ({"json_object": 1}, "structured_outputs.json_object", "boolean"),
+    ({"regex": "a+", "disable_any_whitespace": "no"}, "structured_outputs.disable_any_whitespace", "boolean"),
+])
+def test_structured_outputs_flags_must_be_booleans(server, fields, param, says):
+    assert_error(post(server, COMPLETIONS, completion(structured_outputs=fields)), 400, param, says)
+
+
+def test_a_bad_structured_outputs_field_is_named_once(server):
+    error = assert_error(post(server, COMPLETIONS, completion(structured_outputs={"json": 5})), 400,
+                         "structured_outputs.json", "structured_outputs.json must be")
+    assert "json.json" not in error["message"]
+
+
+@pytest.mark.parametrize("part, kind", [
+    ({"type": "image_url", "image_url": {"url": "http://x/y.png"}}, "image_url"),
+    ({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}, "input_audio"),
+])
+def test_image_and_audio_parts_are_refused_by_name(server, part, kind):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, part]}]
+    error = assert_error(post(server, CHAT, chat(messages=messages)), 400, "messages.0.content.1.type",
+                         f"{kind} content parts are not supported by this server")
+    assert "valid string" not in error["message"]
+
+
+def test_an_image_input_part_is_refused_by_name(server):
+    body = {"model": "tiny", "input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "http://x/y.png"}]}]}
+    assert_error(post(server, RESPONSES, body), 400, "input.0.content.0.type",
+                 "input_image content parts are not supported by this server")
+
+
+# ----------------------------------------------------------------- unknown fields
+def test_unknown_fields_are_ignored_with_one_warning_naming_them(server, caplog, idle_after):
+    with caplog.at_level(logging.WARNING, logger="mempath.server.protocol"):
+        response = post(server, COMPLETIONS, completion(max_tokenz=5, service_tier="auto", n=1))
+        assert response.status_code == 200
+        assert post(server, CHAT, chat(stream_options=None)).status_code == 200
+    warnings = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert warnings == ["The following fields were present in the request but ignored: "
+                        "{'max_tokenz', 'service_tier'}"]
