@@ -22,6 +22,8 @@ KV_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m
 FP8_MAX = 448.0
 MIN_SCALE = 1e-12
 
+VERSION = "0.1.0"  # mempath.__version__; pyproject.toml's version is the same
+
 # The version of the KV cache's numerics, part of the disk tier's fingerprint (with mempath's
 # version): bump it with any change that alters the bytes of a block's KV for the same weights
 # and tokens (attention or projection kernels, rotary embedding, KV quantization, cache layout),

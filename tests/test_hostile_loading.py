@@ -477,14 +477,13 @@ def test_the_same_bytes_rewritten_are_hashed_again_and_keep_the_kv(tmp_path, two
 @pytest.mark.parametrize("change", ["numerics", "release"])
 def test_kv_of_another_mempath_is_not_served(tmp_path, two_models, monkeypatch, change):
     """KV bytes written by a mempath whose kernels or rotary differ are another model's KV."""
-    import mempath
     from mempath.engine import startup
     model, _ = two_models
     fill_disk_tier(model, tmp_path / "disk")
     if change == "numerics":
         monkeypatch.setattr(startup, "KV_NUMERICS_VERSION", startup.KV_NUMERICS_VERSION + 1)
     else:
-        monkeypatch.setattr(mempath, "__version__", mempath.__version__ + ".post1")
+        monkeypatch.setattr(startup, "VERSION", startup.VERSION + ".post1")
     llm = tiered(model, tmp_path / "disk")
     assert llm.engine.kv.tiers.disk.num_blocks == 0
     assert llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].num_cached_tokens == 0

@@ -17,7 +17,7 @@ from typing import Callable, ContextManager
 import torch
 
 from mempath.config import EngineConfig
-from mempath.constants import KV_NUMERICS_VERSION
+from mempath.constants import KV_NUMERICS_VERSION, VERSION
 from mempath.engine.probes import Probes
 from mempath.engine.runner import ModelRunner
 from mempath.kv.manager import KVCacheManager, blocks_for
@@ -468,7 +468,6 @@ class Startup:
         under the file's identity (device, inode, size, mtime, ctime, header hash), never
         in the model directory (docs/tiers.md).
         """
-        import mempath  # at call time: the package sets __version__ after importing the engine
         c = self.config
         kv_dtype = [] if c.kv_cache_dtype == "auto" else [str(c.kv_torch_dtype(self.dtype))]
         parts = [self.dtype_name, c.load_format] + kv_dtype
@@ -476,7 +475,7 @@ class Startup:
             parts.append(f"weights={self.spec.quantization}")
         if c.disk_kv_path:
             # Another release may compute other KV (kernels, rotary) from the same weights.
-            parts += [f"mempath={mempath.__version__}", f"kv_numerics={KV_NUMERICS_VERSION}"]
+            parts += [f"mempath={VERSION}", f"kv_numerics={KV_NUMERICS_VERSION}"]
             parts.append(json.dumps(self.hf_config, sort_keys=True))
             if c.load_format == "dummy":
                 # The draws come from torch's generator of the device type: CPU and CUDA give other

@@ -293,8 +293,7 @@ def check_expert_cache_size(size) -> None:
 
 
 def check_expert_cache_gb(gb) -> None:
-    """Refuse a --moe-expert-cache-gb that is not a finite number of GiB above 0: inf and nan would reach
-    int() with a traceback, and a string or a bool is a mistake, not a size."""
+    """Refuse a --moe-expert-cache-gb that is not a finite number of GiB above 0 (inf, nan, a string, a bool)."""
     if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not 0 < gb < math.inf:
         raise ValueError(f"moe_expert_cache_gb must be > 0 GiB, a finite number (the device GiB for the expert "
                          f"slots; leave it unset to keep every expert resident), got {gb!r}")
@@ -389,7 +388,6 @@ def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> int:
 
 # ---------------------------------------------------------------- inference workspace
 
-
 # nn.Module objects of one decoder layer in host memory (about 24 KiB measured in
 # CPython 3.11 for the Llama layer), rounded up.
 MODULE_BYTES_PER_LAYER = 32 << 10
@@ -418,11 +416,10 @@ def load_bytes(shape: ModelShape, dtype_bytes: int, positions: int,
     float32 copy while it is quantized (mempath.model.quant.copy_quantized), 0 otherwise.
     """
     h, d = shape.hidden_size, shape.head_dim
-    fused_rows = max(shape.num_heads * d + 2 * shape.num_kv_heads * d, 2 * shape.intermediate_size,
-                     shape.vocab_size, shape.num_experts * 2 * shape.moe_intermediate_size)
+    projection_rows = max(shape.num_heads * d + 2 * shape.num_kv_heads * d, 2 * shape.intermediate_size)
+    fused_rows = max(projection_rows, shape.vocab_size, shape.num_experts * 2 * shape.moe_intermediate_size)
     kept = 8 * positions * d
     experts, resident = expert_bytes(shape, dtype_bytes, expert_cache_size)
-    projection_rows = max(shape.num_heads * d + 2 * shape.num_kv_heads * d, 2 * shape.intermediate_size)
     quantize_build = projection_rows * h * ((checkpoint_dtype_bytes or dtype_bytes) + 4)
     return {
         "weights": resident_weight_bytes(shape, dtype_bytes, expert_cache_size),
@@ -436,8 +433,7 @@ def load_bytes(shape: ModelShape, dtype_bytes: int, positions: int,
 
 
 def load_device_bytes(need: dict[str, int]) -> int:
-    """What a load (load_bytes' parts) puts on the device: the resident weights, the rotary tables and
-    their build, and fp8's copy of the largest projection while it is quantized."""
+    """load_bytes' device part: resident weights, rotary tables and their build, fp8's quantization copy."""
     return need["weights"] + need["rotary_tables"] + need["rotary_build"] + need["quantize_build"]
 
 
@@ -690,15 +686,13 @@ def serving_figures(shape: ModelShape, dtype_bytes: int, *, max_model_len: int, 
 def check_serving_settings(shape: ModelShape, max_model_len, max_num_seqs, max_num_batched_tokens,
                            block_size) -> None:
     for name, value in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
-                        ("max_num_batched_tokens", max_num_batched_tokens),
-                        ("block_size", block_size)):
+                        ("max_num_batched_tokens", max_num_batched_tokens), ("block_size", block_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if max_model_len > shape.max_position_embeddings:
-        raise ValueError(
-            f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
-            f"{shape.max_position_embeddings}: pass --max-model-len {shape.max_position_embeddings} or less"
-        )
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                         f"{shape.max_position_embeddings}: pass --max-model-len "
+                         f"{shape.max_position_embeddings} or less")
 
 
 def decoder_peak_bytes_per_token(figures: ServingFigures) -> int:

@@ -152,9 +152,8 @@ def openai_router(engine_client: AsyncEngine, served_model_name: str, api_key: s
         max_tokens = resolve_max_tokens(req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, limits)
         structured = structured_request(req)
         prompts = [token_ids_of(engine_client.tokenizer, prompt) for prompt in prompts]
-        for prompt in prompts:
-            if isinstance(prompt, list):
-                check_context(len(prompt), req.max_tokens, engine_client.max_model_len)
+        for prompt in (p for p in prompts if isinstance(p, list)):  # text only without a tokenizer
+            check_context(len(prompt), req.max_tokens, engine_client.max_model_len)
         params = with_defaults(sampling_params(req, max_tokens, req.logprobs, structured),
                                req.model_fields_set, sampling_defaults)
         call = Call(engine_client, f"cmpl-{uuid.uuid4().hex}", served_model_name, req.stop_list(),
