@@ -30,6 +30,9 @@ bound: per step the larger of its matmul FLOPs at the matmul rate (the layers' p
 every token, the LM head's for the sampled rows) and its bytes at the copy bandwidth measured
 in the run (the weights, and the K and V of every position each sequence attends to). The sum of
 the bounds is what this schedule could take at best; attention's FLOPs are left out of it.
+Beside it, the serial bound: per step the projections' bound (their FLOPs or the weights' bytes,
+whichever is slower) plus the KV bytes at the copy bandwidth, what the schedule could take if its
+attention never runs beside its matrix multiplies (the engine's kernels and cuBLAS's do not).
 ``--out FILE`` appends one JSON line per result.
 """
 import argparse
@@ -212,6 +215,13 @@ class StepCosts:
         flops = 2 * (self.layer_params * tokens + self.lm_head_params * sampled)
         return max(flops / self.matmul_rate, (self.weight_bytes + self.kv_bytes_per_token * kv_tokens) / self.bandwidth)
 
+    def serial_bound(self, tokens: int, sampled: int, kv_tokens: int) -> float:
+        """The projections (FLOPs or weight bytes, whichever is slower), then the attention's KV bytes: a step whose
+        attention does not run beside its matrix multiplies, as the engine's and cuBLAS's kernels do not."""
+        flops = 2 * (self.layer_params * tokens + self.lm_head_params * sampled)
+        return (max(flops / self.matmul_rate, self.weight_bytes / self.bandwidth)
+                + self.kv_bytes_per_token * kv_tokens / self.bandwidth)
+
 
 STEP_CLASSES = ((32, "decode 1-32"), (128, "decode 33-128"), (512, "decode 129-512"), (None, "decode 513+"))
 
@@ -221,17 +231,20 @@ def step_classes(shapes: list[tuple[int, int, int, int]], times: list[float], co
     classes = {}
     for (tokens, rows, sampled, kv_tokens), seconds in zip(shapes, times, strict=True):
         name = "prefill" if tokens > rows else next(label for top, label in STEP_CLASSES if top is None or rows <= top)
-        c = classes.setdefault(name, {"steps": 0, "tokens": 0, "device_s": 0.0, "bound_s": 0.0})
+        c = classes.setdefault(name, {"steps": 0, "tokens": 0, "device_s": 0.0, "bound_s": 0.0, "serial_bound_s": 0.0})
         c["steps"] += 1
         c["tokens"] += tokens
         c["device_s"] += seconds
         c["bound_s"] += costs.bound(tokens, sampled, kv_tokens)
+        c["serial_bound_s"] += costs.serial_bound(tokens, sampled, kv_tokens)
     order = ["prefill"] + [label for _, label in STEP_CLASSES]
     out = {name: {**classes[name], "of_bound": classes[name]["bound_s"] / classes[name]["device_s"]
                   if classes[name]["device_s"] else None} for name in order if name in classes}
     device, bound = sum(c["device_s"] for c in out.values()), sum(c["bound_s"] for c in out.values())
+    serial = sum(c["serial_bound_s"] for c in out.values())
     return {"classes": out, "schedule_bound_s": bound, "device_s": device,
-            "of_schedule_bound": bound / device if device else None}
+            "of_schedule_bound": bound / device if device else None,
+            "serial_bound_s": serial, "of_serial_bound": serial / device if device else None}
 
 
 def step_costs(engine, rate: float, bandwidth: float) -> StepCosts | None:
@@ -357,10 +370,11 @@ def print_row(label: str, r: dict) -> None:
         sc = r["step_classes"]
         print(f"  steps against their bounds (copy {r['copy_bandwidth'] / 1e12:.2f} TB/s): this schedule's bound "
               f"{sc['schedule_bound_s']:.2f} s of {sc['device_s']:.2f} s on the device "
-              f"({100 * sc['of_schedule_bound']:.1f}%)")
+              f"({100 * sc['of_schedule_bound']:.1f}%); with attention after the projections "
+              f"{sc['serial_bound_s']:.2f} s ({100 * sc['of_serial_bound']:.1f}%)")
         for name, c in sc["classes"].items():
             print(f"    {name:>15}: {c['steps']:5d} steps, {c['tokens']:8,d} tokens, device {c['device_s']:6.2f} s, "
-                  f"bound {c['bound_s']:6.2f} s ({100 * c['of_bound']:.1f}%)")
+                  f"bound {c['bound_s']:6.2f} s ({100 * c['of_bound']:.1f}%), serial {c['serial_bound_s']:6.2f} s")
 
 
 def int_list(text: str) -> list[int]:

@@ -110,6 +110,13 @@ def test_step_classes_split_steps_and_bound_each():
     assert classes["decode 513+"]["tokens"] == 600 and classes["decode 513+"]["steps"] == 1
     assert out["device_s"] == pytest.approx(33.0)
     assert out["schedule_bound_s"] == pytest.approx(sum(c["bound_s"] for c in classes.values()))
+    # serial: the projections' bound, then the KV bytes. The 40-row step: max(0.88, 0.1) + 0.8 s, where the
+    # plain bound took only the larger of 0.88 and 0.9.
+    assert classes["decode 33-128"]["serial_bound_s"] == pytest.approx(2 * 110 * 40 / 1e4 + 8000 / 1e4)
+    assert classes["decode 1-32"]["serial_bound_s"] == pytest.approx(1000 / 1e4 + 200 / 1e4)
+    assert out["serial_bound_s"] == pytest.approx(sum(c["serial_bound_s"] for c in classes.values()))
+    assert out["serial_bound_s"] > out["schedule_bound_s"]
+    assert out["of_serial_bound"] == pytest.approx(out["serial_bound_s"] / 33.0)
     with pytest.raises(ValueError):
         bench_mix.step_classes(shapes, times[:3], costs)  # a step without its time is an error, not a skip
 

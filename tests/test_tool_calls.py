@@ -30,6 +30,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
           "required": ["name", "age"], "additionalProperties": False}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+BAD_SCHEMA = {"type": "function", "function": {"name": "bad", "parameters": {"type": "objekt"}}}
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +103,9 @@ def test_vllm_fields_regex_choice_and_json(client):
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice.function.name", "not in tools"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools.0.function.name", "name"),
+    ({"tools": [WEATHER, TIME, WEATHER]}, "tools.2.function.name", "tools.0 already"),
+    ({"tools": [WEATHER, BAD_SCHEMA], "tool_choice": {"type": "function", "function": {"name": "bad"}}},
+     "tools.1.function.parameters", "Unsupported type"),
 ])
 def test_invalid_constraints_are_400s_naming_the_field(server, body, param, says):
     response = httpx.post(f"{server.url}/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},

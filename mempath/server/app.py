@@ -175,7 +175,7 @@ def openai_router(engine_client: AsyncEngine, served_model_name: str, api_key: s
             if structured is not None:
                 raise APIError(400, f"tool_choice {plan.mode} constrains the output; it cannot be combined "
                                     f"with {structured.field}", "tool_choice")
-            structured = StructuredRequest(plan.grammar(), "tools")
+            structured = StructuredRequest(plan.grammar(), plan.grammar_field())
         prompt = render_chat(engine_client.tokenizer, req, plan.tools if plan is not None else None)
         room = max(1, engine_client.max_model_len - len(prompt))
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"

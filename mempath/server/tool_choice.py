@@ -48,6 +48,12 @@ class ToolPlan:
             array["maxItems"] = 1
         return StructuredOutputsParams(json=array)
 
+    def grammar_field(self) -> str:
+        """The request field a compile error of ``grammar()`` names: the named function's schema, or tools."""
+        if self.mode == "named":
+            return f"tools.{list(self.functions).index(self.named)}.function.parameters"
+        return "tools"
+
     def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """A finished answer as (content, calls)."""
         if self.mode == "named":
@@ -78,6 +84,10 @@ def check_tools(tools: list[dict]) -> dict[str, dict]:
             raise APIError(400, f"tools.{i}.function.parameters must be a JSON schema object (or left out "
                                 f"for a function without parameters), got {type(parameters).__name__}",
                            f"tools.{i}.function.parameters")
+        if name in functions:  # one name, two schemas: the grammar and the parser could only keep one
+            first = list(functions).index(name)
+            raise APIError(400, f"tools.{i}.function.name {name[:64]!r} is tools.{first} already; give each "
+                                "function its own name", f"tools.{i}.function.name")
         functions[name] = parameters or EMPTY_PARAMETERS  # OpenAI: left out, the function takes none
     return functions
 
