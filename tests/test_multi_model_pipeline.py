@@ -119,5 +119,6 @@ def test_a_hand_off_that_fails_answers_nothing_of_the_first_model(same_tokenizer
                        SamplingParams(max_tokens=2, logprobs=2))[0]
     assert out.first.outputs[0].token_ids and out.first.finish_reason == "length"
     assert out.second.finish_reason == "error" and "max_model_len" in out.second.error
+    assert out.second.error_param == "max_tokens"  # the answer's length is the client's to lower
     assert out.second.outputs[0].token_ids == [] and out.second.text == "" and out.second.logprobs is None
     assert not llm.engine.pipelines and not llm.engine.owner and llm.engine.pool.pages.num_used == 0

@@ -249,11 +249,12 @@ def overflowing_pipeline(server, stream: bool) -> dict:
                                        "logprobs": 2}}
 
 
-def test_pipeline_failing_after_the_hand_off_is_an_error_without_the_first_answer(server):
+def test_pipeline_failing_after_the_hand_off_is_a_400_naming_max_tokens_without_the_first_answer(server):
     response = post_pipeline(server, overflowing_pipeline(server, stream=False))
-    assert response.status_code == 500, response.text
+    assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert error["code"] == "generation_failed" and "max_model_len" in error["message"]
+    assert error["param"] == "max_tokens" and "max_model_len" in error["message"], error
+    assert "answer (1 tokens)" in error["message"] and "Lower max_tokens" in error["message"]
     server.wait_until_idle()
     assert server.engine.pool.pages.num_used == 0 and not server.engine.pipelines
 
@@ -266,7 +267,7 @@ def test_streamed_pipeline_failing_after_the_hand_off_ends_with_an_error_event(s
         events = [line for line in response.iter_lines() if line]
     assert events[-1] == "data: [DONE]"
     payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
-    assert "max_model_len" in payloads[-1]["error"]["message"]
+    assert "max_model_len" in payloads[-1]["error"]["message"] and payloads[-1]["error"]["param"] == "max_tokens"
     # The first model's answer is not the pipeline's: none of it goes out.
     assert all(c["text"] == "" for p in payloads if "choices" in p for c in p["choices"])
     server.wait_until_idle()

@@ -205,8 +205,14 @@ class MultiEngine:
         self.num_handoff_device_reads += reads.count
         try:
             self.add_request(prompt, pipeline.params, output.request_id, model=pipeline.second)
-        except ValueError as error:  # the first's answer made the prompt too long for the second, say
-            return failed_output(output, "error", f"the hand-off to {pipeline.second} failed: {error}")
+        except ValueError as error:
+            # The second's request was checked with the first's prompt alone before the first ran, so what
+            # is new here is the answer: its length is the client's max_tokens (a 400, not the server's fault).
+            answer = len(output.outputs[0].token_ids)
+            return failed_output(output, "error", f"the hand-off to {pipeline.second} failed: the first model's "
+                                 f"answer ({answer} tokens) made the second model's request too large: {error}. "
+                                 f"Lower max_tokens (the first model's answer) or then.max_tokens, or shorten "
+                                 f"then.template", "max_tokens")
         self.num_handoffs += 1
         self.handoff_seconds += time.perf_counter() - start  # building B's prompt and adding its request
         return None

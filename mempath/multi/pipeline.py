@@ -72,13 +72,15 @@ class SecondModelError(ValueError):
         self.model, self.reason = model, reason  # reason: the engine's message, which starts with its field
 
 
-def failed_output(output: RequestOutput, finish_reason: str, error: str | None) -> RequestOutput:
+def failed_output(output: RequestOutput, finish_reason: str, error: str | None,
+                  error_param: str | None = None) -> RequestOutput:
     """A pipeline's end before the second model answered. None of the first model's answer is in
-    it: that is not the pipeline's answer, and a client would take it for the second's."""
+    it: that is not the pipeline's answer, and a client would take it for the second's.
+    ``error_param``: the request field at fault (a 400 on the server), None for the server's fault."""
     return RequestOutput.of_sample(request_id=output.request_id, prompt=output.prompt,
                                    prompt_token_ids=output.prompt_token_ids, token_ids=[], text="",
                                    finished=True, finish_reason=finish_reason, error=error,
-                                   total_time=output.total_time)
+                                   error_param=error_param, total_time=output.total_time)
 
 
 @dataclass
