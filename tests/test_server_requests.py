@@ -4,6 +4,7 @@ min_tokens, max_tokens past the context, and unknown fields. Each bad body is on
 field; each valid one is answered (tests/test_hostile_server.py has the hostile clients)."""
 import json
 import logging
+import threading
 
 import httpx
 import pytest
@@ -274,3 +275,39 @@ def test_unknown_fields_are_ignored_with_one_warning_naming_them(server, caplog,
     warnings = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
     assert warnings == ["The following fields were present in the request but ignored: "
                         "{'max_tokenz', 'service_tier'}"]
+
+
+# ----------------------------------------------------------------- tokenizing off the event loop
+HELD = "a prompt the test holds in the tokenizer"
+
+
+@pytest.mark.parametrize("path, body", [
+    (COMPLETIONS, {"model": "tiny", "prompt": HELD, "max_tokens": 2}),
+    (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": HELD}], "max_tokens": 2}),
+    (RESPONSES, {"model": "tiny", "input": HELD, "max_output_tokens": 2}),
+    ("/tokenize", {"model": "tiny", "prompt": HELD}),
+])
+def test_a_prompt_in_the_tokenizer_holds_up_no_other_request(server, monkeypatch, idle_after, path, body):
+    """A long prompt's tokenization (hundreds of ms at 100k tokens) must not stop the event loop, which
+    streams every other request's tokens: here the tokenizer is held until /health has been answered."""
+    tokenizer = server.app.state.engine_client.tokenizer
+    entered, release = threading.Event(), threading.Event()
+    encode = tokenizer.encode
+
+    def held_encode(text, *args, **kwargs):
+        if HELD in text:
+            entered.set()
+            release.wait(30)
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", held_encode)
+    answers = []
+    thread = threading.Thread(target=lambda: answers.append(post(server, path, body)))
+    thread.start()
+    try:
+        assert entered.wait(30), "the request never reached the tokenizer"
+        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+    finally:
+        release.set()
+        thread.join(60)
+    assert answers and answers[0].status_code == 200, answers and answers[0].text

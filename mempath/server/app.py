@@ -32,7 +32,7 @@ from mempath.server.async_engine import AsyncEngine, EngineDeadError, Update
 from mempath.server.calls import (SSE_DONE, Call, ChoiceText, Limits, SSEResponse, api_key_checker,  # noqa: F401
                                   check_context, check_model, check_num_choices, collect, error_of,
                                   param_named_in, read_body, render_messages, resolve_max_tokens, sse,
-                                  stream_error_body, token_ids_of, until_disconnect)
+                                  off_the_loop, stream_error_body, token_ids_of, until_disconnect)
 from mempath.server.guards import HeaderLimits, LoopbackHostOnly, is_loopback_address
 from mempath.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_body,
                                      completion_body, error_body, models_body, parse_request)
@@ -151,7 +151,7 @@ def openai_router(engine_client: AsyncEngine, served_model_name: str, api_key: s
         check_num_choices(len(prompts), req.n, limits)
         max_tokens = resolve_max_tokens(req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, limits)
         structured = structured_request(req)
-        prompts = [token_ids_of(engine_client.tokenizer, prompt) for prompt in prompts]
+        prompts = await off_the_loop(lambda: [token_ids_of(engine_client.tokenizer, prompt) for prompt in prompts])
         for prompt in (p for p in prompts if isinstance(p, list)):  # text only without a tokenizer
             check_context(len(prompt), req.max_tokens, engine_client.max_model_len)
         params = with_defaults(sampling_params(req, max_tokens, req.logprobs, structured),
@@ -176,7 +176,7 @@ def openai_router(engine_client: AsyncEngine, served_model_name: str, api_key: s
                 raise APIError(400, f"tool_choice {plan.mode} constrains the output; it cannot be combined "
                                     f"with {structured.field}", "tool_choice")
             structured = StructuredRequest(plan.grammar(), plan.grammar_field())
-        prompt = render_chat(engine_client.tokenizer, req, plan.tools if plan is not None else None)
+        prompt = await off_the_loop(render_chat, engine_client.tokenizer, req, plan.tools if plan is not None else None)
         room = max(1, engine_client.max_model_len - len(prompt))
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = resolve_max_tokens(req.requested_max_tokens, room, limits, param)

@@ -6,6 +6,8 @@ the body reader (JSON only, size-limited), the model and limit checks, the API k
 streamed text that holds back a possible stop string, and the SSE response.
 """
 import asyncio
+import concurrent.futures
+import functools
 import hmac
 import json
 import logging
@@ -23,6 +25,16 @@ from mempath.server.protocol import APIError, error_body, usage_body
 
 # One INFO line per request when `mempath serve --enable-log-requests` (vLLM's flag) turns it on.
 request_log = logging.getLogger("mempath.requests")
+
+# Prompts are tokenized and chat templates rendered here, not on the event loop: a 100k-token prompt takes a
+# few hundred ms, during which the loop would stream nothing to anyone. The tokenizer releases the GIL while it
+# encodes. One thread: requests' tokenizer calls run one at a time, as they did on the loop.
+_TOKENIZING = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mempath-tokenize")
+
+
+async def off_the_loop(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` on the tokenizing thread; its exceptions (an APIError) raise here."""
+    return await asyncio.get_running_loop().run_in_executor(_TOKENIZING, functools.partial(fn, *args, **kwargs))
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,8 @@ from mempath.generation_config import with_defaults
 from mempath.sampling import SamplingParams
 from mempath.server.async_engine import AsyncEngine, Update
 from mempath.server.calls import (Call, ChoiceText, Limits, SSEResponse, api_key_checker, check_context,
-                                  check_model, collect, read_body, render_messages, resolve_max_tokens,
-                                  stream_error_body, until_disconnect)
+                                  check_model, collect, off_the_loop, read_body, render_messages,
+                                  resolve_max_tokens, stream_error_body, until_disconnect)
 from mempath.server.protocol import (APIError, _Strict, error_body, parse_request, refuse_not_honoured,
                                      refuse_other_parts)
 
@@ -97,7 +97,7 @@ def responses_router(engine_client: AsyncEngine, served_model_name: str, api_key
     async def create_response(request: Request):
         req = parse_request(ResponsesRequest, await read_body(request, limits.max_body_bytes))
         check_model(req.model, served_model_name)
-        prompt = render_messages(engine_client.tokenizer, req.messages(), "input")
+        prompt = await off_the_loop(render_messages, engine_client.tokenizer, req.messages(), "input")
         room = max(1, engine_client.max_model_len - len(prompt))
         max_tokens = resolve_max_tokens(req.max_output_tokens, room, limits, "max_output_tokens")
         check_context(len(prompt), req.max_output_tokens, engine_client.max_model_len, "max_output_tokens", "input")

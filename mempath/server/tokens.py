@@ -7,7 +7,7 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import Field, model_validator
 
 from mempath.server.async_engine import AsyncEngine
-from mempath.server.calls import Limits, api_key_checker, chat_text, check_model, read_body
+from mempath.server.calls import Limits, api_key_checker, chat_text, check_model, off_the_loop, read_body
 from mempath.server.protocol import APIError, ChatMessage, _Strict, parse_request, refuse_not_honoured, \
     refuse_not_honoured_in_messages
 
@@ -59,12 +59,12 @@ def tokens_router(engine_client: AsyncEngine, served_model_name: str, api_key: s
         check_model(req.model, served_model_name)
         tok = tokenizer()
         if req.messages is not None:
-            text = chat_text(tok, [m.as_template_input() for m in req.messages], "messages",
-                             req.add_generation_prompt)
+            text = await off_the_loop(chat_text, tok, [m.as_template_input() for m in req.messages], "messages",
+                                      req.add_generation_prompt)
             special = bool(req.add_special_tokens)
         else:
             text, special = req.prompt, req.add_special_tokens is not False
-        ids = tok.encode(text, add_special_tokens=special)
+        ids = await off_the_loop(tok.encode, text, add_special_tokens=special)
         return {"count": len(ids), "max_model_len": engine_client.max_model_len, "tokens": ids,
                 "token_strs": tok.convert_ids_to_tokens(ids) if req.return_token_strs else None}
 
