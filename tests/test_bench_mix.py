@@ -142,3 +142,24 @@ def test_step_costs_leave_out_a_mixture_of_experts(model_factory):
     path, _ = model_factory("qwen3_moe")
     llm = LLM(path, device="cpu", dtype="float32", show_progress=False)
     assert bench_mix.step_costs(llm.engine, rate=1e12, bandwidth=1e11) is None
+
+
+def test_mix_bound_schedules_decode_rows_first_then_prompt_chunks():
+    """benchmarks/mix_bound.py's schedule: decoding rows, then prompt chunks in arrival order up to the budget;
+    a prompt's last chunk samples its first token."""
+    import mix_bound
+    # (tokens, sampled rows, KV positions): r0's whole prompt and 5 of r1's; then r0's second token beside the
+    # rest of r1's prompt, whose first token is its last.
+    assert list(mix_bound.schedule([3, 10], [2, 1], 8)) == [(8, 1, 8), (6, 2, 14)]
+
+
+def test_mix_bound_serial_bound_adds_the_kv_bytes_to_the_projections():
+    import mix_bound
+    mix = bench_mix.TINY_MIX
+    r = mix_bound.bounds("qwen3-0.6b", 40, 0, mix, 256, rate=1e14, bandwidth=1e12)
+    rng = np.random.default_rng(0)
+    bench_mix.lognormal_lengths(40, mix.input_median, mix.input_sigma, mix.input_cap, rng)
+    outputs = bench_mix.lognormal_lengths(40, mix.output_median, mix.output_sigma, mix.output_cap, rng)
+    assert r["output_tokens"] == sum(outputs) and r["steps"] >= max(outputs)  # the longest answer, a step a token
+    assert r["compute_limit_s"] < r["bound_s"] < r["serial_bound_s"]
+    assert r["serial_bound_output_tok_s"] == pytest.approx(r["output_tokens"] / r["serial_bound_s"])
