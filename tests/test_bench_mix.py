@@ -161,5 +161,5 @@ def test_mix_bound_serial_bound_adds_the_kv_bytes_to_the_projections():
     bench_mix.lognormal_lengths(40, mix.input_median, mix.input_sigma, mix.input_cap, rng)
     outputs = bench_mix.lognormal_lengths(40, mix.output_median, mix.output_sigma, mix.output_cap, rng)
     assert r["output_tokens"] == sum(outputs) and r["steps"] >= max(outputs)  # the longest answer, a step a token
-    assert r["compute_limit_s"] < r["bound_s"] < r["serial_bound_s"]
+    assert r["flops_s"] < r["bound_s"] < r["serial_bound_s"]
     assert r["serial_bound_output_tok_s"] == pytest.approx(r["output_tokens"] / r["serial_bound_s"])
