@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_mix import MixSpec, lognormal_lengths  # noqa: E402
+from bench_mix import STEP_CLASSES, MixSpec, lognormal_lengths  # noqa: E402
 from mempath.memory.formulas import count_params, kv_bytes_per_token, shape_from_spec, weight_bytes  # noqa: E402
 from mempath.model.spec import ModelSpec  # noqa: E402
 
@@ -76,18 +76,26 @@ def bounds(shape_name: str, n: int, seed: int, mix: MixSpec, max_num_batched_tok
     rng = np.random.default_rng(seed)
     inputs = lognormal_lengths(n, mix.input_median, mix.input_sigma, mix.input_cap, rng)
     outputs = lognormal_lengths(n, mix.output_median, mix.output_sigma, mix.output_cap, rng)
-    steps = plain = serial = 0.0
+    classes = {}  # bench_mix.py's step classes: steps carrying a prompt chunk, decode steps by rows
     for tokens, sampled, kv in schedule(inputs, outputs, max_num_batched_tokens):
         flops = 2 * (layers * tokens + lm_head * sampled)
-        steps += 1
-        plain += max(flops / rate, (read + kv_token * kv) / bandwidth)
-        serial += max(flops / rate, read / bandwidth) + kv_token * kv / bandwidth
+        name = "prefill" if tokens > sampled else next(label for top, label in STEP_CLASSES
+                                                        if top is None or sampled <= top)
+        c = classes.setdefault(name, {"steps": 0, "bound_s": 0.0, "serial_bound_s": 0.0, "kv_s": 0.0})
+        c["steps"] += 1
+        c["bound_s"] += max(flops / rate, (read + kv_token * kv) / bandwidth)
+        c["serial_bound_s"] += max(flops / rate, read / bandwidth) + kv_token * kv / bandwidth
+        c["kv_s"] += kv_token * kv / bandwidth
+    steps = sum(c["steps"] for c in classes.values())
+    plain = sum(c["bound_s"] for c in classes.values())
+    serial = sum(c["serial_bound_s"] for c in classes.values())
     flops = 2 * (layers * (sum(inputs) + sum(outputs)) + lm_head * sum(outputs)) / rate
     out_tokens = sum(outputs)
     return {"shape": shape_name, "requests": n, "input_tokens": sum(inputs), "output_tokens": out_tokens,
-            "steps": int(steps), "matmul_rate": rate, "bandwidth": bandwidth, "flops_s": flops,
+            "steps": steps, "matmul_rate": rate, "bandwidth": bandwidth, "flops_s": flops,
             "bound_s": plain, "serial_bound_s": serial, "flops_output_tok_s": out_tokens / flops,
-            "bound_output_tok_s": out_tokens / plain, "serial_bound_output_tok_s": out_tokens / serial}
+            "bound_output_tok_s": out_tokens / plain, "serial_bound_output_tok_s": out_tokens / serial,
+            "classes": classes}
 
 
 def main(argv=None) -> dict:
@@ -109,6 +117,9 @@ def main(argv=None) -> dict:
     for label, key in (("the steps' FLOPs alone", "flops"), ("steps' bound", "bound"),
                        ("serial bound (attention after the projections)", "serial_bound")):
         print(f"  {label}: {r[key + '_s']:.2f} s, {r[key + '_output_tok_s']:,.0f} output tok/s")
+    for name, c in r["classes"].items():
+        print(f"    {name:>15}: {c['steps']:5d} steps, bound {c['bound_s']:6.2f} s, serial {c['serial_bound_s']:6.2f} s "
+              f"(of which KV {c['kv_s']:5.2f} s)")
     if args.target_output_tok_s:
         r["target_of_serial_bound"] = args.target_output_tok_s / r["serial_bound_output_tok_s"]
         print(f"  {args.target_output_tok_s:,.0f} output tok/s is {100 * r['target_of_serial_bound']:.1f}% of the "
