@@ -151,7 +151,7 @@ def openai_router(engine_client: AsyncEngine, served_model_name: str, api_key: s
         check_num_choices(len(prompts), req.n, limits)
         max_tokens = resolve_max_tokens(req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, limits)
         structured = structured_request(req)
-        prompts = await off_the_loop(lambda: [token_ids_of(engine_client.tokenizer, prompt) for prompt in prompts])
+        prompts = await off_the_loop(lambda texts: [token_ids_of(engine_client.tokenizer, t) for t in texts], prompts)
         for prompt in (p for p in prompts if isinstance(p, list)):  # text only without a tokenizer
             check_context(len(prompt), req.max_tokens, engine_client.max_model_len)
         params = with_defaults(sampling_params(req, max_tokens, req.logprobs, structured),
