@@ -368,15 +368,36 @@ def test_a_host_tier_larger_than_the_available_memory_is_refused(monkeypatch):
         EngineConfig(model="m", cpu_kv_gb=100000)  # the audit's: it crashed allocating host memory
 
 
+@pytest.mark.parametrize("tier", ["cpu", "disk"])
+def test_a_tier_smaller_than_one_block_is_refused_before_the_weights_load(tiny, tmp_path, monkeypatch, tier):
+    """From config.json's shape, not after minutes of loading a large model's weights."""
+    import mempath.engine.startup as startup
+
+    def never_load(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the tier's size was checked")
+
+    monkeypatch.setattr(startup, "load_model", never_load)
+    kw = dict(cpu_kv_gb=BLOCK_NBYTES / 2 / GIB)
+    if tier == "disk":
+        kw = dict(cpu_kv_gb=gb(2), disk_kv_path=str(tmp_path), disk_kv_gb=BLOCK_NBYTES / 2 / GIB)
+    expected = {"cpu": rf"^--cpu-kv-gb .* holds no KV block: one block is {BLOCK_NBYTES} bytes",
+                "disk": rf"^--disk-kv-gb .* holds no KV block: one block file is more than {BLOCK_NBYTES} bytes"}
+    with pytest.raises(ValueError, match=expected[tier]) as refused:
+        make_llm(tiny, **kw)
+    assert "\n" not in str(refused.value)
+    assert not os.listdir(tmp_path)
+
+
 def test_a_host_tier_below_one_byte_is_named_as_given(tiny):
     with pytest.raises(ValueError, match=r"^--cpu-kv-gb 1e-12 holds no KV block"):
         make_llm(tiny, cpu_kv_gb=1e-12)
 
 
 def test_a_disk_tier_smaller_than_one_block_file_names_the_flag(tiny, tmp_path):
-    with pytest.raises(ValueError, match=r"^--disk-kv-gb 1e-06 holds no KV block: one block file is (\d+) bytes") \
+    # Room for the block's K and V (start-up's check passes) but not for its file's header too.
+    with pytest.raises(ValueError, match=r"^--disk-kv-gb \S+ holds no KV block: one block file is (\d+) bytes") \
             as refused:
-        make_llm(tiny, cpu_kv_gb=gb(2), disk_kv_path=str(tmp_path), disk_kv_gb=1e-6)
+        make_llm(tiny, cpu_kv_gb=gb(2), disk_kv_path=str(tmp_path), disk_kv_gb=(BLOCK_NBYTES + 1) / GIB)
     assert "\n" not in str(refused.value)
     assert not os.listdir(tmp_path)  # refused before the tier touched the directory
     file_nbytes = int(re.search(r"is (\d+) bytes", str(refused.value))[1])

@@ -21,6 +21,8 @@ from mempath.constants import KV_NUMERICS_VERSION, VERSION
 from mempath.engine.probes import Probes
 from mempath.engine.runner import ModelRunner
 from mempath.kv.manager import KVCacheManager, blocks_for
+from mempath.kv.tiers.disk import check_disk_tier_holds_a_block
+from mempath.kv.tiers.host import check_host_tier_holds_a_block
 from mempath.memory.arena import mapped_bytes
 from mempath.memory.budget import DeviceBudget
 from mempath.memory.device_cap import hold_device_cap
@@ -122,6 +124,7 @@ class Startup:
             config.moe_expert_cache_gb, str(Path(config.model) / "config.json"))
         check_cpu_experts(config.moe_cpu_experts, self.expert_cache_size)
         check_fp8_kv_device(self.device, config.kv_cache_dtype)
+        self._check_tiers_hold_a_block()
         self.tenant = tenant or Path(config.model).name or config.model
         # Given back when start-up fails, or by the engine that takes it over (LLMEngine.close).
         self.device_cap = weakref.finalize(self, hold_device_cap(self.device)) if self.device.type == "cuda" else None
@@ -139,6 +142,18 @@ class Startup:
         self.ledger = self.budget.ledger(self.tenant)
         self.spec_config = config.speculative_config
         self.draft_runner = self.draft_ledger = self.spec_decoder = None
+
+    def _check_tiers_hold_a_block(self) -> None:
+        """A KV tier too small for one block, refused from config.json before the weights load (minutes on a
+        large model), not when the tier opens after them; the tiers check the exact sizes again then."""
+        c, s = self.config, self.spec
+        block_nbytes = (2 * s.num_layers * c.block_size * s.num_kv_heads * s.head_dim
+                        * c.kv_torch_dtype(self.dtype).itemsize)  # ModelRunner.kv_bytes_per_block
+        if c.cpu_kv_gb > 0:
+            check_host_tier_holds_a_block(int(c.cpu_kv_gb * (1 << 30)), block_nbytes, c.cpu_kv_gb)
+        if c.disk_kv_path:
+            check_disk_tier_holds_a_block(int(c.disk_kv_gb * (1 << 30)), block_nbytes, c.disk_kv_gb,
+                                          payload_only=True)
 
     def _guard(self, stage: str, **kwargs):
         return oom_guard(stage, self.ledger, self.config, dtype=self.dtype_name, **kwargs)

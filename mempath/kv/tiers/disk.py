@@ -49,6 +49,18 @@ def block_layout(fingerprint: str, block_shape, dtype: torch.dtype) -> str:
     return f"{fingerprint};dtype={str(dtype).removeprefix('torch.')};block={shape}"
 
 
+def check_disk_tier_holds_a_block(capacity_bytes: int, file_nbytes: int, flag_gb: float | None = None,
+                                  payload_only: bool = False) -> None:
+    """Refuse a disk tier (``--disk-kv-gb``, ``flag_gb`` as given) too small for one block file of ``file_nbytes``;
+    ``payload_only``: the figure is the block's K and V alone (start-up, before the weights and the file's header
+    are known), which a file always exceeds."""
+    if capacity_bytes < file_nbytes:
+        given = capacity_bytes / (1 << 30) if flag_gb is None else flag_gb
+        size = f"more than {file_nbytes} bytes (its K and V alone)" if payload_only else f"{file_nbytes} bytes"
+        raise ValueError(f"--disk-kv-gb {given:g} holds no KV block: one block file is {size} "
+                         f"({file_nbytes / (1 << 30):.6g} GiB); raise it or leave --disk-kv-path unset")
+
+
 def _completed(value) -> Future:
     future: Future = Future()
     future.set_result(value)
@@ -153,10 +165,7 @@ class DiskBlockStore:
         """
         layout = block_layout(fingerprint, host.block_shape, host.dtype)
         file_nbytes = _HEADER.size + _HASH_NBYTES + len(layout.encode()) + host.block_nbytes + _TRAILER.size
-        if capacity_bytes < file_nbytes:
-            given = capacity_bytes / (1 << 30) if flag_gb is None else flag_gb
-            raise ValueError(f"--disk-kv-gb {given:g} holds no KV block: one block file is {file_nbytes} bytes "
-                             f"({file_nbytes / (1 << 30):.6g} GiB); raise it or leave --disk-kv-path unset")
+        check_disk_tier_holds_a_block(capacity_bytes, file_nbytes, flag_gb)
         return cls(path, capacity_bytes, host.block_nbytes, write_through, fingerprint=fingerprint,
                    block_shape=host.block_shape, dtype=host.dtype)
 

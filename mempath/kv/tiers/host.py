@@ -77,11 +77,7 @@ class HostBlockStore:
         ``flag_gb`` as given, for the refusal)."""
         shape = block_shape_of(kv_cache)
         block_nbytes = math.prod(shape) * kv_cache.element_size()
-        if capacity_bytes < block_nbytes:
-            # As given: capacity_bytes rounds a tiny flag down to 0, which the user never wrote.
-            given = capacity_bytes / (1 << 30) if flag_gb is None else flag_gb
-            raise ValueError(f"--cpu-kv-gb {given:g} holds no KV block: one block is "
-                             f"{block_nbytes} bytes ({block_nbytes / (1 << 30):.6g} GiB); raise it or set 0")
+        check_host_tier_holds_a_block(capacity_bytes, block_nbytes, flag_gb)
         return cls(int(capacity_bytes // block_nbytes), shape, kv_cache.dtype, **kwargs)
 
     # ------------------------------------------------------------ capacity
@@ -267,3 +263,13 @@ def _take_runs(free_ids: np.ndarray, n: int) -> np.ndarray:
         if need == 0:
             break
     return np.sort(np.concatenate(picked))
+
+
+def check_host_tier_holds_a_block(capacity_bytes: int, block_nbytes: int, flag_gb: float | None = None) -> None:
+    """Refuse a host tier (``--cpu-kv-gb``, ``flag_gb`` as given) too small for one KV block of ``block_nbytes``:
+    at start-up before the weights load (engine.startup, from config.json), and again when the tier opens."""
+    if capacity_bytes < block_nbytes:
+        # As given: capacity_bytes rounds a tiny flag down to 0, which the user never wrote.
+        given = capacity_bytes / (1 << 30) if flag_gb is None else flag_gb
+        raise ValueError(f"--cpu-kv-gb {given:g} holds no KV block: one block is "
+                         f"{block_nbytes} bytes ({block_nbytes / (1 << 30):.6g} GiB); raise it or set 0")
