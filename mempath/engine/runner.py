@@ -102,6 +102,11 @@ class StepBuffers:
             self.uploaded.record()
 
 
+def kv_block_nbytes(spec, block_size: int, itemsize: int) -> int:
+    """One KV block's bytes: K and V of every layer for ``block_size`` tokens."""
+    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * itemsize
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: CausalLM, spec: ModelSpec,
                  device: torch.device, dtype: torch.dtype, max_model_len: int):
@@ -140,9 +145,7 @@ class ModelRunner:
         return self.decode_order_min_seqs is not None and num_seqs >= self.decode_order_min_seqs
 
     def kv_bytes_per_block(self) -> int:
-        s = self.spec
-        itemsize = self.config.kv_torch_dtype(self.dtype).itemsize
-        return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * itemsize
+        return kv_block_nbytes(self.spec, self.block_size, self.config.kv_torch_dtype(self.dtype).itemsize)
 
     def workspace_bytes(self) -> int:
         """Bytes of the static step buffers, the decode split workspaces (attention's, fp8 GEMV's) and the

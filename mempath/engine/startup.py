@@ -19,7 +19,7 @@ import torch
 from mempath.config import EngineConfig
 from mempath.constants import KV_NUMERICS_VERSION, VERSION
 from mempath.engine.probes import Probes
-from mempath.engine.runner import ModelRunner
+from mempath.engine.runner import ModelRunner, kv_block_nbytes
 from mempath.kv.manager import KVCacheManager, blocks_for
 from mempath.kv.tiers.disk import check_disk_tier_holds_a_block
 from mempath.kv.tiers.host import check_host_tier_holds_a_block
@@ -146,9 +146,8 @@ class Startup:
     def _check_tiers_hold_a_block(self) -> None:
         """A KV tier too small for one block, refused from config.json before the weights load (minutes on a
         large model), not when the tier opens after them; the tiers check the exact sizes again then."""
-        c, s = self.config, self.spec
-        block_nbytes = (2 * s.num_layers * c.block_size * s.num_kv_heads * s.head_dim
-                        * c.kv_torch_dtype(self.dtype).itemsize)  # ModelRunner.kv_bytes_per_block
+        c = self.config
+        block_nbytes = kv_block_nbytes(self.spec, c.block_size, c.kv_torch_dtype(self.dtype).itemsize)
         if c.cpu_kv_gb > 0:
             check_host_tier_holds_a_block(int(c.cpu_kv_gb * (1 << 30)), block_nbytes, c.cpu_kv_gb)
         if c.disk_kv_path:
