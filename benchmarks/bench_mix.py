@@ -231,12 +231,14 @@ def step_classes(shapes: list[tuple[int, int, int, int]], times: list[float], co
     classes = {}
     for (tokens, rows, sampled, kv_tokens), seconds in zip(shapes, times, strict=True):
         name = "prefill" if tokens > rows else next(label for top, label in STEP_CLASSES if top is None or rows <= top)
-        c = classes.setdefault(name, {"steps": 0, "tokens": 0, "device_s": 0.0, "bound_s": 0.0, "serial_bound_s": 0.0})
+        c = classes.setdefault(name, {"steps": 0, "tokens": 0, "device_s": 0.0, "bound_s": 0.0, "serial_bound_s": 0.0,
+                                      "kv_s": 0.0})
         c["steps"] += 1
         c["tokens"] += tokens
         c["device_s"] += seconds
         c["bound_s"] += costs.bound(tokens, sampled, kv_tokens)
         c["serial_bound_s"] += costs.serial_bound(tokens, sampled, kv_tokens)
+        c["kv_s"] += costs.kv_bytes_per_token * kv_tokens / costs.bandwidth  # the serial bound's attention part
     order = ["prefill"] + [label for _, label in STEP_CLASSES]
     out = {name: {**classes[name], "of_bound": classes[name]["bound_s"] / classes[name]["device_s"]
                   if classes[name]["device_s"] else None} for name in order if name in classes}

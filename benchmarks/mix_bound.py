@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_mix import STEP_CLASSES, MixSpec, lognormal_lengths  # noqa: E402
+from bench_mix import MixSpec, StepCosts, lognormal_lengths, step_classes  # noqa: E402
 from mempath.memory.formulas import count_params, kv_bytes_per_token, shape_from_spec, weight_bytes  # noqa: E402
 from mempath.model.spec import ModelSpec  # noqa: E402
 
@@ -35,7 +35,8 @@ SHAPES = ROOT / "tests" / "data" / "configs"
 
 
 def schedule(inputs: list[int], outputs: list[int], max_num_batched_tokens: int):
-    """Yield each step's (tokens, sampled rows, KV positions attended) until every request is done."""
+    """Yield each step's (tokens, rows, sampled rows, KV positions attended), bench_mix.py's step shape, until
+    every request is done."""
     n = len(inputs)
     prefilled, generated = [0] * n, [0] * n
     next_prompt = 0  # requests before it have their whole prompt computed
@@ -53,7 +54,7 @@ def schedule(inputs: list[int], outputs: list[int], max_num_batched_tokens: int)
             return
         kv = sum(inputs[r] + generated[r] for r in decoding) + sum(prefilled[r] + c for r, c in chunks)
         sampled = len(decoding) + sum(1 for r, c in chunks if prefilled[r] + c == inputs[r])
-        yield len(decoding) + sum(c for _, c in chunks), sampled, kv
+        yield len(decoding) + sum(c for _, c in chunks), len(decoding) + len(chunks), sampled, kv
         for r in decoding:
             generated[r] += 1
         for r, c in chunks:
@@ -76,19 +77,13 @@ def bounds(shape_name: str, n: int, seed: int, mix: MixSpec, max_num_batched_tok
     rng = np.random.default_rng(seed)
     inputs = lognormal_lengths(n, mix.input_median, mix.input_sigma, mix.input_cap, rng)
     outputs = lognormal_lengths(n, mix.output_median, mix.output_sigma, mix.output_cap, rng)
-    classes = {}  # bench_mix.py's step classes: steps carrying a prompt chunk, decode steps by rows
-    for tokens, sampled, kv in schedule(inputs, outputs, max_num_batched_tokens):
-        flops = 2 * (layers * tokens + lm_head * sampled)
-        name = "prefill" if tokens > sampled else next(label for top, label in STEP_CLASSES
-                                                        if top is None or sampled <= top)
-        c = classes.setdefault(name, {"steps": 0, "bound_s": 0.0, "serial_bound_s": 0.0, "kv_s": 0.0})
-        c["steps"] += 1
-        c["bound_s"] += max(flops / rate, (read + kv_token * kv) / bandwidth)
-        c["serial_bound_s"] += max(flops / rate, read / bandwidth) + kv_token * kv / bandwidth
-        c["kv_s"] += kv_token * kv / bandwidth
-    steps = sum(c["steps"] for c in classes.values())
-    plain = sum(c["bound_s"] for c in classes.values())
-    serial = sum(c["serial_bound_s"] for c in classes.values())
+    costs = StepCosts(layer_params=layers, lm_head_params=lm_head, weight_bytes=read, kv_bytes_per_token=kv_token,
+                      matmul_rate=rate, bandwidth=bandwidth)
+    shapes = list(schedule(inputs, outputs, max_num_batched_tokens))
+    by_class = step_classes(shapes, [0.0] * len(shapes), costs)  # no device time: a derivation
+    classes = {name: {key: c[key] for key in ("steps", "bound_s", "serial_bound_s", "kv_s")}
+               for name, c in by_class["classes"].items()}
+    steps, plain, serial = len(shapes), by_class["schedule_bound_s"], by_class["serial_bound_s"]
     flops = 2 * (layers * (sum(inputs) + sum(outputs)) + lm_head * sum(outputs)) / rate
     out_tokens = sum(outputs)
     return {"shape": shape_name, "requests": n, "input_tokens": sum(inputs), "output_tokens": out_tokens,

@@ -114,6 +114,7 @@ def test_step_classes_split_steps_and_bound_each():
     # plain bound took only the larger of 0.88 and 0.9.
     assert classes["decode 33-128"]["serial_bound_s"] == pytest.approx(2 * 110 * 40 / 1e4 + 8000 / 1e4)
     assert classes["decode 1-32"]["serial_bound_s"] == pytest.approx(1000 / 1e4 + 200 / 1e4)
+    assert classes["decode 33-128"]["kv_s"] == pytest.approx(8000 / 1e4)  # the serial bound's attention part
     assert out["serial_bound_s"] == pytest.approx(sum(c["serial_bound_s"] for c in classes.values()))
     assert out["serial_bound_s"] > out["schedule_bound_s"]
     assert out["of_serial_bound"] == pytest.approx(out["serial_bound_s"] / 33.0)
@@ -148,9 +149,9 @@ def test_mix_bound_schedules_decode_rows_first_then_prompt_chunks():
     """benchmarks/mix_bound.py's schedule: decoding rows, then prompt chunks in arrival order up to the budget;
     a prompt's last chunk samples its first token."""
     import mix_bound
-    # (tokens, sampled rows, KV positions): r0's whole prompt and 5 of r1's; then r0's second token beside the
-    # rest of r1's prompt, whose first token is its last.
-    assert list(mix_bound.schedule([3, 10], [2, 1], 8)) == [(8, 1, 8), (6, 2, 14)]
+    # (tokens, rows, sampled rows, KV positions): r0's whole prompt and 5 of r1's; then r0's second token beside
+    # the rest of r1's prompt, whose first token is its last.
+    assert list(mix_bound.schedule([3, 10], [2, 1], 8)) == [(8, 2, 1, 8), (6, 2, 2, 14)]
 
 
 def test_mix_bound_serial_bound_adds_the_kv_bytes_to_the_projections():
