@@ -30,7 +30,8 @@ BLOCK_SIZE = 16
 def parse_configs(text: str, sms: int) -> list[dict]:
     """``programs:rows:k:warps[:l][:pBYTES][:o]``: programs as a count or a multiple of the SMs (``2x``); ``l``
     keeps two K tiles in flight; ``p1024`` prefetches 1 KB of each row of the next phase's first tile before a
-    barrier, ``o`` all o rows. Timing only (wrong results, not checked): ``B`` the barriers and no work, ``N``
+    barrier, ``o`` all o rows; ``w`` (with ``l``) loads the next phase's first weight tile between a barrier's
+    arrival and its wait. Timing only (wrong results, not checked): ``B`` the barriers and no work, ``N``
     the work and no barriers."""
     configs = []
     for entry in text.split(","):
@@ -39,7 +40,7 @@ def parse_configs(text: str, sms: int) -> list[dict]:
         prefetch = next((int(e[1:]) for e in extra if e.startswith("p")), 0)
         diagnostic = "barriers" if "B" in extra else "no-barriers" if "N" in extra else ""
         tiles = dict(row_tile=int(rows), k_tile=int(k), num_warps=int(warps), prefetch=prefetch,
-                     prefetch_o="o" in extra, pipeline="l" in extra, diagnostic=diagnostic)
+                     prefetch_o="o" in extra, pipeline="l" in extra, preload="w" in extra, diagnostic=diagnostic)
         configs.append(dict(name=entry, programs=count, tiles=tiles))
     return configs
 

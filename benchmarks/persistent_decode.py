@@ -157,16 +157,35 @@ class StepBuffers:
 
 if HAS_TRITON:
     @triton.jit
-    def _grid_sync(counter_ptr, target):
-        """Every program arrives once; none leaves before ``target`` arrivals. The release/acquire pair makes
-        each program's stores before the barrier visible to every program's loads after it."""
+    def _arrive(counter_ptr):
+        """A grid barrier's first half: this program's stores so far are released to every program."""
         tl.debug_barrier()
         tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
-        # Polled with acquire loads, not atomics: the spinning programs leave L2's atomic unit to the arrivals.
+
+    @triton.jit
+    def _wait(counter_ptr, target):
+        """Its second half: none leaves before ``target`` arrivals, and then sees every arrival's stores.
+        Polled with acquire loads, not atomics: the spinning programs leave L2's atomic unit to the arrivals."""
         while tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [counter_ptr],
                                         dtype=tl.int32, is_pure=False, pack=1) < target:
             pass
         tl.debug_barrier()
+
+    @triton.jit
+    def _grid_sync(counter_ptr, target):
+        _arrive(counter_ptr)
+        _wait(counter_ptr, target)
+
+    @triton.jit
+    def _preload(w_ptr, rows, row_ok, K, BK: tl.constexpr, PRELOAD: tl.constexpr):
+        """The first K tile of rows ``rows``, loaded between a barrier's halves (weights never wait on one);
+        0.0 when not PRELOAD."""
+        if PRELOAD:
+            offs = tl.arange(0, BK)
+            return tl.load(w_ptr + rows[:, None] * K + offs[None, :], mask=row_ok[:, None] & (offs[None, :] < K),
+                           other=0.0)
+        else:
+            return 0.0
 
     @triton.jit
     def _prefetch_rows(w_ptr, row0, N, K, BN: tl.constexpr, BYTES: tl.constexpr):
@@ -199,16 +218,20 @@ if HAS_TRITON:
         return vk
 
     @triton.jit
-    def _rows(w_ptr, rows, row_ok, v_ptr, norm_ptr, inv_rms, K, R: tl.constexpr, BK: tl.constexpr,
-              NORMED: tl.constexpr, PIPELINE: tl.constexpr):
+    def _rows(w_ptr, rows, row_ok, v_ptr, norm_ptr, inv_rms, K, w_first, R: tl.constexpr, BK: tl.constexpr,
+              NORMED: tl.constexpr, PIPELINE: tl.constexpr, HAVE_FIRST: tl.constexpr):
         """Rows ``rows`` [R] of ``w`` [., K] times the float32 vector ``v`` another program wrote (NORMED: its
         RMSNorm, v * inv_rms * norm): [R] float32. PIPELINE: each K tile's loads (weights and vector) are
-        issued before the tile before it is multiplied, so a program keeps two tiles in flight."""
+        issued before the tile before it is multiplied, so a program keeps two tiles in flight. HAVE_FIRST
+        (with PIPELINE): ``w_first`` is the first weight tile, loaded by the caller."""
         offs = tl.arange(0, BK)
         w_rows = w_ptr + rows[:, None] * K
         acc = tl.zeros([R, BK], tl.float32)
         if PIPELINE:
-            w_next = tl.load(w_rows + offs[None, :], mask=row_ok[:, None] & (offs[None, :] < K), other=0.0)
+            if HAVE_FIRST:
+                w_next = w_first
+            else:
+                w_next = tl.load(w_rows + offs[None, :], mask=row_ok[:, None] & (offs[None, :] < K), other=0.0)
             v_next = _vector_tile(v_ptr, norm_ptr, inv_rms, offs, K, NORMED)
         for k0 in range(0, K, BK):
             k = k0 + offs
@@ -224,12 +247,16 @@ if HAS_TRITON:
         return tl.sum(acc, 1)
 
     @triton.jit
-    def _qkv_phase(x_ptr, qkv_ptr, w_ptr, norm_ptr, H, NQKV, eps, pid, P, BN: tl.constexpr, BK: tl.constexpr,
-                   PIPELINE: tl.constexpr, H_PAD: tl.constexpr):
+    def _qkv_phase(x_ptr, qkv_ptr, w_ptr, norm_ptr, H, NQKV, eps, pid, P, w_first, BN: tl.constexpr,
+                   BK: tl.constexpr, PIPELINE: tl.constexpr, H_PAD: tl.constexpr, HAVE_FIRST: tl.constexpr):
         inv_rms = _inv_rms(x_ptr, H, eps, H_PAD)
         for t in range(pid, tl.cdiv(NQKV, BN), P):
             rows = t * BN + tl.arange(0, BN)
-            out = _rows(w_ptr, rows, rows < NQKV, x_ptr, norm_ptr, inv_rms, H, BN, BK, True, PIPELINE)
+            if t == pid:
+                out = _rows(w_ptr, rows, rows < NQKV, x_ptr, norm_ptr, inv_rms, H, w_first, BN, BK, True, PIPELINE,
+                            HAVE_FIRST)
+            else:
+                out = _rows(w_ptr, rows, rows < NQKV, x_ptr, norm_ptr, inv_rms, H, 0.0, BN, BK, True, PIPELINE, False)
             tl.store(qkv_ptr + rows, out, mask=rows < NQKV)
 
     @triton.jit
@@ -306,25 +333,38 @@ if HAS_TRITON:
                     tl.store(attn_ptr + q_heads[:, None] * D + dv[None, :], merged)
 
     @triton.jit
-    def _o_phase(x_ptr, attn_ptr, w_ptr, H, K, pid, P, BN: tl.constexpr, BK: tl.constexpr, PIPELINE: tl.constexpr):
+    def _o_phase(x_ptr, attn_ptr, w_ptr, H, K, pid, P, w_first, BN: tl.constexpr, BK: tl.constexpr,
+                 PIPELINE: tl.constexpr, HAVE_FIRST: tl.constexpr):
         """The o rows over the attention output, the residual added."""
         for t in range(pid, tl.cdiv(H, BN), P):
             rows = t * BN + tl.arange(0, BN)
-            out = _rows(w_ptr, rows, rows < H, attn_ptr, attn_ptr, 0.0, K, BN, BK, False, PIPELINE)
+            if t == pid:
+                out = _rows(w_ptr, rows, rows < H, attn_ptr, attn_ptr, 0.0, K, w_first, BN, BK, False, PIPELINE,
+                            HAVE_FIRST)
+            else:
+                out = _rows(w_ptr, rows, rows < H, attn_ptr, attn_ptr, 0.0, K, 0.0, BN, BK, False, PIPELINE, False)
             out += tl.load(x_ptr + rows, mask=rows < H, other=0.0, cache_modifier=".cg")
             tl.store(x_ptr + rows, out, mask=rows < H)
 
     @triton.jit
-    def _gate_up_phase(x_ptr, act_ptr, w_ptr, norm_ptr, H, I, eps, pid, P, BN: tl.constexpr, BK: tl.constexpr,
-                       PIPELINE: tl.constexpr, H_PAD: tl.constexpr):
+    def _gate_up_rows(t, I, BN: tl.constexpr):
+        """Tile t's weight rows: its BN gate rows, then the same outputs' up rows."""
+        pair = tl.arange(0, 2 * BN)
+        outputs = t * BN + pair % BN
+        return outputs + tl.where(pair >= BN, I, 0), outputs < I
+
+    @triton.jit
+    def _gate_up_phase(x_ptr, act_ptr, w_ptr, norm_ptr, H, I, eps, pid, P, w_first, BN: tl.constexpr,
+                       BK: tl.constexpr, PIPELINE: tl.constexpr, H_PAD: tl.constexpr, HAVE_FIRST: tl.constexpr):
         """A tile is BN gate rows and the BN up rows of the same outputs, in one pass over K."""
         inv_rms = _inv_rms(x_ptr, H, eps, H_PAD)
-        pair = tl.arange(0, 2 * BN)
-        is_up = pair >= BN
         for t in range(pid, tl.cdiv(I, BN), P):
-            outputs = t * BN + pair % BN
-            both = _rows(w_ptr, outputs + tl.where(is_up, I, 0), outputs < I, x_ptr, norm_ptr, inv_rms, H, 2 * BN,
-                         BK, True, PIPELINE)
+            rows, ok = _gate_up_rows(t, I, BN)
+            if t == pid:
+                both = _rows(w_ptr, rows, ok, x_ptr, norm_ptr, inv_rms, H, w_first, 2 * BN, BK, True, PIPELINE,
+                             HAVE_FIRST)
+            else:
+                both = _rows(w_ptr, rows, ok, x_ptr, norm_ptr, inv_rms, H, 0.0, 2 * BN, BK, True, PIPELINE, False)
             both = tl.reshape(both, [2, BN])
             up_half = (tl.arange(0, 2) == 1)[:, None]
             gate, up = tl.sum(tl.where(up_half, 0.0, both), 0), tl.sum(tl.where(up_half, both, 0.0), 0)
@@ -332,11 +372,15 @@ if HAS_TRITON:
             tl.store(act_ptr + rows, gate / (1.0 + tl.exp(-gate)) * up, mask=rows < I)
 
     @triton.jit
-    def _down_phase(x_ptr, act_ptr, w_ptr, H, I, pid, P, BN: tl.constexpr, BK: tl.constexpr,
-                    PIPELINE: tl.constexpr):
+    def _down_phase(x_ptr, act_ptr, w_ptr, H, I, pid, P, w_first, BN: tl.constexpr, BK: tl.constexpr,
+                    PIPELINE: tl.constexpr, HAVE_FIRST: tl.constexpr):
         for t in range(pid, tl.cdiv(H, BN), P):
             rows = t * BN + tl.arange(0, BN)
-            out = _rows(w_ptr, rows, rows < H, act_ptr, act_ptr, 0.0, I, BN, BK, False, PIPELINE)
+            if t == pid:
+                out = _rows(w_ptr, rows, rows < H, act_ptr, act_ptr, 0.0, I, w_first, BN, BK, False, PIPELINE,
+                            HAVE_FIRST)
+            else:
+                out = _rows(w_ptr, rows, rows < H, act_ptr, act_ptr, 0.0, I, 0.0, BN, BK, False, PIPELINE, False)
             out += tl.load(x_ptr + rows, mask=rows < H, other=0.0, cache_modifier=".cg")
             tl.store(x_ptr + rows, out, mask=rows < H)
 
@@ -348,19 +392,27 @@ if HAS_TRITON:
                             NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                             SPLITS: tl.constexpr, PHASES: tl.constexpr, SYNC: tl.constexpr, BN: tl.constexpr,
                             BK: tl.constexpr, BT: tl.constexpr, PREFETCH: tl.constexpr,
-                            PREFETCH_O: tl.constexpr, PIPELINE: tl.constexpr, H_PAD: tl.constexpr):
-        """PHASES: a bit a phase to run; SYNC: grid barriers (and the L2 prefetches before them) between phases."""
+                            PREFETCH_O: tl.constexpr, PIPELINE: tl.constexpr, H_PAD: tl.constexpr,
+                            PRELOAD: tl.constexpr):
+        """PHASES: a bit a phase to run; SYNC: grid barriers (and the L2 prefetches before them) between phases;
+        PRELOAD (with SYNC and PIPELINE): each program loads its first weight tile of the next phase between a
+        barrier's arrival and its wait, so the weight stream does not stop for the barrier."""
         pid = tl.program_id(0)
         P = tl.num_programs(0)
         NQKV: tl.constexpr = (NQ + 2 * NKV) * D
         syncs = 0
+        tile = pid * BN + tl.arange(0, BN)  # a program's first row tile of each phase
+        gate_up_tile, gate_up_ok = _gate_up_rows(pid, I, BN)
+        FIRST: tl.constexpr = PRELOAD and SYNC and PIPELINE
+        qkv_first = _preload(w_qkv_ptr + (layer_first + tl.zeros([], tl.int64)) * NQKV * H, tile, tile < NQKV, H, BK,
+                             FIRST)
         for layer in range(layer_first, layer_last):
             big = layer + tl.zeros([], tl.int64)  # 64-bit offsets: the stacked weights pass 2^31 elements
             w_qkv, w_o = w_qkv_ptr + big * NQKV * H, w_o_ptr + big * H * NQ * D
             w_gate_up, w_down = w_gate_up_ptr + big * 2 * I * H, w_down_ptr + big * H * I
             if PHASES & 1:
-                _qkv_phase(x_ptr, qkv_ptr, w_qkv, norm1_ptr + big * H, H, NQKV, eps, pid, P, BN, BK, PIPELINE,
-                           H_PAD)
+                _qkv_phase(x_ptr, qkv_ptr, w_qkv, norm1_ptr + big * H, H, NQKV, eps, pid, P, qkv_first, BN, BK,
+                           PIPELINE, H_PAD, FIRST)
             if SYNC:
                 if PREFETCH_O:  # the whole of the program's o rows, while the attention runs
                     for t in range(pid, tl.cdiv(H, BN), P):
@@ -376,27 +428,39 @@ if HAS_TRITON:
                                  BT)
             if SYNC:
                 syncs += 1
-                _grid_sync(counter_ptr, syncs * P)
+                _arrive(counter_ptr)
+            o_first = _preload(w_o, tile, tile < H, NQ * D, BK, FIRST)
+            if SYNC:
+                _wait(counter_ptr, syncs * P)
             if PHASES & 4:
-                _o_phase(x_ptr, attn_ptr, w_o, H, NQ * D, pid, P, BN, BK, PIPELINE)
+                _o_phase(x_ptr, attn_ptr, w_o, H, NQ * D, pid, P, o_first, BN, BK, PIPELINE, FIRST)
             if SYNC:
                 _prefetch_first_tile(w_gate_up, I, H, pid, BN, PREFETCH)
                 syncs += 1
-                _grid_sync(counter_ptr, syncs * P)
+                _arrive(counter_ptr)
+            gate_up_first = _preload(w_gate_up, gate_up_tile, gate_up_ok, H, BK, FIRST)
+            if SYNC:
+                _wait(counter_ptr, syncs * P)
             if PHASES & 8:
-                _gate_up_phase(x_ptr, act_ptr, w_gate_up, norm2_ptr + big * H, H, I, eps, pid, P, BN, BK, PIPELINE,
-                               H_PAD)
+                _gate_up_phase(x_ptr, act_ptr, w_gate_up, norm2_ptr + big * H, H, I, eps, pid, P, gate_up_first, BN,
+                               BK, PIPELINE, H_PAD, FIRST)
             if SYNC:
                 _prefetch_first_tile(w_down, H, I, pid, BN, PREFETCH)
                 syncs += 1
-                _grid_sync(counter_ptr, syncs * P)
+                _arrive(counter_ptr)
+            down_first = _preload(w_down, tile, tile < H, I, BK, FIRST)
+            if SYNC:
+                _wait(counter_ptr, syncs * P)
             if PHASES & 16:
-                _down_phase(x_ptr, act_ptr, w_down, H, I, pid, P, BN, BK, PIPELINE)
+                _down_phase(x_ptr, act_ptr, w_down, H, I, pid, P, down_first, BN, BK, PIPELINE, FIRST)
             if SYNC:
                 if layer + 1 < layer_last:
                     _prefetch_first_tile(w_qkv + NQKV * H, NQKV, H, pid, BN, PREFETCH)
                 syncs += 1
-                _grid_sync(counter_ptr, syncs * P)
+                _arrive(counter_ptr)
+            qkv_first = _preload(w_qkv + NQKV * H, tile, (tile < NQKV) & (layer + 1 < layer_last), H, BK, FIRST)
+            if SYNC:
+                _wait(counter_ptr, syncs * P)
 
 
 def split_length(pos: int, splits: int, positions: int = ATTENTION_POSITIONS) -> int:
@@ -410,7 +474,7 @@ def launch_layer_stack(stack: LayerStack, bufs: StepBuffers, k_cache: torch.Tens
                        programs: int, persistent: bool = True, row_tile: int = 16, k_tile: int = 512,
                        positions: int = ATTENTION_POSITIONS, num_warps: int = 8,
                        cooperative: bool = False, prefetch: int = 0, prefetch_o: bool = False,
-                       pipeline: bool = False, diagnostic: str = ""):
+                       pipeline: bool = False, preload: bool = False, diagnostic: str = ""):
     """One decode step of every layer on ``bufs.x`` (float32, in place). ``persistent``: one launch of
     ``programs`` programs with barriers between phases; every program must be resident at once (see
     ``resident_programs``), or the first barrier never opens: ``cooperative`` has the driver refuse a grid
@@ -430,7 +494,7 @@ def launch_layer_stack(stack: LayerStack, bufs: StepBuffers, k_cache: torch.Tens
     meta = dict(H_PAD=triton.next_power_of_2(s.hidden), NQ=s.q_heads, NKV=s.kv_heads, D=d,
                 BLOCK_SIZE=k_cache.shape[2], SPLITS=splits, BN=row_tile,
                 BK=k_tile, BT=positions, PREFETCH=prefetch if persistent else 0,
-                PREFETCH_O=prefetch_o and persistent, PIPELINE=pipeline, num_warps=num_warps)
+                PREFETCH_O=prefetch_o and persistent, PIPELINE=pipeline, PRELOAD=preload, num_warps=num_warps)
     bufs.counters.zero_()
     if persistent:
         if cooperative:
