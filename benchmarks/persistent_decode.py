@@ -333,16 +333,16 @@ if HAS_TRITON:
                     tl.store(attn_ptr + q_heads[:, None] * D + dv[None, :], merged)
 
     @triton.jit
-    def _o_phase(x_ptr, attn_ptr, w_ptr, H, K, pid, P, w_first, BN: tl.constexpr, BK: tl.constexpr,
-                 PIPELINE: tl.constexpr, HAVE_FIRST: tl.constexpr):
-        """The o rows over the attention output, the residual added."""
+    def _residual_phase(x_ptr, v_ptr, w_ptr, H, K, pid, P, w_first, BN: tl.constexpr, BK: tl.constexpr,
+                        PIPELINE: tl.constexpr, HAVE_FIRST: tl.constexpr):
+        """The rows of ``w`` [H, K] over a float32 vector (o: the attention output; down: SiLU(gate) * up), the
+        residual added."""
         for t in range(pid, tl.cdiv(H, BN), P):
             rows = t * BN + tl.arange(0, BN)
             if t == pid:
-                out = _rows(w_ptr, rows, rows < H, attn_ptr, attn_ptr, 0.0, K, w_first, BN, BK, False, PIPELINE,
-                            HAVE_FIRST)
+                out = _rows(w_ptr, rows, rows < H, v_ptr, v_ptr, 0.0, K, w_first, BN, BK, False, PIPELINE, HAVE_FIRST)
             else:
-                out = _rows(w_ptr, rows, rows < H, attn_ptr, attn_ptr, 0.0, K, 0.0, BN, BK, False, PIPELINE, False)
+                out = _rows(w_ptr, rows, rows < H, v_ptr, v_ptr, 0.0, K, 0.0, BN, BK, False, PIPELINE, False)
             out += tl.load(x_ptr + rows, mask=rows < H, other=0.0, cache_modifier=".cg")
             tl.store(x_ptr + rows, out, mask=rows < H)
 
@@ -370,19 +370,6 @@ if HAS_TRITON:
             gate, up = tl.sum(tl.where(up_half, 0.0, both), 0), tl.sum(tl.where(up_half, both, 0.0), 0)
             rows = t * BN + tl.arange(0, BN)
             tl.store(act_ptr + rows, gate / (1.0 + tl.exp(-gate)) * up, mask=rows < I)
-
-    @triton.jit
-    def _down_phase(x_ptr, act_ptr, w_ptr, H, I, pid, P, w_first, BN: tl.constexpr, BK: tl.constexpr,
-                    PIPELINE: tl.constexpr, HAVE_FIRST: tl.constexpr):
-        for t in range(pid, tl.cdiv(H, BN), P):
-            rows = t * BN + tl.arange(0, BN)
-            if t == pid:
-                out = _rows(w_ptr, rows, rows < H, act_ptr, act_ptr, 0.0, I, w_first, BN, BK, False, PIPELINE,
-                            HAVE_FIRST)
-            else:
-                out = _rows(w_ptr, rows, rows < H, act_ptr, act_ptr, 0.0, I, 0.0, BN, BK, False, PIPELINE, False)
-            out += tl.load(x_ptr + rows, mask=rows < H, other=0.0, cache_modifier=".cg")
-            tl.store(x_ptr + rows, out, mask=rows < H)
 
     @triton.jit
     def _layer_stack_kernel(x_ptr, qkv_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, attn_ptr, act_ptr, counter_ptr,
@@ -433,7 +420,7 @@ if HAS_TRITON:
             if SYNC:
                 _wait(counter_ptr, syncs * P)
             if PHASES & 4:
-                _o_phase(x_ptr, attn_ptr, w_o, H, NQ * D, pid, P, o_first, BN, BK, PIPELINE, FIRST)
+                _residual_phase(x_ptr, attn_ptr, w_o, H, NQ * D, pid, P, o_first, BN, BK, PIPELINE, FIRST)
             if SYNC:
                 _prefetch_first_tile(w_gate_up, I, H, pid, BN, PREFETCH)
                 syncs += 1
@@ -452,7 +439,7 @@ if HAS_TRITON:
             if SYNC:
                 _wait(counter_ptr, syncs * P)
             if PHASES & 16:
-                _down_phase(x_ptr, act_ptr, w_down, H, I, pid, P, down_first, BN, BK, PIPELINE, FIRST)
+                _residual_phase(x_ptr, act_ptr, w_down, H, I, pid, P, down_first, BN, BK, PIPELINE, FIRST)
             if SYNC:
                 if layer + 1 < layer_last:
                     _prefetch_first_tile(w_qkv + NQKV * H, NQKV, H, pid, BN, PREFETCH)
