@@ -4,7 +4,7 @@
     python benchmarks/bench_persistent_decode.py --configs 1x:16:512:8,2x:16:512:4   # programs:rows:k:warps
 
 Random weights of the shape's layers (bf16), a paged KV cache filled at random to each context, one
-sequence. Each config is checked against the PyTorch twin (``persistent_decode.layer_stack_torch``) before it
+sequence; the rotary tables from rope_theta without the shape's rope_scaling (the same work a step). Each config is checked against the PyTorch twin (``persistent_decode.layer_stack_torch``) before it
 is timed. Timed: the persistent kernel (one launch a step, programs a multiple of the SMs: ``2x`` is two an
 SM), and the same phases as a launch a phase and layer in a CUDA graph. The read limit is the layers'
 weights and the context's K and V at the copy bandwidth measured in the run. The projected step adds the
@@ -28,7 +28,8 @@ BLOCK_SIZE = 16
 
 
 def parse_configs(text: str, sms: int) -> list[dict]:
-    """``programs:rows:k:warps[:l][:pBYTES][:o]``: programs as a count or a multiple of the SMs (``2x``); ``l``
+    """``programs:rows:k:warps[:l][:w][:pBYTES][:o][:B|:N]``: programs as a count or a multiple of the SMs
+    (``2x``); ``l``
     keeps two K tiles in flight; ``p1024`` prefetches 1 KB of each row of the next phase's first tile before a
     barrier, ``o`` all o rows; ``w`` (with ``l``) loads the next phase's first weight tile between a barrier's
     arrival and its wait. Timing only (wrong results, not checked): ``B`` the barriers and no work, ``N``
@@ -159,9 +160,13 @@ def main():
     config = json.loads((bench_engine.SHAPES / f"{args.shape}.json").read_text())
     heads, hidden = config["num_attention_heads"], config["hidden_size"]
     head_dim = config.get("head_dim") or hidden // heads
-    contexts = [int(c) for c in args.contexts.split(",")]
+    try:
+        contexts = [int(c) for c in args.contexts.split(",")]
+        configs = parse_configs(args.configs, torch.cuda.get_device_properties(0).multi_processor_count)
+    except ValueError as error:
+        parser.error(f"--contexts takes integers and --configs entries programs:rows:k:warps[:flags] "
+                     f"(e.g. 2x:8:512:4:l): {error}")
     bandwidth = bench_engine.copy_bandwidth()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     stack = pd.random_stack(args.layers or config["num_hidden_layers"], hidden, config["intermediate_size"], heads,
                             config["num_key_value_heads"], head_dim, torch.bfloat16, "cuda",
                             eps=config["rms_norm_eps"])
@@ -172,8 +177,7 @@ def main():
     rope = pd.rope_tables(max(contexts) + 1, head_dim, config.get("rope_theta", 10000.0), "cuda")
     rows = []
     for context in contexts:
-        rows += measure_context(stack, caches, block_table, rope, context, parse_configs(args.configs, sms), args,
-                                bandwidth)
+        rows += measure_context(stack, caches, block_table, rope, context, configs, args, bandwidth)
     head_ms = lm_head_ms(hidden, config["vocab_size"], args.iters)
     step_bytes = stack.weight_bytes() + (config["vocab_size"] + 2) * hidden * 2  # + the final norm, an embedding row
     for row in rows:
