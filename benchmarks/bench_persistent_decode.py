@@ -4,12 +4,16 @@
     python benchmarks/bench_persistent_decode.py --configs 1x:16:512:8,2x:16:512:4   # programs:rows:k:warps
 
 Random weights of the shape's layers (bf16), a paged KV cache filled at random to each context, one
-sequence; the rotary tables from rope_theta without the shape's rope_scaling (the same work a step). Each config is checked against the PyTorch twin (``persistent_decode.layer_stack_torch``) before it
-is timed. Timed: the persistent kernel (one launch a step, programs a multiple of the SMs: ``2x`` is two an
-SM), and the same phases as a launch a phase and layer in a CUDA graph. The read limit is the layers'
-weights and the context's K and V at the copy bandwidth measured in the run. The projected step adds the
-LM head (cuBLAS, one row, in a graph) and the embedding row a step reads, against the whole step's limit:
-that is the figure #17's batch-1 target names. Prints a line a measurement and one ``RESULT`` JSON line.
+sequence; the rotary tables from rope_theta without the shape's rope_scaling (the same work a step). Each
+config is checked against the PyTorch twin (``persistent_decode.layer_stack_torch``) before it is timed.
+
+Timed: the persistent kernel (one launch a step, programs a multiple of the SMs: ``2x`` is two an SM; the
+mean of back-to-back launches: capturing a cooperative launch in a graph was not tried), and the same phases
+as a launch a phase and layer in a CUDA graph (``bench_l2_prefetch.time_graph``: the median of five replays' means). The
+read limit is the layers' weights and the context's K and V at the copy bandwidth measured in the run. The
+projected step adds the LM head (cuBLAS, one row, in a graph) and the embedding row a step reads, against the
+whole step's limit: that is the figure #17's batch-1 target names. Prints a line a measurement and one
+``RESULT`` JSON line.
 """
 import argparse
 import json
@@ -22,7 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_engine  # noqa: E402
+import bench_l2_prefetch  # noqa: E402
 import persistent_decode as pd  # noqa: E402
+from ptx_decode import programs_per_sm  # noqa: E402
 
 BLOCK_SIZE = 16
 
@@ -44,16 +50,6 @@ def parse_configs(text: str, sms: int) -> list[dict]:
                      prefetch_o="o" in extra, pipeline="l" in extra, preload="w" in extra, diagnostic=diagnostic)
         configs.append(dict(name=entry, programs=count, tiles=tiles))
     return configs
-
-
-def graph_time_ms(fn, iters: int) -> float:
-    """Mean ms of ``fn`` replayed from a CUDA graph (captured after a warm-up call)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return loop_time_ms(graph.replay, iters)
 
 
 def loop_time_ms(fn, iters: int) -> float:
@@ -87,7 +83,7 @@ def check_against_twin(stack, bufs, caches, block_table, rope, pos, x0, launch) 
 def lm_head_ms(hidden: int, vocab: int, iters: int) -> float:
     weight = torch.randn(vocab, hidden, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
-    ms = graph_time_ms(lambda: torch.nn.functional.linear(x, weight), iters)
+    ms = bench_l2_prefetch.time_graph(lambda: torch.nn.functional.linear(x, weight), replays=iters)
     del weight
     return ms
 
@@ -119,7 +115,8 @@ def measure_context(stack, caches, block_table, rope, context, configs, args, ba
         except RuntimeError as error:  # the driver refused a grid it cannot hold at once
             print(f"context {context} {config['name']}: not run ({error})", flush=True)
             continue
-        resident = pd.resident_programs(compiled, "cuda")
+        resident = torch.cuda.get_device_properties(0).multi_processor_count * programs_per_sm(
+            compiled.n_regs, compiled.metadata.shared, compiled.metadata.num_warps)
         error = None if tiles["diagnostic"] else check_against_twin(stack, bufs, caches, block_table, rope, pos, x0,
                                                                      persistent)
         ms = loop_time_ms(persistent, args.iters)
@@ -127,9 +124,10 @@ def measure_context(stack, caches, block_table, rope, context, configs, args, ba
                    resident=resident, regs=compiled.n_regs, spills=compiled.n_spills, twin_error=error,
                    persistent_ms=ms, limit_ms=limit_ms, of_limit=limit_ms / ms)
         if args.launch_baseline and config is configs[0]:
-            row["launch_per_phase_ms"] = graph_time_ms(
+            row["launch_per_phase_ms"] = bench_l2_prefetch.time_graph(
                 lambda: pd.launch_layer_stack(stack, bufs, *caches, block_table, *rope, pos,
-                                              programs=config["programs"], persistent=False, **tiles), args.iters)
+                                              programs=config["programs"], persistent=False, **tiles),
+                replays=args.iters)
         print(f"context {context} {config['name']} ({config['programs']} programs, {resident} resident, "
               f"{compiled.n_regs} regs, {compiled.n_spills} spills, {splits} splits): {ms:.3f} ms, "
               f"{100 * limit_ms / ms:.1f}% of the layers' read limit ({limit_ms:.3f} ms); "

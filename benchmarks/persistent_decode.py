@@ -463,8 +463,8 @@ def launch_layer_stack(stack: LayerStack, bufs: StepBuffers, k_cache: torch.Tens
                        cooperative: bool = False, prefetch: int = 0, prefetch_o: bool = False,
                        pipeline: bool = False, preload: bool = False, diagnostic: str = ""):
     """One decode step of every layer on ``bufs.x`` (float32, in place). ``persistent``: one launch of
-    ``programs`` programs with barriers between phases; every program must be resident at once (see
-    ``resident_programs``), or the first barrier never opens: ``cooperative`` has the driver refuse a grid
+    ``programs`` programs with barriers between phases; every program must be resident at once, or the
+    first barrier never opens: ``cooperative`` has the driver refuse a grid
     it cannot hold at once rather than hang. Otherwise a launch a phase and layer. Returns the (last)
     compiled kernel. ``prefetch``: bytes of each row of its next phase's first row tile a program asks L2
     for before a barrier; ``prefetch_o``: a program asks for all of its o rows before the attention
@@ -496,15 +496,3 @@ def launch_layer_stack(stack: LayerStack, bufs: StepBuffers, k_cache: torch.Tens
                                                         SYNC=False, **meta)
     return compiled
 
-
-def resident_programs(compiled, device) -> int:
-    """How many programs of ``compiled`` (a launched or warmed-up Triton kernel) the device holds at once:
-    the SMs times the programs an SM's registers, shared memory and thread slots allow."""
-    props = torch.cuda.get_device_properties(device)
-    warps = compiled.metadata.num_warps
-    regs_per_warp = -(-compiled.n_regs * 32 // 256) * 256
-    by_regs = props.regs_per_multiprocessor // (regs_per_warp * warps)
-    shared = compiled.metadata.shared
-    by_shared = props.shared_memory_per_multiprocessor // shared if shared else by_regs
-    by_threads = props.max_threads_per_multi_processor // (32 * warps)
-    return props.multi_processor_count * max(0, min(by_regs, by_shared, by_threads))
