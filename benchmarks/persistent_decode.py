@@ -470,7 +470,7 @@ def launch_layer_stack(stack: LayerStack, bufs: StepBuffers, k_cache: torch.Tens
     for before a barrier; ``prefetch_o``: a program asks for all of its o rows before the attention
     (persistent only: L2 prefetch is inline PTX, which the interpreter does not run). ``preload`` (persistent,
     with ``pipeline``): each program loads its first weight tile of the next phase between a barrier's arrival
-    and its wait (not yet run on a GPU: BENCHMARKS.md). ``diagnostic``
+    and its wait (measured without gain: BENCHMARKS.md). ``diagnostic``
     (persistent, wrong results, for timing only): "barriers" runs the barriers and no phase, "no-barriers"
     every phase and no barrier."""
     s = stack

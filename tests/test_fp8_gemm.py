@@ -146,6 +146,20 @@ def test_the_shipped_table_loads():
         assert all(isinstance(c, GemmConfig) for c in buckets.values())
 
 
+def test_buckets_the_gemv_table_hands_over_are_in_the_gemm_table():
+    """A bucket the GEMV table hands to the fp8 GEMM has the GEMM's tile: without one it would stay on the GEMV
+    on Hopper too, which was 17-20% slower a step at 2-8 rows on the H200 (BENCHMARKS.md)."""
+    from mempath.kernels.fp8_gemv_triton import GEMV_MAX_ROWS
+    from mempath.kernels.fp8_gemv_triton import load_table as load_gemv_table
+    gemm = load_table()
+    handed_over = [(shape, bucket) for shape, buckets in load_gemv_table().items()
+                   for bucket, config in buckets.items()
+                   if config.kernel == "gemm" and int(bucket) <= GEMV_MAX_ROWS]
+    assert handed_over, "the shipped GEMV table hands no bucket to the fp8 GEMM"
+    missing = [f"{shape} rows<={bucket}" for shape, bucket in handed_over if bucket not in gemm.get(shape, {})]
+    assert not missing, f"the fp8 GEMM table lists none of {missing}: they would stay on the GEMV"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="the engine takes the fp8 GEMM's table on Hopper only")
 def test_gpu_engine_runs_the_tabled_gemm_with_cuda_graphs(tmp_path, monkeypatch):

@@ -469,6 +469,32 @@ def test_decode_batches_take_the_gemv_and_larger_ones_scaled_mm(monkeypatch):
     assert ran == ["gemm", "scaled_mm"]
 
 
+def test_a_bucket_handed_to_the_fp8_gemm_keeps_its_gemv_tile_where_the_gemm_lists_none(monkeypatch):
+    """kernel "gemm": the fp8 GEMM where its table lists the bucket; the GEMV with the entry's tile where it
+    lists none or no fp8 GEMM runs (before Hopper: gemm None), never _scaled_mm; and the kernel before the
+    layer quantizes its input only for the rows that reach the GEMM."""
+    from mempath.kernels import fp8_gemm_triton
+    from mempath.kernels.fp8_gemm_triton import Fp8Gemm, GemmConfig
+    from mempath.kernels.fp8_gemv_triton import Fp8Gemv, GemvConfig
+    ran = []
+    monkeypatch.setattr(quant, "scaled_mm_quantized", lambda *a, **k: ran.append("scaled_mm"))
+    monkeypatch.setattr(fp8_gemm_triton, "triton_fp8_gemm", lambda *a, **k: ran.append("gemm"))
+    monkeypatch.setattr(Fp8Gemv, "__call__", lambda self, x, w, s, b, config: ran.append(config))
+    tile = GemvConfig(block_n=32, block_k=128, split_k=2, use_dot=True, kernel="gemm")
+    gemv = Fp8Gemv(64, torch.device("cpu"), {"64x32": {"4": tile, "8": tile}})
+    gemm = Fp8Gemm(table={"64x32": {"4": GemmConfig(block_m=16, swap_ab=True)}})
+    w, scale = quantize_rows(torch.randn(64, 32))
+    as_gemv = dataclasses.replace(tile, kernel="gemv")
+    for rows, expected in ((3, "gemm"), (4, "gemm"), (7, as_gemv)):
+        ran.clear()
+        quant.fp8_linear_cuda(torch.randn(rows, 32, dtype=torch.bfloat16), w, scale, None, gemv, gemm=gemm)
+        assert ran == [expected], rows
+        assert quant._quantized_rows(gemv, w, torch.bfloat16, gemm, rows) == (expected == "gemm")
+    ran.clear()
+    quant.fp8_linear_cuda(torch.randn(3, 32, dtype=torch.bfloat16), w, scale, None, gemv, gemm=None)
+    assert ran == [as_gemv] and not quant._quantized_rows(gemv, w, torch.bfloat16, None, 3)
+
+
 def test_dense_layers_take_the_gemv_only_where_the_table_lists_their_bucket(monkeypatch):
     """A 16-bit layer: the GEMV at a row bucket the dense table lists, F.linear at the others, above
     16 rows, and where the table splits K wider than the workspace (the LM head's vocabulary)."""

@@ -90,7 +90,8 @@ TMA_MAX_BOX = 256
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """One launch configuration. ``kernel`` "scaled_mm" sends the bucket to torch._scaled_mm."""
+    """One launch configuration. ``kernel`` "scaled_mm" sends the bucket to torch._scaled_mm; "gemm" to the fp8
+    GEMM where its table lists the bucket (mempath.model.quant.gemv_config), else to this kernel with the entry's tile."""
     block_n: int = 64
     block_k: int = 256
     split_k: int = 1
@@ -111,8 +112,8 @@ class GemvConfig:
     kernel: str = "gemv"
 
     def __post_init__(self):
-        if self.kernel not in ("gemv", "scaled_mm") or self.reduce not in ("atomic", "two_pass"):
-            raise ValueError(f"fp8 GEMV config: kernel must be gemv or scaled_mm and reduce atomic or two_pass, "
+        if self.kernel not in ("gemv", "scaled_mm", "gemm") or self.reduce not in ("atomic", "two_pass"):
+            raise ValueError(f"fp8 GEMV config: kernel must be gemv, scaled_mm or gemm and reduce atomic or two_pass, "
                              f"got {self.kernel!r}, {self.reduce!r}")
         if self.block_n < FP8_GEMV_MIN_BLOCK_N or self.block_n & (self.block_n - 1) or self.block_k < 16 \
                 or self.block_k & (self.block_k - 1) or self.split_k < 1:
@@ -134,6 +135,8 @@ class GemvConfig:
     def describe(self) -> str:
         if self.kernel == "scaled_mm":
             return "_scaled_mm"
+        if self.kernel == "gemm":
+            return "the fp8 GEMM"
         product = "dot-fp8" if self.quantize_x else "dot" if self.use_dot else "tma" if self.tma else "fma"
         return (f"gemv {product} n{self.block_n} k{self.block_k} split{self.split_k}"
                 f"{' ' + self.reduce if self.split_k > 1 else ''} w{self.num_warps} s{self.num_stages}"

@@ -17,6 +17,7 @@ The loader fills a layer either from a float checkpoint tensor, quantized as it 
 (``copy_quantized``), or from a pre-quantized one (float8 weights and their
 ``weight_scale``; docs/quantization.md).
 """
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -127,18 +128,24 @@ def fp8_linear_cuda(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     shape and batch bucket; larger batches, buckets the table sends there and float32 activations
     (the GEMV's tensor-core product takes 16-bit ones) are quantized per token (``quantize``) and
     multiplied by ``fp8_linear_quantized_cuda``."""
-    config = gemv_config(gemv, weight, x.shape[0], x.dtype)
+    config = gemv_config(gemv, weight, x.shape[0], x.dtype, gemm)
     if config is not None:
         return gemv(x, weight, weight_scale, bias, config)
     return fp8_linear_quantized_cuda(Fp8Activation(*quantize(x), x.dtype), weight, weight_scale, bias, gemm)
 
 
-def gemv_config(gemv, weight: torch.Tensor, rows: int, dtype: torch.dtype):
+def gemv_config(gemv, weight: torch.Tensor, rows: int, dtype: torch.dtype, gemm=None):
     """The GEMV launch ``fp8_linear_cuda`` gives ``rows`` rows of ``dtype`` through this weight, or None:
-    they take the quantized path (the fp8 GEMM or _scaled_mm), whose input is quantized per token."""
+    they take the quantized path (the fp8 GEMM or _scaled_mm), whose input is quantized per token. A bucket
+    the GEMV table hands to the fp8 GEMM ("gemm") stays on the GEMV, with the entry's own tile, where ``gemm``
+    (the model's kernels.fp8_gemm_triton.Fp8Gemm; None before Hopper) lists no tile for it: _scaled_mm was
+    slower than the GEMV at those rows (BENCHMARKS.md, thirty-fourth session)."""
     from mempath.kernels.fp8_gemv_triton import GEMV_MAX_ROWS
     if 0 < rows <= GEMV_MAX_ROWS and dtype != torch.float32:
-        config = gemv.config(weight.shape[0], weight.shape[1], rows)
+        n, k = weight.shape
+        config = gemv.config(n, k, rows)
+        if config.kernel == "gemm" and (gemm is None or gemm.config(n, k, rows) is None):
+            return dataclasses.replace(config, kernel="gemv")
         if config.kernel == "gemv":
             return config
     return None
@@ -259,7 +266,7 @@ def set_fp8_matmul(model: nn.Module, device: torch.device) -> None:
         if model.fp8_gemv is not None and USE_FUSED_QUANT:
             layer.matmul_quantized = functools.partial(fp8_linear_quantized_cuda, gemm=model.fp8_gemm)
             layer.wants_quantized = functools.partial(_quantized_rows, model.fp8_gemv, layer.weight,
-                                                      model.lm_head.weight.dtype)
+                                                      model.lm_head.weight.dtype, model.fp8_gemm)
 
 
 # Set to False to run every quantized fp8 product on _scaled_mm (A/B measurements: bench_mix --fp8-gemm
@@ -273,9 +280,9 @@ USE_FP8_GEMM = True
 USE_FUSED_QUANT = True
 
 
-def _quantized_rows(gemv, weight: torch.Tensor, dtype: torch.dtype, rows: int) -> bool:
+def _quantized_rows(gemv, weight: torch.Tensor, dtype: torch.dtype, gemm, rows: int) -> bool:
     """Whether ``rows`` rows through ``weight`` take the quantized path (not the GEMV)."""
-    return rows > 0 and gemv_config(gemv, weight, rows, dtype) is None
+    return rows > 0 and gemv_config(gemv, weight, rows, dtype, gemm) is None
 
 
 def fp8_linear_quantized_cuda(x: Fp8Activation, weight: torch.Tensor, weight_scale: torch.Tensor,
