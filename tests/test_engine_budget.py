@@ -15,6 +15,7 @@ import torch
 
 from mempath.engine import startup as startup_module
 from mempath.engine.startup import OUTSIDE_TORCH_GROWTH, Startup
+from mempath.kv.manager import KVCacheManager
 from mempath.kv.tiers.coordinator import STAGING_BLOCKS
 from mempath.memory.budget import ALLOCATION_ROUNDING, DeviceBudget
 
@@ -107,6 +108,7 @@ def fake_engine(monkeypatch, *, tiers: bool, eager: bool = False, activation_all
     engine.graph_pool_estimate = lambda: 200 * MiB
     engine.tier_staging_bytes = lambda per_block: Startup.tier_staging_bytes(engine, per_block)
     engine.measure_step_peak = lambda: Startup.measure_step_peak(engine)
+    engine.warn_if_no_room_for_a_step = lambda room, outside: Startup.warn_if_no_room_for_a_step(engine, room, outside)
     return engine, device
 
 
@@ -162,6 +164,30 @@ def test_the_allocator_is_capped_at_what_the_budget_leaves_it(monkeypatch, caplo
         Startup.cap_device_memory(engine)
     assert any("--gpu-memory-utilization" in r.getMessage() for r in caplog.records)
     assert device.fraction * TOTAL == pytest.approx(TOTAL // 2 + startup_module.ALLOCATOR_SEGMENTS)
+
+
+def test_start_up_says_when_what_grew_outside_pytorch_leaves_no_room_for_the_largest_step(monkeypatch, caplog):
+    """The cap leaves PyTorch the budget less what is outside it now: what grew there after the KV cache was
+    sized (kernels and graphs loaded later) comes out of the room for a step's activations. Start-up says so
+    with the block count that would leave the profile's step room, instead of steps failing later."""
+    engine, device = fake_engine(monkeypatch, tiers=False)
+    blocks = Startup.profile_kv_blocks(engine, PER_BLOCK)
+    engine.runner.allocate_kv_cache(blocks)
+    engine.kv, engine.kv_bytes_per_block = KVCacheManager(blocks, 16, False), lambda: PER_BLOCK
+    with caplog.at_level(logging.WARNING, logger=startup_module.__name__):
+        Startup.cap_device_memory(engine)
+    assert not caplog.records  # the plan's own margins hold the step
+
+    device.outside += 2 * GiB
+    with caplog.at_level(logging.WARNING, logger=startup_module.__name__):
+        Startup.cap_device_memory(engine)
+    room = TOTAL // 2 - device.outside - OUTSIDE_TORCH_GROWTH - device.reserved
+    short = 3 * GiB - room  # the profile step's peak, as reserved
+    assert 0 < short < 2 * GiB
+    [record] = caplog.records
+    message = record.getMessage()
+    assert "the largest steps may run out of memory" in message
+    assert f"--num-gpu-blocks-override {blocks - -(-short // PER_BLOCK)}" in message
 
 
 @pytest.mark.parametrize("moe,expected", [

@@ -527,3 +527,23 @@ class Startup:
                         "(gpu_memory_utilization %.2f): lower --max-num-batched-tokens or --max-num-seqs, "
                         "or raise --gpu-memory-utilization",
                         format_bytes(reserved), format_bytes(cap), self.config.gpu_memory_utilization)
+        else:
+            self.warn_if_no_room_for_a_step(cap - reserved, outside)
+
+    def warn_if_no_room_for_a_step(self, room: int, outside: int) -> None:
+        """Say so at start-up when what the cap leaves PyTorch cannot hold the largest step the profile ran:
+        memory outside PyTorch that grew after the KV cache was sized (kernels, graphs) comes out of it, and
+        such steps would fail their newest request with out of memory while serving."""
+        peak = max(ledger.get(Pathway.ACTIVATION_PEAK) for ledger in self.budget.ledgers.values())
+        if room >= peak:
+            return
+        short = peak - room
+        fewer = ""
+        if getattr(self, "pages", None) is None:  # one model: its blocks; a page pool's are every model's
+            blocks = self.kv.num_blocks - -(-short // self.kv_bytes_per_block())
+            fewer = f" (--num-gpu-blocks-override {max(blocks, 1)})"
+        log.warning("after start-up the budget leaves PyTorch %s for a step's activations, %s less than the largest "
+                    "step took in the profile (%s): device memory outside PyTorch is %s now, more than when the KV "
+                    "cache was sized, so the largest steps may run out of memory; leave the KV cache fewer "
+                    "blocks%s or lower --max-num-batched-tokens", format_bytes(room), format_bytes(short),
+                    format_bytes(peak), format_bytes(outside), fewer)
