@@ -490,6 +490,7 @@ def test_a_bucket_handed_to_the_fp8_gemm_keeps_its_gemv_tile_where_the_gemm_list
         quant.fp8_linear_cuda(torch.randn(rows, 32, dtype=torch.bfloat16), w, scale, None, gemv, gemm=gemm)
         assert ran == [expected], rows
         assert quant._quantized_rows(gemv, w, torch.bfloat16, gemm, rows) == (expected == "gemm")
+    assert gemv.chosen["64x32 rows<=8"] == as_gemv.describe() and "64x32 rows<=8" not in gemm.chosen
     ran.clear()
     quant.fp8_linear_cuda(torch.randn(3, 32, dtype=torch.bfloat16), w, scale, None, gemv, gemm=None)
     assert ran == [as_gemv] and not quant._quantized_rows(gemv, w, torch.bfloat16, None, 3)

@@ -140,15 +140,22 @@ def gemv_config(gemv, weight: torch.Tensor, rows: int, dtype: torch.dtype, gemm=
     the GEMV table hands to the fp8 GEMM ("gemm") stays on the GEMV, with the entry's own tile, where ``gemm``
     (the model's kernels.fp8_gemm_triton.Fp8Gemm; None before Hopper) lists no tile for it: _scaled_mm was
     slower than the GEMV at those rows (BENCHMARKS.md, thirty-fourth session)."""
-    from mempath.kernels.fp8_gemv_triton import GEMV_MAX_ROWS
+    from mempath.kernels.fp8_gemv_triton import GEMV_MAX_ROWS, row_bucket
     if 0 < rows <= GEMV_MAX_ROWS and dtype != torch.float32:
         n, k = weight.shape
         config = gemv.config(n, k, rows)
-        if config.kernel == "gemm" and (gemm is None or gemm.config(n, k, rows) is None):
-            return dataclasses.replace(config, kernel="gemv")
+        if config.kernel == "gemm" and (gemm is None or not gemm.lists(n, k, rows)):
+            config = _on_the_gemv(config)
+            gemv.chosen[f"{n}x{k} rows<={row_bucket(rows)}"] = config.describe()
         if config.kernel == "gemv":
             return config
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _on_the_gemv(config):
+    """A table entry that hands its bucket to the fp8 GEMM, as the GEMV launch of its own tile."""
+    return dataclasses.replace(config, kernel="gemv")
 
 
 class Fp8Linear(nn.Module):
