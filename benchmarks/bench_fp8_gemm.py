@@ -1,10 +1,10 @@
 """The fp8 GEMM (mempath.kernels.fp8_gemm_triton) against torch._scaled_mm: checked, swept, tabled.
 
-    python benchmarks/bench_fp8_gemm.py                             # Llama-3.1-8B shape, rows 32 ... 512 (CUDA)
+    python benchmarks/bench_fp8_gemm.py                             # Llama-3.1-8B shape, rows 2 ... 512 (CUDA)
     python benchmarks/bench_fp8_gemm.py --rows 64,512 --out /tmp/t.json   # some buckets, another table
 
-Above the GEMV's 16 rows an fp8 projection multiplies a per-token quantized input by its weight with
-row-wise scales. For each projection of the shape (fused q/k/v, o, fused gate/up, down) and each
+Above the GEMV's 16 rows, and at the 2-8 rows the GEMV table hands over (its ``kernel: gemm`` entries), an
+fp8 projection multiplies a per-token quantized input by its weight with row-wise scales. For each projection of the shape (fused q/k/v, o, fused gate/up, down) and each
 batch of rows:
 
 1. check: every candidate tile against the twin (fp8_linear_quantized_torch) on the same fp8 operands;
@@ -78,7 +78,8 @@ def main() -> None:
     from bench_mix import matmul_rate
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="llama-3.1-8b", help="a config in tests/data/configs")
-    parser.add_argument("--rows", default="32,64,128,256,512")
+    # 2-8: the buckets the shipped GEMV table hands over (tests/test_fp8_gemm.py checks a table keeps them).
+    parser.add_argument("--rows", default="2,4,8,32,64,128,256,512")
     parser.add_argument("--out", default=str(DEFAULT_TABLE), help="where the table goes")
     parser.add_argument("--margin", type=float, default=0.03,
                         help="list a bucket only where the kernel is at least this much faster than _scaled_mm")

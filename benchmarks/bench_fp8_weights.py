@@ -233,8 +233,9 @@ def main() -> None:
     lat.add_argument("--also-dense-table", action="append", default=[],
                      help="a dense GEMV table (bench_dense_gemv.py's), run as another bf16 engine (repeatable)")
     lat.add_argument("--also-scaled-mm", action="store_true",
-                     help="a third fp8 engine whose batches above the GEMV's rows all run _scaled_mm "
-                          "(model.quant.USE_FP8_GEMM off: the A/B of the fp8 GEMM's table)")
+                     help="a third fp8 engine without the fp8 GEMM: _scaled_mm above the GEMV's rows, the GEMV "
+                          "at the 2-8 rows its table hands the GEMM (model.quant.USE_FP8_GEMM off: the A/B of the "
+                          "fp8 GEMM's table)")
     lat.add_argument("--batch", type=int, default=1, help="sequences decoded together (the KV read is not in the "
                                                           "limit: keep the prompt short)")
     args = parser.parse_args()

@@ -97,12 +97,12 @@ step fp8-latency 200 python3 benchmarks/bench_fp8_weights.py latency --shape lla
   --table "$( [ -s "$LOGS/fp8_gemv_configs.json" ] && echo "$LOGS/fp8_gemv_configs.json" || echo mempath/assets/fp8_gemv_configs.json )"
 step fp8-gemv-tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_gemv.py tests/test_fp8_weights.py \
   -k "gpu or cuda"
-# The fp8 GEMM above 16 rows (#20): its GPU tests, its sweep (the table where it beats _scaled_mm, into LOGS), then
-# decode at 32 and 64 sequences with that table against _scaled_mm (~1 min each on the H100).
+# The fp8 GEMM above 16 rows and at 2-8 (#20): its GPU tests, its sweep (the table where it beats _scaled_mm, into
+# LOGS), then decode at 4, 8, 32 and 64 sequences with that table against the engine without it (~1 min each).
 step fp8-gemm-tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_gemm.py
 step fp8-gemm 300 python3 benchmarks/bench_fp8_gemm.py --out "$LOGS/fp8_gemm_configs.json"
 if want fp8-gemm-latency; then
-  for batch in 32 64; do
+  for batch in 4 8 32 64; do
     step fp8-gemm-latency 200 env MEMPATH_FP8_GEMM_CONFIGS="$( [ -s "$LOGS/fp8_gemm_configs.json" ] && \
       echo "$LOGS/fp8_gemm_configs.json" || echo mempath/assets/fp8_gemm_configs.json )" \
       python3 benchmarks/bench_fp8_weights.py latency --shape llama-3.1-8b --batch "$batch" --prompt-len 128 \
