@@ -4,8 +4,8 @@
     python benchmarks/bench_fp8_gemm.py --rows 64,512 --out /tmp/t.json   # some buckets, another table
 
 Above the GEMV's 16 rows, and at the 2-8 rows the GEMV table hands over (its ``kernel: gemm`` entries), an
-fp8 projection multiplies a per-token quantized input by its weight with row-wise scales. For each projection of the shape (fused q/k/v, o, fused gate/up, down) and each
-batch of rows:
+fp8 projection multiplies a per-token quantized input by its weight with row-wise scales. For each
+projection of the shape (fused q/k/v, o, fused gate/up, down) and each batch of rows:
 
 1. check: every candidate tile against the twin (fp8_linear_quantized_torch) on the same fp8 operands;
    one that differs or fails to compile is dropped and counted;
