@@ -481,19 +481,21 @@ def test_a_bucket_handed_to_the_fp8_gemm_keeps_its_gemv_tile_where_the_gemm_list
     monkeypatch.setattr(fp8_gemm_triton, "triton_fp8_gemm", lambda *a, **k: ran.append("gemm"))
     monkeypatch.setattr(Fp8Gemv, "__call__", lambda self, x, w, s, b, config: ran.append(config))
     tile = GemvConfig(block_n=32, block_k=128, split_k=2, use_dot=True, kernel="gemm")
-    gemv = Fp8Gemv(64, torch.device("cpu"), {"64x32": {"4": tile, "8": tile}})
+    table = {"64x32": {"4": tile, "8": tile}}
     gemm = Fp8Gemm(table={"64x32": {"4": GemmConfig(block_m=16, swap_ab=True)}})
+    gemv = Fp8Gemv(64, torch.device("cpu"), quant.gemv_table_for(table, gemm))
     w, scale = quantize_rows(torch.randn(64, 32))
     as_gemv = dataclasses.replace(tile, kernel="gemv")
     for rows, expected in ((3, "gemm"), (4, "gemm"), (7, as_gemv)):
         ran.clear()
         quant.fp8_linear_cuda(torch.randn(rows, 32, dtype=torch.bfloat16), w, scale, None, gemv, gemm=gemm)
         assert ran == [expected], rows
-        assert quant._quantized_rows(gemv, w, torch.bfloat16, gemm, rows) == (expected == "gemm")
+        assert quant._quantized_rows(gemv, w, torch.bfloat16, rows) == (expected == "gemm")
     assert gemv.chosen["64x32 rows<=8"] == as_gemv.describe() and "64x32 rows<=8" not in gemm.chosen
     ran.clear()
-    quant.fp8_linear_cuda(torch.randn(3, 32, dtype=torch.bfloat16), w, scale, None, gemv, gemm=None)
-    assert ran == [as_gemv] and not quant._quantized_rows(gemv, w, torch.bfloat16, None, 3)
+    before_hopper = Fp8Gemv(64, torch.device("cpu"), quant.gemv_table_for(table, None))
+    quant.fp8_linear_cuda(torch.randn(3, 32, dtype=torch.bfloat16), w, scale, None, before_hopper, gemm=None)
+    assert ran == [as_gemv] and not quant._quantized_rows(before_hopper, w, torch.bfloat16, 3)
 
 
 def test_dense_layers_take_the_gemv_only_where_the_table_lists_their_bucket(monkeypatch):

@@ -192,10 +192,6 @@ class Fp8Gemm:
             self.chosen[f"{n}x{k} rows<={bucket}"] = config.describe() if config else "_scaled_mm"
         return self._configs[key]
 
-    def lists(self, n: int, k: int, rows: int) -> bool:
-        """Whether the table has a tile for this shape at this batch bucket (nothing recorded in ``chosen``)."""
-        return str(row_bucket(rows)) in self.table.get(f"{n}x{k}", {})
-
     def __call__(self, xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                  bias: torch.Tensor | None, dtype: torch.dtype, config: GemmConfig) -> torch.Tensor:
         return triton_fp8_gemm(xq, x_scale, weight, weight_scale, bias, dtype, config)

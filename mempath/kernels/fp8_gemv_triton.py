@@ -91,7 +91,7 @@ TMA_MAX_BOX = 256
 @dataclass(frozen=True)
 class GemvConfig:
     """One launch configuration. ``kernel`` "scaled_mm" sends the bucket to torch._scaled_mm; "gemm" to the fp8
-    GEMM where its table lists the bucket (mempath.model.quant.gemv_config), else to this kernel with the entry's tile."""
+    GEMM where its table lists the bucket, else to this kernel with the entry's tile (model.quant.gemv_table_for)."""
     block_n: int = 64
     block_k: int = 256
     split_k: int = 1

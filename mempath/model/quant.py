@@ -128,34 +128,33 @@ def fp8_linear_cuda(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     shape and batch bucket; larger batches, buckets the table sends there and float32 activations
     (the GEMV's tensor-core product takes 16-bit ones) are quantized per token (``quantize``) and
     multiplied by ``fp8_linear_quantized_cuda``."""
-    config = gemv_config(gemv, weight, x.shape[0], x.dtype, gemm)
+    config = gemv_config(gemv, weight, x.shape[0], x.dtype)
     if config is not None:
         return gemv(x, weight, weight_scale, bias, config)
     return fp8_linear_quantized_cuda(Fp8Activation(*quantize(x), x.dtype), weight, weight_scale, bias, gemm)
 
 
-def gemv_config(gemv, weight: torch.Tensor, rows: int, dtype: torch.dtype, gemm=None):
+def gemv_config(gemv, weight: torch.Tensor, rows: int, dtype: torch.dtype):
     """The GEMV launch ``fp8_linear_cuda`` gives ``rows`` rows of ``dtype`` through this weight, or None:
-    they take the quantized path (the fp8 GEMM or _scaled_mm), whose input is quantized per token. A bucket
-    the GEMV table hands to the fp8 GEMM ("gemm") stays on the GEMV, with the entry's own tile, where ``gemm``
-    (the model's kernels.fp8_gemm_triton.Fp8Gemm; None before Hopper) lists no tile for it: _scaled_mm was
-    slower than the GEMV at those rows (BENCHMARKS.md, thirty-fourth session)."""
-    from mempath.kernels.fp8_gemv_triton import GEMV_MAX_ROWS, row_bucket
+    they take the quantized path (the fp8 GEMM or _scaled_mm), whose input is quantized per token."""
+    from mempath.kernels.fp8_gemv_triton import GEMV_MAX_ROWS
     if 0 < rows <= GEMV_MAX_ROWS and dtype != torch.float32:
-        n, k = weight.shape
-        config = gemv.config(n, k, rows)
-        if config.kernel == "gemm" and (gemm is None or not gemm.lists(n, k, rows)):
-            config = _on_the_gemv(config)
-            gemv.chosen[f"{n}x{k} rows<={row_bucket(rows)}"] = config.describe()
+        config = gemv.config(weight.shape[0], weight.shape[1], rows)
         if config.kernel == "gemv":
             return config
     return None
 
 
-@functools.lru_cache(maxsize=None)
-def _on_the_gemv(config):
-    """A table entry that hands its bucket to the fp8 GEMM, as the GEMV launch of its own tile."""
-    return dataclasses.replace(config, kernel="gemv")
+def gemv_table_for(table: dict, gemm) -> dict:
+    """The fp8 GEMV ``table`` as this model runs it: a bucket it hands to the fp8 GEMM ("gemm") keeps the entry's
+    own GEMV tile where ``gemm`` (the model's kernels.fp8_gemm_triton.Fp8Gemm; None before Hopper) has no tile
+    for it, since _scaled_mm was slower than both at those rows (BENCHMARKS.md, thirty-fourth session)."""
+    def runs(shape: str, bucket: str, config):
+        if config.kernel == "gemm" and (gemm is None or bucket not in gemm.table.get(shape, {})):
+            return dataclasses.replace(config, kernel="gemv")
+        return config
+    return {shape: {bucket: runs(shape, bucket, config) for bucket, config in buckets.items()}
+            for shape, buckets in table.items()}
 
 
 class Fp8Linear(nn.Module):
@@ -256,11 +255,12 @@ def set_fp8_matmul(model: nn.Module, device: torch.device) -> None:
     model.fp8_gemv = model.fp8_gemm = None
     if cuda and model.kernels.triton and layers:
         from mempath.kernels.fp8_gemm_triton import Fp8Gemm
-        from mempath.kernels.fp8_gemv_triton import Fp8Gemv
+        from mempath.kernels.fp8_gemv_triton import Fp8Gemv, load_table
         from mempath.kernels.quant_triton import triton_quantize_rows
-        model.fp8_gemv = Fp8Gemv(max(layer.out_features for layer in layers), device)
         hopper = torch.cuda.get_device_capability(device)[0] == 9
         model.fp8_gemm = Fp8Gemm() if USE_FP8_GEMM and hopper else None
+        model.fp8_gemv = Fp8Gemv(max(layer.out_features for layer in layers), device,
+                                 table=gemv_table_for(load_table(), model.fp8_gemm))
         matmul = functools.partial(fp8_linear_cuda, gemv=model.fp8_gemv, gemm=model.fp8_gemm,
                                    quantize=functools.partial(triton_quantize_rows, fp8_max=FP8_MAX,
                                                               min_scale=MIN_SCALE))
@@ -273,7 +273,7 @@ def set_fp8_matmul(model: nn.Module, device: torch.device) -> None:
         if model.fp8_gemv is not None and USE_FUSED_QUANT:
             layer.matmul_quantized = functools.partial(fp8_linear_quantized_cuda, gemm=model.fp8_gemm)
             layer.wants_quantized = functools.partial(_quantized_rows, model.fp8_gemv, layer.weight,
-                                                      model.lm_head.weight.dtype, model.fp8_gemm)
+                                                      model.lm_head.weight.dtype)
 
 
 # Set to False to run every quantized fp8 product on _scaled_mm (A/B measurements: bench_mix --fp8-gemm
@@ -287,9 +287,9 @@ USE_FP8_GEMM = True
 USE_FUSED_QUANT = True
 
 
-def _quantized_rows(gemv, weight: torch.Tensor, dtype: torch.dtype, gemm, rows: int) -> bool:
+def _quantized_rows(gemv, weight: torch.Tensor, dtype: torch.dtype, rows: int) -> bool:
     """Whether ``rows`` rows through ``weight`` take the quantized path (not the GEMV)."""
-    return rows > 0 and gemv_config(gemv, weight, rows, dtype, gemm) is None
+    return rows > 0 and gemv_config(gemv, weight, rows, dtype) is None
 
 
 def fp8_linear_quantized_cuda(x: Fp8Activation, weight: torch.Tensor, weight_scale: torch.Tensor,
