@@ -318,6 +318,32 @@ def test_step_out_of_memory_fails_one_request_and_keeps_serving(model_factory):
     assert llm.stats()["kv_blocks_used"] == 0
 
 
+def test_a_failed_steps_tensors_are_freed_before_its_victim_is_chosen(model_factory):
+    """The error of a step that ran out of memory must not keep the step's tensors (its frames, through the
+    tracebacks) alive past the cache emptied after it: on CUDA their segments would stay reserved, and the
+    next steps, under the allocator's cap, would have that much less."""
+    import weakref
+    path, _ = model_factory("llama")
+    llm = LLM(path, dtype="float32", show_progress=False)
+    runner, scheduler = llm.engine.runner, llm.engine.scheduler
+    real_execute, real_fail = runner.execute, scheduler.fail_newest
+    held, alive_then = [], []
+
+    def out_of_memory(batch, sampling, **kwargs):
+        activations = torch.ones(1 << 16)  # a tensor of the step, held by this frame only
+        held.append(weakref.ref(activations))
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+
+    def fail_newest(*args, **kwargs):
+        alive_then.append(held[-1]() is not None)
+        return real_fail(*args, **kwargs)
+
+    runner.execute, scheduler.fail_newest = out_of_memory, fail_newest
+    outs = llm.generate([[4, 5, 6]], greedy(4), use_tqdm=False)
+    runner.execute, scheduler.fail_newest = real_execute, real_fail
+    assert outs[0].finish_reason == "error" and alive_then == [False]
+
+
 # ---------------------------------------------------------------- async scheduling
 
 

@@ -86,7 +86,7 @@ class FakeRunner:
 
 
 def fake_engine(monkeypatch, *, tiers: bool, eager: bool = False, activation_alloc=2 * GiB,
-                activation_reserved=3 * GiB):
+                activation_reserved=3 * GiB, largest_block=0):
     device = ScriptedDevice()
     device.install(monkeypatch)
     config = SimpleNamespace(max_num_batched_tokens=8192, max_num_seqs=256, block_size=16, enforce_eager=eager,
@@ -108,6 +108,8 @@ def fake_engine(monkeypatch, *, tiers: bool, eager: bool = False, activation_all
     engine.graph_pool_estimate = lambda: 200 * MiB
     engine.tier_staging_bytes = lambda per_block: Startup.tier_staging_bytes(engine, per_block)
     engine.measure_step_peak = lambda: Startup.measure_step_peak(engine)
+    engine.profile_step_size = lambda: Startup.profile_step_size(engine)
+    engine.step_largest_block = lambda: largest_block
     engine.warn_if_no_room_for_a_step = lambda room, outside: Startup.warn_if_no_room_for_a_step(engine, room, outside)
     return engine, device
 
@@ -129,6 +131,36 @@ def test_kv_blocks_leave_room_for_everything_allocated_after_them(monkeypatch, t
     assert ledger.get("non_torch") == 700 * MiB
     # A margin kept spare, not a figure derived from a formula: the ledger says which.
     assert ledger.as_dict()["outside_torch_growth"]["source"] == "margin"
+
+
+def test_the_budget_keeps_a_spare_segment_of_the_steps_largest_tensor(monkeypatch):
+    """A serving step can find the last step's largest segment cached and put its first, smaller tensors in
+    it; its own largest tensor then needs a fresh segment (an fp8 engine at batch 2 ran out of memory so on
+    an H100: BENCHMARKS.md, thirty-fifth session). The KV cache leaves that segment spare beside the peak."""
+    engine, _ = fake_engine(monkeypatch, tiers=False)
+    plain = Startup.profile_kv_blocks(engine, PER_BLOCK)
+    engine, _ = fake_engine(monkeypatch, tiers=False, largest_block=112 * MiB)
+    blocks = Startup.profile_kv_blocks(engine, PER_BLOCK)
+    assert blocks == plain - 112 * MiB // PER_BLOCK
+    spare = engine.ledger.as_dict()["activation_spare"]
+    assert spare["bytes"] == 112 * MiB and spare["source"] == "derived"
+    assert engine.ledger.get("activation_peak") == 3 * GiB  # the measured peak, apart
+
+
+def test_the_spare_segment_is_the_profile_steps_largest_tensor():
+    """Startup.step_largest_block: the formula at the profile step's tokens and sequences and the model's dtype."""
+    from mempath.memory.formulas import read_shape, step_largest_block_bytes
+    from mempath.model.spec import ModelSpec
+    from tests.test_plan import load
+    config = load("llama-3.1-8b")
+    spec = ModelSpec.from_hf_config(config)
+    startup = SimpleNamespace(config=SimpleNamespace(max_num_batched_tokens=8192, max_num_seqs=2),
+                              max_model_len=1008, spec=spec, dtype=torch.bfloat16)
+    startup.profile_step_size = lambda: Startup.profile_step_size(startup)
+    assert Startup.profile_step_size(startup) == (2016, 2)
+    gate_up = 2016 * 2 * 14336 * 2  # the MLP's gate/up output, rounded up to the allocator's 2 MiB
+    assert Startup.step_largest_block(startup) == 112 * MiB == -(-gate_up // (2 * MiB)) * 2 * MiB
+    assert step_largest_block_bytes(read_shape(config), 2016, 2, 2) == 112 * MiB
 
 
 def test_allocated_peak_counts_when_it_is_the_larger(monkeypatch):

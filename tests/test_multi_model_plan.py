@@ -41,7 +41,8 @@ def test_pool_is_what_the_budget_leaves(two_models):
     # Each model's figures are plan_memory's at its block size in the pool.
     alone = [plan_memory(path, dtype="bfloat16", max_model_len=256, block_size=m.plan.block_size,
                          max_num_seqs=m.plan.max_num_seqs) for path, m in zip((llama, qwen), plan.models)]
-    held = [a.resident_weight_bytes + a.step_peak_bytes + a.cuda_graph_bytes for a in alone]
+    held = [a.resident_weight_bytes + a.step_peak_bytes + a.step_largest_block_bytes + a.cuda_graph_bytes
+            for a in alone]
     assert [m.device_bytes for m in plan.models] == held
     assert plan.pool_bytes == int(gib * 0.9) - sum(held) - (1 << 20)  # the context once, not per model
     assert plan.num_pages == (plan.pool_bytes - ALLOCATION_ROUNDING) // plan.page_bytes  # the pool's rounding

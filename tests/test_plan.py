@@ -161,8 +161,19 @@ def test_workspace_figures():
     assert reference.step_peak_bytes == max(reference.activation_peak_bytes, sampling) + (32 << 20)
     f32 = plan_memory(TINY, dtype="float32", max_num_seqs=8, max_num_batched_tokens=100)  # no dense GEMV
     assert f32.step_peak_bytes == max(f32.activation_peak_bytes, (100 + 8) * h * 4 + f32.logits_bytes) + (32 << 20)
-    assert plan.workspace_bytes == plan.step_peak_bytes + plan.cuda_graph_bytes
+    assert plan.workspace_bytes == plan.step_peak_bytes + plan.step_largest_block_bytes + plan.cuda_graph_bytes
     assert plan_memory(TINY, cuda_graphs=False).cuda_graph_bytes == 0
+
+
+def test_the_largest_block_kept_spare_is_the_steps_largest_tensor_as_reserved():
+    """A chunk of prompt tokens: the MLP's gate/up output; a step of many sampled rows over a wide vocabulary:
+    the sampler's float32 logits; both rounded up to the allocator's 2 MiB, as their segments are."""
+    llama = load("llama-3.1-8b")
+    chunk = plan_memory(llama, max_num_batched_tokens=8192)
+    assert chunk.step_largest_block_bytes == 8192 * 2 * 14336 * 2
+    sampled = plan_memory(llama, max_num_seqs=256, max_num_batched_tokens=256)
+    assert sampled.step_largest_block_bytes == -(-256 * 128256 * 4 // (2 << 20)) * (2 << 20)
+    assert plan_memory(TINY, max_num_seqs=8, max_num_batched_tokens=100).step_largest_block_bytes == 2 << 20
 
 
 def test_capacity_arithmetic():
@@ -177,7 +188,7 @@ def test_capacity_arithmetic():
     assert 0 < plan.max_concurrency < 64 and plan.fits
     advice = " ".join(plan.advice)
     assert f"use --max-num-seqs {plan.max_concurrency}, or --kv-cache-dtype fp8" in advice
-    assert "or --cpu-kv-gb 8 to keep the KV" in advice
+    assert "or --cpu-kv-gb 9 to keep the KV" in advice
     assert "block size 16 (the default)" in advice and "8 was the slowest" in advice
 
 
@@ -203,7 +214,7 @@ def test_weights_exceed_budget():
 
 
 def test_kv_for_one_sequence_does_not_fit():
-    plan = plan_memory(load("llama-3.1-8b"), gpu_mem_bytes=parse_bytes("18GiB"), host_mem_bytes=1 << 40)
+    plan = plan_memory(load("llama-3.1-8b"), gpu_mem_bytes=parse_bytes("18.5GiB"), host_mem_bytes=1 << 40)
     assert plan.kv_budget_bytes > 0 and plan.max_concurrency == 0 and not plan.fits
     line = next(line for line in plan.advice if "one max-model-len 131072 sequence" in line)
     assert f"--max-model-len {plan.kv_capacity_tokens}" in line

@@ -141,7 +141,10 @@ class LLMEngine:
                 else:
                     result = self.runner.execute(batch, plan.sampling, defer=plan.defer, tokens_from=tokens_from)
         except MempathOutOfMemoryError as error:
-            return None, error
+            # The failed step's tensors live in its frames, which the tracebacks hold (this error's and its
+            # cause's): let go of them, so the cache emptied after the error gets their segments back.
+            error.__cause__ = error.__context__ = None
+            return None, error.with_traceback(None)
         except BaseException:
             if plan.previous is not None:
                 # The in-flight tokens are computed and counted as such: hand them to their

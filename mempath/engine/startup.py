@@ -379,6 +379,9 @@ class Startup:
               "(model buffers, allocator rounding)")
         grant(tenant, Pathway.ACTIVATION_PEAK, activation_peak, "measured",
               "the profile step's peak as the allocator reserved it")
+        grant(tenant, Pathway.ACTIVATION_SPARE, self.step_largest_block(), "derived",
+              "memory.formulas.step_largest_block_bytes of the profile step: the segment of a step's largest "
+              "tensor, which the next step's smaller tensors may hold")
         if num_graphs:
             # Captured after the KV cache exists; the measured pool replaces this then.
             grant(tenant, Pathway.CUDA_GRAPHS, self.graph_pool_estimate(), "derived",
@@ -410,8 +413,7 @@ class Startup:
         device, config = self.device, self.config
         torch.cuda.synchronize(device)
         weights_end = torch.cuda.memory_allocated(device)
-        num_tokens = min(config.max_num_batched_tokens, self.max_model_len * config.max_num_seqs)
-        num_seqs = max(1, min(config.max_num_seqs, num_tokens))
+        num_tokens, num_seqs = self.profile_step_size()
         longest = -(-num_tokens // num_seqs)  # the probe's sequences differ by at most one token
         self.runner.allocate_kv_cache(num_seqs * blocks_for(longest, config.block_size))
         probe_kv = self.runner.kv_cache.numel() * self.runner.kv_cache.element_size()
@@ -428,6 +430,20 @@ class Startup:
         return max(torch.cuda.max_memory_allocated(device) - weights_end - probe_kv,
                    torch.cuda.max_memory_reserved(device) - reserved_before_step,
                    ALLOCATOR_SEGMENTS)
+
+    def profile_step_size(self) -> tuple[int, int]:
+        """The profile step's tokens and sequences: the largest step the settings allow."""
+        config = self.config
+        num_tokens = min(config.max_num_batched_tokens, self.max_model_len * config.max_num_seqs)
+        return num_tokens, max(1, min(config.max_num_seqs, num_tokens))
+
+    def step_largest_block(self) -> int:
+        """The profile step's largest tensor as the allocator reserves its segment (a serving step may find the
+        last step's segment of it cached and put its first, smaller tensors there: its own then takes a fresh
+        one; an fp8 engine at batch 2 ran out of memory so on an H100, BENCHMARKS.md, thirty-fifth session)."""
+        from mempath.memory.formulas import shape_from_spec, step_largest_block_bytes
+        num_tokens, num_seqs = self.profile_step_size()
+        return step_largest_block_bytes(shape_from_spec(self.spec), num_tokens, num_seqs, self.dtype.itemsize)
 
     def tier_staging_bytes(self, per_block: int) -> int:
         from mempath.kv.tiers.coordinator import STAGING_BLOCKS
@@ -531,10 +547,11 @@ class Startup:
             self.warn_if_no_room_for_a_step(cap - reserved, outside)
 
     def warn_if_no_room_for_a_step(self, room: int, outside: int) -> None:
-        """Say so at start-up when what the cap leaves PyTorch cannot hold the largest step the profile ran:
+        """Say so at start-up when what the cap leaves PyTorch cannot hold what the budget keeps for a step:
         memory outside PyTorch that grew after the KV cache was sized (kernels, graphs) comes out of it, and
         such steps would fail their newest request with out of memory while serving."""
-        peak = max(ledger.get(Pathway.ACTIVATION_PEAK) for ledger in self.budget.ledgers.values())
+        peak = max(ledger.get(Pathway.ACTIVATION_PEAK) + ledger.get(Pathway.ACTIVATION_SPARE)
+                   for ledger in self.budget.ledgers.values())
         if room >= peak:
             return
         short = peak - room
@@ -542,8 +559,8 @@ class Startup:
         if getattr(self, "pages", None) is None:  # one model: its blocks; a page pool's are every model's
             blocks = self.kv.num_blocks - -(-short // self.kv_bytes_per_block())
             fewer = f" (--num-gpu-blocks-override {max(blocks, 1)})"
-        log.warning("after start-up the budget leaves PyTorch %s for a step's activations, %s less than the largest "
-                    "step took in the profile (%s): device memory outside PyTorch is %s now, more than when the KV "
-                    "cache was sized, so the largest steps may run out of memory; leave the KV cache fewer "
-                    "blocks%s or lower --max-num-batched-tokens", format_bytes(room), format_bytes(short),
-                    format_bytes(peak), format_bytes(outside), fewer)
+        log.warning("after start-up the budget leaves PyTorch %s for a step's activations, %s less than it keeps "
+                    "for them (%s: the profile step's peak and a spare segment of its largest tensor): device "
+                    "memory outside PyTorch is %s now, more than when the KV cache was sized, so the largest steps "
+                    "may run out of memory; leave the KV cache fewer blocks%s or lower --max-num-batched-tokens",
+                    format_bytes(room), format_bytes(short), format_bytes(peak), format_bytes(outside), fewer)

@@ -22,7 +22,9 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-from mempath.constants import DTYPE_ALIASES, DTYPE_BYTES, MAX_GRAPH_BATCH, SAMPLER_SORT_ROWS
+from mempath.constants import MAX_GRAPH_BATCH, SAMPLER_SORT_ROWS
+# The formulas' callers take the shape from here too.
+from mempath.memory.shape import ModelShape, read_shape, resolve_dtype, shape_from_spec  # noqa: F401
 
 
 # cuBLAS takes a workspace per (handle, stream) through PyTorch's allocator; capture
@@ -30,79 +32,6 @@ from mempath.constants import DTYPE_ALIASES, DTYPE_BYTES, MAX_GRAPH_BATCH, SAMPL
 # 32 MiB on compute capability 9.x and later, 4096·2 + 16·8 KiB before.
 CUBLAS_WORKSPACE_BYTES_SM90 = 32 << 20
 CUBLAS_WORKSPACE_BYTES_OLDER = (4096 * 2 + 16 * 8) << 10
-
-
-@dataclass
-class ModelShape:
-    architecture: str
-    num_layers: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    max_position_embeddings: int
-    tied_embeddings: bool
-    attention_bias: bool
-    mlp_bias: bool
-    config_dtype: str | None
-    qk_norm: str | None = None  # "head": one d-wide norm each for q and k (Qwen3); "full": over all heads (OLMoE)
-    num_experts: int = 0  # routed experts per MoE layer (0: dense)
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    num_moe_layers: int = 0  # the other layers have a dense MLP of intermediate_size
-    quantization: str | None = None  # "fp8": the projections in one byte per weight (weight_bytes)
-    num_expert_slots: int = 0  # experts per MoE layer on the device when fewer than all (0: all)
-    # The projections an fp8 checkpoint keeps in the model dtype, by module name
-    # ("model.layers.0.self_attn.qkv_proj"): ModelSpec.unquantized. The others follow quantization.
-    unquantized: frozenset[str] = frozenset()
-
-
-
-def read_shape(config: dict, source: str = "config.json") -> ModelShape:
-    """The planner's view of a config, read and validated by the engine's own reader
-    (ModelSpec.from_hf_config), so the two agree on every field and refuse the same configs."""
-    from mempath.model.spec import ModelSpec
-    return shape_from_spec(ModelSpec.from_hf_config(config, source=source))
-
-
-def shape_from_spec(spec) -> ModelShape:
-    return ModelShape(
-        architecture=spec.architecture,
-        num_layers=spec.num_layers,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_heads=spec.num_heads,
-        num_kv_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
-        vocab_size=spec.vocab_size,
-        max_position_embeddings=spec.max_position_embeddings,
-        tied_embeddings=spec.tie_word_embeddings,
-        attention_bias=spec.qkv_bias,
-        mlp_bias=spec.mlp_bias,
-        config_dtype=spec.torch_dtype,
-        qk_norm=("head" if spec.qk_norm_per_head else "full") if spec.qk_norm else None,
-        num_experts=spec.num_experts,
-        num_experts_per_tok=spec.num_experts_per_tok,
-        moe_intermediate_size=spec.moe_intermediate_size,
-        num_moe_layers=len(spec.moe_layers),
-        quantization=spec.quantization,
-        unquantized=spec.unquantized,
-    )
-
-
-def resolve_dtype(dtype: str, shape: ModelShape) -> tuple[str, int]:
-    """(name, bytes); "auto" takes the checkpoint's dtype, bfloat16 if it names none."""
-    if dtype == "auto":
-        # A checkpoint that names no dtype we know is served in bfloat16, like vLLM's auto.
-        name = DTYPE_ALIASES.get(str(shape.config_dtype).lower().removeprefix("torch."), "bfloat16")
-        return name, DTYPE_BYTES[name]
-    name = DTYPE_ALIASES.get(str(dtype).lower().removeprefix("torch."))
-    if name is None:
-        raise ValueError(f"unknown dtype {dtype!r}: use auto, bfloat16, float16 or float32")
-    return name, DTYPE_BYTES[name]
-
 
 
 # ---------------------------------------------------------------- weights and KV
@@ -594,6 +523,29 @@ def step_peak_bytes(shape: ModelShape, tokens: int, rows: int, dtype_bytes: int,
     return max(decoder_peak_bytes(shape, tokens, dtype_bytes, fused), sampling)
 
 
+# The caching allocator rounds a large allocation's segment up to a multiple of this.
+ALLOCATOR_LARGE_ROUNDING = 2 << 20
+
+
+def step_largest_block_bytes(shape: ModelShape, tokens: int, rows: int, dtype_bytes: int) -> int:
+    """The largest tensor one step over ``tokens`` tokens and ``rows`` sampled rows allocates, rounded up as the
+    caching allocator reserves its segment: a layer's fused q/k/v output T·(n_q+2·n_kv)·d·b, a dense MLP's gate/up
+    output T·2·I·b, a MoE block's pairs' gate/up P·2·I_e·b or float32 outputs P·h·4 (P = T·k), or the sampler's
+    float32 logits rows·V·4.
+
+    A serving step starts from what the last step left cached, and the allocator may put the step's first, smaller
+    tensors in the last step's largest segment; the step's own largest tensor then takes a fresh segment. The
+    engine keeps one such block spare beside the profile step's peak (engine/startup.py measure_step_peak)."""
+    h, d = shape.hidden_size, shape.head_dim
+    largest = [tokens * (shape.num_heads + 2 * shape.num_kv_heads) * d * dtype_bytes, rows * shape.vocab_size * 4]
+    if shape.num_moe_layers < shape.num_layers:
+        largest.append(tokens * 2 * shape.intermediate_size * dtype_bytes)
+    if shape.num_moe_layers:
+        pairs = tokens * shape.num_experts_per_tok
+        largest += [pairs * 2 * shape.moe_intermediate_size * dtype_bytes, pairs * h * 4]
+    return -(-max(largest) // ALLOCATOR_LARGE_ROUNDING) * ALLOCATOR_LARGE_ROUNDING
+
+
 def cublas_workspace_bytes(capability_major: int) -> int:
     return CUBLAS_WORKSPACE_BYTES_SM90 if capability_major >= 9 else CUBLAS_WORKSPACE_BYTES_OLDER
 
@@ -639,6 +591,7 @@ class ServingFigures:
     activation_peak_bytes: int
     logits_bytes: int
     step_peak_bytes: int  # max(activation peak, sampling phase) + the serving stream's cuBLAS workspace (+ fp8 GEMV's)
+    step_largest_block_bytes: int  # kept spare beside the step peak: a cached segment may hold the next step's tensors
     cuda_graph_batch: int
     cuda_graph_bytes: int
 
@@ -678,6 +631,7 @@ def serving_figures(shape: ModelShape, dtype_bytes: int, *, max_model_len: int, 
         # GEMV's, allocated with the model.
         step_peak_bytes=(step_peak_bytes(shape, max_num_batched_tokens, rows, b, fused_kernels) + cublas_workspace
                          + gemv_workspace_bytes(shape, b, fused_kernels)),
+        step_largest_block_bytes=step_largest_block_bytes(shape, max_num_batched_tokens, rows, b),
         cuda_graph_batch=graph_batch,
         cuda_graph_bytes=cuda_graph_bytes(shape, graph_batch, b, cublas_workspace) if cuda_graphs else 0,
     )

@@ -14,6 +14,7 @@ class Pathway(str, enum.Enum):
     STEP_BUFFERS = "step_buffers"  # static step inputs and the decode split workspace
     TORCH_OTHER = "torch_other"  # PyTorch's other start-up holdings: model buffers, allocator rounding
     ACTIVATION_PEAK = "activation_peak"  # the largest step's temporaries, as the allocator reserves them
+    ACTIVATION_SPARE = "activation_spare"  # a spare segment of a step's largest tensor (fragmentation)
     KV_CACHE = "kv_cache"
     CUDA_GRAPHS = "cuda_graphs"  # the captured decode graphs' memory pool
     CUDA_GRAPHS_DRIVER = "cuda_graphs_driver"  # the driver memory each captured graph holds

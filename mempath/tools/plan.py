@@ -75,6 +75,7 @@ class MemoryPlan:
     logits_rows: int
     logits_bytes: int
     step_peak_bytes: int  # max(activation peak, sampling phase): what the engine's profile step measures
+    step_largest_block_bytes: int  # the step's largest tensor, kept spare beside its peak (formulas)
     cuda_graph_batch: int
     cuda_graph_bytes: int
     context_bytes: int
@@ -322,7 +323,8 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
         unquantized_projections=len(shape.unquantized),
         gpu_memory_utilization=gpu_memory_utilization, cuda_graphs=cuda_graphs, fused_kernels=fused_kernels,
         context_bytes=context_bytes,
-        workspace_bytes=serving.step_peak_bytes + serving.cuda_graph_bytes + context_bytes,
+        workspace_bytes=(serving.step_peak_bytes + serving.step_largest_block_bytes + serving.cuda_graph_bytes
+                         + context_bytes),
         **asdict(serving), **experts,
     )
     if gpu_mem_bytes is not None:

@@ -68,6 +68,7 @@ def format_plan(plan: MemoryPlan) -> str:
         _row("activation peak (one layer)", p.activation_peak_bytes),
         _row(f"logits + sampler ({p.logits_rows} rows)", p.logits_bytes),
         _row("step peak (+ cuBLAS workspace)", p.step_peak_bytes),
+        _row("its largest block, kept spare", p.step_largest_block_bytes),
         _row(f"CUDA graphs (batch <= {p.cuda_graph_batch})" if p.cuda_graphs else "CUDA graphs (off)",
              p.cuda_graph_bytes),
         _row("context (given; not derivable)", p.context_bytes),

@@ -90,7 +90,8 @@ def plan_models(models: list[str], *, served_model_name: list[str] | None = None
     entries = []
     for (name, path), size in zip(pairs, block_sizes):
         plan = plan_memory(path, block_size=size, **common[name])
-        entries.append(ModelInPool(name, plan, plan.resident_weight_bytes + plan.step_peak_bytes + plan.cuda_graph_bytes,
+        entries.append(ModelInPool(name, plan, plan.resident_weight_bytes + plan.step_peak_bytes
+                                   + plan.step_largest_block_bytes + plan.cuda_graph_bytes,
                                    plan.kv_bytes_per_block / page_bytes))
         if sleep_offload_weights:
             entries[-1].host_weight_copy_bytes = -(-plan.resident_weight_bytes // ARENA_GRANULARITY) * ARENA_GRANULARITY
@@ -145,6 +146,7 @@ def format_multi_plan(p: MultiPlan) -> str:
                                   if q.num_experts else ""), q.resident_weight_bytes),
                 _row("activation peak (one layer)", q.activation_peak_bytes),
                 _row("step peak (+ cuBLAS workspace)", q.step_peak_bytes),
+                _row("its largest block, kept spare", q.step_largest_block_bytes),
                 _row(f"CUDA graphs (batch <= {q.cuda_graph_batch})" if q.cuda_graphs else "CUDA graphs (off)",
                      q.cuda_graph_bytes),
                 _row("total besides KV", m.device_bytes), ""]

@@ -105,6 +105,11 @@ def comparison_rows(engine, plan, probe_plan, recorder, forward, growth) -> list
                         f"plan: step_peak_bytes at {plan.max_num_batched_tokens} tokens, "
                         f"{plan.logits_rows} sampled rows",
                         "engine ledger (peak allocation of its profile step)"))
+    if Pathway.ACTIVATION_SPARE in engine.ledger.entries:
+        rows.append(Row("activation_spare (the step's largest tensor)",
+                        plan.step_largest_block_bytes, engine.ledger.get(Pathway.ACTIVATION_SPARE),
+                        f"plan: step_largest_block_bytes at {plan.max_num_batched_tokens} tokens",
+                        "engine ledger (the same formula at its profile step's tokens)"))
     tokens, h, b = forward["tokens"], probe_plan.hidden_size, probe_plan.dtype_bytes
     rows += [
         Row("embedding (forward output)", tokens * h * b, forward["embedding"],
