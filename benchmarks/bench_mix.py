@@ -17,7 +17,8 @@ ids are random: only the lengths are the file's, as the weights are random too).
 Each engine run prints output and total tok/s, TTFT p50/p99, MFU: the mix's matmul
 FLOPs (2 x the parameters a token reads, input and output: every parameter of a dense
 model; of a mixture of experts, all but the routed experts and k of those) over its wall time, against the bf16
-matmul rate of one large ``torch.matmul`` timed with CUDA events in this run; the compute
+matmul rate of one large ``torch.matmul`` timed with CUDA events in this run (fp8 weights: of one large
+``torch._scaled_mm`` with row-wise scales, the fp8 tensor cores' rate); the compute
 limit (those FLOPs at that rate); and the split of each step between host and device:
 host milliseconds per step in the scheduler, the runner (input preparation and launches)
 and the output processor, against the device time between CUDA events recorded around
@@ -39,6 +40,7 @@ import argparse
 import gc
 import itertools
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -116,23 +118,33 @@ def sharegpt_mix(path: str, tokenizer_dir: str, n: int, seed: int, vocab: int, m
 
 
 def matmul_rate(device: torch.device, dtype: torch.dtype, size: int = 8192) -> float:
-    """FLOP/s of one large square matmul (median of 10 after 3 warm-ups), CUDA events on a GPU."""
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
+    """FLOP/s of one large square matmul (median of 10 after 3 warm-ups), CUDA events on a GPU. For
+    float8_e4m3fn (CUDA): ``torch._scaled_mm`` with a scale a row and a column, the fp8 engine's arithmetic."""
+    if dtype == torch.float8_e4m3fn:
+        from mempath.model.quant import quantize_rows, scaled_mm_quantized
+        (aq, a_scale), (bq, b_scale) = (quantize_rows(torch.randn(size, size, device=device)) for _ in range(2))
+
+        def product():
+            return scaled_mm_quantized(aq, a_scale, bq, b_scale, None, torch.bfloat16)
+    else:
+        a = torch.randn(size, size, device=device, dtype=dtype)
+        b = torch.randn(size, size, device=device, dtype=dtype)
+
+        def product():
+            return torch.matmul(a, b)
     times = []
     for _ in range(13):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            torch.matmul(a, b)
+            product()
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3)
         else:
             t = time.perf_counter()
-            torch.matmul(a, b)
+            product()
             times.append(time.perf_counter() - t)
-    del a, b
     return 2 * size ** 3 / float(np.median(times[3:]))
 
 
@@ -304,12 +316,17 @@ def run_mempath(args, prompts, output_lens, rate: float, max_num_seqs: int | Non
     ``quant_fusion`` "unfused": fp8 projections quantize their input in their own launch
     (model.quant.USE_FUSED_QUANT off), the A/B of the norms and SiLU that quantize for them. ``fp8_gemm``
     "scaled-mm": every quantized fp8 product on _scaled_mm (model.quant.USE_FP8_GEMM off), the A/B of the
-    Triton fp8 GEMM's table."""
+    Triton fp8 GEMM's table; any other value is the path of another fp8 GEMM table (a sweep's), read through
+    its environment variable for this engine only."""
     from mempath.engine import runner as runner_module
+    from mempath.kernels.fp8_gemm_triton import TABLE_ENV as GEMM_TABLE_ENV
     from mempath.model import quant as quant_module
     runner_module.DECODE_LONGEST_FIRST = decode_order == "longest-first"
     quant_module.USE_FUSED_QUANT = quant_fusion == "fused"
-    quant_module.USE_FP8_GEMM = fp8_gemm == "table"
+    quant_module.USE_FP8_GEMM = fp8_gemm != "scaled-mm"
+    given_table = os.environ.get(GEMM_TABLE_ENV)
+    if fp8_gemm not in ("table", "scaled-mm"):
+        os.environ[GEMM_TABLE_ENV] = str(Path(fp8_gemm).resolve())
     limits = {k: v for k, v in (("max_num_seqs", max_num_seqs),
                                 ("max_num_batched_tokens", max_num_batched_tokens)) if v is not None}
     llm = LLM(show_progress=False, **engine_options(args), **limits, kv_cache_dtype=kv_cache_dtype,
@@ -340,6 +357,10 @@ def run_mempath(args, prompts, output_lens, rate: float, max_num_seqs: int | Non
                   quant_fusion=quant_fusion, fp8_gemm=fp8_gemm)
     runner_module.DECODE_LONGEST_FIRST = True
     quant_module.USE_FUSED_QUANT = quant_module.USE_FP8_GEMM = True
+    if given_table is None:
+        os.environ.pop(GEMM_TABLE_ENV, None)
+    else:
+        os.environ[GEMM_TABLE_ENV] = given_table
     del llm, engine, outs
     gc.collect()
     if torch.cuda.is_available():
@@ -404,7 +425,8 @@ def parse_args(argv=None):
                              "(a launch of its own), or both, comma-separated")
     parser.add_argument("--fp8-gemm", type=lambda s: s.split(","), default=["table"],
                         help="fp8 weights above the GEMV's rows: table (the Triton fp8 GEMM where its table lists "
-                             "the bucket, _scaled_mm elsewhere), scaled-mm (always), or both, comma-separated")
+                             "the bucket, _scaled_mm elsewhere), scaled-mm (always), or the path of another fp8 GEMM "
+                             "table; several, comma-separated")
     parser.add_argument("--repeat", type=int, default=1,
                         help="run every configuration this many times, interleaved round by round, and print each "
                              "one's median (an A/B on one machine varies by a few percent from run to run)")
@@ -419,11 +441,12 @@ def parse_args(argv=None):
         [k for k in args.kv_cache_dtype if k not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")] + \
         [o for o in args.decode_order if o not in ("longest-first", "batch")] + \
         [f for f in args.quant_fusion if f not in ("fused", "unfused")] + \
-        [g for g in args.fp8_gemm if g not in ("table", "scaled-mm")]
+        [g for g in args.fp8_gemm if g not in ("table", "scaled-mm") and not Path(g).is_file()]
     if bad:
         parser.error(f"unknown --quantization / --kv-cache-dtype / --decode-order / --quant-fusion / --fp8-gemm "
                      f"value(s) {bad}: quantization is none or fp8, the KV dtype auto, fp8, fp8_e4m3 or fp8_e5m2, "
-                     f"the order longest-first or batch, the fusion fused or unfused, the GEMM table or scaled-mm")
+                     f"the order longest-first or batch, the fusion fused or unfused, the GEMM table, scaled-mm or a "
+                     f"table file")
     if args.repeat < 1:
         parser.error(f"--repeat {args.repeat}: give 1 or more rounds")
     if args.requests is None:
@@ -447,6 +470,11 @@ def main(argv=None) -> list[dict]:
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     rate = matmul_rate(device, torch.float32 if device.type == "cpu" else torch.bfloat16,
                        size=512 if device.type == "cpu" else 8192)
+    # fp8 weights multiply on the fp8 tensor cores (CUDA; the CPU dequantizes): their runs' MFU and bounds
+    # are against that rate.
+    rates = {"none": rate, "fp8": rate}
+    if device.type == "cuda" and "fp8" in args.quantization:
+        rates["fp8"] = matmul_rate(device, torch.float8_e4m3fn)
     if device.type == "cuda":
         from bench_engine import copy_bandwidth
         args.bandwidth = copy_bandwidth()
@@ -456,8 +484,8 @@ def main(argv=None) -> list[dict]:
     print(f"mix: {shape}, {len(prompts)} requests ({'ShareGPT ' + args.sharegpt if args.sharegpt else 'lognormal'}, "
           f"seed {args.seed}), {sum(map(len, prompts)):,} input and {sum(output_lens):,} output tokens; "
           f"input median {np.median([len(p) for p in prompts]):.0f}, output median {np.median(output_lens):.0f}; "
-          f"matmul {rate / 1e12:.1f} TFLOP/s on {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}",
-          flush=True)
+          f"matmul {rate / 1e12:.1f} TFLOP/s" + (f" (fp8 {rates['fp8'] / 1e12:.1f})" if rates["fp8"] != rate else "")
+          + f" on {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}", flush=True)
     common = {"bench": "mix", "shape": shape, "requests": len(prompts), "seed": args.seed,
               "source": args.sharegpt or "lognormal", "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
@@ -471,7 +499,8 @@ def main(argv=None) -> list[dict]:
     for repeat in range(args.repeat):  # interleaved: each configuration once a round, so drift hits all alike
         for quantization, kv, seqs, tokens, order, fusion, gemm in configs:
             r = {**common, "engine": "mempath", "repeat": repeat,
-                 **run_mempath(args, prompts, output_lens, rate, seqs, tokens, quantization, kv, order, fusion, gemm)}
+                 **run_mempath(args, prompts, output_lens, rates[quantization], seqs, tokens, quantization, kv, order,
+                               fusion, gemm)}
             label = (f"mempath weights={quantization} kv={kv} max_num_seqs={r['max_num_seqs']} "
                      f"max_num_batched_tokens={r['max_num_batched_tokens']} decode order {order}"
                      + (f" quantization {fusion}, fp8 GEMM {gemm}" if quantization != "none" else ""))

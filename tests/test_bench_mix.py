@@ -80,6 +80,30 @@ def test_tiny_run_sweeps_quantization_and_kv_dtype(tmp_path):
         bench_mix.main(["--tiny", "--quantization", "int4"])
 
 
+def test_another_fp8_gemm_table_is_read_by_its_engine_alone(tmp_path, monkeypatch):
+    """--fp8-gemm takes a table file beside table and scaled-mm: its engine reads it through the environment
+    variable, which is put back after it; a path that is no file is refused."""
+    from mempath.kernels.fp8_gemm_triton import TABLE_ENV
+    table = tmp_path / "t.json"
+    table.write_text('{"configs": {}}')
+    monkeypatch.delenv(TABLE_ENV, raising=False)
+    seen = []
+
+    class SpyLLM(bench_mix.LLM):
+        def __init__(self, *args, **kwargs):
+            seen.append(bench_mix.os.environ.get(TABLE_ENV))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(bench_mix, "LLM", SpyLLM)
+    results = bench_mix.main(["--tiny", "--requests", "2", "--quantization", "fp8",
+                              "--fp8-gemm", f"table,{table}"])
+    assert seen == [None, str(table.resolve())]
+    assert [r["fp8_gemm"] for r in results] == ["table", str(table)]
+    assert TABLE_ENV not in bench_mix.os.environ
+    with pytest.raises(SystemExit):
+        bench_mix.main(["--tiny", "--fp8-gemm", str(tmp_path / "missing.json")])
+
+
 def test_repeat_interleaves_the_configurations_and_prints_their_medians(capsys):
     results = bench_mix.main(["--tiny", "--requests", "3", "--max-num-seqs", "2,4", "--repeat", "2"])
     assert [(r["max_num_seqs"], r["repeat"]) for r in results] == [(2, 0), (4, 0), (2, 1), (4, 1)]
