@@ -535,7 +535,7 @@ def step_largest_block_bytes(shape: ModelShape, tokens: int, rows: int, dtype_by
 
     A serving step starts from what the last step left cached, and the allocator may put the step's first, smaller
     tensors in the last step's largest segment; the step's own largest tensor then takes a fresh segment. The
-    engine keeps one such block spare beside the profile step's peak (engine/startup.py measure_step_peak)."""
+    engine keeps one such block spare beside the profile step's peak (its ledger's activation_spare)."""
     h, d = shape.hidden_size, shape.head_dim
     largest = [tokens * (shape.num_heads + 2 * shape.num_kv_heads) * d * dtype_bytes, rows * shape.vocab_size * 4]
     if shape.num_moe_layers < shape.num_layers:

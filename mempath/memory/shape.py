@@ -35,7 +35,6 @@ class ModelShape:
     unquantized: frozenset[str] = frozenset()
 
 
-
 def read_shape(config: dict, source: str = "config.json") -> ModelShape:
     """The planner's view of a config, read and validated by the engine's own reader
     (ModelSpec.from_hf_config), so the two agree on every field and refuse the same configs."""
