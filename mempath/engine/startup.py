@@ -550,11 +550,11 @@ class Startup:
         """Say so at start-up when what the cap leaves PyTorch cannot hold what the budget keeps for a step:
         memory outside PyTorch that grew after the KV cache was sized (kernels, graphs) comes out of it, and
         such steps would fail their newest request with out of memory while serving."""
-        peak = max(ledger.get(Pathway.ACTIVATION_PEAK) + ledger.get(Pathway.ACTIVATION_SPARE)
+        kept = max(ledger.get(Pathway.ACTIVATION_PEAK) + ledger.get(Pathway.ACTIVATION_SPARE)
                    for ledger in self.budget.ledgers.values())
-        if room >= peak:
+        if room >= kept:
             return
-        short = peak - room
+        short = kept - room
         fewer = ""
         if getattr(self, "pages", None) is None:  # one model: its blocks; a page pool's are every model's
             blocks = self.kv.num_blocks - -(-short // self.kv_bytes_per_block())
@@ -563,4 +563,4 @@ class Startup:
                     "for them (%s: the profile step's peak and a spare segment of its largest tensor): device "
                     "memory outside PyTorch is %s now, more than when the KV cache was sized, so the largest steps "
                     "may run out of memory; leave the KV cache fewer blocks%s or lower --max-num-batched-tokens",
-                    format_bytes(room), format_bytes(short), format_bytes(peak), format_bytes(outside), fewer)
+                    format_bytes(room), format_bytes(short), format_bytes(kept), format_bytes(outside), fewer)
