@@ -12,6 +12,7 @@
 #   profile (~1 min: kernel table at batch 1), profile-moe, profile-mistral  profile-workload (~1 min: host/device split of the throughput run)
 #   decode-balance (~2 min: one layer's decode over equal and unequal contexts, split counts)
 #   probe-room (~1 min: the activations' room under the cap, a bf16 engine then an fp8 one at batch 2)
+#   startup-room (~1 min: the room the cap leaves a step once every decode graph is captured, three engines)
 # The open issues' H200 targets (#17, #20, #21) in three calls of at most 10 minutes, when an H200 is lent:
 #   STEPS="decode-sweep"                     batch 1 at prompts 128-2,048 (three dense shapes), batch 8-128 at 1k
 #   STEPS="mix-llama mix-qwen3 fp8-latency"  the realistic mix, fp8 weights at batch 1
@@ -114,6 +115,8 @@ fi
 # The step that ran out of memory under the budget (thirty-fifth session): bench_fp8_weights' flow, a bf16 engine
 # then an fp8 one at batch 2; its records (ledger, room, each step, any out of memory) into LOGS (~1 min).
 step probe-room 150 env CASES=bf16+fp8 OUT="$LOGS/probe-room" python3 benchmarks/probe_activation_room.py
+# What the cap leaves a step once the decode graphs are captured, against what the budget keeps (thirty-sixth session).
+step startup-room 200 python3 benchmarks/probe_startup_room.py --cases qwen3-0.6b:256:bf16,llama-3.1-8b:64:bf16,llama-3.1-8b:64:fp8
 step mix-qwen3 200 python3 benchmarks/bench_mix.py --shape qwen3-0.6b --max-num-seqs 256,1024
 step mix-llama 240 python3 benchmarks/bench_mix.py --shape llama-3.1-8b --max-num-seqs 256,1024
 # #21's all-resident MoE shapes on the realistic mix, transformers CB beside them (time-capped).

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from mempath.engine import startup as startup_module
+from mempath.engine.runner import TrialGraphs
 from mempath.engine.startup import OUTSIDE_TORCH_GROWTH, Startup
 from mempath.kv.manager import KVCacheManager
 from mempath.kv.tiers.coordinator import STAGING_BLOCKS
@@ -78,11 +79,12 @@ class FakeRunner:
     def graph_sizes(self):
         return self._graph_sizes
 
-    def graph_overhead_per_graph(self):
-        # Its trial captures replay a decode step: they read the probe's KV cache (on the
+    def trial_capture_graphs(self):
+        # Its trial captures replay decode steps: they read the probe's KV cache (on the
         # H200 an empty one was an illegal memory access).
         assert self.kv_blocks > 0, "trial capture without a KV cache"
-        return 3 * MiB if self._graph_sizes else 0
+        graphs = len(self._graph_sizes)
+        return TrialGraphs(200 * MiB, 3 * MiB * graphs, 3 * MiB) if graphs else TrialGraphs(0, 0, 0)
 
 
 def fake_engine(monkeypatch, *, tiers: bool, eager: bool = False, activation_alloc=2 * GiB,
@@ -105,7 +107,6 @@ def fake_engine(monkeypatch, *, tiers: bool, eager: bool = False, activation_all
         device.max_reserved = max(device.max_reserved, device.reserved)
 
     engine.probes = SimpleNamespace(run=probe_step)
-    engine.graph_pool_estimate = lambda: 200 * MiB
     engine.tier_staging_bytes = lambda per_block: Startup.tier_staging_bytes(engine, per_block)
     engine.measure_step_peak = lambda: Startup.measure_step_peak(engine)
     engine.profile_step_size = lambda: Startup.profile_step_size(engine)
@@ -128,6 +129,8 @@ def test_kv_blocks_leave_room_for_everything_allocated_after_them(monkeypatch, t
     # the 512 MiB the allocator cached before the step (serving starts with none).
     assert ledger.get("activation_peak") == 3 * GiB
     assert ledger.get("cuda_graphs_driver") == 30 * MiB
+    assert ledger.get("cuda_graphs") == 200 * MiB  # the trial captures' pool, measured
+    assert ledger.as_dict()["cuda_graphs"]["source"] == "measured"
     assert ledger.get("non_torch") == 700 * MiB
     # A margin kept spare, not a figure derived from a formula: the ledger says which.
     assert ledger.as_dict()["outside_torch_growth"]["source"] == "margin"

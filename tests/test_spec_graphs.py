@@ -59,8 +59,9 @@ def test_the_graphs_layout_keeps_greedy_output_on_the_cpu(draft_is_target, model
     draft = path if draft_is_target else model_factory("llama", seed=7, num_hidden_layers=1)[0]
     # Requests of different lengths: the batch shrinks through the buckets.
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (9, 17, 26, 32)]
-    plain = LLM(path, dtype="float32", show_progress=False).generate(PROMPTS, params, use_tqdm=False)
-    llm = LLM(path, dtype="float32", show_progress=False, max_num_seqs=4, speculative_config=spec(draft))
+    plain = LLM(path, dtype="float32", device="cpu", show_progress=False).generate(PROMPTS, params, use_tqdm=False)
+    llm = LLM(path, dtype="float32", device="cpu", show_progress=False, max_num_seqs=4,
+              speculative_config=spec(draft))
     families = install_stand_ins(llm.engine.spec_decoder)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
@@ -111,7 +112,10 @@ def test_greedy_output_on_graphs_equals_plain_decoding(model_factory):
     stats = llm.stats()
     assert stats["spec_decode"]["acceptance_rate"] > 0.9
     assert stats["kv_blocks_used"] == 0
-    assert stats["draft_ledger"]["cuda_graphs"]["bytes"] > 0
+    # Measured as what the captures added: they share the decode graphs' pool and may fit in its free space
+    # (0 bytes for this model on an H100 once the decode graphs' trial captures ran first).
+    assert llm.engine.spec_decoder.num_graphs() > 0
+    assert stats["draft_ledger"]["cuda_graphs"]["source"] == "measured"
 
 
 @cuda_only

@@ -7,6 +7,8 @@ limits (max_num_batched_tokens, max_num_seqs, max_model_len): the host side is
 pinned so the copies are asynchronous, the device side is what the model and
 the CUDA graphs read. A step writes into them; it allocates none.
 """
+import gc
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -36,6 +38,14 @@ from mempath.structured.bitmask import GrammarBitmask
 # captured with the order must be replayed with a fresh one.
 DECODE_LONGEST_FIRST = True
 DECODE_ORDER_MIN_SEQS = 128
+
+
+class TrialGraphs(NamedTuple):
+    """What the decode graphs captured over the profile's KV cache measured (ModelRunner.trial_capture_graphs)."""
+
+    pool_bytes: int  # the graph pool, freed with the graphs
+    driver_bytes: int  # driver memory outside PyTorch the driver gave back when they were freed
+    driver_bytes_per_graph: int  # driver memory one graph held, whether given back or kept
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -384,34 +394,37 @@ class ModelRunner:
                 pool = graphs[size].pool()
         self.graphs = dict(sorted(graphs.items()))
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # the warm-ups' blocks: the pool's segments stay, held by the graphs
         return torch.cuda.memory_reserved(self.device) - before
 
-    def graph_overhead_per_graph(self, copies: int = 4) -> int:
-        """Device bytes outside PyTorch that one captured decode graph holds, measured.
-
-        An instantiated graph keeps its kernels' parameters in driver memory that
-        PyTorch does not see, and every bucket has the same kernels. Capturing a few
-        batch-1 graphs (on whatever cache is allocated) and dividing the growth of
-        device use outside PyTorch gives the per-graph figure the KV budget reserves.
-        """
-        if not self.graph_sizes():
-            return 0
+    def trial_capture_graphs(self) -> TrialGraphs:
+        """Capture every graph size over whatever KV cache is allocated (the profile's) and free them
+        again: what the graphs held beyond what stays once they are freed, measured, for the KV budget
+        to keep before the real captures. In PyTorch's allocator that is the graph pool (the first
+        capture's cuBLAS workspace stays, and is counted where it is then reserved); outside it, the
+        driver memory of the instantiated graphs (their kernels' parameters) that the driver hands back
+        when they are freed (what it keeps is then counted outside PyTorch, and the real captures reuse
+        it). A batch-1 figure scaled to every size fell short: larger sizes have other kernels."""
+        sizes = self.graph_sizes()
+        if not sizes:
+            return TrialGraphs(0, 0, 0)
         device = self.device
-        self._prepare_graph_inputs(1)
-        torch.cuda.synchronize(device)
-        free, total = torch.cuda.mem_get_info(device)
-        outside_before = total - free - torch.cuda.memory_reserved(device)
-        pool, graphs = None, []
-        for _ in range(copies):
-            graphs.append(self._capture_decode(1, pool))
-            pool = graphs[0].pool()
-        torch.cuda.synchronize(device)
-        free, total = torch.cuda.mem_get_info(device)
-        outside_after = total - free - torch.cuda.memory_reserved(device)
-        del graphs
+
+        def reserved_and_outside() -> tuple[int, int]:
+            torch.cuda.synchronize(device)
+            gc.collect()  # a graph held only by a reference cycle would keep its pool until a later collection
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info(device)
+            reserved = torch.cuda.memory_reserved(device)
+            return reserved, total - free - reserved
+        _, outside_before = reserved_and_outside()
+        self.capture_cuda_graphs()
+        reserved_held, outside_held = reserved_and_outside()
+        self.graphs = {}
         self.graph_logits = None
-        torch.cuda.empty_cache()
-        return max(0, outside_after - outside_before) // copies
+        reserved_after, outside_after = reserved_and_outside()
+        return TrialGraphs(max(0, reserved_held - reserved_after), max(0, outside_held - outside_after),
+                           max(0, outside_held - outside_before) // len(sizes))
 
     def _prepare_graph_inputs(self, max_size: int) -> None:
         """Static graph inputs: decode rows of one token each at position 0, writing nowhere."""
@@ -429,7 +442,8 @@ class ModelRunner:
         buf.upload(max_size, max_size, max_size, max_size)
         self.graph_logits = torch.empty(max_size, self.spec.vocab_size, dtype=self.dtype, device=self.device)
 
-    def _capture_decode(self, size: int, pool) -> "torch.cuda.CUDAGraph":
+    def _decode_step(self, size: int):
+        """The decode step a graph of ``size`` rows captures, over the static graph inputs."""
         buf = self.buffers
         meta = AttentionMetadata(
             slot_mapping=buf.slots_d[:size], block_tables=buf.tables_d[:size],
@@ -440,6 +454,10 @@ class ModelRunner:
 
         def step():
             self.graph_logits[:size] = self.model.compute_logits(self.model(ids, pos, meta))
+        return step
+
+    def _capture_decode(self, size: int, pool) -> "torch.cuda.CUDAGraph":
+        step = self._decode_step(size)
         step()  # warm-up
         if self.cut_blocks:
             pieces = PiecewiseGraph()

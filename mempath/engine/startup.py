@@ -297,7 +297,7 @@ class Startup:
         self.budget.grant(self.draft_tenant, Pathway.CUDA_GRAPHS, pool, "derived",
                           "memory.formulas.cuda_graph_bytes of the verify and draft graphs, until captured")
         self.budget.grant(self.draft_tenant, Pathway.CUDA_GRAPHS_DRIVER, per_graph * count, "derived",
-                          f"{count} graphs x driver memory of one trial decode capture")
+                          f"{count} graphs x the driver memory of a decode graph as the trial captures held it")
 
     def build_spec_decoder(self) -> None:
         from mempath.engine.spec.decoder import SpeculativeDecoder
@@ -352,9 +352,8 @@ class Startup:
         """
         activation_peak = self.measure_step_peak()
         num_graphs = len(self.runner.graph_sizes())
-        # Trial captures replay a decode step over the probe's KV cache: before it is freed.
-        per_graph = self.runner.graph_overhead_per_graph()
-        graph_driver_bytes = per_graph * num_graphs
+        # Trial captures replay decode steps over the probe's KV cache: before it is freed.
+        trial = self.runner.trial_capture_graphs()
         self.runner.allocate_kv_cache(0)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
@@ -383,15 +382,16 @@ class Startup:
               "memory.formulas.step_largest_block_bytes of the profile step: the segment of a step's largest "
               "tensor, which the next step's smaller tensors may hold")
         if num_graphs:
-            # Captured after the KV cache exists; the measured pool replaces this then.
-            grant(tenant, Pathway.CUDA_GRAPHS, self.graph_pool_estimate(), "derived",
-                  "memory.formulas.cuda_graph_bytes at the largest captured batch, until captured")
-        if graph_driver_bytes:
-            grant(tenant, Pathway.CUDA_GRAPHS_DRIVER, graph_driver_bytes, "derived",
-                  f"{num_graphs} graphs x driver memory of one trial capture")
+            # Captured again once the KV cache exists; the pool measured then replaces this.
+            grant(tenant, Pathway.CUDA_GRAPHS, trial.pool_bytes, "measured",
+                  f"the pool of {num_graphs} decode graphs captured over the profile's KV cache, until captured")
+        if trial.driver_bytes:
+            grant(tenant, Pathway.CUDA_GRAPHS_DRIVER, trial.driver_bytes, "measured",
+                  f"driver memory the {num_graphs} decode graphs captured over the profile's KV cache gave back "
+                  "when freed (what the driver kept is in non_torch)")
         # Speculation: its graphs too (none over a target whose decode graphs are cut at its MoE layers).
         if num_graphs and self.draft_ledger is not None and not self.runner.cut_blocks:
-            self.grant_spec_graphs_estimate(per_graph)
+            self.grant_spec_graphs_estimate(trial.driver_bytes_per_graph)
         if self.config.tiers_enabled:
             grant(tenant, Pathway.KV_TRANSFER_STAGING, self.tier_staging_bytes(per_block), "derived",
                   "one staging buffer per direction, until the tiers are attached")
@@ -448,14 +448,6 @@ class Startup:
     def tier_staging_bytes(self, per_block: int) -> int:
         from mempath.kv.tiers.coordinator import STAGING_BLOCKS
         return 2 * STAGING_BLOCKS * per_block  # one staging buffer per direction
-
-    def graph_pool_estimate(self) -> int:
-        """Room for the decode graphs: memory.formulas.cuda_graph_bytes at the largest captured batch."""
-        from mempath.constants import MAX_GRAPH_BATCH
-        from mempath.memory.formulas import cublas_workspace_bytes, cuda_graph_bytes, shape_from_spec
-        major, _ = torch.cuda.get_device_capability(self.device)
-        return cuda_graph_bytes(shape_from_spec(self.spec), min(self.config.max_num_seqs, MAX_GRAPH_BATCH),
-                                self.dtype.itemsize, cublas_workspace_bytes(major))
 
     # ----------------------------------------------------------------- after the KV cache
     def capture_graphs(self) -> None:

@@ -16,6 +16,7 @@ A step (synchronous: the next step's positions depend on how many tokens were ke
 
 Draft and target share block tables: block i holds both models' KV, in two caches.
 """
+import gc
 import logging
 import time
 import weakref
@@ -150,6 +151,10 @@ class SpeculativeDecoder:
             return 0
         device = self.device
         torch.cuda.synchronize(device)
+        # Each capture empties the allocator's cache first (torch.cuda.graph): blocks cached before would
+        # count as negative graph bytes.
+        gc.collect()
+        torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(device)
         pool = next(iter(self.target.graphs.values())).pool() if self.target.graphs else None
         self.verify_graphs = RowGraphs(self.target, self.max_k + 1, True, rows)
