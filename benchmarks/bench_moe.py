@@ -292,37 +292,45 @@ def part_offload(args, config: dict, bandwidth: dict) -> list[dict]:
 
 
 class HostStepClock:
-    """Host time of the cut graphs' host steps while it is active: in all (the read-back wait
-    included) and in the cache's bookkeeping and copy issue (book_one_wave), per step."""
+    """Host time of the cut graphs' host steps while it is active, per step: in all (the read-back
+    wait included), in the cache's bookkeeping and copy issue (book_one_wave), in the copy calls
+    alone (Experts.load_into_slot, inside the bookkeeping) and in the host-run pairs (under auto:
+    SlotTable.write_host_pairs, the host's experts and their upload)."""
+
+    TIMED = {"step": (moe_slots.SlotStep, "__call__"), "book": (moe_slots, "book_one_wave"),
+             "load": (moe.Experts, "load_into_slot"), "host_pairs": (moe_slots.SlotTable, "write_host_pairs")}
 
     def __enter__(self):
-        self.steps, self.step_s, self.book_s = 0, 0.0, 0.0
-        self.inner_call, self.inner_book = moe_slots.SlotStep.__call__, moe_slots.book_one_wave
-        clock = self
-
-        def timed_step(step, rows=None):
-            start = time.perf_counter()
-            clock.inner_call(step, rows)
-            clock.step_s += time.perf_counter() - start
-            clock.steps += 1
-
-        def timed_book(*a, **k):
-            start = time.perf_counter()
-            on_host = clock.inner_book(*a, **k)
-            clock.book_s += time.perf_counter() - start
-            return on_host
-        moe_slots.SlotStep.__call__, moe_slots.book_one_wave = timed_step, timed_book
+        self.steps, self.loads = 0, 0
+        self.seconds = dict.fromkeys(self.TIMED, 0.0)
+        self.inner = {name: getattr(owner, attr) for name, (owner, attr) in self.TIMED.items()}
+        for name, (owner, attr) in self.TIMED.items():
+            setattr(owner, attr, self._timed(name, self.inner[name]))
         return self
 
+    def _timed(self, name, inner):
+        clock = self
+
+        def timed(*a, **k):
+            start = time.perf_counter()
+            out = inner(*a, **k)
+            clock.seconds[name] += time.perf_counter() - start
+            clock.steps += name == "step"
+            clock.loads += name == "load"
+            return out
+        return timed
+
     def __exit__(self, *exc):
-        moe_slots.SlotStep.__call__, moe_slots.book_one_wave = self.inner_call, self.inner_book
+        for name, (owner, attr) in self.TIMED.items():
+            setattr(owner, attr, self.inner[name])
         return False
 
     def per_layer(self) -> dict:
         if not self.steps:
             return {}
-        return {"host_step_us": self.step_s / self.steps * 1e6, "host_book_us": self.book_s / self.steps * 1e6,
-                "host_steps": self.steps}
+        us = {f"host_{name}_us": seconds / self.steps * 1e6 for name, seconds in self.seconds.items()}
+        us["host_load_us_per_copy"] = self.seconds["load"] / self.loads * 1e6 if self.loads else None
+        return {**us, "host_steps": self.steps}
 
 
 def store_copy_rate(llm: LLM, args) -> dict:
