@@ -17,7 +17,7 @@ class Pathway(str, enum.Enum):
     ACTIVATION_SPARE = "activation_spare"  # a spare segment of a step's largest tensor (fragmentation)
     KV_CACHE = "kv_cache"
     CUDA_GRAPHS = "cuda_graphs"  # the captured decode graphs' memory pool
-    CUDA_GRAPHS_DRIVER = "cuda_graphs_driver"  # the driver memory each captured graph holds
+    CUDA_GRAPHS_DRIVER = "cuda_graphs_driver"  # the captured graphs' driver memory (what the driver keeps is non_torch)
     NON_TORCH = "non_torch"  # device memory outside PyTorch: context, kernel modules, other processes
     OUTSIDE_TORCH_GROWTH = "outside_torch_growth"  # room kept for what grows outside PyTorch while serving
     KV_CPU = "kv_cpu"  # the host KV tier
