@@ -37,6 +37,7 @@ attention never runs beside its matrix multiplies (the engine's kernels and cuBL
 ``--out FILE`` appends one JSON line per result.
 """
 import argparse
+import contextlib
 import gc
 import itertools
 import json
@@ -307,6 +308,30 @@ def engine_options(args) -> dict:
                 enforce_eager=args.enforce_eager)
 
 
+@contextlib.contextmanager
+def engine_variant(decode_order: str, quant_fusion: str, fp8_gemm: str):
+    """The module switches and the fp8 GEMM table an A/B engine is built with (run_mempath's arguments), put back
+    afterwards, also when the build fails: the runner and the kernels read them when an engine is built."""
+    from mempath.engine import runner as runner_module
+    from mempath.kernels.fp8_gemm_triton import TABLE_ENV as GEMM_TABLE_ENV
+    from mempath.model import quant as quant_module
+    given_table = os.environ.get(GEMM_TABLE_ENV)
+    runner_module.DECODE_LONGEST_FIRST = decode_order == "longest-first"
+    quant_module.USE_FUSED_QUANT = quant_fusion == "fused"
+    quant_module.USE_FP8_GEMM = fp8_gemm != "scaled-mm"
+    if fp8_gemm not in ("table", "scaled-mm"):
+        os.environ[GEMM_TABLE_ENV] = str(Path(fp8_gemm).resolve())
+    try:
+        yield
+    finally:
+        runner_module.DECODE_LONGEST_FIRST = True
+        quant_module.USE_FUSED_QUANT = quant_module.USE_FP8_GEMM = True
+        if given_table is None:
+            os.environ.pop(GEMM_TABLE_ENV, None)
+        else:
+            os.environ[GEMM_TABLE_ENV] = given_table
+
+
 def run_mempath(args, prompts, output_lens, rate: float, max_num_seqs: int | None,
                 max_num_batched_tokens: int | None, quantization: str = "none", kv_cache_dtype: str = "auto",
                 decode_order: str = "longest-first", quant_fusion: str = "fused", fp8_gemm: str = "table") -> dict:
@@ -318,19 +343,11 @@ def run_mempath(args, prompts, output_lens, rate: float, max_num_seqs: int | Non
     "scaled-mm": every quantized fp8 product on _scaled_mm (model.quant.USE_FP8_GEMM off), the A/B of the
     Triton fp8 GEMM's table; any other value is the path of another fp8 GEMM table (a sweep's), read through
     its environment variable for this engine only."""
-    from mempath.engine import runner as runner_module
-    from mempath.kernels.fp8_gemm_triton import TABLE_ENV as GEMM_TABLE_ENV
-    from mempath.model import quant as quant_module
-    runner_module.DECODE_LONGEST_FIRST = decode_order == "longest-first"
-    quant_module.USE_FUSED_QUANT = quant_fusion == "fused"
-    quant_module.USE_FP8_GEMM = fp8_gemm != "scaled-mm"
-    given_table = os.environ.get(GEMM_TABLE_ENV)
-    if fp8_gemm not in ("table", "scaled-mm"):
-        os.environ[GEMM_TABLE_ENV] = str(Path(fp8_gemm).resolve())
     limits = {k: v for k, v in (("max_num_seqs", max_num_seqs),
                                 ("max_num_batched_tokens", max_num_batched_tokens)) if v is not None}
-    llm = LLM(show_progress=False, **engine_options(args), **limits, kv_cache_dtype=kv_cache_dtype,
-              quantization=None if quantization == "none" else quantization)
+    with engine_variant(decode_order, quant_fusion, fp8_gemm):
+        llm = LLM(show_progress=False, **engine_options(args), **limits, kv_cache_dtype=kv_cache_dtype,
+                  quantization=None if quantization == "none" else quantization)
     engine = llm.engine
     llm.generate(prompts[:8], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
     engine.kv.pool.reset_prefix_cache()
@@ -355,12 +372,6 @@ def run_mempath(args, prompts, output_lens, rate: float, max_num_seqs: int | Non
                   max_num_batched_tokens=engine.config.max_num_batched_tokens,
                   kv_blocks=stats["kv_blocks_total"], preemptions=stats["num_preemptions"], decode_order=decode_order,
                   quant_fusion=quant_fusion, fp8_gemm=fp8_gemm)
-    runner_module.DECODE_LONGEST_FIRST = True
-    quant_module.USE_FUSED_QUANT = quant_module.USE_FP8_GEMM = True
-    if given_table is None:
-        os.environ.pop(GEMM_TABLE_ENV, None)
-    else:
-        os.environ[GEMM_TABLE_ENV] = given_table
     del llm, engine, outs
     gc.collect()
     if torch.cuda.is_available():

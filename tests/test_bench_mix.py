@@ -188,3 +188,28 @@ def test_mix_bound_serial_bound_adds_the_kv_bytes_to_the_projections():
     assert r["output_tokens"] == sum(outputs) and r["steps"] >= max(outputs)  # the longest answer, a step a token
     assert r["flops_s"] < r["bound_s"] < r["serial_bound_s"]
     assert r["serial_bound_output_tok_s"] == pytest.approx(r["output_tokens"] / r["serial_bound_s"])
+
+
+def test_an_ab_engine_that_fails_to_build_puts_the_switches_back(tmp_path, monkeypatch):
+    """The A/B switches (decode order, quant fusion, the fp8 GEMM and its table) are put back when the engine's
+    build fails too: a later engine in the same process must not run on the failed one's variant."""
+    from mempath.engine import runner as runner_module
+    from mempath.kernels.fp8_gemm_triton import TABLE_ENV
+    from mempath.model import quant as quant_module
+    monkeypatch.delenv(TABLE_ENV, raising=False)
+    seen = []
+
+    class FailingLLM:
+        def __init__(self, *args, **kwargs):
+            seen.append((runner_module.DECODE_LONGEST_FIRST, quant_module.USE_FUSED_QUANT,
+                         quant_module.USE_FP8_GEMM, bench_mix.os.environ.get(TABLE_ENV)))
+            raise ValueError("no memory is left for the KV cache")
+
+    monkeypatch.setattr(bench_mix, "LLM", FailingLLM)
+    args = bench_mix.parse_args(["--tiny"])
+    with pytest.raises(ValueError):
+        bench_mix.run_mempath(args, [[1, 2]], [2], 1.0, None, None, decode_order="batch", quant_fusion="unfused",
+                              fp8_gemm=str(tmp_path / "t.json"))
+    assert seen == [(False, False, True, str((tmp_path / "t.json").resolve()))]
+    assert runner_module.DECODE_LONGEST_FIRST and quant_module.USE_FUSED_QUANT and quant_module.USE_FP8_GEMM
+    assert TABLE_ENV not in bench_mix.os.environ
