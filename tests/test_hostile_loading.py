@@ -551,3 +551,51 @@ def test_the_digest_cache_keeps_the_newest_entries(tmp_path, monkeypatch):
         loader.weights_digest({str(files[-1]): loader.file_identity(files[-1])}, cache)
     kept = json.loads(cache.read_text())
     assert list(kept) == [loader.file_identity(f) for f in files[1:]]
+
+
+@pytest.mark.parametrize("options,flag", [
+    (dict(cpu_kv_cache_bytes=GiB), "--cpu-kv-cache-bytes 1073741824"),
+    (dict(num_gpu_blocks_override=2**20), "--num-gpu-blocks-override 1048576"),
+])
+def test_a_cpu_kv_cache_larger_than_the_host_is_refused_in_one_line_naming_its_setting(tmp_path, host_with,
+                                                                                      options, flag):
+    """A CPU engine's KV cache is host memory. One larger than the host has available was allocated (lazily, so
+    the process would be killed once the cache filled), or, past what the kernel grants, failed as out of memory
+    with 'use a device with more free memory', which names no setting."""
+    make_model(tmp_path)
+    host_with(256 << 20)
+    with pytest.raises(ValueError) as refused:
+        LLM(str(tmp_path), dtype="float32", device="cpu", show_progress=False, **options)
+    message = str(refused.value)
+    assert "\n" not in message, message
+    assert message.startswith(flag) and "more than the 256.00 MiB of host memory available now" in message, message
+    assert message.endswith("(or free host memory)") and f"lower {flag.split()[0]}" in message, message
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", show_progress=False, cpu_kv_cache_bytes=64 << 20)
+    assert llm.stats()["kv_blocks_total"] > 0
+
+
+def test_a_cpu_kv_cache_of_less_than_one_block_names_the_cpu_setting(tmp_path):
+    make_model(tmp_path)
+    with pytest.raises(ValueError, match=r"^no memory is left for the KV cache \(one block needs [\d.]+ KiB\); "
+                                         r"raise --cpu-kv-cache-bytes$"):
+        LLM(str(tmp_path), dtype="float32", device="cpu", show_progress=False, cpu_kv_cache_bytes=100)
+
+
+def test_a_cpu_page_pool_larger_than_the_host_is_refused(tmp_path, host_with):
+    """Several models on the CPU share one page pool of --cpu-kv-cache-bytes: the same check."""
+    make_model(tmp_path / "a")
+    make_model(tmp_path / "b", seed=1)
+    host_with(256 << 20)
+    with pytest.raises(ValueError, match=r"^--cpu-kv-cache-bytes 1073741824 .* more than the 256.00 MiB of host "
+                                         r"memory available now; lower --cpu-kv-cache-bytes \(or free host memory\)$"):
+        LLM([str(tmp_path / "a"), str(tmp_path / "b")], dtype="float32", device="cpu", show_progress=False,
+            cpu_kv_cache_bytes=GiB)
+
+
+def test_a_cpu_page_pool_of_less_than_one_page_names_the_cpu_setting(tmp_path):
+    make_model(tmp_path / "a")
+    make_model(tmp_path / "b", seed=1)
+    with pytest.raises(ValueError, match=r"^no memory is left for the shared KV pool \(one page needs [\d.]+ KiB\); "
+                                         r"raise --cpu-kv-cache-bytes$"):
+        LLM([str(tmp_path / "a"), str(tmp_path / "b")], dtype="float32", device="cpu", show_progress=False,
+            cpu_kv_cache_bytes=100)

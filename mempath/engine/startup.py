@@ -57,6 +57,19 @@ def no_observer(name: str, pathway: str | None) -> ContextManager:
     return contextlib.nullcontext()
 
 
+def check_host_room_for_kv(nbytes: int, setting: str) -> None:
+    """A CPU engine's KV cache is host memory, allocated whole at start-up: refuse one larger than the host has
+    available now (the weights loaded) in one line naming ``setting``, before the allocation. The kernel may grant
+    it lazily and end the process once the cache fills, or refuse it as out of memory, which names no setting."""
+    import psutil
+    available = psutil.virtual_memory().available
+    if nbytes > available:
+        flag = setting.split()[0]
+        raise ValueError(f"{setting} asks for a KV cache of {format_bytes(nbytes)}, more than the "
+                         f"{format_bytes(available)} of host memory available now; lower {flag} "
+                         "(or free host memory)")
+
+
 def load_tokenizer(model_dir: str):
     """The checkpoint's tokenizer, or None when the directory has none."""
     path = Path(model_dir)
@@ -325,17 +338,23 @@ class Startup:
     def size_kv_cache(self) -> int:
         """How many KV blocks fit: fixed by override, by the CPU budget, or measured on CUDA."""
         per_block = self.kv_bytes_per_block()
-        if self.config.num_gpu_blocks_override is not None:
-            return self.config.num_gpu_blocks_override
-        if self.device.type != "cuda":
+        on_cpu = self.device.type != "cuda"
+        override = self.config.num_gpu_blocks_override
+        if override is not None:
+            if on_cpu:
+                check_host_room_for_kv(override * per_block, f"--num-gpu-blocks-override {override}")
+            return override
+        if on_cpu:
             num_blocks = self.config.cpu_kv_cache_bytes // per_block
+            check_host_room_for_kv(num_blocks * per_block, f"--cpu-kv-cache-bytes {self.config.cpu_kv_cache_bytes}")
         else:
             with self._guard("profile"), self.stage("profile step", Pathway.ACTIVATION_PEAK.value):
                 num_blocks = self.profile_kv_blocks(per_block)
         if num_blocks < 1:
             raise ValueError(
                 f"no memory is left for the KV cache (one block needs {format_bytes(per_block)}); "
-                f"raise --gpu-memory-utilization, lower --max-num-batched-tokens, or use a smaller --dtype")
+                + ("raise --cpu-kv-cache-bytes" if on_cpu else
+                   "raise --gpu-memory-utilization, lower --max-num-batched-tokens, or use a smaller --dtype"))
         tokens = num_blocks * self.config.block_size
         if tokens < self.max_model_len:
             log.warning("the KV cache holds %d tokens, less than max_model_len %d: long requests "

@@ -16,7 +16,7 @@ from typing import Callable
 
 from mempath.config import EngineConfig
 from mempath.engine.engine import LLMEngine
-from mempath.engine.startup import Startup, StageObserver, no_observer
+from mempath.engine.startup import Startup, StageObserver, check_host_room_for_kv, no_observer
 from mempath.kv.manager import KVCacheManager
 from mempath.memory.budget import ALLOCATION_ROUNDING
 from mempath.memory.ledger import Pathway, format_bytes
@@ -101,11 +101,15 @@ def build_engines(models: list[tuple[str, str]], options: dict, show_progress: b
 def size_page_pool(startups: list[TenantStartup], page_bytes: int) -> int:
     """Pages the pool holds: the override, the CPU KV size, or on CUDA what the budget leaves
     once every model's profile step has granted its pathways."""
-    config = startups[0].config
-    if config.num_gpu_blocks_override is not None:
-        return config.num_gpu_blocks_override
-    if startups[0].device.type != "cuda":
+    config, on_cpu = startups[0].config, startups[0].device.type != "cuda"
+    override = config.num_gpu_blocks_override
+    if override is not None:
+        if on_cpu:
+            check_host_room_for_kv(override * page_bytes, f"--num-gpu-blocks-override {override}")
+        return override
+    if on_cpu:
         num_pages = config.cpu_kv_cache_bytes // page_bytes
+        check_host_room_for_kv(num_pages * page_bytes, f"--cpu-kv-cache-bytes {config.cpu_kv_cache_bytes}")
     else:
         for i, startup in enumerate(startups):
             startup.size_kv_cache()  # profiles the model and grants it every pathway but KV
@@ -116,6 +120,7 @@ def size_page_pool(startups: list[TenantStartup], page_bytes: int) -> int:
         num_pages = max(0, startups[0].budget.remaining() - ALLOCATION_ROUNDING) // page_bytes
     if num_pages < 1:
         raise ValueError(f"no memory is left for the shared KV pool (one page needs {format_bytes(page_bytes)}); "
-                         f"raise --gpu-memory-utilization or serve fewer or smaller models")
+                         + ("raise --cpu-kv-cache-bytes" if on_cpu else
+                            "raise --gpu-memory-utilization or serve fewer or smaller models"))
     return num_pages
 
