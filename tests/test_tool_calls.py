@@ -106,6 +106,9 @@ def test_vllm_fields_regex_choice_and_json(client):
     ({"tools": [WEATHER, TIME, WEATHER]}, "tools.2.function.name", "tools.0 already"),
     ({"tools": [WEATHER, BAD_SCHEMA], "tool_choice": {"type": "function", "function": {"name": "bad"}}},
      "tools.1.function.parameters", "Unsupported type"),
+    # required: one grammar over every function, whose error is located at the function that does not compile
+    ({"tools": [WEATHER, TIME, BAD_SCHEMA], "tool_choice": "required"}, "tools.2.function.parameters",
+     "Unsupported type"),
 ])
 def test_invalid_constraints_are_400s_naming_the_field(server, body, param, says):
     response = httpx.post(f"{server.url}/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},

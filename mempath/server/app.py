@@ -37,7 +37,8 @@ from mempath.server.guards import HeaderLimits, LoopbackHostOnly, is_loopback_ad
 from mempath.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_body,
                                      completion_body, error_body, models_body, parse_request)
 from mempath.server.structured_request import StructuredRequest, structured_request
-from mempath.server.tool_choice import ToolStream, plan_tools, tool_message
+from mempath.server.tool_choice import (ToolStream, located_tools_error, plan_tools, tool_message,
+                                        with_tool_constraint)
 from mempath.server.tool_parsers import PARSERS, parser_for_template
 from mempath.server.responses import ResponsesRequest, responses_router
 from mempath.server.tokens import DetokenizeRequest, TokenizeRequest, tokens_router
@@ -170,12 +171,7 @@ def openai_router(engine_client: AsyncEngine, served_model_name: str, api_key: s
         check_model(req.model, served_model_name)
         check_num_choices(1, req.n, limits)
         plan = plan_tools(req, tools.parser, tools.auto_tool_choice)
-        structured = structured_request(req)
-        if plan is not None and plan.grammar() is not None:
-            if structured is not None:
-                raise APIError(400, f"tool_choice {plan.mode} constrains the output; it cannot be combined "
-                                    f"with {structured.field}", "tool_choice")
-            structured = StructuredRequest(plan.grammar(), plan.grammar_field())
+        structured = with_tool_constraint(plan, structured_request(req))
         prompt = await off_the_loop(render_chat, engine_client.tokenizer, req, plan.tools if plan is not None else None)
         room = max(1, engine_client.max_model_len - len(prompt))
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -185,8 +181,11 @@ def openai_router(engine_client: AsyncEngine, served_model_name: str, api_key: s
                                req.model_fields_set, sampling_defaults)
         call = Call(engine_client, f"chatcmpl-{uuid.uuid4().hex}", served_model_name,
                     req.stop_list(), req.n, req.num_logprobs)
-        await call.start([prompt], params, structured,
-                         {"logprobs": "top_logprobs", "max_tokens": param, "prompt": "messages"})
+        try:
+            await call.start([prompt], params, structured,
+                             {"logprobs": "top_logprobs", "max_tokens": param, "prompt": "messages"})
+        except APIError as error:
+            raise await located_tools_error(plan, error, engine_client.grammar_error) from None
         if req.stream:
             return SSEResponse(stream_chat(call, req.include_usage, plan), on_close=call.abort)
         return JSONResponse(await until_disconnect(request, finish_chat(call, plan)))

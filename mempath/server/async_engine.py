@@ -254,14 +254,31 @@ class AsyncEngine:
         await asyncio.wrap_future(self._submit(command, admit=not queue.admitted))
         queue.admitted = True
 
+    def _grammars(self, model: str | None):
+        """The model's grammar compiler; None for an unknown model or one without structured outputs (the
+        engine's add refuses their requests)."""
+        try:
+            return self.engine.engine(model).inputs.grammars if hasattr(self.engine, "engines") \
+                else self.engine.inputs.grammars
+        except ValueError:
+            return None
+
+    async def grammar_error(self, constraint, model: str | None = None) -> str | None:
+        """Why ``constraint`` (StructuredOutputsParams) does not compile for the model, None if it does (or
+        the model has no compiler): compiled in the pool, into the compiler's cache."""
+        grammars = self._grammars(model)
+        if grammars is None:
+            return None
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._grammar_pool, grammars.compile, constraint)
+        except ValueError as error:
+            return str(error)
+        return None
+
     async def _compile_grammar(self, params: SamplingParams, request_id: str, model: str | None) -> bool:
         """Compile the request's grammar in the pool, into the compiler's cache, where the engine
         thread's add finds it; False if the request was aborted meanwhile. Raises its ValueError."""
-        try:
-            grammars = self.engine.engine(model).inputs.grammars if hasattr(self.engine, "engines") \
-                else self.engine.inputs.grammars
-        except ValueError:
-            return True  # an unknown model: the engine's add refuses it
+        grammars = self._grammars(model)
         if grammars is None:
             return True  # the engine's add refuses it
         with self._wake:

@@ -19,6 +19,7 @@ import json
 from dataclasses import dataclass, field
 
 from mempath.server.protocol import APIError
+from mempath.server.structured_request import StructuredRequest
 from mempath.server.tool_parsers import PARSERS, ToolCall, parse_tool_calls
 from mempath.structured import StructuredOutputsParams
 
@@ -136,6 +137,32 @@ def plan_tools(req, parser_name: str | None, auto_tool_choice: bool) -> ToolPlan
     else:
         plan.parser = PARSERS[parser_name]()
     return plan
+
+
+def with_tool_constraint(plan: ToolPlan | None, structured: StructuredRequest | None) -> StructuredRequest | None:
+    """The request's one output constraint: a required or named tool choice's grammar, or the structured output
+    the client asked for; APIError when it asked for both."""
+    if plan is None or plan.grammar() is None:
+        return structured
+    if structured is not None:
+        raise APIError(400, f"tool_choice {plan.mode} constrains the output; it cannot be combined "
+                            f"with {structured.field}", "tool_choice")
+    return StructuredRequest(plan.grammar(), plan.grammar_field())
+
+
+async def located_tools_error(plan: ToolPlan | None, error: APIError, grammar_error) -> APIError:
+    """``error`` naming the function whose schema does not compile, where it named only tools: a required
+    choice's one grammar spans every function. ``grammar_error``: the engine's compile of one constraint (async:
+    its error message, or None). Unchanged when every schema compiles alone."""
+    if plan is None or plan.mode != "required" or error.param != plan.grammar_field():
+        return error
+    for i, schema in enumerate(plan.functions.values()):  # in the order of tools (check_tools)
+        constraint = StructuredOutputsParams(json=schema)
+        message = await grammar_error(constraint)
+        if message is not None:
+            located = StructuredRequest(constraint, f"tools.{i}.function.parameters")
+            return located.field_error(APIError(400, message, "structured_outputs"))
+    return error
 
 
 def tool_message(plan: ToolPlan | None, text: str, finish_reason: str) -> tuple[dict, str]:
