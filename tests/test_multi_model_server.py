@@ -1,6 +1,7 @@
 """`mempath serve A B`: requests routed by their model over one engine thread and one KV page pool."""
 import concurrent.futures
 import json
+import threading
 
 import httpx
 import openai
@@ -272,3 +273,23 @@ def test_streamed_pipeline_failing_after_the_hand_off_ends_with_an_error_event(s
     assert all(c["text"] == "" for p in payloads if "choices" in p for c in p["choices"])
     server.wait_until_idle()
     assert server.engine.pool.pages.num_used == 0 and not server.engine.pipelines
+
+
+def test_a_pipelines_first_prompt_is_tokenized_off_the_engine_thread(server, monkeypatch):
+    """The engine thread steps every model: a long first prompt tokenized there stalled them all (as
+    /v1/completions tokenizes its prompts on the server's tokenizing thread, the pipeline route does too)."""
+    tokenizer = server.engine.engine("small").tokenizer
+    prompt = "def read_config(path):\n" * 3
+    threads = []
+    encode = tokenizer.encode
+
+    def spy(text, *args, **kwargs):
+        if text == prompt:
+            threads.append(threading.current_thread().name)
+        return encode(text, *args, **kwargs)
+    monkeypatch.setattr(tokenizer, "encode", spy)
+    second = list(server.app.apps)[1]
+    response = post_pipeline(server, {"model": "small", "prompt": prompt, "max_tokens": 2, "then": {
+        "model": second, "template": "Summary: {output}", "max_tokens": 2}})
+    assert response.status_code == 200, response.text
+    assert threads and "mempath-engine" not in threads, threads

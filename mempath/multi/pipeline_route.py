@@ -20,8 +20,8 @@ from mempath.generation_config import with_defaults
 from mempath.multi.pipeline import SecondModelError, Template
 from mempath.server.app import (COMPLETION_DEFAULT_MAX_TOKENS, finish_completion, sampling_params,
                                 stream_completion)
-from mempath.server.calls import (Call, Limits, SSEResponse, api_key_checker, check_num_choices, param_named_in,
-                                  read_body, resolve_max_tokens, until_disconnect)
+from mempath.server.calls import (Call, Limits, SSEResponse, api_key_checker, check_num_choices, off_the_loop,
+                                  param_named_in, read_body, resolve_max_tokens, token_ids_of, until_disconnect)
 from mempath.server.protocol import APIError, CompletionRequest, parse_request
 from mempath.server.structured_request import StructuredRequest, structured_request
 
@@ -150,6 +150,8 @@ def pipeline_router(client, names: list[str], api_key: str | None, limits_by_mod
             sampling_params(then_req, second_max_tokens, then_req.logprobs, second_structured),
             then_req.model_fields_set, defaults_by_model[second])
         pipeline = PipelineClient(client, second, template, second_params, second_structured)
+        # On the tokenizing thread, as /v1/completions does: the engine thread steps every model.
+        prompts = await off_the_loop(lambda texts: [token_ids_of(client.tokenizer, t) for t in texts], prompts)
         call = Call(pipeline, f"pipe-{uuid.uuid4().hex}", second, then_req.stop_list(), 1, then_req.logprobs)
         await call.start(prompts, first_params, structured)
         if req.stream:
