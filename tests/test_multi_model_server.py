@@ -293,3 +293,15 @@ def test_a_pipelines_first_prompt_is_tokenized_off_the_engine_thread(server, mon
         "model": second, "template": "Summary: {output}", "max_tokens": 2}})
     assert response.status_code == 200, response.text
     assert threads and "mempath-engine" not in threads, threads
+
+
+def test_a_required_tool_choice_names_the_function_whose_schema_does_not_compile(server):
+    """As with one model (tests/test_tool_calls.py): the schemas are compiled for the model the request names."""
+    tools = [{"type": "function", "function": {"name": "ok", "parameters": {"type": "object"}}},
+             {"type": "function", "function": {"name": "bad", "parameters": {"type": "objekt"}}}]
+    response = httpx.post(f"{server.url}/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                          json={"model": "small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                "tools": tools, "tool_choice": "required"}, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "tools.1.function.parameters" and "objekt" in error["message"], error

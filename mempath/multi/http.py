@@ -38,6 +38,9 @@ class ModelClient:
     def abort(self, request_id: str) -> None:
         self.shared.abort(request_id)
 
+    async def grammar_error(self, constraint) -> str | None:
+        return await self.shared.grammar_error(constraint, model=self.name)
+
     async def stats(self) -> dict:
         return await self.shared.stats()
 
