@@ -33,9 +33,9 @@ def test_the_cap_leaves_a_step_its_room_once_every_graph_size_is_captured():
     """The KV cache is sized before the decode graphs are captured over it, so what they take is kept for them
     first. Kept as four batch-1 trial graphs' driver memory times the number of graphs, and the pool by a
     formula, it fell short: the cap left a step 31.7-33.3 MiB less than the budget keeps for one at 256
-    sequences of the Qwen3-0.6B shape on an H100 (the capture stream's cuBLAS workspace was kept for nowhere,
-    and larger sizes hold more driver memory). Start-up now captures every size once over the profile's KV
-    cache and keeps what that measured."""
+    sequences of the Qwen3-0.6B shape on an H100 (the formula fell short of the pool and the capture stream's
+    cuBLAS workspace, and larger sizes hold more driver memory). Start-up now captures every size once over the
+    profile's KV cache and keeps what that measured."""
     sys.path.insert(0, str(ROOT))
     from benchmarks.bench_engine import model_dir
     from mempath import LLM
