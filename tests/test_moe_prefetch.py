@@ -96,3 +96,45 @@ def test_cuda_prefetch_on_a_copy_stream_gives_the_cpu_tokens(model_factory, refe
     assert stats["prefetched"] > 0 and not any(block.experts.cache.pending for block in llm.engine.model.moe_blocks()[:1])
     set_expert_cache_size(llm.engine.model, 3)  # a loaded model: prefetch stays on by default on CUDA
     assert all(block.experts.cache.prefetch for block in llm.engine.model.moe_blocks())
+
+
+def test_start_ups_routing_is_forgotten_when_start_up_is_done():
+    """Start-up's forwards (on CUDA the profile step, the decode graphs' warm-ups and captures, the kernel
+    probes) route dummy tokens. Their lookups showed in stats() and /metrics as serving's, their routing
+    history steered eviction, and their prefetches, judged, could turn prefetch off before serving began."""
+    from mempath.model.moe import PREFETCH_JUDGED_AFTER, forget_start_up_routing
+
+    class Model:
+        def moe_blocks(self):
+            return [type("Block", (), {"experts": experts})()]
+    experts = Experts(8, 16, 12, torch_kernels())
+    experts.set_resident(3)
+    cache = experts.cache
+    cache.prefetch = True
+    for _ in range(PREFETCH_JUDGED_AFTER):  # every prefetch unused: judged, and stopped
+        missing = [e for e in range(8) if cache.slot_of[e] < 0]
+        experts.prefetch(missing[:1])
+        cache.record_routing({missing[1]: 2})
+        [wave] = cache.waves([missing[1]])
+        cache.release(cache.acquire(wave, experts.load_into_slot))
+    assert cache.prefetch_stopped and cache.hits + cache.misses > 0 and max(cache.scores) > 0
+    resident = cache.resident_experts()
+    forget_start_up_routing(Model())
+    stats = cache.stats()
+    assert {k: stats[k] for k in ("hits", "misses", "evictions", "bytes_loaded", "prefetched", "prefetch_used",
+                                  "host_experts", "host_tokens")} == dict.fromkeys(
+        ("hits", "misses", "evictions", "bytes_loaded", "prefetched", "prefetch_used", "host_experts",
+         "host_tokens"), 0)
+    assert cache.prefetch and not stats["prefetch_stopped"] and cache.judged_prefetched == 0
+    assert cache.clock == 0 and not any(cache.routed_tokens) and not any(cache.scores)
+    assert cache.resident_experts() == resident  # the slots keep their experts: serving needs no copy for them
+    cache.check()
+
+
+def test_the_engine_forgets_start_ups_routing_once_started(model_factory, monkeypatch):
+    from mempath.engine import startup
+    path, _ = model_factory("mixtral")
+    forgotten = []
+    monkeypatch.setattr(startup, "forget_start_up_routing", forgotten.append)
+    llm = moe_llm(path, moe_expert_cache_size=3)
+    assert forgotten == [llm.engine.model]

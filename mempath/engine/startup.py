@@ -29,7 +29,7 @@ from mempath.memory.device_cap import hold_device_cap
 from mempath.memory.formulas import resolve_expert_cache_size, shape_from_spec
 from mempath.memory.ledger import Pathway, format_bytes
 from mempath.memory.oom import oom_guard
-from mempath.model.moe import expert_slot_bytes
+from mempath.model.moe import expert_slot_bytes, forget_start_up_routing
 from mempath.model.moe_host import check_cpu_experts, set_cpu_experts
 from mempath.model.spec import ConfigFields, ModelSpec
 from mempath.model.quant import check_fp8_kv_device
@@ -222,6 +222,9 @@ class Startup:
             self.build_spec_decoder()
         if self.device.type == "cuda":
             self.cap_device_memory()
+        for model in (self.model, self.draft_runner.model if self.draft_runner is not None else None):
+            if model is not None:
+                forget_start_up_routing(model)
         for line in kv_capacity_lines(self.device.type, self.kv, config.block_size, self.max_model_len):
             capacity_log.info("%s", line)
         log.info("memory by pathway:\n%s", self.ledger.table())

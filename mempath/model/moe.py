@@ -442,6 +442,18 @@ class ExpertCache:
     def release(self, slots: list[int]) -> None:
         self.in_use.difference_update(slots)
 
+    def forget_routing(self) -> None:
+        """Drop the counters, the routing history that scores eviction, and the prefetch judgement (prefetch
+        back on if it was stopped), keeping the slots' experts: for forwards of dummy tokens (start-up's)."""
+        self.hits = self.misses = self.evictions = self.bytes_loaded = 0
+        self.host_experts = self.host_tokens = self.prefetched = self.prefetch_used = 0
+        self.judged_prefetched = self.judged_used = self.clock = 0
+        self.prefetched_now = []
+        self.routed_tokens = [0] * self.num_experts
+        self.scores = [0.0] * self.num_experts
+        if self.prefetch_stopped:
+            self.prefetch, self.prefetch_stopped = True, False
+
     def resident_experts(self) -> list[int]:
         return [e for e in self.expert_in if e >= 0]
 
@@ -500,6 +512,14 @@ def set_expert_prefetch(model, enabled: bool) -> None:
         cache.prefetch = enabled and bool(cache.host)
         cache.judged_prefetched = cache.judged_used = 0
         cache.prefetch_stopped = False
+
+
+def forget_start_up_routing(model) -> None:
+    """Start-up's forwards (on CUDA the profile step, the decode graphs' warm-ups and captures, the kernel
+    probes) route dummy tokens: every MoE layer's cache forgets them (ExpertCache.forget_routing), so that
+    stats(), /metrics, eviction and the prefetch judgement describe serving."""
+    for block in model.moe_blocks():
+        block.experts.cache.forget_routing()
 
 
 def offloaded_weights(model) -> dict[str, torch.Tensor]:
