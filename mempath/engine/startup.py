@@ -222,9 +222,9 @@ class Startup:
             self.build_spec_decoder()
         if self.device.type == "cuda":
             self.cap_device_memory()
-        for model in (self.model, self.draft_runner.model if self.draft_runner is not None else None):
-            if model is not None:
-                forget_start_up_routing(model)
+        forget_start_up_routing(self.model)
+        if self.draft_runner is not None:
+            forget_start_up_routing(self.draft_runner.model)
         for line in kv_capacity_lines(self.device.type, self.kv, config.block_size, self.max_model_len):
             capacity_log.info("%s", line)
         log.info("memory by pathway:\n%s", self.ledger.table())
