@@ -151,8 +151,8 @@ class SpeculativeDecoder:
             return 0
         device = self.device
         torch.cuda.synchronize(device)
-        # Each capture empties the allocator's cache first (torch.cuda.graph): blocks cached before would
-        # count as negative graph bytes.
+        # Each capture collects garbage and empties the allocator's cache first (torch.cuda.graph): blocks
+        # freed or cached before would count as negative graph bytes, so the baseline is read after the same.
         gc.collect()
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(device)
