@@ -280,7 +280,9 @@ def test_activation_peak_prediction_on_the_cpu_path(tmp_path):
     assert abs(errors["decoder layer peak"]) <= 10
 
 
-@pytest.mark.parametrize("name,content", [("diagnose.json", '{"mine": 1}\n'), ("diagnose.html", "<p>my notes</p>")])
+@pytest.mark.parametrize("name,content", [("diagnose.json", '{"mine": 1}\n'), ("diagnose.html", "<p>my notes</p>"),
+                                          ("diagnose.json", '"my notes, not mempath_diagnose output"\n'),
+                                          ("diagnose.json", '["mempath_diagnose"]\n')])
 def test_a_file_no_diagnose_wrote_is_never_overwritten(name, content, tmp_path, model_factory, capsys):
     """--out into a folder holding the user's own diagnose.json (or .html): one line naming the
     file and the fix, before anything loads; the file stays."""
@@ -294,6 +296,19 @@ def test_a_file_no_diagnose_wrote_is_never_overwritten(name, content, tmp_path, 
     assert err[-1] == (f"mempath diagnose: error: --out {out}: {name} is there and is not a mempath diagnose "
                        f"report; give another --out folder, or move the file")
     assert (out / name).read_text() == content and sorted(p.name for p in out.iterdir()) == [name]
+
+
+def test_an_out_that_is_a_file_is_refused_in_one_line_and_kept(tmp_path, model_factory, capsys):
+    """--out names a folder: a file there is refused before anything loads, and stays as it was."""
+    from mempath.cli import main
+    path, _ = model_factory("llama")
+    out = tmp_path / "notes.txt"
+    out.write_text("precious\n")
+    assert main(["diagnose", path, "--device", "cpu", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"mempath diagnose: error: --out {out} is a file, not a folder; "
+                       "give a folder for the report (it is made if missing)")
+    assert out.read_text() == "precious\n"
 
 
 def test_a_report_replaces_an_earlier_report(report, tmp_path):

@@ -240,12 +240,37 @@ def test_a_padded_token_still_matches_a_clean_key(server):
     (["--allowed-origins", "[1, 2]"], "--allowed-origins"),
     (["--allowed-origins", "[nope"], "not a valid JSON list"),
     (["--model", "a", "b"], "either as --model or as the first argument"),
+    (["--served-model-name", ""], "--served-model-name"), (["--served-model-name", " "], "--served-model-name"),
+    (["--chat-template", "{{ bad"], "--chat-template"),
 ])
 def test_serve_flags_that_cannot_work_are_one_line(flags, says, capsys):
     from mempath.cli import main
     assert main(["serve", *flags]) == 2
     message = capsys.readouterr().err
     assert says in message and message.count("\n") == 1, message
+
+
+def test_an_unknown_uvicorn_log_level_is_an_argument_error_before_the_model_loads(capsys):
+    from mempath.cli import main
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--uvicorn-log-level", "bogus"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        "mempath serve: error: argument --uvicorn-log-level: invalid choice: 'bogus'")
+
+
+def test_port_0_is_resolved_to_the_free_port_the_banner_names(monkeypatch, capsys):
+    """--port 0 asks for any free port: the port is chosen before the model loads, so the banner's
+    address is the one the server listens on."""
+    from mempath.cli import main
+    from mempath.server import app as server_app
+    from mempath.server import cli
+    ran = {}
+    monkeypatch.setattr(cli, "build_server_app", lambda *args, **kwargs: ("app", "served"))
+    monkeypatch.setattr(server_app, "serve", lambda app, *args, **kwargs: ran.update(kwargs))
+    assert main(["serve", "some/model", "--port", "0"]) == 0
+    assert ran["port"] > 0
+    assert f"on http://127.0.0.1:{ran['port']}/v1" in capsys.readouterr().out
 
 
 def test_serve_passes_its_limits_to_the_app_and_to_uvicorn(monkeypatch, caplog):
@@ -603,3 +628,22 @@ def test_a_sibling_sample_rejected_after_the_first_fails_the_call_cleanly(server
         assert events[-1] == "data: [DONE]"
         assert any("second sample does not fit" in e for e in events)
     server.wait_until_idle()
+
+
+# ----------------------------------------------------------------- compressed bodies
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+@pytest.mark.parametrize("encoding", ["gzip", "deflate, gzip", "br", "x-custom"])
+def test_a_compressed_body_is_a_415_naming_content_encoding(server, path, encoding):
+    import gzip
+    body = {"model": "tiny", "prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    response = httpx.post(f"{server.url}{path}", content=gzip.compress(json.dumps(body).encode()), timeout=30,
+                          headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json",
+                                   "Content-Encoding": encoding})
+    error = assert_error(response, 415, None, "Content-Encoding")
+    assert "uncompressed" in error["message"] and error["code"] == "unsupported_media_type"
+
+
+def test_an_identity_content_encoding_is_no_encoding(server):
+    for encoding in ("identity", "Identity"):
+        response = post(server, "/v1/completions", completion(), **{"Content-Encoding": encoding})
+        assert response.status_code == 200, response.text

@@ -311,3 +311,121 @@ def test_a_prompt_in_the_tokenizer_holds_up_no_other_request(server, monkeypatch
         release.set()
         thread.join(60)
     assert answers and answers[0].status_code == 200, answers and answers[0].text
+
+
+# ----------------------------------------------------------------- structured-output objects: no key dropped
+@pytest.mark.parametrize("fields, param, says", [
+    ({"response_format": {"type": "json_object", "schema": {"type": "object", "required": ["zzz"]}}},
+     "response_format.schema", "json_object takes no schema"),
+    ({"response_format": {"type": "json_object", "json_schema": {"name": "x", "schema": {}}}},
+     "response_format.json_schema", "json_object takes no schema"),
+    ({"response_format": {"type": "text", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+     "response_format.json_schema", "text takes no schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}, "strict": True}},
+     "response_format.strict", "json_schema.strict"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strickt": True}}},
+     "response_format.json_schema.strickt", "'strict'"),
+    ({"structured_outputs": {"regex": "ab", "regx": "zz"}}, "structured_outputs.regx", "'regex'"),
+    ({"structured_outputs": {"choice": ["yes"], "backend": "outlines"}}, "structured_outputs.backend",
+     "disable_any_whitespace"),
+])
+def test_unknown_keys_of_a_structured_output_object_are_400s(server, fields, param, says):
+    error = assert_error(post(server, COMPLETIONS, completion(**fields)), 400, param, says)
+    assert param in error["message"]
+
+
+def test_a_json_schema_without_its_schema_is_a_400(server):
+    for spec in ({"name": "x"}, {"name": "x", "schema": None}):
+        body = completion(response_format={"type": "json_schema", "json_schema": spec})
+        error = assert_error(post(server, COMPLETIONS, body), 400, "response_format.json_schema.schema", "schema")
+        assert "{}" in error["message"]  # the fix: {} for any JSON value
+    body = completion(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}})
+    assert_error(post(server, COMPLETIONS, body), 400, "response_format.json_schema.schema", "object")
+
+
+def test_an_empty_json_schema_is_any_json_value_not_an_object(server, idle_after):
+    from mempath.server.protocol import CompletionRequest, parse_request
+    from mempath.server.structured_request import structured_request
+    body = completion(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}})
+    assert structured_request(parse_request(CompletionRequest, json.dumps(body).encode())).params.json == {}
+    response = post(server, COMPLETIONS, {**body, "prompt": "x = ", "max_tokens": 8})
+    assert response.status_code == 200, response.text
+
+
+# ----------------------------------------------------------------- chat messages
+@pytest.mark.parametrize("role", ["user", "system", "developer", "tool", "assistant"])
+@pytest.mark.parametrize("content", ["missing", None, []])
+def test_a_message_without_content_is_a_400(server, role, content):
+    message = {"role": role} if content == "missing" else {"role": role, "content": content}
+    messages = [{"role": "user", "content": "hi"}, message]
+    assert_error(post(server, CHAT, chat(messages=messages)), 400, "messages.1.content", "content")
+    assert_error(post(server, "/tokenize", {"model": "tiny", "messages": messages}), 400, "messages.1.content",
+                 "content")
+
+
+def test_an_assistant_message_with_tool_calls_may_leave_content_out(server, idle_after):
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    for content in ("missing", None, []):
+        assistant = {"role": "assistant", "tool_calls": [call]}
+        if content != "missing":
+            assistant["content"] = content
+        messages = HI + [assistant, {"role": "tool", "tool_call_id": "call_1", "content": "42"}]
+        response = post(server, CHAT, chat(messages=messages))
+        assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("call, param", [
+    ({}, "messages.1.tool_calls.0.function"),
+    ("call_1", "messages.1.tool_calls.0"),
+    ({"type": "function", "function": "f"}, "messages.1.tool_calls.0.function"),
+    ({"type": "custom", "function": {"name": "f", "arguments": "{}"}}, "messages.1.tool_calls.0.type"),
+    ({"type": "function", "function": {"arguments": "{}"}}, "messages.1.tool_calls.0.function.name"),
+    ({"type": "function", "function": {"name": "f"}}, "messages.1.tool_calls.0.function.arguments"),
+    ({"type": "function", "function": {"name": "f", "arguments": {"a": 1}}},
+     "messages.1.tool_calls.0.function.arguments"),
+])
+def test_a_malformed_assistant_tool_call_is_a_400_naming_it(server, call, param):
+    messages = HI + [{"role": "assistant", "content": "x", "tool_calls": [call]}]
+    error = assert_error(post(server, CHAT, chat(messages=messages)), 400, param, param)
+    assert "dict object" not in error["message"] and "template" not in error["message"]
+
+
+def test_a_replayed_tool_call_may_leave_its_type_out(server, idle_after):
+    """function is the only type of tool call, so a client that drops it still means one."""
+    call = {"id": "call_1", "function": {"name": "f", "arguments": "{}"}}
+    messages = HI + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": "call_1", "content": "42"}]
+    response = post(server, CHAT, chat(messages=messages))
+    assert response.status_code == 200, response.text
+
+
+def test_unknown_message_and_part_keys_are_ignored_with_the_warning(server, caplog, idle_after):
+    """As unknown top-level fields are (vLLM's rule): ignored, named in the request's one warning."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hi", "extra": 1}], "weird": True}]
+    with caplog.at_level(logging.WARNING, logger="mempath.server.protocol"):
+        assert post(server, CHAT, chat(messages=messages, service_tier="auto")).status_code == 200
+    warnings = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert warnings == ["The following fields were present in the request but ignored: "
+                        "{'messages.0.content.0.extra', 'messages.0.weird', 'service_tier'}"]
+
+
+STRICT_ROLES = ("{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+                "{{ raise_exception('unknown role: ' + m['role']) }}{% endif %}"
+                "[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+
+
+@pytest.mark.parametrize("template, shown", [
+    (STRICT_ROLES, "[system] be brief"),  # no developer turns: sent as system
+    (STRICT_ROLES.replace("'assistant'", "'assistant', 'developer'"), "[developer] be brief"),
+])
+def test_a_developer_message_is_a_system_message_where_the_template_has_no_developer_role(
+        server, monkeypatch, template, shown, idle_after):
+    tokenizer = server.app.state.engine_client.tokenizer
+    monkeypatch.setattr(tokenizer, "chat_template", template)
+    messages = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    tokens = post(server, "/tokenize", {"model": "tiny", "messages": messages})
+    assert tokens.status_code == 200, tokens.text
+    assert shown in tokenizer.decode(tokens.json()["tokens"])
+    assert post(server, CHAT, chat(messages=messages)).status_code == 200
+    response = post(server, RESPONSES, {"model": "tiny", "max_output_tokens": 2, "input": messages})
+    assert response.status_code == 200, response.text

@@ -64,12 +64,18 @@ async def read_body(request: Request, limit: int) -> bytes:
 
     Any other content type is refused: a web page may POST text/plain, form or multipart
     bodies to any address, this server's included, without asking first (no CORS preflight).
+    So is a compressed body (a Content-Encoding other than identity), 415 naming the header.
     """
     content_type = request.headers.get("content-type")
     if (content_type or "").partition(";")[0].strip().lower() != "application/json":
         got = f"got {content_type!r}" if content_type else "got none"
         raise APIError(415, f"send the body as JSON with 'Content-Type: application/json' ({got})",
                        None, "unsupported_media_type")
+    # Starlette does not decompress request bodies: a gzipped one would read as invalid JSON.
+    encoding = request.headers.get("content-encoding", "")
+    if any(coding.strip().lower() not in ("", "identity") for coding in encoding.split(",")):
+        raise APIError(415, f"this server accepts only uncompressed JSON bodies: send the body without "
+                            f"'Content-Encoding: {encoding[:40]}'", None, "unsupported_media_type")
     too_large = APIError(413, f"the request body is larger than this server's limit of {limit} "
                               f"bytes (--max-body-bytes)", None, "request_too_large")
     declared = request.headers.get("content-length", "")
@@ -374,10 +380,20 @@ def chat_text(tokenizer, messages: list[dict], param: str = "messages", add_gene
         raise APIError(400, "this model has no chat template; use /v1/completions, or start the server "
                             "with --chat-template", param)
     try:
-        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(with_roles_of(tokenizer.chat_template, messages), tools=tools,
+                                             tokenize=False, add_generation_prompt=add_generation_prompt)
     except Exception as error:  # noqa: BLE001 - a template can raise anything
         raise APIError(400, f"the chat template rejected these messages: {error}", param) from None
+
+
+def with_roles_of(template, messages: list[dict]) -> list[dict]:
+    """``messages`` with OpenAI's ``developer`` role (its newer name for ``system``) sent as ``system`` when
+    the chat template's source never mentions "developer": most templates know only system, user,
+    assistant and tool, and raise on any other role. A template that names developer gets it as sent."""
+    source = " ".join(map(str, template.values())) if isinstance(template, dict) else str(template)  # named ones
+    if "developer" in source:
+        return messages
+    return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
 
 
 def render_messages(tokenizer, messages: list[dict], param: str = "messages",

@@ -11,6 +11,7 @@ from mempath.server.settings import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_
                                      MIN_MAX_HEADER_BYTES, check_api_key)
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT,
                         help="on SIGINT/SIGTERM, seconds running requests get to finish before the "
                              "rest end with an error event")
-    parser.add_argument("--uvicorn-log-level", default="info", help="uvicorn's own log level")
+    parser.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS, help="uvicorn's own log level")
     from mempath.server.stats_log import add_stats_log_arguments
     add_stats_log_arguments(parser)  # --disable-log-stats, --log-stats-interval
     parser.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
@@ -102,13 +103,31 @@ def read_chat_template(value: str | None) -> str | None:
     path = Path(value)
     try:
         if path.is_file():
-            return path.read_text()
+            text = path.read_text()
+            check_chat_template(text, f"--chat-template {value}")
+            return text
     except OSError as error:
         raise ValueError(f"--chat-template {value}: cannot read it ({error})") from None
     if any(mark in value for mark in "{}\n"):  # vLLM's test for an inline template
+        check_chat_template(value, f"--chat-template {value!r}")
         return value
     raise ValueError(f"--chat-template {value}: no such file, and it is not a Jinja template ({{{{ ... }}}}): "
                      f"give an existing file or the template's text")
+
+
+def check_chat_template(text: str, what: str) -> None:
+    """Compile the template as transformers will at the first chat request, so that a broken one is refused at
+    start-up, not blamed on every request's messages. Skipped where transformers' compiler is not found."""
+    try:
+        from jinja2 import TemplateError
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:
+        return
+    try:
+        _compile_jinja_template(text)
+    except TemplateError as error:
+        where = f" (line {error.lineno})" if getattr(error, "lineno", None) else ""
+        raise ValueError(f"{what}: not a valid Jinja template: {error.message}{where}; fix the template") from None
 
 
 def resolve_models(args) -> list[str]:
@@ -119,6 +138,8 @@ def resolve_models(args) -> list[str]:
         from mempath.assets import default_model_path
         models = [default_model_path()]
     names = args.served_model_name
+    if names and any(not name.strip() for name in names):
+        raise ValueError("--served-model-name: a name is empty; give the name clients pass as 'model', or drop the flag")
     if names and len(models) == 1 and len(names) > 1:
         raise ValueError("--served-model-name: one name per model (several names for one model are not served)")
     if len(models) == 1 and (args.kv_min_share or args.sleep_after is not None or args.sleep_offload_weights):
@@ -218,12 +239,14 @@ def build_server_app(model: str, engine_options: dict, served_model_name: str | 
 def run_serve(args) -> int:
     from mempath.engine_flags import engine_options
     from mempath.server.app import serve
-    from mempath.server.port import check_port_free
+    from mempath.server.port import check_port_free, free_port
     from mempath.server.stats_log import enable_stats_logging
     from mempath.server.calls import request_log
     check_serve_arguments(args)
     log_stats_interval = enable_stats_logging(args)
     check_port_free(args.host, args.port)  # before the model loads: a busy port fails in a second
+    if args.port == 0:  # any free port: chosen now, so that the banner names the one served
+        args.port = free_port(args.host)
     models = resolve_models(args)
     request_log.setLevel(logging.INFO if args.enable_log_requests else logging.WARNING)
     http_options = dict(bind_host=args.host, allowed_origins=args.allowed_origins,

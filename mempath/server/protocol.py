@@ -8,7 +8,11 @@ warning per request naming them, as vLLM logs them (clients send fields they don
 expect us to use, such as ``store`` or ``service_tier``); the fields of OpenAI's API
 and vLLM's extensions that would change the answer and that we cannot honour are
 refused, naming the field, unless they hold the value that asks for nothing
-(``NOT_HONOURED``).
+(``NOT_HONOURED``). A chat message and its text parts follow the top level's rule: an
+unknown key there (``messages.0.weird``, ``messages.0.content.0.cache_control``) is
+ignored and named in the same warning (``_Strict.nested_ignored``), as clients replay
+fields of OpenAI's answers we do not read. The structured-output objects are stricter
+(server/structured_request.py): each of their keys shapes the output.
 """
 import json
 import logging
@@ -90,11 +94,17 @@ class _Strict(BaseModel):
         if not isinstance(data, dict):
             return data
         if info.context is not None and info.context.get("model") is cls:
-            info.context["ignored"] = set(data) - set(cls.model_fields) - set(cls.checked_fields)
+            info.context["ignored"] = (set(data) - set(cls.model_fields) - set(cls.checked_fields)
+                                       | cls.nested_ignored(data))
         # OpenAI's clients send null for a field they leave unset; dropped, it is neither a type
         # error nor in model_fields_set, so the --generation-config default applies to it as well.
         fields = cls.model_fields
         return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
+
+    @classmethod
+    def nested_ignored(cls, data: dict) -> set[str]:
+        """The paths of unknown keys in nested objects that are ignored as the top level's are."""
+        return set()
 
 
 def _same(value, neutral) -> bool:
@@ -123,10 +133,57 @@ def refuse_not_honoured(data, fields: dict, where: str = "") -> None:
 
 
 def refuse_not_honoured_in_messages(data) -> None:
-    """refuse_not_honoured for each chat message of a request body (``messages.{i}.field``)."""
+    """refuse_not_honoured for each chat message of a request body (``messages.{i}.field``), and the
+    400s its chat template would otherwise give in its own words, or not at all: a turn with no
+    content, a malformed earlier tool call (check_message)."""
     messages = data.get("messages") if isinstance(data, dict) else None
     for i, message in enumerate(messages if isinstance(messages, list) else []):
         refuse_not_honoured(message, NOT_HONOURED_MESSAGE, f"messages.{i}.")
+        check_message(message, f"messages.{i}")
+
+
+def check_message(message, where: str) -> None:
+    """APIError(400) for a message of a known role with no content (null, left out or ``[]``; an
+    assistant's may be, beside tool_calls, as OpenAI's), or an entry of tool_calls that is not
+    OpenAI's shape: ``{"type": "function", "function": {"name": str, "arguments": str}}`` (the type may be
+    left out: function is the only one)."""
+    if not isinstance(message, dict) or message.get("role") not in MESSAGE_ROLES:
+        return  # not an object, or an unknown role: the model's validation names it
+    role, content, calls = message["role"], message.get("content"), message.get("tool_calls")
+    if (content is None or content == []) and not (role == "assistant" and calls):
+        also = " (an assistant message may leave it out when it has tool_calls)" if role == "assistant" else ""
+        raise APIError(400, f"{where}.content is {'empty' if content == [] else 'missing'}: {role} messages "
+                            f"need content, a string or a list of text parts{also}", f"{where}.content")
+    for j, call in enumerate(calls if isinstance(calls, list) else []):  # another type: the model's validation
+        at = f"{where}.tool_calls.{j}"
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(call, dict) and not isinstance(function, dict):
+            raise APIError(400, f"{at}.function must be an object with a string name and string arguments "
+                                f"(JSON text), as OpenAI returned the call", f"{at}.function")
+        if isinstance(call, dict) and call.get("type") not in (None, "function"):  # left out: a function, as OpenAI
+            raise APIError(400, f"{at}.type must be \"function\", got {json.dumps(call.get('type'))[:40]}",
+                           f"{at}.type")
+        for key, what in (("name", "the function's name"), ("arguments", "the arguments as JSON text")):
+            value = function.get(key) if isinstance(function, dict) else ""
+            if not isinstance(value, str):
+                got = "it is missing" if value is None else f"got {type(value).__name__}"
+                raise APIError(400, f"{at}.function.{key} must be a string ({what}); {got}", f"{at}.function.{key}")
+
+
+def ignored_in_messages(data: dict) -> set[str]:
+    """``messages.N.key`` and ``messages.N.content.M.key`` for each key a message or text part does
+    not have: ignored, as unknown top-level fields are, and named in the same warning."""
+    found = set()
+    messages = data.get("messages")
+    for i, message in enumerate(messages if isinstance(messages, list) else []):
+        if not isinstance(message, dict):
+            continue
+        found.update(f"messages.{i}.{key}" for key in message if key not in MESSAGE_KEYS)
+        content = message.get("content")
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            if isinstance(part, dict) and part.get("type") == "text":
+                found.update(f"messages.{i}.content.{j}.{key}" for key in part if key not in TextPart.model_fields)
+    return found
 
 
 def refuse_other_parts(messages, where: str, kinds: tuple[str, ...]) -> None:
@@ -282,8 +339,14 @@ class TextPart(_Strict):
     text: str
 
 
+MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    """One chat turn. ``developer`` is OpenAI's newer name for ``system``: it reaches a chat template that
+    never mentions "developer" as ``system`` (server/calls.py:with_roles_of), as most templates raise on
+    a role they do not know. Checked before this model: refuse_not_honoured_in_messages."""
+    role: Literal[MESSAGE_ROLES]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None  # a tool's answer: the template may show which call it answers
@@ -298,6 +361,9 @@ class ChatMessage(_Strict):
             if getattr(self, key) is not None:
                 message[key] = getattr(self, key)
         return message
+
+
+MESSAGE_KEYS = frozenset(ChatMessage.model_fields) | frozenset(NOT_HONOURED_MESSAGE)
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -317,6 +383,10 @@ class ChatCompletionRequest(_SamplingRequest):
         refuse_not_honoured_in_messages(data)
         refuse_other_parts(data.get("messages") if isinstance(data, dict) else None, "messages", ("text",))
         return data
+
+    @classmethod
+    def nested_ignored(cls, data: dict) -> set[str]:
+        return ignored_in_messages(data)
 
     @model_validator(mode="after")
     def _check_chat_fields(self):

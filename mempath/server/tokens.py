@@ -8,8 +8,8 @@ from pydantic import Field, model_validator
 
 from mempath.server.async_engine import AsyncEngine
 from mempath.server.calls import Limits, api_key_checker, chat_text, check_model, off_the_loop, read_body
-from mempath.server.protocol import APIError, ChatMessage, _Strict, parse_request, refuse_not_honoured, \
-    refuse_not_honoured_in_messages
+from mempath.server.protocol import APIError, ChatMessage, _Strict, ignored_in_messages, parse_request, \
+    refuse_not_honoured, refuse_not_honoured_in_messages
 
 # vLLM's tokenize fields this server does not honour, with the values that ask for nothing.
 NOT_HONOURED_TOKENIZE = {"chat_template": (), "chat_template_kwargs": ({},), "tools": ([],),
@@ -31,6 +31,10 @@ class TokenizeRequest(_Strict):
         refuse_not_honoured(data, NOT_HONOURED_TOKENIZE)
         refuse_not_honoured_in_messages(data)
         return data
+
+    @classmethod
+    def nested_ignored(cls, data: dict) -> set[str]:
+        return ignored_in_messages(data)
 
     @model_validator(mode="after")
     def _one_input(self):

@@ -112,6 +112,8 @@ def refuse_foreign_outputs(out_dir: str | Path, snapshot: bool = False) -> None:
     diagnose wrote: a report replaces only an earlier report (its JSON's "mempath_diagnose" key,
     its HTML's title; with ``snapshot``, a memory snapshot beside such a JSON)."""
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out {out_dir} is a file, not a folder; give a folder for the report (it is made if missing)")
     ours = {"diagnose.json": _is_report_json(out_dir / "diagnose.json")}
     ours["diagnose.html"] = _is_report_html(out_dir / "diagnose.html")
     ours["memory_snapshot.pickle"] = ours["diagnose.json"]
@@ -123,7 +125,8 @@ def refuse_foreign_outputs(out_dir: str | Path, snapshot: bool = False) -> None:
 
 def _is_report_json(path: Path) -> bool:
     try:
-        return "mempath_diagnose" in json.loads(path.read_text())
+        report = json.loads(path.read_text())
+        return isinstance(report, dict) and "mempath_diagnose" in report
     except (OSError, ValueError, TypeError):
         return False
 
