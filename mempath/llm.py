@@ -110,6 +110,10 @@ class LLM:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params(model)
         param_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompt_list)
+        wrong = next((p for p in param_list if not isinstance(p, SamplingParams)), None)
+        if wrong is not None:
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {type(wrong).__name__}"
+                            + (": use SamplingParams(**...)" if isinstance(wrong, dict) else ""))
         if len(param_list) != len(prompt_list):
             raise ValueError(f"got {len(prompt_list)} prompts but {len(param_list)} SamplingParams")
         if engine.inputs.grammars is not None:  # a batch's grammars compile in parallel, not one by one as added
@@ -165,10 +169,12 @@ class LLM:
     def _add_samples(self, engine: LLMEngine, prompt, params: SamplingParams, single: bool) -> list:
         """Add one engine request per sample; a refused one is its finished error output instead of its id."""
         group = []
-        for index in range(params.n):
+        # A bad n is one request, which add_request refuses naming it (as any other bad field).
+        samples = params.n if isinstance(params.n, int) and not isinstance(params.n, bool) and params.n >= 1 else 1
+        for index in range(samples):
             request_id = f"gen-{next(self._ids)}"
             sample_params = params
-            if params.n > 1:
+            if samples > 1:
                 seed = None if params.seed is None else params.seed + index
                 sample_params = SamplingParams(**{**params.__dict__, "n": 1, "seed": seed})
             try:
@@ -195,7 +201,12 @@ class LLM:
             raise ValueError(f"{name} has no tokenizer")
         if not (chat_template or getattr(tokenizer, "chat_template", None)):
             raise ValueError(f"{name} has no chat template in its tokenizer_config.json")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        conversations = [messages] if messages and isinstance(messages, list) and isinstance(messages[0], dict) \
+            else messages
+        if not (isinstance(conversations, list) and conversations and all(
+                isinstance(c, list) and c and all(isinstance(m, dict) for m in c) for c in conversations)):
+            raise ValueError("messages must be a conversation (a non-empty list of {'role': ..., 'content': ...} "
+                             f"dicts) or a list of them, got {type(messages).__name__} {str(messages)[:60]!r}")
         prompts = [tokenizer.apply_chat_template(
             conv, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template)
             for conv in conversations]

@@ -47,16 +47,14 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        # Another type is left as given, for validate() to name: the constructor does not raise.
+        self.stop = _listed(self.stop, str)
+        self.stop_token_ids = _listed(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
-        if isinstance(self.bad_words, str):
-            self.bad_words = [self.bad_words]
-        self.bad_words = list(self.bad_words or [])
-        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
+        self.bad_words = _listed(self.bad_words, str)
+        if isinstance(self.logit_bias, dict) or not self.logit_bias:
+            self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
 
     def validate(self, max_logprobs: int) -> None:
         """Raise ValueError naming the bad field and the allowed range."""
@@ -83,10 +81,20 @@ class SamplingParams:
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= max_logprobs):
             raise ValueError(f"logprobs must be in [0, {max_logprobs}] (a whole number), got {self.logprobs!r}")
+        for name in ("n", "top_k"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
+                raise ValueError(f"{name} must be a whole number, got {getattr(self, name)!r}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be a whole number or None, got {self.seed!r}")
+        if not isinstance(self.stop, list) or any(not isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if not isinstance(self.stop_token_ids, list) or any(
+                isinstance(t, bool) or not isinstance(t, int) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids (whole numbers), got {self.stop_token_ids!r}")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise ValueError("structured_outputs must be a mempath.structured.StructuredOutputsParams")
@@ -107,6 +115,8 @@ class SamplingParams:
         if not FLOAT32_TINY <= self.repetition_penalty <= FLOAT32_MAX:  # logits are divided by it
             raise ValueError(f"repetition_penalty must be in [{FLOAT32_TINY:.7g}, {FLOAT32_MAX:.7g}] (float32's "
                              f"range, which the sampler computes in; 1: off), got {self.repetition_penalty}")
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
         for token_id, bias in (self.logit_bias or {}).items():
             if isinstance(token_id, bool) or not isinstance(token_id, int):
                 raise ValueError(f"logit_bias keys must be token ids (integers), got {token_id!r}")
@@ -122,7 +132,7 @@ class SamplingParams:
             raise ValueError(f"prompt_logprobs must be in [0, {max_logprobs}], got {self.prompt_logprobs!r}")
         if not isinstance(self.skip_special_tokens, bool):
             raise ValueError(f"skip_special_tokens must be true or false, got {self.skip_special_tokens!r}")
-        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+        if not isinstance(self.bad_words, list) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             raise ValueError("bad_words must be non-empty strings")
         if self.best_of is not None and self.best_of != 1:
             raise ValueError(f"best_of is not supported (vLLM removed it too); leave it out and use n "
@@ -163,3 +173,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+
+def _listed(value, one: type | None = None):
+    """A list of ``value``'s items: a single ``one`` is a list of it, None or empty an empty list; any other
+    type is returned as it is, for SamplingParams.validate to refuse by name."""
+    if one is not None and isinstance(value, one):
+        return [value]
+    if not value:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else value

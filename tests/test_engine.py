@@ -230,10 +230,41 @@ def test_chat_applies_template(llm):
     ([1, 2], SamplingParams(top_p=0), "top_p"),
     ([1, 99999], greedy(), "outside the vocabulary"),
     ([1] * 400, greedy(16), "KV blocks"),
+    ([1, 2], SamplingParams(n=0), "n must be >= 1"),
+    ([1, 2], SamplingParams(n=1.5), "n must be a whole number"),
+    ([1, 2], SamplingParams(seed="x"), "seed must be a whole number"),
+    ([1, 2], SamplingParams(stop=5), "stop must be a string or a list of strings"),
+    ([1, 2], SamplingParams(stop=["a", 5]), "stop must be a string or a list of strings"),
+    ([1, 2], SamplingParams(stop_token_ids=[1, "2"]), "stop_token_ids must be a list of token ids"),
+    ([1, 2], SamplingParams(top_k=2.5), "top_k must be a whole number"),
+    ([1, 2], SamplingParams(logit_bias=5), "logit_bias must be a dict"),
+    ([1, 2], SamplingParams(bad_words=7), "bad_words must be non-empty strings"),
 ])
 def test_bad_single_request_raises(llm, prompt, params, message):
     with pytest.raises(ValueError, match=message):
         llm.generate(prompt, params)
+    assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_a_bad_n_in_a_batch_is_that_prompts_error_and_the_others_run(llm):
+    good = [4, 5, 6]
+    outs = llm.generate([good, good], [greedy(4), SamplingParams(n=0)], use_tqdm=False)
+    assert len(outs[0].token_ids) == 4
+    assert outs[1].finish_reason == "error" and "n must be >= 1" in outs[1].error
+    assert llm.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("params, says", [({"max_tokens": 2}, "use SamplingParams(**...)"), (3, "got int")])
+def test_sampling_params_of_another_type_are_one_line(llm, params, says):
+    with pytest.raises(TypeError, match=r"sampling_params must be a SamplingParams or a list of them") as error:
+        llm.generate([1, 2], params)
+    assert says in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("messages", [[], "hi", [[]], [{"role": "user", "content": "hi"}, "x"], None])
+def test_chat_refuses_what_is_not_a_conversation_in_one_line(llm, messages):
+    with pytest.raises(ValueError, match=r"messages must be a conversation"):
+        llm.chat(messages, greedy(2))
     assert llm.stats()["kv_blocks_used"] == 0
 
 
