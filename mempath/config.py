@@ -207,8 +207,9 @@ class EngineConfig:
             self._check_host_memory()
         if self.disk_kv_path:
             # Here, before the weights load: a path the tier would refuse fails in a second, not minutes.
-            from mempath.kv.tiers.disk_dir import check_disk_kv_path
+            from mempath.kv.tiers.disk_dir import check_disk_kv_path, check_disk_room
             check_disk_kv_path(self.disk_kv_path)
+            check_disk_room(self.disk_kv_path, int(self.disk_kv_gb * (1 << 30)), self.disk_kv_gb)
 
     def _check_host_memory(self) -> None:
         """Refuse a host tier the host cannot hold, before the weights load: the tier is reserved whole

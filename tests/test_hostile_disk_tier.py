@@ -229,6 +229,24 @@ def test_the_cli_names_the_flag_in_one_line(tiny, tmp_path, capsys):
     assert rc == 2 and len(err.splitlines()) == 1 and "--disk-kv-path" in err and "Traceback" not in err
 
 
+def test_a_tier_larger_than_its_disk_is_refused_by_the_config_and_counts_its_own_files(tmp_path, monkeypatch):
+    """The disk's free space plus what the tier's files already take (it may evict them) is what it can hold."""
+    import shutil
+    from mempath.kv.tiers import disk_dir
+    free = 3 << 30
+    monkeypatch.setattr(disk_dir.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10 << 30, 7 << 30, free))
+    with pytest.raises(ValueError, match=r"--disk-kv-path .*3 GiB free.*less than --disk-kv-gb 4; lower --disk-kv-gb"):
+        EngineConfig(model="m", cpu_kv_gb=1.0, disk_kv_path=str(tmp_path / "new" / "kv"), disk_kv_gb=4.0)
+    EngineConfig(model="m", cpu_kv_gb=1.0, disk_kv_path=str(tmp_path / "new" / "kv"), disk_kv_gb=3.0)
+    assert not (tmp_path / "new").exists()  # nothing made: the config only checks
+    kv = tmp_path / "kv"
+    store(kv)  # the tier's manifest and namespace
+    monkeypatch.setattr(disk_dir, "_bytes_under", lambda root: 2 << 30)  # its blocks on disk now
+    EngineConfig(model="m", cpu_kv_gb=1.0, disk_kv_path=str(kv), disk_kv_gb=4.0)
+    with pytest.raises(ValueError, match=r"2 GiB more in the tier's files"):
+        EngineConfig(model="m", cpu_kv_gb=1.0, disk_kv_path=str(kv), disk_kv_gb=6.0)
+
+
 @not_root
 def test_a_read_only_parent_is_refused_by_the_config(tmp_path):
     parent = tmp_path / "ro"

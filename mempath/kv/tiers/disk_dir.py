@@ -26,6 +26,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import socket
 import stat
 
@@ -87,6 +88,38 @@ def check_disk_kv_path(path) -> str:
         raise _path_error(root, f"is not empty and holds no {MANIFEST_NAME}, so mempath did not create it (the disk "
                           "tier deletes and overwrites only files it wrote)", "point it at an empty or new directory")
     return root
+
+
+def check_disk_room(path, nbytes: int, flag_gb: float) -> None:
+    """Refuse a tier larger than its disk can hold: the space free on the file system of ``path`` (its nearest
+    existing ancestor when it is still to be made) plus what the files already under it take, which the tier
+    may keep or evict. A full disk would only fail writes (blocks stay off disk); the size asked for is
+    refused here instead, in one line, before the weights load."""
+    root = os.path.abspath(os.path.expanduser(os.fspath(path)))
+    existing = root
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    try:
+        free = shutil.disk_usage(existing).free
+    except OSError:
+        return  # the path's own checks name what is wrong with it
+    if nbytes <= free:
+        return
+    held = _bytes_under(root) if os.path.isdir(root) else 0
+    if nbytes > free + held:
+        gib = 1 << 30
+        raise _path_error(root, f"is on a disk with {free / gib:.3g} GiB free ({held / gib:.3g} GiB more in the "
+                          f"tier's files there now), less than --disk-kv-gb {flag_gb:g}",
+                          "lower --disk-kv-gb, or point --disk-kv-path at a larger disk")
+
+
+def _bytes_under(root: str) -> int:
+    total = 0
+    for directory, _, names in os.walk(root):
+        for name in names:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(directory, name)).st_size
+    return total
 
 
 def open_disk_root(path, layout: str | None = None) -> str:
