@@ -372,6 +372,16 @@ def test_generate_refuses_a_broken_checkpoint_with_exit_2_and_one_line(tmp_path,
     assert rc == 2 and len(err.splitlines()) == 1 and err.startswith("mempath: error: "), err
 
 
+def test_a_config_json_given_as_the_model_is_refused_naming_the_directory(tmp_path, capsys):
+    """The model is a directory: given its config.json (the planner reads one alone), generate names the
+    folder to pass instead of asking for weights the folder may well have."""
+    model = write_config(tmp_path / "model", CONFIG)
+    rc = cli_main(["generate", "--model", str(model / "config.json"), "hi", "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert f"give the model's directory, {model}" in err and "download" not in err
+
+
 def test_the_command_line_prints_no_traceback(tmp_path):
     model = broken_checkpoint(tmp_path / "model", "truncated")
     result = subprocess.run([sys.executable, "-m", "mempath", "generate", str(model), "hi", "--quiet"],

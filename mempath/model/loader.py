@@ -166,6 +166,9 @@ def _index_shards(index: Path, model_dir: Path) -> list[Path]:
 
 
 def find_weight_files(model_dir: Path) -> list[Path]:
+    if model_dir.is_file():
+        raise CheckpointError(f"{model_dir} is a file: give the model's directory, {model_dir.parent} (its config.json, "
+                              f"weights and tokenizer files)")
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         return _index_shards(index, model_dir)
