@@ -1,6 +1,7 @@
 """EngineConfig: every engine knob in one place, validated once."""
 import math
 import os
+import typing
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -27,6 +28,34 @@ def check_expert_cache_options(size, gb, cpu_experts: str = "never") -> None:
         check_expert_cache_gb(gb)
     if cpu_experts not in ("never", "auto", "always"):
         raise ValueError(f"moe_cpu_experts must be never, auto or always, got {cpu_experts!r}")
+
+
+PATH_FIELDS = ("model", "tokenizer", "disk_kv_path", "generation_config")
+# Fields whose own checks refuse any other type, naming the values they take.
+OWN_TYPE_CHECKS = ("kv_cache_dtype", "quantization", "moe_expert_cache_size", "moe_expert_cache_gb",
+                   "speculative_config")
+_KINDS = {bool: "true or false", int: "a whole number", float: "a number", str: "a string", dict: "a dict",
+          type(None): "None"}
+
+
+def _holds(value, kind: type) -> bool:
+    """isinstance as a config reads it: a bool is no number (Python's bool is an int), an int is a float."""
+    if kind is bool or isinstance(value, bool):
+        return kind is bool and isinstance(value, bool)
+    return isinstance(value, (int, float) if kind is float else kind)
+
+
+def check_field_types(config) -> None:
+    """ValueError naming the first field whose value is not of its annotated type: checked before any range
+    check reads it, as "4" compared with a number raised a TypeError, a 2.5 reached torch.zeros after the
+    weights loaded, and "false" was a true flag."""
+    for item in fields(config):
+        if item.name in OWN_TYPE_CHECKS:
+            continue
+        value, kinds = getattr(config, item.name), typing.get_args(item.type) or (item.type,)
+        if not any(_holds(value, kind) for kind in kinds):
+            wanted = " or ".join(_KINDS.get(kind, getattr(kind, "__name__", str(kind))) for kind in kinds)
+            raise ValueError(f"{item.name} must be {wanted}, got {value!r}"[:200])
 
 
 @dataclass
@@ -95,6 +124,10 @@ class EngineConfig:
     weights_arena: bool = False
 
     def __post_init__(self):
+        for name in PATH_FIELDS:  # a pathlib.Path is a path too; the engine keeps strings
+            if isinstance(getattr(self, name), os.PathLike):
+                setattr(self, name, os.fspath(getattr(self, name)))
+        check_field_types(self)
         if self.block_size == "auto":
             self.block_size = AUTO_BLOCK_SIZE
         if not isinstance(self.block_size, int):
@@ -140,7 +173,8 @@ class EngineConfig:
 
     def _gpu_total_bytes(self) -> int | None:
         """Total memory of the CUDA device this engine will run on (None on the CPU)."""
-        if self.device == "cpu" or (self.device == "auto" and not torch.cuda.is_available()):
+        if self.device == "auto" and not torch.cuda.is_available() or torch.device(
+                "cuda" if self.device == "auto" else self.device).type == "cpu":
             return None
         device = torch.device("cuda" if self.device == "auto" else self.device)
         return torch.cuda.get_device_properties(device.index or 0).total_memory

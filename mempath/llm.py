@@ -1,6 +1,7 @@
 """LLM: the offline API. generate() and chat() over an LLMEngine."""
 import itertools
 import logging
+import numbers
 
 from tqdm.auto import tqdm
 
@@ -17,7 +18,35 @@ log = logging.getLogger(__name__)
 def is_one_prompt(prompts) -> bool:
     """A text, a token-id list or a vLLM prompt dict, rather than a list of them."""
     return isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and bool(prompts)
-                                                 and isinstance(prompts[0], int))
+                                                 and isinstance(prompts[0], numbers.Integral))
+
+
+def as_prompts(prompts):
+    """``prompts`` with a token-id array or tuple (numpy, torch: one prompt, not a batch of one-token prompts)
+    as a list; ValueError in one line for what is no prompt or list of them."""
+    if hasattr(prompts, "tolist") and getattr(prompts, "ndim", None) == 1:  # a numpy array or a torch tensor
+        prompts = prompts.tolist()
+    if isinstance(prompts, tuple) and prompts and all(isinstance(t, numbers.Integral) for t in prompts):
+        prompts = list(prompts)
+    if not isinstance(prompts, (str, dict, list, tuple)):
+        raise ValueError(f"prompts must be a string, a list of token ids, a prompt dict or a list of them, "
+                         f"got {type(prompts).__name__}")
+    return prompts
+
+
+def check_conversations(conversations: list[list[dict]]) -> None:
+    """ValueError naming the first message without a role or content (an assistant's may carry tool_calls
+    instead), as the server's 400 does: a template fills a missing field with nothing, or raises in Jinja's words."""
+    for c, conversation in enumerate(conversations):
+        for i, message in enumerate(conversation):
+            where = f"conversation {c}, message {i}" if len(conversations) > 1 else f"message {i}"
+            if not isinstance(message.get("role"), str):
+                raise ValueError(f"{where} has no role: give 'role' (system, user, assistant or tool) and 'content'")
+            content = message.get("content")
+            if not (isinstance(content, str) or isinstance(content, list) and content) and not (
+                    message["role"] == "assistant" and message.get("tool_calls")):
+                raise ValueError(f"{where} ({message['role']}) needs 'content', a string or a list of parts; "
+                                 f"got {content!r}"[:200])
 
 
 class LLM:
@@ -35,6 +64,9 @@ class LLM:
                  models: list[str] | None = None, served_model_name: list[str] | None = None,
                  kv_min_share: float = 0.0, sleep_after: float | None = None, sleep_offload_weights: bool = False,
                  **engine_options):
+        for name, flag in (("show_progress", show_progress), ("sleep_offload_weights", sleep_offload_weights)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be true or false, got {flag!r}")
         if isinstance(model, (list, tuple)) or models is not None:
             from mempath.multi.sleep import offload_options
             engine_options = offload_options(engine_options, sleep_offload_weights, sleep_after)
@@ -60,6 +92,7 @@ class LLM:
                       engine_options: dict, sleep_after: float | None = None) -> None:
         from mempath.multi.engine import MultiEngine
         from mempath.multi.names import served_models
+        from mempath.multi.pages import check_min_share
         from mempath.multi.sleep import check_sleep_after
         from mempath.multi.startup import build_engines
         if not models:
@@ -68,6 +101,7 @@ class LLM:
             raise ValueError("tokenizer names one tokenizer; with several models each uses the one in its directory")
         pairs = served_models(models, served_names)
         check_sleep_after(sleep_after)
+        check_min_share(kv_min_share)
         engines, pool = build_engines(pairs, engine_options, show_progress, kv_min_share)
         self.engine = MultiEngine(engines, pool, sleep_after)
         self.engines = engines
@@ -104,6 +138,7 @@ class LLM:
         bad single prompt raises ValueError. ``sampling_params`` (vLLM's name): one for all
         prompts or one each; None: get_default_sampling_params().
         """
+        prompts = as_prompts(prompts)
         single = is_one_prompt(prompts)
         prompt_list = [prompts] if single else list(prompts)
         engine = self._engine_for(model)
@@ -207,9 +242,18 @@ class LLM:
                 isinstance(c, list) and c and all(isinstance(m, dict) for m in c) for c in conversations)):
             raise ValueError("messages must be a conversation (a non-empty list of {'role': ..., 'content': ...} "
                              f"dicts) or a list of them, got {type(messages).__name__} {str(messages)[:60]!r}")
-        prompts = [tokenizer.apply_chat_template(
-            conv, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template)
-            for conv in conversations]
+        check_conversations(conversations)
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise ValueError(f"chat_template must be the template's text, got {type(chat_template).__name__}")
+        try:
+            prompts = [tokenizer.apply_chat_template(
+                conv, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template)
+                for conv in conversations]
+        except Exception as error:  # noqa: BLE001 - a template can raise anything
+            which = "chat_template" if chat_template is not None else f"{name}'s chat template"
+            raise ValueError(f"{which} failed on these messages: {str(error).splitlines()[0][:200]}") from None
+        if not all(prompts):
+            raise ValueError("the chat template rendered a conversation as empty text: check chat_template")
         # The template already contains the special tokens: tokenize without adding more.
         token_lists = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         outputs = self.generate(token_lists, sampling_params, use_tqdm, model) if len(token_lists) > 1 else \

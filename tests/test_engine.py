@@ -1,10 +1,13 @@
 """Engine behaviour: prefix caching, sampling, stops, bad input, chat, CLI."""
 import json
+import re
 
+import numpy as np
 import pytest
 import torch
 
 from mempath import LLM, SamplingParams
+from mempath.assets import default_model_path
 from mempath.cli import main as cli_main
 
 
@@ -266,6 +269,34 @@ def test_chat_refuses_what_is_not_a_conversation_in_one_line(llm, messages):
     with pytest.raises(ValueError, match=r"messages must be a conversation"):
         llm.chat(messages, greedy(2))
     assert llm.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("messages, template, says", [
+    ([{"foo": "bar"}], None, "message 0 has no role"),
+    ([{"role": "user"}], None, "message 0 (user) needs 'content'"),
+    ([{"role": "user", "content": 5}], None, "needs 'content'"),
+    ([{"role": "user", "content": "hi"}], 5, "chat_template must be the template's text"),
+    ([{"role": "user", "content": "hi"}], "{{ bad", "chat_template failed on these messages"),
+    ([{"role": "user", "content": "hi"}], "{{ messages[5].content }}", "chat_template failed on these messages"),
+    ([{"role": "user", "content": "hi"}], "", "rendered a conversation as empty text"),
+])
+def test_chat_refuses_bad_messages_and_templates_in_one_line(llm, messages, template, says):
+    with pytest.raises(ValueError, match=re.escape(says)) as error:
+        llm.chat(messages, greedy(2), chat_template=template)
+    assert "\n" not in str(error.value)
+    assert llm.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("prompt", [np.array([1, 2, 3]), torch.tensor([1, 2, 3]), (1, 2, 3)])
+def test_a_token_id_array_or_tuple_is_one_prompt(llm, prompt):
+    [out] = llm.generate(prompt, greedy(3))
+    assert out.prompt_token_ids == [1, 2, 3] and out.token_ids == llm.generate([1, 2, 3], greedy(3))[0].token_ids
+
+
+@pytest.mark.parametrize("prompt", [None, 5, b"hello"])
+def test_what_is_no_prompt_is_refused_in_one_line(llm, prompt):
+    with pytest.raises(ValueError, match="prompts must be a string, a list of token ids"):
+        llm.generate(prompt, greedy(2))
 
 
 def test_engine_rejects_empty_token_list(llm):
@@ -632,3 +663,59 @@ def test_a_logprobs_count_that_is_not_a_whole_number_is_refused_and_the_engine_k
         llm.generate("def f", SamplingParams(logprobs=bad, max_tokens=4))
     assert llm.generate("def f", greedy(3))[0].token_ids
     assert not llm.engine.has_unfinished_requests() and llm.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("option, value, says", [
+    ("max_num_seqs", "4", "max_num_seqs must be a whole number or None, got '4'"),
+    ("max_num_batched_tokens", 2.5, "max_num_batched_tokens must be a whole number, got 2.5"),
+    ("max_model_len", True, "max_model_len must be a whole number or None, got True"),
+    ("max_model_len", float("nan"), "max_model_len must be a whole number or None, got nan"),
+    ("gpu_memory_utilization", True, "gpu_memory_utilization must be a number, got True"),
+    ("enable_prefix_caching", "no", "enable_prefix_caching must be true or false, got 'no'"),
+    ("async_scheduling", "false", "async_scheduling must be true or false, got 'false'"),
+    ("seed", "4", "seed must be a whole number, got '4'"),
+    ("cpu_kv_cache_bytes", float("inf"), "cpu_kv_cache_bytes must be a whole number, got inf"),
+    ("cpu_kv_gb", "1", "cpu_kv_gb must be a number, got '1'"),
+    ("dtype", ["float32"], "dtype must be a string, got ['float32']"),
+    ("tokenizer", 5, "tokenizer must be a string or None, got 5"),
+    ("max_logprobs", 2.5, "max_logprobs must be a whole number, got 2.5"),
+])
+def test_an_option_of_the_wrong_type_is_refused_before_the_weights_load(option, value, says, monkeypatch):
+    """A value of another type than the option's is refused by name before anything loads: "4" compared with
+    a number raised a TypeError, 2.5 reached torch.zeros after the weights loaded, "false" was a true flag."""
+    from mempath.engine import engine as engine_module
+    monkeypatch.setattr(engine_module, "LLMEngine", lambda *a, **k: pytest.fail("the engine was built"))
+    with pytest.raises(ValueError) as error:
+        LLM(default_model_path(), device="cpu", **{option: value})
+    assert str(error.value) == says
+
+
+def test_a_path_is_a_model_directory_and_cpu_n_is_the_cpu():
+    from pathlib import Path
+    llm = LLM(Path(default_model_path()), device="cpu:0", show_progress=False)
+    assert llm.config.model == default_model_path() and llm.engine.device.type == "cpu"
+    assert len(llm.generate([1, 2, 3], greedy(2))[0].token_ids) == 2
+
+
+@pytest.mark.parametrize("options, says", [
+    (dict(kv_min_share=float("nan")), "kv_min_share must be a fraction of the KV pool in [0, 1], got nan"),
+    (dict(kv_min_share=-0.5), "kv_min_share must be a fraction of the KV pool in [0, 1], got -0.5"),
+    (dict(kv_min_share="x"), "kv_min_share must be a fraction of the KV pool in [0, 1], got 'x'"),
+    (dict(served_model_name=[1, 2]), "served_model_name: each name must be a non-empty string"),
+    (dict(show_progress="x"), "show_progress must be true or false, got 'x'"),
+])
+def test_several_models_options_of_the_wrong_kind_are_refused_before_loading(options, says, monkeypatch):
+    from mempath.multi import startup
+    monkeypatch.setattr(startup, "build_engines", lambda *a, **k: pytest.fail("the engines were built"))
+    with pytest.raises(ValueError, match=re.escape(says)):
+        LLM([default_model_path(), f"b={default_model_path()}"], device="cpu", **options)
+
+
+def test_one_served_name_string_is_not_split_into_letters():
+    from mempath.multi.names import served_models
+    tiny = default_model_path()
+    with pytest.raises(ValueError, match="one name per model"):
+        served_models([tiny, tiny], "ab")
+    assert served_models([tiny], "ab") == [("ab", tiny)]
+    with pytest.raises(ValueError, match="each model is a directory or NAME=DIR, got 5"):
+        served_models([tiny, 5])

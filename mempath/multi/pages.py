@@ -21,10 +21,17 @@ from mempath.kv.block_pool import BlockPool
 POOL_TENANT = "shared KV pages"  # the device budget's tenant for the pool every model's KV is carved from
 
 
+def check_min_share(min_share) -> None:
+    """Refuse a kv_min_share that is not a fraction in [0, 1] (nan compared false and reached int() serving)."""
+    if isinstance(min_share, bool) or not isinstance(min_share, (int, float)) or not 0.0 <= min_share <= 1.0:
+        raise ValueError(f"kv_min_share must be a fraction of the KV pool in [0, 1], got {min_share!r}")
+
+
 class PagePool:
     """The pages every model shares, and each model's guaranteed minimum of them."""
 
     def __init__(self, num_pages: int, page_bytes: int, min_share: float = 0.0):
+        check_min_share(min_share)
         self.pages = BlockPool(num_pages)
         self.page_bytes = page_bytes
         self.min_share = min_share
