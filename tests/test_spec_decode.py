@@ -135,11 +135,20 @@ def test_bad_speculative_config_is_refused_in_one_line(config, message, model_fa
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
-def test_draft_with_another_vocabulary_is_refused(model_factory):
+@pytest.mark.parametrize("draft", ["another vocabulary", "fewer positions", "no such directory"])
+def test_a_draft_that_cannot_serve_the_target_is_refused_before_any_weights_load(draft, model_factory, tmp_path,
+                                                                                  monkeypatch):
+    """Read from the draft's config.json, before the target's weights load (minutes on a large target)."""
+    from mempath.engine import startup
     path, _ = model_factory("llama")
-    other, _ = model_factory("llama", vocab_size=400)
-    with pytest.raises(ValueError, match="vocabulary"):
-        LLM(path, dtype="float32", show_progress=False, speculative_config=spec(other))
+    other = {"another vocabulary": lambda: model_factory("llama", vocab_size=400)[0],
+             "fewer positions": lambda: model_factory("llama", max_position_embeddings=64)[0],
+             "no such directory": lambda: str(tmp_path / "missing")}[draft]()
+    monkeypatch.setattr(startup, "load_model", lambda *a, **k: pytest.fail("weights loaded"))
+    says = {"another vocabulary": "vocabulary", "fewer positions": "positions", "no such directory": "config.json"}
+    with pytest.raises(ValueError, match=says[draft]) as error:
+        LLM(path, dtype="float32", show_progress=False, speculative_config=spec(other), max_model_len=128)
+    assert "\n" not in str(error.value)
 
 
 def test_metrics_carry_vllm_spec_decode_names(model_factory):

@@ -155,6 +155,22 @@ class Startup:
         self.ledger = self.budget.ledger(self.tenant)
         self.spec_config = config.speculative_config
         self.draft_runner = self.draft_ledger = self.spec_decoder = None
+        self.draft_spec = self.read_draft_spec()
+
+    def read_draft_spec(self) -> ModelSpec | None:
+        """The draft model's config.json, checked against the target's before any weights load (None: no draft)."""
+        sc = self.spec_config
+        if sc is None or not sc.uses_draft_model:
+            return None
+        draft_dir = sc.model
+        spec = ModelSpec.from_hf_config(read_config(draft_dir), source=str(Path(draft_dir) / "config.json"))
+        if spec.vocab_size != self.spec.vocab_size:
+            raise ValueError(f"speculative_config: the draft's vocabulary ({spec.vocab_size} tokens, {draft_dir}) "
+                             f"differs from the target's ({self.spec.vocab_size}); use a draft with the target's tokenizer")
+        if spec.max_position_embeddings < self.max_model_len:
+            raise ValueError(f"speculative_config: the draft supports {spec.max_position_embeddings} positions, "
+                             f"fewer than max_model_len {self.max_model_len}; lower --max-model-len")
+        return spec
 
     def _check_tiers_hold_a_block(self) -> None:
         """A KV tier too small for one block, refused from config.json before the weights load (minutes on a
@@ -273,14 +289,7 @@ class Startup:
         from mempath.engine.spec.decoder import SPEC_MAX_ROWS, spec_workspace_bytes
         c, sc = self.config, self.spec_config
         if sc.uses_draft_model:
-            draft_dir = sc.model
-            spec = ModelSpec.from_hf_config(read_config(draft_dir), source=str(Path(draft_dir) / "config.json"))
-            if spec.vocab_size != self.spec.vocab_size:
-                raise ValueError(f"speculative_config: the draft's vocabulary ({spec.vocab_size} tokens, {draft_dir}) "
-                                 f"differs from the target's ({self.spec.vocab_size}); use a draft with the target's tokenizer")
-            if spec.max_position_embeddings < self.max_model_len:
-                raise ValueError(f"speculative_config: the draft supports {spec.max_position_embeddings} positions, "
-                                 f"fewer than max_model_len {self.max_model_len}; lower --max-model-len")
+            draft_dir, spec = sc.model, self.draft_spec
             self.draft_tenant = f"{Path(draft_dir).name or draft_dir} (draft)"
         else:
             self.draft_tenant = "ngram (draft)"
