@@ -180,8 +180,15 @@ class LLM:
         from mempath.multi.pipeline import PipelineOutput
         if not self.engines:
             raise ValueError("pipeline() needs several models: LLM([A, B], ...)")
+        prompts = as_prompts(prompts)
         single = is_one_prompt(prompts)
         prompt_list = [prompts] if single else list(prompts)
+        for name, params in (("sampling_params", sampling_params), ("second_sampling_params", second_sampling_params)):
+            if params is not None and not isinstance(params, SamplingParams):
+                raise TypeError(f"{name} must be one SamplingParams (for every prompt), got {type(params).__name__}"
+                                + (": use SamplingParams(**...)" if isinstance(params, dict) else ""))
+        if not isinstance(template, str):
+            raise ValueError(f"template must be a string holding {{output}}, got {type(template).__name__}")
         first_params = sampling_params or self.get_default_sampling_params(first)
         second_params = second_sampling_params or self.get_default_sampling_params(second)
         ids = [f"pipe-{next(self._ids)}" for _ in prompt_list]

@@ -92,6 +92,16 @@ def test_bad_pipeline_requests(same_tokenizer):
         llm.pipeline([1, 2], "a", "c", TEMPLATE, FIRST, SECOND)
     with pytest.raises(ValueError, match="n=1"):
         llm.pipeline([1, 2], "a", "b", TEMPLATE, SamplingParams(n=2, max_tokens=2), SECOND)
+    with pytest.raises(TypeError, match=r"sampling_params must be one SamplingParams .*got dict: use SamplingParams"):
+        llm.pipeline([1, 2], "a", "b", TEMPLATE, {"max_tokens": 2}, SECOND)
+    with pytest.raises(TypeError, match=r"second_sampling_params must be one SamplingParams .*got list"):
+        llm.pipeline([1, 2], "a", "b", TEMPLATE, FIRST, [SECOND])
+    with pytest.raises(ValueError, match="template must be a string holding {output}, got int"):
+        llm.pipeline([1, 2], "a", "b", 5, FIRST, SECOND)
+    with pytest.raises(ValueError, match="prompts must be a string"):
+        llm.pipeline(None, "a", "b", TEMPLATE, FIRST, SECOND)
+    with pytest.raises(ValueError, match="the model '\\['a'\\]' does not exist"):
+        llm.generate([1, 2], FIRST, model=["a"])
     assert not llm.engine.has_unfinished_requests()
 
 

@@ -91,7 +91,7 @@ class MultiEngine:
         """The named model's engine; None: the first model's."""
         if model is None:
             return next(iter(self.engines.values()))
-        engine = self.engines.get(model)
+        engine = self.engines.get(model) if isinstance(model, str) else None
         if engine is None:
             served = ", ".join(f"'{name}'" for name in self.engines)
             raise UnknownModelError(f"the model '{model}' does not exist; this server serves {served}")
