@@ -285,6 +285,8 @@ def part_offload(args, config: dict, bandwidth: dict) -> list[dict]:
             tokens_identical_to_all_resident=tokens == resident_tokens if router == "model" else None,
             cpu_experts=args.cpu_experts, host_store=args.host_store, host_token_limit=after["host_token_limit"],
             host_experts_per_token=(after["host_experts"] - before["host_experts"]) / args.output_len,
+            host_pairs_us_per_expert=clock.seconds["host_pairs"] / (after["host_experts"] - before["host_experts"])
+            * 1e6 if after["host_experts"] > before["host_experts"] else None,
             target_tok_s={"model": None, "uniform": 17, "skewed": 40}[router], **rates, **clock.per_layer()))
     out.append(result("offload-store", **store_copy_rate(llm, args)))
     del llm
