@@ -1,5 +1,6 @@
 """EngineConfig: every engine knob in one place, validated once."""
 import math
+import numbers
 import os
 import typing
 from dataclasses import dataclass, fields
@@ -38,24 +39,37 @@ _KINDS = {bool: "true or false", int: "a whole number", float: "a number", str: 
           type(None): "None"}
 
 
-def _holds(value, kind: type) -> bool:
-    """isinstance as a config reads it: a bool is no number (Python's bool is an int), an int is a float."""
-    if kind is bool or isinstance(value, bool):
-        return kind is bool and isinstance(value, bool)
-    return isinstance(value, (int, float) if kind is float else kind)
+def _as_kind(value, kind: type):
+    """``value`` as a ``kind`` (numpy's scalars as Python's), or None where it is not one: a bool is no number
+    (Python's bool is an int) and no number is a bool; an int is a float."""
+    is_bool = isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"))
+    if kind is bool:
+        return bool(value) if is_bool else None
+    if is_bool:
+        return None
+    if kind is int:
+        return int(value) if isinstance(value, numbers.Integral) else None
+    if kind is float:
+        return value if type(value) in (int, float) else float(value) if isinstance(value, numbers.Real) else None
+    return value if isinstance(value, kind) else None
 
 
 def check_field_types(config) -> None:
     """ValueError naming the first field whose value is not of its annotated type: checked before any range
     check reads it, as "4" compared with a number raised a TypeError, a 2.5 reached torch.zeros after the
-    weights loaded, and "false" was a true flag."""
+    weights loaded, and "false" was a true flag. numpy's scalars become Python's."""
     for item in fields(config):
         if item.name in OWN_TYPE_CHECKS:
             continue
         value, kinds = getattr(config, item.name), typing.get_args(item.type) or (item.type,)
-        if not any(_holds(value, kind) for kind in kinds):
+        if value is None and type(None) in kinds:
+            continue
+        taken = next((v for v in (_as_kind(value, kind) for kind in kinds if kind is not type(None))
+                      if v is not None), None)
+        if taken is None:
             wanted = " or ".join(_KINDS.get(kind, getattr(kind, "__name__", str(kind))) for kind in kinds)
             raise ValueError(f"{item.name} must be {wanted}, got {value!r}"[:200])
+        setattr(config, item.name, taken)
 
 
 @dataclass

@@ -28,6 +28,8 @@ def as_prompts(prompts):
         prompts = prompts.tolist()
     if isinstance(prompts, tuple) and prompts and all(isinstance(t, numbers.Integral) for t in prompts):
         prompts = list(prompts)
+    if not isinstance(prompts, (str, bytes, dict, list, tuple)) and hasattr(prompts, "__iter__"):
+        prompts = list(prompts)  # a generator of prompts
     if not isinstance(prompts, (str, dict, list, tuple)):
         raise ValueError(f"prompts must be a string, a list of token ids, a prompt dict or a list of them, "
                          f"got {type(prompts).__name__}")
@@ -243,6 +245,8 @@ class LLM:
             raise ValueError(f"{name} has no tokenizer")
         if not (chat_template or getattr(tokenizer, "chat_template", None)):
             raise ValueError(f"{name} has no chat template in its tokenizer_config.json")
+        if isinstance(messages, tuple) or isinstance(messages, list) and any(isinstance(c, tuple) for c in messages):
+            messages = [list(c) if isinstance(c, tuple) else c for c in messages]  # tuples of messages too
         conversations = [messages] if messages and isinstance(messages, list) and isinstance(messages[0], dict) \
             else messages
         if not (isinstance(conversations, list) and conversations and all(

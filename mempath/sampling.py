@@ -1,5 +1,6 @@
 """SamplingParams: how one request turns logits into tokens, and when it stops."""
 import math
+import numbers
 from dataclasses import dataclass, field
 
 from mempath.structured.params import StructuredOutputsParams
@@ -49,12 +50,16 @@ class SamplingParams:
     def __post_init__(self):
         # Another type is left as given, for validate() to name: the constructor does not raise.
         self.stop = _listed(self.stop, str)
-        self.stop_token_ids = _listed(self.stop_token_ids)
+        self.stop_token_ids = [_whole(t) for t in _listed(self.stop_token_ids)] if isinstance(
+            _listed(self.stop_token_ids), list) else self.stop_token_ids
+        self.n, self.top_k = _whole(self.n), _whole(self.top_k)
         if self.top_k == -1:
             self.top_k = 0
         self.bad_words = _listed(self.bad_words, str)
-        if isinstance(self.logit_bias, dict) or not self.logit_bias:
-            self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
+        try:
+            self.logit_bias = dict(self.logit_bias) if self.logit_bias else None  # a list of pairs too
+        except (TypeError, ValueError):
+            pass
 
     def validate(self, max_logprobs: int) -> None:
         """Raise ValueError naming the bad field and the allowed range."""
@@ -176,10 +181,15 @@ class SamplingParams:
 
 
 def _listed(value, one: type | None = None):
-    """A list of ``value``'s items: a single ``one`` is a list of it, None or empty an empty list; any other
-    type is returned as it is, for SamplingParams.validate to refuse by name."""
+    """A list of ``value``'s items: a single ``one`` is a list of it, None or empty an empty list, a tuple or
+    set its items; any other type is returned as it is, for SamplingParams.validate to refuse by name."""
     if one is not None and isinstance(value, one):
         return [value]
-    if not value:
-        return []
-    return list(value) if isinstance(value, (list, tuple)) else value
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return list(value)
+    return [] if value is None else value
+
+
+def _whole(value):
+    """numpy's integers as Python's (a bool stays a bool, for validate to refuse)."""
+    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value

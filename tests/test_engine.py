@@ -719,3 +719,20 @@ def test_one_served_name_string_is_not_split_into_letters():
     assert served_models([tiny], "ab") == [("ab", tiny)]
     with pytest.raises(ValueError, match="each model is a directory or NAME=DIR, got 5"):
         served_models([tiny, 5])
+
+
+def test_numpy_scalars_sets_and_generators_are_taken_as_python_values(llm):
+    """What used to run keeps running: numpy's integers and bools as options and sampling fields, sets of
+    stop strings or ids, a list of (id, bias) pairs, a generator of prompts, a tuple conversation."""
+    from mempath.config import EngineConfig
+    config = EngineConfig(model=default_model_path(), device="cpu", max_num_seqs=np.int64(4),
+                          gpu_memory_utilization=np.float32(0.5), enable_prefix_caching=np.bool_(False))
+    assert (config.max_num_seqs, config.enable_prefix_caching) == (4, False) and type(config.max_num_seqs) is int
+    params = SamplingParams(max_tokens=3, temperature=0, n=np.int64(1), top_k=np.int64(5), stop={"x"},
+                            stop_token_ids=[np.int64(2)], logit_bias=[(5, 1.0)])
+    assert (params.stop, params.stop_token_ids, params.logit_bias) == (["x"], [2], {5: 1.0})
+    assert type(params.stop_token_ids[0]) is int and type(params.n) is int
+    outs = llm.generate((p for p in [[1, 2, 3], [4, 5]]), params)
+    assert len(outs) == 2 and all(o.error is None for o in outs)
+    assert llm.chat(({"role": "user", "content": "hi"},), greedy(2))[0].error is None
+

@@ -243,7 +243,7 @@ def test_a_tier_larger_than_its_disk_is_refused_by_the_config_and_counts_its_own
     store(kv)  # the tier's manifest and namespace
     monkeypatch.setattr(disk_dir, "_bytes_under", lambda root: 2 << 30)  # its blocks on disk now
     EngineConfig(model="m", cpu_kv_gb=1.0, disk_kv_path=str(kv), disk_kv_gb=4.0)
-    with pytest.raises(ValueError, match=r"2 GiB more in the tier's files"):
+    with pytest.raises(ValueError, match=r"2 GiB more in the files there now"):
         EngineConfig(model="m", cpu_kv_gb=1.0, disk_kv_path=str(kv), disk_kv_gb=6.0)
 
 

@@ -381,7 +381,7 @@ def test_an_assistant_message_with_tool_calls_may_leave_content_out(server, idle
     ({"type": "custom", "function": {"name": "f", "arguments": "{}"}}, "messages.1.tool_calls.0.type"),
     ({"type": "function", "function": {"arguments": "{}"}}, "messages.1.tool_calls.0.function.name"),
     ({"type": "function", "function": {"name": "f"}}, "messages.1.tool_calls.0.function.arguments"),
-    ({"type": "function", "function": {"name": "f", "arguments": {"a": 1}}},
+    ({"type": "function", "function": {"name": "f", "arguments": [1]}},
      "messages.1.tool_calls.0.function.arguments"),
 ])
 def test_a_malformed_assistant_tool_call_is_a_400_naming_it(server, call, param):
@@ -390,9 +390,12 @@ def test_a_malformed_assistant_tool_call_is_a_400_naming_it(server, call, param)
     assert "dict object" not in error["message"] and "template" not in error["message"]
 
 
-def test_a_replayed_tool_call_may_leave_its_type_out(server, idle_after):
-    """function is the only type of tool call, so a client that drops it still means one."""
-    call = {"id": "call_1", "function": {"name": "f", "arguments": "{}"}}
+@pytest.mark.parametrize("arguments", ["{}", {"a": 1}])
+def test_a_replayed_tool_call_may_leave_its_type_out_and_give_its_arguments_as_an_object(server, idle_after,
+                                                                                          arguments):
+    """function is the only type of tool call, so a client that drops it still means one; the arguments may
+    be JSON text (OpenAI's) or their object (vLLM takes it: Hugging Face templates render a dict)."""
+    call = {"id": "call_1", "function": {"name": "f", "arguments": arguments}}
     messages = HI + [{"role": "assistant", "content": None, "tool_calls": [call]},
                      {"role": "tool", "tool_call_id": "call_1", "content": "42"}]
     response = post(server, CHAT, chat(messages=messages))

@@ -239,14 +239,12 @@ def build_server_app(model: str, engine_options: dict, served_model_name: str | 
 def run_serve(args) -> int:
     from mempath.engine_flags import engine_options
     from mempath.server.app import serve
-    from mempath.server.port import check_port_free, free_port
+    from mempath.server.port import check_port_free
     from mempath.server.stats_log import enable_stats_logging
     from mempath.server.calls import request_log
     check_serve_arguments(args)
     log_stats_interval = enable_stats_logging(args)
     check_port_free(args.host, args.port)  # before the model loads: a busy port fails in a second
-    if args.port == 0:  # any free port: chosen now, so that the banner names the one served
-        args.port = free_port(args.host)
     models = resolve_models(args)
     request_log.setLevel(logging.INFO if args.enable_log_requests else logging.WARNING)
     http_options = dict(bind_host=args.host, allowed_origins=args.allowed_origins,
@@ -272,7 +270,9 @@ def run_serve(args) -> int:
     if args.host not in LOOPBACK_HOSTS and not args.api_key:
         log.warning("serving on %s without --api-key: anyone who can reach this port can use it",
                     args.host)
-    print(f"mempath: serving '{name}' on http://{args.host}:{args.port}{args.root_path}/v1", flush=True)
+    # Port 0: uvicorn binds a free port (held from then on) and its "Uvicorn running on" line names it.
+    port = args.port or "<the free port uvicorn's next line names>"
+    print(f"mempath: serving '{name}' on http://{args.host}:{port}{args.root_path}/v1", flush=True)
     serve(app, args.shutdown_timeout, host=args.host, port=args.port,
           log_level=args.uvicorn_log_level, **uvicorn_options(args.max_header_bytes))
     return 0

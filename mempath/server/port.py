@@ -24,15 +24,6 @@ def check_port_free(host: str, port: int) -> None:
             raise ValueError(bind_failure(host, port, error)) from None
 
 
-def free_port(host: str) -> int:
-    """A port free on ``host`` now, as the system picks one for port 0 (another process may take it before
-    uvicorn binds it; uvicorn then says so)."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-    with socket.socket(family, kind, proto) as sock:
-        sock.bind(address)
-        return sock.getsockname()[1]
-
-
 def bind_failure(host: str, port: int, error: OSError) -> str:
     where = f"{host}:{port}"
     if error.errno == errno.EADDRINUSE:

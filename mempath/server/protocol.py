@@ -163,11 +163,12 @@ def check_message(message, where: str) -> None:
         if isinstance(call, dict) and call.get("type") not in (None, "function"):  # left out: a function, as OpenAI
             raise APIError(400, f"{at}.type must be \"function\", got {json.dumps(call.get('type'))[:40]}",
                            f"{at}.type")
-        for key, what in (("name", "the function's name"), ("arguments", "the arguments as JSON text")):
+        for key, what, kinds in (("name", "the function's name", str),
+                                 ("arguments", "the arguments as JSON text, or their object", (str, dict))):
             value = function.get(key) if isinstance(function, dict) else ""
-            if not isinstance(value, str):
+            if not isinstance(value, kinds):
                 got = "it is missing" if value is None else f"got {type(value).__name__}"
-                raise APIError(400, f"{at}.function.{key} must be a string ({what}); {got}", f"{at}.function.{key}")
+                raise APIError(400, f"{at}.function.{key} must be {what}; {got}", f"{at}.function.{key}")
 
 
 def ignored_in_messages(data: dict) -> set[str]:

@@ -92,8 +92,9 @@ def check_disk_kv_path(path) -> str:
 
 def check_disk_room(path, nbytes: int, flag_gb: float) -> None:
     """Refuse a tier larger than its disk can hold: the space free on the file system of ``path`` (its nearest
-    existing ancestor when it is still to be made) plus what the files already under it take, which the tier
-    may keep or evict. A full disk would only fail writes (blocks stay off disk); the size asked for is
+    existing ancestor when it is still to be made) plus what the files already under it take: the tier's own,
+    which it may keep or evict, and other layouts' (so a folder several layouts share can pass with less room
+    than asked; the check catches sizes no disk there could hold). A full disk would only fail writes (blocks stay off disk); the size asked for is
     refused here instead, in one line, before the weights load."""
     root = os.path.abspath(os.path.expanduser(os.fspath(path)))
     existing = root
@@ -109,7 +110,7 @@ def check_disk_room(path, nbytes: int, flag_gb: float) -> None:
     if nbytes > free + held:
         gib = 1 << 30
         raise _path_error(root, f"is on a disk with {free / gib:.3g} GiB free ({held / gib:.3g} GiB more in the "
-                          f"tier's files there now), less than --disk-kv-gb {flag_gb:g}",
+                          f"files there now), less than --disk-kv-gb {flag_gb:g}",
                           "lower --disk-kv-gb, or point --disk-kv-path at a larger disk")
 
 
