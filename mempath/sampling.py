@@ -50,14 +50,15 @@ class SamplingParams:
     def __post_init__(self):
         # Another type is left as given, for validate() to name: the constructor does not raise.
         self.stop = _listed(self.stop, str)
-        self.stop_token_ids = [_whole(t) for t in _listed(self.stop_token_ids)] if isinstance(
-            _listed(self.stop_token_ids), list) else self.stop_token_ids
+        ids = _listed(self.stop_token_ids)
+        self.stop_token_ids = [_whole(t) for t in ids] if isinstance(ids, list) else ids
         self.n, self.top_k = _whole(self.n), _whole(self.top_k)
         if self.top_k == -1:
             self.top_k = 0
         self.bad_words = _listed(self.bad_words, str)
         try:
-            self.logit_bias = dict(self.logit_bias) if self.logit_bias else None  # a list of pairs too
+            # A list of (id, bias) pairs too; numpy's ids as Python's.
+            self.logit_bias = {_whole(k): v for k, v in dict(self.logit_bias).items()} if self.logit_bias else None
         except (TypeError, ValueError):
             pass
 

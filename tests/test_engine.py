@@ -729,8 +729,9 @@ def test_numpy_scalars_sets_and_generators_are_taken_as_python_values(llm):
                           gpu_memory_utilization=np.float32(0.5), enable_prefix_caching=np.bool_(False))
     assert (config.max_num_seqs, config.enable_prefix_caching) == (4, False) and type(config.max_num_seqs) is int
     params = SamplingParams(max_tokens=3, temperature=0, n=np.int64(1), top_k=np.int64(5), stop={"x"},
-                            stop_token_ids=[np.int64(2)], logit_bias=[(5, 1.0)])
+                            stop_token_ids=[np.int64(2)], logit_bias=[(np.int64(5), 1.0)])
     assert (params.stop, params.stop_token_ids, params.logit_bias) == (["x"], [2], {5: 1.0})
+    assert type(next(iter(params.logit_bias))) is int
     assert type(params.stop_token_ids[0]) is int and type(params.n) is int
     outs = llm.generate((p for p in [[1, 2, 3], [4, 5]]), params)
     assert len(outs) == 2 and all(o.error is None for o in outs)

@@ -442,8 +442,7 @@ class ModelRunner:
         buf.upload(max_size, max_size, max_size, max_size)
         self.graph_logits = torch.empty(max_size, self.spec.vocab_size, dtype=self.dtype, device=self.device)
 
-    def _decode_step(self, size: int):
-        """The decode step a graph of ``size`` rows captures, over the static graph inputs."""
+    def _capture_decode(self, size: int, pool) -> "torch.cuda.CUDAGraph":
         buf = self.buffers
         meta = AttentionMetadata(
             slot_mapping=buf.slots_d[:size], block_tables=buf.tables_d[:size],
@@ -454,10 +453,6 @@ class ModelRunner:
 
         def step():
             self.graph_logits[:size] = self.model.compute_logits(self.model(ids, pos, meta))
-        return step
-
-    def _capture_decode(self, size: int, pool) -> "torch.cuda.CUDAGraph":
-        step = self._decode_step(size)
         step()  # warm-up
         if self.cut_blocks:
             pieces = PiecewiseGraph()
