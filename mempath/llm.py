@@ -3,6 +3,7 @@ import itertools
 import logging
 import numbers
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from mempath.config import EngineConfig
@@ -19,6 +20,14 @@ def is_one_prompt(prompts) -> bool:
     """A text, a token-id list or a vLLM prompt dict, rather than a list of them."""
     return isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and bool(prompts)
                                                  and isinstance(prompts[0], numbers.Integral))
+
+
+def check_flag(name: str, value) -> bool:
+    """``value`` as a bool (numpy's too); ValueError in one line for anything else, which a truthiness
+    test would have taken (the text "false" switches a flag on)."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise ValueError(f"{name} must be true or false, got {value!r}")
 
 
 def as_prompts(prompts):
@@ -66,9 +75,8 @@ class LLM:
                  models: list[str] | None = None, served_model_name: list[str] | None = None,
                  kv_min_share: float = 0.0, sleep_after: float | None = None, sleep_offload_weights: bool = False,
                  **engine_options):
-        for name, flag in (("show_progress", show_progress), ("sleep_offload_weights", sleep_offload_weights)):
-            if not isinstance(flag, bool):
-                raise ValueError(f"{name} must be true or false, got {flag!r}")
+        show_progress = check_flag("show_progress", show_progress)
+        sleep_offload_weights = check_flag("sleep_offload_weights", sleep_offload_weights)
         if isinstance(model, (list, tuple)) or models is not None:
             from mempath.multi.sleep import offload_options
             engine_options = offload_options(engine_options, sleep_offload_weights, sleep_after)
@@ -140,6 +148,7 @@ class LLM:
         bad single prompt raises ValueError. ``sampling_params`` (vLLM's name): one for all
         prompts or one each; None: get_default_sampling_params().
         """
+        use_tqdm = check_flag("use_tqdm", use_tqdm)
         prompts = as_prompts(prompts)
         single = is_one_prompt(prompts)
         prompt_list = [prompts] if single else list(prompts)
@@ -182,6 +191,7 @@ class LLM:
         from mempath.multi.pipeline import PipelineOutput
         if not self.engines:
             raise ValueError("pipeline() needs several models: LLM([A, B], ...)")
+        use_tqdm = check_flag("use_tqdm", use_tqdm)
         prompts = as_prompts(prompts)
         single = is_one_prompt(prompts)
         prompt_list = [prompts] if single else list(prompts)
@@ -239,6 +249,8 @@ class LLM:
              add_generation_prompt: bool = True, chat_template: str | None = None,
              model: str | None = None) -> list[RequestOutput]:
         """Apply the chat template (``chat_template``, else the tokenizer's) to one conversation or a list."""
+        use_tqdm = check_flag("use_tqdm", use_tqdm)
+        add_generation_prompt = check_flag("add_generation_prompt", add_generation_prompt)
         engine = self._engine_for(model)
         tokenizer, name = engine.tokenizer, engine.config.model
         if tokenizer is None:

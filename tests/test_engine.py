@@ -737,3 +737,24 @@ def test_numpy_scalars_sets_and_generators_are_taken_as_python_values(llm):
     assert len(outs) == 2 and all(o.error is None for o in outs)
     assert llm.chat(({"role": "user", "content": "hi"},), greedy(2))[0].error is None
 
+
+
+@pytest.mark.parametrize("call, says", [
+    (lambda llm: llm.generate([1, 2, 3], greedy(2), use_tqdm="no"), "use_tqdm must be true or false, got 'no'"),
+    (lambda llm: llm.chat([{"role": "user", "content": "hi"}], greedy(2), use_tqdm=None),
+     "use_tqdm must be true or false, got None"),
+    (lambda llm: llm.chat([{"role": "user", "content": "hi"}], greedy(2), add_generation_prompt="false"),
+     "add_generation_prompt must be true or false, got 'false'"),
+])
+def test_a_flag_that_is_not_a_bool_is_refused(llm, call, says):
+    """A truthy string used to switch the bar or the generation prompt on, whatever it said."""
+    with pytest.raises(ValueError, match=re.escape(says)):
+        call(llm)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_numpy_bools_are_flags(llm):
+    out = llm.chat([{"role": "user", "content": "hi"}], greedy(2), use_tqdm=np.bool_(False),
+                   add_generation_prompt=np.bool_(True))
+    assert out[0].error is None and out[0].prompt.endswith(
+        llm.chat([{"role": "user", "content": "hi"}], greedy(2), use_tqdm=False)[0].prompt[-20:])
