@@ -432,3 +432,17 @@ def test_a_developer_message_is_a_system_message_where_the_template_has_no_devel
     assert post(server, CHAT, chat(messages=messages)).status_code == 200
     response = post(server, RESPONSES, {"model": "tiny", "max_output_tokens": 2, "input": messages})
     assert response.status_code == 200, response.text
+
+
+def test_unknown_input_item_and_part_keys_of_a_response_are_ignored_with_the_warning(server, caplog, idle_after):
+    """/v1/responses names them as /v1/chat/completions does: a replayed output item's id and status, a
+    part's annotations."""
+    item = {"type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
+            "content": [{"type": "output_text", "text": "hello", "annotations": []}]}
+    body = {"model": "tiny", "input": [{"role": "user", "content": "hi"}, item], "max_output_tokens": 2}
+    with caplog.at_level(logging.WARNING, logger="mempath.server.protocol"):
+        response = post(server, RESPONSES, body)
+    assert response.status_code == 200, response.text
+    warnings = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert warnings == ["The following fields were present in the request but ignored: "
+                        "{'input.1.content.0.annotations', 'input.1.id', 'input.1.status'}"]

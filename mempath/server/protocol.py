@@ -174,16 +174,21 @@ def check_message(message, where: str) -> None:
 def ignored_in_messages(data: dict) -> set[str]:
     """``messages.N.key`` and ``messages.N.content.M.key`` for each key a message or text part does
     not have: ignored, as unknown top-level fields are, and named in the same warning."""
+    return ignored_in_items(data.get("messages"), "messages", MESSAGE_KEYS, TextPart.model_fields, ("text",))
+
+
+def ignored_in_items(items, where: str, item_keys, part_keys, part_kinds: tuple[str, ...]) -> set[str]:
+    """``where.N.key`` for each key of a listed message that is not in ``item_keys``, and
+    ``where.N.content.M.key`` for each key of a text part (of a type in ``part_kinds``) not in ``part_keys``."""
     found = set()
-    messages = data.get("messages")
-    for i, message in enumerate(messages if isinstance(messages, list) else []):
-        if not isinstance(message, dict):
+    for i, item in enumerate(items if isinstance(items, list) else []):
+        if not isinstance(item, dict):
             continue
-        found.update(f"messages.{i}.{key}" for key in message if key not in MESSAGE_KEYS)
-        content = message.get("content")
+        found.update(f"{where}.{i}.{key}" for key in item if key not in item_keys)
+        content = item.get("content")
         for j, part in enumerate(content if isinstance(content, list) else []):
-            if isinstance(part, dict) and part.get("type") == "text":
-                found.update(f"messages.{i}.content.{j}.{key}" for key in part if key not in TextPart.model_fields)
+            if isinstance(part, dict) and part.get("type") in part_kinds:
+                found.update(f"{where}.{i}.content.{j}.{key}" for key in part if key not in part_keys)
     return found
 
 

@@ -28,8 +28,8 @@ from mempath.server.async_engine import AsyncEngine, Update
 from mempath.server.calls import (Call, ChoiceText, Limits, SSEResponse, api_key_checker, check_context,
                                   check_model, collect, off_the_loop, read_body, render_messages,
                                   resolve_max_tokens, stream_error_body, until_disconnect)
-from mempath.server.protocol import (APIError, _Strict, error_body, parse_request, refuse_not_honoured,
-                                     refuse_other_parts)
+from mempath.server.protocol import (APIError, _Strict, error_body, ignored_in_items, parse_request,
+                                     refuse_not_honoured, refuse_other_parts)
 
 # Field -> the values that ask for nothing this server does not do.
 NOT_HONOURED_RESPONSES = {
@@ -38,6 +38,9 @@ NOT_HONOURED_RESPONSES = {
     "text": ({"format": {"type": "text"}},), "reasoning": (), "include": ([],), "truncation": ("disabled",),
     "top_logprobs": (0,),
 }
+
+
+INPUT_PART_KINDS = ("input_text", "output_text")
 
 
 class InputPart(_Strict):
@@ -80,8 +83,13 @@ class ResponsesRequest(_Strict):
             if kind not in ("message", None):  # null is the default: a message
                 raise APIError(400, f"input.{i}: only messages with text are supported, got type {kind!r}",
                                f"input.{i}.type")
-        refuse_other_parts(items, "input", ("input_text", "output_text"))
+        refuse_other_parts(items, "input", INPUT_PART_KINDS)
         return data
+
+    @classmethod
+    def nested_ignored(cls, data: dict) -> set[str]:
+        return ignored_in_items(data.get("input"), "input", InputMessage.model_fields, InputPart.model_fields,
+                                INPUT_PART_KINDS)
 
     def messages(self) -> list[dict]:
         items = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
