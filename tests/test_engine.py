@@ -758,3 +758,11 @@ def test_numpy_bools_are_flags(llm):
                    add_generation_prompt=np.bool_(True))
     assert out[0].error is None and out[0].prompt.endswith(
         llm.chat([{"role": "user", "content": "hi"}], greedy(2), use_tqdm=False)[0].prompt[-20:])
+
+
+def test_a_tokenizer_directory_without_a_tokenizer_is_refused_before_the_weights_load(tmp_path, monkeypatch):
+    from mempath.engine import startup
+    monkeypatch.setattr(startup.Startup, "load_weights", lambda *a, **k: pytest.fail("the weights loaded"))
+    with pytest.raises(ValueError, match=re.escape(f"tokenizer {tmp_path}: no tokenizer.json, tokenizer.model or "
+                                                   "vocab.json there")):
+        LLM(default_model_path(), device="cpu", tokenizer=str(tmp_path), show_progress=False)

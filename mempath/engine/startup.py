@@ -196,10 +196,11 @@ class Startup:
     def prepare(self, show_progress: bool) -> None:
         """Everything before the KV cache: weights, tokenizer, runner, the draft."""
         config = self.config
-        self.load_weights(show_progress)
+        # Before the weights (minutes on a large model): a tokenizer that fails to load fails first.
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         if self.tokenizer is None and config.tokenizer:
             raise ValueError(f"tokenizer {config.tokenizer}: no tokenizer.json, tokenizer.model or vocab.json there")
+        self.load_weights(show_progress)
         self.eos_token_ids = set(self.spec.eos_token_ids) | set(load_generation_eos(config.model))
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
