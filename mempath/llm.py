@@ -191,7 +191,6 @@ class LLM:
         from mempath.multi.pipeline import PipelineOutput
         if not self.engines:
             raise ValueError("pipeline() needs several models: LLM([A, B], ...)")
-        use_tqdm = check_flag("use_tqdm", use_tqdm)
         prompts = as_prompts(prompts)
         single = is_one_prompt(prompts)
         prompt_list = [prompts] if single else list(prompts)
