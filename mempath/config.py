@@ -11,6 +11,7 @@ import torch
 from mempath import constants
 from mempath.constants import DEFAULT_BLOCK_SIZE as AUTO_BLOCK_SIZE  # what --block-size auto picks
 from mempath.engine.spec.config import parse_speculative_config
+from mempath.memory.budget import check_host_room
 from mempath.memory.formulas import check_expert_cache_gb, check_expert_cache_size
 
 _DTYPES = {alias: getattr(torch, name) for alias, name in constants.DTYPE_ALIASES.items()}
@@ -252,22 +253,14 @@ class EngineConfig:
             raise ValueError("cpu_kv_gb would never be used: without enable_prefix_caching the host tier only "
                              "holds swapped requests, and preemption_mode is recompute")
         if self.cpu_kv_gb > 0:
-            self._check_host_memory()
+            # Before the weights load: the tier is reserved whole at start-up (pinned on CUDA), and one larger
+            # than the host crashed there, after the weights had loaded.
+            check_host_room(self.cpu_kv_gb * (1 << 30), f"--cpu-kv-gb {self.cpu_kv_gb:g}", "a host KV tier")
         if self.disk_kv_path:
             # Here, before the weights load: a path the tier would refuse fails in a second, not minutes.
             from mempath.kv.tiers.disk_dir import check_disk_kv_path, check_disk_room
             check_disk_kv_path(self.disk_kv_path)
             check_disk_room(self.disk_kv_path, int(self.disk_kv_gb * (1 << 30)), self.disk_kv_gb)
-
-    def _check_host_memory(self) -> None:
-        """Refuse a host tier the host cannot hold, before the weights load: the tier is reserved whole
-        at start-up (pinned on CUDA), and one larger than the host crashed there, after the weights had
-        loaded. What is available now, not the total: other processes' memory is not the tier's."""
-        import psutil
-        available = psutil.virtual_memory().available
-        if self.cpu_kv_gb * (1 << 30) > available:
-            raise ValueError(f"--cpu-kv-gb {self.cpu_kv_gb:g} is more than the {available / (1 << 30):.3g} GiB of "
-                             f"host memory available now; lower --cpu-kv-gb (or free host memory)")
 
     @property
     def tiers_enabled(self) -> bool:

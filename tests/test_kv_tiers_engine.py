@@ -358,7 +358,7 @@ def test_a_host_tier_larger_than_the_available_memory_is_refused(monkeypatch):
     import psutil
     available = 3 * GIB
     monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=available, total=8 * GIB))
-    with pytest.raises(ValueError, match=r"^--cpu-kv-gb 4 is more than the 3 GiB of host memory available "
+    with pytest.raises(ValueError, match=r"^--cpu-kv-gb 4 asks for a host KV tier of 4.00 GiB, more than the 3.00 GiB of host memory available "
                                          r".*lower --cpu-kv-gb") as refused:
         EngineConfig(model="m", cpu_kv_gb=4.0)
     assert "\n" not in str(refused.value)

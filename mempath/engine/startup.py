@@ -24,7 +24,7 @@ from mempath.kv.manager import KVCacheManager, blocks_for
 from mempath.kv.tiers.disk import check_disk_tier_holds_a_block
 from mempath.kv.tiers.host import check_host_tier_holds_a_block
 from mempath.memory.arena import mapped_bytes
-from mempath.memory.budget import DeviceBudget
+from mempath.memory.budget import DeviceBudget, check_host_room
 from mempath.memory.device_cap import hold_device_cap
 from mempath.memory.formulas import resolve_expert_cache_size, shape_from_spec
 from mempath.memory.ledger import Pathway, format_bytes
@@ -55,19 +55,6 @@ StageObserver = Callable[[str, "str | None"], ContextManager]
 
 def no_observer(name: str, pathway: str | None) -> ContextManager:
     return contextlib.nullcontext()
-
-
-def check_host_room_for_kv(nbytes: int, setting: str) -> None:
-    """A CPU engine's KV cache is host memory, allocated whole at start-up: refuse one larger than the host has
-    available now (the weights loaded) in one line naming ``setting``, before the allocation. The kernel may grant
-    it lazily and end the process once the cache fills, or refuse it as out of memory, which names no setting."""
-    import psutil
-    available = psutil.virtual_memory().available
-    if nbytes > available:
-        flag = setting.split()[0]
-        raise ValueError(f"{setting} asks for a KV cache of {format_bytes(nbytes)}, more than the "
-                         f"{format_bytes(available)} of host memory available now; lower {flag} "
-                         "(or free host memory)")
 
 
 def load_tokenizer(model_dir: str):
@@ -355,11 +342,12 @@ class Startup:
         override = self.config.num_gpu_blocks_override
         if override is not None:
             if on_cpu:
-                check_host_room_for_kv(override * per_block, f"--num-gpu-blocks-override {override}")
+                check_host_room(override * per_block, f"--num-gpu-blocks-override {override}", "a KV cache")
             return override
         if on_cpu:
             num_blocks = self.config.cpu_kv_cache_bytes // per_block
-            check_host_room_for_kv(num_blocks * per_block, f"--cpu-kv-cache-bytes {self.config.cpu_kv_cache_bytes}")
+            check_host_room(num_blocks * per_block, f"--cpu-kv-cache-bytes {self.config.cpu_kv_cache_bytes}",
+                            "a KV cache")
         else:
             with self._guard("profile"), self.stage("profile step", Pathway.ACTIVATION_PEAK.value):
                 num_blocks = self.profile_kv_blocks(per_block)

@@ -10,11 +10,24 @@ graphs are captured) is replaced by the measured figure once it does.
 On the CPU there is no device budget: the KV cache has its own size
 (``cpu_kv_cache_bytes``) and ``limit`` is None; the ledgers still hold every pathway.
 """
-from mempath.memory.ledger import Ledger, Pathway
+from mempath.memory.ledger import Ledger, Pathway, format_bytes
 
 # PyTorch's caching allocator takes a large tensor's memory in a segment rounded up to a multiple of 2 MiB,
 # and hands the tensor the whole segment when less than 1 MiB would be left over.
 ALLOCATION_ROUNDING = 2 << 20
+
+
+def check_host_room(nbytes: float, setting: str, what: str) -> None:
+    """Refuse ``what`` (host memory reserved whole at start-up: a CPU engine's KV cache, the host KV tier)
+    larger than the host has available now, in one line naming ``setting`` ("--flag value"), before it is
+    allocated: the kernel may grant it lazily and end the process once it fills, or refuse it as out of
+    memory, which names no setting. Available, not total: other processes' memory is not ours."""
+    import psutil
+    available = psutil.virtual_memory().available
+    if nbytes > available:
+        raise ValueError(f"{setting} asks for {what} of {format_bytes(nbytes)}, more than the "
+                         f"{format_bytes(available)} of host memory available now; lower {setting.split()[0]} "
+                         "(or free host memory)")
 
 
 class DeviceBudget:

@@ -16,7 +16,8 @@ from typing import Callable
 
 from mempath.config import EngineConfig
 from mempath.engine.engine import LLMEngine
-from mempath.engine.startup import Startup, StageObserver, check_host_room_for_kv, no_observer
+from mempath.engine.startup import Startup, StageObserver, no_observer
+from mempath.memory.budget import check_host_room
 from mempath.kv.manager import KVCacheManager
 from mempath.memory.budget import ALLOCATION_ROUNDING
 from mempath.memory.ledger import Pathway, format_bytes
@@ -105,11 +106,11 @@ def size_page_pool(startups: list[TenantStartup], page_bytes: int) -> int:
     override = config.num_gpu_blocks_override
     if override is not None:
         if on_cpu:
-            check_host_room_for_kv(override * page_bytes, f"--num-gpu-blocks-override {override}")
+            check_host_room(override * page_bytes, f"--num-gpu-blocks-override {override}", "a KV page pool")
         return override
     if on_cpu:
         num_pages = config.cpu_kv_cache_bytes // page_bytes
-        check_host_room_for_kv(num_pages * page_bytes, f"--cpu-kv-cache-bytes {config.cpu_kv_cache_bytes}")
+        check_host_room(num_pages * page_bytes, f"--cpu-kv-cache-bytes {config.cpu_kv_cache_bytes}", "a KV page pool")
     else:
         for i, startup in enumerate(startups):
             startup.size_kv_cache()  # profiles the model and grants it every pathway but KV
