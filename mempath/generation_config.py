@@ -10,6 +10,7 @@ import logging
 from dataclasses import fields
 from pathlib import Path
 
+from mempath.model.spec import json_kind
 from mempath.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -36,9 +37,16 @@ def generation_defaults(model_dir: str, source: str = "auto") -> dict:
         config = json.loads(path.read_text())
     except (OSError, ValueError) as error:
         raise ValueError(f"{path} is not valid JSON ({error}); fix it or pass --generation-config vllm") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} holds {json_kind(config)}, expected a JSON object of generation settings; "
+                         "fix it or pass --generation-config vllm")
     known = {f.name for f in fields(SamplingParams)}
     defaults = {field: config[key] for key, field in SAMPLING_KEYS.items()
                 if key in config and field in known and config[key] is not None}
+    try:  # here, naming the file: a request that leaves these out would be refused for them
+        SamplingParams(**defaults).validate(max_logprobs=0)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{path}: {error}; fix it or pass --generation-config vllm") from None
     if defaults:
         log.info("default sampling parameters from %s: %s (a request's own values win; "
                  "--generation-config vllm ignores the file)", path, defaults)

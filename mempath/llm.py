@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 
 from mempath.config import EngineConfig
 from mempath.engine.engine import LLMEngine
-from mempath.engine.input import PROMPT_FIELDS
+from mempath.engine.input import PROMPT_FIELDS, check_text
 from mempath.generation_config import generation_defaults
 from mempath.outputs import RequestOutput
 from mempath.sampling import SamplingParams
@@ -58,6 +58,10 @@ def check_conversations(conversations: list[list[dict]]) -> None:
                     message["role"] == "assistant" and message.get("tool_calls")):
                 raise ValueError(f"{where} ({message['role']}) needs 'content', a string or a list of parts; "
                                  f"got {content!r}"[:200])
+            parts = content if isinstance(content, list) else [content]
+            for text in (p if isinstance(p, str) else p.get("text") if isinstance(p, dict) else None for p in parts):
+                if isinstance(text, str):
+                    check_text(text, f"{where}'s content")
 
 
 class LLM:

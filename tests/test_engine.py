@@ -766,3 +766,16 @@ def test_a_tokenizer_directory_without_a_tokenizer_is_refused_before_the_weights
     with pytest.raises(ValueError, match=re.escape(f"tokenizer {tmp_path}: no tokenizer.json, tokenizer.model or "
                                                    "vocab.json there")):
         LLM(default_model_path(), device="cpu", tokenizer=str(tmp_path), show_progress=False)
+
+
+def test_text_that_is_not_utf8_is_refused_in_one_line(llm):
+    """A lone surrogate (a shell's undecodable byte, or a JSON escape) used to reach the tokenizer, which raised
+    a TypeError naming its own input types."""
+    says = "the prompt is not valid UTF-8 text: '\\udce9' at character 3"
+    with pytest.raises(ValueError, match=re.escape(says)):
+        llm.generate("caf\udce9", greedy(2))
+    with pytest.raises(ValueError, match=re.escape("message 0's content is not valid UTF-8 text")):
+        llm.chat([{"role": "user", "content": "caf\udce9"}], greedy(2))
+    out = llm.generate(["caf\udce9", "cafe"], greedy(2))
+    assert out[0].finish_reason == "error" and says in out[0].error and out[1].error is None
+    assert not llm.engine.has_unfinished_requests()

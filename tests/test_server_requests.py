@@ -446,3 +446,17 @@ def test_unknown_input_item_and_part_keys_of_a_response_are_ignored_with_the_war
     warnings = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
     assert warnings == ["The following fields were present in the request but ignored: "
                         "{'input.1.content.0.annotations', 'input.1.id', 'input.1.status'}"]
+
+
+@pytest.mark.parametrize("path, body", [
+    (COMPLETIONS, completion(prompt="caf\ud800")),
+    (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "caf\ud800"}], "max_tokens": 2}),
+    (RESPONSES, {"model": "tiny", "input": "caf\ud800", "max_output_tokens": 2}),
+])
+def test_an_unpaired_surrogate_escape_is_a_400(server, path, body, idle_after):
+    """JSON may escape half of a surrogate pair (\\ud800): Python's json takes it, no tokenizer does; the body's
+    parser refuses it."""
+    response = post(server, path, body)
+    assert response.status_code == 400, response.text
+    assert "not valid JSON" in response.json()["error"]["message"] and "hex escape" in response.json()["error"]["message"]
+    assert post(server, COMPLETIONS, completion()).status_code == 200

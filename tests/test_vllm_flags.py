@@ -257,3 +257,22 @@ def test_enable_log_requests_logs_one_line_per_request(flagged_server, caplog, m
     lines = [r.getMessage() for r in caplog.records if r.name == "mempath.requests"]
     assert len(lines) == 1 and lines[0].startswith("request cmpl-") and "max_tokens=2" in lines[0], lines
     assert main(["serve", "some/model"]) == 0 and request_log.level == logging.WARNING
+
+
+@pytest.mark.parametrize("content, says", [
+    ('"temperature top_p"', "holds a string, expected a JSON object of generation settings"),
+    ('["temperature"]', "holds a list, expected a JSON object of generation settings"),
+    ("[1]", "holds a list, expected a JSON object of generation settings"),
+    ('{"temperature": -1}', "temperature must be >= 0, got -1"),
+    ('{"max_new_tokens": 1.5}', "max_tokens must be an integer >= 1, got 1.5"),
+])
+def test_a_generation_config_that_is_not_settings_is_refused_naming_the_file(tmp_path, content, says):
+    """A string or a list used to raise a TypeError from indexing it, or (a list of ids) be ignored; a bad value
+    was refused without naming the file the user never passed as a flag."""
+    from mempath.generation_config import generation_defaults
+    (tmp_path / "generation_config.json").write_text(content)
+    with pytest.raises(ValueError) as refused:
+        generation_defaults(str(tmp_path))
+    message = str(refused.value)
+    assert message.startswith(str(tmp_path / "generation_config.json")) and says in message, message
+    assert message.endswith("fix it or pass --generation-config vllm"), message

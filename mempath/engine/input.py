@@ -15,6 +15,16 @@ from mempath.kv.manager import blocks_for
 from mempath.sampling import SamplingParams
 
 
+def check_text(text: str, what: str) -> None:
+    """ValueError in one line for text no tokenizer takes: a lone surrogate, which is how Python holds a
+    byte the shell could not decode as UTF-8, or a JSON ``\\udXXX`` escape left unpaired."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"{what} is not valid UTF-8 text: {text[error.start]!r} at character {error.start}; "
+                         "re-encode it as UTF-8") from None
+
+
 @dataclass
 class InputProcessor:
     model: str
@@ -34,6 +44,7 @@ class InputProcessor:
             raise ValueError(
                 f"{self.model} has no tokenizer files (tokenizer.json / tokenizer.model); "
                 f"pass prompts as lists of token ids")
+        check_text(prompt, "the prompt")
         return self.tokenizer.encode(prompt)
 
     def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None,
