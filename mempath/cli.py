@@ -43,13 +43,24 @@ def sampling_params(args, config_defaults: dict | None = None):
     return SamplingParams(**values, seed=args.sample_seed, stop=args.stop, ignore_eos=args.ignore_eos)
 
 
+def is_dir(path) -> bool:
+    """Whether ``path`` is a directory; False for a word too long to be a path."""
+    try:
+        return Path(path).is_dir()
+    except OSError:
+        return False
+
+
 def resolve_model_and_prompt(args) -> tuple[str | None, str]:
     """`generate PROMPT`, `generate --model DIR PROMPT`, or `generate DIR PROMPT` where DIR exists."""
     words = args.positional
-    if len(words) == 2 and Path(words[0]).is_dir():
+    if len(words) == 2 and is_dir(words[0]):
         if args.model:
             raise ValueError("give the model either as --model or as the first argument, not both")
         return words[0], words[1]
+    if len(words) == 1 and is_dir(words[0]) and (Path(words[0]) / "config.json").is_file():
+        raise ValueError(f"generate {words[0]}: no PROMPT after the model directory; give one, quoted: "
+                         f"mempath generate {words[0]} \"PROMPT\"")
     if len(words) == 1:
         return args.model, words[0]
     raise ValueError(f"generate takes one PROMPT, got {len(words)} arguments, and {words[0]!r} is not a model "
@@ -90,9 +101,13 @@ GENERATE_HELP = ("Complete one PROMPT with the model in --model DIR (default: th
                  "second argument is an error, never a model name.")
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mempath", description=__doc__, formatter_class=HelpWithDefaults)
-    parser.add_argument("--log-level", default="WARNING", help="debug | info | warning | error")
+    parser.add_argument("--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS,
+                        metavar="{debug,info,warning,error}", help="default: warning")
     sub = parser.add_subparsers(dest="command", required=True)
     add_parser = functools.partial(sub.add_parser, formatter_class=HelpWithDefaults)
 

@@ -26,10 +26,14 @@ def generation_defaults(model_dir: str, source: str = "auto") -> dict:
         return {}
     folder = Path(model_dir if source == "auto" else source)
     path = folder / "generation_config.json"
-    if source != "auto" and not folder.is_dir():
+    try:
+        is_dir, is_file = folder.is_dir(), path.is_file()
+    except OSError:  # a name too long to be a path: none there (the model's own check names the problem)
+        is_dir = is_file = False
+    if source != "auto" and not is_dir:
         raise ValueError(f"--generation-config {source}: not a directory; give auto, vllm or a directory "
                          f"holding generation_config.json")
-    if not path.is_file():
+    if not is_file:
         if source != "auto":
             raise ValueError(f"--generation-config {source}: no generation_config.json in that directory")
         return {}

@@ -191,3 +191,25 @@ def test_the_users_thread_count_wins(fresh_thread_choice, monkeypatch):
     torch.set_num_threads(1)  # not torch's default: the user chose it
     assert "torch.set_num_threads chose" in fresh_thread_choice.choose_cpu_threads()
     assert torch.get_num_threads() == 1
+
+
+@pytest.mark.parametrize("level", ["foo", "10", ""])
+def test_an_unknown_log_level_is_one_line(capsys, level):
+    with pytest.raises(SystemExit) as exited:
+        main(["--log-level", level, "plan", "--help"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "Traceback" not in err and "--log-level" in err.splitlines()[-1], err
+
+
+def test_a_model_directory_without_a_prompt_is_one_line(capsys):
+    """It used to be taken as the prompt: the tiny model completed the directory's path."""
+    rc = main(["generate", default_model_path(), "--quiet"])
+    err = one_error_line(capsys)
+    assert rc == 2 and "no PROMPT after the model directory" in err, err
+
+
+def test_a_first_word_too_long_for_a_path_is_a_prompt_word(capsys):
+    """Checking whether it named a model directory raised 'File name too long'."""
+    rc = main(["generate", "a" * 300, "second", "--quiet"])
+    err = one_error_line(capsys)
+    assert rc == 2 and "generate takes one PROMPT, got 2 arguments" in err, err

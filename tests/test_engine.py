@@ -779,3 +779,9 @@ def test_text_that_is_not_utf8_is_refused_in_one_line(llm):
     out = llm.generate(["caf\udce9", "cafe"], greedy(2))
     assert out[0].finish_reason == "error" and says in out[0].error and out[1].error is None
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_model_name_too_long_for_a_path_is_refused_in_one_line():
+    with pytest.raises(ValueError) as refused:
+        LLM("a" * 300, show_progress=False)
+    assert "\n" not in str(refused.value) and "config.json" in str(refused.value), str(refused.value)

@@ -1,5 +1,6 @@
 """vLLM's flags: each parses and has its effect; the ones mempath cannot honour are refused with the reason."""
 import json
+import re
 import shutil
 
 import httpx
@@ -276,3 +277,15 @@ def test_a_generation_config_that_is_not_settings_is_refused_naming_the_file(tmp
     message = str(refused.value)
     assert message.startswith(str(tmp_path / "generation_config.json")) and says in message, message
     assert message.endswith("fix it or pass --generation-config vllm"), message
+
+
+def test_a_long_inline_template_is_a_template_and_a_bad_file_is_named(tmp_path):
+    """An inline template longer than a file name may be (255 bytes) used to be refused as 'File name too long';
+    a directory was 'no such file' and a file that is not UTF-8 was a codec error naming neither."""
+    long_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{# " + "x" * 300 + " #}"
+    assert read_chat_template(long_template) == long_template
+    with pytest.raises(ValueError, match=re.escape(f"--chat-template {tmp_path}: is a directory")):
+        read_chat_template(str(tmp_path))
+    (tmp_path / "t.jinja").write_bytes(b"{{ \xff }}")
+    with pytest.raises(ValueError, match=re.escape(f"--chat-template {tmp_path / 't.jinja'}: is not UTF-8 text")):
+        read_chat_template(str(tmp_path / "t.jinja"))

@@ -100,8 +100,14 @@ def config_path(model_dir: str | Path) -> Path:
 
 def read_config(model_dir: str | Path) -> dict:
     """config.json as a dict (a JSON object; its fields are checked by ModelSpec.from_hf_config)."""
-    path = config_path(model_dir)
-    if not path.exists():
+    try:
+        path = config_path(model_dir)
+        found = path.exists()
+    except OSError as error:  # e.g. a name longer than a path may be
+        shown = str(model_dir) if len(str(model_dir)) <= 80 else str(model_dir)[:80] + "..."
+        raise CheckpointError(f"{shown}: not a model directory ({error.strerror}); pass a Hugging Face model "
+                              f"directory (config.json + *.safetensors + tokenizer files)") from None
+    if not found:
         raise CheckpointError(
             f"{path}: no config.json found; pass a Hugging Face model directory "
             f"(config.json + *.safetensors + tokenizer files)")

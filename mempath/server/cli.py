@@ -102,12 +102,20 @@ def read_chat_template(value: str | None) -> str | None:
         return None
     path = Path(value)
     try:
-        if path.is_file():
-            text = path.read_text()
-            check_chat_template(text, f"--chat-template {value}")
-            return text
-    except OSError as error:
-        raise ValueError(f"--chat-template {value}: cannot read it ({error})") from None
+        is_file, is_dir = path.is_file(), path.is_dir()
+    except OSError:  # a name longer than a path may be: an inline template, not a file
+        is_file = is_dir = False
+    if is_dir:
+        raise ValueError(f"--chat-template {value}: is a directory; give the template's file or its text")
+    if is_file:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as error:
+            raise ValueError(f"--chat-template {value}: cannot read it ({error.strerror})") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"--chat-template {value}: is not UTF-8 text; save the template as UTF-8") from None
+        check_chat_template(text, f"--chat-template {value}")
+        return text
     if any(mark in value for mark in "{}\n"):  # vLLM's test for an inline template
         check_chat_template(value, f"--chat-template {value!r}")
         return value
