@@ -609,3 +609,16 @@ def test_a_cpu_page_pool_of_less_than_one_page_names_the_cpu_setting(tmp_path):
                                          r"raise --cpu-kv-cache-bytes$"):
         LLM([str(tmp_path / "a"), str(tmp_path / "b")], dtype="float32", device="cpu", show_progress=False,
             cpu_kv_cache_bytes=100)
+
+
+def test_step_buffers_larger_than_the_host_are_refused_naming_max_num_seqs(tmp_path, host_with):
+    """--max-num-seqs 99999999 used to end in the allocator's 'can't allocate memory: you tried to allocate
+    25599999744 bytes' (the block tables), naming no setting."""
+    make_model(tmp_path)
+    host_with(256 << 20)
+    with pytest.raises(ValueError) as refused:
+        LLM(str(tmp_path), dtype="float32", device="cpu", show_progress=False, max_num_seqs=10_000_000,
+            cpu_kv_cache_bytes=64 << 20)
+    message = str(refused.value)
+    assert message.startswith("--max-num-seqs 10000000") and "step buffers" in message, message
+    assert message.endswith("lower --max-num-seqs (or free host memory)") and "\n" not in message, message

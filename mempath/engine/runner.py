@@ -22,6 +22,7 @@ from mempath.engine.request import Request
 from mempath.engine.sampler import Sampler, SamplerOutput
 from mempath.engine.piecewise import PiecewiseGraph, cuts_at
 from mempath.kv.block_table import BlockTableRows
+from mempath.memory.budget import check_host_room
 from mempath.model import moe_slots
 from mempath.model.llama import AttentionMetadata, CausalLM
 from mempath.model.quant import fp8_gemv_bytes
@@ -62,6 +63,10 @@ class StepBuffers:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device):
         pin = device.type == "cuda"
         self.device = device
+        # Before allocating: the block tables alone are max_seqs · max_blocks int32, host and device twin (both
+        # host memory on a CPU device), and an absurd --max-num-seqs otherwise fails in the allocator.
+        host_bytes = StepBuffers.host_nbytes(max_tokens, max_seqs, max_blocks)
+        check_host_room(host_bytes * (1 if pin else 2), f"--max-num-seqs {max_seqs}", "step buffers")
 
         def pair(shape, dtype):
             host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
@@ -85,6 +90,12 @@ class StepBuffers:
         self.next_sampled = 0
         # Marks when the last upload has left the pinned buffers, so they may be rewritten.
         self.uploaded = torch.cuda.Event() if pin else None
+
+    @staticmethod
+    def host_nbytes(max_tokens: int, max_seqs: int, max_blocks: int) -> int:
+        """The pinned host arrays' bytes (each device twin is as large, but for the sampled tokens')."""
+        return (3 * max_tokens * 8 + max_seqs * max_blocks * 4 + (max_seqs + 1) * 4 + 2 * max_seqs * 4
+                + 2 * max_seqs * 8 + 2 * max_seqs * 8)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (
