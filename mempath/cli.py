@@ -161,23 +161,68 @@ def run_command(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if sys.stdout is not None:
+        sys.stdout = CheckedOutput(sys.stdout)
     try:
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
         code = run_command(args)
-        sys.stdout.flush()  # here, where a closed pipe is caught, not in the interpreter's exit
+        if sys.stdout is not None:  # None: started with stdout closed, and print() wrote nothing
+            sys.stdout.flush()  # here, where a closed pipe is caught, not in the interpreter's exit
         return code
     except BrokenPipeError:
         # The reader went away (`mempath plan --json | head`): stop quietly, as Unix tools do.
-        # Point stdout at /dev/null, or the interpreter's final flush raises again.
-        try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (OSError, ValueError, AttributeError):
-            pass
+        _stdout_to_devnull()
         return 141  # 128 + SIGPIPE, what a shell reports for a writer killed by a closed pipe
     except KeyboardInterrupt:
         print("mempath: interrupted", file=sys.stderr)
         return 130
+    except OutputError as error:
+        print(f"mempath: error: cannot write the output ({error})", file=sys.stderr)
+        _stdout_to_devnull()
+        return 1
+    finally:
+        if isinstance(sys.stdout, CheckedOutput):
+            sys.stdout = sys.stdout.stream
+
+
+class OutputError(Exception):
+    """Writing the command's output failed (a full disk, an I/O error): one line, not the write's traceback."""
+
+
+class CheckedOutput:
+    """stdout, with a failed write (other than a closed pipe, which main stops on quietly) raised as OutputError,
+    so that main can tell it from an error of the engine's own files."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            raise
+        except OSError as error:
+            raise OutputError(error.strerror) from None
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as error:
+            raise OutputError(error.strerror) from None
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def _stdout_to_devnull() -> None:
+    """Point stdout at /dev/null, or the interpreter's final flush raises again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 if __name__ == "__main__":

@@ -213,3 +213,19 @@ def test_a_first_word_too_long_for_a_path_is_a_prompt_word(capsys):
     rc = main(["generate", "a" * 300, "second", "--quiet"])
     err = one_error_line(capsys)
     assert rc == 2 and "generate takes one PROMPT, got 2 arguments" in err, err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_output_to_a_full_device_is_one_line():
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "mempath", "plan", str(ROOT / "tests/data/configs/llama-3.1-8b.json"),
+                               "--gpu-mem", "80GiB"], stdout=full, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                              timeout=120)
+    assert done.returncode == 1 and done.stderr.strip().splitlines() == [
+        "mempath: error: cannot write the output (No space left on device)"], done.stderr
+
+
+def test_a_closed_stdout_is_not_a_traceback():
+    done = subprocess.run(f"{sys.executable} -m mempath plan tests/data/configs/llama-3.1-8b.json --gpu-mem 80GiB >&-",
+                          shell=True, stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=120)
+    assert "Traceback" not in done.stderr, done.stderr
