@@ -9,6 +9,7 @@ cache, the training figures (mempath.tools.training) and the advice
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from dataclasses import asdict, dataclass, field
@@ -22,6 +23,7 @@ from mempath.memory.formulas import (CUBLAS_WORKSPACE_BYTES_SM90, ModelShape, ch
                                      ASSUMED_COPY_ISSUE_SECONDS, ASSUMED_CUT_SECONDS, ASSUMED_DEVICE_READ_BYTES_PER_S,
                                      ASSUMED_H2D_BYTES_PER_S, ASSUMED_HOST_READ_BYTES_PER_S, ASSUMED_HOST_SYNC_SECONDS,
                                      moe_offload_tokens_per_second)
+from mempath.memory.ledger import format_bytes
 from mempath.model.moe_host import check_cpu_experts
 from mempath.tools.advice import advise
 from mempath.tools.training import plan_training
@@ -148,11 +150,22 @@ class MemoryPlan:
 def config_path(model: str | os.PathLike) -> Path:
     """Where a model's config.json is: in a model directory, the path itself, or the hub cache."""
     path = Path(model).expanduser()
-    if path.is_dir():
-        return path / "config.json"
-    if not path.exists():
-        return _cached_hub_config(str(model)) or path
+    try:  # a name the filesystem cannot look up at all (too long, ...) raised OSError from is_dir()
+        if path.is_dir():
+            return path / "config.json"
+        if not path.exists():
+            return _cached_hub_config(str(model)) or path
+    except OSError as error:
+        raise unreadable_path(model, error) from None
     return path
+
+
+def unreadable_path(model: str | os.PathLike, error: OSError) -> ValueError:
+    """The one line for a model argument the filesystem refuses to look up, its name shortened."""
+    name = os.fspath(model)
+    shown = repr(name) if len(name) <= 80 else f"{name[:40]!r}... ({len(name)} characters)"
+    return ValueError(f"cannot look for a model at {shown}: {error.strerror or error}; pass a model directory, "
+                      f"a path to its config.json, or a hub id that is already downloaded")
 
 
 def load_config(model: str | os.PathLike | dict) -> dict:
@@ -180,37 +193,62 @@ def _cached_hub_config(repo_id: str) -> Path | None:
     return found[-1] if found else None
 
 
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*([+-]?[0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*$")
+# The prefix letter in any case, an optional i (powers of 1024), an optional B (b, when all is lowercase).
+_UNIT = re.compile(r"^(?:([kmgt])(i?))?(B?)$", re.IGNORECASE)
+UNITS = "B, K/KB/KiB, M/MB/MiB, G/GB/GiB or T/TB/TiB"
+MAX_SIZE = 1 << 50  # 1 PiB: beyond any device or host memory, so a typo, not a size
 
 
 def parse_bytes(text: str | int) -> int:
     """"80GiB" -> 85899345920, "24GB" -> 24000000000, "1.5T" -> 1.5e12, "123" -> 123.
 
     KiB/MiB/GiB/TiB (and Ki, Mi, ...) are powers of 1024; KB/MB/GB/TB and bare K/M/G/T
-    are powers of 1000, as on GPU spec sheets.
+    are powers of 1000, as on GPU spec sheets. The prefix may be in either case; a capital
+    prefix with a lowercase b (Gb, Mib) is bits and refused, as is any size above MAX_SIZE
+    (all lowercase, "80gb", is bytes: how sizes are often typed).
     """
     if isinstance(text, int):
         value = text
     else:
         match = _SIZE.match(str(text))
         if not match:
-            raise ValueError(f"cannot read {text!r} as a size: write e.g. 80GiB, 24GB or a byte count")
+            raise ValueError(f"cannot read {text!r} as a size: write e.g. 80GiB, 24GB or a byte count "
+                             f"(units: {UNITS})")
         number, unit = match.groups()
-        unit = unit.lower().rstrip("b")
-        base = 1024 if unit.endswith("i") else 1000
-        power = "kmgt".find(unit[:1]) + 1 if unit else 0
-        value = int(float(number) * base**power)
+        parts = _UNIT.match(unit)
+        if unit.endswith("b") and unit[:1].isupper() and _UNIT.match(unit[:-1] + "B"):
+            prefix = unit[:-1]
+            raise ValueError(f"{text!r} is in bits (a lowercase b): write {number}{prefix[:1].upper()}"
+                             f"{prefix[1:].lower()}B for bytes (units: {UNITS})")
+        if not parts:
+            raise ValueError(f"cannot read {text!r} as a size: {unit!r} is not a unit; use {UNITS}")
+        prefix, binary, _ = parts.groups()
+        power = "kmgt".find(prefix.lower()) + 1 if prefix else 0
+        size = float(number) * (1024 if binary else 1000) ** power
+        if size > MAX_SIZE:  # also a number too long for a float (inf)
+            shown = repr(text) if len(text) <= 40 else f"{text[:20]!r}... ({len(text)} characters)"
+            raise ValueError(f"{shown} is more than 1 PiB, which is no device's or host's memory: "
+                             f"give it in GiB, e.g. 80GiB")
+        value = int(size)
     if value <= 0:
         raise ValueError(f"size {text!r} must be positive")
     return value
 
 
-def parse_size_flag(flag: str, text: str) -> int:
+def parse_size_flag(flag: str, text: str, example: str = "80GiB") -> int:
     """A size from the command line, which must name its unit: `--gpu-mem 80` meant 80 GiB, not bytes."""
+    if not str(text).strip():
+        raise ValueError(f"{flag} is empty: give a size with its unit, e.g. {flag} {example}, or leave the flag out")
     if re.fullmatch(r"\s*[0-9]*\.?[0-9]+\s*", str(text)):
         raise ValueError(f"{flag} {text.strip()} has no unit: write {text.strip()}GiB (or {text.strip()}GB, "
                          f"or {text.strip()}B for bytes)")
-    return parse_bytes(text)
+    try:
+        return parse_bytes(text)
+    except ValueError as error:
+        if str(error).startswith("size "):  # "size '-1GiB' must be positive": the flag says which size
+            raise ValueError(f"{flag} {text} must be positive: give a size such as {flag} {example}") from None
+        raise ValueError(f"{flag}: {error}") from None
 
 
 def detect_gpu_mem() -> int | None:
@@ -304,9 +342,9 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
     experts = _plan_experts(shape, b, params, moe_expert_cache_size, moe_expert_cache_gb,
                             source, (moe_h2d_bytes_per_s, moe_device_read_bytes_per_s, moe_host_read_bytes_per_s),
                             moe_cpu_experts)
-    serving = serving_figures(_with_expert_slots(shape, experts), b, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                              max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                              cuda_graphs=cuda_graphs, fused_kernels=fused_kernels,
+    serving = serving_figures(_with_expert_slots(shape, experts), b, max_model_len=max_model_len,
+                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                              block_size=block_size, cuda_graphs=cuda_graphs, fused_kernels=fused_kernels,
                               cublas_workspace=cublas_workspace, kv_cache_dtype=kv_cache_dtype)
 
     plan = MemoryPlan(
@@ -376,8 +414,8 @@ def _plan_experts(shape: ModelShape, b: int, params: dict[str, int], cache_size:
     check_cpu_experts(cpu_experts, None if resident_all else cache_size)
     for name, rate in zip(("moe_h2d_bytes_per_s", "moe_device_read_bytes_per_s", "moe_host_read_bytes_per_s"),
                           rates):
-        if not rate > 0:
-            raise ValueError(f"{name} must be > 0 bytes/s, got {rate!r}")
+        if not 0 < rate < math.inf:  # inf printed as "Infinity", which is no JSON
+            raise ValueError(f"{name} must be > 0 bytes/s, got {rate!r}: give a finite rate")
     total, resident = expert_bytes(shape, b, cache_size)
     active = params["experts"] // shape.num_experts * shape.num_experts_per_tok if shape.num_experts else 0
     active_params = params["total"] - params["experts"] + active
@@ -409,6 +447,9 @@ def _plan_experts(shape: ModelShape, b: int, params: dict[str, int], cache_size:
 def _check_settings(shape, gpu_mem, host_mem, utilization, max_model_len, max_num_seqs,
                     max_num_batched_tokens, block_size, context_bytes):
     check_serving_settings(shape, max_model_len, max_num_seqs, max_num_batched_tokens, block_size)
+    if block_size & (block_size - 1):  # as EngineConfig refuses it: the plan is of settings the engine runs
+        raise ValueError(f"block_size must be a power of two, got {block_size}: use --block-size "
+                         f"{DEFAULT_BLOCK_SIZE} (the default) or another power of two")
     if host_mem is not None and (not isinstance(host_mem, int) or host_mem <= 0):
         raise ValueError(f"host_mem_bytes must be a positive byte count, got {host_mem!r}")
     if gpu_mem is not None and (not isinstance(gpu_mem, int) or gpu_mem <= 0):
@@ -418,3 +459,12 @@ def _check_settings(shape, gpu_mem, host_mem, utilization, max_model_len, max_nu
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
     if not isinstance(context_bytes, int) or context_bytes < 0:
         raise ValueError(f"context_bytes must be a byte count >= 0, got {context_bytes!r}")
+    check_context_fits(gpu_mem, context_bytes)
+
+
+def check_context_fits(gpu_mem: int | None, context_bytes: int) -> None:
+    """Context memory is held back from the device's: as large as the device, it leaves a negative budget."""
+    if gpu_mem is not None and context_bytes >= gpu_mem:
+        raise ValueError(f"--context-mem {format_bytes(context_bytes)} is not less than --gpu-mem "
+                         f"{format_bytes(gpu_mem)}: the context is held back from the device's memory, so give "
+                         f"--context-mem less than --gpu-mem (e.g. 500MiB)")

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 import sys
+from pathlib import Path
 
 from mempath.constants import DEFAULT_BLOCK_SIZE
 from mempath.engine_flags import add_memory_arguments
@@ -158,6 +161,20 @@ def parse_layers(text: str) -> list[int]:
     return layers
 
 
+# Training flags default to None, so that one given without --train is told from one left out; the
+# defaults plan_training gets.
+TRAINING_DEFAULTS = {"optimizer": "adamw-fp32", "micro_batch": 1, "seq_len": None, "checkpointing": "none",
+                     "checkpoint_layers": "", "lora_rank": 0, "lora_targets": "q_proj,v_proj"}
+# The MoE prediction's rates: (argument, plan_memory keyword, default bytes/s). None when not given, as above.
+RATES = (("h2d_gbps", "moe_h2d_bytes_per_s", ASSUMED_H2D_BYTES_PER_S),
+         ("device_read_gbps", "moe_device_read_bytes_per_s", ASSUMED_DEVICE_READ_BYTES_PER_S),
+         ("host_read_gbps", "moe_host_read_bytes_per_s", ASSUMED_HOST_READ_BYTES_PER_S))
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="+",
                         help="model directory, config.json, or a cached hub id; several (NAME=DIR as `mempath "
@@ -174,36 +191,48 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                              "number is refused (default: the CUDA device's)")
     parser.add_argument("--context-mem", default="0",
                         help="non-PyTorch memory to hold back (CUDA context etc.) with its unit, e.g. 500MiB")
+    # argparse took "-1GiB" for an option and answered "--gpu-mem: expected one argument" under its usage;
+    # read as a value it gets the size's own line (Python 3.13's matcher reads it so already).
+    parser._negative_number_matcher = re.compile(r"^-\.?\d")
     parser.add_argument("--train", action="store_true", help="also plan training memory")
-    parser.add_argument("--optimizer", default="adamw-fp32", choices=list(OPTIMIZERS))
-    parser.add_argument("--micro-batch", type=int, default=1)
-    parser.add_argument("--seq-len", type=int, default=None)
-    parser.add_argument("--checkpointing", default="none", choices=list(CHECKPOINTING))
-    parser.add_argument("--checkpoint-layers", default="", help="e.g. 0,2,4 or 0-15")
-    parser.add_argument("--lora-rank", type=int, default=0)
-    parser.add_argument("--lora-targets", default="q_proj,v_proj", help="comma list or all-linear")
+    parser.add_argument("--optimizer", default=None, choices=list(OPTIMIZERS),
+                        help="with --train (default: adamw-fp32)")
+    parser.add_argument("--micro-batch", type=int, default=None, help="with --train (default: 1)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="with --train (default: max-model-len, at most 4096)")
+    parser.add_argument("--checkpointing", default=None, choices=list(CHECKPOINTING),
+                        help="with --train (default: none)")
+    parser.add_argument("--checkpoint-layers", default=None, help="with --checkpointing selective: e.g. 0,2,4 or 0-15")
+    parser.add_argument("--lora-rank", type=int, default=None,
+                        help="with --train: LoRA's rank (default: 0, a full fine-tune)")
+    parser.add_argument("--lora-targets", default=None,
+                        help="with --lora-rank: comma list or all-linear (default: q_proj,v_proj)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-    parser.add_argument("--h2d-gbps", type=float, default=ASSUMED_H2D_BYTES_PER_S / 1e9,
+    parser.add_argument("--h2d-gbps", default=None,
                         help="MoE with fewer experts resident: pinned host-to-device GB/s for the predicted "
-                             "decode tok/s (default: an H200's; benchmarks/bench_moe.py measures it)")
-    parser.add_argument("--device-read-gbps", type=float, default=ASSUMED_DEVICE_READ_BYTES_PER_S / 1e9,
+                             f"decode tok/s (default: an H200's, {ASSUMED_H2D_BYTES_PER_S / 1e9:g}; "
+                             "benchmarks/bench_moe.py measures it)")
+    parser.add_argument("--device-read-gbps", default=None,
                         help="the device's weight-read GB/s for the same prediction (default: an H200's copy "
-                             "rate as bench_moe.py measured it)")
-    parser.add_argument("--host-read-gbps", type=float, default=ASSUMED_HOST_READ_BYTES_PER_S / 1e9,
+                             f"rate as bench_moe.py measured it, {ASSUMED_DEVICE_READ_BYTES_PER_S / 1e9:g})")
+    parser.add_argument("--host-read-gbps", default=None,
                         help="with --moe-cpu-experts auto: the GB/s at which the host reads an expert's weights "
-                             "to run a miss (default: an H200 host's; bench_moe.py's host_row_us measures it)")
+                             f"to run a miss (default: an H200 host's, {ASSUMED_HOST_READ_BYTES_PER_S / 1e9:g}; "
+                             "bench_moe.py's host_row_us measures it)")
 
 
 def run_plan(args: argparse.Namespace) -> int:
     try:
-        gpu_mem = parse_size_flag("--gpu-mem", args.gpu_mem) if args.gpu_mem else detect_gpu_mem()
-        context = 0 if str(args.context_mem).strip() in ("", "0") else parse_size_flag("--context-mem",
-                                                                                       args.context_mem)
+        training, rates = _training_options(args), _rates(args)
+        gpu_mem = parse_size_flag("--gpu-mem", args.gpu_mem) if args.gpu_mem is not None else detect_gpu_mem()
+        context = (0 if str(args.context_mem).strip() == "0" else
+                   parse_size_flag("--context-mem", args.context_mem, "500MiB"))
         if len(args.model) > 1:
-            return run_multi_plan(args, gpu_mem, context)
+            return run_multi_plan(args, gpu_mem, context, rates)
         if args.kv_min_share or args.num_gpu_blocks_override is not None or args.sleep_offload_weights:
             raise ValueError("--kv-min-share, --num-gpu-blocks-override and --sleep-offload-weights plan several "
                              "models (mempath plan A B ...)")
+        _check_one_model(args.model[0])
         import psutil
         plan = plan_memory(
             args.model[0], dtype=args.dtype, gpu_mem_bytes=gpu_mem, host_mem_bytes=psutil.virtual_memory().total,
@@ -211,14 +240,10 @@ def run_plan(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             block_size=DEFAULT_BLOCK_SIZE if args.block_size == "auto" else args.block_size,
             cuda_graphs=not args.enforce_eager, context_bytes=context,
-            kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
-            train=args.train, optimizer=args.optimizer, micro_batch=args.micro_batch,
-            seq_len=args.seq_len, checkpointing=args.checkpointing,
-            checkpoint_layers=parse_layers(args.checkpoint_layers), lora_rank=args.lora_rank,
-            lora_targets=args.lora_targets, moe_expert_cache_size=args.moe_expert_cache_size,
-            moe_expert_cache_gb=args.moe_expert_cache_gb, moe_h2d_bytes_per_s=args.h2d_gbps * 1e9,
-            moe_device_read_bytes_per_s=args.device_read_gbps * 1e9, moe_cpu_experts=args.moe_cpu_experts,
-            moe_host_read_bytes_per_s=args.host_read_gbps * 1e9)
+            kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, train=args.train, **training,
+            moe_expert_cache_size=args.moe_expert_cache_size, moe_expert_cache_gb=args.moe_expert_cache_gb,
+            moe_cpu_experts=args.moe_cpu_experts, **rates)
+        _check_rates_apply(args, [plan])
     except ValueError as e:
         print(f"mempath plan: error: {e}", file=sys.stderr)
         return 2
@@ -226,7 +251,77 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_multi_plan(args: argparse.Namespace, gpu_mem: int | None, context: int) -> int:
+def _training_options(args: argparse.Namespace) -> dict:
+    """plan_memory's training keywords; a training flag without --train is refused, as the plan would drop it."""
+    given = {name: getattr(args, name) for name in TRAINING_DEFAULTS if getattr(args, name) is not None}
+    if given and not args.train:
+        name, value = next(iter(given.items()))
+        raise ValueError(f"{_flag(name)} {value} given without --train: it plans training, so add --train "
+                         f"(one model) or drop the flag")
+    if "lora_targets" in given and not given.get("lora_rank"):
+        raise ValueError(f"--lora-targets {given['lora_targets']} given without --lora-rank: add --lora-rank R "
+                         f"(e.g. 16) for LoRA, or drop --lora-targets for a full fine-tune")
+    options = {**TRAINING_DEFAULTS, **given}
+    options["checkpoint_layers"] = parse_layers(options["checkpoint_layers"])
+    return options
+
+
+def _rates(args: argparse.Namespace) -> dict:
+    """plan_memory's MoE rates in bytes/s from the GB/s flags: finite and above 0, or JSON would hold Infinity."""
+    rates = {}
+    for name, keyword, default in RATES:
+        text = getattr(args, name)
+        if text is None:
+            rates[keyword] = default
+            continue
+        try:
+            rate = float(text) * 1e9
+        except ValueError:
+            rate = math.nan
+        if not 0 < rate < math.inf:
+            raise ValueError(f"{_flag(name)} {text} is not a finite rate above 0: give GB/s, e.g. "
+                             f"{_flag(name)} {default / 1e9:g}")
+        rates[keyword] = rate
+    return rates
+
+
+def _check_rates_apply(args: argparse.Namespace, plans: list[MemoryPlan]) -> None:
+    """A rate flag is refused where no plan's prediction reads it, as --moe-cpu-experts is without misses."""
+    predicted = [p for p in plans if p.moe_decode_tokens_per_s is not None]
+    for name, _, _ in RATES:
+        text = getattr(args, name)
+        if text is None or (predicted if name != "host_read_gbps" else
+                            [p for p in predicted if p.moe_cpu_experts == "auto"]):
+            continue
+        given = f"{_flag(name)} {text}"
+        if not any(p.num_experts for p in plans):
+            models = " or ".join(sorted({p.architecture for p in plans}))
+            raise ValueError(f"{given} is a rate of the predicted decode of a mixture-of-experts model with fewer "
+                             f"experts resident (--moe-expert-cache-size), and {models} has no experts: drop the flag")
+        if all(p.moe_hit_rate is None for p in plans):
+            raise ValueError(f"{given}: every expert is resident, so none misses and no decode is predicted: drop "
+                             f"the flag or keep fewer experts on the device (--moe-expert-cache-size)")
+        if not predicted:
+            raise ValueError(f"{given}: --moe-cpu-experts always decodes eagerly, which is not predicted: drop the "
+                             f"flag, or use --moe-cpu-experts auto or never")
+        raise ValueError(f"{given} is the host's rate for the misses --moe-cpu-experts auto runs there: add "
+                         f"--moe-cpu-experts auto or drop the flag")
+
+
+def _check_one_model(model: str) -> None:
+    """NAME=DIR is `mempath serve`'s syntax for one of several models (multi/names.split_model_arg): alone, the
+    name would be read as part of a path that does not exist."""
+    name, sep, path = model.partition("=")
+    try:
+        exists = Path(model).exists()
+    except OSError:  # config_path gives the one line for a name the filesystem cannot look up
+        return
+    if sep and name and "/" not in name and not exists:
+        raise ValueError(f"{model}: NAME=DIR names one of several models planned together (mempath plan A=DIR1 "
+                         f"B=DIR2); plan one model as mempath plan {path}")
+
+
+def run_multi_plan(args: argparse.Namespace, gpu_mem: int | None, context: int, rates: dict) -> int:
     """`mempath plan A B ...`: serving only (ValueErrors go to run_plan's one line)."""
     from mempath.tools.plan_multi import format_multi_plan, plan_models
     if args.train:
@@ -240,6 +335,7 @@ def run_multi_plan(args: argparse.Namespace, gpu_mem: int | None, context: int) 
                        max_num_batched_tokens=args.max_num_batched_tokens, cuda_graphs=not args.enforce_eager,
                        kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
                        moe_expert_cache_size=args.moe_expert_cache_size,
-                       moe_expert_cache_gb=args.moe_expert_cache_gb, moe_cpu_experts=args.moe_cpu_experts)
+                       moe_expert_cache_gb=args.moe_expert_cache_gb, moe_cpu_experts=args.moe_cpu_experts, **rates)
+    _check_rates_apply(args, [m.plan for m in plan.models])
     print(json.dumps(plan.to_dict(), indent=2) if args.json else format_multi_plan(plan))
     return 0

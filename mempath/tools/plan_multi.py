@@ -17,7 +17,8 @@ from mempath.memory.ledger import format_bytes
 from mempath.multi.experts import options_by_model
 from mempath.multi.layout import page_layout
 from mempath.multi.names import served_models
-from mempath.tools.plan import MemoryPlan, plan_memory
+from mempath.multi.pages import check_min_share
+from mempath.tools.plan import MemoryPlan, check_context_fits, plan_memory, unreadable_path
 
 # cuMemGetAllocationGranularity's answer on the H200 (2026-12-02: a 16,060,522,496-byte
 # model's arena was 16,062,087,168 bytes, 7,659 x 2 MiB).
@@ -73,13 +74,12 @@ def plan_models(models: list[str], *, served_model_name: list[str] | None = None
     ``sleep_offload_weights``: each model's pinned host copy of its weights, allocated at
     start-up (mempath/multi/sleep.py): the weights rounded up to ARENA_GRANULARITY.
     """
-    if len(models) < 2:
-        raise ValueError("plan_models plans several models; plan one with plan_memory")
-    if not 0 <= kv_min_share <= 1 / len(models):
-        raise ValueError(f"kv_min_share {kv_min_share} guarantees {len(models)} models "
-                         f"{kv_min_share * len(models):.0%} of the KV pool; use --kv-min-share "
-                         f"{1 / len(models):.2f} or less")
-    pairs = served_models(models, served_model_name)
+    _check_pool_settings(models, kv_min_share, num_gpu_blocks_override, sleep_offload_weights, settings)
+    check_context_fits(gpu_mem_bytes, context_bytes)
+    try:
+        pairs = served_models(models, served_model_name)
+    except OSError as error:  # NAME=DIR is told from a path by looking the path up, which a long name fails
+        raise unreadable_path(error.filename or "", error) from None
     if settings.get("max_num_seqs") is None:  # the engine's default for this device, as plan_memory's
         settings["max_num_seqs"] = default_max_num_seqs(gpu_mem_bytes)
     # The expert cache's settings are the MoE models' (mempath/multi/experts.py), as start-up gives them.
@@ -101,11 +101,38 @@ def plan_models(models: list[str], *, served_model_name: list[str] | None = None
         result.budget_bytes = int(gpu_mem_bytes * gpu_memory_utilization)
         result.pool_bytes = result.budget_bytes - sum(m.device_bytes for m in entries) - context_bytes
         result.num_pages = max(0, result.pool_bytes - ALLOCATION_ROUNDING) // page_bytes  # as multi/startup.py
+    budget_pages = result.num_pages
     if num_gpu_blocks_override is not None:
         result.num_pages = num_gpu_blocks_override
     if result.num_pages is not None:
         _plan_pool(result)
+    if budget_pages is not None and result.num_pages > budget_pages:
+        # As the one-model plan treats what the device cannot hold: planned, with the advice that says so.
+        result.fits = False
+        result.advice.append(f"--num-gpu-blocks-override {result.num_pages} asks for more pages than the budget "
+                             f"leaves ({budget_pages:,} pages): the pool's allocation would run out of device "
+                             f"memory; use --num-gpu-blocks-override {budget_pages} or less, or drop the flag")
     return result
+
+
+def _check_pool_settings(models, kv_min_share, num_gpu_blocks_override, sleep_offload_weights, settings) -> None:
+    """What start-up (EngineConfig, PagePool) refuses of the shared pool's settings, refused here the same way."""
+    if len(models) < 2:
+        raise ValueError("plan_models plans several models; plan one with plan_memory")
+    check_min_share(kv_min_share)
+    if kv_min_share > 1 / len(models):
+        raise ValueError(f"kv_min_share {kv_min_share} guarantees {len(models)} models "
+                         f"{kv_min_share * len(models):.0%} of the KV pool; use --kv-min-share "
+                         f"{1 / len(models):.2f} or less")
+    if num_gpu_blocks_override is not None and (not isinstance(num_gpu_blocks_override, int)
+                                                or num_gpu_blocks_override < 1):
+        raise ValueError(f"num_gpu_blocks_override must be >= 1, got {num_gpu_blocks_override}: give the pool's "
+                         f"pages, or drop --num-gpu-blocks-override for what the budget leaves")
+    if sleep_offload_weights and (settings.get("moe_expert_cache_size") is not None
+                                  or settings.get("moe_expert_cache_gb") is not None):
+        # EngineConfig._validate_expert_cache's reason, word for word (tests/test_plan_bad_input.py compares them)
+        raise ValueError("--sleep-offload-weights moves whole models' weights; with experts in host memory "
+                         "(moe_expert_cache_size / moe_expert_cache_gb) leave it off")
 
 
 def _plan_shape(model: str):
