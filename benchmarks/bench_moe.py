@@ -52,7 +52,9 @@ from mempath import LLM, SamplingParams  # noqa: E402
 from mempath.memory.formulas import (expert_bytes, moe_missed_bytes_per_token,  # noqa: E402
                                      moe_offload_tokens_per_second, read_shape, weight_bytes)
 from mempath.memory.pinned import pinned_empty, transparent_huge_pages  # noqa: E402
-from mempath.model import moe, moe_slots  # noqa: E402
+from mempath.kernels.elementwise_torch import silu_and_mul_torch  # noqa: E402
+from mempath.model import moe, moe_host, moe_slots  # noqa: E402
+from mempath.model.moe_host import set_cpu_experts  # noqa: E402
 from mempath.model.moe import (expert_cache_stats, set_expert_prefetch, synthetic_router_bias,  # noqa: E402
                                synthetic_uniform_router)
 from mempath.tools.plan import plan_memory  # noqa: E402
@@ -288,8 +290,70 @@ def part_offload(args, config: dict, bandwidth: dict) -> list[dict]:
             host_pairs_us_per_expert=clock.seconds["host_pairs"] / (after["host_experts"] - before["host_experts"])
             * 1e6 if after["host_experts"] > before["host_experts"] else None,
             target_tok_s={"model": None, "uniform": 17, "skewed": 40}[router], **rates, **clock.per_layer()))
+    if args.host_path_ab:
+        out += host_path_ab(llm, args)
     out.append(result("offload-store", **store_copy_rate(llm, args)))
     del llm
+    return out
+
+
+def _s37_load_into_slot(self, expert: int, slot: int) -> int:
+    """Experts.load_into_slot as shipped until the thirty-eighth session: two views made per copy."""
+    host = self.cache.host
+    with torch.no_grad():
+        self.gate_up_proj[slot].copy_(host["gate_up_proj"][expert], non_blocking=True)
+        self.down_proj[slot].copy_(host["down_proj"][expert], non_blocking=True)
+    return self.expert_bytes()
+
+
+def _s37_fill_host_pairs(experts, x, router_weights, expert_ids, top_k, on_host, pairs, mask) -> None:
+    """moe_slots.fill_host_pairs as shipped until the thirty-eighth session: index tensors, then the twin."""
+    mask.zero_()
+    chosen = [p for p, e in enumerate(expert_ids) if e in on_host]
+    if not chosen:
+        return
+    index = torch.tensor(chosen)
+    host = experts.cache.host
+    pairs[index] = moe_slots.expert_pairs_torch(
+        x[index // top_k], router_weights.reshape(-1)[index].unsqueeze(1),
+        torch.tensor([expert_ids[p] for p in chosen]).unsqueeze(1), host["gate_up_proj"], host["down_proj"],
+        silu_and_mul_torch)
+    mask[index] = True
+
+
+@contextlib.contextmanager
+def s37_host_path():
+    """The host path of a split (the copy calls, the host-run pairs) as it was before this session."""
+    saved = moe.Experts.load_into_slot, moe_slots.fill_host_pairs, moe_host.fill_host_pairs
+    moe.Experts.load_into_slot = _s37_load_into_slot
+    moe_slots.fill_host_pairs = moe_host.fill_host_pairs = _s37_fill_host_pairs
+    try:
+        yield
+    finally:
+        moe.Experts.load_into_slot, moe_slots.fill_host_pairs, moe_host.fill_host_pairs = saved
+
+
+def host_path_ab(llm: LLM, args) -> list[dict]:
+    """The uniform router's decode under auto with this tree's host path and the s37 one, alternately
+    (``--host-path-ab`` rounds of each) on the one engine, each after start-up's cost measurement
+    again with its own path (the split follows it)."""
+    out = []
+    set_router(llm, "uniform")
+    for round_ in range(args.host_path_ab):
+        for variant in ("this tree", "s37 host path"):
+            with s37_host_path() if variant != "this tree" else contextlib.nullcontext():
+                set_cpu_experts(llm.engine.model, "auto")
+                cost = llm.engine.model.moe_blocks()[0].experts.host_cost
+                with HostStepClock() as clock:
+                    rate, _, before = decode(llm, args)
+                after = expert_cache_stats(llm.engine.model)
+            host_experts = after["host_experts"] - before["host_experts"]
+            out.append(result("host-path-ab", router="synthetic uniform", variant=variant, round=round_,
+                              decode_tok_s=rate, host_experts_per_token=host_experts / args.output_len,
+                              host_row_us=cost.host_row_seconds * 1e6 if cost else None,  # None: the CPU
+                              issue_us=cost.issue_seconds * 1e6 if cost else None,
+                              host_pairs_us_per_expert=clock.seconds["host_pairs"] / host_experts * 1e6
+                              if host_experts else None, **clock.per_layer()))
     return out
 
 
@@ -453,6 +517,9 @@ def main() -> int:
                              "driver's pinned allocator (torch pin_memory), for comparison")
     parser.add_argument("--variants", type=lambda text: text.split(","), default=[],
                         help=f"the resident part again with one choice flipped: {', '.join(RESIDENT_VARIANTS)}")
+    parser.add_argument("--host-path-ab", type=int, default=0, metavar="ROUNDS",
+                        help="with --cpu-experts auto: ROUNDS of the uniform router's decode with this tree's "
+                             "host path and the s37 one, alternately, on the offloaded engine")
     parser.add_argument("--resident-models", type=lambda text: text.split(","), default=list(RESIDENT_MODELS),
                         help="the resident part's shapes (Mixtral-8x7B's 93 GB fits an H200, not an 80 GB card)")
     args = parser.parse_args()

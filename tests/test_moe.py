@@ -497,3 +497,22 @@ def test_cuda_load_allocates_only_the_resident_experts(model_factory):
     assert kept <= torch.cuda.memory_allocated(device) - before <= kept + rounding
     assert report.host_weight_bytes == planned["host_experts"]
     assert all(t.is_pinned() for block in model.moe_blocks() for t in block.experts.cache.host.values())
+
+
+def test_a_miss_is_copied_from_the_current_host_store_after_the_cache_is_resized():
+    """load_into_slot keeps its views of the slots and of the host store; a new cache (set_resident)
+    has a new store, whose bytes a miss must come from."""
+    from mempath.kernels.dispatch import torch_kernels
+    from mempath.model.moe import Experts
+    experts = Experts(4, 8, 6, torch_kernels())
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn_like(experts.gate_up_proj))
+        experts.down_proj.copy_(torch.randn_like(experts.down_proj))
+    experts.set_resident(2)
+    experts.load_into_slot(3, 1)
+    assert torch.equal(experts.gate_up_proj[1], experts.cache.host["gate_up_proj"][3])
+    experts.set_resident(3)
+    experts.cache.host["gate_up_proj"][3].fill_(7.0)
+    experts.cache.host["down_proj"][3].fill_(5.0)
+    experts.load_into_slot(3, 2)
+    assert (experts.gate_up_proj[2] == 7.0).all() and (experts.down_proj[2] == 5.0).all()

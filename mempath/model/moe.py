@@ -237,11 +237,23 @@ class Experts(nn.Module):
 
     def load_into_slot(self, expert: int, slot: int) -> int:
         """Copy one expert from the host store into a device slot; returns the bytes copied."""
-        host = self.cache.host
-        with torch.no_grad():
-            self.gate_up_proj[slot].copy_(host["gate_up_proj"][expert], non_blocking=True)
-            self.down_proj[slot].copy_(host["down_proj"][expert], non_blocking=True)
+        slots, stored = self._copy_views()
+        for destination, source in zip(slots[slot], stored[expert]):
+            destination.copy_(source, non_blocking=True)
         return self.expert_bytes()
+
+    def _copy_views(self) -> tuple[list, list]:
+        """Each slot's and each stored expert's (gate_up, down) views, made once per cache and slot
+        tensors: a step issues its misses' copies one after another, and making two views for each
+        copy is a large part of its issue time (benchmarks/bench_host_expert.py times both)."""
+        key = (self.gate_up_proj.data_ptr(), self.down_proj.data_ptr())
+        cached = self.__dict__.get("_views")  # dropped with the cache (set_resident)
+        if cached is None or cached[0] != key:
+            host = self.cache.host
+            cached = (key, list(zip(self.gate_up_proj.detach().unbind(0), self.down_proj.detach().unbind(0))),
+                      list(zip(host["gate_up_proj"].unbind(0), host["down_proj"].unbind(0))))
+            self.__dict__["_views"] = cached
+        return cached[1], cached[2]
 
     def expert_bytes(self) -> int:
         return (self.gate_up_proj[0].numel() + self.down_proj[0].numel()) * self.gate_up_proj.element_size()
@@ -276,6 +288,7 @@ class Experts(nn.Module):
                 setattr(self, name, nn.Parameter(slots, requires_grad=False))
         self.cache = ExpertCache(self.num_experts, num_slots, host)
         self.__dict__.pop("slot_table", None)  # moe_slots: the old cache's bookings
+        self.__dict__.pop("_views", None)  # they hold the old host store
         # On by default on CUDA (set_expert_prefetch; the loader sets it once the meta model is placed).
         self.cache.prefetch = bool(host) and device.type == "cuda"
 

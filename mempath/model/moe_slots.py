@@ -49,26 +49,34 @@ def expert_pairs_torch(x: torch.Tensor, router_weights: torch.Tensor, expert_ids
     weights = router_weights.reshape(-1).to(torch.float32)
     out = torch.empty(len(flat), down_proj.shape[1], dtype=torch.float32, device=x.device)
     for pair, expert in enumerate(flat):
-        activated = silu_and_mul(torch.mv(gate_up_proj[expert], x[pair // top_k]))
-        out[pair] = torch.mv(down_proj[expert], activated).to(torch.float32) * weights[pair]
+        out[pair] = _pair_row(gate_up_proj[expert], down_proj[expert], x[pair // top_k], weights[pair], silu_and_mul)
     return out
+
+
+def _pair_row(gate_up: torch.Tensor, down: torch.Tensor, row: torch.Tensor, weight: torch.Tensor,
+              silu_and_mul) -> torch.Tensor:
+    return torch.mv(down, silu_and_mul(torch.mv(gate_up, row))).to(torch.float32) * weight
 
 
 def fill_host_pairs(experts, x: torch.Tensor, router_weights: torch.Tensor, expert_ids: list[int], top_k: int,
                     on_host: set[int], pairs: torch.Tensor, mask: torch.Tensor) -> None:
     """The rows of the grouped kernel's output (``[T·k, h]`` float32, on the host) of every pair whose
     expert is in ``on_host``, by the kernel's twin over the host store, and ``mask`` (bool ``[T·k]``)
-    True at them: on the CPU a host-run pair is the kernel's pair bit for bit."""
+    True at them: on the CPU a host-run pair is the kernel's pair bit for bit.
+
+    Pair by pair with no index tensors: a decode step runs one or two pairs a layer here, and
+    the step waits for each operator's fixed cost."""
     mask.zero_()
     chosen = [p for p, e in enumerate(expert_ids) if e in on_host]
     if not chosen:
         return
-    index = torch.tensor(chosen)
     host = experts.cache.host
-    pairs[index] = expert_pairs_torch(x[index // top_k], router_weights.reshape(-1)[index].unsqueeze(1),
-                                      torch.tensor([expert_ids[p] for p in chosen]).unsqueeze(1),
-                                      host["gate_up_proj"], host["down_proj"], silu_and_mul_torch)
-    mask[index] = True
+    gate_up, down = host["gate_up_proj"], host["down_proj"]
+    weights = router_weights.reshape(-1).to(torch.float32)
+    for pair in chosen:
+        expert = expert_ids[pair]
+        pairs[pair] = _pair_row(gate_up[expert], down[expert], x[pair // top_k], weights[pair], silu_and_mul_torch)
+    mask.numpy()[chosen] = True
 
 
 def uses_slot_kernel(block) -> bool:

@@ -1,0 +1,28 @@
+"""The host-path benchmarks of #21 run on the CPU (--tiny): the next GPU session's A/B must not have rotted."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def results(*argv: str) -> list[dict]:
+    done = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return [json.loads(line[len("RESULT "):]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+
+
+def test_bench_host_expert_times_every_condition():
+    [line] = results("benchmarks/bench_host_expert.py", "--tiny")
+    for key in ("bare_us", "hot_us", "sleep_us", "device_wait_us", "copies_us", "layer_serial_us"):
+        assert line[key] > 0, key
+
+
+def test_bench_moe_alternates_this_host_path_and_the_s37_one():
+    lines = [r for r in results("benchmarks/bench_moe.py", "--tiny", "--parts", "offload", "--cpu-experts", "auto",
+                                "--routers", "model", "--host-path-ab", "1") if r["part"] == "host-path-ab"]
+    assert [r["variant"] for r in lines] == ["this tree", "s37 host path"]
+    assert all(r["decode_tok_s"] > 0 for r in lines)
