@@ -785,3 +785,14 @@ def test_a_model_name_too_long_for_a_path_is_refused_in_one_line():
     with pytest.raises(ValueError) as refused:
         LLM("a" * 300, show_progress=False)
     assert "\n" not in str(refused.value) and "config.json" in str(refused.value), str(refused.value)
+
+
+def test_text_for_a_model_without_a_tokenizer_names_the_tokenizer_flag(tmp_path):
+    from tests.conftest import make_model
+    make_model(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).unlink()
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", show_progress=False)
+    with pytest.raises(ValueError, match=re.escape("give a tokenizer's directory (--tokenizer DIR, tokenizer=DIR)")):
+        llm.generate("hello", greedy(2))
+    assert len(llm.generate([1, 2, 3], greedy(2))[0].token_ids) == 2

@@ -42,8 +42,8 @@ class InputProcessor:
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
             raise ValueError(
-                f"{self.model} has no tokenizer files (tokenizer.json / tokenizer.model); "
-                f"pass prompts as lists of token ids")
+                f"{self.model} has no tokenizer files (tokenizer.json / tokenizer.model); give a tokenizer's "
+                f"directory (--tokenizer DIR, tokenizer=DIR), or pass prompts as lists of token ids")
         check_text(prompt, "the prompt")
         return self.tokenizer.encode(prompt)
 
