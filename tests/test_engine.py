@@ -796,3 +796,13 @@ def test_text_for_a_model_without_a_tokenizer_names_the_tokenizer_flag(tmp_path)
     with pytest.raises(ValueError, match=re.escape("give a tokenizer's directory (--tokenizer DIR, tokenizer=DIR)")):
         llm.generate("hello", greedy(2))
     assert len(llm.generate([1, 2, 3], greedy(2))[0].token_ids) == 2
+
+
+def test_a_prompt_past_the_models_positions_is_not_told_to_raise_max_model_len(llm):
+    """max_model_len is already the model's limit: raising it is refused, so the advice was a dead end."""
+    limit = llm.engine.spec.max_position_embeddings
+    assert llm.engine.max_model_len == limit
+    with pytest.raises(ValueError) as refused:
+        llm.generate([1] * (limit + 1), greedy(2))
+    assert f"the model's limit ({limit} positions); shorten it" in str(refused.value), str(refused.value)
+    assert "raise --max-model-len" not in str(refused.value)

@@ -17,7 +17,7 @@ from mempath.engine.request import Request
 from mempath.engine.sampler import SamplerOutput
 from mempath.engine.scheduler import Scheduler
 from mempath.engine.spec.decoder import SpecOutput
-from mempath.engine.startup import StageObserver, Startup, no_observer
+from mempath.engine.startup import StageObserver, Startup, no_observer, resolve_max_model_len
 from mempath.memory.oom import MempathOutOfMemoryError, oom_guard
 from mempath.model.moe import expert_cache_stats
 from mempath.outputs import RequestOutput
@@ -44,7 +44,8 @@ class LLMEngine:
                                      self.runner.sampler.make_generator, frozenset(parts.eos_token_ids),
                                      grammars=GrammarCompiler(self.tokenizer, self.spec.vocab_size,
                                                               parts.eos_token_ids)
-                                     if self.tokenizer is not None else None)
+                                     if self.tokenizer is not None else None,
+                                     model_positions=resolve_max_model_len(None, self.spec))
         self.outputs = OutputProcessor(self.tokenizer, parts.eos_token_ids, self.max_model_len,
                                        self.scheduler.finish)
         self.num_prompt_tokens = 0

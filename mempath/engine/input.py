@@ -37,6 +37,7 @@ class InputProcessor:
     make_generator: Callable[[int], torch.Generator]  # the sampler's: seeded draws on the device that samples
     eos_token_ids: frozenset[int] = frozenset()  # masked with stop_token_ids until min_tokens are out
     grammars: object = None  # a mempath.structured.grammar.GrammarCompiler, for structured_outputs
+    model_positions: int | None = None  # the most max_model_len may be (startup.resolve_max_model_len)
     _ids: itertools.count = field(default_factory=itertools.count)
 
     def tokenize(self, prompt: str) -> list[int]:
@@ -96,9 +97,11 @@ class InputProcessor:
 
     def _check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
         if len(token_ids) > self.max_model_len:
+            at_limit = self.model_positions is not None and self.max_model_len >= self.model_positions
             raise ValueError(
-                f"the prompt has {len(token_ids)} tokens, more than max_model_len "
-                f"{self.max_model_len}; shorten it or raise --max-model-len")
+                f"the prompt has {len(token_ids)} tokens, more than max_model_len {self.max_model_len}"
+                + (f", the model's limit ({self.model_positions} positions); shorten it" if at_limit
+                   else "; shorten it or raise --max-model-len"))
         kv_tokens = min(len(token_ids) + params.max_tokens - 1, self.max_model_len)
         needed = blocks_for(kv_tokens, self.block_size)
         if needed > self.num_kv_blocks:
