@@ -33,13 +33,20 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens")
 
 
-def sampling_params(args, config_defaults: dict | None = None):
-    """The flags given, then the generation config's defaults, then the command line's, then SamplingParams'."""
+def sampling_params(args, config_defaults: dict | None = None, warn: bool = False):
+    """The flags given, then the generation config's defaults, then the command line's, then SamplingParams'.
+    ``warn``: name the flags that greedy decoding makes useless (logged once, for the params that run)."""
     from mempath.sampling import SamplingParams
     values = {**CLI_SAMPLING_DEFAULTS, **(config_defaults or {})}
     for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
+    unused = [f"--{name.replace('_', '-')} {getattr(args, name)}"
+              for name in ("top_k", "top_p", "min_p", "sample_seed") if getattr(args, name) is not None]
+    if warn and unused and values.get("temperature") == 0:
+        log.warning("%s %s no effect at temperature 0 (greedy decoding, the command line's default): add "
+                    "--temperature, e.g. --temperature 0.7", " and ".join(unused),
+                    "has" if len(unused) == 1 else "have")
     return SamplingParams(**values, seed=args.sample_seed, stop=args.stop, ignore_eos=args.ignore_eos)
 
 
@@ -72,7 +79,7 @@ def run_generate(args) -> int:
     model, prompt = resolve_model_and_prompt(args)
     sampling_params(args).validate(args.max_logprobs)  # a bad flag fails before the weights load
     llm = LLM(model, show_progress=not args.quiet, **engine_options(args))
-    output = llm.generate(prompt, sampling_params(args, llm.sampling_defaults), use_tqdm=False)[0]
+    output = llm.generate(prompt, sampling_params(args, llm.sampling_defaults, warn=True), use_tqdm=False)[0]
     if args.json:
         print(json.dumps({"prompt": prompt, "text": output.text, "token_ids": output.token_ids,
                           "finish_reason": output.finish_reason,
@@ -89,7 +96,8 @@ def run_chat(args) -> int:
     template = read_chat_template(args.chat_template)  # before the weights load: a bad one fails at once
     sampling_params(args).validate(args.max_logprobs)  # likewise a bad flag
     llm = LLM(args.model, show_progress=not args.quiet, **engine_options(args))
-    output = llm.chat([{"role": "user", "content": args.message}], sampling_params(args, llm.sampling_defaults),
+    params = sampling_params(args, llm.sampling_defaults, warn=True)
+    output = llm.chat([{"role": "user", "content": args.message}], params,
                       use_tqdm=False, chat_template=template)[0]
     print(output.text)
     return 0

@@ -218,9 +218,9 @@ def test_a_first_word_too_long_for_a_path_is_a_prompt_word(capsys):
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_output_to_a_full_device_is_one_line():
     with open("/dev/full", "w") as full:
-        done = subprocess.run([sys.executable, "-m", "mempath", "plan", str(ROOT / "tests/data/configs/llama-3.1-8b.json"),
-                               "--gpu-mem", "80GiB"], stdout=full, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                              timeout=120)
+        done = subprocess.run([sys.executable, "-m", "mempath", "plan",
+                               str(ROOT / "tests/data/configs/llama-3.1-8b.json"), "--gpu-mem", "80GiB"],
+                              stdout=full, stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 1 and done.stderr.strip().splitlines() == [
         "mempath: error: cannot write the output (No space left on device)"], done.stderr
 
@@ -229,3 +229,17 @@ def test_a_closed_stdout_is_not_a_traceback():
     done = subprocess.run(f"{sys.executable} -m mempath plan tests/data/configs/llama-3.1-8b.json --gpu-mem 80GiB >&-",
                           shell=True, stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=120)
     assert "Traceback" not in done.stderr, done.stderr
+
+
+def test_sampling_flags_at_temperature_zero_are_named_as_having_no_effect(capsys, caplog):
+    """The command line decodes greedily by default: --top-p alone changed nothing, without a word."""
+    import logging
+    with caplog.at_level(logging.WARNING, logger="mempath.cli"):
+        assert main(["generate", "hi", "--top-p", "0.5", "--sample-seed", "3", "--max-tokens", "2", "--quiet"]) == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["--top-p 0.5 and --sample-seed 3 have no effect at temperature 0 (greedy decoding, the "
+                        "command line's default): add --temperature, e.g. --temperature 0.7"], warnings
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mempath.cli"):
+        assert main(["generate", "hi", "--top-p", "0.5", "--temperature", "0.7", "--max-tokens", "2", "--quiet"]) == 0
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
