@@ -143,6 +143,7 @@ class EngineConfig:
             if isinstance(getattr(self, name), os.PathLike):
                 setattr(self, name, os.fspath(getattr(self, name)))
         check_field_types(self)
+        constants.check_seed(self.seed)
         if self.block_size == "auto":
             self.block_size = AUTO_BLOCK_SIZE
         if not isinstance(self.block_size, int):

@@ -56,3 +56,12 @@ DEFAULT_BLOCK_SIZE = 16
 # The sampler sorts the logits of this many rows at a time (top-p / top-k); the planner
 # counts the sort's temporaries for one slice.
 SAMPLER_SORT_ROWS = 16
+
+# A seed torch.Generator.manual_seed takes: a signed or an unsigned 64-bit integer.
+SEED_RANGE = (-2**63, 2**64 - 1)
+
+
+def check_seed(seed: int) -> None:
+    """ValueError naming the range for a whole number no generator takes (torch says only 'Overflow')."""
+    if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise ValueError(f"seed must be from -2**63 to 2**64 - 1, got {seed}")

@@ -3,6 +3,7 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+from mempath.constants import check_seed
 from mempath.structured.params import StructuredOutputsParams
 
 # Below this temperature a request is greedy, as in vLLM (_SAMPLING_EPS): dividing the logits
@@ -94,6 +95,8 @@ class SamplingParams:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be a whole number or None, got {self.seed!r}")
+        if self.seed is not None:
+            check_seed(self.seed)
         if not isinstance(self.stop, list) or any(not isinstance(s, str) for s in self.stop):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if any(not s for s in self.stop):

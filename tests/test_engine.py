@@ -806,3 +806,17 @@ def test_a_prompt_past_the_models_positions_is_not_told_to_raise_max_model_len(l
         llm.generate([1] * (limit + 1), greedy(2))
     assert f"the model's limit ({limit} positions); shorten it" in str(refused.value), str(refused.value)
     assert "raise --max-model-len" not in str(refused.value)
+
+
+@pytest.mark.parametrize("seed", [2**64, -2**63 - 1])
+def test_a_seed_beyond_what_a_generator_takes_is_refused_naming_the_range(seed):
+    """It used to end in torch's 'Overflow when unpacking long long', naming neither the field nor the range
+    (the engine's seed only after the weights had loaded)."""
+    from mempath.config import EngineConfig
+    says = f"must be from -2**63 to 2**64 - 1, got {seed}"
+    with pytest.raises(ValueError, match=re.escape(f"seed {says}")):
+        SamplingParams(seed=seed).validate(max_logprobs=0)
+    with pytest.raises(ValueError, match=re.escape(f"seed {says}")):
+        EngineConfig(model=default_model_path(), device="cpu", seed=seed)
+    SamplingParams(seed=2**64 - 1).validate(max_logprobs=0)
+    EngineConfig(model=default_model_path(), device="cpu", seed=-2**63)
