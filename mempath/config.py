@@ -233,6 +233,9 @@ class EngineConfig:
             # int() once the weights had loaded.
             if not math.isfinite(gb):
                 raise ValueError(f"{flag} {gb:g} is not a finite size: give GiB as a number (0: no such tier)")
+        if self.cpu_kv_cache_bytes < 1:
+            raise ValueError(f"cpu_kv_cache_bytes must be >= 1 (bytes of host memory for a CPU engine's KV cache), "
+                             f"got {self.cpu_kv_cache_bytes}")
         if self.cpu_kv_gb < 0 or self.disk_kv_gb < 0:
             raise ValueError(f"cpu_kv_gb and disk_kv_gb must be >= 0, got {self.cpu_kv_gb}, {self.disk_kv_gb}")
         if self.disk_write_policy not in ("write-back", "write-through"):

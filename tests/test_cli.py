@@ -243,3 +243,18 @@ def test_sampling_flags_at_temperature_zero_are_named_as_having_no_effect(capsys
     with caplog.at_level(logging.WARNING, logger="mempath.cli"):
         assert main(["generate", "hi", "--top-p", "0.5", "--temperature", "0.7", "--max-tokens", "2", "--quiet"]) == 0
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--cpu-kv-cache-bytes", "-1"], "cpu_kv_cache_bytes must be >= 1 (bytes of host memory for a CPU engine's KV "
+                                     "cache), got -1"),
+    (["--swap-space", "-4"], "--swap-space -4 must be >= 0 (GiB of host memory for the KV cache's host tier)"),
+    (["--swap-space", "nan"], "--swap-space nan must be >= 0 (GiB of host memory for the KV cache's host tier)"),
+    (["--block-size", "1048576"], "raise --cpu-kv-cache-bytes, or lower --block-size (1048576; the default is 16)"),
+])
+def test_kv_sizes_name_the_flag_and_the_fix(capsys, flags, says):
+    """A negative cache size was told to be raised, --swap-space was called cpu_kv_gb, and a huge block was told
+    to get more memory rather than to be smaller."""
+    rc = main(["generate", "hi", "--quiet", "--max-tokens", "1", *flags])
+    err = one_error_line(capsys)
+    assert rc == 2 and says in err, err

@@ -17,7 +17,7 @@ from typing import Callable, ContextManager
 import torch
 
 from mempath.config import EngineConfig
-from mempath.constants import KV_NUMERICS_VERSION, VERSION
+from mempath.constants import DEFAULT_BLOCK_SIZE, KV_NUMERICS_VERSION, VERSION
 from mempath.engine.probes import Probes
 from mempath.engine.runner import ModelRunner, kv_block_nbytes
 from mempath.kv.manager import KVCacheManager, blocks_for
@@ -55,6 +55,12 @@ StageObserver = Callable[[str, "str | None"], ContextManager]
 
 def no_observer(name: str, pathway: str | None) -> ContextManager:
     return contextlib.nullcontext()
+
+
+def larger_block_fix(block_size: int) -> str:
+    """The other fix for a CPU KV cache that holds no block, where the block is larger than the default."""
+    return f", or lower --block-size ({block_size}; the default is {DEFAULT_BLOCK_SIZE})" \
+        if block_size > DEFAULT_BLOCK_SIZE else ""
 
 
 def load_tokenizer(model_dir: str):
@@ -354,7 +360,7 @@ class Startup:
         if num_blocks < 1:
             raise ValueError(
                 f"no memory is left for the KV cache (one block needs {format_bytes(per_block)}); "
-                + ("raise --cpu-kv-cache-bytes" if on_cpu else
+                + (f"raise --cpu-kv-cache-bytes{larger_block_fix(self.config.block_size)}" if on_cpu else
                    "raise --gpu-memory-utilization, lower --max-num-batched-tokens, or use a smaller --dtype"))
         tokens = num_blocks * self.config.block_size
         if tokens < self.max_model_len:

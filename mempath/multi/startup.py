@@ -16,7 +16,7 @@ from typing import Callable
 
 from mempath.config import EngineConfig
 from mempath.engine.engine import LLMEngine
-from mempath.engine.startup import Startup, StageObserver, no_observer
+from mempath.engine.startup import Startup, StageObserver, larger_block_fix, no_observer
 from mempath.memory.budget import check_host_room
 from mempath.kv.manager import KVCacheManager
 from mempath.memory.budget import ALLOCATION_ROUNDING
@@ -121,7 +121,7 @@ def size_page_pool(startups: list[TenantStartup], page_bytes: int) -> int:
         num_pages = max(0, startups[0].budget.remaining() - ALLOCATION_ROUNDING) // page_bytes
     if num_pages < 1:
         raise ValueError(f"no memory is left for the shared KV pool (one page needs {format_bytes(page_bytes)}); "
-                         + ("raise --cpu-kv-cache-bytes" if on_cpu else
+                         + (f"raise --cpu-kv-cache-bytes{larger_block_fix(config.block_size)}" if on_cpu else
                             "raise --gpu-memory-utilization or serve fewer or smaller models"))
     return num_pages
 
