@@ -820,3 +820,10 @@ def test_a_seed_beyond_what_a_generator_takes_is_refused_naming_the_range(seed):
         EngineConfig(model=default_model_path(), device="cpu", seed=seed)
     SamplingParams(seed=2**64 - 1).validate(max_logprobs=0)
     EngineConfig(model=default_model_path(), device="cpu", seed=-2**63)
+
+
+def test_a_model_path_that_is_some_file_says_so(tmp_path):
+    """It was told that FILE/config.json was missing."""
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'notes.txt'} is a file, not a model directory")):
+        LLM(str(tmp_path / "notes.txt"), show_progress=False)

@@ -107,6 +107,9 @@ def read_config(model_dir: str | Path) -> dict:
         shown = str(model_dir) if len(str(model_dir)) <= 80 else str(model_dir)[:80] + "..."
         raise CheckpointError(f"{shown}: not a model directory ({error.strerror}); pass a Hugging Face model "
                               f"directory (config.json + *.safetensors + tokenizer files)") from None
+    if not found and Path(model_dir).is_file():
+        raise CheckpointError(f"{model_dir} is a file, not a model directory; pass a Hugging Face model directory "
+                              f"(config.json + *.safetensors + tokenizer files)")
     if not found:
         raise CheckpointError(
             f"{path}: no config.json found; pass a Hugging Face model directory "
