@@ -1,6 +1,7 @@
 """`mempath plan` given bad input: one line naming the problem and the fix, exit 2, never a traceback
 and never a field silently ignored (an adversarial probe's findings)."""
 import json
+import re
 
 import pytest
 
@@ -232,3 +233,11 @@ def test_name_equals_dir_with_one_model_says_it_names_one_of_several(capsys):
 def test_kv_min_share_outside_zero_one_is_refused_with_the_range(capsys, share):
     line = refused(capsys, *TWO, "--kv-min-share", share)
     assert f"kv_min_share must be a fraction of the KV pool in [0, 1], got {float(share)!r}" in line, line
+
+
+def test_a_reversed_layer_range_is_named():
+    """'5-2' was read as no layers, and the plan said selective checkpointing needs layers."""
+    from mempath.tools.plan_cli import parse_layers
+    with pytest.raises(ValueError, match=re.escape("layer range '5-2' runs backwards: write 2-5")):
+        parse_layers("5-2")
+    assert parse_layers("2-5,7") == [2, 3, 4, 5, 7]

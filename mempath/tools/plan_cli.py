@@ -155,9 +155,12 @@ def parse_layers(text: str) -> list[int]:
     for part in filter(None, (s.strip() for s in text.split(","))):
         try:
             lo, _, hi = part.partition("-")
-            layers += range(int(lo), int(hi or lo) + 1)
+            first, last = int(lo), int(hi or lo)
         except ValueError:
             raise ValueError(f"cannot read layer list {text!r}: write e.g. 0,2,4 or 0-15") from None
+        if last < first:
+            raise ValueError(f"layer range {part!r} runs backwards: write {last}-{first}")
+        layers += range(first, last + 1)
     return layers
 
 
