@@ -30,8 +30,10 @@ import concurrent.futures
 import itertools
 import json
 import os
+import sys
 import time
 import types
+from pathlib import Path
 
 import torch
 
@@ -185,6 +187,34 @@ def layer_wall_us(args, host, slot, cuda: bool, overlapped: bool) -> float:
     return total / args.layers * 1e6
 
 
+def load_into_slot_us(args, cuda: bool) -> dict:
+    """``Experts.load_into_slot`` itself, shipped and as of the thirty-seventh session (bench_moe's copy), after
+    a device wait each time: microseconds to issue one expert's copies (on the CPU: to make them)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_moe import _s37_load_into_slot
+    from mempath.kernels.dispatch import torch_kernels
+    from mempath.model.moe import Experts
+    num_experts, hidden, intermediate = (16, 64, 32) if args.tiny else (128, 2048, 768)
+    experts = Experts(num_experts, hidden, intermediate, torch_kernels()).to(torch.bfloat16)
+    experts.set_resident(8, pin_memory=cuda)
+    if cuda:
+        experts.to("cuda")
+    out = {}
+    for name, load in (("load_into_slot_us", Experts.load_into_slot), ("load_into_slot_s37_us", _s37_load_into_slot)):
+        total = 0.0
+        for layer in range(args.layers + 1):
+            wait_for_device(args.idle_us, cuda)
+            start = time.perf_counter()
+            for s in range(4):
+                load(experts, (layer * 4 + s) % num_experts, s)
+            if layer:
+                total += time.perf_counter() - start
+        out[name] = total / (args.layers * 4) * 1e6
+    if cuda:
+        torch.cuda.synchronize()
+    return out
+
+
 def main() -> int:
     global CYCLES_PER_US
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -216,6 +246,7 @@ def main() -> int:
         line["issue_us_in_copies"] = ISSUED["copies"] if slot is not None else None
         line["issue_us_fresh_views"] = issue_us(args, host, slot, cuda, cached=False)
         line["issue_us_cached_views"] = issue_us(args, host, slot, cuda, cached=True)
+        line.update(load_into_slot_us(args, cuda))
         line["layer_serial_us"] = layer_wall_us(args, host, slot, cuda, overlapped=False)
         line["layer_overlapped_us"] = layer_wall_us(args, host, slot, cuda, overlapped=True)
         lines.append(line)

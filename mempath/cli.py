@@ -44,9 +44,11 @@ def sampling_params(args, config_defaults: dict | None = None, warn: bool = Fals
     unused = [f"--{name.replace('_', '-')} {getattr(args, name)}"
               for name in ("top_k", "top_p", "min_p", "sample_seed") if getattr(args, name) is not None]
     if warn and unused and values.get("temperature") == 0:
-        log.warning("%s %s no effect at temperature 0 (greedy decoding, the command line's default): add "
-                    "--temperature, e.g. --temperature 0.7", " and ".join(unused),
-                    "has" if len(unused) == 1 else "have")
+        source = ("--temperature 0" if args.temperature is not None else
+                  "the generation config's" if "temperature" in (config_defaults or {}) else
+                  "the command line's default")
+        log.warning("%s %s no effect at temperature 0 (greedy decoding, %s): add --temperature, e.g. "
+                    "--temperature 0.7", " and ".join(unused), "has" if len(unused) == 1 else "have", source)
     return SamplingParams(**values, seed=args.sample_seed, stop=args.stop, ignore_eos=args.ignore_eos)
 
 
@@ -109,13 +111,13 @@ GENERATE_HELP = ("Complete one PROMPT with the model in --model DIR (default: th
                  "second argument is an error, never a model name.")
 
 
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_LEVELS = ("debug", "info", "warning", "warn", "error", "critical")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mempath", description=__doc__, formatter_class=HelpWithDefaults)
-    parser.add_argument("--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS,
-                        metavar="{debug,info,warning,error}", help="default: warning")
+    parser.add_argument("--log-level", default="warning", type=str.lower, choices=LOG_LEVELS,
+                        help="default: warning")
     sub = parser.add_subparsers(dest="command", required=True)
     add_parser = functools.partial(sub.add_parser, formatter_class=HelpWithDefaults)
 
@@ -169,14 +171,12 @@ def run_command(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if sys.stdout is not None:
-        sys.stdout = CheckedOutput(sys.stdout)
+    sys.stdout = CheckedOutput(sys.stdout)
     try:
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
         code = run_command(args)
-        if sys.stdout is not None:  # None: started with stdout closed, and print() wrote nothing
-            sys.stdout.flush()  # here, where a closed pipe is caught, not in the interpreter's exit
+        sys.stdout.flush()  # here, where a closed pipe is caught, not in the interpreter's exit
         return code
     except BrokenPipeError:
         # The reader went away (`mempath plan --json | head`): stop quietly, as Unix tools do.
@@ -206,6 +206,8 @@ class CheckedOutput:
         self.stream = stream
 
     def write(self, text: str) -> int:
+        if self.stream is None:  # started with stdout closed: the output has nowhere to go
+            raise OutputError("stdout is closed")
         try:
             return self.stream.write(text)
         except BrokenPipeError:
@@ -214,6 +216,8 @@ class CheckedOutput:
             raise OutputError(error.strerror) from None
 
     def flush(self) -> None:
+        if self.stream is None:
+            return
         try:
             self.stream.flush()
         except BrokenPipeError:
@@ -222,6 +226,8 @@ class CheckedOutput:
             raise OutputError(error.strerror) from None
 
     def __getattr__(self, name):
+        if name == "stream" or self.__dict__.get("stream") is None:  # copy.copy probes before __init__ runs
+            raise AttributeError(name)
         return getattr(self.stream, name)
 
 

@@ -231,10 +231,11 @@ class LLM:
         for index in range(samples):
             request_id = f"gen-{next(self._ids)}"
             sample_params = params
-            if samples > 1:
-                seed = None if params.seed is None else params.seed + index
-                sample_params = SamplingParams(**{**params.__dict__, "n": 1, "seed": seed})
             try:
+                if samples > 1:
+                    params.check_sample_seeds()  # else a later sample is refused for a seed nobody gave
+                    seed = None if params.seed is None else params.seed + index
+                    sample_params = SamplingParams(**{**params.__dict__, "n": 1, "seed": seed})
                 engine.add_request(prompt, sample_params, request_id)
                 group.append(request_id)
             except ValueError as error:

@@ -3,7 +3,7 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
-from mempath.constants import check_seed
+from mempath.constants import SEED_RANGE, check_seed
 from mempath.structured.params import StructuredOutputsParams
 
 # Below this temperature a request is greedy, as in vLLM (_SAMPLING_EPS): dividing the logits
@@ -63,6 +63,12 @@ class SamplingParams:
         except (TypeError, ValueError):
             pass
 
+    def check_sample_seeds(self) -> None:
+        """Sample i of n draws with seed + i: the last must still be a seed (before any sample is added)."""
+        if self.seed is not None and isinstance(self.n, int) and self.n > 1 and self.seed + self.n - 1 > SEED_RANGE[1]:
+            raise ValueError(f"seed {self.seed} with n {self.n}: the samples' seeds (seed + 0 .. seed + n - 1) "
+                             f"must stay at most 2**64 - 1; give a smaller seed")
+
     def validate(self, max_logprobs: int) -> None:
         """Raise ValueError naming the bad field and the allowed range."""
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -97,6 +103,7 @@ class SamplingParams:
             raise ValueError(f"seed must be a whole number or None, got {self.seed!r}")
         if self.seed is not None:
             check_seed(self.seed)
+            self.check_sample_seeds()
         if not isinstance(self.stop, list) or any(not isinstance(s, str) for s in self.stop):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if any(not s for s in self.stop):

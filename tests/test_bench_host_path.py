@@ -17,11 +17,14 @@ def results(*argv: str) -> list[dict]:
 
 def test_bench_host_expert_times_every_condition():
     [line] = results("benchmarks/bench_host_expert.py", "--tiny")
-    for key in ("bare_us", "hot_us", "sleep_us", "device_wait_us", "copies_us", "layer_serial_us"):
+    for key in ("bare_us", "hot_us", "sleep_us", "device_wait_us", "copies_us", "layer_serial_us", "load_into_slot_us",
+                "load_into_slot_s37_us"):
         assert line[key] > 0, key
 
 
-def test_bench_moe_alternates_this_host_path_and_the_s37_one():
+def test_bench_moe_runs_both_host_path_variants():
+    """Only that both run and decode: on the CPU auto runs no pair on the host (no link to save), so neither
+    host path's pairs are exercised here; the GPU run is the measurement."""
     lines = [r for r in results("benchmarks/bench_moe.py", "--tiny", "--parts", "offload", "--cpu-experts", "auto",
                                 "--routers", "model", "--host-path-ab", "1") if r["part"] == "host-path-ab"]
     assert [r["variant"] for r in lines] == ["this tree", "s37 host path"]

@@ -225,10 +225,17 @@ def test_output_to_a_full_device_is_one_line():
         "mempath: error: cannot write the output (No space left on device)"], done.stderr
 
 
-def test_a_closed_stdout_is_not_a_traceback():
+def test_a_closed_stdout_is_one_line_not_a_traceback():
     done = subprocess.run(f"{sys.executable} -m mempath plan tests/data/configs/llama-3.1-8b.json --gpu-mem 80GiB >&-",
                           shell=True, stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=120)
-    assert "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 1 and done.stderr.strip().splitlines() == [
+        "mempath: error: cannot write the output (stdout is closed)"], done.stderr
+
+
+@pytest.mark.parametrize("level", ["critical", "WARN", "Info"])
+def test_log_levels_python_knows_are_taken_in_any_case(level):
+    from mempath.cli import build_parser
+    assert build_parser().parse_args(["--log-level", level, "plan", "x"]).log_level == level.lower()
 
 
 def test_sampling_flags_at_temperature_zero_are_named_as_having_no_effect(capsys, caplog):
@@ -239,6 +246,12 @@ def test_sampling_flags_at_temperature_zero_are_named_as_having_no_effect(capsys
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == ["--top-p 0.5 and --sample-seed 3 have no effect at temperature 0 (greedy decoding, the "
                         "command line's default): add --temperature, e.g. --temperature 0.7"], warnings
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mempath.cli"):
+        assert main(["generate", "hi", "--top-k", "5", "--temperature", "0", "--max-tokens", "2", "--quiet"]) == 0
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        "--top-k 5 has no effect at temperature 0 (greedy decoding, --temperature 0): add --temperature, e.g. "
+        "--temperature 0.7"]
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="mempath.cli"):
         assert main(["generate", "hi", "--top-p", "0.5", "--temperature", "0.7", "--max-tokens", "2", "--quiet"]) == 0

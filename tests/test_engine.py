@@ -819,6 +819,8 @@ def test_a_seed_beyond_what_a_generator_takes_is_refused_naming_the_range(seed):
     with pytest.raises(ValueError, match=re.escape(f"seed {says}")):
         EngineConfig(model=default_model_path(), device="cpu", seed=seed)
     SamplingParams(seed=2**64 - 1).validate(max_logprobs=0)
+    with pytest.raises(ValueError, match=re.escape("seed 18446744073709551615 with n 2: the samples' seeds")):
+        SamplingParams(seed=2**64 - 1, n=2).validate(max_logprobs=0)
     EngineConfig(model=default_model_path(), device="cpu", seed=-2**63)
 
 
@@ -827,3 +829,9 @@ def test_a_model_path_that_is_some_file_says_so(tmp_path):
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'notes.txt'} is a file, not a model directory")):
         LLM(str(tmp_path / "notes.txt"), show_progress=False)
+
+
+def test_n_samples_whose_seeds_would_pass_64_bits_are_refused_before_any_is_added(llm):
+    with pytest.raises(ValueError, match=re.escape("seed 18446744073709551615 with n 2: the samples' seeds")):
+        llm.generate([1, 2, 3], SamplingParams(max_tokens=2, seed=2**64 - 1, n=2, temperature=1.0))
+    assert not llm.engine.has_unfinished_requests()

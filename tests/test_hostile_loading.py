@@ -622,3 +622,12 @@ def test_step_buffers_larger_than_the_host_are_refused_naming_max_num_seqs(tmp_p
     message = str(refused.value)
     assert message.startswith("--max-num-seqs 10000000") and "step buffers" in message, message
     assert message.endswith("lower --max-num-seqs (or free host memory)") and "\n" not in message, message
+
+
+def test_step_buffers_name_max_num_batched_tokens_when_its_arrays_are_the_larger(tmp_path, host_with):
+    make_model(tmp_path)
+    host_with(256 << 20)
+    with pytest.raises(ValueError, match=r"^--max-num-batched-tokens 100000000 asks for step buffers .*lower "
+                                         r"--max-num-batched-tokens \(or free host memory\)$"):
+        LLM(str(tmp_path), dtype="float32", device="cpu", show_progress=False, max_num_batched_tokens=10**8,
+            cpu_kv_cache_bytes=64 << 20)

@@ -66,7 +66,9 @@ class StepBuffers:
         # Before allocating: the block tables alone are max_seqs · max_blocks int32, host and device twin (both
         # host memory on a CPU device), and an absurd --max-num-seqs otherwise fails in the allocator.
         host_bytes = StepBuffers.host_nbytes(max_tokens, max_seqs, max_blocks)
-        check_host_room(host_bytes * (1 if pin else 2), f"--max-num-seqs {max_seqs}", "step buffers")
+        tokens_larger = 3 * max_tokens * 8 > max_seqs * max_blocks * 4  # name the flag behind the larger part
+        setting = f"--max-num-batched-tokens {max_tokens}" if tokens_larger else f"--max-num-seqs {max_seqs}"
+        check_host_room(host_bytes * (1 if pin else 2), setting, "step buffers")
 
         def pair(shape, dtype):
             host = torch.zeros(shape, dtype=dtype, pin_memory=pin)

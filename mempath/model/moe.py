@@ -256,7 +256,9 @@ class Experts(nn.Module):
         return cached[1], cached[2]
 
     def expert_bytes(self) -> int:
-        return (self.gate_up_proj[0].numel() + self.down_proj[0].numel()) * self.gate_up_proj.element_size()
+        """From the shapes: indexing a slot makes views, and this runs for every copy."""
+        per_expert = math.prod(self.gate_up_proj.shape[1:]) + math.prod(self.down_proj.shape[1:])
+        return per_expert * self.gate_up_proj.element_size()
 
     def set_resident(self, num_slots: int | None, pin_memory: bool = False) -> None:
         """Keep ``num_slots`` experts on the parameters' device (None: all), every expert in host memory.

@@ -17,9 +17,8 @@ from typing import Callable
 from mempath.config import EngineConfig
 from mempath.engine.engine import LLMEngine
 from mempath.engine.startup import Startup, StageObserver, larger_block_fix, no_observer
-from mempath.memory.budget import check_host_room
 from mempath.kv.manager import KVCacheManager
-from mempath.memory.budget import ALLOCATION_ROUNDING
+from mempath.memory.budget import ALLOCATION_ROUNDING, check_host_room
 from mempath.memory.ledger import Pathway, format_bytes
 from mempath.multi.experts import expert_cache_line, options_by_model
 from mempath.multi.layout import allocate_pages, attach_pages, kv_bytes_per_token, page_layout
