@@ -40,7 +40,7 @@ _KINDS = {bool: "true or false", int: "a whole number", float: "a number", str: 
           type(None): "None"}
 
 
-def _as_kind(value, kind: type):
+def as_kind(value, kind: type):
     """``value`` as a ``kind`` (numpy's scalars as Python's), or None where it is not one: a bool is no number
     (Python's bool is an int) and no number is a bool; an int is a float."""
     is_bool = isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"))
@@ -65,7 +65,7 @@ def check_field_types(config) -> None:
         value, kinds = getattr(config, item.name), typing.get_args(item.type) or (item.type,)
         if value is None and type(None) in kinds:
             continue
-        taken = next((v for v in (_as_kind(value, kind) for kind in kinds if kind is not type(None))
+        taken = next((v for v in (as_kind(value, kind) for kind in kinds if kind is not type(None))
                       if v is not None), None)
         if taken is None:
             wanted = " or ".join(_KINDS.get(kind, getattr(kind, "__name__", str(kind))) for kind in kinds)

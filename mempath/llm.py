@@ -3,10 +3,9 @@ import itertools
 import logging
 import numbers
 
-import numpy as np
 from tqdm.auto import tqdm
 
-from mempath.config import EngineConfig
+from mempath.config import EngineConfig, as_kind
 from mempath.engine.engine import LLMEngine
 from mempath.engine.input import PROMPT_FIELDS, check_text
 from mempath.generation_config import generation_defaults
@@ -25,9 +24,10 @@ def is_one_prompt(prompts) -> bool:
 def check_flag(name: str, value) -> bool:
     """``value`` as a bool (numpy's too); ValueError in one line for anything else, which a truthiness
     test would have taken (the text "false" switches a flag on)."""
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
-    raise ValueError(f"{name} must be true or false, got {value!r}")
+    flag = as_kind(value, bool)
+    if flag is None:
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+    return flag
 
 
 def as_prompts(prompts):

@@ -94,8 +94,8 @@ def check_disk_room(path, nbytes: int, flag_gb: float) -> None:
     """Refuse a tier larger than its disk can hold: the space free on the file system of ``path`` (its nearest
     existing ancestor when it is still to be made) plus what the files already under it take: the tier's own,
     which it may keep or evict, and other layouts' (so a folder several layouts share can pass with less room
-    than asked; the check catches sizes no disk there could hold). A full disk would only fail writes (blocks stay off disk); the size asked for is
-    refused here instead, in one line, before the weights load."""
+    than asked; the check catches sizes no disk there could hold). A full disk would only fail writes (blocks
+    stay off disk); the size asked for is refused here instead, in one line, before the weights load."""
     root = os.path.abspath(os.path.expanduser(os.fspath(path)))
     existing = root
     while not os.path.exists(existing) and os.path.dirname(existing) != existing:
