@@ -289,9 +289,12 @@ def part_offload(args, config: dict, bandwidth: dict) -> list[dict]:
             host_experts_per_token=(after["host_experts"] - before["host_experts"]) / args.output_len,
             host_pairs_us_per_expert=clock.seconds["host_pairs"] / (after["host_experts"] - before["host_experts"])
             * 1e6 if after["host_experts"] > before["host_experts"] else None,
-            target_tok_s={"model": None, "uniform": 17, "skewed": 40}[router], **rates, **clock.per_layer()))
+            target_tok_s={"model": None, "uniform": 17, "skewed": 40}[router], **rates,
+            host_row_us_learned=after["host_row_us"], **clock.per_layer()))
     if args.host_path_ab:
         out += host_path_ab(llm, args)
+    if args.row_learning_ab:
+        out += row_learning_ab(llm, args)
     out.append(result("offload-store", **store_copy_rate(llm, args)))
     del llm
     return out
@@ -306,12 +309,12 @@ def _s37_load_into_slot(self, expert: int, slot: int) -> int:
     return self.expert_bytes()
 
 
-def _s37_fill_host_pairs(experts, x, router_weights, expert_ids, top_k, on_host, pairs, mask) -> None:
+def _s37_fill_host_pairs(experts, x, router_weights, expert_ids, top_k, on_host, pairs, mask) -> int:
     """moe_slots.fill_host_pairs as shipped until the thirty-eighth session: index tensors, then the twin."""
     mask.zero_()
     chosen = [p for p, e in enumerate(expert_ids) if e in on_host]
     if not chosen:
-        return
+        return 0
     index = torch.tensor(chosen)
     host = experts.cache.host
     pairs[index] = moe_slots.expert_pairs_torch(
@@ -319,6 +322,7 @@ def _s37_fill_host_pairs(experts, x, router_weights, expert_ids, top_k, on_host,
         torch.tensor([expert_ids[p] for p in chosen]).unsqueeze(1), host["gate_up_proj"], host["down_proj"],
         silu_and_mul_torch)
     mask[index] = True
+    return len(chosen)
 
 
 @contextlib.contextmanager
@@ -352,6 +356,32 @@ def host_path_ab(llm: LLM, args) -> list[dict]:
                               decode_tok_s=rate, host_experts_per_token=host_experts / args.output_len,
                               host_row_us=cost.host_row_seconds * 1e6 if cost else None,  # None: the CPU
                               issue_us=cost.issue_seconds * 1e6 if cost else None,
+                              host_pairs_us_per_expert=clock.seconds["host_pairs"] / host_experts * 1e6
+                              if host_experts else None, **clock.per_layer()))
+    return out
+
+
+def row_learning_ab(llm: LLM, args) -> list[dict]:
+    """The uniform router's decode under auto with the split's per-row time following the steps' host rows
+    (shipped) and held at start-up's measurement, alternately (``--row-learning-ab`` rounds of each), each
+    after start-up's cost measurement again."""
+    out = []
+    set_router(llm, "uniform")
+    for round_ in range(args.row_learning_ab):
+        for variant in ("rows learned", "start-up rows"):
+            set_cpu_experts(llm.engine.model, "auto")
+            cost = llm.engine.model.moe_blocks()[0].experts.host_cost
+            measured = cost.host_row_seconds if cost else None
+            if cost and variant == "start-up rows":
+                cost.row_weight = 0.0
+            with HostStepClock() as clock:
+                rate, _, before = decode(llm, args)
+            after = expert_cache_stats(llm.engine.model)
+            host_experts = after["host_experts"] - before["host_experts"]
+            out.append(result("row-learning-ab", router="synthetic uniform", variant=variant, round=round_,
+                              decode_tok_s=rate, host_experts_per_token=host_experts / args.output_len,
+                              host_row_us=measured * 1e6 if cost else None,  # None: the CPU
+                              host_row_us_learned=after["host_row_us"],
                               host_pairs_us_per_expert=clock.seconds["host_pairs"] / host_experts * 1e6
                               if host_experts else None, **clock.per_layer()))
     return out
@@ -520,6 +550,9 @@ def main() -> int:
     parser.add_argument("--host-path-ab", type=int, default=0, metavar="ROUNDS",
                         help="with --cpu-experts auto: ROUNDS of the uniform router's decode with this tree's "
                              "host path and the s37 one, alternately, on the offloaded engine")
+    parser.add_argument("--row-learning-ab", type=int, default=0, metavar="ROUNDS",
+                        help="with --cpu-experts auto: ROUNDS of the uniform router's decode with the split's "
+                             "per-row time learned from the steps and held at start-up's, alternately")
     parser.add_argument("--resident-models", type=lambda text: text.split(","), default=list(RESIDENT_MODELS),
                         help="the resident part's shapes (Mixtral-8x7B's 93 GB fits an H200, not an 80 GB card)")
     args = parser.parse_args()

@@ -22,10 +22,13 @@ def test_bench_host_expert_times_every_condition():
         assert line[key] > 0, key
 
 
-def test_bench_moe_runs_both_host_path_variants():
-    """Only that both run and decode: on the CPU auto runs no pair on the host (no link to save), so neither
-    host path's pairs are exercised here; the GPU run is the measurement."""
-    lines = [r for r in results("benchmarks/bench_moe.py", "--tiny", "--parts", "offload", "--cpu-experts", "auto",
-                                "--routers", "model", "--host-path-ab", "1") if r["part"] == "host-path-ab"]
-    assert [r["variant"] for r in lines] == ["this tree", "s37 host path"]
-    assert all(r["decode_tok_s"] > 0 for r in lines)
+def test_bench_moe_runs_both_variants_of_each_ab():
+    """Only that each runs and decodes: on the CPU auto runs no pair on the host (no link to save), so neither
+    variant's host pairs are exercised here; the GPU run is the measurement."""
+    lines = results("benchmarks/bench_moe.py", "--tiny", "--parts", "offload", "--cpu-experts", "auto",
+                    "--routers", "model", "--host-path-ab", "1", "--row-learning-ab", "1")
+    host_path = [r for r in lines if r["part"] == "host-path-ab"]
+    learning = [r for r in lines if r["part"] == "row-learning-ab"]
+    assert [r["variant"] for r in host_path] == ["this tree", "s37 host path"]
+    assert [r["variant"] for r in learning] == ["rows learned", "start-up rows"]
+    assert all(r["decode_tok_s"] > 0 for r in host_path + learning)

@@ -191,3 +191,40 @@ def test_measured_host_rates_read_every_expert_of_the_layer_cold(model_factory, 
         assert torch.equal(getattr(experts, name), before), name
     assert expert_cache_stats(llm.engine.model) == stats
     check_caches(llm.engine.model)
+
+
+def test_the_host_row_time_moves_to_what_rows_take_inside_steps():
+    """A row measured at start-up, alone, runs faster than inside a step (copies in flight, the step's own
+    work): with a weight, observed rows move the split's per-row time toward theirs, an outlier at most a
+    bounded step, and the split follows. Without one (the default) an observation changes nothing."""
+    cost = HostExpertCost(h2d_bytes_per_s=50e9, host_flops_per_s=100e9, sync_seconds=0.0, host_row_seconds=100e-6,
+                          row_weight=0.25)
+    six = {e: 1 for e in range(6)}  # copies 188.7 us each
+    assert len(cost.split_misses(six, H, I, B)) == 4  # max(400, 377) us
+    cost.observe_host_rows(1, 50e-3)  # one stall: the estimate moves a quarter of the way to 4x, no further
+    assert cost.host_row_seconds == pytest.approx(100e-6 * (1 + 0.25 * 3))
+    for _ in range(40):
+        cost.observe_host_rows(2, 2 * 400e-6)
+    assert cost.host_row_seconds == pytest.approx(400e-6, rel=1e-3)
+    assert len(cost.split_misses(six, H, I, B)) == 2  # max(800, 755) us
+    fixed = HostExpertCost(h2d_bytes_per_s=50e9, host_flops_per_s=100e9, sync_seconds=0.0, host_row_seconds=100e-6)
+    fixed.observe_host_rows(2, 2 * 400e-6)
+    assert fixed.host_row_seconds == 100e-6
+
+
+def test_host_run_rows_of_a_step_teach_the_split_their_time(model_factory):
+    """On the slot path (the kernel's twin on the CPU), each layer's host-run rows are timed and fed to the
+    cost model: a per-row time set far below the real one rises toward it, and the stats report it."""
+    from tests.test_moe_slots import slot_kernel_llm
+    path, _ = model_factory("mixtral")
+    llm = slot_kernel_llm(path, 2)
+    cost = HostExpertCost(h2d_bytes_per_s=1e9, host_flops_per_s=1e30, sync_seconds=0.0, host_row_seconds=1e-9,
+                          row_weight=0.5)
+    for block in llm.engine.model.moe_blocks():
+        block.experts.cpu_experts, block.experts.host_cost = "auto", cost
+    generate(llm)
+    stats = expert_cache_stats(llm.engine.model)
+    assert stats["host_experts"] > 0
+    assert cost.host_row_seconds > 1e-7  # a row of the tiny model's expert takes microseconds on any host
+    assert stats["host_row_us"] == pytest.approx(cost.host_row_seconds * 1e6)
+    check_caches(llm.engine.model)

@@ -219,3 +219,23 @@ def test_cut_graphs_split_misses_between_the_host_and_the_copies(model_factory, 
     check_caches(llm.engine.model)
     del llm
     release_cuda()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cut_graphs_time_their_host_rows_for_the_split(model_factory):
+    """The host steps between graph pieces time their host-run rows for the cost model: a per-row time set far
+    below the real one rises toward it."""
+    from mempath.model.moe_host import HostExpertCost
+    path, _ = model_factory("mixtral")
+    llm = LLM(path, dtype="float32", device="cuda", show_progress=False, enable_prefix_caching=False,
+              moe_expert_cache_size=4, max_num_seqs=1, moe_cpu_experts="auto")
+    assert llm.engine.runner.graphs
+    cost = HostExpertCost(1e9, 1e30, 0.0, host_row_seconds=1e-9, row_weight=0.5)
+    for block in llm.engine.model.moe_blocks():
+        block.experts.host_cost = cost
+    llm.generate([[1, 5, 9, 33, 7]], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert expert_cache_stats(llm.engine.model)["host_experts"] > 0
+    assert cost.host_row_seconds > 1e-7
+    check_caches(llm.engine.model)
+    del llm
+    release_cuda()

@@ -573,9 +573,12 @@ def expert_cache_stats(model) -> dict:
 
 
 def _cpu_experts_stats(experts) -> dict:
-    """The miss policy (moe_host.py) and, under auto, the measured token count up to which a miss runs on the host."""
+    """The miss policy (moe_host.py) and, under auto, the measured token count up to which a miss runs on the host,
+    and the host's time for one row of one expert as the split now prices it (None: no split)."""
+    cost = experts.host_cost
     return {"cpu_experts": experts.cpu_experts,
-            "host_token_limit": experts.host_token_limit if experts.cpu_experts == "auto" else None}
+            "host_token_limit": experts.host_token_limit if experts.cpu_experts == "auto" else None,
+            "host_row_us": cost.host_row_seconds * 1e6 if cost is not None else None}
 
 
 # ---------------------------------------------------------------- synthetic routing (benchmarks only)

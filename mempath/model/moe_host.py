@@ -10,8 +10,11 @@ compares the two per expert and step:
 - host: ``2·3·h·I_e·t`` FLOPs at the host's matmul rate, plus the t hidden states'
   round trip (``2·t·h·b`` bytes over the same link) and one synchronisation.
 
-The rates are measured once, when the policy is set (``measure_host_cost``). The model
-is per step: it does not credit a copy with the hits it may bring later steps.
+The rates are measured once, when the policy is set (``measure_host_cost``). A row timed
+there runs alone; inside a step it shares the host with the step's copies and bookkeeping
+and takes longer, so the split's per-row time then follows the rows the steps run
+(``observe_host_rows``). The model is per step: it does not credit a copy with the hits it
+may bring later steps.
 
 On the grouped kernel (moe_slots.py, eager steps and decode graphs cut at the MoE layers)
 ``auto`` splits a step's misses instead: the host multiplies some while the copy engine
@@ -32,11 +35,17 @@ from mempath.kernels.elementwise_torch import silu_and_mul_torch
 from mempath.model.moe_slots import fill_host_pairs
 
 CPU_EXPERT_POLICIES = ("never", "auto", "always")
+# The weight of one layer's observed rows: a decode step of a 48-layer model moves the estimate
+# most of the way, so a step or two after the host's load changes, the split has followed it.
+ROW_WEIGHT = 1 / 16
+MAX_ROW_JUMP = 4.0
 
 
-@dataclass(frozen=True)
+@dataclass
 class HostExpertCost:
-    """Rates that decide where a missed expert runs; times in seconds for one expert of one layer."""
+    """Rates that decide where a missed expert runs; times in seconds for one expert of one layer.
+
+    Shared by every layer of a model: ``host_row_seconds`` moves with the host-run rows of all of them."""
 
     h2d_bytes_per_s: float  # pinned host-to-device copies (one expert at a time)
     host_flops_per_s: float  # the host's matmul rate in the model dtype, decode-sized rows
@@ -48,6 +57,9 @@ class HostExpertCost:
     # The host's time to issue one expert's copy (the copy calls; the cache's bookkeeping is not timed):
     # the host issues a step's copies before it computes its share, so these delay its side of a split.
     issue_seconds: float = 0.0
+    # How far one observed layer's rows move host_row_seconds toward their own time (0: never; the
+    # start-up measurement stands). An observation counts at most MAX_ROW_JUMP times the current value.
+    row_weight: float = 0.0
 
     def copy_seconds(self, hidden: int, intermediate: int, dtype_bytes: int) -> float:
         return 3 * hidden * intermediate * dtype_bytes / self.h2d_bytes_per_s
@@ -85,6 +97,15 @@ class HostExpertCost:
             if seconds < best_seconds:
                 best, best_seconds = count, seconds
         return by_tokens[:best]
+
+    def observe_host_rows(self, rows: int, seconds: float) -> None:
+        """A layer's ``rows`` host-run rows took ``seconds`` inside a step (moe_slots.run_host_pairs)."""
+        if not self.row_weight or rows <= 0:
+            return
+        current, seen = self.host_row_seconds, seconds / rows
+        if current:  # one stall (the OS, a page fault) moves it a bounded step
+            seen = min(seen, MAX_ROW_JUMP * current)
+        self.host_row_seconds = current + self.row_weight * (seen - current) if current else seen
 
     def _host_seconds_per_token(self, hidden: int, intermediate: int, dtype_bytes: int) -> float:
         return 6 * hidden * intermediate / self.host_flops_per_s + 2 * hidden * dtype_bytes / self.h2d_bytes_per_s
@@ -143,7 +164,8 @@ def measure_host_cost(experts) -> HostExpertCost:
     sync_seconds = _seconds_per_call(lambda: row.to("cpu").to(row.device), cuda=cuda)
     return HostExpertCost(h2d_bytes_per_s=experts.expert_bytes() / copy_seconds,
                           host_flops_per_s=flops / host_seconds, sync_seconds=sync_seconds,
-                          host_row_seconds=row_seconds, issue_seconds=issue_seconds)
+                          host_row_seconds=row_seconds, issue_seconds=issue_seconds,
+                          row_weight=ROW_WEIGHT)
 
 
 def check_cpu_experts(policy: str, expert_cache_size: int | None) -> None:

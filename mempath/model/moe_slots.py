@@ -29,6 +29,8 @@ same stacks: CPU tests run this module's bookkeeping with it.
 
 This module works on a MoEBlock passed in (duck-typed) and imports nothing from moe.py.
 """
+import time
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -59,17 +61,17 @@ def _pair_row(gate_up: torch.Tensor, down: torch.Tensor, row: torch.Tensor, weig
 
 
 def fill_host_pairs(experts, x: torch.Tensor, router_weights: torch.Tensor, expert_ids: list[int], top_k: int,
-                    on_host: set[int], pairs: torch.Tensor, mask: torch.Tensor) -> None:
+                    on_host: set[int], pairs: torch.Tensor, mask: torch.Tensor) -> int:
     """The rows of the grouped kernel's output (``[T·k, h]`` float32, on the host) of every pair whose
     expert is in ``on_host``, by the kernel's twin over the host store, and ``mask`` (bool ``[T·k]``)
-    True at them: on the CPU a host-run pair is the kernel's pair bit for bit.
+    True at them: on the CPU a host-run pair is the kernel's pair bit for bit. Returns how many rows it filled.
 
     Pair by pair with no index tensors: a decode step runs one or two pairs a layer here, and
     the step waits for each operator's fixed cost."""
     mask.zero_()
     chosen = [p for p, e in enumerate(expert_ids) if e in on_host]
     if not chosen:
-        return
+        return 0
     host = experts.cache.host
     gate_up, down = host["gate_up_proj"], host["down_proj"]
     weights = router_weights.reshape(-1).to(torch.float32)
@@ -77,6 +79,16 @@ def fill_host_pairs(experts, x: torch.Tensor, router_weights: torch.Tensor, expe
         expert = expert_ids[pair]
         pairs[pair] = _pair_row(gate_up[expert], down[expert], x[pair // top_k], weights[pair], silu_and_mul_torch)
     mask.numpy()[chosen] = True
+    return len(chosen)
+
+
+def run_host_pairs(experts, x: torch.Tensor, router_weights: torch.Tensor, expert_ids: list[int], top_k: int,
+                   on_host: set[int], pairs: torch.Tensor, mask: torch.Tensor) -> None:
+    """``fill_host_pairs`` inside a step, timed for the cost model (moe_host.HostExpertCost.observe_host_rows)."""
+    start = time.perf_counter()
+    rows = fill_host_pairs(experts, x, router_weights, expert_ids, top_k, on_host, pairs, mask)
+    if experts.host_cost is not None:
+        experts.host_cost.observe_host_rows(rows, time.perf_counter() - start)
 
 
 def uses_slot_kernel(block) -> bool:
@@ -116,8 +128,8 @@ class SlotTable:
         if not on_host and not self.mask_dirty:
             return
         n = len(expert_ids)
-        fill_host_pairs(experts, x, weights, expert_ids, top_k, on_host, self.host_pair_rows[:n],
-                        self.host_pair_mask)
+        run_host_pairs(experts, x, weights, expert_ids, top_k, on_host, self.host_pair_rows[:n],
+                       self.host_pair_mask)
         if on_host:
             self.pair_rows[:n].copy_(self.host_pair_rows[:n], non_blocking=True)
         self.pair_mask.copy_(self.host_pair_mask, non_blocking=True)
@@ -286,7 +298,7 @@ def _host_pairs(block, x, weights, ids: list[int], on_host: set[int]) -> tuple[t
     experts = block.experts
     rows = torch.zeros(len(ids), experts.down_proj.shape[1], dtype=torch.float32)
     mask = torch.zeros(len(ids), dtype=torch.bool)
-    fill_host_pairs(experts, x, weights, ids, block.top_k, on_host, rows, mask)
+    run_host_pairs(experts, x, weights, ids, block.top_k, on_host, rows, mask)
     return rows, mask
 
 
