@@ -30,6 +30,18 @@ def check_flag(name: str, value) -> bool:
     return flag
 
 
+def progress_option(use_tqdm):
+    """``use_tqdm`` as vLLM takes it: a flag (numpy's too), or a callable that makes the bar
+    (``functools.partial(tqdm, leave=False)``, say), returned as it is; ValueError in one line otherwise."""
+    if callable(use_tqdm):
+        return use_tqdm
+    flag = as_kind(use_tqdm, bool)
+    if flag is None:
+        raise ValueError(f"use_tqdm must be true, false or a callable that makes the progress bar (e.g. "
+                         f"functools.partial(tqdm, leave=False)), got {use_tqdm!r}")
+    return flag
+
+
 def as_prompts(prompts):
     """``prompts`` with a token-id array or tuple (numpy, torch: one prompt, not a batch of one-token prompts)
     as a list; ValueError in one line for what is no prompt or list of them."""
@@ -142,7 +154,7 @@ class LLM:
         return SamplingParams(**(self.defaults_by_model.get(model) or self.sampling_defaults))
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, model: str | None = None) -> list[RequestOutput]:
+                 use_tqdm=True, model: str | None = None) -> list[RequestOutput]:
         """Generate for one prompt or a list (strings, token-id lists, or vLLM's ``{"prompt": ...}`` /
         ``{"prompt_token_ids": [...]}`` dicts): one RequestOutput per prompt.
 
@@ -150,9 +162,10 @@ class LLM:
         ``out.text`` is the first sample's. A bad request in a list comes back finished with
         ``finish_reason == "error"`` and the message in ``error``, while the others run; a
         bad single prompt raises ValueError. ``sampling_params`` (vLLM's name): one for all
-        prompts or one each; None: get_default_sampling_params().
+        prompts or one each; None: get_default_sampling_params(). ``use_tqdm``: a flag, or (as vLLM) a
+        callable that makes the progress bar from tqdm's keyword arguments.
         """
-        use_tqdm = check_flag("use_tqdm", use_tqdm)
+        use_tqdm = progress_option(use_tqdm)
         prompts = as_prompts(prompts)
         single = is_one_prompt(prompts)
         prompt_list = [prompts] if single else list(prompts)
@@ -171,7 +184,10 @@ class LLM:
         groups = [self._add_samples(engine, prompt, p, single) for prompt, p in zip(prompt_list, param_list)]
         results = {r.request_id: r for group in groups for r in group if isinstance(r, RequestOutput)}
         total = sum(len(group) for group in groups)
-        bar = tqdm(total=total, desc="Generating", unit="req", disable=not use_tqdm or total < 2)
+        if callable(use_tqdm):
+            bar = use_tqdm(total=total, desc="Generating", unit="req")
+        else:
+            bar = tqdm(total=total, desc="Generating", unit="req", disable=not use_tqdm or total < 2)
         bar.update(len(results))
         while self.engine.has_unfinished_requests():
             for output in self.engine.step():
@@ -249,11 +265,11 @@ class LLM:
                     finished=True, finish_reason="error", error=str(error)))
         return group
 
-    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm=True,
              add_generation_prompt: bool = True, chat_template: str | None = None,
              model: str | None = None) -> list[RequestOutput]:
         """Apply the chat template (``chat_template``, else the tokenizer's) to one conversation or a list."""
-        use_tqdm = check_flag("use_tqdm", use_tqdm)
+        use_tqdm = progress_option(use_tqdm)
         add_generation_prompt = check_flag("add_generation_prompt", add_generation_prompt)
         engine = self._engine_for(model)
         tokenizer, name = engine.tokenizer, engine.config.model

@@ -740,9 +740,10 @@ def test_numpy_scalars_sets_and_generators_are_taken_as_python_values(llm):
 
 
 @pytest.mark.parametrize("call, says", [
-    (lambda llm: llm.generate([1, 2, 3], greedy(2), use_tqdm="no"), "use_tqdm must be true or false, got 'no'"),
+    (lambda llm: llm.generate([1, 2, 3], greedy(2), use_tqdm="no"), "use_tqdm must be true, false or a callable"),
     (lambda llm: llm.chat([{"role": "user", "content": "hi"}], greedy(2), use_tqdm=None),
-     "use_tqdm must be true or false, got None"),
+     "use_tqdm must be true, false or a callable that makes the progress bar (e.g. functools.partial(tqdm, "
+     "leave=False)), got None"),
     (lambda llm: llm.chat([{"role": "user", "content": "hi"}], greedy(2), add_generation_prompt="false"),
      "add_generation_prompt must be true or false, got 'false'"),
 ])
@@ -758,6 +759,21 @@ def test_numpy_bools_are_flags(llm):
                    add_generation_prompt=np.bool_(True))
     assert out[0].error is None and out[0].prompt.endswith(
         llm.chat([{"role": "user", "content": "hi"}], greedy(2), use_tqdm=False)[0].prompt[-20:])
+
+
+def test_use_tqdm_takes_a_callable_that_makes_the_bar(llm):
+    """vLLM's use_tqdm also takes a factory (e.g. functools.partial(tqdm, leave=False)): it makes the bar."""
+    from tqdm.auto import tqdm
+    made = []
+
+    def factory(**kwargs):
+        made.append(kwargs)
+        return tqdm(**{**kwargs, "disable": True})
+    outs = llm.generate([[1, 2, 3], [4, 5]], greedy(2), use_tqdm=factory)
+    assert [o.error for o in outs] == [None, None]
+    assert len(made) == 1 and made[0]["total"] == 2
+    llm.chat([[{"role": "user", "content": "hi"}], [{"role": "user", "content": "yo"}]], greedy(2), use_tqdm=factory)
+    assert len(made) == 2
 
 
 def test_a_tokenizer_directory_without_a_tokenizer_is_refused_before_the_weights_load(tmp_path, monkeypatch):
