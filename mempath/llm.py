@@ -128,6 +128,8 @@ class LLM:
         pairs = served_models(models, served_names)
         check_sleep_after(sleep_after)
         check_min_share(kv_min_share)
+        source = engine_options.get("generation_config", "auto")
+        self.defaults_by_model = {name: generation_defaults(path, source) for name, path in pairs}  # before the load
         engines, pool = build_engines(pairs, engine_options, show_progress, kv_min_share)
         self.engine = MultiEngine(engines, pool, sleep_after)
         self.engines = engines
@@ -135,8 +137,6 @@ class LLM:
             engine.outputs.emit_progress = False
         first = next(iter(engines.values()))
         self.config, self.tokenizer = first.config, first.tokenizer
-        self.defaults_by_model = {name: generation_defaults(e.config.model, e.config.generation_config)
-                                  for name, e in engines.items()}
         self.sampling_defaults = next(iter(self.defaults_by_model.values()))
         self._ids = itertools.count()
 

@@ -289,3 +289,17 @@ def test_a_long_inline_template_is_a_template_and_a_bad_file_is_named(tmp_path):
     (tmp_path / "t.jinja").write_bytes(b"{{ \xff }}")
     with pytest.raises(ValueError, match=re.escape(f"--chat-template {tmp_path / 't.jinja'}: is not UTF-8 text")):
         read_chat_template(str(tmp_path / "t.jinja"))
+
+
+def test_several_models_check_their_generation_configs_before_any_weights_load(tmp_path, monkeypatch):
+    """One model's bad generation_config.json used to be found only after every model's weights had loaded."""
+    from mempath import LLM
+    from mempath.assets import default_model_path
+    from mempath.engine import startup
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    shutil.copytree(default_model_path(), good)
+    shutil.copytree(default_model_path(), bad)
+    (bad / "generation_config.json").write_text('{"temperature": -1}')
+    monkeypatch.setattr(startup.Startup, "load_weights", lambda *a, **k: pytest.fail("the weights loaded"))
+    with pytest.raises(ValueError, match=re.escape(f"{bad / 'generation_config.json'}: temperature must be >= 0")):
+        LLM([str(good), str(bad)], device="cpu", show_progress=False)
