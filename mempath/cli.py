@@ -76,12 +76,23 @@ def resolve_model_and_prompt(args) -> tuple[str | None, str]:
                      f"directory: quote a prompt that has spaces, and give the model as --model DIR")
 
 
+def warn_if_cut(output, params, max_model_len: int) -> None:
+    """Say when max_model_len, not --max-tokens, ended the output (the engine stops a sequence at its last position)."""
+    made = len(output.token_ids)
+    if output.finish_reason == "length" and made < params.max_tokens:
+        log.warning("the output stopped at %d tokens, not --max-tokens %d: its %d-token prompt and the output fill "
+                    "--max-model-len %d; raise --max-model-len for a longer output", made, params.max_tokens,
+                    len(output.prompt_token_ids), max_model_len)
+
+
 def run_generate(args) -> int:
     from mempath.llm import LLM
     model, prompt = resolve_model_and_prompt(args)
     sampling_params(args).validate(args.max_logprobs)  # a bad flag fails before the weights load
     llm = LLM(model, show_progress=not args.quiet, **engine_options(args))
-    output = llm.generate(prompt, sampling_params(args, llm.sampling_defaults, warn=True), use_tqdm=False)[0]
+    params = sampling_params(args, llm.sampling_defaults, warn=True)
+    output = llm.generate(prompt, params, use_tqdm=False)[0]
+    warn_if_cut(output, params, llm.config.max_model_len)
     if args.json:
         print(json.dumps({"prompt": prompt, "text": output.text, "token_ids": output.token_ids,
                           "finish_reason": output.finish_reason,
@@ -101,6 +112,7 @@ def run_chat(args) -> int:
     params = sampling_params(args, llm.sampling_defaults, warn=True)
     output = llm.chat([{"role": "user", "content": args.message}], params,
                       use_tqdm=False, chat_template=template)[0]
+    warn_if_cut(output, params, llm.config.max_model_len)
     print(output.text)
     return 0
 

@@ -1,5 +1,6 @@
 """The command line: one line for each mistake, no tracebacks, an unambiguous usage."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -271,3 +272,18 @@ def test_kv_sizes_name_the_flag_and_the_fix(capsys, flags, says):
     rc = main(["generate", "hi", "--quiet", "--max-tokens", "1", *flags])
     err = one_error_line(capsys)
     assert rc == 2 and says in err, err
+
+
+@pytest.mark.parametrize("command", [["generate", "def f():"], ["chat", "hi"]])
+def test_an_output_cut_by_max_model_len_says_so(capsys, caplog, command):
+    """--max-tokens beyond what max_model_len leaves after the prompt used to stop the output short without a word."""
+    import logging
+    with caplog.at_level(logging.WARNING, logger="mempath.cli"):
+        assert main([*command, "--max-tokens", "100", "--max-model-len", "40", "--ignore-eos", "--quiet"]) == 0
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert re.fullmatch(r"the output stopped at \d+ tokens, not --max-tokens 100: its \d+-token prompt and the output "
+                        r"fill --max-model-len 40; raise --max-model-len for a longer output", warning), warning
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mempath.cli"):
+        assert main([*command, "--max-tokens", "3", "--max-model-len", "40", "--ignore-eos", "--quiet"]) == 0
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
