@@ -287,3 +287,11 @@ def test_an_output_cut_by_max_model_len_says_so(capsys, caplog, command):
     with caplog.at_level(logging.WARNING, logger="mempath.cli"):
         assert main([*command, "--max-tokens", "3", "--max-model-len", "40", "--ignore-eos", "--quiet"]) == 0
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_the_cut_names_the_max_model_len_start_up_chose(capsys, caplog):
+    import logging
+    with caplog.at_level(logging.WARNING, logger="mempath.cli"):
+        assert main(["generate", "def f():", "--max-tokens", "2000", "--ignore-eos", "--quiet"]) == 0
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.endswith("fill --max-model-len 1024; raise --max-model-len for a longer output"), warning
