@@ -105,12 +105,14 @@ def run_generate(args) -> int:
 
 def run_chat(args) -> int:
     from mempath.llm import LLM
+    if len(args.message) > 1:
+        raise ValueError(f'chat takes the message as one argument: quote it, e.g. mempath chat "{" ".join(args.message)}"')
     from mempath.server.cli import read_chat_template
     template = read_chat_template(args.chat_template)  # before the weights load: a bad one fails at once
     sampling_params(args).validate(args.max_logprobs)  # likewise a bad flag
     llm = LLM(args.model, show_progress=not args.quiet, **engine_options(args))
     params = sampling_params(args, llm.sampling_defaults, warn=True)
-    output = llm.chat([{"role": "user", "content": args.message}], params,
+    output = llm.chat([{"role": "user", "content": args.message[0]}], params,
                       use_tqdm=False, chat_template=template)[0]
     warn_if_cut(output, params, llm.engine.max_model_len)
     print(output.text)
@@ -142,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quiet", action="store_true", help="no progress bars")
 
     chat = add_parser("chat", help="answer one user message through the chat template")
-    chat.add_argument("message")
+    chat.add_argument("message", nargs="+", metavar="MESSAGE", help="the user's message, quoted")
     add_engine_arguments(chat)
     add_sampling_arguments(chat)
     from mempath.server.cli import CHAT_TEMPLATE_HELP, add_serve_arguments

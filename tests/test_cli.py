@@ -295,3 +295,10 @@ def test_the_cut_names_the_max_model_len_start_up_chose(capsys, caplog):
         assert main(["generate", "def f():", "--max-tokens", "2000", "--ignore-eos", "--quiet"]) == 0
     [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warning.endswith("fill --max-model-len 1024; raise --max-model-len for a longer output"), warning
+
+
+def test_an_unquoted_chat_message_is_told_to_be_quoted(capsys):
+    """`mempath chat Hello World` was argparse's 'unrecognized arguments: World' under the whole usage."""
+    assert main(["chat", "Hello", "World", "--quiet"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        'mempath: error: chat takes the message as one argument: quote it, e.g. mempath chat "Hello World"']
