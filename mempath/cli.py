@@ -106,7 +106,8 @@ def run_generate(args) -> int:
 def run_chat(args) -> int:
     from mempath.llm import LLM
     if len(args.message) > 1:
-        raise ValueError(f'chat takes the message as one argument: quote it, e.g. mempath chat "{" ".join(args.message)}"')
+        words = " ".join(args.message)
+        raise ValueError(f'chat takes the message as one argument: quote it, e.g. mempath chat "{words}"')
     from mempath.server.cli import read_chat_template
     template = read_chat_template(args.chat_template)  # before the weights load: a bad one fails at once
     sampling_params(args).validate(args.max_logprobs)  # likewise a bad flag
