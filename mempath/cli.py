@@ -144,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.add_argument("--quiet", action="store_true", help="no progress bars")
 
-    chat = add_parser("chat", help="answer one user message through the chat template")
+    chat = add_parser("chat", help="answer one user message through the chat template",
+                      usage="mempath chat [options] MESSAGE")
     chat.add_argument("message", nargs="+", metavar="MESSAGE", help="the user's message, quoted")
     add_engine_arguments(chat)
     add_sampling_arguments(chat)
@@ -152,11 +153,15 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--chat-template", default=None, help=CHAT_TEMPLATE_HELP)
     chat.add_argument("--quiet", action="store_true", help="no progress bars")
 
-    add_serve_arguments(add_parser("serve", help="OpenAI-compatible HTTP server"))
+    # Short usage lines: argparse's own lists every option (about 30 lines) above a one-line error.
+    add_serve_arguments(add_parser("serve", help="OpenAI-compatible HTTP server",
+                                   usage="mempath serve [options] [MODEL ...]"))
     from mempath.tools.plan_cli import add_plan_arguments
-    add_plan_arguments(add_parser("plan", help="predict memory per pathway (no GPU needed)"))
+    add_plan_arguments(add_parser("plan", help="predict memory per pathway (no GPU needed)",
+                                  usage="mempath plan [options] MODEL [MODEL ...]"))
     from mempath.tools.diagnose.cli import add_diagnose_arguments
-    add_diagnose_arguments(add_parser("diagnose", help="measure memory per pathway against the plan"))
+    add_diagnose_arguments(add_parser("diagnose", help="measure memory per pathway against the plan",
+                                      usage="mempath diagnose [options] MODEL [MODEL ...]"))
     return parser
 
 

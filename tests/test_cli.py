@@ -302,3 +302,15 @@ def test_an_unquoted_chat_message_is_told_to_be_quoted(capsys):
     assert main(["chat", "Hello", "World", "--quiet"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         'mempath: error: chat takes the message as one argument: quote it, e.g. mempath chat "Hello World"']
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["plan"], "mempath plan: error: the following arguments are required: model"),
+    (["chat"], "mempath chat: error: the following arguments are required: MESSAGE"),
+])
+def test_a_missing_argument_is_two_lines_not_the_whole_usage(capsys, argv, says):
+    """argparse printed every option of plan (about 30 lines) above the one line that said what was missing."""
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and len(lines) == 2 and lines[0].startswith("usage: ") and lines[1] == says, lines
