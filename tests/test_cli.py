@@ -314,3 +314,13 @@ def test_a_missing_argument_is_two_lines_not_the_whole_usage(capsys, argv, says)
         main(argv)
     lines = capsys.readouterr().err.strip().splitlines()
     assert exited.value.code == 2 and len(lines) == 2 and lines[0].startswith("usage: ") and lines[1] == says, lines
+
+
+def test_a_config_json_that_is_no_regular_file_is_refused_not_waited_on(tmp_path):
+    """A named pipe as config.json made plan (and the loader) wait for a writer forever."""
+    os.mkfifo(tmp_path / "config.json")
+    done = subprocess.run([sys.executable, "-m", "mempath", "plan", str(tmp_path)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        f"mempath plan: error: {tmp_path / 'config.json'}: is not a regular file, expected a file holding a JSON object of "
+        f"model settings; replace it with the model's file"], done.stderr

@@ -79,6 +79,9 @@ def read_json_object(path: Path, expected: str) -> dict:
     if path.is_dir():
         raise CheckpointError(f"{path}: is a directory, expected a file holding {expected}; "
                               f"replace it with the model's file")
+    if path.exists() and not path.is_file():  # a named pipe or a device: reading it may wait forever
+        raise CheckpointError(f"{path}: is not a regular file, expected a file holding {expected}; "
+                              f"replace it with the model's file")
     try:
         value = json.loads(path.read_bytes())
     except OSError as error:
