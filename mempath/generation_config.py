@@ -7,6 +7,7 @@ the file only fills the ones it leaves out.
 import dataclasses
 import json
 import logging
+import os
 from dataclasses import fields
 from pathlib import Path
 
@@ -22,6 +23,9 @@ SAMPLING_KEYS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p
 
 def generation_defaults(model_dir: str, source: str = "auto") -> dict:
     """The SamplingParams fields the generation config sets; ValueError for a source that is not there."""
+    if not isinstance(source, (str, os.PathLike)):
+        raise ValueError(f"generation_config must be auto, vllm or a directory holding generation_config.json, "
+                         f"got {source!r}")
     if source == "vllm":
         return {}
     folder = Path(model_dir if source == "auto" else source)

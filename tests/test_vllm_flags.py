@@ -303,3 +303,12 @@ def test_several_models_check_their_generation_configs_before_any_weights_load(t
     monkeypatch.setattr(startup.Startup, "load_weights", lambda *a, **k: pytest.fail("the weights loaded"))
     with pytest.raises(ValueError, match=re.escape(f"{bad / 'generation_config.json'}: temperature must be >= 0")):
         LLM([str(good), str(bad)], device="cpu", show_progress=False)
+
+
+def test_several_models_refuse_a_generation_config_that_is_no_path_in_one_line():
+    from mempath import LLM
+    from mempath.assets import default_model_path
+    model = str(default_model_path())
+    with pytest.raises(ValueError, match=re.escape("generation_config must be auto, vllm or a directory holding "
+                                                   "generation_config.json, got 5")):
+        LLM([f"a={model}", f"b={model}"], generation_config=5, device="cpu", show_progress=False)
