@@ -292,9 +292,11 @@ def part_offload(args, config: dict, bandwidth: dict) -> list[dict]:
             target_tok_s={"model": None, "uniform": 17, "skewed": 40}[router], **rates,
             host_row_us_learned=after["host_row_us"], **clock.per_layer()))
     if args.host_path_ab:
-        out += host_path_ab(llm, args)
+        out += alternating_ab(llm, args, "host-path-ab", args.host_path_ab,
+                              {"this tree": contextlib.nullcontext, "s37 host path": s37_host_path})
     if args.row_learning_ab:
-        out += row_learning_ab(llm, args)
+        out += alternating_ab(llm, args, "row-learning-ab", args.row_learning_ab,
+                              {"rows learned": contextlib.nullcontext, "start-up rows": start_up_rows})
     out.append(result("offload-store", **store_copy_rate(llm, args)))
     del llm
     return out
@@ -337,50 +339,37 @@ def s37_host_path():
         moe.Experts.load_into_slot, moe_slots.fill_host_pairs, moe_host.fill_host_pairs = saved
 
 
-def host_path_ab(llm: LLM, args) -> list[dict]:
-    """The uniform router's decode under auto with this tree's host path and the s37 one, alternately
-    (``--host-path-ab`` rounds of each) on the one engine, each after start-up's cost measurement
-    again with its own path (the split follows it)."""
+@contextlib.contextmanager
+def start_up_rows():
+    """The split's per-row time held at start-up's measurement (the cost model as it was before the
+    thirty-ninth session): the cost measured inside takes no weight for the steps' rows."""
+    saved, moe_host.ROW_WEIGHT = moe_host.ROW_WEIGHT, 0.0
+    try:
+        yield
+    finally:
+        moe_host.ROW_WEIGHT = saved
+
+
+def alternating_ab(llm: LLM, args, part: str, rounds: int, variants: dict) -> list[dict]:
+    """The uniform router's decode under auto with each variant (name -> a context manager factory) in turn,
+    ``rounds`` times on the one engine, start-up's costs measured again inside each (so each split follows
+    its own variant)."""
     out = []
     set_router(llm, "uniform")
-    for round_ in range(args.host_path_ab):
-        for variant in ("this tree", "s37 host path"):
-            with s37_host_path() if variant != "this tree" else contextlib.nullcontext():
+    for round_ in range(rounds):
+        for variant, within in variants.items():
+            with within():
                 set_cpu_experts(llm.engine.model, "auto")
                 cost = llm.engine.model.moe_blocks()[0].experts.host_cost
+                measured = dataclasses.replace(cost) if cost else None  # the split's per-row time moves
                 with HostStepClock() as clock:
                     rate, _, before = decode(llm, args)
                 after = expert_cache_stats(llm.engine.model)
             host_experts = after["host_experts"] - before["host_experts"]
-            out.append(result("host-path-ab", router="synthetic uniform", variant=variant, round=round_,
+            out.append(result(part, router="synthetic uniform", variant=variant, round=round_,
                               decode_tok_s=rate, host_experts_per_token=host_experts / args.output_len,
-                              host_row_us=cost.host_row_seconds * 1e6 if cost else None,  # None: the CPU
-                              issue_us=cost.issue_seconds * 1e6 if cost else None,
-                              host_pairs_us_per_expert=clock.seconds["host_pairs"] / host_experts * 1e6
-                              if host_experts else None, **clock.per_layer()))
-    return out
-
-
-def row_learning_ab(llm: LLM, args) -> list[dict]:
-    """The uniform router's decode under auto with the split's per-row time following the steps' host rows
-    (shipped) and held at start-up's measurement, alternately (``--row-learning-ab`` rounds of each), each
-    after start-up's cost measurement again."""
-    out = []
-    set_router(llm, "uniform")
-    for round_ in range(args.row_learning_ab):
-        for variant in ("rows learned", "start-up rows"):
-            set_cpu_experts(llm.engine.model, "auto")
-            cost = llm.engine.model.moe_blocks()[0].experts.host_cost
-            measured = cost.host_row_seconds if cost else None
-            if cost and variant == "start-up rows":
-                cost.row_weight = 0.0
-            with HostStepClock() as clock:
-                rate, _, before = decode(llm, args)
-            after = expert_cache_stats(llm.engine.model)
-            host_experts = after["host_experts"] - before["host_experts"]
-            out.append(result("row-learning-ab", router="synthetic uniform", variant=variant, round=round_,
-                              decode_tok_s=rate, host_experts_per_token=host_experts / args.output_len,
-                              host_row_us=measured * 1e6 if cost else None,  # None: the CPU
+                              host_row_us=measured.host_row_seconds * 1e6 if cost else None,  # None: the CPU
+                              issue_us=measured.issue_seconds * 1e6 if cost else None,
                               host_row_us_learned=after["host_row_us"],
                               host_pairs_us_per_expert=clock.seconds["host_pairs"] / host_experts * 1e6
                               if host_experts else None, **clock.per_layer()))
