@@ -7,7 +7,7 @@ from tqdm.auto import tqdm
 
 from mempath.config import EngineConfig, as_kind
 from mempath.engine.engine import LLMEngine
-from mempath.engine.input import PROMPT_FIELDS, check_text
+from mempath.engine.input import PROMPT_FIELDS, check_text, join_text_parts
 from mempath.generation_config import generation_defaults
 from mempath.outputs import RequestOutput
 from mempath.sampling import SamplingParams
@@ -57,10 +57,14 @@ def as_prompts(prompts):
     return prompts
 
 
-def check_conversations(conversations: list[list[dict]]) -> None:
-    """ValueError naming the first message without a role or content (an assistant's may carry tool_calls
-    instead), as the server's 400 does: a template fills a missing field with nothing, or raises in Jinja's words."""
+def template_conversations(conversations: list[list[dict]]) -> list[list[dict]]:
+    """The conversations as the chat template takes them: each message's content parts joined into one text
+    (``join_text_parts``, as vLLM and the server do). ValueError naming the first message without a role or
+    content (an assistant's may carry tool_calls instead), as the server's 400 does: a template fills a
+    missing field with nothing, or raises in Jinja's words; and the first part that is not text."""
+    result = []
     for c, conversation in enumerate(conversations):
+        result.append([])
         for i, message in enumerate(conversation):
             where = f"conversation {c}, message {i}" if len(conversations) > 1 else f"message {i}"
             if not isinstance(message.get("role"), str):
@@ -70,10 +74,25 @@ def check_conversations(conversations: list[list[dict]]) -> None:
                     message["role"] == "assistant" and message.get("tool_calls")):
                 raise ValueError(f"{where} ({message['role']}) needs 'content', a string or a list of parts; "
                                  f"got {content!r}"[:200])
-            parts = content if isinstance(content, list) else [content]
-            for text in (p if isinstance(p, str) else p.get("text") if isinstance(p, dict) else None for p in parts):
-                if isinstance(text, str):
-                    check_text(text, f"{where}'s content")
+            if isinstance(content, list):
+                content = join_text_parts([_part_text(part, j, where) for j, part in enumerate(content)])
+            if isinstance(content, str):
+                check_text(content, f"{where}'s content")
+            result[-1].append({**message, "content": content})
+    return result
+
+
+def _part_text(part, index: int, where: str) -> str:
+    """A content part's text: a string, or {"type": "text", "text": ...}; ValueError naming any other part."""
+    if isinstance(part, str):
+        return part
+    kind = part.get("type") if isinstance(part, dict) else None
+    if isinstance(kind, str) and kind != "text":
+        shown = kind if len(kind) <= 40 else kind[:40] + "..."
+        raise ValueError(f"{where}: {shown} content parts are not supported (text only: text parts or a string)")
+    if kind != "text" or not isinstance(part.get("text"), str):
+        raise ValueError(f'{where}: content part {index} needs "type": "text" and a string "text", got {part!r}'[:300])
+    return part["text"]
 
 
 class LLM:
@@ -285,7 +304,7 @@ class LLM:
                 isinstance(c, list) and c and all(isinstance(m, dict) for m in c) for c in conversations)):
             raise ValueError("messages must be a conversation (a non-empty list of {'role': ..., 'content': ...} "
                              f"dicts) or a list of them, got {type(messages).__name__} {str(messages)[:60]!r}")
-        check_conversations(conversations)
+        conversations = template_conversations(conversations)
         if chat_template is not None and not isinstance(chat_template, str):
             raise ValueError(f"chat_template must be the template's text, got {type(chat_template).__name__}")
         try:

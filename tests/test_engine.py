@@ -851,3 +851,24 @@ def test_n_samples_whose_seeds_would_pass_64_bits_are_refused_before_any_is_adde
     with pytest.raises(ValueError, match=re.escape("seed 18446744073709551615 with n 2: the samples' seeds")):
         llm.generate([1, 2, 3], SamplingParams(max_tokens=2, seed=2**64 - 1, n=2, temperature=1.0))
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_chat_content_parts_are_their_texts_joined_as_vllm_joins_them(llm):
+    """Offline chat put the Python repr of a parts list ("[{'type': 'text', ...}]") into the prompt; vLLM joins the
+    text parts with a newline, and plain strings in the list are text parts too."""
+    parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "hi"}, "there"]}], greedy(2))[0]
+    joined = llm.chat([{"role": "user", "content": "hi\nthere"}], greedy(2))[0]
+    assert parts.error is None and parts.prompt == joined.prompt and "'type'" not in parts.prompt
+    assert parts.prompt_token_ids == joined.prompt_token_ids
+
+
+@pytest.mark.parametrize("content, says", [
+    ([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}],
+     "message 0: image_url content parts are not supported (text only: text parts or a string)"),
+    ([{"text": "hi"}], "message 0: content part 0 needs \"type\": \"text\" and a string \"text\", got {'text': 'hi'}"),
+    ([5], "message 0: content part 0 needs \"type\": \"text\" and a string \"text\", got 5"),
+])
+def test_chat_content_parts_that_are_not_text_are_refused_by_name(llm, content, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        llm.chat([{"role": "user", "content": content}], greedy(2))
+    assert not llm.engine.has_unfinished_requests()

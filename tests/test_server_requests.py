@@ -460,3 +460,14 @@ def test_an_unpaired_surrogate_escape_is_a_400(server, path, body, idle_after):
     assert response.status_code == 400, response.text
     assert "not valid JSON" in response.json()["error"]["message"] and "hex escape" in response.json()["error"]["message"]
     assert post(server, COMPLETIONS, completion()).status_code == 200
+
+
+def test_text_parts_are_joined_by_a_newline_as_vllm_joins_them(server):
+    """The server joined a message's text parts with nothing between them ("Hello" + "world" was "Helloworld")."""
+    def prompt_tokens(content) -> int:
+        response = post(server, CHAT, chat(messages=[{"role": "user", "content": content}], max_tokens=1))
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]["prompt_tokens"]
+    assert prompt_tokens("Hello\nworld") != prompt_tokens("Helloworld")  # the count tells the two apart
+    assert prompt_tokens([{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]) == \
+        prompt_tokens("Hello\nworld")

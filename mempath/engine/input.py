@@ -15,6 +15,11 @@ from mempath.kv.manager import blocks_for
 from mempath.sampling import SamplingParams
 
 
+def join_text_parts(texts: list[str]) -> str:
+    """A chat message's text content parts as one text, each after a newline but the first, as vLLM joins them."""
+    return "\n".join(texts)
+
+
 def check_text(text: str, what: str) -> None:
     """ValueError in one line for text no tokenizer takes: a lone surrogate, which is how Python holds a
     byte the shell could not decode as UTF-8, or a JSON ``\\udXXX`` escape left unpaired."""

@@ -23,6 +23,8 @@ from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
+from mempath.engine.input import join_text_parts
+
 log = logging.getLogger(__name__)
 
 # Matching stop strings costs work per token for each of them, in proportion to their
@@ -361,7 +363,7 @@ class ChatMessage(_Strict):
     def as_template_input(self) -> dict:
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
+            content = join_text_parts([part.text for part in content])
         message = {"role": self.role, "content": content or ""}
         for key in ("name", "tool_call_id", "tool_calls"):
             if getattr(self, key) is not None:

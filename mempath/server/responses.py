@@ -22,6 +22,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import Field, model_validator
 
+from mempath.engine.input import join_text_parts
 from mempath.generation_config import with_defaults
 from mempath.sampling import SamplingParams
 from mempath.server.async_engine import AsyncEngine, Update
@@ -54,7 +55,7 @@ class InputMessage(_Strict):
     content: str | list[InputPart]
 
     def as_template_input(self) -> dict:
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        content = self.content if isinstance(self.content, str) else join_text_parts([p.text for p in self.content])
         return {"role": self.role, "content": content}
 
 
