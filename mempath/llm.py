@@ -57,6 +57,13 @@ def as_prompts(prompts):
     return prompts
 
 
+def _abort(engine, group: list) -> None:
+    """Abort a prompt's samples already in the engine (ids; a refused sample's output is no request)."""
+    for added in group:
+        if isinstance(added, str):
+            engine.abort_request(added)
+
+
 def template_conversations(conversations: list[list[dict]]) -> list[list[dict]]:
     """The conversations as the chat template takes them: each message's content parts joined into one text
     (``join_text_parts``, as vLLM and the server do). ValueError naming the first message without a role or
@@ -200,7 +207,14 @@ class LLM:
             raise ValueError(f"got {len(prompt_list)} prompts but {len(param_list)} SamplingParams")
         if engine.inputs.grammars is not None:  # a batch's grammars compile in parallel, not one by one as added
             engine.inputs.grammars.compile_all([p.structured_outputs for p in param_list if p.structured_outputs])
-        groups = [self._add_samples(engine, prompt, p, single) for prompt, p in zip(prompt_list, param_list)]
+        groups = []
+        try:
+            for prompt, p in zip(prompt_list, param_list):
+                groups.append(self._add_samples(engine, prompt, p, single))
+        except BaseException:  # what is already in the engine must not wait there for the next call
+            for group in groups:
+                _abort(engine, group)
+            raise
         results = {r.request_id: r for group in groups for r in group if isinstance(r, RequestOutput)}
         total = sum(len(group) for group in groups)
         if callable(use_tqdm):
@@ -269,12 +283,13 @@ class LLM:
             try:
                 if samples > 1:
                     params.check_sample_seeds()  # else a later sample is refused for a seed nobody gave
-                    seed = None if params.seed is None else params.seed + index
+                    seed = params.seed + index if type(params.seed) is int else params.seed  # else refused below
                     sample_params = SamplingParams(**{**params.__dict__, "n": 1, "seed": seed})
                 engine.add_request(prompt, sample_params, request_id)
                 group.append(request_id)
             except ValueError as error:
                 if single:
+                    _abort(engine, group)
                     raise
                 shown = next((prompt[k] for k in PROMPT_FIELDS if k in prompt), None) if isinstance(prompt, dict) \
                     else prompt
@@ -282,6 +297,9 @@ class LLM:
                     request_id=request_id, prompt=shown if isinstance(shown, str) else None,
                     prompt_token_ids=list(shown) if isinstance(shown, (list, tuple)) else [], token_ids=[], text="",
                     finished=True, finish_reason="error", error=str(error)))
+            except BaseException:
+                _abort(engine, group)  # this prompt's earlier samples (generate aborts the earlier prompts')
+                raise
         return group
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm=True,

@@ -14,6 +14,7 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 # underflows to 0 (or to a subnormal a GPU may flush to 0).
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 1.1754943508222875e-38
+MAX_LOGIT_BIAS = 100  # OpenAI's range for a logit_bias value: -100..100
 
 
 @dataclass
@@ -53,26 +54,40 @@ class SamplingParams:
         self.stop = _listed(self.stop, str)
         ids = _listed(self.stop_token_ids)
         self.stop_token_ids = [_whole(t) for t in ids] if isinstance(ids, list) else ids
-        self.n, self.top_k = _whole(self.n), _whole(self.top_k)
+        for name in ("max_tokens", "n", "top_k", "seed", "logprobs", "min_tokens", "prompt_logprobs", "best_of"):
+            setattr(self, name, _whole(getattr(self, name)))
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            setattr(self, name, _real(getattr(self, name)))
+        for name in ("ignore_eos", "skip_special_tokens"):  # numpy's bools as Python's
+            value = getattr(self, name)
+            if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
+                setattr(self, name, bool(value))
         if self.top_k == -1:
             self.top_k = 0
         self.bad_words = _listed(self.bad_words, str)
         try:
-            # A list of (id, bias) pairs too; numpy's ids as Python's.
-            self.logit_bias = {_whole(k): v for k, v in dict(self.logit_bias).items()} if self.logit_bias else None
+            # A list of (id, bias) pairs too; numpy's ids and biases as Python's.
+            pairs = dict(self.logit_bias).items() if self.logit_bias else None
+            self.logit_bias = {_whole(k): _real(v) for k, v in pairs} if pairs else None
         except (TypeError, ValueError):
             pass
 
     def check_sample_seeds(self) -> None:
         """Sample i of n draws with seed + i: the last must still be a seed (before any sample is added)."""
-        if self.seed is not None and isinstance(self.n, int) and self.n > 1 and self.seed + self.n - 1 > SEED_RANGE[1]:
+        if type(self.seed) is int and type(self.n) is int and self.n > 1 and self.seed + self.n - 1 > SEED_RANGE[1]:
             raise ValueError(f"seed {self.seed} with n {self.n}: the samples' seeds (seed + 0 .. seed + n - 1) "
                              f"must stay at most 2**64 - 1; give a smaller seed")
 
     def validate(self, max_logprobs: int) -> None:
         """Raise ValueError naming the bad field and the allowed range."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        for name in ("n", "top_k"):  # before any comparison: None < 0 is a TypeError
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
+                raise ValueError(f"{name} must be a whole number, got {getattr(self, name)!r}")
+        for name in ("ignore_eos", "skip_special_tokens"):  # a truthy string would switch it on
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("temperature", "top_p", "min_p"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -94,9 +109,6 @@ class SamplingParams:
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= max_logprobs):
             raise ValueError(f"logprobs must be in [0, {max_logprobs}] (a whole number), got {self.logprobs!r}")
-        for name in ("n", "top_k"):
-            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
-                raise ValueError(f"{name} must be a whole number, got {getattr(self, name)!r}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
@@ -138,6 +150,9 @@ class SamplingParams:
                 raise ValueError(f"logit_bias keys must be token ids (integers), got {token_id!r}")
             if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
                 raise ValueError(f"logit_bias[{token_id}] must be a finite number, got {bias!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # OpenAI's range; beyond float32's it is garbage
+                raise ValueError(f"logit_bias[{token_id}] must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], "
+                                 f"got {bias!r}")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) \
                 or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
@@ -146,8 +161,6 @@ class SamplingParams:
                 isinstance(self.prompt_logprobs, bool) or not isinstance(self.prompt_logprobs, int)
                 or not 0 <= self.prompt_logprobs <= max_logprobs):
             raise ValueError(f"prompt_logprobs must be in [0, {max_logprobs}], got {self.prompt_logprobs!r}")
-        if not isinstance(self.skip_special_tokens, bool):
-            raise ValueError(f"skip_special_tokens must be true or false, got {self.skip_special_tokens!r}")
         if not isinstance(self.bad_words, list) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             raise ValueError("bad_words must be non-empty strings")
         if self.best_of is not None and self.best_of != 1:
@@ -199,6 +212,15 @@ def _listed(value, one: type | None = None):
     if isinstance(value, (list, tuple, set, frozenset)):
         return list(value)
     return [] if value is None else value
+
+
+def _real(value):
+    """numpy's floats and integers as Python's (a bool stays a bool, for validate to refuse)."""
+    if isinstance(value, bool) or type(value) in (int, float):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    return float(value) if isinstance(value, numbers.Real) else value
 
 
 def _whole(value):

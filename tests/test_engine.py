@@ -872,3 +872,56 @@ def test_chat_content_parts_that_are_not_text_are_refused_by_name(llm, content, 
     with pytest.raises(ValueError, match=re.escape(says)):
         llm.chat([{"role": "user", "content": content}], greedy(2))
     assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("bad, says", [
+    (dict(top_k=None), "top_k must be a whole number, got None"),
+    (dict(top_k="5"), "top_k must be a whole number, got '5'"),
+    (dict(n=2, seed="1", temperature=1.0), "seed must be a whole number or None, got '1'"),
+    (dict(ignore_eos="false"), "ignore_eos must be true or false, got 'false'"),
+    (dict(max_tokens=True), "max_tokens must be an integer >= 1, got True"),
+    (dict(logit_bias={5: 1e300}), "logit_bias[5] must be in [-100, 100], got 1e+300"),
+])
+def test_a_bad_field_in_a_batch_fails_its_prompt_alone(llm, bad, says):
+    """A TypeError part-way through a batch (top_k=None compared with 0) left the prompts added before it in the
+    engine, for the next generate() to run; a truthy string switched ignore_eos on; a bias beyond float32 gave
+    garbage. Each is now its prompt's one-line error, and the others run."""
+    good = SamplingParams(max_tokens=2, temperature=0.0)
+    outs = llm.generate([[1, 2, 3], [4, 5]], [good, SamplingParams(**{"max_tokens": 2, **bad})], use_tqdm=False)
+    assert outs[0].error is None and outs[1].finish_reason == "error" and outs[1].error == says, outs[1].error
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_numpy_numbers_are_taken_in_every_numeric_field(llm):
+    params = SamplingParams(max_tokens=np.int64(2), temperature=np.float32(0.5), seed=np.int64(2),
+                            logprobs=np.int64(1), min_tokens=np.int64(1), top_p=np.float64(0.9),
+                            logit_bias={np.int64(5): np.float32(1.0)})
+    [out] = llm.generate([1, 2, 3], params, use_tqdm=False)
+    assert out.error is None and len(out.token_ids) == 2
+    assert (type(params.max_tokens), type(params.temperature), type(params.seed)) == (int, float, int)
+
+
+def test_an_exception_while_adding_a_batch_leaves_nothing_in_the_engine(llm, monkeypatch):
+    """Whatever escapes part-way through adding a batch, the prompts added before it are aborted."""
+    from mempath.engine.engine import LLMEngine
+    add = LLMEngine.add_request
+    calls = []
+
+    def failing_second(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return add(self, *a, **k)
+    monkeypatch.setattr(LLMEngine, "add_request", failing_second)
+    with pytest.raises(RuntimeError, match="boom"):
+        llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)
+    assert len(calls) == 2 and not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("field", ["json_object", "whitespace_flexible"])
+def test_structured_flags_that_are_not_bools_are_refused(field):
+    """A truthy string switched json_object on; whitespace_flexible="no" reached the grammar compiler's TypeError."""
+    from mempath.structured import StructuredOutputsParams
+    fields = {"json": {"type": "object"}, field: "no"} if field == "whitespace_flexible" else {field: "yes"}
+    with pytest.raises(ValueError, match=re.escape(f"structured_outputs.{field} must be true or false, got ")):
+        StructuredOutputsParams(**fields).validate()

@@ -24,6 +24,7 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
 from mempath.engine.input import join_text_parts
+from mempath.sampling import MAX_LOGIT_BIAS
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,6 @@ log = logging.getLogger(__name__)
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256  # characters
 MAX_SEED = 2**63 - 1
-MAX_LOGIT_BIAS = 100  # OpenAI's range for a logit_bias value: -100..100
 MAX_BAD_WORDS = 64  # each is tokenized per request and matched per step
 TOKEN_ID_KEY = re.compile(r"-?[0-9]+")  # a logit_bias key
 MAX_IGNORED_NAMED = 20  # unknown fields a warning names; the body limit bounds the rest

@@ -23,6 +23,9 @@ class StructuredOutputsParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the field when the request is not exactly one constraint."""
+        for name in ("json_object", "whitespace_flexible"):  # a truthy string would switch it on
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs.{name} must be true or false, got {getattr(self, name)!r}")
         given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
         if len(given) != 1:
             raise ValueError(f"structured_outputs needs exactly one of {', '.join(KINDS)}; "
