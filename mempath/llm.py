@@ -64,6 +64,21 @@ def _abort(engine, group: list) -> None:
             engine.abort_request(added)
 
 
+def _template_options(add_generation_prompt: bool, continue_final_message, tools, chat_template_kwargs) -> dict:
+    """LLM.chat's options for apply_chat_template, checked: ValueError in one line for a wrong type or pair."""
+    continue_final_message = check_flag("continue_final_message", continue_final_message)
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be true: pass "
+                         "add_generation_prompt=False to continue the last message")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise ValueError(f"tools must be a list of tool dicts (OpenAI's format), got {type(tools).__name__}")
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+        raise ValueError(f"chat_template_kwargs must be a dict of template variables, got "
+                         f"{type(chat_template_kwargs).__name__}")
+    return {**(chat_template_kwargs or {}), "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message, "tools": tools or None}
+
+
 def template_conversations(conversations: list[list[dict]]) -> list[list[dict]]:
     """The conversations as the chat template takes them: each message's content parts joined into one text
     (``join_text_parts``, as vLLM and the server do). ValueError naming the first message without a role or
@@ -304,10 +319,17 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm=True,
              add_generation_prompt: bool = True, chat_template: str | None = None,
-             model: str | None = None) -> list[RequestOutput]:
-        """Apply the chat template (``chat_template``, else the tokenizer's) to one conversation or a list."""
+             model: str | None = None, *, continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Apply the chat template (``chat_template``, else the tokenizer's) to one conversation or a list.
+
+        As vLLM's: ``tools`` (OpenAI's tool dicts) and ``chat_template_kwargs`` (more template variables) go
+        to the template, and ``continue_final_message`` leaves the last message open for the output to
+        continue (with ``add_generation_prompt=False``)."""
         use_tqdm = progress_option(use_tqdm)
         add_generation_prompt = check_flag("add_generation_prompt", add_generation_prompt)
+        template_options = _template_options(add_generation_prompt, continue_final_message, tools,
+                                             chat_template_kwargs)
         engine = self._engine_for(model)
         tokenizer, name = engine.tokenizer, engine.config.model
         if tokenizer is None:
@@ -326,9 +348,8 @@ class LLM:
         if chat_template is not None and not isinstance(chat_template, str):
             raise ValueError(f"chat_template must be the template's text, got {type(chat_template).__name__}")
         try:
-            prompts = [tokenizer.apply_chat_template(
-                conv, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template)
-                for conv in conversations]
+            prompts = [tokenizer.apply_chat_template(conv, tokenize=False, chat_template=chat_template,
+                                                     **template_options) for conv in conversations]
         except Exception as error:  # noqa: BLE001 - a template can raise anything
             which = "chat_template" if chat_template is not None else f"{name}'s chat template"
             raise ValueError(f"{which} failed on these messages: {str(error).splitlines()[0][:200]}") from None

@@ -1,6 +1,7 @@
 """The model that ships with mempath: loads in transformers and mempath alike, and
 writes something better than chance."""
 import json
+import re
 import math
 from collections import Counter
 from pathlib import Path
@@ -91,3 +92,34 @@ def test_cli_generate_uses_the_built_in_model(llm, capsys):
 
 def test_default_model_path_exists():
     assert Path(default_model_path(), "model.safetensors").exists()
+
+
+def test_chat_takes_vllms_tools_continue_final_message_and_template_kwargs():
+    """LLM.chat raised "unexpected keyword argument 'tools'"; vLLM's chat passes these to the template."""
+    from mempath import LLM, SamplingParams
+    llm = LLM(show_progress=False)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    [out] = llm.chat([{"role": "user", "content": "hi"}], params, tools=[tool])
+    assert out.error is None and "get_weather" in out.prompt and "<tools>" in out.prompt
+    [out] = llm.chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}], params,
+                     add_generation_prompt=False, continue_final_message=True)
+    assert out.prompt.endswith("<|assistant|>\nHel"), out.prompt
+    [out] = llm.chat([{"role": "user", "content": "hi"}], params,
+                     chat_template="{{ greeting }} {{ messages[0].content }}", chat_template_kwargs={"greeting": "Hello"})
+    assert out.prompt == "Hello hi"
+
+
+@pytest.mark.parametrize("options, says", [
+    (dict(continue_final_message=True), "continue_final_message and add_generation_prompt cannot both be true: "
+                                        "pass add_generation_prompt=False to continue the last message"),
+    (dict(tools={"name": "x"}), "tools must be a list of tool dicts (OpenAI's format), got dict"),
+    (dict(chat_template_kwargs=["x"]), "chat_template_kwargs must be a dict of template variables, got list"),
+    (dict(continue_final_message="yes", add_generation_prompt=False),
+     "continue_final_message must be true or false, got 'yes'"),
+])
+def test_chat_template_options_are_checked_in_one_line(options, says):
+    from mempath import LLM, SamplingParams
+    llm = LLM(show_progress=False)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2), **options)
