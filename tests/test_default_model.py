@@ -105,8 +105,9 @@ def test_chat_takes_vllms_tools_continue_final_message_and_template_kwargs():
     [out] = llm.chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}], params,
                      add_generation_prompt=False, continue_final_message=True)
     assert out.prompt.endswith("<|assistant|>\nHel"), out.prompt
-    [out] = llm.chat([{"role": "user", "content": "hi"}], params,
-                     chat_template="{{ greeting }} {{ messages[0].content }}", chat_template_kwargs={"greeting": "Hello"})
+    template = "{{ greeting }} {{ messages[0].content }}"
+    [out] = llm.chat([{"role": "user", "content": "hi"}], params, chat_template=template,
+                     chat_template_kwargs={"greeting": "Hello"})
     assert out.prompt == "Hello hi"
 
 
