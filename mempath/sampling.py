@@ -165,7 +165,7 @@ class SamplingParams:
             raise ValueError("bad_words must be non-empty strings")
         if self.best_of is not None and self.best_of != 1:
             raise ValueError(f"best_of is not supported (vLLM removed it too); leave it out and use n "
-                             f"(got best_of={self.best_of})")
+                             f"(got best_of={self.best_of!r})")
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """Token ids in logit_bias and bad_words must exist in the model's vocabulary."""

@@ -165,7 +165,7 @@ class GrammarCompiler:
         try:
             return self._compile(kind, value, flexible)
         except RuntimeError as error:
-            what = {"json": "is not a JSON schema this server can enforce", "regex": "is not a valid regex",
+            what = {"json": "is not a JSON schema the grammar engine can enforce", "regex": "is not a valid regex",
                     "grammar": "is not a valid EBNF grammar", "choice": "cannot be compiled",
                     "json_object": "cannot be compiled"}[kind]
             raise ValueError(f"structured_outputs.{kind} {what}: {library_message(error)}") from None
