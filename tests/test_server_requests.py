@@ -471,3 +471,13 @@ def test_text_parts_are_joined_by_a_newline_as_vllm_joins_them(server):
     assert prompt_tokens("Hello\nworld") != prompt_tokens("Helloworld")  # the count tells the two apart
     assert prompt_tokens([{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]) == \
         prompt_tokens("Hello\nworld")
+
+
+@pytest.mark.parametrize("path, body", [(COMPLETIONS, completion), (CHAT, chat)])
+def test_unknown_stream_options_are_named_in_the_ignored_warning(server, caplog, idle_after, path, body):
+    """stream_options' unknown keys were dropped without the warning the top level's get."""
+    with caplog.at_level(logging.WARNING, logger="mempath.server.protocol"):
+        response = post(server, path, body(stream=True, stream_options={"include_usage": True, "foo": 1}))
+        assert response.status_code == 200
+    warnings = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert warnings == ["The following fields were present in the request but ignored: {'stream_options.foo'}"]

@@ -255,6 +255,12 @@ class _SamplingRequest(_Strict):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
+    @classmethod
+    def nested_ignored(cls, data: dict) -> set[str]:
+        options = data.get("stream_options")
+        unknown = set(options) - set(StreamOptions.model_fields) if isinstance(options, dict) else set()
+        return {f"stream_options.{key}" for key in unknown}
+
     @model_validator(mode="after")
     def _check_supported(self):
         if self.stream_options is not None and not self.stream:
@@ -394,7 +400,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     @classmethod
     def nested_ignored(cls, data: dict) -> set[str]:
-        return ignored_in_messages(data)
+        return super().nested_ignored(data) | ignored_in_messages(data)
 
     @model_validator(mode="after")
     def _check_chat_fields(self):
