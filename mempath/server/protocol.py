@@ -282,6 +282,9 @@ class _SamplingRequest(_Strict):
             if not TOKEN_ID_KEY.fullmatch(key):
                 raise APIError(400, f"logit_bias keys must be token ids written as decimal integers "
                                     f"(\"50256\"), got {key!r}", "logit_bias")
+            if len(key) > 18:  # no vocabulary is that large; int() refuses past 4,300 digits with Python's advice
+                raise APIError(400, f"logit_bias key {key[:12] + '...'!r} ({len(key)} characters) is not a token id: "
+                                    f"the vocabulary has far fewer tokens", "logit_bias")
             if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
                 raise APIError(400, f"logit_bias[{key}] must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], "
                                     f"got {value}", "logit_bias")
