@@ -481,3 +481,14 @@ def test_unknown_stream_options_are_named_in_the_ignored_warning(server, caplog,
         assert response.status_code == 200
     warnings = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
     assert warnings == ["The following fields were present in the request but ignored: {'stream_options.foo'}"]
+
+
+@pytest.mark.parametrize("path, body, param, says", [
+    (CHAT, chat(messages=[{"role": "user", "content": [{"text": "hi"}]}]), "messages.0.content.0.type",
+     "Field required"),
+    (RESPONSES, {"model": "tiny", "input": [{"role": "tool", "content": "x"}]}, "input.0.role", "'tool'"),
+])
+def test_a_list_where_a_string_or_a_list_goes_is_named_by_its_own_error(server, path, body, param, says):
+    """A union's first alternative named the error: a list given where str | list goes was told it is no string."""
+    error = assert_error(post(server, path, body), 400, param, says)
+    assert "valid string" not in error["message"]

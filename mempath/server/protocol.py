@@ -442,17 +442,27 @@ def parse_request(model: type[BaseModel], body: bytes):
 
 
 def validation_error(error: ValidationError) -> APIError:
-    first = error.errors(include_url=False)[0]
+    errors = error.errors(include_url=False)
+    first = errors[0]
+    if first["type"].endswith("_type") and len(errors) > 1:
+        # A union's first alternative refused the value's type (a list where str | list[...] goes): the
+        # alternative that took the type and failed inside it names the real problem, and its error is deeper.
+        field = _field_path(first)
+        same = [e for e in errors if _field_path(e)[:len(field)] == field]
+        first = max(same, key=lambda e: len(e["loc"]))
     if first["type"] == "json_invalid":
         return APIError(400, f"the body is not valid JSON: {first['msg']}", None, "invalid_json")
     if first["type"] == "model_type" and not first["loc"]:
         return APIError(400, "the body must be a JSON object", None, "invalid_body")
-    # Union members add their type name to loc: keep the field path only.
-    path = [str(p) for p in first["loc"] if not _is_type_name(p)]
-    param = ".".join(path) or None
+    param = ".".join(_field_path(first)) or None
     shown = first.get("input")
     detail = f"{first['msg']} (got {shown!r})" if first["type"] != "missing" else first["msg"]
     return APIError(400, f"invalid value for '{param}': {detail}", param, "invalid_value")
+
+
+def _field_path(error: dict) -> list[str]:
+    """An error's location without the type names union members add to it."""
+    return [str(p) for p in error["loc"] if not _is_type_name(p)]
 
 
 def _is_type_name(part) -> bool:
