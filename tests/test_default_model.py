@@ -124,3 +124,12 @@ def test_chat_template_options_are_checked_in_one_line(options, says):
     llm = LLM(show_progress=False)
     with pytest.raises(ValueError, match=re.escape(says)):
         llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2), **options)
+
+
+def test_a_prompt_past_the_limit_is_one_line_without_transformers_warning_first(capfd):
+    """transformers warned "Token indices sequence length is longer than ..." above the engine's own line."""
+    llm = LLM(show_progress=False)
+    capfd.readouterr()
+    with pytest.raises(ValueError, match="more than max_model_len 1024"):
+        llm.generate("word " * 3000, SamplingParams(max_tokens=2))
+    assert "Token indices sequence length" not in capfd.readouterr().err

@@ -10,6 +10,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import sys
 import weakref
 from pathlib import Path
 from typing import Callable, ContextManager
@@ -69,7 +70,11 @@ def load_tokenizer(model_dir: str):
     if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         return None
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    # The engine checks a prompt against max_model_len and says so in one line; the tokenizer's own limit
+    # only printed a warning above that line ("Token indices sequence length is longer than ...").
+    tokenizer.model_max_length = sys.maxsize
+    return tokenizer
 
 
 def load_generation_eos(model_dir: str) -> list[int]:
