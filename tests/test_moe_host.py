@@ -228,3 +228,34 @@ def test_host_run_rows_of_a_step_teach_the_split_their_time(model_factory):
     assert cost.host_row_seconds > 1e-7  # a row of the tiny model's expert takes microseconds on any host
     assert stats["host_row_us"] == pytest.approx(cost.host_row_seconds * 1e6)
     check_caches(llm.engine.model)
+
+
+def test_a_row_time_pushed_up_by_stalls_drifts_back_so_the_host_runs_rows_again():
+    """Stalled observations can price the host out (no host rows, so nothing observed to bring it down): while
+    layers miss with no host rows the row time drifts back toward start-up's, and the split gives the host rows."""
+    cost = HostExpertCost(h2d_bytes_per_s=50e9, host_flops_per_s=100e9, sync_seconds=0.0, host_row_seconds=100e-6,
+                          row_weight=0.25, start_row_seconds=100e-6)
+    six = {e: 1 for e in range(6)}
+    for _ in range(12):
+        cost.observe_host_rows(1, 1.0)  # one stall after another
+    assert cost.split_misses(six, H, I, B) == []
+    for _ in range(480):  # the drift is ROW_DRIFT_SLOWER (8) times slower than an observation's pull
+        cost.observe_no_host_rows()
+    assert cost.host_row_seconds == pytest.approx(100e-6, rel=1e-3)
+    assert len(cost.split_misses(six, H, I, B)) == 4
+    below = HostExpertCost(50e9, 100e9, 0.0, host_row_seconds=50e-6, row_weight=0.25, start_row_seconds=100e-6)
+    below.observe_no_host_rows()  # only a time above start-up's drifts: a faster host is kept
+    assert below.host_row_seconds == 50e-6
+
+
+def test_the_slot_path_lets_a_priced_out_host_back_in(model_factory):
+    from tests.test_moe_slots import slot_kernel_llm
+    path, _ = model_factory("mixtral")
+    llm = slot_kernel_llm(path, 2)
+    cost = HostExpertCost(h2d_bytes_per_s=1e9, host_flops_per_s=1e30, sync_seconds=0.0, host_row_seconds=1e-3,
+                          row_weight=1.0, start_row_seconds=1e-9)
+    for block in llm.engine.model.moe_blocks():
+        block.experts.cpu_experts, block.experts.host_cost = "auto", cost
+    generate(llm)
+    assert expert_cache_stats(llm.engine.model)["host_experts"] > 0
+    check_caches(llm.engine.model)

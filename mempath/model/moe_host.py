@@ -39,6 +39,9 @@ CPU_EXPERT_POLICIES = ("never", "auto", "always")
 # most of the way, so a step or two after the host's load changes, the split has followed it.
 ROW_WEIGHT = 1 / 16
 MAX_ROW_JUMP = 4.0
+# The drift back toward start-up's row time is this many times slower than an observation's pull: layers
+# whose few misses all go to the copies are common, and a fast drift would undo what the rows taught.
+ROW_DRIFT_SLOWER = 8
 
 
 @dataclass
@@ -60,6 +63,10 @@ class HostExpertCost:
     # How far one observed layer's rows move host_row_seconds toward their own time (0: never; the
     # start-up measurement stands). An observation counts at most MAX_ROW_JUMP times the current value.
     row_weight: float = 0.0
+    # Start-up's row time, which host_row_seconds drifts back toward while layers miss with no host rows
+    # (0: no drift): a few stalled observations could otherwise price the host out for good, since a
+    # split that gives it nothing observes nothing.
+    start_row_seconds: float = 0.0
 
     def copy_seconds(self, hidden: int, intermediate: int, dtype_bytes: int) -> float:
         return 3 * hidden * intermediate * dtype_bytes / self.h2d_bytes_per_s
@@ -106,6 +113,12 @@ class HostExpertCost:
         if current:  # one stall (the OS, a page fault) moves it a bounded step
             seen = min(seen, MAX_ROW_JUMP * current)
         self.host_row_seconds = current + self.row_weight * (seen - current) if current else seen
+
+    def observe_no_host_rows(self) -> None:
+        """A layer missed and its split gave the host nothing: drift back toward start-up's row time."""
+        if self.row_weight and self.host_row_seconds > self.start_row_seconds > 0:
+            drift = self.row_weight / ROW_DRIFT_SLOWER
+            self.host_row_seconds += drift * (self.start_row_seconds - self.host_row_seconds)
 
     def _host_seconds_per_token(self, hidden: int, intermediate: int, dtype_bytes: int) -> float:
         return 6 * hidden * intermediate / self.host_flops_per_s + 2 * hidden * dtype_bytes / self.h2d_bytes_per_s
@@ -165,7 +178,7 @@ def measure_host_cost(experts) -> HostExpertCost:
     return HostExpertCost(h2d_bytes_per_s=experts.expert_bytes() / copy_seconds,
                           host_flops_per_s=flops / host_seconds, sync_seconds=sync_seconds,
                           host_row_seconds=row_seconds, issue_seconds=issue_seconds,
-                          row_weight=ROW_WEIGHT)
+                          row_weight=ROW_WEIGHT, start_row_seconds=row_seconds)
 
 
 def check_cpu_experts(policy: str, expert_cache_size: int | None) -> None:

@@ -167,6 +167,8 @@ def split_routing(experts, routed: dict[int, int]) -> tuple[dict[int, int], set[
     misses = {e: n for e, n in routed.items() if cache.slot_of[e] < 0}
     on_host = set(cost.split_misses(misses, experts.gate_up_proj.shape[2], experts.intermediate_size,
                                     experts.gate_up_proj.element_size()))
+    if misses and not on_host:
+        cost.observe_no_host_rows()
     for expert in on_host:
         cache.note_host_run(routed[expert])
     return {e: n for e, n in routed.items() if e not in on_host}, on_host
