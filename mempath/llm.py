@@ -231,18 +231,12 @@ class LLM:
                 _abort(engine, group)
             raise
         results = {r.request_id: r for group in groups for r in group if isinstance(r, RequestOutput)}
-        total = sum(len(group) for group in groups)
-        if callable(use_tqdm):
-            bar = use_tqdm(total=total, desc="Generating", unit="req")
-        else:
-            bar = tqdm(total=total, desc="Generating", unit="req", disable=not use_tqdm or total < 2)
-        bar.update(len(results))
-        while self.engine.has_unfinished_requests():
-            for output in self.engine.step():
-                if output.finished:
-                    results[output.request_id] = output
-                    bar.update(1)
-        bar.close()
+        try:
+            self._run_to_completion(results, sum(len(group) for group in groups), use_tqdm)
+        except BaseException:  # a bar factory that raises, Ctrl-C: the unfinished must not wait for the next call
+            for group in groups:
+                _abort(engine, [r for r in group if isinstance(r, str) and r not in results])
+            raise
         return [RequestOutput.grouped([results[r if isinstance(r, str) else r.request_id] for r in group])
                 for group in groups]
 
@@ -286,6 +280,20 @@ class LLM:
                 if output.finished:
                     results[output.request_id] = output
         return [PipelineOutput(p.first_output or results[i], results[i]) for p, i in zip(added, ids)]
+
+    def _run_to_completion(self, results: dict, total: int, use_tqdm) -> None:
+        """Step until every request has finished, each finished output into ``results``, with the progress bar."""
+        if callable(use_tqdm):
+            bar = use_tqdm(total=total, desc="Generating", unit="req")
+        else:
+            bar = tqdm(total=total, desc="Generating", unit="req", disable=not use_tqdm or total < 2)
+        bar.update(len(results))
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.finished:
+                    results[output.request_id] = output
+                    bar.update(1)
+        bar.close()
 
     def _add_samples(self, engine: LLMEngine, prompt, params: SamplingParams, single: bool) -> list:
         """Add one engine request per sample; a refused one is its finished error output instead of its id."""

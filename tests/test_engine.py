@@ -926,3 +926,27 @@ def test_structured_flags_that_are_not_bools_are_refused(field):
     fields = {"json": {"type": "object"}, field: "no"} if field == "whitespace_flexible" else {field: "yes"}
     with pytest.raises(ValueError, match=re.escape(f"structured_outputs.{field} must be true or false, got ")):
         StructuredOutputsParams(**fields).validate()
+
+
+def test_a_bar_factory_that_raises_leaves_nothing_in_the_engine(llm):
+    def broken(**kwargs):
+        raise RuntimeError("no bar")
+    with pytest.raises(RuntimeError, match="no bar"):
+        llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=broken)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_an_exception_while_adding_a_prompts_later_sample_aborts_its_earlier_ones(llm, monkeypatch):
+    from mempath.engine.engine import LLMEngine
+    add = LLMEngine.add_request
+    calls = []
+
+    def failing_second(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return add(self, *a, **k)
+    monkeypatch.setattr(LLMEngine, "add_request", failing_second)
+    with pytest.raises(RuntimeError, match="boom"):
+        llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=50, n=2, temperature=1.0), use_tqdm=False)
+    assert len(calls) == 2 and not llm.engine.has_unfinished_requests()
