@@ -64,19 +64,35 @@ def _abort(engine, group: list) -> None:
             engine.abort_request(added)
 
 
+# apply_chat_template's own arguments, which LLM.chat sets: a template variable of the same name cannot reach it.
+RESERVED_TEMPLATE_KWARGS = ("conversation", "tokenize", "chat_template", "return_dict", "return_tensors")
+
+
 def _template_options(add_generation_prompt: bool, continue_final_message, tools, chat_template_kwargs) -> dict:
-    """LLM.chat's options for apply_chat_template, checked: ValueError in one line for a wrong type or pair."""
-    continue_final_message = check_flag("continue_final_message", continue_final_message)
-    if continue_final_message and add_generation_prompt:
-        raise ValueError("continue_final_message and add_generation_prompt cannot both be true: pass "
-                         "add_generation_prompt=False to continue the last message")
-    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-        raise ValueError(f"tools must be a list of tool dicts (OpenAI's format), got {type(tools).__name__}")
+    """LLM.chat's options for apply_chat_template, checked: ValueError in one line for a wrong type or pair.
+    As in vLLM, ``chat_template_kwargs`` is applied last, so its add_generation_prompt (say) wins."""
     if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
         raise ValueError(f"chat_template_kwargs must be a dict of template variables, got "
                          f"{type(chat_template_kwargs).__name__}")
-    return {**(chat_template_kwargs or {}), "add_generation_prompt": add_generation_prompt,
-            "continue_final_message": continue_final_message, "tools": tools or None}
+    reserved = sorted(set(chat_template_kwargs or {}) & set(RESERVED_TEMPLATE_KWARGS))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs cannot set {', '.join(reserved)}: LLM.chat passes "
+                         f"{'it' if len(reserved) == 1 else 'them'} to the template itself; leave "
+                         f"{'it' if len(reserved) == 1 else 'them'} out")
+    options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+               "tools": tools, **(chat_template_kwargs or {})}
+    for name in ("add_generation_prompt", "continue_final_message"):
+        options[name] = check_flag(name, options[name])
+    if options["continue_final_message"] and options["add_generation_prompt"]:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be true: pass "
+                         "add_generation_prompt=False to continue the last message")
+    tools = options["tools"]
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        shown = type(tools).__name__ if not isinstance(tools, list) else "a list holding " + ", ".join(
+            sorted({type(t).__name__ for t in tools if not isinstance(t, dict)}))
+        raise ValueError(f"tools must be a list of tool dicts (OpenAI's format), got {shown}")
+    options["tools"] = tools or None
+    return options
 
 
 def template_conversations(conversations: list[list[dict]]) -> list[list[dict]]:

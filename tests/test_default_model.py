@@ -109,6 +109,8 @@ def test_chat_takes_vllms_tools_continue_final_message_and_template_kwargs():
     [out] = llm.chat([{"role": "user", "content": "hi"}], params, chat_template=template,
                      chat_template_kwargs={"greeting": "Hello"})
     assert out.prompt == "Hello hi"
+    [out] = llm.chat([{"role": "user", "content": "hi"}], params, chat_template_kwargs={"add_generation_prompt": False})
+    assert not out.prompt.endswith("<|assistant|>\n"), out.prompt  # applied last, as vLLM applies it
 
 
 @pytest.mark.parametrize("options, says", [
@@ -116,6 +118,9 @@ def test_chat_takes_vllms_tools_continue_final_message_and_template_kwargs():
                                         "pass add_generation_prompt=False to continue the last message"),
     (dict(tools={"name": "x"}), "tools must be a list of tool dicts (OpenAI's format), got dict"),
     (dict(chat_template_kwargs=["x"]), "chat_template_kwargs must be a dict of template variables, got list"),
+    (dict(chat_template_kwargs={"tokenize": True}), "chat_template_kwargs cannot set tokenize: LLM.chat passes it to "
+                                                    "the template itself; leave it out"),
+    (dict(tools=["x"]), "tools must be a list of tool dicts (OpenAI's format), got a list holding str"),
     (dict(continue_final_message="yes", add_generation_prompt=False),
      "continue_final_message must be true or false, got 'yes'"),
 ])
