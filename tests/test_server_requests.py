@@ -487,6 +487,7 @@ def test_unknown_stream_options_are_named_in_the_ignored_warning(server, caplog,
     (CHAT, chat(messages=[{"role": "user", "content": [{"text": "hi"}]}]), "messages.0.content.0.type",
      "Field required"),
     (RESPONSES, {"model": "tiny", "input": [{"role": "tool", "content": "x"}]}, "input.0.role", "'tool'"),
+    (COMPLETIONS, completion(prompt=[1, "a"]), "prompt.1", "valid integer"),  # not item 0, a valid token id
 ])
 def test_a_list_where_a_string_or_a_list_goes_is_named_by_its_own_error(server, path, body, param, says):
     """A union's first alternative named the error: a list given where str | list goes was told it is no string."""

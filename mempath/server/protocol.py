@@ -446,10 +446,11 @@ def validation_error(error: ValidationError) -> APIError:
     first = errors[0]
     if first["type"].endswith("_type") and len(errors) > 1:
         # A union's first alternative refused the value's type (a list where str | list[...] goes): the
-        # alternative that took the type and failed inside it names the real problem, and its error is deeper.
+        # alternative that took the type and failed inside it names the real problem, and its error is
+        # deeper; among those the one that got furthest through the list ([1, "a"]: item 1, not item 0).
         field = _field_path(first)
         same = [e for e in errors if _field_path(e)[:len(field)] == field]
-        first = max(same, key=lambda e: len(e["loc"]))
+        first = max(same, key=lambda e: (len(_field_path(e)), [p if isinstance(p, int) else -1 for p in e["loc"]]))
     if first["type"] == "json_invalid":
         return APIError(400, f"the body is not valid JSON: {first['msg']}", None, "invalid_json")
     if first["type"] == "model_type" and not first["loc"]:
