@@ -90,8 +90,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("temperature", "top_p", "min_p"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
+            if not _finite_number(value):
+                raise ValueError(f"{name} must be a finite number, got {_shown(value)}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.temperature > FLOAT32_MAX:
@@ -133,8 +133,8 @@ class SamplingParams:
         """vLLM's ranges for the penalties, logit_bias, min_tokens, prompt_logprobs, bad_words."""
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
+            if not _finite_number(value):
+                raise ValueError(f"{name} must be a finite number, got {_shown(value)}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
@@ -148,8 +148,8 @@ class SamplingParams:
         for token_id, bias in (self.logit_bias or {}).items():
             if isinstance(token_id, bool) or not isinstance(token_id, int):
                 raise ValueError(f"logit_bias keys must be token ids (integers), got {token_id!r}")
-            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
-                raise ValueError(f"logit_bias[{token_id}] must be a finite number, got {bias!r}")
+            if not _finite_number(bias):
+                raise ValueError(f"logit_bias[{token_id}] must be a finite number, got {_shown(bias)}")
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # OpenAI's range; beyond float32's it is garbage
                 raise ValueError(f"logit_bias[{token_id}] must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], "
                                  f"got {bias!r}")
@@ -212,6 +212,21 @@ def _listed(value, one: type | None = None):
     if isinstance(value, (list, tuple, set, frozenset)):
         return list(value)
     return [] if value is None else value
+
+
+def _finite_number(value) -> bool:
+    """An int or float, not a bool, that a double holds (10**400 is an int math.isfinite cannot take)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:24]}... ({len(text)} characters)"
 
 
 def _real(value):

@@ -882,6 +882,10 @@ def test_chat_content_parts_that_are_not_text_are_refused_by_name(llm, content, 
     (dict(max_tokens=True), "max_tokens must be an integer >= 1, got True"),
     (dict(logit_bias={5: 1e300}), "logit_bias[5] must be in [-100, 100], got 1e+300"),
     (dict(best_of="1"), "best_of is not supported (vLLM removed it too); leave it out and use n (got best_of='1')"),
+    (dict(temperature=10**400),
+     "temperature must be a finite number, got 100000000000000000000000... (401 characters)"),
+    (dict(logit_bias={5: 10**400}), "logit_bias[5] must be a finite number, got 100000000000000000000000... (401 "
+                                    "characters)"),
 ])
 def test_a_bad_field_in_a_batch_fails_its_prompt_alone(llm, bad, says):
     """A TypeError part-way through a batch (top_k=None compared with 0) left the prompts added before it in the
