@@ -10,7 +10,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import sys
 import weakref
 from pathlib import Path
 from typing import Callable, ContextManager
@@ -72,8 +71,9 @@ def load_tokenizer(model_dir: str):
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     # The engine checks a prompt against max_model_len and says so in one line; the tokenizer's own limit
-    # only printed a warning above that line ("Token indices sequence length is longer than ...").
-    tokenizer.model_max_length = sys.maxsize
+    # only printed a warning above that line ("Token indices sequence length is longer than ..."). Marked as
+    # already given, it is not given; model_max_length (truncation's limit) stays the checkpoint's.
+    tokenizer.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
     return tokenizer
 
 
