@@ -109,6 +109,7 @@ def test_prompt_logprobs_in_vllms_response_fields(client, reference):
     ({"logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
     ({"logit_bias": {"99999": 1}}, "logit_bias", "outside the vocabulary"),
     ({"logit_bias": {"9" * 5000: 1}}, "logit_bias", "is not a token id: the vocabulary has"),  # no Python advice
+    ({"logit_bias": {"0" * 30 + "99999": 1}}, "logit_bias", "outside the vocabulary"),  # zero-padded: read as 99999
     ({"min_tokens": -1}, "min_tokens", "greater than or equal to 0"),
     ({"min_tokens": 9, "max_tokens": 4}, "min_tokens", "max_tokens=4"),
     ({"bad_words": "x"}, "bad_words", "valid array"),

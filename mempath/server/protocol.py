@@ -35,6 +35,7 @@ MAX_STOP_LENGTH = 256  # characters
 MAX_SEED = 2**63 - 1
 MAX_BAD_WORDS = 64  # each is tokenized per request and matched per step
 TOKEN_ID_KEY = re.compile(r"-?[0-9]+")  # a logit_bias key
+MAX_TOKEN_ID_DIGITS = 18  # more digits than any vocabulary's ids have: refused before int() reads them
 MAX_IGNORED_NAMED = 20  # unknown fields a warning names; the body limit bounds the rest
 
 # Field -> the values that ask for nothing beyond what the server does (None: absent).
@@ -282,7 +283,7 @@ class _SamplingRequest(_Strict):
             if not TOKEN_ID_KEY.fullmatch(key):
                 raise APIError(400, f"logit_bias keys must be token ids written as decimal integers "
                                     f"(\"50256\"), got {key!r}", "logit_bias")
-            if len(key) > 18:  # no vocabulary is that large; int() refuses past 4,300 digits with Python's advice
+            if len(key.lstrip("-").lstrip("0")) > MAX_TOKEN_ID_DIGITS:  # int() refuses past 4,300 digits
                 raise APIError(400, f"logit_bias key {key[:12] + '...'!r} ({len(key)} characters) is not a token id: "
                                     f"the vocabulary has far fewer tokens", "logit_bias")
             if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
