@@ -32,3 +32,23 @@ def test_bench_moe_runs_both_variants_of_each_ab():
     assert [r["variant"] for r in host_path] == ["this tree", "s37 host path"]
     assert [r["variant"] for r in learning] == ["rows learned", "start-up rows"]
     assert all(r["decode_tok_s"] > 0 for r in host_path + learning)
+
+
+def test_start_up_rows_measures_a_cost_that_learns_nothing(model_factory, monkeypatch):
+    """The row-learning A/B's held variant: a cost measured inside start_up_rows keeps start-up's row time."""
+    from mempath import LLM
+    from mempath.model import moe_host
+    from mempath.model.moe import set_expert_cache_size
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench_moe import start_up_rows
+    path, _ = model_factory("mixtral")
+    llm = LLM(path, dtype="float32", device="cpu", show_progress=False, enable_prefix_caching=False)
+    set_expert_cache_size(llm.engine.model, 2)
+    experts = llm.engine.model.moe_blocks()[0].experts
+    with start_up_rows():
+        held = moe_host.measure_host_cost(experts)
+    learned = moe_host.measure_host_cost(experts)
+    assert held.row_weight == 0 and learned.row_weight == moe_host.ROW_WEIGHT > 0
+    held.observe_host_rows(1, 1.0)
+    assert held.host_row_seconds == held.start_row_seconds
