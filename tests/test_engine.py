@@ -906,8 +906,8 @@ def test_numpy_numbers_are_taken_in_every_numeric_field(llm):
     assert (type(params.max_tokens), type(params.temperature), type(params.seed)) == (int, float, int)
 
 
-def test_an_exception_while_adding_a_batch_leaves_nothing_in_the_engine(llm, monkeypatch):
-    """Whatever escapes part-way through adding a batch, the prompts added before it are aborted."""
+def fail_the_second_add(monkeypatch) -> list:
+    """LLMEngine.add_request raising on its second call; the calls made, for the test to count."""
     from mempath.engine.engine import LLMEngine
     add = LLMEngine.add_request
     calls = []
@@ -918,6 +918,12 @@ def test_an_exception_while_adding_a_batch_leaves_nothing_in_the_engine(llm, mon
             raise RuntimeError("boom")
         return add(self, *a, **k)
     monkeypatch.setattr(LLMEngine, "add_request", failing_second)
+    return calls
+
+
+def test_an_exception_while_adding_a_batch_leaves_nothing_in_the_engine(llm, monkeypatch):
+    """Whatever escapes part-way through adding a batch, the prompts added before it are aborted."""
+    calls = fail_the_second_add(monkeypatch)
     with pytest.raises(RuntimeError, match="boom"):
         llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)
     assert len(calls) == 2 and not llm.engine.has_unfinished_requests()
@@ -941,16 +947,7 @@ def test_a_bar_factory_that_raises_leaves_nothing_in_the_engine(llm):
 
 
 def test_an_exception_while_adding_a_prompts_later_sample_aborts_its_earlier_ones(llm, monkeypatch):
-    from mempath.engine.engine import LLMEngine
-    add = LLMEngine.add_request
-    calls = []
-
-    def failing_second(self, *a, **k):
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("boom")
-        return add(self, *a, **k)
-    monkeypatch.setattr(LLMEngine, "add_request", failing_second)
+    calls = fail_the_second_add(monkeypatch)
     with pytest.raises(RuntimeError, match="boom"):
         llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=50, n=2, temperature=1.0), use_tqdm=False)
     assert len(calls) == 2 and not llm.engine.has_unfinished_requests()
