@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from mempath.config import choose_cpu_threads
+from mempath.config import choose_cpu_threads, lookup
 from mempath.engine_flags import HelpWithDefaults, add_engine_arguments, engine_options
 from mempath.memory.oom import MempathOutOfMemoryError
 
@@ -52,22 +52,15 @@ def sampling_params(args, config_defaults: dict | None = None, warn: bool = Fals
     return SamplingParams(**values, seed=args.sample_seed, stop=args.stop, ignore_eos=args.ignore_eos)
 
 
-def is_dir(path) -> bool:
-    """Whether ``path`` is a directory; False for a word too long to be a path."""
-    try:
-        return Path(path).is_dir()
-    except OSError:
-        return False
-
-
 def resolve_model_and_prompt(args) -> tuple[str | None, str]:
     """`generate PROMPT`, `generate --model DIR PROMPT`, or `generate DIR PROMPT` where DIR exists."""
     words = args.positional
-    if len(words) == 2 and is_dir(words[0]):
+    first_is_dir = lookup(words[0])[0]  # False for a word too long to be a path
+    if len(words) == 2 and first_is_dir:
         if args.model:
             raise ValueError("give the model either as --model or as the first argument, not both")
         return words[0], words[1]
-    if len(words) == 1 and is_dir(words[0]) and (Path(words[0]) / "config.json").is_file():
+    if len(words) == 1 and first_is_dir and (Path(words[0]) / "config.json").is_file():
         raise ValueError(f"generate {words[0]}: no PROMPT after the model directory; give one, quoted: "
                          f"mempath generate {words[0]} \"PROMPT\"")
     if len(words) == 1:

@@ -1,6 +1,5 @@
 """EngineConfig: every engine knob in one place, validated once."""
 import math
-import numbers
 import os
 import typing
 from dataclasses import dataclass, fields
@@ -10,6 +9,7 @@ import torch
 
 from mempath import constants
 from mempath.constants import DEFAULT_BLOCK_SIZE as AUTO_BLOCK_SIZE  # what --block-size auto picks
+from mempath.constants import as_kind
 from mempath.engine.spec.config import parse_speculative_config
 from mempath.memory.budget import check_host_room
 from mempath.memory.formulas import check_expert_cache_gb, check_expert_cache_size
@@ -40,19 +40,14 @@ _KINDS = {bool: "true or false", int: "a whole number", float: "a number", str: 
           type(None): "None"}
 
 
-def as_kind(value, kind: type):
-    """``value`` as a ``kind`` (numpy's scalars as Python's), or None where it is not one: a bool is no number
-    (Python's bool is an int) and no number is a bool; an int is a float."""
-    is_bool = isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"))
-    if kind is bool:
-        return bool(value) if is_bool else None
-    if is_bool:
-        return None
-    if kind is int:
-        return int(value) if isinstance(value, numbers.Integral) else None
-    if kind is float:
-        return value if type(value) in (int, float) else float(value) if isinstance(value, numbers.Real) else None
-    return value if isinstance(value, kind) else None
+def lookup(path) -> tuple[bool, bool]:
+    """(is a directory, is a file) for ``path``; both False for a name the filesystem cannot look up at all
+    (longer than a path may be, say), which callers then treat as no such path."""
+    try:
+        found = Path(path)
+        return found.is_dir(), found.is_file()
+    except OSError:
+        return False, False
 
 
 def check_field_types(config) -> None:

@@ -3,6 +3,7 @@
 Torch-free, so that `mempath plan` answers without importing it; config.py maps the
 dtype names to torch dtypes.
 """
+import numbers
 
 # Every spelling a user may give for a model dtype, to its canonical name.
 DTYPE_ALIASES = {
@@ -65,3 +66,19 @@ def check_seed(seed: int) -> None:
     """ValueError naming the range for a whole number no generator takes (torch says only 'Overflow')."""
     if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
         raise ValueError(f"seed must be from -2**63 to 2**64 - 1, got {seed}")
+
+
+def as_kind(value, kind: type):
+    """``value`` as a ``kind`` (numpy's scalars as Python's), or None where it is not one: a bool is no number
+    (Python's bool is an int) and no number is a bool; an int is a float."""
+    is_bool = isinstance(value, bool) or (type(value).__module__ == "numpy"
+                                          and type(value).__name__ in ("bool", "bool_"))
+    if kind is bool:
+        return bool(value) if is_bool else None
+    if is_bool:
+        return None
+    if kind is int:
+        return int(value) if isinstance(value, numbers.Integral) else None
+    if kind is float:
+        return value if type(value) in (int, float) else float(value) if isinstance(value, numbers.Real) else None
+    return value if isinstance(value, kind) else None

@@ -11,6 +11,7 @@ import os
 from dataclasses import fields
 from pathlib import Path
 
+from mempath.config import lookup
 from mempath.model.spec import json_kind
 from mempath.sampling import SamplingParams
 
@@ -30,10 +31,7 @@ def generation_defaults(model_dir: str, source: str = "auto") -> dict:
         return {}
     folder = Path(model_dir if source == "auto" else source)
     path = folder / "generation_config.json"
-    try:
-        is_dir, is_file = folder.is_dir(), path.is_file()
-    except OSError:  # a name too long to be a path: none there (the model's own check names the problem)
-        is_dir = is_file = False
+    is_dir, is_file = lookup(folder)[0], lookup(path)[1]  # a name too long to be a path: none there
     if source != "auto" and not is_dir:
         raise ValueError(f"--generation-config {source}: not a directory; give auto, vllm or a directory "
                          f"holding generation_config.json")

@@ -5,7 +5,8 @@ import numbers
 
 from tqdm.auto import tqdm
 
-from mempath.config import EngineConfig, as_kind
+from mempath.config import EngineConfig
+from mempath.constants import as_kind
 from mempath.engine.engine import LLMEngine
 from mempath.engine.input import PROMPT_FIELDS, check_text, join_text_parts
 from mempath.generation_config import generation_defaults
@@ -242,16 +243,11 @@ class LLM:
         try:
             for prompt, p in zip(prompt_list, param_list):
                 groups.append(self._add_samples(engine, prompt, p, single))
-        except BaseException:  # what is already in the engine must not wait there for the next call
-            for group in groups:
-                _abort(engine, group)
-            raise
-        results = {r.request_id: r for group in groups for r in group if isinstance(r, RequestOutput)}
-        try:
+            results = {r.request_id: r for group in groups for r in group if isinstance(r, RequestOutput)}
             self._run_to_completion(results, sum(len(group) for group in groups), use_tqdm)
-        except BaseException:  # a bar factory that raises, Ctrl-C: the unfinished must not wait for the next call
-            for group in groups:
-                _abort(engine, [r for r in group if isinstance(r, str) and r not in results])
+        except BaseException:  # an error while adding, a bar factory that raises, Ctrl-C: what is in the
+            for group in groups:  # engine must not wait there for the next call (a finished one is not aborted)
+                _abort(engine, group)
             raise
         return [RequestOutput.grouped([results[r if isinstance(r, str) else r.request_id] for r in group])
                 for group in groups]

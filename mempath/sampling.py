@@ -1,9 +1,8 @@
 """SamplingParams: how one request turns logits into tokens, and when it stops."""
 import math
-import numbers
 from dataclasses import dataclass, field
 
-from mempath.constants import SEED_RANGE, check_seed
+from mempath.constants import SEED_RANGE, as_kind, check_seed
 from mempath.structured.params import StructuredOutputsParams
 
 # Below this temperature a request is greedy, as in vLLM (_SAMPLING_EPS): dividing the logits
@@ -53,22 +52,21 @@ class SamplingParams:
         # Another type is left as given, for validate() to name: the constructor does not raise.
         self.stop = _listed(self.stop, str)
         ids = _listed(self.stop_token_ids)
-        self.stop_token_ids = [_whole(t) for t in ids] if isinstance(ids, list) else ids
-        for name in ("max_tokens", "n", "top_k", "seed", "logprobs", "min_tokens", "prompt_logprobs", "best_of"):
-            setattr(self, name, _whole(getattr(self, name)))
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-            setattr(self, name, _real(getattr(self, name)))
-        for name in ("ignore_eos", "skip_special_tokens"):  # numpy's bools as Python's
-            value = getattr(self, name)
-            if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
-                setattr(self, name, bool(value))
+        self.stop_token_ids = [_python(t, int) for t in ids] if isinstance(ids, list) else ids
+        for kind, names in ((int, ("max_tokens", "n", "top_k", "seed", "logprobs", "min_tokens", "prompt_logprobs",
+                                   "best_of")),
+                            (float, ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                                     "repetition_penalty")),
+                            (bool, ("ignore_eos", "skip_special_tokens"))):
+            for name in names:
+                setattr(self, name, _python(getattr(self, name), kind))
         if self.top_k == -1:
             self.top_k = 0
         self.bad_words = _listed(self.bad_words, str)
         try:
             # A list of (id, bias) pairs too; numpy's ids and biases as Python's.
             pairs = dict(self.logit_bias).items() if self.logit_bias else None
-            self.logit_bias = {_whole(k): _real(v) for k, v in pairs} if pairs else None
+            self.logit_bias = {_python(k, int): _python(v, float) for k, v in pairs} if pairs else None
         except (TypeError, ValueError):
             pass
 
@@ -229,15 +227,7 @@ def _shown(value) -> str:
     return text if len(text) <= 40 else f"{text[:24]}... ({len(text)} characters)"
 
 
-def _real(value):
-    """numpy's floats and integers as Python's (a bool stays a bool, for validate to refuse)."""
-    if isinstance(value, bool) or type(value) in (int, float):
-        return value
-    if isinstance(value, numbers.Integral):
-        return int(value)
-    return float(value) if isinstance(value, numbers.Real) else value
-
-
-def _whole(value):
-    """numpy's integers as Python's (a bool stays a bool, for validate to refuse)."""
-    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
+def _python(value, kind: type):
+    """numpy's scalars as Python's ``kind`` (constants.as_kind); anything else as given, for validate to name."""
+    converted = as_kind(value, kind)
+    return value if converted is None else converted

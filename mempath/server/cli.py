@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from mempath.config import lookup
 from mempath.server.settings import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS,
                                      DEFAULT_MAX_N, DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_STREAM_STALL_TIMEOUT,
                                      MIN_MAX_HEADER_BYTES, check_api_key)
@@ -101,10 +102,7 @@ def read_chat_template(value: str | None) -> str | None:
     if value is None:
         return None
     path = Path(value)
-    try:
-        is_file, is_dir = path.is_file(), path.is_dir()
-    except OSError:  # a name longer than a path may be: an inline template, not a file
-        is_file = is_dir = False
+    is_dir, is_file = lookup(path)  # a name longer than a path may be: an inline template, not a file
     if is_dir:
         raise ValueError(f"--chat-template {value}: is a directory; give the template's file or its text")
     if is_file:
