@@ -238,6 +238,8 @@ class EngineConfig:
                              f"got {self.disk_write_policy!r}")
         if self.preemption_mode not in ("auto", "recompute", "swap"):
             raise ValueError(f"preemption_mode must be auto, recompute or swap, got {self.preemption_mode!r}")
+        if isinstance(self.disk_kv_path, str) and not self.disk_kv_path.strip():
+            raise ValueError("--disk-kv-path is empty; name a directory for the disk KV tier, or leave the flag out")
         if self.disk_kv_path and not (self.disk_kv_gb > 0 and self.cpu_kv_gb > 0):
             raise ValueError("the disk KV tier needs disk_kv_gb > 0 and a host tier to stage through "
                              "(cpu_kv_gb > 0)")

@@ -5,7 +5,6 @@
 the file only fills the ones it leaves out.
 """
 import dataclasses
-import json
 import logging
 import os
 from dataclasses import fields
@@ -13,6 +12,7 @@ from pathlib import Path
 
 from mempath.config import lookup
 from mempath.model.spec import json_kind
+from mempath.safe_io import loads_json
 from mempath.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ def generation_defaults(model_dir: str, source: str = "auto") -> dict:
             raise ValueError(f"--generation-config {source}: no generation_config.json in that directory")
         return {}
     try:
-        config = json.loads(path.read_text())
+        config = loads_json(path.read_text())
     except (OSError, ValueError) as error:
         raise ValueError(f"{path} is not valid JSON ({error}); fix it or pass --generation-config vllm") from None
     if not isinstance(config, dict):

@@ -542,3 +542,120 @@ def test_failed_disk_writes_do_not_flood_the_log(tiny, reference, tmp_path, monk
     text = ServerMetrics("tiny", llm.engine.config.block_size).render(llm.engine.stats()).decode()
     line = next(x for x in text.splitlines() if x.startswith("mempath:disk_kv_failures_total") and "write_no_space" in x)
     assert float(line.split()[-1]) == failures["write_no_space"]  # the counter is in /metrics
+
+
+# ---------------------------------------------------------------------------- paths and manifests no check caught
+DEEP_JSON = "[" * 100_000 + "]" * 100_000  # deeper than Python's parser recurses
+
+
+def test_a_manifest_nested_too_deep_is_one_line_not_a_recursion_error(tmp_path):
+    (tmp_path / disk_dir.MANIFEST_NAME).write_text(DEEP_JSON)
+    with pytest.raises(disk_dir.DiskTierPathError, match=r"holds a mempath-kv.json mempath cannot use.*nested"):
+        EngineConfig(model="m", cpu_kv_gb=1.0, disk_kv_path=str(tmp_path), disk_kv_gb=1.0)
+
+
+@pytest.mark.parametrize("path", ["", "   "])
+@pytest.mark.parametrize("size", [{}, {"disk_kv_gb": 1.0}])
+def test_an_empty_disk_kv_path_is_refused_not_ignored(path, size):
+    with pytest.raises(ValueError, match=r"--disk-kv-path is empty; name a directory"):
+        EngineConfig(model="m", cpu_kv_gb=1.0, disk_kv_path=path, **size)
+
+
+def test_a_nul_byte_in_the_path_names_the_flag():
+    with pytest.raises(disk_dir.DiskTierPathError, match=r"--disk-kv-path .* contains a NUL byte"):
+        EngineConfig(model="m", cpu_kv_gb=1.0, disk_kv_path="/tmp/a\0b", disk_kv_gb=1.0)
+
+
+def test_a_dangling_link_is_refused_before_anything_loads(tmp_path):
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(disk_dir.DiskTierPathError, match=r"--disk-kv-path .*link.* is a link to .*nowhere, which "
+                       r"does not exist"):
+        EngineConfig(model="m", cpu_kv_gb=1.0, disk_kv_path=str(tmp_path / "link"), disk_kv_gb=1.0)
+    assert not (tmp_path / "nowhere").exists()
+
+
+def test_a_tier_on_a_read_only_file_system_says_so(tmp_path, monkeypatch):
+    """chmod cannot fix a read-only mount: the line names the mount, not the permissions."""
+    store(tmp_path)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: not mode & os.W_OK and real_access(path, mode, **kw))
+    real_statvfs = os.statvfs
+
+    class ReadOnly:
+        def __init__(self, st):
+            self.st = st
+
+        def __getattr__(self, name):
+            value = getattr(self.st, name)
+            return value | os.ST_RDONLY if name == "f_flag" else value
+
+    monkeypatch.setattr(os, "statvfs", lambda path: ReadOnly(real_statvfs(path)))
+    with pytest.raises(disk_dir.DiskTierPathError, match=r"is on a read-only file system; point --disk-kv-path at "
+                       r"a directory on a writable one"):
+        EngineConfig(model="m", cpu_kv_gb=1.0, disk_kv_path=str(tmp_path), disk_kv_gb=1.0)
+
+
+# ---------------------------------------------------------------------------- what the stats say moved
+def test_blocks_moved_to_disk_count_the_writes_that_landed(tiny, reference, tmp_path, monkeypatch):
+    llm = make_llm(tiny, cpu_kv_gb=gb(2), disk_kv_path=str(tmp_path), disk_kv_gb=gb(64),
+                   disk_write_policy="write-through")
+    real_replace = os.replace
+    failing = {"on": True}
+
+    def half_full(src, dst, *args, **kwargs):
+        if os.fspath(dst).endswith(".kv") and failing["on"]:
+            failing["on"] = False  # every other write fails
+            raise OSError(errno.ENOSPC, "No space left on device", os.fspath(dst))
+        failing["on"] = True
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", half_full)
+    tokens, _ = engine_tests.run_turns(llm, conversations(), idle=llm.engine.kv.tiers.disk.flush)
+    assert tokens == reference[0]
+    stats = tier_stats(llm)
+    assert stats["disk_failures"]["write_no_space"] > 0
+    assert stats["moved"]["cpu_to_disk"]["blocks"] == len(block_files(tmp_path)) > 0
+    assert stats["moved"]["cpu_to_disk"]["bytes"] == stats["moved"]["cpu_to_disk"]["blocks"] * stats["block_nbytes"]
+
+
+def test_a_spilled_block_is_written_only_after_its_copy_from_the_device_landed(tiny, tmp_path, monkeypatch):
+    """On CUDA a demotion's copy to the host runs on after the step goes on. A write-back spill of such a block
+    must wait for it: a file of its bytes half copied would carry a valid checksum. On the CPU every copy is done
+    at once, so here each copy says it is not done until it is waited for."""
+    llm = make_llm(tiny, cpu_kv_gb=gb(2), disk_kv_path=str(tmp_path), disk_kv_gb=gb(64))
+    tiers = llm.engine.kv.tiers
+    host_id_of = {tiers.host.storage[i].data_ptr(): i for i in range(tiers.host.num_blocks)}
+    landed, early = set(), []
+    real_d2h = tiers.transfer.device_to_host
+
+    class InFlight:
+        def __init__(self, transfer, host_ids):
+            self.transfer, self.host_ids, self.waited = transfer, list(host_ids), False
+
+        def done(self):
+            return self.waited
+
+        def wait(self):
+            self.transfer.wait()
+            self.waited = True
+            landed.update(self.host_ids)
+
+        def make_current_stream_wait(self):
+            self.transfer.make_current_stream_wait()
+
+    monkeypatch.setattr(tiers.transfer, "device_to_host", lambda gpu_ids, host_ids: InFlight(
+        real_d2h(gpu_ids, host_ids), host_ids))
+    real_write = tiers.disk.write_async
+
+    def write(block_hash, tensor):
+        host_id = host_id_of[tensor.data_ptr()]
+        if host_id not in landed:
+            early.append(host_id)
+        return real_write(block_hash, tensor)
+
+    monkeypatch.setattr(tiers.disk, "write_async", write)
+    prompts = conversations(8)  # no prompt comes back, so no load from the host waits for a copy first
+    tokens, _ = engine_tests.run_turns(llm, prompts, turns=1, idle=tiers.disk.flush)
+    assert tokens == engine_tests.run_turns(make_llm(tiny), prompts, turns=1)[0]
+    assert tier_stats(llm)["moved"]["cpu_to_disk"]["blocks"] > 0 and early == []
+    assert_no_leak(llm)

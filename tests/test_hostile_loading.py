@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -631,3 +632,31 @@ def test_step_buffers_name_max_num_batched_tokens_when_its_arrays_are_the_larger
                                          r"--max-num-batched-tokens \(or free host memory\)$"):
         LLM(str(tmp_path), dtype="float32", device="cpu", show_progress=False, max_num_batched_tokens=10**8,
             cpu_kv_cache_bytes=64 << 20)
+
+
+def test_a_damaged_digest_cache_is_hashed_again_and_nothing_is_written_through_a_link(tmp_path, two_models):
+    """The weights-digest cache is only a cache: nested too deep, a FIFO, or links under its names, it is
+    ignored, the weights are hashed again, and the user's file a link points to is left as it was."""
+    model, _ = two_models
+    cache = loader.digest_cache_file()
+    cache.parent.mkdir(parents=True)
+    cache.write_text("[" * 100_000 + "]" * 100_000)
+    fill_disk_tier(model, tmp_path / "disk")  # raised RecursionError
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    for name in (cache.name, cache.name + ".tmp"):
+        cache.unlink(missing_ok=True)
+        (cache.parent / name).unlink(missing_ok=True)
+        (cache.parent / name).symlink_to(notes)
+        fill_disk_tier(model, tmp_path / f"disk-{name}")
+        assert notes.read_text() == "mine" and not notes.is_symlink()
+    for name in os.listdir(cache.parent):
+        (cache.parent / name).unlink()
+    os.mkfifo(cache)
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (fill_disk_tier(model, tmp_path / "disk-fifo"), done.set()), daemon=True)
+    worker.start()
+    worker.join(60)
+    if not done.is_set():
+        os.close(os.open(cache, os.O_WRONLY | os.O_NONBLOCK))  # let a reader stuck in open() return
+    assert done.is_set()

@@ -85,7 +85,7 @@ def test_round_trip_device_host_disk_host_device(tmp_path, dtype, layout):
         assert same_bytes(host.storage[c], block_of(original, g))
         host.insert(h, c)
     # All cached, untouched: by age; write-back, so each goes to disk.
-    assert spill_to_disk(host, disk, len(gpu_ids)) == (sorted(cpu_ids), len(cpu_ids))
+    assert spill_to_disk(host, disk, len(gpu_ids)) == sorted(cpu_ids)
     host.reap()
     disk.flush()
     assert host.num_free == host.num_blocks and all(h in disk for h in keys)
@@ -328,7 +328,7 @@ def test_write_through_writes_on_insert_and_frees_on_eviction(tmp_path):
         assert future.result() and h in disk
     assert write_through_block(host, disk, ids[0]) is None  # already there
     host.reap()
-    assert spill_to_disk(host, disk, 2) == (ids, 0) and host.num_free == 4  # freed at once
+    assert spill_to_disk(host, disk, 2) == ids and host.num_free == 4  # freed at once
     out = torch.empty_like(host.storage[0])
     assert disk.read_async(keys[1], out).result() and same_bytes(out, host.storage[ids[1]])
 
@@ -374,7 +374,7 @@ def run_workload(tmp_path, seed: int, steps: int, host_blocks: int, disk_blocks:
         if op < 0.4:  # swap some device blocks out
             gpu_ids = [g for g in rng.sample(range(16), rng.randint(1, 4)) if keys[g] not in host]
             if host.num_free < len(gpu_ids):
-                counts["spilled"] += len(spill_to_disk(host, disk, len(gpu_ids) - host.num_free)[0])
+                counts["spilled"] += len(spill_to_disk(host, disk, len(gpu_ids) - host.num_free))
             cpu_ids = host.allocate(len(gpu_ids))
             if not cpu_ids:
                 continue
@@ -404,7 +404,7 @@ def run_workload(tmp_path, seed: int, steps: int, host_blocks: int, disk_blocks:
             else:
                 host.free(ids)
         elif op < 0.9:
-            counts["spilled"] += len(spill_to_disk(host, disk, rng.randint(1, 3))[0])
+            counts["spilled"] += len(spill_to_disk(host, disk, rng.randint(1, 3)))
         else:
             disk.evict(rng.randint(0, 2))
         host.check_invariants()

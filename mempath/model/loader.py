@@ -30,6 +30,7 @@ from mempath.model.spec import CheckpointError, ModelSpec, describe, json_kind
 from mempath.model.moe import offloaded_weights, set_expert_cache_size, set_expert_prefetch
 from mempath.model.quant import (FP8_DTYPE, check_fp8_device, copy_quantized, copy_scale, quantized_targets,
                                  set_dense_gemv, set_fp8_matmul)
+from mempath.safe_io import loads_json, open_regular, write_new_file
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ def read_json_object(path: Path, expected: str) -> dict:
         raise CheckpointError(f"{path}: is not a regular file, expected a file holding {expected}; "
                               f"replace it with the model's file")
     try:
-        value = json.loads(path.read_bytes())
+        value = loads_json(path.read_bytes())
     except OSError as error:
         raise CheckpointError(f"{path}: cannot be read ({error.strerror}); check that it exists and "
                               f"that its permissions let you read it") from None
@@ -642,7 +643,9 @@ def hash_file(path: str | Path) -> str:
 def _read_digests(cache_file: Path) -> dict[str, str]:
     """identity -> digest, or nothing when the cache is missing or damaged (it is only a cache)."""
     try:
-        cached = json.loads(cache_file.read_bytes())
+        f, _ = open_regular(str(cache_file))
+        with f:
+            cached = loads_json(f.read())
     except (OSError, ValueError):
         return {}
     if not isinstance(cached, dict):
@@ -658,11 +661,9 @@ def digest_cache_file() -> Path:
 
 def _write_digests(cache_file: Path, digests: dict[str, str]) -> None:
     """Replace the cache whole; an engine writing at the same time may lose an entry (hashed again)."""
-    tmp = cache_file.with_name(cache_file.name + ".tmp")  # a crash's leftover is overwritten next time
     try:
         cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(digests))
-        os.replace(tmp, cache_file)
+        write_new_file(str(cache_file), [json.dumps(digests).encode()])
     except OSError as error:
         log.warning("could not cache the weights' digests in %s (%s); they are hashed again at the next "
                     "start-up", cache_file, error)

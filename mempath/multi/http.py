@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 from fastapi import Depends, FastAPI, Request
 
+from mempath.safe_io import loads_json
 from mempath.server.app import install_error_handlers, install_guards
 from mempath.server.async_engine import AsyncEngine
 from mempath.server.calls import api_key_checker
@@ -127,7 +128,7 @@ class MultiModelApp:
     def _app_for(self, body: bytes | None):
         """The app of the model the body names; the first one's for anything it cannot read."""
         try:
-            model = json.loads(body).get("model") if body is not None else None
+            model = loads_json(body).get("model") if body is not None else None
         except (ValueError, AttributeError):
             model = None
         if not isinstance(model, str):

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 
 from mempath.generation_config import with_defaults
 from mempath.multi.pipeline import SecondModelError, Template
+from mempath.safe_io import loads_json
 from mempath.server.app import (COMPLETION_DEFAULT_MAX_TOKENS, finish_completion, sampling_params,
                                 stream_completion)
 from mempath.server.calls import (Call, Limits, SSEResponse, api_key_checker, check_num_choices, off_the_loop,
@@ -66,7 +67,7 @@ def under_then(error: APIError) -> APIError:
 def split_body(body: bytes) -> tuple[bytes, dict]:
     """(the first model's completion body, ``then``), refusing a ``then`` that is no object."""
     try:
-        data = json.loads(body)
+        data = loads_json(body)
     except ValueError:
         data = None
     if not isinstance(data, dict):

@@ -7,6 +7,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from mempath.config import lookup
+from mempath.safe_io import loads_json
 from mempath.server.settings import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS,
                                      DEFAULT_MAX_N, DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_STREAM_STALL_TIMEOUT,
                                      MIN_MAX_HEADER_BYTES, check_api_key)
@@ -180,7 +181,7 @@ def parse_allowed_origins(text: str | list[str] | None) -> list[str]:
         return list(text or [])
     if text.strip().startswith("["):
         try:
-            origins = json.loads(text)
+            origins = loads_json(text)
         except json.JSONDecodeError as error:
             raise ValueError(f"--allowed-origins is not a valid JSON list: {error}") from None
     else:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from mempath.safe_io import loads_json
 from mempath.server.protocol import APIError
 from mempath.server.structured_request import StructuredRequest
 from mempath.server.tool_parsers import PARSERS, ToolCall, parse_tool_calls
@@ -61,7 +62,7 @@ class ToolPlan:
             return None, [ToolCall(self.named, text)]
         if self.mode == "required":
             try:
-                items = json.loads(text)
+                items = loads_json(text)
             except ValueError:
                 return text, []
             return None, [ToolCall(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
@@ -249,7 +250,7 @@ def _array_items(text: str) -> list[ToolCall]:
             index += 1
         try:
             item, index = decoder.raw_decode(text, index)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser recurses
             return calls
         if isinstance(item, dict) and isinstance(item.get("name"), str):
             calls.append(ToolCall(item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False)))

@@ -17,6 +17,8 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
+from mempath.safe_io import loads_json
+
 
 @dataclass
 class ToolCall:
@@ -71,7 +73,7 @@ class HermesParser:
                     return calls
                 end = len(body)  # a model that stopped before closing its last call
             try:
-                call = _call_from(json.loads(body[:end]), "arguments")
+                call = _call_from(loads_json(body[:end]), "arguments")
             except ValueError:
                 call = None
             if call is None:
@@ -108,7 +110,7 @@ class Llama3JsonParser:
                 return calls
             try:
                 obj, index = decoder.raw_decode(text, index)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser recurses
                 return calls if not finished else None
             call = _call_from(obj, "parameters")
             if call is None:

@@ -18,6 +18,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from mempath.safe_io import loads_json
 from mempath.structured.params import StructuredOutputsParams
 
 CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped first
@@ -179,7 +180,7 @@ class GrammarCompiler:
         if kind == "regex":
             return compiler.compile_regex(value)
         if kind == "choice":
-            return compiler.compile_grammar(choice_grammar(json.loads(value)))
+            return compiler.compile_grammar(choice_grammar(loads_json(value)))
         return compiler.compile_grammar(value)
 
     def matcher(self, params: StructuredOutputsParams) -> RequestGrammar:

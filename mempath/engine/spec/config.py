@@ -10,6 +10,8 @@ every step by the cost model, 0 when speculation does not pay; false: always
 import json
 from dataclasses import dataclass
 
+from mempath.safe_io import loads_json
+
 MAX_SPECULATIVE_TOKENS = 8
 METHODS = ("draft_model", "ngram")
 KEYS = ("model", "method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "adaptive")
@@ -42,7 +44,7 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
         return value
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            value = loads_json(value)
         except json.JSONDecodeError as error:
             raise ValueError(f"speculative_config is not valid JSON ({error.msg} at character {error.pos}); "
                              """write it as '{"model": DIR, "num_speculative_tokens": 4}'""") from None

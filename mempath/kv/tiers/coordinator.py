@@ -108,10 +108,14 @@ class TierCoordinator:
         # Reads abandoned at their deadline and still running: while any is, the disk is
         # not asked for more (they would queue behind it and time out in turn).
         self._overdue_reads: list[Future] = []
+        self._probe_blocks_written = 0
 
     def calibrate(self, measure_prefill) -> dict:
         """Measure the cost model's rates (``CostModel.calibrate``); ``measure_prefill()`` returns tokens/s."""
-        return self.cost.calibrate(self.transfer, self.disk, measure_prefill)
+        rates = self.cost.calibrate(self.transfer, self.disk, measure_prefill)
+        if self.disk is not None:  # the probe's blocks moved nothing
+            self._probe_blocks_written = self.disk.blocks_written
+        return rates
 
     # ------------------------------------------------------------ device allocation
     def allocate_device(self, n: int) -> list[int]:
@@ -156,9 +160,8 @@ class TierCoordinator:
         return ids if ids is not None else self.host.allocate(self.host.num_free)
 
     def _spill(self, n: int) -> None:
-        victims, written = spill_to_disk(self.host, self.disk, n)
+        victims = spill_to_disk(self.host, self.disk, n, settle=self._wait_for_d2h)
         self.counters["host_evictions"] += len(victims)
-        self.counters["cpu_to_disk_blocks"] += written
 
     def reap(self) -> None:
         """Retire finished device → host copies; under write-through, send their blocks to disk."""
@@ -168,9 +171,8 @@ class TierCoordinator:
                 still.append((transfer, host_ids, write_after))
                 continue
             for host_id in write_after:
-                if self.host.hash_of(host_id) is not None and \
-                        write_through_block(self.host, self.disk, host_id) is not None:
-                    self.counters["cpu_to_disk_blocks"] += 1
+                if self.host.hash_of(host_id) is not None:
+                    write_through_block(self.host, self.disk, host_id)
         self._d2h = still
 
     def _wait_for_d2h(self, host_ids) -> None:
@@ -427,6 +429,7 @@ class TierCoordinator:
         self.reap()
         c, nb, t = self.counters, self.block_nbytes, self.transfer.stats()
         host, disk = self.host, self.disk
+        written = 0 if disk is None else disk.blocks_written - self._probe_blocks_written
         return {
             "enabled": True,
             "block_nbytes": nb,
@@ -440,7 +443,7 @@ class TierCoordinator:
             "moved": {
                 "gpu_to_cpu": {"blocks": t["d2h_blocks"], "bytes": t["d2h_bytes"], "seconds": t["d2h_seconds"]},
                 "cpu_to_gpu": {"blocks": t["h2d_blocks"], "bytes": t["h2d_bytes"], "seconds": t["h2d_seconds"]},
-                "cpu_to_disk": {"blocks": c["cpu_to_disk_blocks"], "bytes": c["cpu_to_disk_blocks"] * nb},
+                "cpu_to_disk": {"blocks": written, "bytes": written * nb},
                 "disk_to_cpu": {"blocks": c["disk_to_cpu_blocks"], "bytes": c["disk_to_cpu_blocks"] * nb},
             },
             "demoted_blocks": c["demoted_blocks"],

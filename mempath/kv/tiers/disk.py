@@ -30,10 +30,11 @@ import numpy as np
 import torch
 
 from mempath.kv.block_pool import hash_block
-from mempath.kv.tiers.disk_dir import (BLOCK_NAME, LOCK_NAME, SHARD_NAME, TMP_NAME, NotOurFile, layout_namespace,
-                                       lock_namespace, make_private_dir, open_disk_root, open_regular,
-                                       read_failure_kind, unlock_namespace, write_failure_kind, write_new_file)
+from mempath.kv.tiers.disk_dir import (BLOCK_NAME, LOCK_NAME, SHARD_NAME, TMP_NAME, layout_namespace, lock_namespace,
+                                       make_private_dir, open_disk_root, read_failure_kind, unlock_namespace,
+                                       write_failure_kind)
 from mempath.kv.tiers.host import HostBlockStore
+from mempath.safe_io import NotOurFile, open_regular, write_new_file
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +147,7 @@ class DiskBlockStore:
         # the store is collected or the process exits.
         self._unlock = weakref.finalize(self, unlock_namespace, lock_namespace(self.path, self.namespace_path))
         self.failures: Counter[str] = Counter()  # kind -> count (FAILURE_KINDS)
+        self.blocks_written = 0  # block files that landed (a failed or skipped write is not one)
         self._lock = threading.RLock()
         self._index: OrderedDict[bytes, int] = OrderedDict()  # hash -> file bytes, LRU first
         self._busy: Counter[bytes] = Counter()  # hash -> reads/writes in flight
@@ -359,6 +361,7 @@ class DiskBlockStore:
             return ok
         finally:
             with self._lock:
+                self.blocks_written += ok
                 self._writing.pop(block_hash, None)
                 self._release(block_hash)
                 if not ok and block_hash in self._index:
@@ -474,16 +477,19 @@ def _read_crc(f) -> int | None:
 
 
 # ---------------------------------------------------------------------------- write policy
-def spill_to_disk(host: HostBlockStore, disk: DiskBlockStore | None, n: int) -> tuple[list[int], int]:
-    """Evict up to n warm blocks by the host store's rule; return their ids and how many go to disk.
+def spill_to_disk(host: HostBlockStore, disk: DiskBlockStore | None, n: int, settle=None) -> list[int]:
+    """Evict up to n warm blocks by the host store's rule; return their ids.
 
     Write-back: a block the disk lacks is written first and its host block is
     freed once the write is done (it is unfindable meanwhile, but
     ``disk.contains`` already says yes and a read waits for the write).
-    Write-through, or a block already on disk: freed at once.
+    Write-through, or a block already on disk: freed at once. ``settle(ids)``
+    returns once copies still on their way into those host blocks have landed:
+    a write must not read a block before its bytes are there.
     """
     victims = host.evict_candidates(n)
-    written = 0
+    if disk is not None and not disk.write_through and settle is not None:
+        settle([block_id for block_id in victims if host.hash_of(block_id) not in disk])
     for block_id in victims:
         block_hash = host.hash_of(block_id)
         host.uncache(block_id)
@@ -491,8 +497,7 @@ def spill_to_disk(host: HostBlockStore, disk: DiskBlockStore | None, n: int) -> 
             host.free([block_id])
         else:
             host.hold_until(disk.write_async(block_hash, host.storage[block_id]), [block_id], free=True)
-            written += 1
-    return victims, written
+    return victims
 
 
 def write_through_block(host: HostBlockStore, disk: DiskBlockStore, block_id: int) -> Future | None:

@@ -25,10 +25,11 @@ import hashlib
 import json
 import os
 import re
-import secrets
 import shutil
 import socket
 import stat
+
+from mempath.safe_io import OTHERS_WRITE, NotOurFile, loads_json, open_regular, write_new_file
 
 MANIFEST_NAME = "mempath-kv.json"
 _MANIFEST_FORMAT, _MANIFEST_VERSION = "mempath-kv", 1
@@ -42,7 +43,6 @@ TMP_NAME = re.compile(r"(?:[0-9a-f]{2})+\.kv\.[0-9a-f]{8}\.tmp")
 LOCK_NAME = "mempath-kv.lock"
 _LOCK_PREFIX = b"mempath disk KV tier in use by "
 _MANIFEST_TMP_NAME = re.compile(re.escape(MANIFEST_NAME) + r"\.[0-9a-f]{8}\.tmp")
-OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
 # stats()["tiers"]["disk_failures"] keys: every kind, zero until it happens.
 FAILURE_KINDS = ("write_no_space", "write_permission", "write_error", "read_corrupt", "read_foreign_file",
                  "read_permission", "read_error", "read_timeout", "cleanup_error")
@@ -51,10 +51,6 @@ FAILURE_KINDS = ("write_no_space", "write_permission", "write_error", "read_corr
 class DiskTierPathError(ValueError):
     """``--disk-kv-path`` cannot hold the disk tier; the message says why and what to do."""
 
-
-class NotOurFile(OSError):
-    """Where a block file should be is something this tier never writes (a FIFO, a directory,
-    a file of another user): it is neither read nor deleted."""
 
 
 def _path_error(root: str, problem: str, fix: str) -> DiskTierPathError:
@@ -72,9 +68,14 @@ def check_disk_kv_path(path) -> str:
     Called when the config is validated (before the weights load) and again when the tier opens.
     """
     root = os.path.abspath(os.path.expanduser(os.fspath(path)))
+    if "\0" in root:
+        raise _path_error(repr(root), "contains a NUL byte, which no file name can", "name the directory again")
     try:
         st = os.stat(root)
     except (FileNotFoundError, NotADirectoryError):
+        if os.path.islink(root):
+            raise _path_error(root, f"is a link to {os.readlink(root)}, which does not exist",
+                              "create the directory it points to, or point --disk-kv-path at a directory") from None
         _check_creatable(root)
         return root
     except OSError as error:
@@ -237,6 +238,9 @@ def _check_private(root: str, st: os.stat_result) -> None:
         raise _path_error(root, f"is writable by other users (mode {stat.S_IMODE(st.st_mode):o}), and whoever can "
                           "write the disk tier can change the engine's answers", f"chmod 700 {root}")
     if not os.access(root, os.R_OK | os.W_OK | os.X_OK):
+        if os.statvfs(root).f_flag & os.ST_RDONLY:
+            raise _path_error(root, "is on a read-only file system",
+                              "point --disk-kv-path at a directory on a writable one")
         raise _path_error(root, "is not readable and writable by this user", f"chmod 700 {root}")
 
 
@@ -246,7 +250,7 @@ def _read_manifest(root: str) -> dict:
     try:
         f, _ = open_regular(path)
         with f:
-            manifest = json.load(f)
+            manifest = loads_json(f.read())
     except (OSError, ValueError) as error:
         raise _path_error(root, f"holds a {MANIFEST_NAME} mempath cannot use ({error})", fix) from None
     if not (isinstance(manifest, dict) and manifest.get("format") == _MANIFEST_FORMAT
@@ -256,23 +260,6 @@ def _read_manifest(root: str) -> dict:
         raise _path_error(root, f"holds a disk tier of format version {manifest.get('version')!r}; this mempath "
                           f"reads version {_MANIFEST_VERSION}", fix)
     return manifest
-
-
-def open_regular(path: str):
-    """(file, stat) of a regular file of this user that only it can write, opened for reading.
-
-    O_NONBLOCK: opening a FIFO returns at once (then refused) instead of waiting for a
-    writer forever; O_NOFOLLOW: a link is refused, not followed.
-    """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & OTHERS_WRITE:
-            raise NotOurFile(errno.EPERM, "not a regular file that only this user can write", path)
-        return os.fdopen(fd, "rb"), st
-    except BaseException:
-        os.close(fd)
-        raise
 
 
 def make_private_dir(path: str) -> None:
@@ -285,27 +272,6 @@ def make_private_dir(path: str) -> None:
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & OTHERS_WRITE:
         raise NotOurFile(errno.ENOTDIR, "not a directory that only this user can write", path)
-
-
-def write_new_file(final: str, chunks) -> None:
-    """Write chunks to a new temporary beside ``final`` (mode 0o600), then rename it over ``final``.
-
-    A crash leaves the old file or the new one, never half of one; at worst a temporary of
-    the tier's own naming, removed at the next start-up. Raises OSError.
-    """
-    tmp = f"{final}.{secrets.token_hex(4)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-        if os.path.lexists(final) and not stat.S_ISREG(os.lstat(final).st_mode):
-            raise NotOurFile(errno.EEXIST, "something mempath does not write is in the way", final)
-        os.replace(tmp, final)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def read_failure_kind(error: OSError) -> str:

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from mempath.memory.ledger import format_bytes
+from mempath.safe_io import loads_json
 
 # Colours by pathway, so a stage and its row share a colour everywhere.
 PATHWAY_COLOURS = {
@@ -125,7 +126,7 @@ def refuse_foreign_outputs(out_dir: str | Path, snapshot: bool = False) -> None:
 
 def _is_report_json(path: Path) -> bool:
     try:
-        report = json.loads(path.read_text())
+        report = loads_json(path.read_text())
         return isinstance(report, dict) and "mempath_diagnose" in report
     except (OSError, ValueError, TypeError):
         return False
