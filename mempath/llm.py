@@ -242,7 +242,7 @@ class LLM:
         groups = []
         try:
             for prompt, p in zip(prompt_list, param_list):
-                groups.append(self._add_samples(engine, prompt, p, single))
+                groups.append(self._add_samples(engine, prompt, p, single, model))
             results = {r.request_id: r for group in groups for r in group if isinstance(r, RequestOutput)}
             self._run_to_completion(results, sum(len(group) for group in groups), use_tqdm)
         except BaseException:  # an error while adding, a bar factory that raises, Ctrl-C: what is in the
@@ -307,8 +307,10 @@ class LLM:
                     bar.update(1)
         bar.close()
 
-    def _add_samples(self, engine: LLMEngine, prompt, params: SamplingParams, single: bool) -> list:
-        """Add one engine request per sample; a refused one is its finished error output instead of its id."""
+    def _add_samples(self, engine: LLMEngine, prompt, params: SamplingParams, single: bool,
+                     model: str | None = None) -> list:
+        """Add one engine request per sample; a refused one is its finished error output instead of its id.
+        With several models through the MultiEngine, which wakes an asleep ``model`` (its weights back first)."""
         group = []
         # A bad n is one request, which add_request refuses naming it (as any other bad field).
         samples = params.n if isinstance(params.n, int) and not isinstance(params.n, bool) and params.n >= 1 else 1
@@ -320,7 +322,10 @@ class LLM:
                     params.check_sample_seeds()  # else a later sample is refused for a seed nobody gave
                     seed = params.seed + index if type(params.seed) is int else params.seed  # else refused below
                     sample_params = SamplingParams(**{**params.__dict__, "n": 1, "seed": seed})
-                engine.add_request(prompt, sample_params, request_id)
+                if self.engines:
+                    self.engine.add_request(prompt, sample_params, request_id, model=model)
+                else:
+                    engine.add_request(prompt, sample_params, request_id)
                 group.append(request_id)
             except ValueError as error:
                 if single:

@@ -164,3 +164,28 @@ def test_fp8_kv_in_shared_pages_equals_alone(two_models):
     assert [done[f"r{i}"] for i in range(0, len(requests), 2)] == expected_a
     assert [done[f"r{i}"] for i in range(1, len(requests), 2)] == expected_b
     assert_all_free(llm.engine)
+
+
+def test_a_request_that_fits_the_pool_waits_for_pages_another_model_holds(two_models):
+    """docs/multi_model.md: a waiting model is never failed for lack of room another model holds. A model whose
+    one running request preempted itself for a page the other model held failed the request instead."""
+    llama, qwen = two_models
+    prompts = [list(range(10, 26)), list(range(12, 29))]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    expected_b = [o.outputs[0].token_ids for o in LLM(qwen, dtype="float32", show_progress=False).generate(
+        prompts, params, use_tqdm=False)]
+    llm = together(two_models, num_gpu_blocks_override=4)
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, params, f"a{i}", model="a")
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, params, f"b{i}", model="b")
+    done = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output
+    assert {r: o.finish_reason for r, o in done.items()} == {"a0": "length", "a1": "length", "b0": "length",
+                                                              "b1": "length"}
+    assert [done[f"b{i}"].outputs[0].token_ids for i in range(2)] == expected_b
+    assert_all_free(engine)

@@ -173,3 +173,26 @@ def test_cuda_wake_keeps_the_addresses_the_graphs_read(two_models):  # noqa: F81
     assert mapped_bytes() == mapped - b.model.weights_arena.nbytes
     assert answer(engine, "b", "b1") == before
     assert {p.data_ptr() for p in b.model.parameters()} == pointers and mapped_bytes() == mapped
+
+
+@pytest.mark.parametrize("ask", ["generate", "chat"])
+def test_llm_generate_on_an_asleep_model_wakes_it_and_its_weights(two_models, ask):  # noqa: F811
+    """LLM.generate and chat woke no model: an asleep one ran on weights still in host memory (a crash on the
+    CPU, unmapped memory on CUDA) and kept no KV guarantee."""
+    llm = together(two_models, num_gpu_blocks_override=12, sleep_after=1e6, sleep_offload_weights=True)
+    clock = FakeClock()
+    llm.engine = MultiEngine(llm.engines, llm.engine.pool, sleep_after=5, clock=clock)
+
+    def run(model):
+        if ask == "chat":
+            return llm.chat([{"role": "user", "content": "def read_config(path):"}], GREEDY, use_tqdm=False, model=model,
+                            chat_template="{{ messages[0]['content'] }}")[0].outputs[0].token_ids
+        return llm.generate([PROMPT], GREEDY, use_tqdm=False, model=model)[0].outputs[0].token_ids
+
+    before = run("b")
+    clock.now = 10
+    run("a")  # b idle past sleep_after: it falls asleep, its weights leave the device
+    assert llm.stats()["sleep"]["asleep"] == ["b"] and not llm.engines["b"].model.weights_arena.is_mapped
+    assert run("b") == before
+    stats = llm.stats()["sleep"]
+    assert stats["asleep"] == [] and stats["wakes_by_model"]["b"] == 1 and llm.engine.owner == {}

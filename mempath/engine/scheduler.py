@@ -95,11 +95,18 @@ class Scheduler:
             return StepPlan(batch, sampling, defer=self._can_defer(batch, sampling))
         if self.loading:
             self.wait_for_loads()
-        elif self.waiting and not self.running:
-            # Nothing runs and the head cannot be admitted: only possible if the pool is
-            # pinned by nothing, i.e. the request can never fit. Fail it, keep the rest.
+        elif self.waiting and not self.running and not self._head_may_fit_later(batch):
+            # Nothing runs and the head cannot be admitted, with no page to come back: the request
+            # can never fit. Fail it, keep the rest.
             return StepPlan(batch, failed=[self._fail_head()])
         return StepPlan(batch)
+
+    def _head_may_fit_later(self, batch: ScheduledBatch) -> bool:
+        """Whether the waiting head, which fits the whole pool, was not admitted only for now: this step
+        preempted (and so tried no admission), or other models of a shared pool hold the pages it lacks."""
+        if self.kv.blocks_for(self.waiting[0].num_tokens) > self.kv.num_blocks:
+            return False
+        return batch.preempted or self.kv.pool.num_held_by_others > 0
 
     def _fail_head(self) -> Request:
         request = self.waiting[0]

@@ -43,6 +43,11 @@ class BlockPool:
         return len(self.free_queue)
 
     @property
+    def num_held_by_others(self) -> int:
+        """Blocks another model holds: none, in one model's own pool (multi/pages.py shares one)."""
+        return 0
+
+    @property
     def num_used(self) -> int:
         return self.num_blocks - len(self.free_queue)
 

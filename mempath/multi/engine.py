@@ -176,8 +176,10 @@ class MultiEngine:
         """One step of every model with work, in turn; the idle ones may fall asleep first."""
         self.tick_idle()
         outputs = []
-        for engine in self.engines.values():
+        for name, engine in self.engines.items():
             if engine.has_runnable_requests():
+                if name in self.sleep.pool.asleep:  # a request added past add_request: never run asleep weights
+                    self.sleep.active(name)
                 outputs += [o for o in map(self._pipeline_output, engine.step()) if o is not None]
         for output in outputs:
             if output.finished:

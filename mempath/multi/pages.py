@@ -96,6 +96,11 @@ class TenantPages:
     def num_cached(self) -> int:
         return self.pages.num_cached
 
+    @property
+    def num_held_by_others(self) -> int:
+        """Pages the other models reference: they come back when those requests end or are preempted."""
+        return self.pages.num_used - self.num_used
+
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_free or (self.reclaim(self, n) and n <= self.num_free)
 
