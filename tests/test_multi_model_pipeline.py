@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from mempath import LLM, SamplingParams
-from mempath.multi.pipeline import SecondModelError, Template, count_device_reads, same_vocabulary
+from mempath.engine.startup import same_vocabulary
+from mempath.multi.pipeline import SecondModelError, Template, count_device_reads
 
 FIRST = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 SECOND = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
@@ -132,3 +133,17 @@ def test_a_hand_off_that_fails_answers_nothing_of_the_first_model(same_tokenizer
     assert out.second.error_param == "max_tokens"  # the answer's length is the client's to lower
     assert out.second.outputs[0].token_ids == [] and out.second.text == "" and out.second.logprobs is None
     assert not llm.engine.pipelines and not llm.engine.owner and llm.engine.pool.pages.num_used == 0
+
+
+@pytest.mark.parametrize("llm_name", ["same_tokenizer", "other_tokenizers"])
+def test_the_default_template_runs_where_the_second_tokenizer_adds_no_bos(llm_name, request):
+    """The pre-check made the second prompt with an empty answer: with "{output}" and no BOS that prompt was
+    empty, and every pipeline with the default template was refused before it ran."""
+    llm = request.getfixturevalue(llm_name)
+    assert not llm.engines["b"].tokenizer.encode("", add_special_tokens=True)  # no BOS
+    prompt = [5, 17, 33, 9, 101, 7, 64]
+    out = llm.pipeline(prompt, "a", "b", sampling_params=FIRST, second_sampling_params=SECOND)[0]
+    answer = out.first.outputs[0]
+    handed = answer.token_ids if llm_name == "same_tokenizer" else answer.text
+    expected = llm.generate(handed, SECOND, use_tqdm=False, model="b")[0]
+    assert out.second.outputs[0].token_ids == expected.outputs[0].token_ids

@@ -135,7 +135,23 @@ def test_bad_speculative_config_is_refused_in_one_line(config, message, model_fa
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("draft", ["another vocabulary", "fewer positions", "no such directory"])
+def another_tokenizer(path):
+    """A draft of the target's vocabulary size whose tokenizer numbers its tokens otherwise."""
+    from tests.conftest import make_model
+    make_model(path, "llama", tokenizer=False)
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["other text, other merges " * 20],
+                            trainers.BpeTrainer(vocab_size=320, special_tokens=["</s>", "<s>", "<pad>"],
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("draft", ["another vocabulary", "fewer positions", "no such directory",
+                                   "another tokenizer"])
 def test_a_draft_that_cannot_serve_the_target_is_refused_before_any_weights_load(draft, model_factory, tmp_path,
                                                                                   monkeypatch):
     """Read from the draft's config.json, before the target's weights load (minutes on a large target)."""
@@ -143,9 +159,11 @@ def test_a_draft_that_cannot_serve_the_target_is_refused_before_any_weights_load
     path, _ = model_factory("llama")
     other = {"another vocabulary": lambda: model_factory("llama", vocab_size=400)[0],
              "fewer positions": lambda: model_factory("llama", max_position_embeddings=64)[0],
-             "no such directory": lambda: str(tmp_path / "missing")}[draft]()
+             "no such directory": lambda: str(tmp_path / "missing"),
+             "another tokenizer": lambda: another_tokenizer(tmp_path / "other-tokenizer")}[draft]()
     monkeypatch.setattr(startup, "load_model", lambda *a, **k: pytest.fail("weights loaded"))
-    says = {"another vocabulary": "vocabulary", "fewer positions": "positions", "no such directory": "config.json"}
+    says = {"another vocabulary": "vocabulary", "fewer positions": "positions", "no such directory": "config.json",
+            "another tokenizer": "the draft's tokenizer .* maps text to other token ids"}
     with pytest.raises(ValueError, match=says[draft]) as error:
         LLM(path, dtype="float32", show_progress=False, speculative_config=spec(other), max_model_len=128)
     assert "\n" not in str(error.value)

@@ -77,6 +77,13 @@ def load_tokenizer(model_dir: str):
     return tokenizer
 
 
+def same_vocabulary(a, b) -> bool:
+    """Whether two tokenizers map the same strings to the same ids (A's ids then mean the same to B)."""
+    if a is None or b is None:
+        return False
+    return a is b or (a.get_vocab() == b.get_vocab() and a.all_special_ids == b.all_special_ids)
+
+
 def load_generation_eos(model_dir: str) -> list[int]:
     path = Path(model_dir) / "generation_config.json"
     if not path.exists():
@@ -170,6 +177,18 @@ class Startup:
                              f"fewer than max_model_len {self.max_model_len}; lower --max-model-len")
         return spec
 
+    def _check_draft_tokenizer(self) -> None:
+        """A draft whose tokenizer gives other ids than the target's proposes tokens the target reads as others:
+        nothing would be accepted. Refused where both have a tokenizer (a draft directory without one is taken
+        to share the target's)."""
+        if self.draft_spec is None or self.tokenizer is None:
+            return
+        draft_tokenizer = load_tokenizer(self.spec_config.model)
+        if draft_tokenizer is not None and not same_vocabulary(self.tokenizer, draft_tokenizer):
+            raise ValueError(f"speculative_config: the draft's tokenizer ({self.spec_config.model}) maps text to "
+                             f"other token ids than the target's, so the target would accept none of its tokens; "
+                             f"use a draft with the target's tokenizer")
+
     def _check_tiers_hold_a_block(self) -> None:
         """A KV tier too small for one block, refused from config.json before the weights load (minutes on a
         large model), not when the tier opens after them; the tiers check the exact sizes again then."""
@@ -198,6 +217,7 @@ class Startup:
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         if self.tokenizer is None and config.tokenizer:
             raise ValueError(f"tokenizer {config.tokenizer}: no tokenizer.json, tokenizer.model or vocab.json there")
+        self._check_draft_tokenizer()
         self.load_weights(show_progress)
         self.eos_token_ids = set(self.spec.eos_token_ids) | set(load_generation_eos(config.model))
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

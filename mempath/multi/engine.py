@@ -21,9 +21,10 @@ from __future__ import annotations
 import time
 
 from mempath.engine.engine import LLMEngine
+from mempath.engine.startup import same_vocabulary
 from mempath.multi.pages import POOL_TENANT, PagePool, TenantPages
 from mempath.multi.pipeline import (Pipeline, SecondModelError, Template, count_device_reads, failed_output,
-                                    handoff_text, handoff_token_ids, same_vocabulary, special_prefix)
+                                    handoff_text, handoff_token_ids, special_prefix)
 from mempath.multi.sleep import IdleSleep, WeightsOffload
 
 MAX_CACHED_LITERALS = 1024  # template pieces' token ids kept (a client sends few distinct templates)
@@ -129,9 +130,11 @@ class MultiEngine:
         shortest = RequestOutput.of_sample(request_id=request_id, prompt=request.prompt,
                                            prompt_token_ids=request.prompt_token_ids, token_ids=[], text="",
                                            finished=True)
+        # An empty answer through "{output}" is an empty prompt where the second tokenizer adds no BOS: one
+        # token stands in for the shortest answer then (an empty one is refused at its hand-off, if it comes).
+        check_prompt = self._second_prompt(first_engine, pipeline, shortest) or [0]
         try:
-            second_engine.make_request(self._second_prompt(first_engine, pipeline, shortest), second_params,
-                                       request_id)
+            second_engine.make_request(check_prompt, second_params, request_id)
         except ValueError as error:
             raise SecondModelError(second, str(error)) from None
         self.sleep.active(first)
