@@ -284,12 +284,14 @@ class EngineConfig:
             device = torch.device("cuda", torch.cuda.current_device())
         return device
 
-    def torch_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
+    def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+        """What the model computes in: --dtype, or for auto float32 on the CPU and elsewhere the checkpoint's
+        dtype, bfloat16 where config.json names none (as vLLM's auto, and as mempath plan counts it)."""
         if self.dtype != "auto":
             return _DTYPES[self.dtype]
         if self.torch_device().type == "cpu":
             return torch.float32
-        return checkpoint_dtype
+        return checkpoint_dtype or torch.bfloat16
 
     def kv_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """What the KV cache stores: the model dtype unless kv_cache_dtype names an fp8 format."""

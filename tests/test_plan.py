@@ -462,3 +462,35 @@ def test_max_num_seqs_defaults_to_1024_on_a_large_gpu_as_the_engine_does():
     assert large.workspace_bytes > explicit.workspace_bytes
     assert EngineConfig(model="", device="cpu").max_num_seqs == 256
     assert EngineConfig(model="", device="cpu", max_num_seqs=7).max_num_seqs == 7
+
+
+@pytest.mark.parametrize("named", [None, "bfloat16", "float16", "float32"])
+def test_plan_and_engine_resolve_auto_to_the_same_dtype_on_cuda(tmp_path, named):
+    """A config.json that names no dtype was planned in bfloat16 (vLLM's auto) and served in float32 on CUDA:
+    twice the bytes the plan counted."""
+    from mempath.config import EngineConfig
+    from mempath.model.loader import checkpoint_dtype
+    cfg = json.loads((Path(__file__).parent / "data" / "configs" / "qwen3-0.6b.json").read_text())
+    cfg.pop("torch_dtype", None)
+    cfg.pop("dtype", None)
+    if named is not None:
+        cfg["torch_dtype"] = named
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    config = EngineConfig(model=str(tmp_path), device="cpu")
+    config.device = "cuda:0"  # how auto resolves there; nothing touches a GPU
+    engine_dtype = config.torch_dtype(checkpoint_dtype(cfg))
+    assert str(engine_dtype).removeprefix("torch.") == plan_memory(str(tmp_path)).dtype
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (Path(__file__).parent / "data" / "configs").glob("*.json")))
+def test_plan_takes_the_engines_longest_sequence(tmp_path, name):
+    """The engine serves no longer than a sliding window; plan counted max_position_embeddings (Mistral-7B:
+    32,768 planned, 4,096 served) and accepted a --max-model-len the engine refuses."""
+    from mempath.engine.startup import resolve_max_model_len
+    from mempath.model.spec import ModelSpec
+    source = Path(__file__).parent / "data" / "configs" / f"{name}.json"
+    (tmp_path / "config.json").write_text(source.read_text())
+    served = resolve_max_model_len(None, ModelSpec.from_hf_config(json.loads(source.read_text())))
+    assert plan_memory(str(tmp_path)).max_model_len == served
+    with pytest.raises(ValueError, match=rf"max_model_len {served + 1} exceeds what this model supports \({served}"):
+        plan_memory(str(tmp_path), max_model_len=served + 1)

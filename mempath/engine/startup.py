@@ -93,10 +93,7 @@ def load_generation_eos(model_dir: str) -> list[int]:
 
 
 def resolve_max_model_len(wanted: int | None, spec: ModelSpec) -> int:
-    limit = spec.max_position_embeddings
-    if spec.sliding_window is not None:
-        # The attention path has no sliding-window mask: stay where it makes no difference.
-        limit = min(limit, spec.sliding_window)
+    limit = spec.max_model_len_limit
     if wanted is None:
         return limit
     if wanted > limit:

@@ -643,10 +643,11 @@ def check_serving_settings(shape: ModelShape, max_model_len, max_num_seqs, max_n
                         ("max_num_batched_tokens", max_num_batched_tokens), ("block_size", block_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if max_model_len > shape.max_position_embeddings:
-        raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
-                         f"{shape.max_position_embeddings}: pass --max-model-len "
-                         f"{shape.max_position_embeddings} or less")
+    if max_model_len > shape.max_model_len_limit:
+        limit = shape.max_model_len_limit
+        raise ValueError(f"max_model_len {max_model_len} exceeds what this model supports ({limit}: "
+                         f"max_position_embeddings{' / sliding_window' if shape.sliding_window else ''}): "
+                         f"pass --max-model-len {limit} or less")
 
 
 def decoder_peak_bytes_per_token(figures: ServingFigures) -> int:

@@ -123,7 +123,7 @@ def _plan_for(config, dtype: str | None) -> ServingFigures | None:
         max_model_len = getattr(config, "max_model_len", None)
         return serving_figures(
             shape, dtype_bytes,
-            max_model_len=shape.max_position_embeddings if max_model_len is None else max_model_len,
+            max_model_len=shape.max_model_len_limit if max_model_len is None else max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             block_size=config.block_size, cuda_graphs=not getattr(config, "enforce_eager", True),
             kv_cache_dtype=getattr(config, "kv_cache_dtype", "auto"))  # an fp8 cache's blocks are 1 B an element

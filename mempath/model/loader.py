@@ -126,9 +126,10 @@ def read_spec(model_dir: str | Path) -> ModelSpec:
     return ModelSpec.from_hf_config(read_config(model_dir), source=str(config_path(model_dir)))
 
 
-def checkpoint_dtype(cfg: dict) -> torch.dtype:
-    """The dtype config.json names (torch_dtype, or transformers 5's dtype); float32 when none."""
-    return _torch_dtype(cfg.get("torch_dtype") or cfg.get("dtype"))
+def checkpoint_dtype(cfg: dict) -> torch.dtype | None:
+    """The dtype config.json names (torch_dtype, or transformers 5's dtype); None when it names none."""
+    name = cfg.get("torch_dtype") or cfg.get("dtype")
+    return _torch_dtype(name) if name in CHECKPOINT_DTYPES else None
 
 
 def _torch_dtype(name: str | None) -> torch.dtype:

@@ -170,6 +170,12 @@ class ModelSpec:
     # targets them (_unquantized). Built as 16-bit linears; the other projections follow quantization.
     unquantized: frozenset[str] = frozenset()
 
+    @property
+    def max_model_len_limit(self) -> int:
+        """The longest sequence served: max_position_embeddings, and no longer than a sliding window (the
+        attention has no sliding-window mask: it stays where the window makes no difference)."""
+        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
+
     def projection_quantization(self, name: str) -> str | None:
         """The quantization of the projection ``name`` (its module name): None where the checkpoint keeps it."""
         return None if name in self.unquantized else self.quantization

@@ -332,7 +332,7 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
     """
     shape, source = _read_model_shape(model, quantization)
     dtype_name, b = resolve_dtype(dtype, shape)
-    max_model_len = shape.max_position_embeddings if max_model_len is None else max_model_len
+    max_model_len = shape.max_model_len_limit if max_model_len is None else max_model_len
     if max_num_seqs is None:  # the engine's default for this device
         max_num_seqs = default_max_num_seqs(gpu_mem_bytes)
     _check_settings(shape, gpu_mem_bytes, host_mem_bytes, gpu_memory_utilization, max_model_len, max_num_seqs,
