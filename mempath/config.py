@@ -9,7 +9,7 @@ import torch
 
 from mempath import constants
 from mempath.constants import DEFAULT_BLOCK_SIZE as AUTO_BLOCK_SIZE  # what --block-size auto picks
-from mempath.constants import as_kind
+from mempath.constants import MAX_SIZE_GIB, as_kind
 from mempath.engine.spec.config import parse_speculative_config
 from mempath.memory.budget import check_host_room
 from mempath.memory.formulas import check_expert_cache_gb, check_expert_cache_size
@@ -228,6 +228,9 @@ class EngineConfig:
             # int() once the weights had loaded.
             if not math.isfinite(gb):
                 raise ValueError(f"{flag} {gb:g} is not a finite size: give GiB as a number (0: no such tier)")
+            if gb > MAX_SIZE_GIB:
+                raise ValueError(f"{flag} {gb:g} is more than 1 PiB, which is no host's memory or disk: give GiB "
+                                 f"(0: no such tier)")
         if self.cpu_kv_cache_bytes < 1:
             raise ValueError(f"cpu_kv_cache_bytes must be >= 1 (bytes of host memory for a CPU engine's KV cache), "
                              f"got {self.cpu_kv_cache_bytes}")

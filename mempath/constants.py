@@ -5,6 +5,10 @@ dtype names to torch dtypes.
 """
 import numbers
 
+# A size above this is a typo, not a size: beyond any device or host memory (1 PiB).
+MAX_SIZE_BYTES = 1 << 50
+MAX_SIZE_GIB = MAX_SIZE_BYTES >> 30
+
 # Every spelling a user may give for a model dtype, to its canonical name.
 DTYPE_ALIASES = {
     "bf16": "bfloat16", "bfloat16": "bfloat16",

@@ -8,6 +8,7 @@ whose only value here changes nothing are accepted (IGNORED). docs/vllm.md has t
 """
 import argparse
 import logging
+import math
 
 from mempath.config import KV_CACHE_DTYPES, EngineConfig
 
@@ -237,8 +238,9 @@ def engine_options(args: argparse.Namespace) -> dict:
     if cpu_kv_gb is not None and swap_space is not None and cpu_kv_gb != swap_space:
         log.warning("--cpu-kv-gb %g and --swap-space %g both given: --cpu-kv-gb wins", cpu_kv_gb, swap_space)
     chosen = cpu_kv_gb if cpu_kv_gb is not None else swap_space
-    if cpu_kv_gb is None and swap_space is not None and not swap_space >= 0:  # EngineConfig would say cpu_kv_gb
-        raise ValueError(f"--swap-space {swap_space:g} must be >= 0 (GiB of host memory for the KV cache's host tier)")
+    if cpu_kv_gb is None and swap_space is not None and not 0 <= swap_space < math.inf:  # else named cpu_kv_gb
+        raise ValueError(f"--swap-space {swap_space:g} must be >= 0 and finite (GiB of host memory for the KV "
+                         f"cache's host tier)")
     if chosen is not None:
         options["cpu_kv_gb"] = chosen
     return options

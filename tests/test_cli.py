@@ -262,8 +262,10 @@ def test_sampling_flags_at_temperature_zero_are_named_as_having_no_effect(capsys
 @pytest.mark.parametrize("flags, says", [
     (["--cpu-kv-cache-bytes", "-1"], "cpu_kv_cache_bytes must be >= 1 (bytes of host memory for a CPU engine's KV "
                                      "cache), got -1"),
-    (["--swap-space", "-4"], "--swap-space -4 must be >= 0 (GiB of host memory for the KV cache's host tier)"),
-    (["--swap-space", "nan"], "--swap-space nan must be >= 0 (GiB of host memory for the KV cache's host tier)"),
+    (["--swap-space", "-4"], "--swap-space -4 must be >= 0 and finite (GiB of host memory for the KV cache's host "
+                             "tier)"),
+    (["--swap-space", "nan"], "--swap-space nan must be >= 0 and finite (GiB of host memory for the KV cache's host "
+                              "tier)"),
     (["--block-size", "1048576"], "raise --cpu-kv-cache-bytes, or lower --block-size (1048576; the default is 16)"),
 ])
 def test_kv_sizes_name_the_flag_and_the_fix(capsys, flags, says):

@@ -1,5 +1,6 @@
 """`mempath diagnose` end to end on the CPU, and the out-of-memory explanations."""
 import json
+import os
 import re
 from pathlib import Path
 
@@ -324,3 +325,44 @@ def test_a_report_replaces_an_earlier_report(report, tmp_path):
     refuse_foreign_outputs(alone)  # a run without --snapshot does not write it
     with pytest.raises(ValueError, match=r"memory_snapshot.pickle is there and is not a mempath diagnose report"):
         refuse_foreign_outputs(alone, snapshot=True)
+
+
+@pytest.mark.parametrize("flag,value,says", [("--leak-requests", "0", "--leak-requests 0 must be at least 2"),
+                                             ("--leak-requests", "1", "--leak-requests 1 must be at least 2"),
+                                             ("--probe-tokens", "-5", "--probe-tokens -5 must be at least 1"),
+                                             ("--probe-seqs", "0", "--probe-seqs 0 must be at least 1")])
+def test_probe_counts_out_of_range_are_refused_before_measuring(flag, value, says, tmp_path, model_factory, capsys,
+                                                                monkeypatch):
+    """--leak-requests 0 crashed with an IndexError after the whole run; --probe-tokens -5 was run as 1."""
+    from mempath.cli import main
+    from mempath.engine import startup
+    path, _ = model_factory("llama")
+    monkeypatch.setattr(startup, "load_model", lambda *a, **k: pytest.fail("measuring started"))
+    capsys.readouterr()
+    assert main(["diagnose", path, "--device", "cpu", flag, value, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"mempath diagnose: error: {says}"), err
+
+
+@pytest.mark.parametrize("where", ["under a file", "not writable"])
+def test_an_out_folder_that_cannot_be_made_is_refused_before_measuring(where, tmp_path, model_factory, capsys,
+                                                                       monkeypatch):
+    """It was made only after the whole run, which then ended in a traceback."""
+    from mempath.cli import main
+    from mempath.engine import startup
+    path, _ = model_factory("llama")
+    monkeypatch.setattr(startup, "load_model", lambda *a, **k: pytest.fail("measuring started"))
+    (tmp_path / "notes.txt").write_text("mine")
+    if where == "under a file":
+        out = tmp_path / "notes.txt" / "report"
+    else:
+        out = tmp_path / "ro" / "report"
+        (tmp_path / "ro").mkdir()
+        real_access = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode, **kw: not str(p).startswith(str(tmp_path / "ro"))
+                            and real_access(p, mode, **kw))
+    capsys.readouterr()
+    assert main(["diagnose", path, "--device", "cpu", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"mempath diagnose: error: --out {out} cannot be made"), err
+    assert (tmp_path / "notes.txt").read_text() == "mine"

@@ -241,3 +241,29 @@ def test_a_reversed_layer_range_is_named():
     with pytest.raises(ValueError, match=re.escape("layer range '5-2' runs backwards: write 2-5")):
         parse_layers("5-2")
     assert parse_layers("2-5,7") == [2, 3, 4, 5, 7]
+
+
+# ---------------------------------------------------------------- sizes in GiB beyond any memory
+
+
+def test_an_expert_cache_beyond_any_device_is_one_line(capsys):
+    """1e308 GiB passed the finite check and overflowed int() in bytes: a traceback."""
+    line = refused(capsys, MOE, "--gpu-mem", "80GiB", "--moe-expert-cache-gb", "1e308")
+    assert "moe_expert_cache_gb" in line and "1 PiB" in line, line
+
+
+@pytest.mark.parametrize("field", ["cpu_kv_gb", "disk_kv_gb"])
+def test_a_tier_beyond_any_memory_is_one_line(field, tmp_path):
+    from mempath.config import EngineConfig
+    sizes = {"cpu_kv_gb": 1.0, "disk_kv_gb": 1.0, field: 1e300}
+    with pytest.raises(ValueError, match=rf"--{field.replace('_', '-')} 1e\+300 is more than 1 PiB"):
+        EngineConfig(model="m", disk_kv_path=str(tmp_path / "kv"), **sizes)
+
+
+def test_swap_space_inf_is_named_as_itself():
+    import argparse
+    from mempath.engine_flags import engine_options, add_engine_arguments
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    with pytest.raises(ValueError, match=r"--swap-space inf"):
+        engine_options(parser.parse_args(["--model", "m", "--swap-space", "inf"]))

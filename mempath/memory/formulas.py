@@ -22,7 +22,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-from mempath.constants import MAX_GRAPH_BATCH, SAMPLER_SORT_ROWS
+from mempath.constants import MAX_GRAPH_BATCH, MAX_SIZE_GIB, SAMPLER_SORT_ROWS
 # The formulas' callers take the shape from here too.
 from mempath.memory.shape import ModelShape, read_shape, resolve_dtype, shape_from_spec  # noqa: F401
 
@@ -226,6 +226,9 @@ def check_expert_cache_gb(gb) -> None:
     if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not 0 < gb < math.inf:
         raise ValueError(f"moe_expert_cache_gb must be > 0 GiB, a finite number (the device GiB for the expert "
                          f"slots; leave it unset to keep every expert resident), got {gb!r}")
+    if gb > MAX_SIZE_GIB:
+        raise ValueError(f"moe_expert_cache_gb {gb:g} is more than 1 PiB, which is no device's memory: give the "
+                         f"device GiB for the expert slots (leave it unset to keep every expert resident)")
 
 
 def resolve_expert_cache_size(shape: ModelShape, dtype_bytes: int, size: int | None, gb: float | None,

@@ -15,7 +15,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from mempath.constants import DEFAULT_BLOCK_SIZE, default_max_num_seqs
+from mempath.constants import DEFAULT_BLOCK_SIZE, MAX_SIZE_BYTES, default_max_num_seqs
 from mempath.memory.budget import ALLOCATION_ROUNDING
 from mempath.memory.formulas import (CUBLAS_WORKSPACE_BYTES_SM90, ModelShape, check_serving_settings,
                                      count_params, expert_bytes, fp8_projection_counts, read_shape, resolve_dtype,
@@ -197,7 +197,6 @@ _SIZE = re.compile(r"^\s*([+-]?[0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*$")
 # The prefix letter in any case, an optional i (powers of 1024), an optional B (b, when all is lowercase).
 _UNIT = re.compile(r"^(?:([kmgt])(i?))?(B?)$", re.IGNORECASE)
 UNITS = "B, K/KB/KiB, M/MB/MiB, G/GB/GiB or T/TB/TiB"
-MAX_SIZE = 1 << 50  # 1 PiB: beyond any device or host memory, so a typo, not a size
 
 
 def parse_bytes(text: str | int) -> int:
@@ -205,7 +204,7 @@ def parse_bytes(text: str | int) -> int:
 
     KiB/MiB/GiB/TiB (and Ki, Mi, ...) are powers of 1024; KB/MB/GB/TB and bare K/M/G/T
     are powers of 1000, as on GPU spec sheets. The prefix may be in either case; a capital
-    prefix with a lowercase b (Gb, Mib) is bits and refused, as is any size above MAX_SIZE
+    prefix with a lowercase b (Gb, Mib) is bits and refused, as is any size above MAX_SIZE_BYTES
     (all lowercase, "80gb", is bytes: how sizes are often typed).
     """
     if isinstance(text, int):
@@ -226,7 +225,7 @@ def parse_bytes(text: str | int) -> int:
         prefix, binary, _ = parts.groups()
         power = "kmgt".find(prefix.lower()) + 1 if prefix else 0
         size = float(number) * (1024 if binary else 1000) ** power
-        if size > MAX_SIZE:  # also a number too long for a float (inf)
+        if size > MAX_SIZE_BYTES:  # also a number too long for a float (inf)
             shown = repr(text) if len(text) <= 40 else f"{text[:20]!r}... ({len(text)} characters)"
             raise ValueError(f"{shown} is more than 1 PiB, which is no device's or host's memory: "
                              f"give it in GiB, e.g. 80GiB")

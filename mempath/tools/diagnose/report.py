@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import html
 import json
+import os
 from pathlib import Path
 
 from mempath.memory.ledger import format_bytes
@@ -115,6 +116,7 @@ def refuse_foreign_outputs(out_dir: str | Path, snapshot: bool = False) -> None:
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--out {out_dir} is a file, not a folder; give a folder for the report (it is made if missing)")
+    _check_can_make(out_dir)
     ours = {"diagnose.json": _is_report_json(out_dir / "diagnose.json")}
     ours["diagnose.html"] = _is_report_html(out_dir / "diagnose.html")
     ours["memory_snapshot.pickle"] = ours["diagnose.json"]
@@ -122,6 +124,19 @@ def refuse_foreign_outputs(out_dir: str | Path, snapshot: bool = False) -> None:
         if (out_dir / name).exists() and not ours[name]:
             raise ValueError(f"--out {out_dir}: {name} is there and is not a mempath diagnose report; "
                              f"give another --out folder, or move the file")
+
+
+def _check_can_make(out_dir: Path) -> None:
+    """The folder, or the nearest existing one above it, must be a folder this user can write: found
+    before the run, not when the report is written after it."""
+    existing = out_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"--out {out_dir} cannot be made: {existing} is not a folder; give a folder for the report")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out_dir} cannot be made: {existing} is not writable by this user; give a folder "
+                         f"you can write")
 
 
 def _is_report_json(path: Path) -> bool:
