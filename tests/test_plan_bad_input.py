@@ -267,3 +267,35 @@ def test_swap_space_inf_is_named_as_itself():
     add_engine_arguments(parser)
     with pytest.raises(ValueError, match=r"--swap-space inf"):
         engine_options(parser.parse_args(["--model", "m", "--swap-space", "inf"]))
+
+
+def test_a_layer_range_past_any_model_is_refused_before_it_is_listed():
+    """0-9999999999 was listed layer by layer, then a MemoryError."""
+    from mempath.tools.plan_cli import parse_layers
+    with pytest.raises(ValueError, match=re.escape("checkpoint layers '0-9999999999' out of range: no model has")):
+        parse_layers("0-9999999999")
+
+
+@pytest.mark.parametrize("field,value", [("num_hidden_layers", 10**400), ("vocab_size", 10**30)])
+def test_config_integers_no_model_comes_near_are_refused(capsys, tmp_path, field, value):
+    """num_hidden_layers 1e400 overflowed a float in the report; vocab_size 1e30 planned a 7e21 TiB embedding."""
+    cfg = json.loads((CONFIGS / "llama-3.1-8b.json").read_text())
+    cfg[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    line = refused(capsys, tmp_path, "--gpu-mem", "80GiB")
+    assert f"field '{field}'" in line and "below 2^32" in line, line
+
+
+@pytest.mark.parametrize("flag,value,says", [("--seq-len", "999999999", "longer than the model's 131072 positions"),
+                                             ("--lora-rank", "99999999", "above the hidden size 4096")])
+def test_training_sizes_past_the_model_are_refused(capsys, flag, value, says):
+    line = refused(capsys, DENSE, "--gpu-mem", "80GiB", "--train", flag, value)
+    assert says in line, line
+
+
+@pytest.mark.parametrize("flags,says", [(["--cpu-offload-gb", "4"], "weights stay on the device"),
+                                        (["-tp", "2"], "tensor parallelism is not implemented")])
+def test_vllm_flags_refused_by_serve_are_refused_by_plan_with_the_reason(capsys, flags, says):
+    """Plan answered "unrecognized arguments" under its usage, where serve and diagnose give the reason."""
+    code, out, err = plan(capsys, DENSE, "--gpu-mem", "80GiB", *flags)
+    assert code == 2 and not out and says in err and "unrecognized" not in err, err

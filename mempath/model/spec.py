@@ -29,6 +29,8 @@ ROPE_TYPES = ("default", "linear", "llama3")
 
 log = logging.getLogger(__name__)
 
+MAX_CONFIG_INTEGER = 1 << 32
+
 
 class CheckpointError(ValueError):
     """A checkpoint (config.json or weights) that mempath cannot load.
@@ -76,6 +78,8 @@ class ConfigFields:
             return default
         if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
             self.fail(key, expected)
+        if value > MAX_CONFIG_INTEGER:  # no model's count or length comes near: a corrupted file
+            self.fail(key, f"{expected} below 2^32")
         return value
 
     def number(self, key: str, default=_REQUIRED) -> float:

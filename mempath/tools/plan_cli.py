@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from mempath.constants import DEFAULT_BLOCK_SIZE
-from mempath.engine_flags import add_memory_arguments
+from mempath.engine_flags import add_memory_arguments, add_refused_arguments
 from mempath.memory.formulas import (ASSUMED_CUT_SECONDS, ASSUMED_DEVICE_READ_BYTES_PER_S, ASSUMED_H2D_BYTES_PER_S,
                                      ASSUMED_HOST_READ_BYTES_PER_S)
 from mempath.memory.ledger import format_bytes
@@ -149,6 +149,9 @@ def _layer_ranges(layers) -> str:
 # ---------------------------------------------------------------- CLI
 
 
+MAX_LAYERS = 1 << 16
+
+
 def parse_layers(text: str) -> list[int]:
     """"0,2,4" or "0-15,20" -> layer indices."""
     layers = []
@@ -160,6 +163,9 @@ def parse_layers(text: str) -> list[int]:
             raise ValueError(f"cannot read layer list {text!r}: write e.g. 0,2,4 or 0-15") from None
         if last < first:
             raise ValueError(f"layer range {part!r} runs backwards: write {last}-{first}")
+        if last >= MAX_LAYERS:  # listed one by one below: a typo's range filled the memory first
+            raise ValueError(f"checkpoint layers {part!r} out of range: no model has {last + 1} layers; give the "
+                             f"model's layer indices")
         layers += range(first, last + 1)
     return layers
 
@@ -183,6 +189,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model directory, config.json, or a cached hub id; several (NAME=DIR as `mempath "
                              "serve` reads them): their plan on one device, with one shared KV pool")
     add_memory_arguments(parser)
+    add_refused_arguments(parser)  # as serve and diagnose: -tp 2 says why, not "unrecognized arguments"
     parser.add_argument("--kv-min-share", type=float, default=0.0,
                         help="several models: the fraction of the KV pool each model is guaranteed")
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None,
