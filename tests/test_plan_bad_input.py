@@ -299,3 +299,12 @@ def test_vllm_flags_refused_by_serve_are_refused_by_plan_with_the_reason(capsys,
     """Plan answered "unrecognized arguments" under its usage, where serve and diagnose give the reason."""
     code, out, err = plan(capsys, DENSE, "--gpu-mem", "80GiB", *flags)
     assert code == 2 and not out and says in err and "unrecognized" not in err, err
+
+
+@pytest.mark.parametrize("zero", ["0", "00", "0B", "0GiB", "0.0MiB"])
+def test_zero_context_memory_in_any_unit_is_the_default(capsys, zero):
+    """0 is --context-mem's default, yet 0B was "must be positive" and 00 was told to be written 00GiB."""
+    code, out, err = plan(capsys, DENSE, "--gpu-mem", "80GiB", "--context-mem", zero)
+    assert code == 0 and not err, err
+    assert out == plan(capsys, DENSE, "--gpu-mem", "80GiB")[1]
+    assert "must be positive" in refused(capsys, DENSE, "--gpu-mem", "0GiB")

@@ -199,7 +199,7 @@ _UNIT = re.compile(r"^(?:([kmgt])(i?))?(B?)$", re.IGNORECASE)
 UNITS = "B, K/KB/KiB, M/MB/MiB, G/GB/GiB or T/TB/TiB"
 
 
-def parse_bytes(text: str | int) -> int:
+def parse_bytes(text: str | int, allow_zero: bool = False) -> int:
     """"80GiB" -> 85899345920, "24GB" -> 24000000000, "1.5T" -> 1.5e12, "123" -> 123.
 
     KiB/MiB/GiB/TiB (and Ki, Mi, ...) are powers of 1024; KB/MB/GB/TB and bare K/M/G/T
@@ -230,20 +230,23 @@ def parse_bytes(text: str | int) -> int:
             raise ValueError(f"{shown} is more than 1 PiB, which is no device's or host's memory: "
                              f"give it in GiB, e.g. 80GiB")
         value = int(size)
-    if value <= 0:
+    if value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"size {text!r} must be positive")
     return value
 
 
-def parse_size_flag(flag: str, text: str, example: str = "80GiB") -> int:
-    """A size from the command line, which must name its unit: `--gpu-mem 80` meant 80 GiB, not bytes."""
+def parse_size_flag(flag: str, text: str, example: str = "80GiB", allow_zero: bool = False) -> int:
+    """A size from the command line, which must name its unit: `--gpu-mem 80` meant 80 GiB, not bytes.
+    ``allow_zero``: zero, the one size the same in every unit, may come without one."""
     if not str(text).strip():
         raise ValueError(f"{flag} is empty: give a size with its unit, e.g. {flag} {example}, or leave the flag out")
+    if allow_zero and re.fullmatch(r"\s*0*\.?0*\s*", str(text)) and "0" in str(text):
+        return 0
     if re.fullmatch(r"\s*[0-9]*\.?[0-9]+\s*", str(text)):
         raise ValueError(f"{flag} {text.strip()} has no unit: write {text.strip()}GiB (or {text.strip()}GB, "
                          f"or {text.strip()}B for bytes)")
     try:
-        return parse_bytes(text)
+        return parse_bytes(text, allow_zero)
     except ValueError as error:
         if str(error).startswith("size "):  # "size '-1GiB' must be positive": the flag says which size
             raise ValueError(f"{flag} {text} must be positive: give a size such as {flag} {example}") from None

@@ -235,8 +235,7 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         training, rates = _training_options(args), _rates(args)
         gpu_mem = parse_size_flag("--gpu-mem", args.gpu_mem) if args.gpu_mem is not None else detect_gpu_mem()
-        context = (0 if str(args.context_mem).strip() == "0" else
-                   parse_size_flag("--context-mem", args.context_mem, "500MiB"))
+        context = parse_size_flag("--context-mem", args.context_mem, "500MiB", allow_zero=True)
         if len(args.model) > 1:
             return run_multi_plan(args, gpu_mem, context, rates)
         if args.kv_min_share or args.num_gpu_blocks_override is not None or args.sleep_offload_weights:
