@@ -9,7 +9,7 @@ import torch
 
 from mempath import constants
 from mempath.constants import DEFAULT_BLOCK_SIZE as AUTO_BLOCK_SIZE  # what --block-size auto picks
-from mempath.constants import MAX_SIZE_GIB, as_kind
+from mempath.constants import DEFAULT_GPU_MEMORY_UTILIZATION, MAX_SIZE_GIB, as_kind
 from mempath.engine.spec.config import parse_speculative_config
 from mempath.memory.budget import check_host_room
 from mempath.memory.formulas import check_expert_cache_gb, check_expert_cache_size
@@ -79,7 +79,7 @@ class EngineConfig:
     # None: constants.default_max_num_seqs of the device (1024 on a GPU of 70 GiB or more, else 256).
     max_num_seqs: int | None = None
     max_num_batched_tokens: int = 8192
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     # Bytes of KV cache when the device is the CPU (vLLM's VLLM_CPU_KVCACHE_SPACE).
     cpu_kv_cache_bytes: int = 1 << 30
     num_gpu_blocks_override: int | None = None

@@ -5,6 +5,9 @@ dtype names to torch dtypes.
 """
 import numbers
 
+# The share of the device's memory an engine budgets by default (vLLM's --gpu-memory-utilization).
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
 # A size above this is a typo, not a size: beyond any device or host memory (1 PiB).
 MAX_SIZE_BYTES = 1 << 50
 MAX_SIZE_GIB = MAX_SIZE_BYTES >> 30

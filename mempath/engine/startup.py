@@ -17,7 +17,7 @@ from typing import Callable, ContextManager
 import torch
 
 from mempath.config import EngineConfig
-from mempath.constants import DEFAULT_BLOCK_SIZE, KV_NUMERICS_VERSION, VERSION
+from mempath.constants import DEFAULT_BLOCK_SIZE, DEFAULT_GPU_MEMORY_UTILIZATION, KV_NUMERICS_VERSION, VERSION
 from mempath.engine.probes import Probes
 from mempath.engine.runner import ModelRunner, kv_block_nbytes
 from mempath.kv.manager import KVCacheManager, blocks_for
@@ -373,6 +373,10 @@ class Startup:
                 check_host_room(override * per_block, f"--num-gpu-blocks-override {override}", "a KV cache")
             return override
         if on_cpu:
+            if self.config.gpu_memory_utilization != DEFAULT_GPU_MEMORY_UTILIZATION:
+                log.warning("--gpu-memory-utilization %g has no effect on the CPU: the KV cache there is "
+                            "--cpu-kv-cache-bytes (%d)", self.config.gpu_memory_utilization,
+                            self.config.cpu_kv_cache_bytes)
             num_blocks = self.config.cpu_kv_cache_bytes // per_block
             check_host_room(num_blocks * per_block, f"--cpu-kv-cache-bytes {self.config.cpu_kv_cache_bytes}",
                             "a KV cache")
