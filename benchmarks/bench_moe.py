@@ -503,7 +503,7 @@ def part_resident(args, configs: list[dict], bandwidth: dict) -> list[dict]:
         shape = read_shape(config)
         b = torch.finfo(getattr(torch, args.dtype)).bits // 8
         plan = plan_memory(path, dtype=args.dtype)
-        active_bytes = plan.read_params_per_token * b  # an untied embedding table: one row a token
+        active_bytes = plan.read_bytes_per_token  # an untied embedding table: one row a token
         limit = bandwidth["device_read_GBps"] * 1e9 / active_bytes
         reference = None
         for variant in [None] + args.variants:

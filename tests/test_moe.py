@@ -516,3 +516,15 @@ def test_a_miss_is_copied_from_the_current_host_store_after_the_cache_is_resized
     experts.cache.host["down_proj"][3].fill_(5.0)
     experts.load_into_slot(3, 2)
     assert (experts.gate_up_proj[2] == 7.0).all() and (experts.down_proj[2] == 5.0).all()
+
+
+def test_planner_active_and_read_bytes_count_fp8_projections():
+    """With -q fp8 the attention projections are one byte a weight: what a token reads shrinks by what they
+    save, and so does the predicted decode's read time (the rows used parameters x dtype bytes)."""
+    bf16 = plan_memory(CONFIGS / "qwen3-30b-a3b.json", moe_expert_cache_size=16)
+    fp8 = plan_memory(CONFIGS / "qwen3-30b-a3b.json", moe_expert_cache_size=16, quantization="fp8")
+    assert bf16.active_bytes == 2 * bf16.active_params and bf16.read_bytes_per_token == 2 * bf16.read_params_per_token
+    saved = bf16.weight_bytes - fp8.weight_bytes  # the attention projections' (routed experts stay 16-bit)
+    assert saved > 0 and fp8.active_params == bf16.active_params
+    assert fp8.active_bytes == bf16.active_bytes - saved and fp8.read_bytes_per_token == bf16.read_bytes_per_token - saved
+    assert fp8.moe_decode_tokens_per_s > bf16.moe_decode_tokens_per_s

@@ -109,6 +109,8 @@ class MemoryPlan:
     active_params: int = 0  # parameters one token reads: all but the routed experts, plus k of them per layer
     # what a decode token reads of them: an untied embedding table gives one row (a tied one is the LM head)
     read_params_per_token: int = 0
+    active_bytes: int = 0  # as the weights are held: fp8 projections one byte each, with their scales
+    read_bytes_per_token: int = 0
     # batch-1 decode with fewer experts resident (None otherwise): the uniform router's hit rate
     # (resident fraction), the misses' copies at moe_h2d_bytes_per_s, the active weights' read
     moe_hit_rate: float | None = None
@@ -341,7 +343,7 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
                     max_num_batched_tokens, block_size, context_bytes)
 
     params, pathway_bytes = count_params(shape), weight_bytes(shape, b)
-    experts = _plan_experts(shape, b, params, moe_expert_cache_size, moe_expert_cache_gb,
+    experts = _plan_experts(shape, b, params, pathway_bytes, moe_expert_cache_size, moe_expert_cache_gb,
                             source, (moe_h2d_bytes_per_s, moe_device_read_bytes_per_s, moe_host_read_bytes_per_s),
                             moe_cpu_experts)
     serving = serving_figures(_with_expert_slots(shape, experts), b, max_model_len=max_model_len,
@@ -406,7 +408,8 @@ def _plan_training(plan: MemoryPlan, shape: ModelShape, **settings) -> None:
         plan.train_fits = plan.train_total_bytes <= plan.budget_bytes
 
 
-def _plan_experts(shape: ModelShape, b: int, params: dict[str, int], cache_size: int | None,
+def _plan_experts(shape: ModelShape, b: int, params: dict[str, int], pathway_bytes: dict[str, int],
+                  cache_size: int | None,
                   cache_gb: float | None, source: str, rates: tuple[float, float, float], cpu_experts: str) -> dict:
     """The plan's mixture-of-experts fields and active_params for any model. resident_weight_bytes is
     serving_figures' (from the shape's expert slots), the figure the out-of-memory advice spends too."""
@@ -422,6 +425,10 @@ def _plan_experts(shape: ModelShape, b: int, params: dict[str, int], cache_size:
     active = params["experts"] // shape.num_experts * shape.num_experts_per_tok if shape.num_experts else 0
     active_params = params["total"] - params["experts"] + active
     read_params = active_params - (0 if shape.tied_embeddings else params["embedding"] - shape.hidden_size)
+    experts_bytes = pathway_bytes["experts"]
+    active_bytes = (pathway_bytes["total"] - experts_bytes
+                    + (experts_bytes // shape.num_experts * shape.num_experts_per_tok if shape.num_experts else 0))
+    read_bytes = active_bytes - (0 if shape.tied_embeddings else pathway_bytes["embedding"] - shape.hidden_size * b)
     prediction = {"moe_h2d_bytes_per_s": rates[0], "moe_device_read_bytes_per_s": rates[1],
                   "moe_host_read_bytes_per_s": rates[2], "moe_cpu_experts": cpu_experts}
     if resident < total:
@@ -432,7 +439,7 @@ def _plan_experts(shape: ModelShape, b: int, params: dict[str, int], cache_size:
         prediction["moe_hit_rate"] = hit_rate
         if cpu_experts != "always":
             prediction["moe_decode_tokens_per_s"] = moe_offload_tokens_per_second(
-                shape, b, hit_rate, rates[0], read_params * b / rates[1], ASSUMED_CUT_SECONDS, **split)
+                shape, b, hit_rate, rates[0], read_bytes / rates[1], ASSUMED_CUT_SECONDS, **split)
     return {**prediction,
         "num_experts": shape.num_experts,
         "num_experts_per_tok": shape.num_experts_per_tok,
@@ -443,6 +450,8 @@ def _plan_experts(shape: ModelShape, b: int, params: dict[str, int], cache_size:
         "host_expert_bytes": total if resident < total else 0,
         "active_params": active_params,
         "read_params_per_token": read_params,
+        "active_bytes": active_bytes,
+        "read_bytes_per_token": read_bytes,
     }
 
 

@@ -55,9 +55,9 @@ def format_plan(plan: MemoryPlan) -> str:
         _row("total", p.weight_bytes, p.total_params),
         *([_row(f"on the device ({p.expert_cache_size} experts/layer)", p.resident_weight_bytes),
            _row("in host memory (every expert)", p.host_expert_bytes),
-           _row("active (k experts/layer)", p.active_params * p.dtype_bytes, p.active_params),
+           _row("active (k experts/layer)", p.active_bytes, p.active_params),
            _row("read per decode token (one embedding row)" if not p.tied_embeddings else "read per decode token",
-                p.read_params_per_token * p.dtype_bytes, p.read_params_per_token)]
+                p.read_bytes_per_token, p.read_params_per_token)]
           if p.num_experts else []),
         *([_moe_decode_line(p)] if p.moe_hit_rate is not None else []),
         "",
