@@ -151,6 +151,8 @@ class LLM:
                  **engine_options):
         show_progress = check_flag("show_progress", show_progress)
         sleep_offload_weights = check_flag("sleep_offload_weights", sleep_offload_weights)
+        if model is not None and models is not None:
+            raise TypeError("give the models once: LLM([A, B], ...) or LLM(models=[A, B], ...), not model too")
         if isinstance(model, (list, tuple)) or models is not None:
             from mempath.multi.sleep import offload_options
             engine_options = offload_options(engine_options, sleep_offload_weights, sleep_after)

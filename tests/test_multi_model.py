@@ -189,3 +189,13 @@ def test_a_request_that_fits_the_pool_waits_for_pages_another_model_holds(two_mo
                                                               "b1": "length"}
     assert [done[f"b{i}"].outputs[0].token_ids for i in range(2)] == expected_b
     assert_all_free(engine)
+
+
+def test_arguments_that_name_the_models_twice_are_refused(two_models):
+    """LLM(Q, models=[A, B]) served A and B and dropped Q; NAME= and a served name for one model kept the latter."""
+    llama, qwen = two_models
+    with pytest.raises(TypeError, match=r"give the models once"):
+        LLM(qwen, models=[f"a={llama}", f"b={qwen}"], dtype="float32", show_progress=False)
+    with pytest.raises(ValueError, match=r"is named 'a' there and 'x' by --served-model-name: name each model once"):
+        served_models([f"a={llama}", f"b={qwen}"], ["x", "y"])
+    assert served_models([f"a={llama}", qwen], ["a", "q"]) == [("a", llama), ("q", qwen)]

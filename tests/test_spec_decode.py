@@ -127,6 +127,7 @@ def test_shipped_pair_greedy_identical():
      "prompt_lookup_max"),
     ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of"),
     ("{not json", "not valid JSON"),
+    ({"model": "x", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, "a draft model proposes without it"),
 ])
 def test_bad_speculative_config_is_refused_in_one_line(config, message, model_factory):
     path, _ = model_factory("llama")

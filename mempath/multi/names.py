@@ -30,6 +30,9 @@ def served_models(models: list[str], served_names: list[str] | None = None) -> l
     for i, arg in enumerate(models):
         name, path = split_model_arg(arg)
         if served_names:
+            if name is not None and name != served_names[i]:
+                raise ValueError(f"model {arg!r} is named {name!r} there and {served_names[i]!r} by "
+                                 f"--served-model-name: name each model once")
             name = served_names[i]
         pairs.append((name or Path(path).name or path, path))
     seen = set()

@@ -66,6 +66,10 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
         raise ValueError("speculative_config: method draft_model needs \"model\": the draft's directory")
     if method == "ngram" and model is not None:
         raise ValueError("speculative_config: method ngram uses no draft model; drop \"model\"")
+    lookup = [key for key in ("prompt_lookup_min", "prompt_lookup_max") if key in value]
+    if method == "draft_model" and lookup:
+        raise ValueError(f"speculative_config: {' and '.join(lookup)} set the ngram method's lookup; a draft "
+                         f"model proposes without it: drop {'them' if len(lookup) > 1 else 'it'}")
     low = _int(value, "prompt_lookup_min", 1, 64, 1)
     high = _int(value, "prompt_lookup_max", low, 64, max(low, 4))
     adaptive = value.get("adaptive", True)
