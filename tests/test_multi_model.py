@@ -199,3 +199,11 @@ def test_arguments_that_name_the_models_twice_are_refused(two_models):
     with pytest.raises(ValueError, match=r"is named 'a' there and 'x' by --served-model-name: name each model once"):
         served_models([f"a={llama}", f"b={qwen}"], ["x", "y"])
     assert served_models([f"a={llama}", qwen], ["a", "q"]) == [("a", llama), ("q", qwen)]
+
+
+def test_a_models_own_refusal_names_the_model(model_factory):
+    """With several models, "max_model_len 256 exceeds what this model supports (64: ...)" did not say which."""
+    llama, _ = model_factory("llama")
+    short, _ = model_factory("llama", max_position_embeddings=64)
+    with pytest.raises(ValueError, match=r"^model 's': max_model_len 256 exceeds what this model supports \(64"):
+        LLM([f"a={llama}", f"s={short}"], dtype="float32", show_progress=False, max_model_len=256)

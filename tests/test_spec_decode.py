@@ -203,3 +203,16 @@ def test_a_draft_far_behind_catches_up_in_chunks(model_factory, plain_outputs):
     assert tokens == plain_outputs["llama"][3]
     assert engine.stats()["spec_decode"]["num_accepted_tokens"] > 0
     assert engine.kv.pool.num_used == 0
+
+
+def test_a_draft_no_smaller_than_the_target_is_warned_about(model_factory, caplog):
+    """Accepted (as vLLM does), but never silently: every step runs both models."""
+    import logging
+    path, _ = model_factory("llama")
+    big, _ = model_factory("llama", hidden_size=128, intermediate_size=256)
+    small, _ = model_factory("llama", num_hidden_layers=1)
+    caplog.set_level(logging.WARNING)
+    LLM(path, dtype="float32", show_progress=False, speculative_config=spec(small))
+    assert not [r for r in caplog.records if "no smaller than the target" in r.getMessage()]
+    LLM(path, dtype="float32", show_progress=False, speculative_config=spec(big))
+    assert [r for r in caplog.records if "no smaller than the target" in r.getMessage()]

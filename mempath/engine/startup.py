@@ -26,7 +26,7 @@ from mempath.kv.tiers.host import check_host_tier_holds_a_block
 from mempath.memory.arena import mapped_bytes
 from mempath.memory.budget import DeviceBudget, check_host_room
 from mempath.memory.device_cap import hold_device_cap
-from mempath.memory.formulas import resolve_expert_cache_size, shape_from_spec
+from mempath.memory.formulas import count_params, resolve_expert_cache_size, shape_from_spec
 from mempath.memory.ledger import Pathway, format_bytes
 from mempath.memory.oom import oom_guard
 from mempath.model.moe import expert_slot_bytes, forget_start_up_routing
@@ -172,6 +172,11 @@ class Startup:
         if spec.max_position_embeddings < self.max_model_len:
             raise ValueError(f"speculative_config: the draft supports {spec.max_position_embeddings} positions, "
                              f"fewer than max_model_len {self.max_model_len}; lower --max-model-len")
+        draft_params, target_params = (count_params(shape_from_spec(s))["total"] for s in (spec, self.spec))
+        if draft_params >= target_params:
+            log.warning("speculative_config: the draft (%s, %d parameters) is no smaller than the target (%d): "
+                        "each step runs both, so it is slower than the target alone; use a smaller draft",
+                        draft_dir, draft_params, target_params)
         return spec
 
     def _check_draft_tokenizer(self) -> None:

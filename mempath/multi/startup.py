@@ -9,6 +9,7 @@ KV cache views (mempath/multi/layout.py).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -25,6 +26,17 @@ from mempath.multi.layout import allocate_pages, attach_pages, kv_bytes_per_toke
 from mempath.multi.pages import POOL_TENANT, PagePool, TenantPages
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def naming_the_model(name: str):
+    """A model's own refusal (its config.json, its max_model_len) names which of the several it is."""
+    try:
+        yield
+    except ValueError as error:
+        if len(error.args) == 1 and isinstance(error.args[0], str):
+            error.args = (f"model {name!r}: {error.args[0]}",)
+        raise
 
 
 class TenantStartup(Startup):
@@ -65,9 +77,12 @@ def build_engines(models: list[tuple[str, str]], options: dict, show_progress: b
     configs = [EngineConfig.from_kwargs(path, **per_model[name]) for name, path in models]
     for config in configs:
         refuse_unshared_options(config)
-    first = TenantStartup(configs[0], stage_for(models[0][0]), tenant=models[0][0])
-    startups = [first] + [TenantStartup(c, stage_for(name), budget=first.budget, tenant=name)
-                          for (name, _), c in zip(models[1:], configs[1:])]
+    with naming_the_model(models[0][0]):
+        first = TenantStartup(configs[0], stage_for(models[0][0]), tenant=models[0][0])
+    startups = [first]
+    for (name, _), config in zip(models[1:], configs[1:]):
+        with naming_the_model(name):
+            startups.append(TenantStartup(config, stage_for(name), budget=first.budget, tenant=name))
     per_token = [kv_bytes_per_token(s.spec, s.config.kv_torch_dtype(s.dtype)) for s in startups]
     page_bytes, block_sizes = page_layout(per_token, configs[0].block_size)
     for startup, block_size in zip(startups, block_sizes):
