@@ -85,6 +85,7 @@ def run_generate(args) -> int:
     llm = LLM(model, show_progress=not args.quiet, **engine_options(args))
     params = sampling_params(args, llm.sampling_defaults, warn=True)
     output = llm.generate(prompt, params, use_tqdm=False)[0]
+    llm.engine.close()  # a disk tier keeps what this run cached for the next
     warn_if_cut(output, params, llm.engine.max_model_len)
     if args.json:
         print(json.dumps({"prompt": prompt, "text": output.text, "token_ids": output.token_ids,
@@ -108,6 +109,7 @@ def run_chat(args) -> int:
     params = sampling_params(args, llm.sampling_defaults, warn=True)
     output = llm.chat([{"role": "user", "content": args.message[0]}], params,
                       use_tqdm=False, chat_template=template)[0]
+    llm.engine.close()  # a disk tier keeps what this run cached for the next
     warn_if_cut(output, params, llm.engine.max_model_len)
     print(output.text)
     return 0

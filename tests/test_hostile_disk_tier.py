@@ -659,3 +659,14 @@ def test_a_spilled_block_is_written_only_after_its_copy_from_the_device_landed(t
     assert tokens == engine_tests.run_turns(make_llm(tiny), prompts, turns=1)[0]
     assert tier_stats(llm)["moved"]["cpu_to_disk"]["blocks"] > 0 and early == []
     assert_no_leak(llm)
+
+
+def test_mempath_generate_leaves_its_kv_on_disk_for_the_next_run(tiny, tmp_path, capsys):
+    """One-shot generate and chat never closed the engine, and nothing reached disk."""
+    from mempath.cli import main as cli_main
+    prompt = "def read_config(path):\n    with open(path) as f:\n        return json.load(f)\n" * 2
+    flags = ["--quiet", "--max-tokens", "4", "--cpu-kv-gb", "0.01", "--disk-kv-path", str(tmp_path / "kv"),
+             "--disk-kv-gb", "0.05"]
+    assert cli_main(["generate", tiny, prompt, *flags]) == 0
+    assert block_files(tmp_path / "kv")
+    capsys.readouterr()

@@ -418,3 +418,23 @@ def test_cli_passes_the_tier_flags():
     options = engine_options(args)
     assert options["cpu_kv_gb"] == 4 and options["disk_kv_path"] == "/d" and options["disk_kv_gb"] == 100
     assert options["disk_write_policy"] == "write-through" and options["preemption_mode"] == "swap"
+
+
+@pytest.mark.parametrize("policy", ["write-back", "write-through"])
+def test_closing_writes_what_the_device_and_host_cache_so_a_restart_finds_it(tiny, tmp_path, policy):
+    """The disk tier got only what the device pool and the host tier evicted: a run that never filled them left
+    nothing on disk at close, and the next engine on the path recomputed everything."""
+    prompts = conversations(3)
+    first = make_llm(tiny, cpu_kv_gb=gb(2), disk_kv_path=str(tmp_path), disk_kv_gb=gb(64),
+                     disk_write_policy=policy)
+    expected = [first.generate(p, greedy(), use_tqdm=False)[0].token_ids for p in prompts]
+    assert tier_stats(first)["disk"]["blocks"] == 0  # nothing was evicted: the disk holds nothing yet
+    first.engine.close()
+    again = make_llm(tiny, cpu_kv_gb=gb(2), disk_kv_path=str(tmp_path), disk_kv_gb=gb(64),
+                     disk_write_policy=policy)
+    outs = [again.generate(p, greedy(), use_tqdm=False)[0] for p in prompts]
+    assert [o.token_ids for o in outs] == expected
+    block = again.engine.config.block_size
+    assert [o.num_cached_tokens for o in outs] == [len(p) // block * block for p in prompts]
+    assert tier_stats(again)["hits_blocks"]["disk"] > 0
+    assert_no_leak(again)

@@ -459,7 +459,42 @@ class TierCoordinator:
             "rates": dict(self.rates),
         }
 
-    def close(self) -> None:
+    def close(self, persist: bool = True) -> None:
         if self.disk is not None:
+            if persist:
+                self.persist()
             self.disk.flush()
             self.disk.close()
+
+    def persist(self) -> int:
+        """Write to disk what the host tier and the device pool cache and the disk lacks, so that an engine
+        opened later on the same --disk-kv-path finds it (the disk otherwise gets only what the device and
+        host tiers evict); the newest blocks, as many as the disk holds. Returns the blocks written."""
+        disk, host = self.disk, self.host
+        before, start = disk.blocks_written, time.perf_counter()
+        for transfer, _, _ in self._d2h:
+            transfer.wait()
+        self.reap()
+        for block_id, block_hash in host.cached_blocks():
+            if block_hash not in disk:
+                host.hold_until(disk.write_async(block_hash, host.storage[block_id]), [block_id])
+        disk.flush()
+        spill_to_disk(host, disk, host.num_blocks)  # every cached host block is on disk now: freed
+        device = [(b, h) for h, b in self.pool.cached.items() if h not in disk]
+        most = disk.capacity_bytes // disk.file_nbytes(device[0][1]) if device else 0
+        device = device[-most:] if most else []
+        while device:
+            host_ids = host.allocate(min(len(device), host.num_free)) if host.num_free else None
+            if not host_ids:
+                break  # every host block is held (a swapped request's): nothing to stage through
+            batch, device = device[:len(host_ids)], device[len(host_ids):]
+            self.transfer.device_to_host([b for b, _ in batch], host_ids).wait()
+            for (_, block_hash), host_id in zip(batch, host_ids):
+                host.hold_until(disk.write_async(block_hash, host.storage[host_id]), [host_id], free=True)
+            disk.flush()
+            host.reap()
+        written = disk.blocks_written - before
+        if written:
+            log.info("disk KV tier: %d cached blocks written at close (%.1f MiB, %.2f s)", written,
+                     written * self.block_nbytes / (1 << 20), time.perf_counter() - start)
+        return written

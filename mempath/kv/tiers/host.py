@@ -149,6 +149,10 @@ class HostBlockStore:
     def lookup(self, block_hash: bytes) -> int | None:
         return self._index.get(block_hash)
 
+    def cached_blocks(self) -> list[tuple[int, bytes]]:
+        """(block id, hash) of every findable block."""
+        return [(block_id, block_hash) for block_hash, block_id in self._index.items()]
+
     def hash_of(self, block_id: int) -> bytes | None:
         return self._hash[block_id]
 
