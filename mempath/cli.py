@@ -84,16 +84,18 @@ def run_generate(args) -> int:
     sampling_params(args).validate(args.max_logprobs)  # a bad flag fails before the weights load
     llm = LLM(model, show_progress=not args.quiet, **engine_options(args))
     params = sampling_params(args, llm.sampling_defaults, warn=True)
-    output = llm.generate(prompt, params, use_tqdm=False)[0]
-    llm.engine.close()  # a disk tier keeps what this run cached for the next
-    warn_if_cut(output, params, llm.engine.max_model_len)
-    if args.json:
-        print(json.dumps({"prompt": prompt, "text": output.text, "token_ids": output.token_ids,
-                          "finish_reason": output.finish_reason,
-                          "time_to_first_token": output.time_to_first_token,
-                          "total_time": output.total_time}))
-    else:
-        print(prompt + output.text)
+    try:
+        output = llm.generate(prompt, params, use_tqdm=False)[0]
+        warn_if_cut(output, params, llm.engine.max_model_len)
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": output.text, "token_ids": output.token_ids,
+                              "finish_reason": output.finish_reason,
+                              "time_to_first_token": output.time_to_first_token,
+                              "total_time": output.total_time}), flush=True)
+        else:
+            print(prompt + output.text, flush=True)
+    finally:
+        llm.engine.close()  # after the answer is out: a disk tier keeps what this run cached for the next
     return 0
 
 
@@ -107,11 +109,13 @@ def run_chat(args) -> int:
     sampling_params(args).validate(args.max_logprobs)  # likewise a bad flag
     llm = LLM(args.model, show_progress=not args.quiet, **engine_options(args))
     params = sampling_params(args, llm.sampling_defaults, warn=True)
-    output = llm.chat([{"role": "user", "content": args.message[0]}], params,
-                      use_tqdm=False, chat_template=template)[0]
-    llm.engine.close()  # a disk tier keeps what this run cached for the next
-    warn_if_cut(output, params, llm.engine.max_model_len)
-    print(output.text)
+    try:
+        output = llm.chat([{"role": "user", "content": args.message[0]}], params,
+                          use_tqdm=False, chat_template=template)[0]
+        warn_if_cut(output, params, llm.engine.max_model_len)
+        print(output.text, flush=True)
+    finally:
+        llm.engine.close()  # after the answer is out: a disk tier keeps what this run cached for the next
     return 0
 
 

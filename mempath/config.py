@@ -289,12 +289,16 @@ class EngineConfig:
 
     def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         """What the model computes in: --dtype, or for auto float32 on the CPU and elsewhere the checkpoint's
-        dtype, bfloat16 where config.json names none (as vLLM's auto, and as mempath plan counts it)."""
+        dtype; where config.json names none, 16 bits as vLLM's auto and mempath plan count it: bfloat16, or
+        float16 on a GPU without bfloat16."""
         if self.dtype != "auto":
             return _DTYPES[self.dtype]
-        if self.torch_device().type == "cpu":
+        device = self.torch_device()
+        if device.type == "cpu":
             return torch.float32
-        return checkpoint_dtype or torch.bfloat16
+        if checkpoint_dtype is not None:
+            return checkpoint_dtype
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
     def kv_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """What the KV cache stores: the model dtype unless kv_cache_dtype names an fp8 format."""

@@ -59,7 +59,8 @@ def as_prompts(prompts):
 
 
 def _abort(engine, group: list) -> None:
-    """Abort a prompt's samples already in the engine (ids; a refused sample's output is no request)."""
+    """Abort a prompt's samples already in the engine (ids; a refused sample's output is no request); with several
+    models ``engine`` is the MultiEngine, which added them."""
     for added in group:
         if isinstance(added, str):
             engine.abort_request(added)
@@ -249,7 +250,7 @@ class LLM:
             self._run_to_completion(results, sum(len(group) for group in groups), use_tqdm)
         except BaseException:  # an error while adding, a bar factory that raises, Ctrl-C: what is in the
             for group in groups:  # engine must not wait there for the next call (a finished one is not aborted)
-                _abort(engine, group)
+                _abort(self._adder(engine), group)
             raise
         return [RequestOutput.grouped([results[r if isinstance(r, str) else r.request_id] for r in group])
                 for group in groups]
@@ -309,6 +310,10 @@ class LLM:
                     bar.update(1)
         bar.close()
 
+    def _adder(self, engine: LLMEngine):
+        """What generate adds requests to and aborts them in: the MultiEngine with several models."""
+        return self.engine if self.engines else engine
+
     def _add_samples(self, engine: LLMEngine, prompt, params: SamplingParams, single: bool,
                      model: str | None = None) -> list:
         """Add one engine request per sample; a refused one is its finished error output instead of its id.
@@ -324,14 +329,14 @@ class LLM:
                     params.check_sample_seeds()  # else a later sample is refused for a seed nobody gave
                     seed = params.seed + index if type(params.seed) is int else params.seed  # else refused below
                     sample_params = SamplingParams(**{**params.__dict__, "n": 1, "seed": seed})
-                if self.engines:
+                if self.engines:  # the MultiEngine wakes an asleep model
                     self.engine.add_request(prompt, sample_params, request_id, model=model)
                 else:
                     engine.add_request(prompt, sample_params, request_id)
                 group.append(request_id)
             except ValueError as error:
                 if single:
-                    _abort(engine, group)
+                    _abort(self._adder(engine), group)
                     raise
                 shown = next((prompt[k] for k in PROMPT_FIELDS if k in prompt), None) if isinstance(prompt, dict) \
                     else prompt
@@ -340,7 +345,7 @@ class LLM:
                     prompt_token_ids=list(shown) if isinstance(shown, (list, tuple)) else [], token_ids=[], text="",
                     finished=True, finish_reason="error", error=str(error)))
             except BaseException:
-                _abort(engine, group)  # this prompt's earlier samples (generate aborts the earlier prompts')
+                _abort(self._adder(engine), group)  # this prompt's earlier samples (generate aborts the others)
                 raise
         return group
 

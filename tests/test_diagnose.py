@@ -327,10 +327,11 @@ def test_a_report_replaces_an_earlier_report(report, tmp_path):
         refuse_foreign_outputs(alone, snapshot=True)
 
 
-@pytest.mark.parametrize("flag,value,says", [("--leak-requests", "0", "--leak-requests 0 must be at least 2"),
-                                             ("--leak-requests", "1", "--leak-requests 1 must be at least 2"),
-                                             ("--probe-tokens", "-5", "--probe-tokens -5 must be at least 1"),
-                                             ("--probe-seqs", "0", "--probe-seqs 0 must be at least 1")])
+@pytest.mark.parametrize("flag,value,says", [
+    ("--leak-requests", "0", "--leak-requests 0 must be an integer of at least 2"),
+    ("--leak-requests", "1", "--leak-requests 1 must be an integer of at least 2"),
+    ("--probe-tokens", "-5", "--probe-tokens -5 must be an integer of at least 1"),
+    ("--probe-seqs", "0", "--probe-seqs 0 must be an integer of at least 1")])
 def test_probe_counts_out_of_range_are_refused_before_measuring(flag, value, says, tmp_path, model_factory, capsys,
                                                                 monkeypatch):
     """--leak-requests 0 crashed with an IndexError after the whole run; --probe-tokens -5 was run as 1."""
@@ -366,3 +367,15 @@ def test_an_out_folder_that_cannot_be_made_is_refused_before_measuring(where, tm
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"mempath diagnose: error: --out {out} cannot be made"), err
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_load_oom_advice_for_a_moe_config_that_names_no_dtype(tmp_path):
+    """checkpoint_dtype gives None where config.json names none: the expert-cache advice read its itemsize."""
+    cfg = json.loads((Path(__file__).parent / "data" / "configs" / "qwen3-30b-a3b.json").read_text())
+    cfg.pop("torch_dtype", None)
+    cfg.pop("dtype", None)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    config = EngineConfig(model=str(tmp_path / "config.json"), max_model_len=8192, max_num_seqs=64,
+                          max_num_batched_tokens=8192)
+    text = explain_oom("load", Ledger(), 1 << 30, 10 * GiB, config, dtype="bfloat16")
+    assert "--moe-expert-cache-size" in text

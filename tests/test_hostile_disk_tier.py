@@ -618,49 +618,6 @@ def test_blocks_moved_to_disk_count_the_writes_that_landed(tiny, reference, tmp_
     assert stats["moved"]["cpu_to_disk"]["bytes"] == stats["moved"]["cpu_to_disk"]["blocks"] * stats["block_nbytes"]
 
 
-def test_a_spilled_block_is_written_only_after_its_copy_from_the_device_landed(tiny, tmp_path, monkeypatch):
-    """On CUDA a demotion's copy to the host runs on after the step goes on. A write-back spill of such a block
-    must wait for it: a file of its bytes half copied would carry a valid checksum. On the CPU every copy is done
-    at once, so here each copy says it is not done until it is waited for."""
-    llm = make_llm(tiny, cpu_kv_gb=gb(2), disk_kv_path=str(tmp_path), disk_kv_gb=gb(64))
-    tiers = llm.engine.kv.tiers
-    host_id_of = {tiers.host.storage[i].data_ptr(): i for i in range(tiers.host.num_blocks)}
-    landed, early = set(), []
-    real_d2h = tiers.transfer.device_to_host
-
-    class InFlight:
-        def __init__(self, transfer, host_ids):
-            self.transfer, self.host_ids, self.waited = transfer, list(host_ids), False
-
-        def done(self):
-            return self.waited
-
-        def wait(self):
-            self.transfer.wait()
-            self.waited = True
-            landed.update(self.host_ids)
-
-        def make_current_stream_wait(self):
-            self.transfer.make_current_stream_wait()
-
-    monkeypatch.setattr(tiers.transfer, "device_to_host", lambda gpu_ids, host_ids: InFlight(
-        real_d2h(gpu_ids, host_ids), host_ids))
-    real_write = tiers.disk.write_async
-
-    def write(block_hash, tensor):
-        host_id = host_id_of[tensor.data_ptr()]
-        if host_id not in landed:
-            early.append(host_id)
-        return real_write(block_hash, tensor)
-
-    monkeypatch.setattr(tiers.disk, "write_async", write)
-    prompts = conversations(8)  # no prompt comes back, so no load from the host waits for a copy first
-    tokens, _ = engine_tests.run_turns(llm, prompts, turns=1, idle=tiers.disk.flush)
-    assert tokens == engine_tests.run_turns(make_llm(tiny), prompts, turns=1)[0]
-    assert tier_stats(llm)["moved"]["cpu_to_disk"]["blocks"] > 0 and early == []
-    assert_no_leak(llm)
-
-
 def test_mempath_generate_leaves_its_kv_on_disk_for_the_next_run(tiny, tmp_path, capsys):
     """One-shot generate and chat never closed the engine, and nothing reached disk."""
     from mempath.cli import main as cli_main

@@ -438,3 +438,21 @@ def test_closing_writes_what_the_device_and_host_cache_so_a_restart_finds_it(tin
     assert [o.num_cached_tokens for o in outs] == [len(p) // block * block for p in prompts]
     assert tier_stats(again)["hits_blocks"]["disk"] > 0
     assert_no_leak(again)
+
+
+def test_closing_releases_the_tier_even_when_writing_at_close_fails_and_twice_is_harmless(tiny, tmp_path,
+                                                                                          monkeypatch, caplog):
+    """A failure while persisting skipped the flush and the close: the directory stayed locked for the process."""
+    llm = make_llm(tiny, cpu_kv_gb=gb(2), disk_kv_path=str(tmp_path), disk_kv_gb=gb(64))
+    llm.generate(conversations(1)[0], greedy(), use_tqdm=False)
+    tiers = llm.engine.kv.tiers
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a copy failed")
+
+    monkeypatch.setattr(tiers.transfer, "device_to_host", broken)
+    llm.engine.close()
+    llm.engine.close()
+    assert any("writing the cached blocks at close failed" in r.getMessage() for r in caplog.records)
+    again = make_llm(tiny, cpu_kv_gb=gb(2), disk_kv_path=str(tmp_path), disk_kv_gb=gb(64))  # not "in use"
+    again.engine.close()

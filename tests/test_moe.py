@@ -526,5 +526,6 @@ def test_planner_active_and_read_bytes_count_fp8_projections():
     assert bf16.active_bytes == 2 * bf16.active_params and bf16.read_bytes_per_token == 2 * bf16.read_params_per_token
     saved = bf16.weight_bytes - fp8.weight_bytes  # the attention projections' (routed experts stay 16-bit)
     assert saved > 0 and fp8.active_params == bf16.active_params
-    assert fp8.active_bytes == bf16.active_bytes - saved and fp8.read_bytes_per_token == bf16.read_bytes_per_token - saved
+    assert fp8.active_bytes == bf16.active_bytes - saved
+    assert fp8.read_bytes_per_token == bf16.read_bytes_per_token - saved
     assert fp8.moe_decode_tokens_per_s > bf16.moe_decode_tokens_per_s

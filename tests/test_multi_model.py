@@ -207,3 +207,40 @@ def test_a_models_own_refusal_names_the_model(model_factory):
     short, _ = model_factory("llama", max_position_embeddings=64)
     with pytest.raises(ValueError, match=r"^model 's': max_model_len 256 exceeds what this model supports \(64"):
         LLM([f"a={llama}", f"s={short}"], dtype="float32", show_progress=False, max_model_len=256)
+
+
+def test_a_request_beyond_what_the_other_models_guarantees_leave_fails_instead_of_waiting(two_models):
+    """Waiting for pages another model holds is right only while they can come back: what another awake model
+    is guaranteed never does, so a request needing it waited forever behind a busy model (and all after it)."""
+    llm = together(two_models, num_gpu_blocks_override=8, kv_min_share=0.5)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    engine.add_request(list(range(10, 30)), params, "b0", model="b")
+    engine.step()
+    block = engine.engines["a"].config.block_size
+    engine.add_request(list(range(10, 10 + 5 * block)), SamplingParams(max_tokens=4), "A", model="a")
+    done = {}
+    for _ in range(50):
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output
+        if "A" in done:
+            break
+    assert done["A"].finish_reason == "error"
+    assert "this model may hold 4 of the pool's 8 (the other models are guaranteed the rest" in done["A"].error
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_all_free(engine)
+
+
+def test_generate_interrupted_with_several_models_leaves_no_request_behind(two_models):
+    """Added through the MultiEngine, the requests were aborted in their model alone: its owner map kept them."""
+    llm = together(two_models)
+
+    def bar(**kwargs):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[10, 11, 12], [13, 14]], SamplingParams(max_tokens=2), use_tqdm=bar, model="b")
+    assert llm.engine.owner == {} and not llm.engine.has_unfinished_requests()
+    assert_all_free(llm.engine)

@@ -185,7 +185,8 @@ def test_llm_generate_on_an_asleep_model_wakes_it_and_its_weights(two_models, as
 
     def run(model):
         if ask == "chat":
-            return llm.chat([{"role": "user", "content": "def read_config(path):"}], GREEDY, use_tqdm=False, model=model,
+            message = [{"role": "user", "content": "def read_config(path):"}]
+            return llm.chat(message, GREEDY, use_tqdm=False, model=model,
                             chat_template="{{ messages[0]['content'] }}")[0].outputs[0].token_ids
         return llm.generate([PROMPT], GREEDY, use_tqdm=False, model=model)[0].outputs[0].token_ids
 

@@ -465,7 +465,7 @@ def test_max_num_seqs_defaults_to_1024_on_a_large_gpu_as_the_engine_does():
 
 
 @pytest.mark.parametrize("named", [None, "bfloat16", "float16", "float32"])
-def test_plan_and_engine_resolve_auto_to_the_same_dtype_on_cuda(tmp_path, named):
+def test_plan_and_engine_resolve_auto_to_the_same_dtype_on_cuda(tmp_path, named, monkeypatch):
     """A config.json that names no dtype was planned in bfloat16 (vLLM's auto) and served in float32 on CUDA:
     twice the bytes the plan counted."""
     from mempath.config import EngineConfig
@@ -478,8 +478,11 @@ def test_plan_and_engine_resolve_auto_to_the_same_dtype_on_cuda(tmp_path, named)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     config = EngineConfig(model=str(tmp_path), device="cpu")
     config.device = "cuda:0"  # how auto resolves there; nothing touches a GPU
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)  # a Hopper or Ampere GPU
     engine_dtype = config.torch_dtype(checkpoint_dtype(cfg))
     assert str(engine_dtype).removeprefix("torch.") == plan_memory(str(tmp_path)).dtype
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: False)  # a T4 or V100
+    assert config.torch_dtype(checkpoint_dtype(cfg)) == (torch.float16 if named is None else engine_dtype)
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (Path(__file__).parent / "data" / "configs").glob("*.json")))

@@ -102,17 +102,20 @@ class Scheduler:
         return StepPlan(batch)
 
     def _head_may_fit_later(self, batch: ScheduledBatch) -> bool:
-        """Whether the waiting head, which fits the whole pool, was not admitted only for now: this step
+        """Whether the waiting head, which fits what this model may hold, was not admitted only for now: this step
         preempted (and so tried no admission), or other models of a shared pool hold the pages it lacks."""
-        if self.kv.blocks_for(self.waiting[0].num_tokens) > self.kv.num_blocks:
+        if self.kv.blocks_for(self.waiting[0].num_tokens) > self.kv.pool.num_reachable:
             return False
         return batch.preempted or self.kv.pool.num_held_by_others > 0
 
     def _fail_head(self) -> Request:
         request = self.waiting[0]
-        need = self.kv.blocks_for(request.num_tokens)
+        need, reachable = self.kv.blocks_for(request.num_tokens), self.kv.pool.num_reachable
+        held = (f"the pool has {self.kv.num_blocks}" if reachable == self.kv.num_blocks else
+                f"this model may hold {reachable} of the pool's {self.kv.num_blocks} (the other models are "
+                f"guaranteed the rest: --kv-min-share)")
         request.error = (f"the request does not fit in the KV pool: it needs {need} blocks "
-                         f"({request.num_tokens} tokens), the pool has {self.kv.num_blocks}; shorten the "
+                         f"({request.num_tokens} tokens), {held}; shorten the "
                          f"prompt or max_tokens, or give the KV cache more memory "
                          f"(--gpu-memory-utilization, --num-gpu-blocks-override)")
         self.finish(request, "error")

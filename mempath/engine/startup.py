@@ -186,7 +186,8 @@ class Startup:
         if self.draft_spec is None or self.tokenizer is None:
             return
         draft_tokenizer = load_tokenizer(self.spec_config.model)
-        if draft_tokenizer is not None and not same_vocabulary(self.tokenizer, draft_tokenizer):
+        # The ids alone: a base draft beside an instruct target names another eos, and serves it well.
+        if draft_tokenizer is not None and draft_tokenizer.get_vocab() != self.tokenizer.get_vocab():
             raise ValueError(f"speculative_config: the draft's tokenizer ({self.spec_config.model}) maps text to "
                              f"other token ids than the target's, so the target would accept none of its tokens; "
                              f"use a draft with the target's tokenizer")

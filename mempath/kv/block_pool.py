@@ -48,6 +48,11 @@ class BlockPool:
         return 0
 
     @property
+    def num_reachable(self) -> int:
+        """The most blocks one request may hold: all of them, in one model's own pool."""
+        return self.num_blocks
+
+    @property
     def num_used(self) -> int:
         return self.num_blocks - len(self.free_queue)
 

@@ -648,9 +648,9 @@ def check_serving_settings(shape: ModelShape, max_model_len, max_num_seqs, max_n
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if max_model_len > shape.max_model_len_limit:
         limit = shape.max_model_len_limit
+        window = " / sliding_window" if limit < shape.max_position_embeddings else ""
         raise ValueError(f"max_model_len {max_model_len} exceeds what this model supports ({limit}: "
-                         f"max_position_embeddings{' / sliding_window' if shape.sliding_window else ''}): "
-                         f"pass --max-model-len {limit} or less")
+                         f"max_position_embeddings{window}): pass --max-model-len {limit} or less")
 
 
 def decoder_peak_bytes_per_token(figures: ServingFigures) -> int:

@@ -152,7 +152,8 @@ def _expert_cache_fixes(config, dtype: str | None, plan: ServingFigures, free) -
         return []
     try:
         shape, dtype_bytes = _shape_for(config, dtype)
-        checkpoint_bytes = _checkpoint_dtype(config).itemsize
+        named = _checkpoint_dtype(config)
+        checkpoint_bytes = 4 if named is None else named.itemsize  # none named: float32, as the loader reads it
     except (ValueError, OSError):
         return []
     size = shape.num_expert_slots or None

@@ -33,12 +33,12 @@ class ModelShape:
     # The projections an fp8 checkpoint keeps in the model dtype, by module name
     # ("model.layers.0.self_attn.qkv_proj"): ModelSpec.unquantized. The others follow quantization.
     unquantized: frozenset[str] = frozenset()
-    sliding_window: int | None = None
+    model_len_limit: int | None = None  # ModelSpec.max_model_len_limit (None: max_position_embeddings)
 
     @property
     def max_model_len_limit(self) -> int:
-        """The engine's longest sequence (ModelSpec.max_model_len_limit)."""
-        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
+        """The engine's longest sequence."""
+        return self.model_len_limit or self.max_position_embeddings
 
 
 def read_shape(config: dict, source: str = "config.json") -> ModelShape:
@@ -59,7 +59,7 @@ def shape_from_spec(spec) -> ModelShape:
         head_dim=spec.head_dim,
         vocab_size=spec.vocab_size,
         max_position_embeddings=spec.max_position_embeddings,
-        sliding_window=spec.sliding_window,
+        model_len_limit=spec.max_model_len_limit,
         tied_embeddings=spec.tie_word_embeddings,
         attention_bias=spec.qkv_bias,
         mlp_bias=spec.mlp_bias,

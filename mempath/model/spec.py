@@ -78,7 +78,7 @@ class ConfigFields:
             return default
         if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
             self.fail(key, expected)
-        if value > MAX_CONFIG_INTEGER:  # no model's count or length comes near: a corrupted file
+        if value >= MAX_CONFIG_INTEGER:  # no model's count or length comes near: a corrupted file
             self.fail(key, f"{expected} below 2^32")
         return value
 

@@ -97,6 +97,12 @@ class TenantPages:
         return self.pages.num_cached
 
     @property
+    def num_reachable(self) -> int:
+        """The most pages this model may hold: the pool less what the other (awake) models are guaranteed."""
+        return self.pages.num_blocks - sum(self.shared.guaranteed(other) for other in self.shared.tenants
+                                           if other != self.name)
+
+    @property
     def num_held_by_others(self) -> int:
         """Pages the other models reference: they come back when those requests end or are preempted."""
         return self.pages.num_used - self.num_used

@@ -67,7 +67,7 @@ def plan_training(shape: ModelShape, dtype_bytes: int, *, optimizer: str, micro_
     Logits: s·b·V·(2 + 4), the 16-bit LM-head output and its fp32 copy for the loss.
     """
     _check_training(optimizer, micro_batch, seq_len, checkpointing, lora_rank)
-    _check_against_the_model(shape, seq_len, lora_rank)
+    _check_against_the_model(shape, lora_rank)
     L = shape.num_layers
     layers = _checkpointed_layers(L, checkpointing, checkpoint_layers)
 
@@ -120,10 +120,7 @@ def _check_training(optimizer, micro_batch, seq_len, checkpointing, lora_rank) -
         raise ValueError(f"lora_rank must be 0 (full fine-tune) or a positive integer, got {lora_rank!r}")
 
 
-def _check_against_the_model(shape: ModelShape, seq_len: int, lora_rank: int) -> None:
-    if seq_len > shape.max_position_embeddings:
-        raise ValueError(f"seq_len {seq_len} is longer than the model's {shape.max_position_embeddings} positions: "
-                         f"give --seq-len {shape.max_position_embeddings} or less")
+def _check_against_the_model(shape: ModelShape, lora_rank: int) -> None:
     if lora_rank > shape.hidden_size:
         raise ValueError(f"lora_rank {lora_rank} is above the hidden size {shape.hidden_size}, where an adapter "
                          f"adds nothing a full fine-tune would not: give a rank below it")

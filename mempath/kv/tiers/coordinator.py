@@ -109,6 +109,7 @@ class TierCoordinator:
         # not asked for more (they would queue behind it and time out in turn).
         self._overdue_reads: list[Future] = []
         self._probe_blocks_written = 0
+        self._closed = False
 
     def calibrate(self, measure_prefill) -> dict:
         """Measure the cost model's rates (``CostModel.calibrate``); ``measure_prefill()`` returns tokens/s."""
@@ -160,7 +161,7 @@ class TierCoordinator:
         return ids if ids is not None else self.host.allocate(self.host.num_free)
 
     def _spill(self, n: int) -> None:
-        victims = spill_to_disk(self.host, self.disk, n, settle=self._wait_for_d2h)
+        victims = spill_to_disk(self.host, self.disk, n)
         self.counters["host_evictions"] += len(victims)
 
     def reap(self) -> None:
@@ -460,9 +461,17 @@ class TierCoordinator:
         }
 
     def close(self, persist: bool = True) -> None:
-        if self.disk is not None:
+        """Persist what the disk lacks (``persist``), then let the queued writes finish and release the
+        directory; whatever persisting raises. A second call does nothing."""
+        if self.disk is None or self._closed:
+            return
+        self._closed = True
+        try:
             if persist:
                 self.persist()
+        except Exception:  # the writes queued so far still finish, and the directory's lock is released
+            log.exception("disk KV tier: writing the cached blocks at close failed; the tier keeps what it had")
+        finally:
             self.disk.flush()
             self.disk.close()
 

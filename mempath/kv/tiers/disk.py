@@ -477,19 +477,16 @@ def _read_crc(f) -> int | None:
 
 
 # ---------------------------------------------------------------------------- write policy
-def spill_to_disk(host: HostBlockStore, disk: DiskBlockStore | None, n: int, settle=None) -> list[int]:
+def spill_to_disk(host: HostBlockStore, disk: DiskBlockStore | None, n: int) -> list[int]:
     """Evict up to n warm blocks by the host store's rule; return their ids.
 
     Write-back: a block the disk lacks is written first and its host block is
     freed once the write is done (it is unfindable meanwhile, but
     ``disk.contains`` already says yes and a read waits for the write).
-    Write-through, or a block already on disk: freed at once. ``settle(ids)``
-    returns once copies still on their way into those host blocks have landed:
-    a write must not read a block before its bytes are there.
+    Write-through, or a block already on disk: freed at once. A block whose copy
+    from the device is still on its way is pinned (TransferEngine), so never a victim.
     """
     victims = host.evict_candidates(n)
-    if disk is not None and not disk.write_through and settle is not None:
-        settle([block_id for block_id in victims if host.hash_of(block_id) not in disk])
     for block_id in victims:
         block_hash = host.hash_of(block_id)
         host.uncache(block_id)

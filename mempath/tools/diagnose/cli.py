@@ -33,12 +33,6 @@ def run_diagnose(args: argparse.Namespace) -> int:
     from mempath.engine_flags import engine_options
     from mempath.tools.diagnose.report import format_table
     from mempath.tools.diagnose.run import diagnose
-    for flag, value, least in (("--probe-tokens", args.probe_tokens, 1), ("--probe-seqs", args.probe_seqs, 1),
-                               ("--leak-requests", args.leak_requests, 2)):
-        if value < least:
-            print(f"mempath diagnose: error: {flag} {value} must be at least {least}"
-                  + (" (the leak check compares requests after the first)" if least == 2 else ""), file=sys.stderr)
-            return 2
     options = engine_options(args)
     device, dtype = options.pop("device"), options.pop("dtype")
     if len(args.model) > 1:

@@ -58,6 +58,8 @@ def diagnose_models(models: list[str], *, served_model_name: list[str] | None = 
     workload over the shared pool, and return the report dict (written to ``out_dir`` as
     diagnose.json and diagnose.html when given)."""
     from mempath.config import EngineConfig
+    from mempath.tools.diagnose.run import check_probe_counts
+    check_probe_counts(probe_tokens, probe_seqs, leak_requests)
     from mempath.multi.engine import MultiEngine
     from mempath.multi.pages import POOL_TENANT
     from mempath.multi.startup import build_engines

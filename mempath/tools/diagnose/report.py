@@ -131,6 +131,9 @@ def _check_can_make(out_dir: Path) -> None:
     before the run, not when the report is written after it."""
     existing = out_dir
     while not existing.exists() and existing != existing.parent:
+        if existing.is_symlink():
+            raise ValueError(f"--out {out_dir} cannot be made: {existing} is a link to {os.readlink(existing)}, "
+                             f"which does not exist; give a folder for the report")
         existing = existing.parent
     if not existing.is_dir():
         raise ValueError(f"--out {out_dir} cannot be made: {existing} is not a folder; give a folder for the report")

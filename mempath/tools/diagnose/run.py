@@ -33,6 +33,15 @@ MiB = 1 << 20
 
 # ---------------------------------------------------------------- the whole run
 
+def check_probe_counts(probe_tokens, probe_seqs, leak_requests) -> None:
+    """Refused before anything loads: --leak-requests 0 failed after the whole run, --probe-tokens -5 ran as 1."""
+    for flag, value, least in (("--probe-tokens", probe_tokens, 1), ("--probe-seqs", probe_seqs, 1),
+                               ("--leak-requests", leak_requests, 2)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"{flag} {value!r} must be an integer of at least {least}"
+                             + (" (the leak check compares requests after the first)" if least == 2 else ""))
+
+
 def diagnose(model_dir: str, *, device: str = "auto", dtype: str = "auto", train: bool = False,
              probe_tokens: int = 2048, probe_seqs: int = 8, leak_requests: int = 8,
              growth_requests: int = 4, out_dir: str | os.PathLike | None = "mempath-diagnose",
@@ -51,6 +60,7 @@ def diagnose(model_dir: str, *, device: str = "auto", dtype: str = "auto", train
 
     from mempath.tools.diagnose.report import refuse_foreign_outputs
 
+    check_probe_counts(probe_tokens, probe_seqs, leak_requests)
     config = EngineConfig.from_kwargs(model_dir, device=indexed_device(device), dtype=dtype, **engine_options)
     if out_dir is not None:
         refuse_foreign_outputs(out_dir, snapshot)
