@@ -244,3 +244,24 @@ def test_generate_interrupted_with_several_models_leaves_no_request_behind(two_m
         llm.generate([[10, 11, 12], [13, 14]], SamplingParams(max_tokens=2), use_tqdm=bar, model="b")
     assert llm.engine.owner == {} and not llm.engine.has_unfinished_requests()
     assert_all_free(llm.engine)
+
+
+def test_two_long_prefills_over_a_small_pool_finish_instead_of_preempting_each_other(model_factory):
+    """Each model, running nothing, preempted the other's one request for its first chunk, and each recomputed
+    from the start: after 2,000 steps neither had finished. Above its guarantee a model now takes no pages from
+    requests that came before its own."""
+    (first, _), (second, _) = model_factory("llama"), model_factory("llama", seed=3)
+    llm = LLM([f"a={first}", f"b={second}"], dtype="float32", show_progress=False, enable_prefix_caching=False,
+              block_size=8, max_num_batched_tokens=8, num_gpu_blocks_override=14)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompt = [100 + i % 50 for i in range(70)]
+    engine.add_request(prompt, params, "ra", model="a")
+    engine.add_request(prompt, params, "rb", model="b")
+    done = {}
+    for _ in range(400):
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+        if not engine.has_unfinished_requests():
+            break
+    assert {r: o.finish_reason for r, o in done.items()} == {"ra": "length", "rb": "length"}
+    assert_all_free(engine)

@@ -18,6 +18,7 @@ guarantees under contention, and a model never loses pages below its guarantee.
 """
 from __future__ import annotations
 
+import itertools
 import time
 
 from mempath.engine.engine import LLMEngine
@@ -280,10 +281,21 @@ class MultiEngine:
         if not others:
             return None
         victim = max(others, key=lambda e: self._excess(e.kv.pool))
-        excess = self._excess(victim.kv.pool)
-        if excess <= 0 or not (runs_nothing or excess > self._excess(asking, n)):
+        excess, asking_excess = self._excess(victim.kv.pool), self._excess(asking, n)
+        if excess <= 0 or not (runs_nothing or excess > asking_excess):
+            return None
+        if asking_excess > 0 and not self._came_after(victim, self.engines[asking.name]):
+            # Above its guarantee a model takes no pages from requests older than its own: two long prefills
+            # preempted each other's first chunks, and neither ever finished.
             return None
         return victim
+
+    @staticmethod
+    def _came_after(victim: LLMEngine, asking: LLMEngine) -> bool:
+        """Whether the victim's newest running request arrived after the asking model's oldest request."""
+        ours = [*asking.scheduler.running, *itertools.islice(asking.scheduler.waiting, 1)]
+        return bool(ours) and max(r.arrival_time for r in victim.scheduler.running) > min(r.arrival_time
+                                                                                             for r in ours)
 
     # ----------------------------------------------------------------- visibility
     def stats(self) -> dict:
