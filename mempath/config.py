@@ -216,6 +216,8 @@ class EngineConfig:
 
     def _validate_expert_cache(self) -> None:
         """The model-free checks; start-up checks the size against the model's experts (model/moe.py)."""
+        if as_kind(self.moe_expert_cache_size, int) is not None:  # numpy's integers, as every other field's
+            self.moe_expert_cache_size = as_kind(self.moe_expert_cache_size, int)
         size, gb = self.moe_expert_cache_size, self.moe_expert_cache_gb
         check_expert_cache_options(size, gb, self.moe_cpu_experts)
         if self.weights_arena and (size is not None or gb is not None):

@@ -200,3 +200,23 @@ def test_a_moe_model_too_large_for_the_gpu_is_told_the_expert_cache_that_fits(mo
     assert "pass --moe-expert-cache-size 5 or less in place of --moe-expert-cache-gb 0.5 (" in refusal(7, gb=0.5)
     free = device_need(2) - 1  # not even the 2 experts a token routes to
     assert "--moe-expert-cache-size" not in refusal(None)
+
+
+def test_numpy_expert_cache_sizes_are_taken_as_other_integer_fields_are():
+    """np.int64(4) was refused as "must be a whole number of experts ... got np.int64(4)"."""
+    import numpy as np
+    assert EngineConfig(model="m", moe_expert_cache_size=np.int64(4)).moe_expert_cache_size == 4
+    assert type(EngineConfig(model="m", moe_expert_cache_size=np.int64(4)).moe_expert_cache_size) is int
+    with pytest.raises(ValueError, match="moe_expert_cache_size"):
+        EngineConfig(model="m", moe_expert_cache_size=np.True_)
+
+
+@pytest.mark.parametrize("mode", ["auto", "always"])
+def test_cpu_experts_on_a_dense_model_say_it_is_dense(model_factory, mode):
+    """It said every expert was resident and to keep fewer on the device, a flag then refused as dense."""
+    path, _ = model_factory("llama")
+    with pytest.raises(ValueError, match=rf"--moe-cpu-experts {mode} is for mixture-of-experts models; .*describes "
+                                         r"a dense model \(LlamaForCausalLM, no MoE layer\): drop the flag"):
+        LLM(path, dtype="float32", show_progress=False, moe_cpu_experts=mode)
+    with pytest.raises(ValueError, match=rf"--moe-cpu-experts {mode} is for mixture-of-experts models"):
+        plan_memory(path, moe_cpu_experts=mode)

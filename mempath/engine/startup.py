@@ -137,7 +137,9 @@ class Startup:
         self.expert_cache_size = resolve_expert_cache_size(
             shape_from_spec(self.spec), self.dtype.itemsize, config.moe_expert_cache_size,
             config.moe_expert_cache_gb, str(Path(config.model) / "config.json"))
-        check_cpu_experts(config.moe_cpu_experts, self.expert_cache_size)
+        check_cpu_experts(config.moe_cpu_experts, self.expert_cache_size,
+                          None if self.spec.num_experts else f"{config.model} describes a dense model "
+                                                              f"({self.spec.architecture}, no MoE layer)")
         check_fp8_kv_device(self.device, config.kv_cache_dtype)
         self._check_tiers_hold_a_block()
         self.tenant = tenant or Path(config.model).name or config.model

@@ -181,10 +181,13 @@ def measure_host_cost(experts) -> HostExpertCost:
                           row_weight=ROW_WEIGHT, start_row_seconds=row_seconds)
 
 
-def check_cpu_experts(policy: str, expert_cache_size: int | None) -> None:
-    """Before loading: a policy other than never needs fewer experts resident than all (else no miss)."""
+def check_cpu_experts(policy: str, expert_cache_size: int | None, dense: str | None = None) -> None:
+    """Before loading: a policy other than never needs a mixture-of-experts model (``dense``: what says it is
+    not one) with fewer experts resident than all (else no miss)."""
     if policy not in CPU_EXPERT_POLICIES:
         raise ValueError(f"moe_cpu_experts must be never, auto or always, got {policy!r}")
+    if policy != "never" and dense is not None:
+        raise ValueError(f"--moe-cpu-experts {policy} is for mixture-of-experts models; {dense}: drop the flag")
     if policy != "never" and expert_cache_size is None:
         raise ValueError(f"--moe-cpu-experts {policy}: every expert is resident, so none misses: drop the flag "
                          f"or keep fewer experts on the device (--moe-expert-cache-size)")

@@ -416,7 +416,9 @@ def _plan_experts(shape: ModelShape, b: int, params: dict[str, int], pathway_byt
     if cache_size is not None or cache_gb is not None:  # refused where start-up refuses it (fewer than top-k)
         cache_size = resolve_expert_cache_size(shape, b, cache_size, cache_gb, source) or shape.num_experts
     resident_all = cache_size is None or cache_size == shape.num_experts
-    check_cpu_experts(cpu_experts, None if resident_all else cache_size)
+    check_cpu_experts(cpu_experts, None if resident_all else cache_size,
+                      None if shape.num_experts else f"{source} describes a dense model ({shape.architecture}, "
+                                                     f"no MoE layer)")
     for name, rate in zip(("moe_h2d_bytes_per_s", "moe_device_read_bytes_per_s", "moe_host_read_bytes_per_s"),
                           rates):
         if not 0 < rate < math.inf:  # inf printed as "Infinity", which is no JSON
