@@ -456,3 +456,18 @@ def test_closing_releases_the_tier_even_when_writing_at_close_fails_and_twice_is
     assert any("writing the cached blocks at close failed" in r.getMessage() for r in caplog.records)
     again = make_llm(tiny, cpu_kv_gb=gb(2), disk_kv_path=str(tmp_path), disk_kv_gb=gb(64))  # not "in use"
     again.engine.close()
+
+
+def test_writing_at_close_stops_at_its_deadline_newest_first(tiny, tmp_path, monkeypatch, caplog):
+    from mempath.kv.tiers import coordinator
+    llm = make_llm(tiny, cpu_kv_gb=gb(2), disk_kv_path=str(tmp_path), disk_kv_gb=gb(64))
+    for prompt in conversations(3):
+        llm.generate(prompt, greedy(), use_tqdm=False)
+    tiers = llm.engine.kv.tiers
+    newest = list(tiers.pool.cached)[-1]
+    monkeypatch.setattr(coordinator, "PERSIST_DEADLINE_S", 0.0)
+    assert tiers.persist() == 0 and newest not in tiers.disk
+    assert any("not written at close" in r.getMessage() for r in caplog.records)
+    monkeypatch.setattr(coordinator, "PERSIST_DEADLINE_S", 30.0)
+    assert tiers.persist() > 0 and newest in tiers.disk
+    llm.engine.close()

@@ -44,6 +44,8 @@ GPU, CPU, DISK = "gpu", "cpu", "disk"  # tier names; "gpu" is the device tier (t
 # plus four times the cost model's estimate for them: generous for a busy disk, and
 # the most a hung one (a dead NFS server, a failing drive) can hold a request back.
 DISK_READ_DEADLINE_S = 10.0
+# Closing writes the cached blocks the disk lacks for this long at most (a server's shutdown has a grace period).
+PERSIST_DEADLINE_S = 30.0
 
 
 # Blocks per direction in the device staging buffers of tier transfers (the engine
@@ -491,8 +493,8 @@ class TierCoordinator:
         spill_to_disk(host, disk, host.num_blocks)  # every cached host block is on disk now: freed
         device = [(b, h) for h, b in self.pool.cached.items() if h not in disk]
         most = disk.capacity_bytes // disk.file_nbytes(device[0][1]) if device else 0
-        device = device[-most:] if most else []
-        while device:
+        device = device[-most:][::-1] if most else []  # the newest first: a close cut short keeps them
+        while device and time.perf_counter() - start < PERSIST_DEADLINE_S:
             host_ids = host.allocate(min(len(device), host.num_free)) if host.num_free else None
             if not host_ids:
                 break  # every host block is held (a swapped request's): nothing to stage through
@@ -503,6 +505,9 @@ class TierCoordinator:
             disk.flush()
             host.reap()
         written = disk.blocks_written - before
+        if device:
+            log.warning("disk KV tier: %d cached blocks not written at close: writing stops after %.0f s",
+                        len(device), PERSIST_DEADLINE_S)
         if written:
             log.info("disk KV tier: %d cached blocks written at close (%.1f MiB, %.2f s)", written,
                      written * self.block_nbytes / (1 << 20), time.perf_counter() - start)
