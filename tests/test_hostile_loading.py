@@ -660,3 +660,25 @@ def test_a_damaged_digest_cache_is_hashed_again_and_nothing_is_written_through_a
     if not done.is_set():
         os.close(os.open(cache, os.O_WRONLY | os.O_NONBLOCK))  # let a reader stuck in open() return
     assert done.is_set()
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "model.safetensors"])
+def test_a_fifo_in_place_of_a_tokenizer_or_weights_file_is_one_line_not_a_hang(tmp_path, name):
+    """config.json as a FIFO was refused; the tokenizer's files and the weights were opened and waited on."""
+    make_model(tmp_path, "llama")
+    (tmp_path / name).unlink()
+    os.mkfifo(tmp_path / name)
+    outcome = {}
+
+    def start():
+        try:
+            LLM(str(tmp_path), dtype="float32", show_progress=False)
+        except ValueError as error:
+            outcome["error"] = str(error)
+
+    worker = threading.Thread(target=start, daemon=True)
+    worker.start()
+    worker.join(60)
+    if worker.is_alive():
+        os.close(os.open(tmp_path / name, os.O_WRONLY | os.O_NONBLOCK))  # let a reader stuck in open() return
+    assert f"{name}: is not a regular file" in outcome.get("error", ""), outcome

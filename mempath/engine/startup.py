@@ -63,11 +63,19 @@ def larger_block_fix(block_size: int) -> str:
         if block_size > DEFAULT_BLOCK_SIZE else ""
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "tokenizer_config.json",
+                   "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
+
+
 def load_tokenizer(model_dir: str):
     """The checkpoint's tokenizer, or None when the directory has none."""
     path = Path(model_dir)
     if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         return None
+    for name in TOKENIZER_FILES:
+        if (path / name).exists() and not (path / name).is_file():  # a FIFO: transformers waited on it forever
+            raise ValueError(f"{path / name}: is not a regular file, expected the tokenizer's file; replace it "
+                             f"with the checkpoint's file (download it again)")
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     # The engine checks a prompt against max_model_len and says so in one line; the tokenizer's own limit

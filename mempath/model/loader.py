@@ -150,6 +150,9 @@ def _weights_file(path: Path) -> Path:
     if path.is_dir():
         raise CheckpointError(f"{path}: is a directory, expected a safetensors weights file; "
                               f"replace it with the checkpoint's file (download it again)")
+    if path.exists() and not path.is_file():  # a named pipe or a device: reading it may wait forever
+        raise CheckpointError(f"{path}: is not a regular file, expected a safetensors weights file; "
+                              f"replace it with the checkpoint's file (download it again)")
     return path
 
 
