@@ -345,7 +345,7 @@ def test_probe_counts_out_of_range_are_refused_before_measuring(flag, value, say
     assert len(err) == 1 and err[0].startswith(f"mempath diagnose: error: {says}"), err
 
 
-@pytest.mark.parametrize("where", ["under a file", "not writable"])
+@pytest.mark.parametrize("where", ["under a file", "not writable", "a dangling link"])
 def test_an_out_folder_that_cannot_be_made_is_refused_before_measuring(where, tmp_path, model_factory, capsys,
                                                                        monkeypatch):
     """It was made only after the whole run, which then ended in a traceback."""
@@ -356,6 +356,9 @@ def test_an_out_folder_that_cannot_be_made_is_refused_before_measuring(where, tm
     (tmp_path / "notes.txt").write_text("mine")
     if where == "under a file":
         out = tmp_path / "notes.txt" / "report"
+    elif where == "a dangling link":
+        out = tmp_path / "link" / "report"
+        (tmp_path / "link").symlink_to(tmp_path / "nowhere")
     else:
         out = tmp_path / "ro" / "report"
         (tmp_path / "ro").mkdir()
