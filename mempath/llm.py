@@ -59,8 +59,8 @@ def as_prompts(prompts):
 
 
 def _abort(engine, group: list) -> None:
-    """Abort a prompt's samples already in the engine (ids; a refused sample's output is no request); with several
-    models ``engine`` is the MultiEngine, which added them."""
+    """Abort a prompt's samples already in the engine that added them (ids; a refused sample's output is no
+    request)."""
     for added in group:
         if isinstance(added, str):
             engine.abort_request(added)
@@ -242,15 +242,18 @@ class LLM:
             raise ValueError(f"got {len(prompt_list)} prompts but {len(param_list)} SamplingParams")
         if engine.inputs.grammars is not None:  # a batch's grammars compile in parallel, not one by one as added
             engine.inputs.grammars.compile_all([p.structured_outputs for p in param_list if p.structured_outputs])
+        # With several models requests go through the MultiEngine, which wakes an asleep model (its weights back
+        # first) and keeps who owns each request; it aborts them too.
+        adder = self.engine if self.engines else engine
         groups = []
         try:
             for prompt, p in zip(prompt_list, param_list):
-                groups.append(self._add_samples(engine, prompt, p, single, model))
+                groups.append(self._add_samples(adder, prompt, p, single, model))
             results = {r.request_id: r for group in groups for r in group if isinstance(r, RequestOutput)}
             self._run_to_completion(results, sum(len(group) for group in groups), use_tqdm)
         except BaseException:  # an error while adding, a bar factory that raises, Ctrl-C: what is in the
             for group in groups:  # engine must not wait there for the next call (a finished one is not aborted)
-                _abort(self._adder(engine), group)
+                _abort(adder, group)
             raise
         return [RequestOutput.grouped([results[r if isinstance(r, str) else r.request_id] for r in group])
                 for group in groups]
@@ -310,14 +313,9 @@ class LLM:
                     bar.update(1)
         bar.close()
 
-    def _adder(self, engine: LLMEngine):
-        """What generate adds requests to and aborts them in: the MultiEngine with several models."""
-        return self.engine if self.engines else engine
-
-    def _add_samples(self, engine: LLMEngine, prompt, params: SamplingParams, single: bool,
-                     model: str | None = None) -> list:
-        """Add one engine request per sample; a refused one is its finished error output instead of its id.
-        With several models through the MultiEngine, which wakes an asleep ``model`` (its weights back first)."""
+    def _add_samples(self, engine, prompt, params: SamplingParams, single: bool, model: str | None) -> list:
+        """Add one engine request per sample (``engine``: the model's, or the MultiEngine that routes to
+        ``model``); a refused one is its finished error output instead of its id."""
         group = []
         # A bad n is one request, which add_request refuses naming it (as any other bad field).
         samples = params.n if isinstance(params.n, int) and not isinstance(params.n, bool) and params.n >= 1 else 1
@@ -329,14 +327,11 @@ class LLM:
                     params.check_sample_seeds()  # else a later sample is refused for a seed nobody gave
                     seed = params.seed + index if type(params.seed) is int else params.seed  # else refused below
                     sample_params = SamplingParams(**{**params.__dict__, "n": 1, "seed": seed})
-                if self.engines:  # the MultiEngine wakes an asleep model
-                    self.engine.add_request(prompt, sample_params, request_id, model=model)
-                else:
-                    engine.add_request(prompt, sample_params, request_id)
+                engine.add_request(prompt, sample_params, request_id, **({"model": model} if self.engines else {}))
                 group.append(request_id)
             except ValueError as error:
                 if single:
-                    _abort(self._adder(engine), group)
+                    _abort(engine, group)
                     raise
                 shown = next((prompt[k] for k in PROMPT_FIELDS if k in prompt), None) if isinstance(prompt, dict) \
                     else prompt
@@ -345,7 +340,7 @@ class LLM:
                     prompt_token_ids=list(shown) if isinstance(shown, (list, tuple)) else [], token_ids=[], text="",
                     finished=True, finish_reason="error", error=str(error)))
             except BaseException:
-                _abort(self._adder(engine), group)  # this prompt's earlier samples (generate aborts the others)
+                _abort(engine, group)  # this prompt's earlier samples (generate aborts the others)
                 raise
         return group
 

@@ -3,8 +3,7 @@ import pytest
 import torch
 
 from mempath import LLM, SamplingParams
-from mempath.engine.startup import same_vocabulary
-from mempath.multi.pipeline import SecondModelError, Template, count_device_reads
+from mempath.multi.pipeline import SecondModelError, Template, count_device_reads, same_vocabulary
 
 FIRST = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 SECOND = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)

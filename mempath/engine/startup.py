@@ -34,7 +34,7 @@ from mempath.model.moe_host import check_cpu_experts, set_cpu_experts
 from mempath.model.spec import ConfigFields, ModelSpec
 from mempath.model.quant import check_fp8_kv_device
 from mempath.model.loader import (checkpoint_dtype, digest_cache_file, load_model, read_config,
-                                  read_json_object, weights_digest)
+                                  read_json_object, refuse_special_file, weights_digest)
 
 log = logging.getLogger(__name__)
 # The figures an operator reads (server/stats_log.py: `mempath serve` shows them at INFO).
@@ -72,10 +72,9 @@ def load_tokenizer(model_dir: str):
     path = Path(model_dir)
     if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         return None
-    for name in TOKENIZER_FILES:
-        if (path / name).exists() and not (path / name).is_file():  # a FIFO: transformers waited on it forever
-            raise ValueError(f"{path / name}: is not a regular file, expected the tokenizer's file; replace it "
-                             f"with the checkpoint's file (download it again)")
+    for name in TOKENIZER_FILES:  # a FIFO there: transformers waited on it forever
+        refuse_special_file(path / name, "the tokenizer's file", "replace it with the checkpoint's file (download "
+                                                                 "it again)")
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     # The engine checks a prompt against max_model_len and says so in one line; the tokenizer's own limit
@@ -83,13 +82,6 @@ def load_tokenizer(model_dir: str):
     # already given, it is not given; model_max_length (truncation's limit) stays the checkpoint's.
     tokenizer.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
     return tokenizer
-
-
-def same_vocabulary(a, b) -> bool:
-    """Whether two tokenizers map the same strings to the same ids (A's ids then mean the same to B)."""
-    if a is None or b is None:
-        return False
-    return a is b or (a.get_vocab() == b.get_vocab() and a.all_special_ids == b.all_special_ids)
 
 
 def load_generation_eos(model_dir: str) -> list[int]:

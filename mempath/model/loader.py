@@ -75,14 +75,18 @@ class LoadReport:
     host_weight_bytes: int = 0  # experts kept in host memory (moe_expert_cache_size)
 
 
+def refuse_special_file(path: Path, expected: str, fix: str) -> None:
+    """A named pipe or a device where a checkpoint's file should be: reading it may wait forever."""
+    if path.exists() and not path.is_file():
+        raise CheckpointError(f"{path}: is not a regular file, expected {expected}; {fix}")
+
+
 def read_json_object(path: Path, expected: str) -> dict:
     """The JSON object in ``path``; anything else raises CheckpointError naming the file."""
     if path.is_dir():
         raise CheckpointError(f"{path}: is a directory, expected a file holding {expected}; "
                               f"replace it with the model's file")
-    if path.exists() and not path.is_file():  # a named pipe or a device: reading it may wait forever
-        raise CheckpointError(f"{path}: is not a regular file, expected a file holding {expected}; "
-                              f"replace it with the model's file")
+    refuse_special_file(path, f"a file holding {expected}", "replace it with the model's file")
     try:
         value = loads_json(path.read_bytes())
     except OSError as error:
@@ -150,9 +154,8 @@ def _weights_file(path: Path) -> Path:
     if path.is_dir():
         raise CheckpointError(f"{path}: is a directory, expected a safetensors weights file; "
                               f"replace it with the checkpoint's file (download it again)")
-    if path.exists() and not path.is_file():  # a named pipe or a device: reading it may wait forever
-        raise CheckpointError(f"{path}: is not a regular file, expected a safetensors weights file; "
-                              f"replace it with the checkpoint's file (download it again)")
+    refuse_special_file(path, "a safetensors weights file",
+                        "replace it with the checkpoint's file (download it again)")
     return path
 
 

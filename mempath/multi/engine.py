@@ -22,10 +22,9 @@ import itertools
 import time
 
 from mempath.engine.engine import LLMEngine
-from mempath.engine.startup import same_vocabulary
 from mempath.multi.pages import POOL_TENANT, PagePool, TenantPages
 from mempath.multi.pipeline import (Pipeline, SecondModelError, Template, count_device_reads, failed_output,
-                                    handoff_text, handoff_token_ids, special_prefix)
+                                    handoff_text, handoff_token_ids, same_vocabulary, special_prefix)
 from mempath.multi.sleep import IdleSleep, WeightsOffload
 
 MAX_CACHED_LITERALS = 1024  # template pieces' token ids kept (a client sends few distinct templates)
@@ -182,7 +181,7 @@ class MultiEngine:
         outputs = []
         for name, engine in self.engines.items():
             if engine.has_runnable_requests():
-                if name in self.sleep.pool.asleep:  # a request added past add_request: never run asleep weights
+                if name in self.pool.asleep:  # a request added past add_request: never run asleep weights
                     self.sleep.active(name)
                 outputs += [o for o in map(self._pipeline_output, engine.step()) if o is not None]
         for output in outputs:
@@ -294,8 +293,10 @@ class MultiEngine:
     def _came_after(victim: LLMEngine, asking: LLMEngine) -> bool:
         """Whether the victim's newest running request arrived after the asking model's oldest request."""
         ours = [*asking.scheduler.running, *itertools.islice(asking.scheduler.waiting, 1)]
-        return bool(ours) and max(r.arrival_time for r in victim.scheduler.running) > min(r.arrival_time
-                                                                                             for r in ours)
+        if not ours:
+            return False
+        newest_theirs = max(r.arrival_time for r in victim.scheduler.running)
+        return newest_theirs > min(r.arrival_time for r in ours)
 
     # ----------------------------------------------------------------- visibility
     def stats(self) -> dict:

@@ -94,6 +94,13 @@ class PipelineOutput:
         return self.second.outputs[0].text
 
 
+def same_vocabulary(a, b) -> bool:
+    """Whether two tokenizers map the same strings to the same ids (A's ids then mean the same to B)."""
+    if a is None or b is None:
+        return False
+    return a is b or (a.get_vocab() == b.get_vocab() and a.all_special_ids == b.all_special_ids)
+
+
 def special_prefix(tokenizer) -> list[int]:
     """The ids a tokenizer puts before any text (a BOS, or none)."""
     return tokenizer.encode("", add_special_tokens=True) if tokenizer is not None else []

@@ -408,6 +408,15 @@ def _plan_training(plan: MemoryPlan, shape: ModelShape, **settings) -> None:
         plan.train_fits = plan.train_total_bytes <= plan.budget_bytes
 
 
+def _per_token(shape: ModelShape, counts: dict[str, int], embedding_row: int) -> tuple[int, int]:
+    """(what one token uses, what a decode token reads) of count_params' or weight_bytes' pathways: all but the
+    routed experts plus k of them a layer; an untied embedding table gives one row (``embedding_row``)."""
+    experts = counts["experts"]
+    active = counts["total"] - experts + (experts // shape.num_experts * shape.num_experts_per_tok
+                                          if shape.num_experts else 0)
+    return active, active - (0 if shape.tied_embeddings else counts["embedding"] - embedding_row)
+
+
 def _plan_experts(shape: ModelShape, b: int, params: dict[str, int], pathway_bytes: dict[str, int],
                   cache_size: int | None,
                   cache_gb: float | None, source: str, rates: tuple[float, float, float], cpu_experts: str) -> dict:
@@ -424,13 +433,8 @@ def _plan_experts(shape: ModelShape, b: int, params: dict[str, int], pathway_byt
         if not 0 < rate < math.inf:  # inf printed as "Infinity", which is no JSON
             raise ValueError(f"{name} must be > 0 bytes/s, got {rate!r}: give a finite rate")
     total, resident = expert_bytes(shape, b, cache_size)
-    active = params["experts"] // shape.num_experts * shape.num_experts_per_tok if shape.num_experts else 0
-    active_params = params["total"] - params["experts"] + active
-    read_params = active_params - (0 if shape.tied_embeddings else params["embedding"] - shape.hidden_size)
-    experts_bytes = pathway_bytes["experts"]
-    active_bytes = (pathway_bytes["total"] - experts_bytes
-                    + (experts_bytes // shape.num_experts * shape.num_experts_per_tok if shape.num_experts else 0))
-    read_bytes = active_bytes - (0 if shape.tied_embeddings else pathway_bytes["embedding"] - shape.hidden_size * b)
+    active_params, read_params = _per_token(shape, params, shape.hidden_size)
+    active_bytes, read_bytes = _per_token(shape, pathway_bytes, shape.hidden_size * b)
     prediction = {"moe_h2d_bytes_per_s": rates[0], "moe_device_read_bytes_per_s": rates[1],
                   "moe_host_read_bytes_per_s": rates[2], "moe_cpu_experts": cpu_experts}
     if resident < total:

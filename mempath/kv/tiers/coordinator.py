@@ -462,15 +462,14 @@ class TierCoordinator:
             "rates": dict(self.rates),
         }
 
-    def close(self, persist: bool = True) -> None:
-        """Persist what the disk lacks (``persist``), then let the queued writes finish and release the
-        directory; whatever persisting raises. A second call does nothing."""
+    def close(self) -> None:
+        """Persist what the disk lacks, then let the queued writes finish and release the directory, whatever
+        persisting raises. A second call does nothing."""
         if self.disk is None or self._closed:
             return
         self._closed = True
         try:
-            if persist:
-                self.persist()
+            self.persist()
         except Exception:  # the writes queued so far still finish, and the directory's lock is released
             log.exception("disk KV tier: writing the cached blocks at close failed; the tier keeps what it had")
         finally:

@@ -58,13 +58,12 @@ def diagnose_models(models: list[str], *, served_model_name: list[str] | None = 
     workload over the shared pool, and return the report dict (written to ``out_dir`` as
     diagnose.json and diagnose.html when given)."""
     from mempath.config import EngineConfig
-    from mempath.tools.diagnose.run import check_probe_counts
-    check_probe_counts(probe_tokens, probe_seqs, leak_requests)
     from mempath.multi.engine import MultiEngine
     from mempath.multi.pages import POOL_TENANT
     from mempath.multi.startup import build_engines
-    from mempath.tools.diagnose.run import build_report, indexed_device, measure_serving
+    from mempath.tools.diagnose.run import build_report, check_probe_counts, indexed_device, measure_serving
 
+    check_probe_counts(probe_tokens, probe_seqs, leak_requests)
     pairs = checked_models(models, served_model_name, out_dir)
     options = {**engine_options, "device": indexed_device(device), "dtype": dtype}
     config = EngineConfig.from_kwargs(pairs[0][1], **options)  # bad options: refused before anything loads
