@@ -15,10 +15,10 @@ import torch
 
 from mempath.engine import startup as startup_module
 from mempath.engine.runner import TrialGraphs
-from mempath.engine.startup import OUTSIDE_TORCH_GROWTH, Startup
+from mempath.engine.startup import Startup
 from mempath.kv.manager import KVCacheManager
 from mempath.kv.tiers.coordinator import STAGING_BLOCKS
-from mempath.memory.budget import ALLOCATION_ROUNDING, DeviceBudget
+from mempath.memory.budget import ALLOCATION_ROUNDING, OUTSIDE_TORCH_GROWTH, DeviceBudget
 
 GiB, MiB = 1 << 30, 1 << 20
 TOTAL = 100 * GiB

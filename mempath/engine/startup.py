@@ -24,7 +24,7 @@ from mempath.kv.manager import KVCacheManager, blocks_for
 from mempath.kv.tiers.disk import check_disk_tier_holds_a_block
 from mempath.kv.tiers.host import check_host_tier_holds_a_block
 from mempath.memory.arena import mapped_bytes
-from mempath.memory.budget import DeviceBudget, check_host_room
+from mempath.memory.budget import OUTSIDE_TORCH_GROWTH, DeviceBudget, check_host_room
 from mempath.memory.device_cap import hold_device_cap
 from mempath.memory.formulas import count_params, resolve_expert_cache_size, shape_from_spec
 from mempath.memory.ledger import Pathway, format_bytes
@@ -40,10 +40,6 @@ log = logging.getLogger(__name__)
 # The figures an operator reads (server/stats_log.py: `mempath serve` shows them at INFO).
 capacity_log = logging.getLogger("mempath.stats")
 
-# Device memory outside PyTorch that grows after start-up (kernel modules loaded on
-# first use): 2 MiB over 1,000 serving steps on the H200 (BENCHMARKS.md, "The budget is a
-# promise"); the budget keeps sixteen times that spare for it, a margin (the ledger says so).
-OUTSIDE_TORCH_GROWTH = 32 << 20
 # One fresh segment of each of PyTorch's caching-allocator pools (2 MiB small, 20 MiB
 # large): the least a step reserves when it finds no cached block that fits.
 ALLOCATOR_SEGMENTS = 22 << 20

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mempath.constants import DEFAULT_BLOCK_SIZE, MAX_SIZE_BYTES, default_max_num_seqs
-from mempath.memory.budget import ALLOCATION_ROUNDING
+from mempath.memory.budget import ALLOCATION_ROUNDING, OUTSIDE_TORCH_GROWTH
 from mempath.memory.formulas import (CUBLAS_WORKSPACE_BYTES_SM90, ModelShape, check_serving_settings,
                                      count_params, expert_bytes, fp8_projection_counts, read_shape, resolve_dtype,
                                      resolve_expert_cache_size, serving_figures, weight_bytes,
@@ -81,6 +81,7 @@ class MemoryPlan:
     cuda_graph_batch: int
     cuda_graph_bytes: int
     context_bytes: int
+    outside_torch_growth_bytes: int  # the engine's margin for what grows outside PyTorch while serving
     workspace_bytes: int
     # capacity (None without gpu_mem_bytes)
     budget_bytes: int | None = None
@@ -301,7 +302,8 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
     Capacity, when gpu_mem_bytes is given (no device is probed here; `run_plan` does
     that for the CLI):
         budget    = floor(gpu_mem · gpu_memory_utilization)
-        kv budget = budget − weights − step peak − CUDA graphs − context
+        kv budget = budget − weights − step peak − its largest block − CUDA graphs − context
+                    − the engine's margin for growth outside PyTorch (OUTSIDE_TORCH_GROWTH)
         step peak = max(activation peak, final hidden states + logits + sampler)
         blocks    = floor(kv budget / block bytes); tokens = blocks · block_size
         max concurrency = blocks // ceil(max_model_len / block_size), which equals
@@ -364,9 +366,9 @@ def plan_memory(model: str | dict, *, dtype: str = "auto", gpu_mem_bytes: int | 
         quantization=shape.quantization, fp8_projections=sum(fp8_projection_counts(shape).values()),
         unquantized_projections=len(shape.unquantized),
         gpu_memory_utilization=gpu_memory_utilization, cuda_graphs=cuda_graphs, fused_kernels=fused_kernels,
-        context_bytes=context_bytes,
+        context_bytes=context_bytes, outside_torch_growth_bytes=OUTSIDE_TORCH_GROWTH,
         workspace_bytes=(serving.step_peak_bytes + serving.step_largest_block_bytes + serving.cuda_graph_bytes
-                         + context_bytes),
+                         + context_bytes + OUTSIDE_TORCH_GROWTH),
         **asdict(serving), **experts,
     )
     if gpu_mem_bytes is not None:

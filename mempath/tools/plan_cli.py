@@ -75,6 +75,7 @@ def format_plan(plan: MemoryPlan) -> str:
         _row(f"CUDA graphs (batch <= {p.cuda_graph_batch})" if p.cuda_graphs else "CUDA graphs (off)",
              p.cuda_graph_bytes),
         _row("context (given; not derivable)", p.context_bytes),
+        _row("kept for growth outside PyTorch", p.outside_torch_growth_bytes),
         _row("total", p.workspace_bytes),
         "",
     ]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from mempath.constants import DEFAULT_BLOCK_SIZE, default_max_num_seqs
-from mempath.memory.budget import ALLOCATION_ROUNDING
+from mempath.memory.budget import ALLOCATION_ROUNDING, OUTSIDE_TORCH_GROWTH
 from mempath.memory.ledger import format_bytes
 from mempath.multi.experts import options_by_model
 from mempath.multi.layout import page_layout
@@ -69,7 +69,7 @@ def plan_models(models: list[str], *, served_model_name: list[str] | None = None
     ``num_gpu_blocks_override``: the number of pages, as the engine's; else, with
     ``gpu_mem_bytes``, what the budget leaves::
 
-        pages = (budget − Σ (weights + step peak + CUDA graphs) − context) // page bytes
+        pages = (budget − Σ (weights + step peak + CUDA graphs) − context − growth outside PyTorch) // page bytes
 
     ``sleep_offload_weights``: each model's pinned host copy of its weights, allocated at
     start-up (mempath/multi/sleep.py): the weights rounded up to ARENA_GRANULARITY.
@@ -99,7 +99,8 @@ def plan_models(models: list[str], *, served_model_name: list[str] | None = None
                        sleep_offload_weights=sleep_offload_weights)
     if gpu_mem_bytes is not None:
         result.budget_bytes = int(gpu_mem_bytes * gpu_memory_utilization)
-        result.pool_bytes = result.budget_bytes - sum(m.device_bytes for m in entries) - context_bytes
+        result.pool_bytes = (result.budget_bytes - sum(m.device_bytes for m in entries) - context_bytes
+                             - OUTSIDE_TORCH_GROWTH)
         result.num_pages = max(0, result.pool_bytes - ALLOCATION_ROUNDING) // page_bytes  # as multi/startup.py
     budget_pages = result.num_pages
     if num_gpu_blocks_override is not None:
@@ -177,7 +178,8 @@ def format_multi_plan(p: MultiPlan) -> str:
                 _row(f"CUDA graphs (batch <= {q.cuda_graph_batch})" if q.cuda_graphs else "CUDA graphs (off)",
                      q.cuda_graph_bytes),
                 _row("total besides KV", m.device_bytes), ""]
-    out += ["the process, once", _row("context (given; not derivable)", p.context_bytes), ""]
+    out += ["the process, once", _row("context (given; not derivable)", p.context_bytes),
+            _row("kept for growth outside PyTorch", OUTSIDE_TORCH_GROWTH), ""]
     if p.sleep_offload_weights:
         out += ["host memory, pinned at start-up (--sleep-offload-weights)",
                 *[_row(f"{m.name}: its weights' copy while asleep", m.host_weight_copy_bytes) for m in p.models],
