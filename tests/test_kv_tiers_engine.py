@@ -440,6 +440,22 @@ def test_closing_writes_what_the_device_and_host_cache_so_a_restart_finds_it(tin
     assert_no_leak(again)
 
 
+def test_closing_onto_a_smaller_disk_writes_only_the_newest_blocks_it_keeps(tiny, tmp_path):
+    """The host tier's blocks were written first and then evicted by the device pool's newer ones: a close
+    onto a disk smaller than both tiers' caches wrote blocks it threw away, and evicted earlier runs' blocks
+    for them."""
+    llm = make_llm(tiny, cpu_kv_gb=gb(4), disk_kv_path=str(tmp_path), disk_kv_gb=gb(7))
+    for prompt in conversations(4):
+        llm.generate(prompt, greedy(), use_tqdm=False)
+    tiers = llm.engine.kv.tiers
+    device, host = list(tiers.pool.cached), [h for _, h in tiers.host.cached_blocks()]
+    assert len(device) < 7 < len(device) + len(host)  # the disk holds the device's cache and part of the host's
+    assert tiers.persist() == 7
+    assert all(h in tiers.disk for h in device) and sum(h in tiers.disk for h in host) == 7 - len(device)
+    assert tier_stats(llm)["disk"]["blocks"] == 7
+    llm.engine.close()
+
+
 def test_closing_releases_the_tier_even_when_writing_at_close_fails_and_twice_is_harmless(tiny, tmp_path,
                                                                                           monkeypatch, caplog):
     """A failure while persisting skipped the flush and the close: the directory stayed locked for the process."""

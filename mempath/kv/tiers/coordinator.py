@@ -485,14 +485,16 @@ class TierCoordinator:
         for transfer, _, _ in self._d2h:
             transfer.wait()
         self.reap()
-        for block_id, block_hash in host.cached_blocks():
-            if block_hash not in disk:
-                host.hold_until(disk.write_async(block_hash, host.storage[block_id]), [block_id])
+        # The newest first: the device pool's (the host tier holds what it evicted), each newest first, as
+        # many as the disk holds, so no block written here evicts another, and a close cut short keeps them.
+        device = [(b, h) for h, b in reversed(self.pool.cached.items()) if h not in disk]
+        cached = [(b, h) for b, h in reversed(host.cached_blocks()) if h not in disk]
+        most = disk.capacity_bytes // disk.file_nbytes((device or cached)[0][1]) if device or cached else 0
+        device = device[:most]
+        for block_id, block_hash in cached[:most - len(device)]:
+            host.hold_until(disk.write_async(block_hash, host.storage[block_id]), [block_id])
         disk.flush()
-        spill_to_disk(host, disk, host.num_blocks)  # every cached host block is on disk now: freed
-        device = [(b, h) for h, b in self.pool.cached.items() if h not in disk]
-        most = disk.capacity_bytes // disk.file_nbytes(device[0][1]) if device else 0
-        device = device[-most:][::-1] if most else []  # the newest first: a close cut short keeps them
+        spill_to_disk(host, None, host.num_blocks)  # written or older than what is: freed to stage through
         while device and time.perf_counter() - start < PERSIST_DEADLINE_S:
             host_ids = host.allocate(min(len(device), host.num_free)) if host.num_free else None
             if not host_ids:
