@@ -164,12 +164,18 @@ class GrammarCompiler:
         self.prepare()
         kind, value, flexible = key
         try:
-            return self._compile(kind, value, flexible)
+            compiled = self._compile(kind, value, flexible)
         except RuntimeError as error:
             what = {"json": "is not a JSON schema the grammar engine can enforce", "regex": "is not a valid regex",
                     "grammar": "is not a valid EBNF grammar", "choice": "cannot be compiled",
                     "json_object": "cannot be compiled"}[kind]
             raise ValueError(f"structured_outputs.{kind} {what}: {library_message(error)}") from None
+        if not RequestGrammar(_matcher(compiled), self.vocab_size).allowed_tokens():
+            # Else the request fails at its first step, as if the engine had failed (a server error).
+            raise ValueError(f"structured_outputs.{kind} admits no output: no token of this model's vocabulary "
+                             "can start it (a rule that never ends, or a set that matches nothing); fix the "
+                             f"{kind}")
+        return compiled
 
     def _compile(self, kind: str, value: str, flexible: bool):
         compiler = self._compiler
@@ -184,8 +190,12 @@ class GrammarCompiler:
         return compiler.compile_grammar(value)
 
     def matcher(self, params: StructuredOutputsParams) -> RequestGrammar:
-        import xgrammar
-        return RequestGrammar(xgrammar.GrammarMatcher(self.compile(params)), self.vocab_size)
+        return RequestGrammar(_matcher(self.compile(params)), self.vocab_size)
+
+
+def _matcher(compiled):
+    import xgrammar
+    return xgrammar.GrammarMatcher(compiled)
 
 
 def _valid(params) -> bool:

@@ -9,6 +9,9 @@ newlines until max_tokens (vLLM's ``disable_any_whitespace`` is the same choice)
 import json
 from dataclasses import dataclass
 
+from mempath.safe_io import loads_json
+from mempath.structured.schema_check import check_enforceable, schema_text
+
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -30,8 +33,8 @@ class StructuredOutputsParams:
         if len(given) != 1:
             raise ValueError(f"structured_outputs needs exactly one of {', '.join(KINDS)}; "
                              f"got {', '.join(given) or 'none'}")
-        if self.json is not None and not isinstance(self.json, (dict, str)):
-            raise ValueError("structured_outputs.json must be a JSON schema (an object or its JSON text)")
+        if self.json is not None:
+            check_enforceable(self.schema())
         if self.regex is not None and not isinstance(self.regex, str):
             raise ValueError("structured_outputs.regex must be a string")
         if self.grammar is not None and not isinstance(self.grammar, str):
@@ -39,6 +42,24 @@ class StructuredOutputsParams:
         if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
                                         or not all(isinstance(c, str) and c for c in self.choice)):
             raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+
+    def schema(self) -> dict:
+        """``json`` as a dict (parsed when given as text); ValueError naming the field when it is no schema."""
+        schema = self.json
+        if isinstance(schema, str):
+            try:
+                schema = loads_json(schema)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {error}") from None
+        if not isinstance(schema, dict):
+            raise ValueError("structured_outputs.json must be a JSON schema (an object or its JSON text)")
+        try:
+            json.dumps(schema)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"structured_outputs.json is not JSON: {error}") from None
+        except RecursionError:
+            raise ValueError("structured_outputs.json is nested too deeply; flatten it with $defs") from None
+        return schema
 
     @property
     def kind(self) -> str:
@@ -49,7 +70,7 @@ class StructuredOutputsParams:
         kind = self.kind
         value = getattr(self, kind)
         if kind == "json":
-            value = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+            value = schema_text(self.schema())
         elif kind == "choice":
             value = json.dumps(list(value))
         elif kind == "json_object":
