@@ -10,18 +10,22 @@
   ``parallel_tool_calls`` is false), or the named function's arguments object.
 
 A message with calls has ``tool_calls`` (OpenAI's shape) and finish_reason
-``tool_calls``. Streaming sends each call as OpenAI does: a first delta with its
-index, id, type and function name (arguments ""), then argument fragments.
+``tool_calls`` (``length`` where max_tokens cut it). Text that is not a complete call is
+content, also where max_tokens cut a call short, but for a named function, whose arguments
+are a call however far they got (as in vLLM); with ``parallel_tool_calls`` false only the
+first call comes back, as in vLLM. A stream sends the same content and calls as the whole
+answer (``ToolPlan.split`` gives both): each call once it is complete, as OpenAI does, a
+first delta with its index, id, type and function name (arguments ""), then its arguments;
+a named function's arguments stream as they are written.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 
-from mempath.safe_io import loads_json
 from mempath.server.protocol import APIError
 from mempath.server.structured_request import StructuredRequest
-from mempath.server.tool_parsers import PARSERS, ToolCall, parse_tool_calls
+from mempath.server.tool_parsers import PARSERS, ToolCall, split_answer
 from mempath.structured import StructuredOutputsParams
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -57,18 +61,23 @@ class ToolPlan:
         return "tools"
 
     def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """A finished answer as (content, calls)."""
-        if self.mode == "named":
-            return None, [ToolCall(self.named, text)]
+        """A finished answer as (content, calls); content None when the calls are all of it."""
+        content, calls = self.split(text, finished=True)
+        return (content or None) if calls else content, calls
+
+    def split(self, text: str, finished: bool) -> tuple[str, list[ToolCall]]:
+        """The answer's content and calls, by the same rules whether it is streamed or not. Before it finishes,
+        only what more text cannot change (content that begins the final content, calls that stay calls): what
+        a stream may send. Text that is not a complete call is content, also where max_tokens cut the answer."""
+        if self.mode == "named":  # the grammar writes the arguments and nothing else: a call, cut short or not
+            return "", [ToolCall(self.named, text)]
         if self.mode == "required":
-            try:
-                items = loads_json(text)
-            except ValueError:
-                return text, []
-            return None, [ToolCall(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
-        if self.mode == "auto":
-            return parse_tool_calls(self.parser, text)
-        return text, []
+            content, calls = _required_split(text, finished, self.functions)
+        elif self.mode == "auto":
+            content, calls = split_answer(self.parser, text, finished)
+        else:
+            return text, []
+        return content, calls if self.parallel else calls[:1]  # vLLM too keeps only the first
 
 
 def check_tools(tools: list[dict]) -> dict[str, dict]:
@@ -136,7 +145,7 @@ def plan_tools(req, parser_name: str | None, auto_tool_choice: bool) -> ToolPlan
                             "and a tool-call parser (--tool-call-parser, or a chat template with a tool-call "
                             "format); or use tool_choice required or a named function", "tool_choice")
     else:
-        plan.parser = PARSERS[parser_name]()
+        plan.parser = PARSERS[parser_name](tool_names=functions)
     return plan
 
 
@@ -168,60 +177,38 @@ async def located_tools_error(plan: ToolPlan | None, error: APIError, grammar_er
 
 def tool_message(plan: ToolPlan | None, text: str, finish_reason: str) -> tuple[dict, str]:
     """The assistant message of a finished answer and its finish_reason."""
-    if plan is None or plan.mode == "none" or finish_reason == "length":
+    if plan is None or plan.mode == "none":
         return {"role": "assistant", "content": text}, finish_reason
     content, calls = plan.calls(text)
     if not calls:
         return {"role": "assistant", "content": content}, finish_reason
-    return {"role": "assistant", "content": content, "tool_calls": [c.as_openai() for c in calls]}, "tool_calls"
+    message = {"role": "assistant", "content": content, "tool_calls": [c.as_openai() for c in calls]}
+    return message, "tool_calls" if finish_reason == "stop" else finish_reason
 
 
 class ToolStream:
-    """One streamed choice's text deltas → OpenAI chat deltas (content, or tool calls as they complete)."""
+    """One streamed choice's text deltas → OpenAI chat deltas: the content and the calls ``ToolPlan.split`` finds
+    in the text so far, each sent once, so that they add up to the message ``tool_message`` would give."""
 
     def __init__(self, plan: ToolPlan | None):
         self.plan = plan
         self.text = ""
-        self.sent_content = 0
-        self.calls_at: int | None = None  # where the calls begin in the text (auto)
+        self.sent_content = 0  # characters of the content sent
         self.num_calls = 0
 
     def take(self, delta: str, finished: bool) -> list[dict]:
         """The deltas to send for this much more text."""
         self.text += delta
-        plan = self.plan
-        if plan is None or plan.mode == "none":
+        if self.plan is None or self.plan.mode == "none":
             return [{"content": delta}] if delta else []
-        if plan.mode == "named":
-            out = [] if self.num_calls else self._header(ToolCall(plan.named, ""))
+        if self.plan.mode == "named":  # its arguments stream as they are written, as OpenAI and vLLM send them
+            out = [] if self.num_calls else self._header(ToolCall(self.plan.named, ""))
             return out + ([self._arguments(0, delta)] if delta else [])
-        if plan.mode == "required":
-            return self._new_calls(_array_items(self.text))
-        return self._auto(finished)
-
-    def _auto(self, finished: bool) -> list[dict]:
-        parser, out = self.plan.parser, []
-        if self.calls_at is None:
-            self.calls_at = parser.calls_start(self.text)
-        content_end = self.calls_at
-        if content_end is None:
-            content_end = len(self.text) - (0 if finished else parser.may_start(self.text))
-            while not finished and content_end > self.sent_content and self.text[content_end - 1].isspace():
-                content_end -= 1  # it may be the space before a call, which content leaves out
-        calls = None if self.calls_at is None else parser.complete_calls(self.text[self.calls_at:], finished)
-        if finished and self.calls_at is not None and calls is None and not self.num_calls:
-            content_end = len(self.text)  # not calls after all: it was content
-        if content_end > self.sent_content:
-            piece = self.text[self.sent_content:content_end]
-            self.sent_content = content_end
-            if self.calls_at is not None:
-                piece = piece.rstrip()
-            if piece:
-                out.append({"content": piece})
-        return out + self._new_calls(calls or [])
-
-    def _new_calls(self, calls: list[ToolCall]) -> list[dict]:
+        content, calls = self.plan.split(self.text, finished)
         out = []
+        if len(content) > self.sent_content:
+            out.append({"content": content[self.sent_content:]})
+            self.sent_content = len(content)
         for call in calls[self.num_calls:]:
             out += self._header(call) + [self._arguments(self.num_calls - 1, call.arguments)]
         return out
@@ -239,18 +226,37 @@ class ToolStream:
         return "tool_calls" if self.num_calls and reason == "stop" else reason
 
 
-def _array_items(text: str) -> list[ToolCall]:
-    """The complete {"name", "parameters"} objects of a JSON array being written."""
+def _required_split(text: str, finished: bool, functions: dict[str, dict]) -> tuple[str, list[ToolCall]]:
+    """A required choice's JSON array as (content, calls): its complete calls, and once finished the text after
+    them as content, when max_tokens cut the array short (all of it, if no call was complete)."""
+    calls, end, closed = _array_items(text, functions)
+    if not finished or (closed and calls):
+        return "", calls
+    return (text[end:].lstrip(" \t\r\n,") if calls else text), calls
+
+
+def _array_items(text: str, functions: dict[str, dict]) -> tuple[list[ToolCall], int, bool]:
+    """The complete {"name", "parameters"} calls of a JSON array being written, where the text after the last
+    one begins, and whether the array is closed there with nothing after it."""
     start = text.find("[")
     if start < 0:
-        return []
-    decoder, index, calls = json.JSONDecoder(), start + 1, []
+        return [], 0, False
+    decoder, index, calls, end = json.JSONDecoder(), start + 1, [], 0
     while True:
-        while index < len(text) and text[index] in " \t\n,":
-            index += 1
+        index = _skip_separators(text, index)
         try:
             item, index = decoder.raw_decode(text, index)
         except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser recurses
-            return calls
-        if isinstance(item, dict) and isinstance(item.get("name"), str):
-            calls.append(ToolCall(item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False)))
+            return calls, end, text[index:index + 1] == "]" and not text[index + 1:].strip()
+        # the grammar shapes the parameters by the function's schema, whatever it is: no check of them here
+        name = item.get("name") if isinstance(item, dict) else None
+        if not isinstance(name, str) or name not in functions or "parameters" not in item:
+            return calls, end, False
+        calls.append(ToolCall(name, json.dumps(item["parameters"], ensure_ascii=False)))
+        end = index
+
+
+def _skip_separators(text: str, index: int) -> int:
+    while index < len(text) and text[index] in " \t\r\n,":
+        index += 1
+    return index
