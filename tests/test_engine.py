@@ -35,7 +35,27 @@ def test_prefix_cache_hit_gives_same_tokens(model_factory):
     assert [first.token_ids, second.token_ids] == [o.token_ids for o in ref]
     assert all(o.num_cached_tokens == 0 for o in ref)
     stats = cached.stats()
-    assert stats["prefix_cache_hits"] == 3 and stats["kv_blocks_used"] == 0
+    # In tokens, as vLLM counts them: each prompt queried, its cached blocks' tokens hit.
+    assert stats["prefix_cache_queries"] == 53 + 52 and stats["prefix_cache_hits"] == 48
+    assert stats["kv_blocks_used"] == 0
+
+
+def test_prefix_cache_counters_count_each_request_once(model_factory):
+    """Each admission attempt counted: a request waiting for room queried the cache every step, so a pool under
+    pressure reported hundreds of times the prompt tokens it was sent, and a hit rate from nothing."""
+    path, _ = model_factory("llama")
+    llm = LLM(path, dtype="float32", show_progress=False, num_gpu_blocks_override=20, max_model_len=256)
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([[10 + i] * 20 for i in range(4)], params, use_tqdm=False)
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0  # too few blocks for four: requests waited and were preempted
+    assert stats["prefix_cache_queries"] == 4 * 20
+    assert stats["prefix_cache_hits"] == sum(o.num_cached_tokens for o in outs) == 0
+    short = SamplingParams(max_tokens=2, temperature=0.0)
+    llm.generate([99] * 20, short, use_tqdm=False)
+    again = llm.generate([99] * 20, short, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 16
+    assert llm.stats()["prefix_cache_queries"] == 6 * 20 and llm.stats()["prefix_cache_hits"] == 16
 
 
 def test_repeated_prompt_reuses_all_but_last_block(llm):

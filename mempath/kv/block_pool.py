@@ -35,6 +35,7 @@ class BlockPool:
         self.cached: dict[bytes, int] = {}  # hash -> block id
         # Free blocks in eviction order (first = next to be reused).
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # The prefix cache's counters, in tokens (KVCacheManager._count_prefix_query).
         self.num_hits = 0
         self.num_queries = 0
 

@@ -106,12 +106,22 @@ class KVCacheManager:
             return Admission(Admit.NO_ROOM)
         if choices:
             self.tiers.record_choices(request.request_id, choices)
+        self._count_prefix_query(request, num_cached)
         return Admission(Admit.RUN, num_new_tokens=num_new, num_cached_tokens=num_cached)
+
+    def _count_prefix_query(self, request, num_cached: int) -> None:
+        """The prefix cache's counters, in tokens as vLLM's: a request's tokens once it is admitted (not at each
+        attempt while it waits for room), and those its device-cached prefix saved. A preempted request's
+        readmission is not counted again (vLLM counts those apart)."""
+        if self.enable_prefix_caching and not request.num_preemptions:
+            self.pool.num_queries += request.num_tokens
+            self.pool.num_hits += num_cached
 
     def _promote(self, request, cached: list[int], found: list, choices: list) -> Admission:
         load = self.tiers.start_promotion(request, cached, found)
         if load is None:
             return Admission(Admit.WAIT)
+        self._count_prefix_query(request, len(cached) * self.block_size)
         self.tiers.record_choices(request.request_id, choices)
         replace_table(request, cached + load.gpu_ids)
         request.num_computed_tokens = len(cached) * self.block_size
@@ -143,8 +153,6 @@ class KVCacheManager:
             if block_id is None:
                 break
             blocks.append(block_id)
-        self.pool.num_queries += limit
-        self.pool.num_hits += len(blocks)
         return blocks
 
     def _reusable_blocks(self, request) -> int:

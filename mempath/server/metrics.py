@@ -295,13 +295,10 @@ class _SnapshotCollector:
                     stats["num_loading"])
         yield gauge("mempath:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                     stats["kv_usage"])
-        # vLLM counts prefix-cache queries and hits in tokens; the engine counts whole blocks.
         yield counter("mempath:prefix_cache_queries",
-                      "Prefix cache queries, in terms of number of queried tokens.",
-                      stats["prefix_cache_queries"] * block)
+                      "Prefix cache queries, in terms of number of queried tokens.", stats["prefix_cache_queries"])
         yield counter("mempath:prefix_cache_hits",
-                      "Prefix cache hits, in terms of number of cached tokens.",
-                      stats["prefix_cache_hits"] * block)
+                      "Prefix cache hits, in terms of number of cached tokens.", stats["prefix_cache_hits"])
         swaps = stats.get("tiers", {}).get("swaps", 0)
         preemptions = CounterMetricFamily("mempath:num_preemptions",
                                           "Cumulative number of preemptions from the engine, by kind.",
