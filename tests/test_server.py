@@ -310,12 +310,17 @@ def engine_logprobs(reference, prompt, num_tokens: int, top: int, seed: int):
     return out.token_ids, out.logprobs
 
 
-def assert_logprobs_match(tokenizer, token_ids, engine_entries, tokens, logprobs, tops, top: int):
+def assert_logprobs_match(tokenizer, token_ids, engine_entries, tokens, logprobs, tops, top: int,
+                          with_sampled: bool = False):
+    """``with_sampled``: the top entries hold the sampled token beside the top n (completions', as OpenAI's)."""
     assert tokens == [tokenizer.decode([t]) for t in token_ids]
     for token_id, entry, value, top_entry in zip(token_ids, engine_entries, logprobs, tops):
         assert value == pytest.approx(entry[token_id], abs=1e-5)
         best = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:top]
-        assert top_entry == pytest.approx({tokenizer.decode([t]): v for t, v in best}, abs=1e-5)
+        expected = {tokenizer.decode([t]): v for t, v in best}
+        if with_sampled:
+            expected[tokenizer.decode([token_id])] = entry[token_id]
+        assert top_entry == pytest.approx(expected, abs=1e-5)
 
 
 def test_logprobs_come_back_per_token(client, reference):
@@ -326,7 +331,8 @@ def test_logprobs_come_back_per_token(client, reference):
     assert all(v <= 0 for v in lp.token_logprobs)
     tokenizer = reference.tokenizer
     token_ids, entries = engine_logprobs(reference, "Hello", 4, 2, seed=21)
-    assert_logprobs_match(tokenizer, token_ids, entries, lp.tokens, lp.token_logprobs, lp.top_logprobs, 2)
+    assert_logprobs_match(tokenizer, token_ids, entries, lp.tokens, lp.token_logprobs, lp.top_logprobs, 2,
+                          with_sampled=True)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
 
     messages = [{"role": "user", "content": "hi"}]

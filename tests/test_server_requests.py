@@ -493,3 +493,220 @@ def test_a_list_where_a_string_or_a_list_goes_is_named_by_its_own_error(server, 
     """A union's first alternative named the error: a list given where str | list goes was told it is no string."""
     error = assert_error(post(server, path, body), 400, param, says)
     assert "valid string" not in error["message"]
+
+
+# ----------------------------------------------------------------- a prompt that fills the context
+def user_message_of(tokenizer, num_tokens: int) -> list[dict]:
+    """One user message whose chat-templated prompt is exactly ``num_tokens`` tokens."""
+    from mempath.server.calls import render_messages
+    for words in range(num_tokens):
+        for content in ("x " * words, "x " * words + "x"):
+            messages = [{"role": "user", "content": content}]
+            if len(render_messages(tokenizer, messages)) == num_tokens:
+                return messages
+    raise AssertionError(f"no message of {num_tokens} tokens")
+
+
+def context_bodies(server, num_tokens: int, max_tokens: int | None) -> list[tuple[str, dict, str]]:
+    """(path, body, the prompt's field) of a completion, a chat and a response whose prompts are num_tokens long."""
+    messages = user_message_of(server.app.state.engine_client.tokenizer, num_tokens)
+    return [(COMPLETIONS, completion(prompt=[5] * num_tokens, max_tokens=max_tokens), "prompt"),
+            (CHAT, chat(messages=messages, max_tokens=max_tokens), "messages"),
+            (RESPONSES, {"model": "tiny", "input": messages[0]["content"], "max_output_tokens": max_tokens}, "input")]
+
+
+@pytest.mark.parametrize("max_tokens", [None, 1])
+def test_a_prompt_of_max_model_len_tokens_is_a_400_naming_its_length_as_vllm_refuses_it(server, max_tokens):
+    """It leaves no room for one token: it was taken without max_tokens (and given one token past the
+    context), and refused with max_tokens 1 as if max_tokens were the problem."""
+    for path, body, param in context_bodies(server, MAX_MODEL_LEN, max_tokens):
+        error = assert_error(post(server, path, body), 400, param, f"has {MAX_MODEL_LEN} tokens")
+        assert f"maximum context length is {MAX_MODEL_LEN} tokens" in error["message"], path
+        assert "shorten" in error["message"] and "too large" not in error["message"], path
+
+
+def test_a_prompt_one_token_short_of_the_context_gets_one_token(server, idle_after):
+    for path, body, _ in context_bodies(server, MAX_MODEL_LEN - 1, None):
+        response = post(server, path, body)
+        assert response.status_code == 200, response.text
+        usage = response.json()["usage"]
+        output = usage["output_tokens"] if path == RESPONSES else usage["completion_tokens"]
+        assert output == 1, (path, usage)
+
+
+# ----------------------------------------------------------------- completions' top_logprobs
+def completion_logprobs_of(response: httpx.Response, stream: bool) -> dict:
+    assert response.status_code == 200, response.text
+    if not stream:
+        return response.json()["choices"][0]["logprobs"]
+    merged = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+    for line in response.text.splitlines():
+        if line.startswith("data: {"):
+            for choice in json.loads(line[6:])["choices"]:
+                for key in merged:
+                    merged[key] += (choice["logprobs"] or {}).get(key, [])
+    return merged
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("num", [0, 2])
+def test_completion_top_logprobs_hold_the_sampled_token_as_openai_says(server, stream, num, idle_after):
+    """"The API will always return the logprob of the sampled token, so there may be up to logprobs+1 elements"
+    (vLLM's too): logprobs 0 gave [{}, {}, ...], and a sampled token outside the top n was left out."""
+    body = completion(prompt="Hello", max_tokens=12, logprobs=num, seed=7, ignore_eos=True, stream=stream)
+    logprobs = completion_logprobs_of(post(server, COMPLETIONS, body), stream)
+    assert len(logprobs["tokens"]) == 12
+    for token, value, top in zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]):
+        assert top.get(token) == pytest.approx(value), (token, top)
+        assert len(top) <= num + 1
+    assert any(len(top) == num + 1 for top in logprobs["top_logprobs"])  # a sampled token outside the top n
+
+
+def test_chat_top_logprobs_stay_the_top_n(server, idle_after):
+    response = post(server, CHAT, chat(max_tokens=6, logprobs=True, top_logprobs=0, seed=7, ignore_eos=True))
+    assert response.status_code == 200, response.text
+    assert [entry["top_logprobs"] for entry in response.json()["choices"][0]["logprobs"]["content"]] == [[]] * 6
+
+
+# ----------------------------------------------------------------- fields /v1/responses does not drop
+def response_text(response: httpx.Response) -> str:
+    assert response.status_code == 200, response.text
+    return response.json()["output"][0]["content"][0]["text"]
+
+
+def chat_text(response: httpx.Response) -> str:
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("fields, param, says", [
+    ({"max_tokens": 5}, "max_tokens", "use max_output_tokens"),
+    ({"max_completion_tokens": 5}, "max_completion_tokens", "use max_output_tokens"),
+    ({"n": 2}, "n", "one output"),
+    ({"logprobs": 2}, "logprobs", "/v1/completions"),
+    ({"min_p": 0.1}, "min_p", "/v1/chat/completions"),
+    ({"presence_penalty": 1.0}, "presence_penalty", "/v1/chat/completions"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "/v1/chat/completions"),
+    ({"include_stop_str_in_output": True}, "include_stop_str_in_output", "leave it out"),
+    ({"stream_options": {"include_obfuscation": False}}, "stream_options", "stream is true"),
+])
+def test_a_field_responses_would_drop_is_a_400_naming_it(server, fields, param, says):
+    assert_error(post(server, RESPONSES, {"model": "tiny", "input": "Hi", **fields}), 400, param, says)
+
+
+def test_responses_honours_vllms_seed_top_k_stop_and_ignore_eos(server, idle_after):
+    """vLLM's extensions of /v1/responses were dropped: the seed, top_k, stop, ignore_eos asked for nothing."""
+    seeded = dict(seed=11, ignore_eos=True)
+    answer = response_text(post(server, RESPONSES, {"model": "tiny", "input": "Hi", "max_output_tokens": 8,
+                                                    **seeded}))
+    assert answer == chat_text(post(server, CHAT, chat(max_tokens=8, **seeded)))
+    greedy = chat_text(post(server, CHAT, chat(max_tokens=8, temperature=0, ignore_eos=True)))
+    top_1 = post(server, RESPONSES, {"model": "tiny", "input": "Hi", "max_output_tokens": 8, "top_k": 1,
+                                     "ignore_eos": True})
+    assert response_text(top_1) == greedy and top_1.json()["usage"]["output_tokens"] == 8
+    stop = greedy[3:5]
+    cut = greedy[:greedy.index(stop)]
+    body = {"model": "tiny", "input": "Hi", "max_output_tokens": 8, "temperature": 0, "stop": stop}
+    assert response_text(post(server, RESPONSES, body)) == cut
+    streamed = post(server, RESPONSES, {**body, "stream": True})
+    deltas = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert "".join(e["delta"] for e in deltas if e["type"] == "response.output_text.delta") == cut
+
+
+def test_responses_takes_stream_options_and_ignores_unknown_fields_with_the_warning(server, caplog, idle_after):
+    """stream_options is OpenAI's (include_obfuscation: padding, not the answer); service_tier changes nothing
+    here: ignored and named, as on the other routes."""
+    body = {"model": "tiny", "input": "Hi", "max_output_tokens": 2, "stream": True,
+            "stream_options": {"include_obfuscation": False}, "service_tier": "auto"}
+    with caplog.at_level(logging.WARNING, logger="mempath.server.protocol"):
+        response = post(server, RESPONSES, body)
+    assert response.status_code == 200 and "response.completed" in response.text
+    warnings = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert warnings == ["The following fields were present in the request but ignored: {'service_tier'}"]
+
+
+def test_chat_refuses_best_of_as_completions_does(server, idle_after):
+    for path, body in ((CHAT, chat(best_of=4)), (COMPLETIONS, completion(best_of=4))):
+        assert_error(post(server, path, body), 400, "best_of", "use n")
+    assert post(server, CHAT, chat(best_of=1)).status_code == 200
+
+
+# ----------------------------------------------------------------- a batch with a bad prompt
+def test_a_batch_with_a_bad_later_prompt_runs_none_of_its_prompts(server, idle_after):
+    """The 400 came, but the earlier prompts had been admitted and had run (prompt and generated tokens, an abort)."""
+    before = server.wait_until_idle()
+    body = completion(prompt=[[5, 6] * 30, [99999]], max_tokens=100, n=2, ignore_eos=True)
+    assert_error(post(server, COMPLETIONS, body), 400, "prompt", "outside the vocabulary")
+    after = server.wait_until_idle()
+    for name in ("mempath:prompt_tokens_total", "mempath:generation_tokens_total"):
+        assert after[(name, ())] == before[(name, ())], name
+    aborts = (("finished_reason", "abort"),)
+    assert after.get(("mempath:request_success_total", aborts), 0) == before.get(
+        ("mempath:request_success_total", aborts), 0)
+
+
+def test_every_prompt_of_a_valid_batch_still_runs(server, idle_after):
+    body = completion(prompt=[[5, 6] * 30, [7, 8]], max_tokens=3, n=2, ignore_eos=True)
+    response = post(server, COMPLETIONS, body)
+    assert response.status_code == 200, response.text
+    assert [c["index"] for c in response.json()["choices"]] == [0, 1, 2, 3]
+    assert response.json()["usage"]["completion_tokens"] == 12
+
+
+# ----------------------------------------------------------------- mempath serve NAME=DIR
+def served_as(monkeypatch, argv: list[str]) -> dict:
+    """What `mempath serve ARGV` passes build_server_app: {"model": ..., "served": ...}, the engine loaded nowhere."""
+    from mempath.cli import main
+    from mempath.server import app as server_app
+    from mempath.server import cli
+    built = {}
+
+    def build(model, engine_options, served_model_name=None, *args, **kwargs):
+        built.update(model=model, served=served_model_name)
+        return "app", served_model_name or "directory name"
+    monkeypatch.setattr(cli, "build_server_app", build)
+    monkeypatch.setattr(server_app, "serve", lambda app, *args, **kwargs: None)
+    built["code"] = main(["serve", *argv, "--port", "0"])
+    return built
+
+
+def test_serve_one_model_as_name_equals_dir_serves_it_under_that_name(monkeypatch, tmp_path):
+    assert served_as(monkeypatch, [f"tiny={tmp_path}"]) == {"model": str(tmp_path), "served": "tiny", "code": 0}
+    assert served_as(monkeypatch, [f"tiny={tmp_path}", "--served-model-name", "tiny"])["served"] == "tiny"
+    assert served_as(monkeypatch, [str(tmp_path)]) == {"model": str(tmp_path), "served": None, "code": 0}
+    odd = tmp_path / "a=b"  # an existing directory whose name holds '=' is a path
+    odd.mkdir()
+    assert served_as(monkeypatch, [str(odd)])["model"] == str(odd)
+
+
+def test_serve_name_equals_dir_and_another_served_model_name_is_one_line(monkeypatch, tmp_path, capsys):
+    assert served_as(monkeypatch, [f"tiny={tmp_path}", "--served-model-name", "other"]) == {"code": 2}
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "'tiny'" in err and "'other'" in err and "name each model once" in err
+
+
+@pytest.fixture(scope="module")
+def two_model_server(two_models):
+    from mempath.multi.http import build_multi_server_app
+    from tests.test_multi_model_server import MultiModelServer
+    llama, qwen = two_models
+    app, names = build_multi_server_app([f"small={llama}", f"other={qwen}"], {"dtype": "float32",
+                                        "num_gpu_blocks_override": 24}, None, 0.25, API_KEY, {}, False, 30.0,
+                                        None, None, {"bind_host": "127.0.0.1"})
+    running = MultiModelServer(app, names[0])
+    yield running
+    running.stop()
+
+
+@pytest.mark.parametrize("path, extra", [(COMPLETIONS, {}),
+                                         ("/v1/pipelines", {"then": {"model": "other", "template": "{output}"}})])
+def test_a_batch_with_a_bad_later_prompt_runs_none_of_it_among_several_models(two_model_server, path, extra):
+    """Each model's requests (and a pipeline's first model's) are checked by that model's engine."""
+    before = two_model_server.wait_until_idle()
+    body = {"model": "small", "prompt": [[5, 6] * 30, [99999]], "max_tokens": 50, "ignore_eos": True, **extra}
+    assert_error(post(two_model_server, path, body), 400, "prompt", "outside the vocabulary")
+    after = two_model_server.wait_until_idle()
+    for name in ("mempath:prompt_tokens_total", "mempath:generation_tokens_total"):
+        assert after[(name, ())] == before[(name, ())], name
+    fine = post(two_model_server, path, {**body, "prompt": [[5, 6] * 30, [7, 8]], "max_tokens": 2})
+    assert fine.status_code == 200 and len(fine.json()["choices"]) == 2, fine.text

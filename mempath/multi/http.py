@@ -39,6 +39,9 @@ class ModelClient:
     def abort(self, request_id: str) -> None:
         self.shared.abort(request_id)
 
+    def check_request(self, prompt, params, request_id: str) -> None:
+        self.shared.check_request(prompt, params, request_id, model=self.name)
+
     async def grammar_error(self, constraint) -> str | None:
         return await self.shared.grammar_error(constraint, model=self.name)
 

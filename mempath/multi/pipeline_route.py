@@ -45,6 +45,9 @@ class PipelineClient:
     def abort(self, request_id: str) -> None:
         self.client.abort(request_id)
 
+    def check_request(self, prompt, params, request_id: str) -> None:
+        self.client.check_request(prompt, params, request_id)  # the prompt is the first model's
+
 
 def second_model_error(error: SecondModelError, structured: StructuredRequest | None) -> APIError:
     """The second model's refusal as a 400 naming its field under ``then``."""

@@ -30,8 +30,8 @@ from mempath.generation_config import with_defaults
 from mempath.sampling import SamplingParams
 from mempath.server.async_engine import AsyncEngine, EngineDeadError, Update
 from mempath.server.calls import (SSE_DONE, Call, ChoiceText, Limits, SSEResponse, api_key_checker,  # noqa: F401
-                                  check_context, check_model, check_num_choices, collect, error_of,
-                                  param_named_in, read_body, render_messages, resolve_max_tokens, sse,
+                                  check_context, check_model, check_num_choices, check_prompt_length, collect,
+                                  error_of, param_named_in, read_body, render_messages, resolve_max_tokens, sse,
                                   off_the_loop, stream_error_body, token_ids_of, until_disconnect)
 from mempath.server.guards import HeaderLimits, LoopbackHostOnly, is_loopback_address
 from mempath.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_body,
@@ -173,7 +173,8 @@ def openai_router(engine_client: AsyncEngine, served_model_name: str, api_key: s
         plan = plan_tools(req, tools.parser, tools.auto_tool_choice)
         structured = with_tool_constraint(plan, structured_request(req))
         prompt = await off_the_loop(render_chat, engine_client.tokenizer, req, plan.tools if plan is not None else None)
-        room = max(1, engine_client.max_model_len - len(prompt))
+        check_prompt_length(len(prompt), engine_client.max_model_len, "messages")  # before room: at least 1
+        room = engine_client.max_model_len - len(prompt)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = resolve_max_tokens(req.requested_max_tokens, room, limits, param)
         check_context(len(prompt), req.requested_max_tokens, engine_client.max_model_len, param, "messages")
@@ -320,15 +321,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
 def sampling_params(req, max_tokens: int, logprobs: int | None,
                     structured: StructuredRequest | None = None) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k,
-                          top_p=req.top_p, min_p=req.min_p, seed=req.seed, stop=req.stop_list(),
-                          ignore_eos=req.ignore_eos, logprobs=logprobs,
-                          presence_penalty=req.presence_penalty or 0.0,
-                          frequency_penalty=req.frequency_penalty or 0.0,
-                          repetition_penalty=req.repetition_penalty or 1.0, logit_bias=req.logit_bias_ids(),
-                          min_tokens=req.min_tokens or 0, skip_special_tokens=req.skip_special_tokens is not False,
+    return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, min_p=req.min_p,
+                          logprobs=logprobs, presence_penalty=req.presence_penalty or 0.0,
+                          frequency_penalty=req.frequency_penalty or 0.0, min_tokens=req.min_tokens or 0,
                           bad_words=req.bad_words or [], prompt_logprobs=req.prompt_logprobs,
-                          structured_outputs=structured.params if structured is not None else None)
+                          structured_outputs=structured.params if structured is not None else None,
+                          **req.extension_params())
 
 
 def render_chat(tokenizer, req: ChatCompletionRequest, tools: list[dict] | None = None) -> list[int]:
@@ -359,8 +357,12 @@ def completion_logprobs(call: Call, token_ids: list[int], logprobs: list[dict[in
         text = call.token_text(token_id)
         tokens.append(text)
         token_logprobs.append(max(entry[token_id], MIN_LOGPROB))
-        tops.append({call.token_text(t): max(v, MIN_LOGPROB)
-                     for t, v in top_entries(entry, call.num_logprobs)})
+        # OpenAI: "the API will always return the logprob of the sampled token, so there may be up to
+        # logprobs+1 elements", as vLLM's do (chat's top_logprobs are the top n only). Set last, the sampled
+        # token's value is the one kept where another of the top n decodes to the same text.
+        top = {call.token_text(t): max(v, MIN_LOGPROB) for t, v in top_entries(entry, call.num_logprobs)}
+        top[text] = token_logprobs[-1]
+        tops.append(top)
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,

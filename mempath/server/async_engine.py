@@ -254,6 +254,13 @@ class AsyncEngine:
         await asyncio.wrap_future(self._submit(command, admit=not queue.admitted))
         queue.admitted = True
 
+    def check_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                      model: str | None = None) -> None:
+        """The engine's own check of a request (for the named model of a MultiEngine), nothing added; raises
+        its ValueError. Off the engine thread: it reads the engine's settings and its requests' ids only."""
+        engine = self.engine.engine(model) if hasattr(self.engine, "engines") else self.engine
+        engine.make_request(prompt, params, request_id)
+
     def _grammars(self, model: str | None):
         """The model's grammar compiler; None for an unknown model or one without structured outputs (the
         engine's add refuses their requests)."""

@@ -113,14 +113,20 @@ def resolve_max_tokens(requested: int | None, default: int, limits: Limits, para
     return requested
 
 
+def check_prompt_length(num_prompt_tokens: int, max_model_len: int, prompt_param: str = "prompt") -> None:
+    """APIError(400) for a prompt that leaves no room for one generated token, as vLLM's server refuses a
+    prompt of max_model_len tokens or more, whatever max_tokens says."""
+    if num_prompt_tokens >= max_model_len:
+        raise APIError(400, f"{prompt_param} has {num_prompt_tokens} tokens and this model's maximum context length "
+                            f"is {max_model_len} tokens (max_model_len), which leaves no room for the output; "
+                            f"shorten it to fewer than {max_model_len} tokens or raise --max-model-len", prompt_param)
+
+
 def check_context(num_prompt_tokens: int, requested: int | None, max_model_len: int, param: str = "max_tokens",
                   prompt_param: str = "prompt") -> None:
     """APIError(400) for a prompt that leaves no room, or an explicit max_tokens (``param``) past the
     context, as vLLM's server answers: it is not quietly cut (the offline LLM still caps it)."""
-    if num_prompt_tokens > max_model_len:
-        raise APIError(400, f"{prompt_param} has {num_prompt_tokens} tokens, more than max_model_len "
-                            f"{max_model_len} (this model's maximum context length); shorten it or raise "
-                            f"--max-model-len", prompt_param)
+    check_prompt_length(num_prompt_tokens, max_model_len, prompt_param)
     if requested is not None and num_prompt_tokens + requested > max_model_len:
         raise APIError(400, f"'{param}' is too large: {requested}. This model's maximum context length is "
                             f"{max_model_len} tokens and your request has {num_prompt_tokens} input tokens "
@@ -153,6 +159,16 @@ def renamed(error: APIError, fields: dict[str, str]) -> APIError:
         return error
     message = name + error.message[len(error.param):] if error.message.startswith(error.param) else error.message
     return APIError(error.status, message, name, error.code, error.type)
+
+
+def check_requests(engine_client, prompts: list, params: SamplingParams, request_ids: list[str]) -> None:
+    """The engine's own check of each prompt's request (its Request is dropped), so that a later prompt it
+    refuses refuses the call before an earlier one runs; raises its ValueError. The grammar and the seed are
+    the same for every prompt and cost work to build (a compile, a device generator): they are checked when
+    the first prompt is added, before anything runs."""
+    checked = SamplingParams(**{**params.__dict__, "structured_outputs": None, "seed": None})
+    for prompt, request_id in zip(prompts, request_ids):
+        engine_client.check_request(prompt, checked, request_id)
 
 
 class Call:
@@ -192,6 +208,9 @@ class Call:
         request_log.info("request %s: %d prompt(s) of %s tokens, n=%d, %s", self.id, len(prompts),
                          "/".join(str(len(p)) if isinstance(p, list) else "text" for p in prompts), self.n, params)
         try:
+            if len(prompts) > 1:  # a lone prompt's add is its check
+                await off_the_loop(check_requests, self.engine, prompts, params,
+                                   [self._request_id(p * self.n) for p in range(len(prompts))])
             for p, prompt in enumerate(prompts):
                 samples = [(p * self.n + i, prompt, self._sample_params(params, i))
                            for i in range(self.n)]

@@ -155,6 +155,16 @@ def resolve_models(args) -> list[str]:
     return models
 
 
+def one_served_model(arg: str, served_names: list[str] | None) -> tuple[str | None, str]:
+    """(served name, directory) of the one model: ``NAME=DIR`` names it as it does one of several
+    (multi/names.py, which refuses a NAME that --served-model-name contradicts); None: its directory's name."""
+    from mempath.multi.names import served_models, split_model_arg
+    if split_model_arg(arg)[0] is None and not served_names:
+        return None, arg  # build_server_app names it after the resolved directory ("." included)
+    [(name, path)] = served_models([arg], served_names)
+    return name, path
+
+
 def check_serve_arguments(args) -> None:
     if args.root_path and (not args.root_path.startswith("/") or args.root_path.endswith("/")):
         raise ValueError(f"--root-path must start with / and not end with one, such as /llm; got {args.root_path!r}")
@@ -268,8 +278,8 @@ def run_serve(args) -> int:
                                             sleep_offload_weights=args.sleep_offload_weights)
         name = "', '".join(names)
     else:
-        served = args.served_model_name[0] if args.served_model_name else None
-        app, name = build_server_app(models[0], engine_options(args), served, args.api_key,
+        served, model = one_served_model(models[0], args.served_model_name)
+        app, name = build_server_app(model, engine_options(args), served, args.api_key,
                                      args.max_body_bytes, args.max_tokens_limit, args.max_n,
                                      stream_stall_timeout=args.stream_stall_timeout,
                                      log_stats_interval=log_stats_interval,

@@ -110,7 +110,7 @@ class _Strict(BaseModel):
         return set()
 
 
-def _same(value, neutral) -> bool:
+def same_json(value, neutral) -> bool:
     """Equal and of the same JSON type (True is not 1 here, but 1 is 1.0)."""
     if isinstance(neutral, bool) or isinstance(value, bool):
         return value is neutral
@@ -128,7 +128,7 @@ def refuse_not_honoured(data, fields: dict, where: str = "") -> None:
         if isinstance(value, float) and not math.isfinite(value):
             raise APIError(400, f"invalid value for '{where}{name}': Input should be a finite number "
                                 f"(got {value!r})", f"{where}{name}", "invalid_value")
-        if value is None or any(_same(value, n) for n in neutral):
+        if value is None or any(same_json(value, n) for n in neutral):
             continue
         allowed = " or ".join(json.dumps(n) for n in neutral)
         hint = f"leave it out or at {allowed}" if neutral else "leave it out"
@@ -220,58 +220,28 @@ class StreamOptions(_Strict):
         return self
 
 
-class _SamplingRequest(_Strict):
-    """Fields shared by completions and chat completions."""
-    model: str | None = None  # None: the one served model
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)  # extension, as in vLLM
-    min_p: float = Field(0.0, ge=0.0, le=1.0)  # extension
-    ignore_eos: bool = False  # extension: generate exactly max_tokens (benchmarks)
+class _SamplingExtensions(_Strict):
+    """vLLM's sampling fields beyond OpenAI's, which /v1/responses takes as well as completions and chat."""
+    top_k: int = Field(0, ge=-1)
+    ignore_eos: bool = False  # generate exactly max_tokens (benchmarks)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    # OpenAI's penalties and logit_bias (string token ids), and vLLM's extensions (extra_body),
-    # in vLLM's ranges; SamplingParams.validate checks the rest (min_tokens <= max_tokens).
     # null is the default, as in vLLM's protocol (clients send null for unset fields).
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's on completions and chat
     repetition_penalty: float | None = Field(None, gt=0.0)
-    min_tokens: int | None = Field(None, ge=0)
     skip_special_tokens: bool | None = None
-    bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
-    prompt_logprobs: int | None = Field(None, ge=0)
-    length_penalty: float | None = None  # typed for its error; NOT_HONOURED refuses all but 1
-    user: str | None = None
-    # Structured output: OpenAI's response_format, vLLM's structured_outputs and guided_* fields
-    # (checked and turned into StructuredOutputsParams by server/structured_request.py).
-    response_format: dict | None = None
-    structured_outputs: dict | None = None
-    guided_json: dict | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
-
-    @classmethod
-    def nested_ignored(cls, data: dict) -> set[str]:
-        options = data.get("stream_options")
-        unknown = set(options) - set(StreamOptions.model_fields) if isinstance(options, dict) else set()
-        return {f"stream_options.{key}" for key in unknown}
 
     @model_validator(mode="after")
-    def _check_supported(self):
-        if self.stream_options is not None and not self.stream:
-            raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
-        if self.prompt_logprobs is not None and self.stream:
-            raise APIError(400, "prompt_logprobs is not supported with stream: true; leave one out",
-                           "prompt_logprobs")
+    def _check_extensions(self):
         self.stop_list()
         self.logit_bias_ids()
         return self
+
+    def extension_params(self) -> dict:
+        """These fields as SamplingParams' keyword arguments."""
+        return dict(top_k=self.top_k, seed=self.seed, stop=self.stop_list(), ignore_eos=self.ignore_eos,
+                    repetition_penalty=self.repetition_penalty or 1.0, logit_bias=self.logit_bias_ids(),
+                    skip_special_tokens=self.skip_special_tokens is not False)
 
     def logit_bias_ids(self) -> dict[int, float] | None:
         """logit_bias with its JSON string keys as token ids; 400 naming the bad entry."""
@@ -309,6 +279,54 @@ class _SamplingRequest(_Strict):
                                 f"of {len(longest)}", "stop")
         return stops
 
+
+class _SamplingRequest(_SamplingExtensions):
+    """Fields shared by completions and chat completions."""
+    model: str | None = None  # None: the one served model
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)  # extension
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # OpenAI's penalties, and vLLM's extensions (extra_body), in vLLM's ranges; SamplingParams.validate
+    # checks the rest (min_tokens <= max_tokens). null is the default.
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    min_tokens: int | None = Field(None, ge=0)
+    bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
+    prompt_logprobs: int | None = Field(None, ge=0)
+    length_penalty: float | None = None  # typed for its error; NOT_HONOURED refuses all but 1
+    best_of: int | None = None  # typed for its error: refused but for 1
+    user: str | None = None
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and guided_* fields
+    # (checked and turned into StructuredOutputsParams by server/structured_request.py).
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    @classmethod
+    def nested_ignored(cls, data: dict) -> set[str]:
+        options = data.get("stream_options")
+        unknown = set(options) - set(StreamOptions.model_fields) if isinstance(options, dict) else set()
+        return {f"stream_options.{key}" for key in unknown}
+
+    @model_validator(mode="after")
+    def _check_supported(self):
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError(400, "prompt_logprobs is not supported with stream: true; leave one out",
+                           "prompt_logprobs")
+        if self.best_of is not None and self.best_of != 1:
+            raise APIError(400, "best_of is not supported by this server (vLLM removed it too); "
+                                "leave it out and use n", "best_of")
+        return self
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -319,7 +337,6 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
     checked_fields: ClassVar[tuple[str, ...]] = tuple(NOT_HONOURED_COMPLETION)
 
     @model_validator(mode="before")
@@ -334,9 +351,6 @@ class CompletionRequest(_SamplingRequest):
             raise APIError(400, "echo is not supported by this server", "echo")
         if self.suffix:
             raise APIError(400, "suffix is not supported by this server", "suffix")
-        if self.best_of is not None and self.best_of != 1:
-            raise APIError(400, "best_of is not supported by this server (vLLM removed it too); "
-                                "leave it out and use n", "best_of")
         return self
 
     def prompts(self) -> list[str | list[int]]:

@@ -2,9 +2,12 @@
 
 The input is a string or a list of messages (``input_text`` / ``output_text`` parts),
 ``instructions`` a system message before them; the conversation goes through the chat
-template as /v1/chat/completions does. Nothing is stored, so ``previous_response_id``
-and ``store: true`` are refused, as are tools, structured text formats, reasoning and
-other inputs than text, each with a 400 naming the field. A stream sends OpenAI's
+template as /v1/chat/completions does. vLLM's extensions of this API (seed, stop, top_k,
+repetition_penalty ...) are honoured as on the other routes. Nothing is stored, so
+``previous_response_id`` and ``store: true`` are refused, as are tools, structured text
+formats, reasoning and other inputs than text, each with a 400 naming the field; so are
+the other routes' fields that would change the answer (``max_tokens``: use
+``max_output_tokens``), which vLLM ignores. A stream sends OpenAI's
 events (``response.created``, ``response.in_progress``, ``response.output_item.added``,
 ``response.content_part.added``, ``response.output_text.delta`` ..., the matching
 ``.done`` events, then ``response.completed``). One difference, as vLLM's: a response
@@ -27,18 +30,44 @@ from mempath.generation_config import with_defaults
 from mempath.sampling import SamplingParams
 from mempath.server.async_engine import AsyncEngine, Update
 from mempath.server.calls import (Call, ChoiceText, Limits, SSEResponse, api_key_checker, check_context,
-                                  check_model, collect, off_the_loop, read_body, render_messages,
-                                  resolve_max_tokens, stream_error_body, until_disconnect)
-from mempath.server.protocol import (APIError, _Strict, error_body, ignored_in_items, parse_request,
-                                     refuse_not_honoured, refuse_other_parts)
+                                  check_model, check_prompt_length, collect, off_the_loop, read_body,
+                                  render_messages, resolve_max_tokens, stream_error_body, until_disconnect)
+from mempath.server.protocol import (APIError, _SamplingExtensions, _Strict, error_body, ignored_in_items,
+                                     parse_request, refuse_not_honoured, refuse_other_parts, same_json)
 
-# Field -> the values that ask for nothing this server does not do.
+# Field -> the values that ask for nothing this server does not do: OpenAI's Responses API's fields, then
+# vLLM's extensions of it (its seed, stop, top_k ... are honoured: _SamplingExtensions).
 NOT_HONOURED_RESPONSES = {
     "previous_response_id": (), "conversation": (), "store": (False,), "background": (False,),
     "tools": ([],), "tool_choice": ("none", "auto"), "max_tool_calls": (), "prompt": (),
     "text": ({"format": {"type": "text"}},), "reasoning": (), "include": ([],), "truncation": ("disabled",),
     "top_logprobs": (0,),
+    "include_stop_str_in_output": (False,), "structured_outputs": (), "priority": (0,), "cache_salt": (),
+    "mm_processor_kwargs": (), "media_io_kwargs": (), "vllm_xargs": (), "kv_transfer_params": (),
+    "previous_input_messages": (), "enable_response_messages": (False,),
 }
+ON_CHAT = "leave it out, or use /v1/chat/completions, which takes it"
+# Fields of this server's other routes that would change the answer, sent here out of habit: refused with
+# the fix (field -> the values that ask for nothing, the fix), as /v1/completions refuses chat's tools. Any
+# other field neither API has is ignored with the warning (protocol.parse_request).
+OTHER_ROUTES_FIELDS = {
+    "max_tokens": ((), "use max_output_tokens"), "max_completion_tokens": ((), "use max_output_tokens"),
+    "n": ((1,), "a response has one output: send the request again for another, or use /v1/chat/completions "
+                "with n"),
+    "logprobs": ((False,), "this server's responses carry no logprobs: use /v1/chat/completions or "
+                           "/v1/completions"),
+    "min_p": ((0,), ON_CHAT), "presence_penalty": ((0,), ON_CHAT), "frequency_penalty": ((0,), ON_CHAT),
+    "min_tokens": ((0,), ON_CHAT), "bad_words": (([],), ON_CHAT), "response_format": (({"type": "text"},), ON_CHAT),
+    "prompt_logprobs": ((), ON_CHAT), "best_of": ((1,), "leave it out"),
+}
+
+
+def refuse_fields_of_other_routes(data) -> None:
+    """APIError(400) for the first field of OTHER_ROUTES_FIELDS that asks for something, naming the fix."""
+    for name, (neutral, fix) in OTHER_ROUTES_FIELDS.items():
+        value = data.get(name) if isinstance(data, dict) else None
+        if value is not None and not any(same_json(value, n) for n in neutral):
+            raise APIError(400, f"{name} is not a /v1/responses field: {fix}", name)
 
 
 INPUT_PART_KINDS = ("input_text", "output_text")
@@ -59,7 +88,13 @@ class InputMessage(_Strict):
         return {"role": self.role, "content": content}
 
 
-class ResponsesRequest(_Strict):
+class ResponsesStreamOptions(_Strict):
+    # OpenAI pads its deltas with random characters against length side channels unless this is false:
+    # either way the text is the same, and no padding is sent here (nor by vLLM).
+    include_obfuscation: bool = True
+
+
+class ResponsesRequest(_SamplingExtensions):
     model: str | None = None
     input: str | list[InputMessage]
     instructions: str | None = None
@@ -67,14 +102,16 @@ class ResponsesRequest(_Strict):
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stream: bool = False
+    stream_options: ResponsesStreamOptions | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
-    checked_fields: ClassVar[tuple[str, ...]] = tuple(NOT_HONOURED_RESPONSES)
+    checked_fields: ClassVar[tuple[str, ...]] = (*NOT_HONOURED_RESPONSES, *OTHER_ROUTES_FIELDS)
 
     @model_validator(mode="before")
     @classmethod
     def _refuse_not_honoured(cls, data):
         refuse_not_honoured(data, NOT_HONOURED_RESPONSES)
+        refuse_fields_of_other_routes(data)
         items = data.get("input") if isinstance(data, dict) else None
         for i, item in enumerate(items if isinstance(items, list) else []):
             if not isinstance(item, dict):
@@ -87,10 +124,18 @@ class ResponsesRequest(_Strict):
         refuse_other_parts(items, "input", INPUT_PART_KINDS)
         return data
 
+    @model_validator(mode="after")
+    def _check_stream_options(self):
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
+        return self
+
     @classmethod
     def nested_ignored(cls, data: dict) -> set[str]:
-        return ignored_in_items(data.get("input"), "input", InputMessage.model_fields, InputPart.model_fields,
-                                INPUT_PART_KINDS)
+        options = data.get("stream_options")
+        unknown = set(options) - set(ResponsesStreamOptions.model_fields) if isinstance(options, dict) else set()
+        return {f"stream_options.{key}" for key in unknown} | ignored_in_items(
+            data.get("input"), "input", InputMessage.model_fields, InputPart.model_fields, INPUT_PART_KINDS)
 
     def messages(self) -> list[dict]:
         items = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
@@ -107,12 +152,12 @@ def responses_router(engine_client: AsyncEngine, served_model_name: str, api_key
         req = parse_request(ResponsesRequest, await read_body(request, limits.max_body_bytes))
         check_model(req.model, served_model_name)
         prompt = await off_the_loop(render_messages, engine_client.tokenizer, req.messages(), "input")
-        room = max(1, engine_client.max_model_len - len(prompt))
+        check_prompt_length(len(prompt), engine_client.max_model_len, "input")  # before room: at least 1
+        room = engine_client.max_model_len - len(prompt)
         max_tokens = resolve_max_tokens(req.max_output_tokens, room, limits, "max_output_tokens")
         check_context(len(prompt), req.max_output_tokens, engine_client.max_model_len, "max_output_tokens", "input")
-        params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p)
-        params = with_defaults(params, req.model_fields_set, sampling_defaults)
-        call = Call(engine_client, f"resp_{uuid.uuid4().hex}", served_model_name, [], 1, None)
+        params = with_defaults(sampling_params(req, max_tokens), req.model_fields_set, sampling_defaults)
+        call = Call(engine_client, f"resp_{uuid.uuid4().hex}", served_model_name, req.stop_list(), 1, None)
         shape = ResponseShape(call, req, params)
         await call.start([prompt], params, fields={"max_tokens": "max_output_tokens", "prompt": "input"})
         if req.stream:
@@ -120,6 +165,11 @@ def responses_router(engine_client: AsyncEngine, served_model_name: str, api_key
         return JSONResponse(await until_disconnect(request, finish_response(call, shape)))
 
     return api
+
+
+def sampling_params(req: ResponsesRequest, max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                          **req.extension_params())
 
 
 class ResponseShape:
@@ -175,7 +225,7 @@ async def stream_response(call: Call, shape: ResponseShape):
         return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
     where = {"item_id": shape.message_id, "output_index": 0, "content_index": 0}
-    text, sent = ChoiceText([]), ""
+    text, sent = ChoiceText(call.stops), ""
     try:
         yield event("response.created", response=shape.body("in_progress", []))
         yield event("response.in_progress", response=shape.body("in_progress", []))
