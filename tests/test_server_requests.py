@@ -710,3 +710,24 @@ def test_a_batch_with_a_bad_later_prompt_runs_none_of_it_among_several_models(tw
         assert after[(name, ())] == before[(name, ())], name
     fine = post(two_model_server, path, {**body, "prompt": [[5, 6] * 30, [7, 8]], "max_tokens": 2})
     assert fine.status_code == 200 and len(fine.json()["choices"]) == 2, fine.text
+
+
+def test_a_pool_smaller_than_max_model_len_caps_the_default_output_and_start_up_says_so(model_path, caplog):
+    """Chat and /v1/responses default max_tokens to what max_model_len leaves: with a pool of fewer tokens every
+    request that left it out was refused, told to lower a max_tokens it never sent, and start-up said nothing."""
+    from fastapi.testclient import TestClient
+
+    from mempath.server.cli import build_server_app
+    options = dict(device="cpu", max_model_len=512, num_gpu_blocks_override=8, block_size=16)
+    with caplog.at_level(logging.WARNING, logger="mempath"):
+        app, _ = build_server_app(model_path, options, served_model_name="tiny", show_progress=False)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("128 tokens" in m and "max_model_len 512" in m and "--max-model-len 128" in m for m in warned)
+    with TestClient(app) as client:
+        answer = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                          "temperature": 0, "ignore_eos": True})
+        assert answer.status_code == 200, answer.text
+        usage = answer.json()["usage"]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == 128  # the whole pool, no more
+        answer = client.post("/v1/responses", json={"input": "hi", "temperature": 0, "ignore_eos": True})
+        assert answer.status_code == 200, answer.text

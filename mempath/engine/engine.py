@@ -62,6 +62,11 @@ class LLMEngine:
     def tokenize(self, prompt: str) -> list[int]:
         return self.inputs.tokenize(prompt)
 
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt and output) one request may take: max_model_len, or the KV pool if smaller."""
+        return min(self.max_model_len, self.inputs.num_kv_blocks * self.inputs.block_size)
+
     def make_request(self, prompt: str | list[int], params: SamplingParams,
                      request_id: str | None = None) -> Request:
         """Validate and build a request; raise ValueError naming the problem and the fix."""

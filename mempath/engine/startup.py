@@ -263,6 +263,12 @@ class Startup:
             forget_start_up_routing(self.draft_runner.model)
         for line in kv_capacity_lines(self.device.type, self.kv, config.block_size, self.max_model_len):
             capacity_log.info("%s", line)
+        pool_tokens = self.kv.num_blocks * config.block_size
+        if pool_tokens < self.max_model_len:  # vLLM refuses to start; shorter requests still run here
+            log.warning("the KV pool holds %d tokens, fewer than max_model_len %d: a request whose prompt and "
+                        "output need more is refused, and the server's default max_tokens stops there; use "
+                        "--max-model-len %d, or give the KV cache more memory (--gpu-memory-utilization)",
+                        pool_tokens, self.max_model_len, pool_tokens)
         log.info("memory by pathway:\n%s", self.ledger.table())
         if self.draft_ledger is not None:
             log.info("memory by pathway, %s:\n%s", self.draft_tenant, self.draft_ledger.table())

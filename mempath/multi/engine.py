@@ -81,6 +81,10 @@ class MultiEngine:
         return self.first.max_model_len
 
     @property
+    def max_request_tokens(self) -> int:
+        return self.first.max_request_tokens
+
+    @property
     def num_prompt_tokens(self) -> int:
         return sum(e.num_prompt_tokens for e in self.engines.values())
 

@@ -31,6 +31,7 @@ class ModelClient:
     def __init__(self, shared: AsyncEngine, name: str, engine):
         self.shared, self.name = shared, name
         self.tokenizer, self.max_model_len = engine.tokenizer, engine.max_model_len
+        self.max_request_tokens = engine.max_request_tokens
         self.metrics = ModelMetrics(shared.metrics, name)
 
     async def add_request(self, prompt, params, request_id: str, queue) -> None:

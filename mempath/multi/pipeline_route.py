@@ -34,6 +34,7 @@ class PipelineClient:
         self.client, self.second, self.template, self.second_params = client, second, template, second_params
         self.second_structured = second_structured
         self.tokenizer, self.max_model_len = client.tokenizer, client.max_model_len
+        self.max_request_tokens = client.max_request_tokens
 
     async def add_request(self, prompt, params, request_id: str, queue) -> None:
         try:

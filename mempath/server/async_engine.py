@@ -192,6 +192,7 @@ class AsyncEngine:
             log_stats_interval, "GPU" if engine.device.type == "cuda" else "CPU")
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.max_request_tokens = engine.max_request_tokens
         self.stream_stall_timeout = stream_stall_timeout
         self.backlog_tokens = backlog_tokens
         self._routes: dict[str, _Route] = {}  # engine thread only
