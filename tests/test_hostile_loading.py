@@ -507,7 +507,8 @@ def test_dummy_weights_follow_the_seed(tmp_path):
     make_model(tmp_path, "llama", tokenizer=False)
 
     def weights(seed):
-        llm = LLM(str(tmp_path), dtype="float32", show_progress=False, load_format="dummy", seed=seed)
+        # On the CPU, where load_model below draws too (a CUDA generator draws other weights: next test).
+        llm = LLM(str(tmp_path), dtype="float32", show_progress=False, load_format="dummy", seed=seed, device="cpu")
         return llm.engine.model.lm_head.weight.detach().clone()
 
     first = weights(0)

@@ -6,7 +6,7 @@ import pytest
 
 from mempath import LLM, SamplingParams
 from mempath.assets import ASSETS
-from tests.conftest import ARCHS
+from tests.conftest import ARCHS, release_cuda
 from tests.test_correctness import GREEDY, PROMPTS
 
 
@@ -21,6 +21,8 @@ def plain_outputs(model_factory):
         path, _ = model_factory(arch)
         llm = LLM(path, dtype="float32", show_progress=False)
         outs[arch] = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        del llm
+        release_cuda()
     return outs
 
 
@@ -38,6 +40,8 @@ def test_greedy_identical_with_a_draft(arch, model_factory, plain_outputs):
         assert s["num_draft_tokens"] > 0
         if draft == path:
             assert s["acceptance_rate"] > 0.9  # the target as its own draft agrees with itself
+        del llm
+        release_cuda()  # on CUDA an engine left alive leaves the next no room for its KV cache
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -90,6 +94,8 @@ def test_seeded_sampling_is_reproducible_with_speculation(model_factory):
     for _ in range(2):
         llm = LLM(path, dtype="float32", show_progress=False, speculative_config=spec(path))
         runs.append([o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)])
+        del llm
+        release_cuda()
     assert runs[0] == runs[1]
     assert all(len(t) == 24 for t in runs[0])
 
