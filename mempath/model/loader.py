@@ -28,8 +28,8 @@ from mempath.memory.arena import view as arena_view
 from mempath.model.llama import CausalLM
 from mempath.model.spec import CheckpointError, ModelSpec, describe, json_kind
 from mempath.model.moe import offloaded_weights, set_expert_cache_size, set_expert_prefetch
-from mempath.model.quant import (FP8_DTYPE, check_fp8_device, copy_quantized, copy_scale, quantized_targets,
-                                 set_dense_gemv, set_fp8_matmul)
+from mempath.model.quant import (FP8_DTYPE, check_fp8_device, check_fp8_mix, copy_quantized, copy_scale,
+                                 fp8_nan_count, quantized_targets, scale_problem, set_dense_gemv, set_fp8_matmul)
 from mempath.safe_io import loads_json, open_regular, write_new_file
 
 log = logging.getLogger(__name__)
@@ -393,9 +393,13 @@ def copy_checkpoint_tensors(model: CausalLM, tensors, source: str) -> int:
     # fp8 layers' weights by checkpoint name less ".weight": those that arrived as float and were quantized
     # here (-> where, dtype), those whose weight_scale the checkpoint holds; and how many arrived as fp8.
     quantized_here, scaled, fp8_weights = {}, set(), 0
+    seen = {}  # name -> its file: a second copy would count as pieces a missing tensor never gave
     for where, name, read in tensors:
         if _skipped(name, model):
             continue
+        if seen.setdefault(name, where) != where:
+            raise CheckpointError(f"{source}: tensor {name!r} is in both {seen[name]} and {where}; the checkpoint "
+                                  "is damaged or mixes two exports: download it again")
         target_name, target = _target(params, name, model.spec)
         if target is None:
             unexpected.append(name)
@@ -418,7 +422,7 @@ def copy_checkpoint_tensors(model: CausalLM, tensors, source: str) -> int:
     if unexpected:
         log.warning("ignored %d checkpoint tensors mempath does not use, e.g. %s",
                     len(unexpected), unexpected[:3])
-    _check_fp8_mix(quantized_here, scaled, fp8_weights, source)
+    check_fp8_mix(quantized_here, scaled, fp8_weights, source)
     if tied:
         received["lm_head.weight"] = expected_pieces["lm_head.weight"]
     missing = [n for n in params if received[n] < expected_pieces[n]]
@@ -428,26 +432,6 @@ def copy_checkpoint_tensors(model: CausalLM, tensors, source: str) -> int:
             f"{' ...' if len(missing) > 5 else ''} ({len(missing)} in all); the checkpoint is "
             f"incomplete or does not match config.json")
     return loaded
-
-
-def _check_fp8_mix(quantized_here: dict[str, tuple], scaled: set[str], fp8_weights: int, source: str) -> None:
-    """A float weight bound for an fp8 layer is quantized at load with scales of its own. Refused where the
-    checkpoint also holds a weight_scale for it: that scale is for float8 values, and copied over the load's
-    own it would give wrong weights without a word. Said in a warning where other weights arrived in fp8:
-    the checkpoint left these unquantized, which mempath's fp8 layers cannot be."""
-    clash = sorted(set(quantized_here) & scaled)
-    if clash:
-        where, dtype = quantized_here[clash[0]]
-        raise CheckpointError(f"{where}: tensor '{clash[0]}.weight' is {dtype} but the checkpoint also has its "
-                              f"weight_scale, which scales float8_e4m3fn values ({len(clash)} such weight(s)); "
-                              f"the checkpoint is damaged or mixes two exports: download it again")
-    if quantized_here and fp8_weights:
-        first = min(quantized_here)
-        log.warning("%s: %d projection weight(s) of this fp8 checkpoint are not fp8 (e.g. %r, %s): the checkpoint "
-                    "leaves them unquantized, but its config.json does not say so (quantization_config's ignore "
-                    "list, or ignored_layers for quant_method fp8, keeps the projections it names in 16 bits), so "
-                    "these were quantized at load", source, len(quantized_here), f"{first}.weight",
-                    quantized_here[first][1])
 
 
 def _copy_tensor(tensor, target_name, target, name, where, params, scales, spec) -> tuple[str, ...]:
@@ -463,10 +447,9 @@ def _copy_tensor(tensor, target_name, target, name, where, params, scales, spec)
             raise CheckpointError(f"{where}: tensor {name!r} is {dtype} of shape {tuple(tensor.shape)}, expected a "
                                   f"float scale per output channel ({target.shape[0]}) or one per tensor; the "
                                   f"checkpoint is damaged or not an fp8 one mempath reads")
-        bad = tensor[~torch.isfinite(tensor)]
-        if bad.numel():  # each scale multiplies a whole row of outputs: a NaN would be served as zeros or NaN
-            raise CheckpointError(f"{where}: tensor {name!r} holds {bad.numel()} value(s) that are not finite (e.g. "
-                                  f"{bad.reshape(-1)[0].item()}); the checkpoint is damaged: download it again")
+        problem = scale_problem(tensor)  # each scale multiplies a whole row of outputs: never served damaged
+        if problem:
+            raise CheckpointError(f"{where}: tensor {name!r} {problem}; the checkpoint is damaged: download it again")
         return (target_name,)
     fp8_target = target_name in scales
     if tensor.dtype not in _FLOAT_DTYPES and not (fp8_target and tensor.dtype == FP8_DTYPE):
@@ -491,6 +474,9 @@ def _copy_tensor(tensor, target_name, target, name, where, params, scales, spec)
         raise CheckpointError(
             f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, expected "
             f"{tuple(target.shape)} from config.json; the weights and config do not match")
+    if tensor.dtype == FP8_DTYPE and (nans := fp8_nan_count(tensor)):
+        raise CheckpointError(f"{where}: tensor {name!r} holds {nans} NaN code(s), which float8_e4m3fn weights "
+                              "never hold; the checkpoint is damaged: download it again")
     if not fp8_target or tensor.dtype == FP8_DTYPE:
         target.copy_(tensor)
         return (target_name,)

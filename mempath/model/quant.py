@@ -19,6 +19,7 @@ The loader fills a layer either from a float checkpoint tensor, quantized as it 
 """
 import dataclasses
 import functools
+import logging
 from typing import NamedTuple
 
 import torch
@@ -26,6 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mempath.constants import FP8_MAX, MIN_SCALE
+from mempath.model.spec import CheckpointError
+
+log = logging.getLogger(__name__)
 
 FP8_DTYPE = torch.float8_e4m3fn
 # A scale is amax times this float32 reciprocal, not amax / 448: PyTorch's CUDA division by a
@@ -383,3 +387,49 @@ def copy_scale(scale_slice: torch.Tensor, tensor: torch.Tensor) -> bool:
         return False
     scale_slice.copy_(tensor.reshape(rows, 1))
     return True
+
+
+def scale_problem(scale: torch.Tensor) -> str | None:
+    """What is wrong with a checkpoint's weight_scale, read as it is stored (float32: a float64 beyond its
+    range becomes infinity): a scale is a row's largest magnitude over the fp8 maximum, so never negative,
+    never NaN, and a layer whose scales are all zero would output zeros. None when it is fine."""
+    values = scale.reshape(-1).to(torch.float32)
+    bad = values[~torch.isfinite(values)]
+    if bad.numel():
+        return f"holds {bad.numel()} value(s) that are not finite (e.g. {bad[0].item()}) as the float32 it is kept in"
+    if (values < 0).any():
+        return f"holds {int((values < 0).sum())} negative value(s)"
+    return "is all zero" if not values.any() else None
+
+
+def fp8_nan_count(tensor: torch.Tensor) -> int:
+    """float8_e4m3fn has no infinity, and its NaN (exponent and mantissa all ones) is no weight a quantizer
+    writes: in a checkpoint it is damage."""
+    return int(((tensor.view(torch.uint8) & 0x7F) == 0x7F).sum())
+
+
+def check_fp8_mix(quantized_here: dict[str, tuple], scaled: set[str], fp8_weights: int, source: str) -> None:
+    """A float weight bound for an fp8 layer is quantized at load with scales of its own. Refused where the
+    checkpoint also holds a weight_scale for it: that scale is for float8 values, and copied over the load's
+    own it would give wrong weights without a word. Said in a warning otherwise: the checkpoint left these
+    unquantized, which mempath's fp8 layers cannot be (``quantized_here``: weight name -> (file, dtype))."""
+    clash = sorted(set(quantized_here) & scaled)
+    if clash:
+        where, dtype = quantized_here[clash[0]]
+        raise CheckpointError(f"{where}: tensor '{clash[0]}.weight' is {dtype} but the checkpoint also has its "
+                              f"weight_scale, which scales float8_e4m3fn values ({len(clash)} such weight(s)); "
+                              f"the checkpoint is damaged or mixes two exports: download it again")
+    if not quantized_here:
+        return
+    first = min(quantized_here)
+    if not fp8_weights:  # the unquantized export under an fp8 config.json, most likely
+        log.warning("%s: config.json says fp8, but none of its %d projection weights is fp8 (e.g. %r, %s): all were "
+                    "quantized at load, as --quantization fp8 does; its quantization_config does not describe "
+                    "these weights", source, len(quantized_here), f"{first}.weight",
+                    quantized_here[first][1])
+        return
+    log.warning("%s: %d projection weight(s) of this fp8 checkpoint are not fp8 (e.g. %r, %s): the checkpoint "
+                "leaves them unquantized, but its config.json does not say so (quantization_config's ignore "
+                "list, or ignored_layers for quant_method fp8, keeps the projections it names in 16 bits), so "
+                "these were quantized at load", source, len(quantized_here), f"{first}.weight",
+                quantized_here[first][1])
