@@ -86,3 +86,35 @@ def test_an_fp8_config_over_float_weights_is_said(checkpoints, tmp_path, caplog)
         llm = LLM(str(tmp_path / "fp8"), dtype="float32", show_progress=False)
     assert llm.engine.spec.quantization == "fp8"
     assert any("none of its 14 projection weights is fp8" in r.getMessage() for r in caplog.records)
+
+
+def test_weights_beyond_float16s_range_are_refused_under_dtype_float16(checkpoints, tmp_path):
+    """Copied into float16 they became infinity, and the logits NaN, served as token 0."""
+    def large(tensors):
+        tensors["model.layers.0.mlp.down_proj.weight"][0, 0] = 1e6
+        return {"model.safetensors": tensors}
+    path = damaged(checkpoints, tmp_path, "float", large)
+    with pytest.raises(ValueError, match="'model.layers.0.mlp.down_proj.weight' holds values beyond float16's "
+                                         "range .*--dtype bfloat16 or float32"):
+        LLM(path, dtype="float16", show_progress=False)
+    LLM(path, dtype="bfloat16", show_progress=False)  # its range holds it
+
+
+def test_a_compressed_tensors_transform_config_is_refused(checkpoints, tmp_path):
+    """Rotated or Hadamard-transformed weights read as they are give wrong outputs: it loaded without a word."""
+    import json
+    shutil.copytree(checkpoints / "fp8", tmp_path / "fp8")
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    config["quantization_config"]["transform_config"] = {"config_groups": {"u": {"type": "hadamard"}}}
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+    refused(str(tmp_path / "fp8"), "field 'quantization_config.transform_config' holds")
+
+
+def test_an_fp8_torch_dtype_is_told_where_fp8_is_declared(checkpoints, tmp_path):
+    import json
+    shutil.copytree(checkpoints / "fp8", tmp_path / "fp8")
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    config["torch_dtype"] = "float8_e4m3fn"
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+    refused(str(tmp_path / "fp8"), "names the model's unquantized dtype (e.g. bfloat16); an fp8 checkpoint says fp8 "
+                                   "in quantization_config")

@@ -231,7 +231,8 @@ class ModelSpec:
             bos_token_id=f.integer("bos_token_id", default=None, minimum=0, expected="a token id (an integer >= 0)"),
             eos_token_ids=f.token_ids("eos_token_id"),
             torch_dtype=f.choice(dtype_key, CHECKPOINT_DTYPES,
-                                 fix="mempath loads float16, bfloat16, float32 and fp8 checkpoints"),
+                                 fix="it names the model's unquantized dtype (e.g. bfloat16); an fp8 checkpoint "
+                                     "says fp8 in quantization_config, which mempath reads"),
             quantization=quantization,
             unquantized=unquantized,
             **_olmoe_attention(f, arch, hidden, heads, head_dim),
@@ -389,6 +390,9 @@ def _compressed_tensors_fp8(q: ConfigFields) -> None:
     if q.fields.get("kv_cache_scheme") is not None:
         q.fail("kv_cache_scheme", "null", "KV scales from the checkpoint are not supported: remove it and "
                "use --kv-cache-dtype fp8")
+    if q.fields.get("transform_config") is not None:  # rotated weights, read as they are, would give wrong outputs
+        q.fail("transform_config", "null", "weights stored with rotations or Hadamard transforms are not "
+               "supported: use the model's fp8 checkpoint without them, or its bfloat16 one with --quantization fp8")
     # A sparsity_config with format "dense" describes weights stored whole; any other format packs them.
     sparsity = ConfigFields(q.mapping("sparsity_config"), q.source, q.prefix + "sparsity_config.")
     sparsity.choice("format", ("dense",), fix="weights stored in a sparse layout (2:4 bitmask and the like) are not "
