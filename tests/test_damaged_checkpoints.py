@@ -118,3 +118,20 @@ def test_an_fp8_torch_dtype_is_told_where_fp8_is_declared(checkpoints, tmp_path)
     (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
     refused(str(tmp_path / "fp8"), "names the model's unquantized dtype (e.g. bfloat16); an fp8 checkpoint says fp8 "
                                    "in quantization_config")
+
+
+def test_a_checkpoint_overwritten_while_it_loads_is_refused(tmp_path, monkeypatch):
+    """Its identity was taken before the read and never again: weights read from the new bytes took the old
+    bytes' digest from the cache, and the disk KV tier served the old weights' KV to them (and stored theirs
+    under the old weights' name)."""
+    from mempath.model import loader
+    make_model(tmp_path / "m", "llama", seed=0)
+    make_model(tmp_path / "other", "llama", seed=1)
+    real_open = loader.safe_open
+
+    def overwritten_first(path, *args, **kwargs):
+        shutil.copy2(tmp_path / "other" / "model.safetensors", path)  # cp -p lands between the stat and the read
+        monkeypatch.setattr(loader, "safe_open", real_open)
+        return real_open(path, *args, **kwargs)
+    monkeypatch.setattr(loader, "safe_open", overwritten_first)
+    refused(str(tmp_path / "m"), "changed on disk while mempath loaded it")

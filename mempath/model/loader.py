@@ -521,6 +521,12 @@ def load_weights(model: CausalLM, model_dir: Path, show_progress: bool = True) -
         loaded = copy_checkpoint_tensors(model, tensors(), str(model_dir))
     finally:
         bar.close()
+    # A write during the read (ctime moves) makes the weights neither file's, and the identity the wrong key for
+    # the disk KV tier's digest: the KV of other weights would be served.
+    changed = [f for f in files if file_identity(f) != identities[str(f)]]
+    if changed:
+        raise CheckpointError(f"{changed[0]}: changed on disk while mempath loaded it; restart mempath once the "
+                              "new checkpoint is complete")
     device_bytes, host_bytes = _weight_bytes(model)
     return LoadReport([str(f) for f in files], loaded, device_bytes, torch.float32, identities, host_bytes)
 
