@@ -487,3 +487,13 @@ def test_writing_at_close_stops_at_its_deadline_newest_first(tiny, tmp_path, mon
     monkeypatch.setattr(coordinator, "PERSIST_DEADLINE_S", 30.0)
     assert tiers.persist() > 0 and newest in tiers.disk
     llm.engine.close()
+
+
+def test_device_hits_are_counted_in_blocks_as_the_other_tiers_hits(tiny):
+    """The pool's hit counter went over to tokens (vLLM's prefix-cache counters): the device tier's hits came out
+    block_size times too many beside the host's and the disk's."""
+    llm = make_llm(tiny, cpu_kv_gb=gb(4))
+    prompt = conversations(1, 50)[0]
+    llm.generate(prompt, greedy(), use_tqdm=False)
+    assert llm.generate(prompt, greedy(), use_tqdm=False)[0].num_cached_tokens == 3 * BLOCK
+    assert tier_stats(llm)["hits_blocks"]["gpu"] == 3

@@ -96,6 +96,8 @@ ENFORCED = [
     ("allOf of one", {"allOf": [{"type": "boolean"}], "description": "pydantic wraps a $ref so"}),
     ("length beside an annotation format", {"type": "string", "format": "password", "minLength": 2, "maxLength": 4}),
     ("uniqueItems false", {**INTEGERS, "uniqueItems": False, "maxItems": 3}),
+    ("minLength 1 beside a format (AnyUrl's)", {"type": "string", "format": "date", "minLength": 1}),
+    ("an extension beside $ref", {"$defs": {"B": {"type": "boolean"}}, "$ref": "#/$defs/B", "x-order": 1}),
     ("enum of the types", {"type": ["integer", "null"], "enum": [1, 2.0, None]}),
 ]
 
@@ -149,3 +151,34 @@ def test_a_grammar_that_admits_no_output_is_refused_when_compiled(llm, structure
     with pytest.raises(ValueError, match=f"structured_outputs.{structured.kind} admits no output"):
         llm.generate("x", SamplingParams(max_tokens=5, structured_outputs=structured), use_tqdm=False)
     assert llm.engine.kv.pool.num_used == 0
+
+
+def test_pydantic_schemas_are_kept_and_a_defaulted_union_tag_always_written(llm):
+    """pydantic writes a discriminated union's Literal tag with a default as an optional property: refused as a
+    oneOf that may overlap, though the discriminator tells the branches apart. The compiled schema requires the
+    tag, so every output says its branch."""
+    from typing import Annotated, Literal, Optional, Union
+
+    from pydantic import BaseModel, Field, conint
+
+    class Cat(BaseModel):
+        pet_type: Literal["cat"] = "cat"
+        lives: conint(ge=0, le=9)
+
+    class Dog(BaseModel):
+        pet_type: Literal["dog"] = "dog"
+        good: bool
+
+    class Owner(BaseModel):
+        name: str = Field(max_length=6, description="a short name")
+        pet: Annotated[Union[Cat, Dog], Field(discriminator="pet_type")]
+        nickname: Optional[str] = Field(None, max_length=4)
+
+    schema = Owner.model_json_schema()
+    for seed in range(4):
+        out = generate(llm, schema, seed=seed, max_tokens=80)
+        assert out.finish_reason == "stop", (out.text, out.error)
+        answer = json.loads(out.text)
+        jsonschema.validate(answer, schema)
+        assert answer["pet"]["pet_type"] in ("cat", "dog")
+        Owner.model_validate(answer)

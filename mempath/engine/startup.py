@@ -265,10 +265,12 @@ class Startup:
             capacity_log.info("%s", line)
         pool_tokens = self.kv.num_blocks * config.block_size
         if pool_tokens < self.max_model_len:  # vLLM refuses to start; shorter requests still run here
+            more = ("raise num_gpu_blocks_override" if config.num_gpu_blocks_override is not None else
+                    "give the KV cache more memory (" + ("--gpu-memory-utilization" if self.device.type == "cuda"
+                                                          else "--cpu-kv-cache-bytes") + ")")
             log.warning("the KV pool holds %d tokens, fewer than max_model_len %d: a request whose prompt and "
                         "output need more is refused, and the server's default max_tokens stops there; use "
-                        "--max-model-len %d, or give the KV cache more memory (--gpu-memory-utilization)",
-                        pool_tokens, self.max_model_len, pool_tokens)
+                        "--max-model-len %d, or %s", pool_tokens, self.max_model_len, pool_tokens, more)
         log.info("memory by pathway:\n%s", self.ledger.table())
         if self.draft_ledger is not None:
             log.info("memory by pathway, %s:\n%s", self.draft_tenant, self.draft_ledger.table())

@@ -477,10 +477,11 @@ def _copy_tensor(tensor, target_name, target, name, where, params, scales, spec)
     if tensor.dtype == FP8_DTYPE and (nans := fp8_nan_count(tensor)):
         raise CheckpointError(f"{where}: tensor {name!r} holds {nans} NaN code(s), which float8_e4m3fn weights "
                               "never hold; the checkpoint is damaged: download it again")
-    if target.dtype == torch.float16 and tensor.dtype in (torch.float32, torch.bfloat16) and tensor.numel() \
-            and (largest := tensor.abs().max().item()) > torch.finfo(torch.float16).max:  # else inf, then NaN
-        raise CheckpointError(f"{where}: tensor {name!r} holds values beyond float16's range ({largest:.4g}); "
-                              "load the model with --dtype bfloat16 or float32")
+    if target.dtype == torch.float16 and tensor.dtype in (torch.float32, torch.bfloat16) and tensor.numel():
+        low, high = tensor.aminmax()  # no temporary the tensor's size, as abs().max() makes
+        if (largest := max(-low.item(), high.item())) > torch.finfo(torch.float16).max:  # else inf, NaN logits
+            raise CheckpointError(f"{where}: tensor {name!r} holds values beyond float16's range (largest "
+                                  f"magnitude {largest:.4g}); load the model with --dtype bfloat16 or float32")
     if not fp8_target or tensor.dtype == FP8_DTYPE:
         target.copy_(tensor)
         return (target_name,)

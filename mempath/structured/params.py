@@ -7,7 +7,7 @@ JSON compactly: with any whitespace allowed, a weak model can loop on spaces and
 newlines until max_tokens (vLLM's ``disable_any_whitespace`` is the same choice).
 """
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mempath.safe_io import loads_json
 from mempath.structured.schema_check import check_enforceable, schema_text
@@ -23,6 +23,8 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     whitespace_flexible: bool = False
+    _text: str | None = field(default=None, init=False, repr=False, compare=False)  # _checked_text's, of:
+    _text_of: object = field(default=None, init=False, repr=False, compare=False)
 
     def validate(self) -> None:
         """Raise ValueError naming the field when the request is not exactly one constraint."""
@@ -34,7 +36,7 @@ class StructuredOutputsParams:
             raise ValueError(f"structured_outputs needs exactly one of {', '.join(KINDS)}; "
                              f"got {', '.join(given) or 'none'}")
         if self.json is not None:
-            check_enforceable(self.schema())
+            self._checked_text()
         if self.regex is not None and not isinstance(self.regex, str):
             raise ValueError("structured_outputs.regex must be a string")
         if self.grammar is not None and not isinstance(self.grammar, str):
@@ -61,6 +63,15 @@ class StructuredOutputsParams:
             raise ValueError("structured_outputs.json is nested too deeply; flatten it with $defs") from None
         return schema
 
+    def _checked_text(self) -> str:
+        """``json`` checked (check_enforceable) and as the text to compile, made once per value: the server checks
+        a request, the engine thread again, and a large schema's walk is not paid there twice."""
+        if self._text_of is not self.json:
+            schema = self.schema()
+            check_enforceable(schema)
+            self._text, self._text_of = schema_text(schema), self.json
+        return self._text
+
     @property
     def kind(self) -> str:
         return next(kind for kind in KINDS if getattr(self, kind) not in (None, False))
@@ -70,7 +81,7 @@ class StructuredOutputsParams:
         kind = self.kind
         value = getattr(self, kind)
         if kind == "json":
-            value = schema_text(self.schema())
+            value = self._checked_text()
         elif kind == "choice":
             value = json.dumps(list(value))
         elif kind == "json_object":

@@ -31,12 +31,15 @@ UNENFORCED = {
 BREAKS = "so an output could break it and still finish"
 # Keywords that constrain nothing (JSON Schema's annotations and containers of definitions).
 ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "$schema", "$id", "$anchor", "deprecated",
-               "readOnly", "writeOnly", "contentMediaType", "contentEncoding", "$defs", "definitions", "discriminator"}
+               "readOnly", "writeOnly", "contentMediaType", "contentEncoding", "$defs", "definitions", "discriminator",
+               "example"}
 COMPOSITIONS = ("$ref", "allOf", "anyOf", "oneOf")
 # The string formats the engine generates (its JSON schema converter); any other format is an
 # annotation it leaves alone, as JSON Schema allows, and lengths beside those are enforced.
 GENERATED_FORMATS = {"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
                      "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"}
+# Formats whose every value has a character: a minLength of 1 beside them binds nothing (pydantic's AnyUrl).
+NONEMPTY_FORMATS = GENERATED_FORMATS - {"uri-reference", "uri-template", "json-pointer"}
 # An object's optional properties make the compile grow about with their cube: on the CPU of
 # this project's CI machine 400 took 0.16 s, 700 1.3 s and 1,000 5.8 s, while a compile holds one
 # of the server's few compile threads.
@@ -48,8 +51,31 @@ SCHEMA_VALUES = ("items", "additionalProperties", "additionalItems", "unevaluate
 
 
 def schema_text(schema: dict) -> str:
-    """The schema's JSON text to compile: properties in their order, every other keyword sorted."""
-    return json.dumps(_ordered(schema))
+    """The schema's JSON text to compile: properties in their order, every other keyword sorted, and the tag of
+    a discriminated union required in each branch (pydantic leaves a tag with a default optional; without it
+    the branches may overlap, and always writing it keeps every output valid)."""
+    return json.dumps(_ordered(_tags_required(schema)))
+
+
+def _tags_required(schema: dict) -> dict:
+    tagged = [sub for _, sub in _subschemas(schema, "#") if _tag_of(sub)]
+    if not tagged:
+        return schema
+    schema = json.loads(json.dumps(schema))  # a copy to edit
+    for union in [sub for _, sub in _subschemas(schema, "#") if _tag_of(sub)]:
+        tag = _tag_of(union)
+        for branch in union["oneOf"]:
+            branch = _resolve(branch, schema)
+            if isinstance(branch, dict) and tag not in branch.setdefault("required", []):
+                branch["required"].append(tag)
+    return schema
+
+
+def _tag_of(schema: dict) -> str | None:
+    """The property a oneOf's discriminator names (OpenAPI's, as pydantic writes it), if any."""
+    discriminator = schema.get("discriminator")
+    tag = discriminator.get("propertyName") if isinstance(discriminator, dict) else None
+    return tag if isinstance(tag, str) and isinstance(schema.get("oneOf"), list) else None
 
 
 def _ordered(schema):
@@ -107,14 +133,14 @@ def _problem(schema: dict, root: dict) -> str | None:
             return f"'{key}' is not enforced ({why}), {BREAKS}: remove it and check it after generation"
     composition = next((key for key in COMPOSITIONS if key in schema), None)
     if composition is not None:
-        dropped = sorted(set(schema) - ANNOTATIONS - set(COMPOSITIONS))
+        dropped = sorted(key for key in set(schema) - ANNOTATIONS - set(COMPOSITIONS) if not key.startswith("x-"))
         if dropped:
             where = "the schema it points to" if composition == "$ref" else f"each schema of the {composition}"
             return (f"'{dropped[0]}' beside '{composition}' is not enforced (the grammar engine applies the "
                     f"{composition} and drops what is beside it), {BREAKS}: move it into {where}")
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
         return f"'allOf' of more than one schema is not enforced, {BREAKS}: merge them into one schema"
-    if isinstance(schema.get("oneOf"), list) and not _disjoint(schema["oneOf"], root):
+    if isinstance(schema.get("oneOf"), list) and not _disjoint(schema["oneOf"], root, _tag_of(schema)):
         return (f"'oneOf' whose schemas may overlap is enforced as 'anyOf', {BREAKS}: use 'anyOf', or tell the "
                 "schemas apart by their type or by a required property with a different 'const' in each")
     return _string_problem(schema) or _object_problem(schema) or _value_problem(schema)
@@ -127,8 +153,11 @@ def _string_problem(schema: dict) -> str | None:
     if "pattern" in schema:
         return (f"'{lengths[0]}' beside 'pattern' is not enforced, {BREAKS}: put the length in the pattern "
                 "(e.g. {1,8})")
-    if schema.get("format") in GENERATED_FORMATS:
-        return f"'{lengths[0]}' beside format '{schema['format']}' is not enforced, {BREAKS}: remove one of them"
+    binding = [key for key in lengths if not (key == "minLength" and schema["minLength"] in (0, 1)
+                                              and schema.get("format") in NONEMPTY_FORMATS)]
+    if schema.get("format") in GENERATED_FORMATS and binding:
+        return (f"'{binding[0]}' beside format '{schema['format']}' is not enforced, {BREAKS}: remove one of them "
+                "(pydantic's HttpUrl writes maxLength 2083 beside format uri; AnyUrl does not)")
     return None
 
 
@@ -171,9 +200,10 @@ def _json_types(value) -> set[str]:
     return {float: {"number"}, str: {"string"}, list: {"array"}, dict: {"object"}}.get(type(value), set())
 
 
-def _disjoint(branches: list, root: dict) -> bool:
+def _disjoint(branches: list, root: dict, tag: str | None) -> bool:
     """Whether no value can match two of ``branches``: told apart by their types, or by a property
-    each requires with a different const (a discriminated union, as pydantic writes one)."""
+    each requires with a different const (a discriminated union, as pydantic writes one; ``tag``, the one its
+    discriminator names, is made required when compiled: schema_text)."""
     schemas = [_resolve(branch, root) for branch in branches]
     if not all(isinstance(s, dict) for s in schemas):
         return False
@@ -181,7 +211,7 @@ def _disjoint(branches: list, root: dict) -> bool:
     if None not in kinds and len(set(kinds)) == len(kinds):
         return True
     for name in (schemas[0].get("properties") or {}) if isinstance(schemas[0].get("properties"), dict) else {}:
-        consts = [_const_of(s, name) for s in schemas]
+        consts = [_const_of(s, name, required=name != tag) for s in schemas]
         if all(c is not _NONE for c in consts) and len({json.dumps(c) for c in consts}) == len(consts):
             return True
     return False
@@ -190,10 +220,10 @@ def _disjoint(branches: list, root: dict) -> bool:
 _NONE = object()
 
 
-def _const_of(schema: dict, name: str):
-    """The one value ``schema`` requires property ``name`` to have, or _NONE."""
+def _const_of(schema: dict, name: str, required: bool = True):
+    """The one value ``schema`` requires property ``name`` to have (if present, where not ``required``), or _NONE."""
     properties = schema.get("properties")
-    if not isinstance(properties, dict) or name not in schema.get("required", ()):
+    if not isinstance(properties, dict) or required and name not in schema.get("required", ()):
         return _NONE
     prop = properties.get(name)
     if not isinstance(prop, dict):

@@ -442,7 +442,8 @@ class TierCoordinator:
             "disk": None if disk is None else {
                 "path": disk.path, "capacity_bytes": disk.capacity_bytes, "used_bytes": disk.used_bytes,
                 "blocks": disk.num_blocks, "write_policy": "write-through" if disk.write_through else "write-back"},
-            "hits_blocks": {GPU: self.pool.num_hits, CPU: c["hits_cpu"], DISK: c["hits_disk"]},
+            # The pool counts its hits in tokens, as vLLM's prefix cache counters; the tiers count blocks.
+            "hits_blocks": {GPU: self.pool.num_hits // self.block_size, CPU: c["hits_cpu"], DISK: c["hits_disk"]},
             "moved": {
                 "gpu_to_cpu": {"blocks": t["d2h_blocks"], "bytes": t["d2h_bytes"], "seconds": t["d2h_seconds"]},
                 "cpu_to_gpu": {"blocks": t["h2d_blocks"], "bytes": t["h2d_bytes"], "seconds": t["h2d_seconds"]},
