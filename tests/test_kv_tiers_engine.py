@@ -440,18 +440,31 @@ def test_closing_writes_what_the_device_and_host_cache_so_a_restart_finds_it(tin
     assert_no_leak(again)
 
 
-def test_closing_onto_a_smaller_disk_writes_only_the_newest_blocks_it_keeps(tiny, tmp_path):
-    """The host tier's blocks were written first and then evicted by the device pool's newer ones: a close
-    onto a disk smaller than both tiers' caches wrote blocks it threw away, and evicted earlier runs' blocks
-    for them."""
+def test_closing_onto_a_smaller_disk_writes_only_blocks_a_restart_can_reach(tiny, tmp_path):
+    """A restart finds a prompt's blocks only from its first one on. The close wrote the newest blocks first,
+    a long prompt's tail, which no restart reaches without its head; and the host tier's blocks, written first,
+    were then evicted by the device pool's."""
+    prompt = conversations(1, 100)[0]  # six full blocks
+    llm = make_llm(tiny, cpu_kv_gb=gb(4), disk_kv_path=str(tmp_path), disk_kv_gb=gb(3))
+    expected = llm.generate(prompt, greedy(), use_tqdm=False)[0].token_ids
+    llm.engine.close()
+    again = make_llm(tiny, cpu_kv_gb=gb(4), disk_kv_path=str(tmp_path), disk_kv_gb=gb(3))
+    assert tier_stats(again)["disk"]["blocks"] == 3
+    out = again.generate(prompt, greedy(), use_tqdm=False)[0]
+    assert out.token_ids == expected and out.num_cached_tokens == 3 * BLOCK
+    assert tier_stats(again)["hits_blocks"]["disk"] == 3
+    assert_no_leak(again)
+
+
+def test_closing_writes_the_host_tiers_heads_before_the_device_pools_tails(tiny, tmp_path):
     llm = make_llm(tiny, cpu_kv_gb=gb(4), disk_kv_path=str(tmp_path), disk_kv_gb=gb(7))
     for prompt in conversations(4):
         llm.generate(prompt, greedy(), use_tqdm=False)
     tiers = llm.engine.kv.tiers
     device, host = list(tiers.pool.cached), [h for _, h in tiers.host.cached_blocks()]
-    assert len(device) < 7 < len(device) + len(host)  # the disk holds the device's cache and part of the host's
+    assert len(device) < 7 < len(device) + len(host)  # the disk holds the host's blocks and part of the device's
     assert tiers.persist() == 7
-    assert all(h in tiers.disk for h in device) and sum(h in tiers.disk for h in host) == 7 - len(device)
+    assert all(h in tiers.disk for h in host) and [h in tiers.disk for h in device] == [True] * 5 + [False]
     assert tier_stats(llm)["disk"]["blocks"] == 7
     llm.engine.close()
 
@@ -474,7 +487,7 @@ def test_closing_releases_the_tier_even_when_writing_at_close_fails_and_twice_is
     again.engine.close()
 
 
-def test_writing_at_close_stops_at_its_deadline_newest_first(tiny, tmp_path, monkeypatch, caplog):
+def test_writing_at_close_stops_at_its_deadline(tiny, tmp_path, monkeypatch, caplog):
     from mempath.kv.tiers import coordinator
     llm = make_llm(tiny, cpu_kv_gb=gb(2), disk_kv_path=str(tmp_path), disk_kv_gb=gb(64))
     for prompt in conversations(3):

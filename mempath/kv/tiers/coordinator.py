@@ -22,6 +22,7 @@ states run.
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import logging
 import time
 from collections import Counter
@@ -480,22 +481,29 @@ class TierCoordinator:
     def persist(self) -> int:
         """Write to disk what the host tier and the device pool cache and the disk lacks, so that an engine
         opened later on the same --disk-kv-path finds it (the disk otherwise gets only what the device and
-        host tiers evict); the newest blocks, as many as the disk holds. Returns the blocks written."""
+        host tiers evict); as many as the disk holds, heads of prompts first. Returns the blocks written."""
         disk, host = self.disk, self.host
         before, start = disk.blocks_written, time.perf_counter()
         for transfer, _, _ in self._d2h:
             transfer.wait()
         self.reap()
-        # The newest first: the device pool's (the host tier holds what it evicted), each newest first, as
-        # many as the disk holds, so no block written here evicts another, and a close cut short keeps them.
-        device = [(b, h) for h, b in reversed(self.pool.cached.items()) if h not in disk]
-        cached = [(b, h) for b, h in reversed(host.cached_blocks()) if h not in disk]
-        most = disk.capacity_bytes // disk.file_nbytes((device or cached)[0][1]) if device or cached else 0
-        device = device[:most]
-        for block_id, block_hash in cached[:most - len(device)]:
-            host.hold_until(disk.write_async(block_hash, host.storage[block_id]), [block_id])
+        # A restart finds a prompt's blocks only up to its first missing one, so parents go before children: the
+        # host tier's blocks (the device pool evicted them: heads of prompts whose tails it may hold), then the
+        # pool's, each in the order they filled. As many as the disk holds, those it has already among them,
+        # touched, so that no block written here evicts another; a close cut short keeps the heads.
+        chosen = {}  # hash -> (the host tier, or None for the device pool; block id)
+        for tier, block_id, block_hash in ([(host, b, h) for b, h in host.cached_blocks()]
+                                           + [(None, b, h) for h, b in self.pool.cached.items()]):
+            chosen.setdefault(block_hash, (tier, block_id))
+        most = disk.capacity_bytes // disk.file_nbytes(next(iter(chosen))) if chosen else 0
+        chosen = dict(itertools.islice(chosen.items(), most))
+        disk.touch([h for h in chosen if h in disk])
+        device = [(b, h) for h, (tier, b) in chosen.items() if tier is None and h not in disk]
+        for block_hash, (tier, block_id) in chosen.items():
+            if tier is host and block_hash not in disk:
+                host.hold_until(disk.write_async(block_hash, host.storage[block_id]), [block_id])
         disk.flush()
-        spill_to_disk(host, None, host.num_blocks)  # written or older than what is: freed to stage through
+        spill_to_disk(host, None, host.num_blocks)  # written or not kept: freed to stage through
         while device and time.perf_counter() - start < PERSIST_DEADLINE_S:
             host_ids = host.allocate(min(len(device), host.num_free)) if host.num_free else None
             if not host_ids:

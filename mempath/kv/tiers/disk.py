@@ -291,6 +291,13 @@ class DiskBlockStore:
         return len(self._index)
 
     # ------------------------------------------------------------ eviction
+    def touch(self, block_hashes) -> None:
+        """Mark blocks used now: the last the least-recently-used eviction takes."""
+        with self._lock:
+            for block_hash in block_hashes:
+                if block_hash in self._index:
+                    self._index.move_to_end(block_hash)
+
     def evict(self, n: int) -> list[bytes]:
         """Delete up to n least recently used blocks that no read or write is using."""
         with self._lock:
