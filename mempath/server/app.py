@@ -173,7 +173,7 @@ def openai_router(engine_client: AsyncEngine, served_model_name: str, api_key: s
         plan = plan_tools(req, tools.parser, tools.auto_tool_choice)
         structured = with_tool_constraint(plan, structured_request(req))
         prompt = await off_the_loop(render_chat, engine_client.tokenizer, req, plan.tools if plan is not None else None)
-        check_prompt_length(len(prompt), engine_client.max_model_len, "messages")  # before room: at least 1
+        check_prompt_length(len(prompt), engine_client.max_model_len, "messages")  # before max_tokens is resolved
         room = max(1, engine_client.max_request_tokens - len(prompt))  # a pool too small: the engine refuses
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = resolve_max_tokens(req.requested_max_tokens, room, limits, param)

@@ -152,7 +152,7 @@ def responses_router(engine_client: AsyncEngine, served_model_name: str, api_key
         req = parse_request(ResponsesRequest, await read_body(request, limits.max_body_bytes))
         check_model(req.model, served_model_name)
         prompt = await off_the_loop(render_messages, engine_client.tokenizer, req.messages(), "input")
-        check_prompt_length(len(prompt), engine_client.max_model_len, "input")  # before room: at least 1
+        check_prompt_length(len(prompt), engine_client.max_model_len, "input")  # before max_tokens is resolved
         room = max(1, engine_client.max_request_tokens - len(prompt))  # a pool too small: the engine refuses
         max_tokens = resolve_max_tokens(req.max_output_tokens, room, limits, "max_output_tokens")
         check_context(len(prompt), req.max_output_tokens, engine_client.max_model_len, "max_output_tokens", "input")

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from mempath.server.protocol import APIError
 from mempath.server.structured_request import StructuredRequest
-from mempath.server.tool_parsers import PARSERS, ToolCall, split_answer
+from mempath.server.tool_parsers import PARSERS, ToolCall, skip_characters, split_answer
 from mempath.structured import StructuredOutputsParams
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -243,7 +243,7 @@ def _array_items(text: str, functions: dict[str, dict]) -> tuple[list[ToolCall],
         return [], 0, False
     decoder, index, calls, end = json.JSONDecoder(), start + 1, [], 0
     while True:
-        index = _skip_separators(text, index)
+        index = skip_characters(text, index, " \t\r\n,")
         try:
             item, index = decoder.raw_decode(text, index)
         except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser recurses
@@ -255,8 +255,3 @@ def _array_items(text: str, functions: dict[str, dict]) -> tuple[list[ToolCall],
         calls.append(ToolCall(name, json.dumps(item["parameters"], ensure_ascii=False)))
         end = index
 
-
-def _skip_separators(text: str, index: int) -> int:
-    while index < len(text) and text[index] in " \t\r\n,":
-        index += 1
-    return index

@@ -65,7 +65,7 @@ def call_from(obj, tool_names: Collection[str] | None) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-def _skip(text: str, index: int, characters: str) -> int:
+def skip_characters(text: str, index: int, characters: str) -> int:
     while index < len(text) and text[index] in characters:
         index += 1
     return index
@@ -96,7 +96,7 @@ class HermesParser:
         """The calls one after another from ``start``, where ``calls_start`` found the first."""
         calls, end = [], start
         while True:
-            at = _skip(text, end, self.separators)
+            at = skip_characters(text, end, self.separators)
             if not text.startswith(self.start, at):
                 # nothing yet, or only the beginning of "<tool_call>": another call may follow
                 return CallsRun(calls, end, not finished and self.start.startswith(text[at:]))
@@ -143,7 +143,7 @@ class Llama3JsonParser:
         end = start + len(self.tag) if text.startswith(self.tag, start) else start
         decoder, calls = json.JSONDecoder(), []
         while True:
-            at = _skip(text, end, self.separators)
+            at = skip_characters(text, end, self.separators)
             if at == len(text):
                 return CallsRun(calls, end, not finished)
             if text[at] != "{":
