@@ -52,7 +52,11 @@ def generation_defaults(model_dir: str, source: str = "auto") -> dict:
     try:  # here, naming the file: a request that leaves these out would be refused for them
         SamplingParams(**defaults).validate(max_logprobs=0)
     except (TypeError, ValueError) as error:
-        raise ValueError(f"{path}: {error}; fix it or pass --generation-config vllm") from None
+        message = str(error)
+        for key, field in SAMPLING_KEYS.items():  # the file's names for the fields (max_new_tokens)
+            if key != field and key in config:
+                message = message.replace(field, key)
+        raise ValueError(f"{path}: {message}; fix it or pass --generation-config vllm") from None
     if defaults:
         log.info("default sampling parameters from %s: %s (a request's own values win; "
                  "--generation-config vllm ignores the file)", path, defaults)

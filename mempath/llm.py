@@ -360,9 +360,10 @@ class LLM:
         engine = self._engine_for(model)
         tokenizer, name = engine.tokenizer, engine.config.model
         if tokenizer is None:
-            raise ValueError(f"{name} has no tokenizer")
+            raise ValueError(f"{name} has no tokenizer; give one with tokenizer=DIR (--tokenizer)")
         if not (chat_template or getattr(tokenizer, "chat_template", None)):
-            raise ValueError(f"{name} has no chat template in its tokenizer_config.json")
+            raise ValueError(f"{name} has no chat template in its tokenizer_config.json; pass chat_template= "
+                             "(--chat-template FILE), or use generate() with the prompt's text")
         if isinstance(messages, tuple) or isinstance(messages, list) and any(isinstance(c, tuple) for c in messages):
             messages = [list(c) if isinstance(c, tuple) else c for c in messages]  # tuples of messages too
         conversations = [messages] if messages and isinstance(messages, list) and isinstance(messages[0], dict) \

@@ -265,7 +265,7 @@ def test_enable_log_requests_logs_one_line_per_request(flagged_server, caplog, m
     ('["temperature"]', "holds a list, expected a JSON object of generation settings"),
     ("[1]", "holds a list, expected a JSON object of generation settings"),
     ('{"temperature": -1}', "temperature must be >= 0, got -1"),
-    ('{"max_new_tokens": 1.5}', "max_tokens must be an integer >= 1, got 1.5"),
+    ('{"max_new_tokens": 1.5}', "max_new_tokens must be an integer >= 1, got 1.5"),
 ])
 def test_a_generation_config_that_is_not_settings_is_refused_naming_the_file(tmp_path, content, says):
     """A string or a list used to raise a TypeError from indexing it, or (a list of ids) be ignored; a bad value

@@ -80,8 +80,12 @@ def load_tokenizer(model_dir: str):
     return tokenizer
 
 
-def load_generation_eos(model_dir: str) -> list[int]:
-    path = Path(model_dir) / "generation_config.json"
+def load_generation_eos(model_dir: str, source: str = "auto") -> list[int]:
+    """The end-of-sequence ids of the generation config --generation-config names (generation_config.py):
+    ``auto`` the model directory's, a directory that one's, ``vllm`` none."""
+    if source == "vllm":
+        return []
+    path = Path(model_dir if source == "auto" else source) / "generation_config.json"
     if not path.exists():
         return []
     fields = ConfigFields(read_json_object(path, "a JSON object of generation settings"), str(path))
@@ -220,7 +224,7 @@ class Startup:
             raise ValueError(f"tokenizer {config.tokenizer}: no tokenizer.json, tokenizer.model or vocab.json there")
         self._check_draft_tokenizer()
         self.load_weights(show_progress)
-        self.eos_token_ids = set(self.spec.eos_token_ids) | set(load_generation_eos(config.model))
+        self.eos_token_ids = set(self.spec.eos_token_ids) | set(load_generation_eos(config.model, config.generation_config))
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.runner = ModelRunner(config, self.model, self.spec, self.device, self.dtype, self.max_model_len)

@@ -66,7 +66,8 @@ class ConfigFields:
 
     def fail(self, key: str, expected: str, fix: str | None = None):
         if key in self.fields:
-            state, fix = f"holds {describe(self.fields[key])}", fix or "correct it in config.json"
+            named = self.source.rsplit("/", 1)[-1] if self.source.endswith(".json") else "config.json"
+            state, fix = f"holds {describe(self.fields[key])}", fix or f"correct it in {named}"
         else:
             state, fix = "is missing", fix or "add it to config.json (the model's original config has it)"
         raise CheckpointError(f"{self.source}: field '{self.prefix}{key}' {state}, expected {expected}; {fix}")

@@ -102,6 +102,8 @@ def read_chat_template(value: str | None) -> str | None:
     """--chat-template as vLLM reads it: a file that exists, else the template itself if it looks like one."""
     if value is None:
         return None
+    if not value.strip():  # Path("") is the current directory
+        raise ValueError("--chat-template is empty; give the template's file or its text")
     path = Path(value)
     is_dir, is_file = lookup(path)  # a name longer than a path may be: an inline template, not a file
     if is_dir:
