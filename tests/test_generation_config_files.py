@@ -35,14 +35,13 @@ def test_a_generation_config_directorys_eos_token_id_stops_the_output(tiny, tmp_
     assert out.token_ids == first[:first.index(stop_at) + 1] and out.finish_reason == "stop"
 
 
-def test_a_bad_eos_token_id_names_generation_config_json_and_vllm_skips_it(tiny, tmp_path):
+def test_a_bad_eos_token_id_names_generation_config_json(tiny, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(tiny, bad)
     settings_dir(bad, eos_token_id="2")
     with pytest.raises(ValueError, match=r"generation_config.json: field 'eos_token_id' holds .*; correct it in "
                                          r"generation_config.json"):
         LLM(str(bad), show_progress=False)
-    LLM(str(bad), show_progress=False, generation_config="vllm")  # reads no generation_config.json
 
 
 def test_a_bad_max_new_tokens_is_named_as_the_file_names_it(tiny, tmp_path):

@@ -81,11 +81,9 @@ def load_tokenizer(model_dir: str):
 
 
 def load_generation_eos(model_dir: str, source: str = "auto") -> list[int]:
-    """The end-of-sequence ids of the generation config --generation-config names (generation_config.py):
-    ``auto`` the model directory's, a directory that one's, ``vllm`` none."""
-    if source == "vllm":
-        return []
-    path = Path(model_dir if source == "auto" else source) / "generation_config.json"
+    """The end-of-sequence ids of a generation_config.json: a directory's that --generation-config names, else
+    the model directory's (``vllm`` drops the file's sampling defaults only, as in vLLM)."""
+    path = Path(model_dir if source in ("auto", "vllm") else source) / "generation_config.json"
     if not path.exists():
         return []
     fields = ConfigFields(read_json_object(path, "a JSON object of generation settings"), str(path))
