@@ -119,8 +119,9 @@ def same_json(value, neutral) -> bool:
     return type(value) is type(neutral) and value == neutral
 
 
-def refuse_not_honoured(data, fields: dict, where: str = "") -> None:
-    """APIError(400) for the first field that asks for something this server does not do."""
+def refuse_not_honoured(data, fields: dict, where: str = "", fixes: dict[str, str] | None = None) -> None:
+    """APIError(400) for the first field that asks for something this server does not do (``fields``: name ->
+    the values that ask for nothing), naming ``fixes[name]`` where given, else how to leave it be."""
     if not isinstance(data, dict):
         return
     for name, neutral in fields.items():
@@ -131,8 +132,19 @@ def refuse_not_honoured(data, fields: dict, where: str = "") -> None:
         if value is None or any(same_json(value, n) for n in neutral):
             continue
         allowed = " or ".join(json.dumps(n) for n in neutral)
-        hint = f"leave it out or at {allowed}" if neutral else "leave it out"
+        hint = (fixes or {}).get(name) or (f"leave it out or at {allowed}" if neutral else "leave it out")
         raise APIError(400, f"{where}{name} is not supported by this server; {hint}", f"{where}{name}")
+
+
+def unknown_stream_options(data: dict, known) -> set[str]:
+    """``stream_options.KEY`` for each key of the body's stream_options not in ``known`` (the ignored warning)."""
+    options = data.get("stream_options")
+    return {f"stream_options.{key}" for key in set(options) - set(known)} if isinstance(options, dict) else set()
+
+
+def check_stream_options(req) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
 
 
 def refuse_not_honoured_in_messages(data) -> None:
@@ -311,14 +323,11 @@ class _SamplingRequest(_SamplingExtensions):
 
     @classmethod
     def nested_ignored(cls, data: dict) -> set[str]:
-        options = data.get("stream_options")
-        unknown = set(options) - set(StreamOptions.model_fields) if isinstance(options, dict) else set()
-        return {f"stream_options.{key}" for key in unknown}
+        return unknown_stream_options(data, StreamOptions.model_fields)
 
     @model_validator(mode="after")
     def _check_supported(self):
-        if self.stream_options is not None and not self.stream:
-            raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
+        check_stream_options(self)
         if self.prompt_logprobs is not None and self.stream:
             raise APIError(400, "prompt_logprobs is not supported with stream: true; leave one out",
                            "prompt_logprobs")

@@ -32,8 +32,9 @@ from mempath.server.async_engine import AsyncEngine, Update
 from mempath.server.calls import (Call, ChoiceText, Limits, SSEResponse, api_key_checker, check_context,
                                   check_model, check_prompt_length, collect, off_the_loop, read_body,
                                   render_messages, resolve_max_tokens, stream_error_body, until_disconnect)
-from mempath.server.protocol import (APIError, _SamplingExtensions, _Strict, error_body, ignored_in_items,
-                                     parse_request, refuse_not_honoured, refuse_other_parts, same_json)
+from mempath.server.protocol import (APIError, _SamplingExtensions, _Strict, check_stream_options, error_body,
+                                     ignored_in_items, parse_request, refuse_not_honoured, refuse_other_parts,
+                                     unknown_stream_options)
 
 # Field -> the values that ask for nothing this server does not do: OpenAI's Responses API's fields, then
 # vLLM's extensions of it (its seed, stop, top_k ... are honoured: _SamplingExtensions).
@@ -48,26 +49,18 @@ NOT_HONOURED_RESPONSES = {
 }
 ON_CHAT = "leave it out, or use /v1/chat/completions, which takes it"
 # Fields of this server's other routes that would change the answer, sent here out of habit: refused with
-# the fix (field -> the values that ask for nothing, the fix), as /v1/completions refuses chat's tools. Any
-# other field neither API has is ignored with the warning (protocol.parse_request).
-OTHER_ROUTES_FIELDS = {
-    "max_tokens": ((), "use max_output_tokens"), "max_completion_tokens": ((), "use max_output_tokens"),
-    "n": ((1,), "a response has one output: send the request again for another, or use /v1/chat/completions "
-                "with n"),
-    "logprobs": ((False,), "this server's responses carry no logprobs: use /v1/chat/completions or "
-                           "/v1/completions"),
-    "min_p": ((0,), ON_CHAT), "presence_penalty": ((0,), ON_CHAT), "frequency_penalty": ((0,), ON_CHAT),
-    "min_tokens": ((0,), ON_CHAT), "bad_words": (([],), ON_CHAT), "response_format": (({"type": "text"},), ON_CHAT),
-    "prompt_logprobs": ((), ON_CHAT), "best_of": ((1,), "leave it out"),
+# the fix, as /v1/completions refuses chat's tools (field -> the values that ask for nothing). Any other
+# field neither API has is ignored with the warning (protocol.parse_request).
+OTHER_ROUTES_FIELDS = {"max_tokens": (), "max_completion_tokens": (), "n": (1,), "logprobs": (False,), "min_p": (0,),
+                       "presence_penalty": (0,), "frequency_penalty": (0,), "min_tokens": (0,), "bad_words": ([],),
+                       "response_format": ({"type": "text"},), "prompt_logprobs": (), "best_of": (1,)}
+OTHER_ROUTES_FIXES = {
+    "max_tokens": "use max_output_tokens", "max_completion_tokens": "use max_output_tokens",
+    "n": "a response has one output: send the request again for another, or use /v1/chat/completions with n",
+    "logprobs": "this server's responses carry no logprobs: use /v1/chat/completions or /v1/completions",
+    **{name: ON_CHAT for name in ("min_p", "presence_penalty", "frequency_penalty", "min_tokens", "bad_words",
+                                  "response_format", "prompt_logprobs")},
 }
-
-
-def refuse_fields_of_other_routes(data) -> None:
-    """APIError(400) for the first field of OTHER_ROUTES_FIELDS that asks for something, naming the fix."""
-    for name, (neutral, fix) in OTHER_ROUTES_FIELDS.items():
-        value = data.get(name) if isinstance(data, dict) else None
-        if value is not None and not any(same_json(value, n) for n in neutral):
-            raise APIError(400, f"{name} is not a /v1/responses field: {fix}", name)
 
 
 INPUT_PART_KINDS = ("input_text", "output_text")
@@ -111,7 +104,7 @@ class ResponsesRequest(_SamplingExtensions):
     @classmethod
     def _refuse_not_honoured(cls, data):
         refuse_not_honoured(data, NOT_HONOURED_RESPONSES)
-        refuse_fields_of_other_routes(data)
+        refuse_not_honoured(data, OTHER_ROUTES_FIELDS, fixes=OTHER_ROUTES_FIXES)
         items = data.get("input") if isinstance(data, dict) else None
         for i, item in enumerate(items if isinstance(items, list) else []):
             if not isinstance(item, dict):
@@ -126,15 +119,12 @@ class ResponsesRequest(_SamplingExtensions):
 
     @model_validator(mode="after")
     def _check_stream_options(self):
-        if self.stream_options is not None and not self.stream:
-            raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
+        check_stream_options(self)
         return self
 
     @classmethod
     def nested_ignored(cls, data: dict) -> set[str]:
-        options = data.get("stream_options")
-        unknown = set(options) - set(ResponsesStreamOptions.model_fields) if isinstance(options, dict) else set()
-        return {f"stream_options.{key}" for key in unknown} | ignored_in_items(
+        return unknown_stream_options(data, ResponsesStreamOptions.model_fields) | ignored_in_items(
             data.get("input"), "input", InputMessage.model_fields, InputPart.model_fields, INPUT_PART_KINDS)
 
     def messages(self) -> list[dict]:
