@@ -120,6 +120,49 @@ def test_bad_words_that_leave_the_grammar_no_token_are_a_400(server, idle_after)
     assert [e["error"]["param"] for e in events if "error" in e] == ["bad_words"]
 
 
+def grammar_dead_ends(monkeypatch):
+    """Every grammar row allows no token from the second mask on: a constraint this vocabulary cannot go on."""
+    from mempath.structured.bitmask import GrammarBitmask
+    real_fill, fills = GrammarBitmask.fill, []
+
+    def dead_end(self, grammars):
+        real_fill(self, grammars)
+        if fills:
+            for row, grammar in enumerate(grammars):
+                if grammar is not None:
+                    self.host_np[row] = 0
+        fills.append(len(grammars))
+    monkeypatch.setattr(GrammarBitmask, "fill", dead_end)
+
+
+def test_a_grammar_that_dead_ends_fails_that_request_naming_the_constraint(llm, monkeypatch):
+    grammar_dead_ends(monkeypatch)
+    out, beside = llm.generate(["Hello", "Hello"], [
+        SamplingParams(max_tokens=10, temperature=0, structured_outputs=StructuredOutputsParams(regex="a{5}")),
+        SamplingParams(max_tokens=4, ignore_eos=True)], use_tqdm=False)
+    assert out.finish_reason == "error" and out.error_param == "structured_outputs", out
+    assert out.error.startswith("structured_outputs.regex: the grammar allows no next token"), out.error
+    assert beside.finish_reason == "length" and len(beside.token_ids) == 4
+    assert llm.engine.kv.pool.num_used == 0
+
+
+@pytest.mark.parametrize("path, body, param", [
+    (COMPLETIONS, completion(max_tokens=10, guided_regex="a{5}"), "guided_regex"),
+    (CHAT, chat(max_tokens=10, response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "string"}}}}}),
+     "response_format.json_schema.schema"),
+])
+def test_a_grammar_that_dead_ends_is_a_400_naming_the_field_sent(server, monkeypatch, path, body, param, idle_after):
+    """The client's constraint cannot be continued in this vocabulary: its fault, not the server's (a 500)."""
+    grammar_dead_ends(monkeypatch)
+    assert_error(post(server, path, body), 400, param, "allows no next token")
+    streamed = post(server, path, {**body, "stream": True})
+    assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    errors = [e["error"] for e in events if "error" in e]
+    assert [e["param"] for e in errors] == [param] and errors[0]["message"].startswith(param), errors
+
+
 # ----------------------------------------------------------------- float32's range
 @pytest.mark.parametrize("fields, param", [
     ({"temperature": 1e39}, "temperature"),

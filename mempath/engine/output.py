@@ -72,7 +72,10 @@ class OutputProcessor:
             if request.is_finished:
                 continue  # finished or aborted while its step ran: the token is surplus
             if request.grammar is not None and request.grammar.error is not None:
-                request.error = request.grammar.error
+                # The request's constraint cannot go on in this vocabulary: its fault, named as a field.
+                kind = request.params.structured_outputs.kind
+                request.error = f"structured_outputs.{kind}: {request.grammar.error}"
+                request.error_param = "structured_outputs"
                 self.finish(request, "error")
                 outputs.append(self.finished(request))
                 continue

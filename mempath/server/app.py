@@ -453,7 +453,7 @@ async def stream_sse(call: Call, include_usage: bool, chunk, choice, logprobs_fo
                 for one in made if isinstance(made, list) else [made]:
                     yield chunk([one])
             if failed:
-                yield sse(stream_error_body(update))
+                yield sse(stream_error_body(update, call.structured))
         if include_usage:
             yield chunk([], call.usage(finals))
         yield SSE_DONE

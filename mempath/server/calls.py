@@ -189,6 +189,7 @@ class Call:
         self.n = n
         self.num_logprobs = num_logprobs
         self.num_prompt_logprobs: int | None = None  # set by start() from the params
+        self.structured = None  # set by start(): the StructuredRequest an error of its constraint names
         self.created = int(time.time())
         self.queue = UpdateQueue()
         self.choice_of: dict[str, int] = {}
@@ -205,6 +206,7 @@ class Call:
         (chat's top_logprobs for logprobs), for the error's param and message."""
         self.num_choices = len(prompts) * self.n
         self.num_prompt_logprobs = params.prompt_logprobs
+        self.structured = structured
         request_log.info("request %s: %d prompt(s) of %s tokens, n=%d, %s", self.id, len(prompts),
                          "/".join(str(len(p)) if isinstance(p, list) else "text" for p in prompts), self.n, params)
         try:
@@ -311,20 +313,25 @@ class ChoiceText:
         return delta
 
 
-def error_of(finals: dict[int, Update]) -> APIError | None:
+def error_of(finals: dict[int, Update], structured=None) -> APIError | None:
+    """The call's error from its choices' final updates; ``structured`` (StructuredRequest): renames a
+    constraint's error to the field the client sent it as."""
     for update in finals.values():
         if update.finish_reason in ("error", "abort"):
             if update.error_param is not None:  # the request's own constraints failed it
-                return APIError(400, update.error, update.error_param, "invalid_value")
+                error = APIError(400, update.error, update.error_param, "invalid_value")
+                return structured.field_error(error) if structured is not None else error
             return APIError(500, update.error or "the request was aborted", None, "generation_failed",
                             "server_error")
     return None
 
 
-def stream_error_body(update: Update) -> dict:
-    """The error event of a stream whose request failed: the client's fault when it names a field."""
+def stream_error_body(update: Update, structured=None) -> dict:
+    """The error event of a stream whose request failed: the client's fault when it names a field
+    (``structured``: as in ``error_of``)."""
     if update.error_param is not None:
-        return error_body(update.error, "invalid_request_error", update.error_param, "invalid_value")
+        error = error_of({0: update}, structured)
+        return error_body(error.message, "invalid_request_error", error.param, "invalid_value")
     return error_body(update.error or "generation failed", "server_error")
 
 
@@ -341,7 +348,7 @@ async def collect(call: Call) -> tuple[dict[int, Update], dict[int, list[int]], 
                 finals[index] = update
     finally:
         call.abort()
-    error = error_of(finals)
+    error = error_of(finals, call.structured)
     if error is not None:
         raise error
     return finals, tokens, logprobs
