@@ -971,3 +971,38 @@ def test_an_exception_while_adding_a_prompts_later_sample_aborts_its_earlier_one
     with pytest.raises(RuntimeError, match="boom"):
         llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=50, n=2, temperature=1.0), use_tqdm=False)
     assert len(calls) == 2 and not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("bad_value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("whole_row", [False, True], ids=["one-logit", "whole-row"])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_logits_that_are_not_finite_fail_their_request_alone(model_factory, async_scheduling, bad_value, whole_row,
+                                                             sampled, monkeypatch):
+    """A row of NaN or +inf logits (activations that overflowed float16, damaged weights) has no token to
+    sample: argmax took the NaN's index, or token 0 for a row all NaN, and served it as text. The request
+    fails with a line that names the cause; its batch mate's tokens are the ones it makes alone."""
+    path, _ = model_factory("llama")
+    llm = LLM(path, dtype="float32", show_progress=False, async_scheduling=async_scheduling)
+    params = (SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True) if sampled
+              else greedy(8))
+    prompts = [[7, 8, 9, 10], [20, 21, 22]]
+    alone = [llm.generate(p, params, use_tqdm=False)[0].token_ids for p in prompts]
+    model, calls = llm.engine.runner.model, []
+    real = model.compute_logits
+
+    def poisoned(hidden):
+        logits = real(hidden)
+        calls.append(len(calls))
+        if len(calls) == 4:  # the fourth sampling step: row 0 is the first request's
+            logits[0, :] = bad_value if whole_row else logits[0, :]
+            logits[0, 5] = bad_value
+        return logits
+    monkeypatch.setattr(model, "compute_logits", poisoned)
+    first, second = llm.generate(prompts, params, use_tqdm=False)
+    assert first.finish_reason == "error", first
+    assert first.error.startswith("the model's logits at output token 4 are not finite"), first.error
+    assert "--dtype bfloat16" in first.error and len(first.token_ids) == 3
+    assert first.token_ids == alone[0][:3]
+    assert second.finish_reason == "length" and second.token_ids == alone[1]
+    assert llm.stats()["kv_blocks_used"] == 0

@@ -78,6 +78,6 @@ def test_filtered_probs_are_what_the_sampler_draws(params):
     torch.manual_seed(3)
     logits = (torch.randn(V) * 2).expand(N, V).contiguous()
     sampler = Sampler(torch.device("cpu"), seed=5)
-    drawn = sampler.sample_tokens(logits, [params] * N, [None] * N).tolist()
+    drawn = sampler.sample_tokens(logits, [params] * N, [None] * N)[0].tolist()
     probs = filtered_probs(logits[:1], [params])[0]
     assert chi_square_p(drawn, probs) > ALPHA

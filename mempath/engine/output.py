@@ -9,9 +9,16 @@ from typing import Callable
 
 from mempath.engine.detokenizer import SlowIncrementalDetokenizer, find_stop, incremental_detokenizer
 from mempath.engine.request import Request
+from mempath.engine.sampler import NOT_FINITE
 from mempath.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
+
+
+def not_finite_logits(position: int) -> str:
+    return (f"the model's logits at output token {position} are not finite (NaN or +inf), so no token can be "
+            f"sampled: its activations overflowed (under --dtype float16, try --dtype bfloat16) or its weights "
+            f"hold NaN or inf (check the checkpoint)")
 
 
 class ConstraintConflict(ValueError):
@@ -76,6 +83,12 @@ class OutputProcessor:
                 kind = request.params.structured_outputs.kind
                 request.error = f"structured_outputs.{kind}: {request.grammar.error}"
                 request.error_param = "structured_outputs"
+                self.finish(request, "error")
+                outputs.append(self.finished(request))
+                continue
+            if token_id == NOT_FINITE:
+                request.error = not_finite_logits(request.num_output_tokens + 1)
+                log.error("request %s failed: %s", request.request_id, request.error)
                 self.finish(request, "error")
                 outputs.append(self.finished(request))
                 continue

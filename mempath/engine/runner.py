@@ -338,10 +338,10 @@ class ModelRunner:
         params, generators = [r.params for r in sampling], [r.generator for r in sampling]
         if not defer:
             return self.sampler(logits, params, generators, adjust)
-        tokens = self.sampler.sample_tokens(logits, params, generators, adjust)
+        tokens, for_host = self.sampler.sample_tokens(logits, params, generators, adjust)
         host, ready = buf.sampled_h[buf.next_sampled][:len(sampling)], buf.sampled_ready[buf.next_sampled]
         buf.next_sampled ^= 1
-        host.copy_(tokens, non_blocking=True)
+        host.copy_(for_host, non_blocking=True)
         if ready is not None:
             ready.record()
         return PendingTokens(sampling, tokens, host, ready)

@@ -22,9 +22,14 @@ from mempath.engine.penalties import LogitsAdjustments
 from mempath.sampling import SamplingParams
 
 
+# The token id a row gets when its logits are not finite (NaN or +inf): no token can be sampled
+# from them, and the output processor fails the row's request (engine/output.py).
+NOT_FINITE = -1
+
+
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]
+    token_ids: list[int]  # NOT_FINITE for a row whose logits were not
     # Per row: {token_id: logprob} for the sampled token and the top-n, or None.
     logprobs: list[dict[int, float] | None]
 
@@ -78,9 +83,11 @@ class Sampler:
     @torch.no_grad()
     def sample_tokens(self, logits: torch.Tensor, params: list[SamplingParams],
                       generators: list[torch.Generator | None],
-                      adjust: LogitsAdjustments | None = None) -> torch.Tensor:
-        """The sampled token ids as a device tensor, without waiting for them (no logprobs)."""
-        return self._tokens(logits, params, generators, adjust=adjust)
+                      adjust: LogitsAdjustments | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sampled token ids as a device tensor, without waiting for them (no logprobs), and the
+        same ids for the host: NOT_FINITE where a row's logits were not finite."""
+        tokens, finite = self._tokens(logits, params, generators, adjust=adjust)
+        return tokens, marked(tokens, finite)
 
     @staticmethod
     def _scores(logits: torch.Tensor) -> torch.Tensor:
@@ -89,15 +96,24 @@ class Sampler:
             scores = scores.clone()  # float32 logits: work on a copy, the caller's stay intact
         return scores
 
-    def _tokens(self, logits, params, generators, scores=None, adjust=None) -> torch.Tensor:
-        """``scores``: the float32 copy, when the caller already made one; ``adjust``: the
-        penalties, biases and masks applied to it first (mempath.engine.penalties)."""
+    def _tokens(self, logits, params, generators, scores=None, adjust=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens, and per row whether its logits were finite. ``scores``: the float32 copy, when
+        the caller already made one; ``adjust``: the penalties, biases and masks applied to it first
+        (mempath.engine.penalties).
+
+        A row holding NaN or +inf has no distribution to sample: argmax takes the NaN's (or the
+        infinity's) index, or token 0 when every logit is NaN. Such a row's chosen (greedy) or
+        largest (sampled) logit is NaN or +inf, which is what the flag reads: a row that the
+        masks left all -inf is finite here (its grammar names that conflict).
+        """
         if adjust is not None:
             scores = self._scores(logits) if scores is None else scores
             adjust.apply(scores)
         if all(p.greedy for p in params):
             # The model-dtype logits convert to float32 exactly: same argmax, no [rows, V] copy.
-            return row_argmax(logits if scores is None else scores)
+            source = logits if scores is None else scores
+            tokens = row_argmax(source)
+            return tokens, source.gather(1, tokens[:, None]).squeeze(1) < float("inf")
         scores = self._scores(logits) if scores is None else scores
         return self._sample(scores, params, generators, scores.argmax(dim=-1))
 
@@ -114,8 +130,8 @@ class Sampler:
             log_z = torch.logsumexp(scores, dim=-1)
             max_n = max(n or 0 for n in want_logprobs)
             top = scores.topk(max(max_n, 1), dim=-1)
-        tokens = self._tokens(logits, params, generators, scores, adjust)
-        token_list = tokens.tolist()
+        tokens, finite = self._tokens(logits, params, generators, scores, adjust)
+        token_list = marked(tokens, finite).tolist()
         logprobs: list[dict[int, float] | None] = [None] * len(params)
         if top is not None:
             chosen = (logits.gather(1, tokens[:, None]).squeeze(1).float() - log_z).tolist()
@@ -130,8 +146,8 @@ class Sampler:
                 logprobs[row] = entry
         return SamplerOutput(token_list, logprobs)
 
-    def _sample(self, scores, params, generators, greedy_tokens):
-        """Overwrites ``scores`` (float32, [rows, V])."""
+    def _sample(self, scores, params, generators, greedy_tokens) -> tuple[torch.Tensor, torch.Tensor]:
+        """Overwrites ``scores`` (float32, [rows, V]); the tokens and the rows' finite flags."""
         device = scores.device
         # Greedy rows (a tiny temperature included) take greedy_tokens below: divide them by 1.
         temperature = to_device([1.0 if p.greedy else p.temperature for p in params],
@@ -142,7 +158,8 @@ class Sampler:
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
             apply_top_k_top_p(scores, top_k, top_p)
         # Unnormalised probabilities in place: exp(x - max), so each row's largest is 1.
-        scores.sub_(scores.max(dim=-1, keepdim=True).values).exp_()
+        row_max = scores.max(dim=-1, keepdim=True).values
+        scores.sub_(row_max).exp_()
         min_p = [p.min_p for p in params]
         if any(m > 0 for m in min_p):
             # p < min_p * p_max  <=>  exp(x - max) < min_p
@@ -155,7 +172,13 @@ class Sampler:
                 noise[row].exponential_(generator=generator)
         sampled = scores.div_(noise).argmax(dim=-1)
         greedy = to_device([p.greedy for p in params], torch.bool, device)
-        return torch.where(greedy, greedy_tokens, sampled)
+        return torch.where(greedy, greedy_tokens, sampled), row_max.squeeze(1) < float("inf")
+
+
+def marked(tokens: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """``tokens`` with NOT_FINITE in the rows whose logits were not finite (a new tensor: the device
+    tokens stay valid inputs for the next step)."""
+    return torch.where(finite, tokens, NOT_FINITE)
 
 
 # Above this top-k, or with rows that have no top-k, the rows are sorted instead.
