@@ -206,3 +206,25 @@ def test_one_character_at_a_time():
     for parser, body, text in PLANS:
         plan = plan_for(parser, **body)
         assert streamed_answer(plan, text, list(range(len(text))), "stop") == whole_answer(plan, text, "stop")
+
+
+def test_a_required_stream_parses_each_call_once(monkeypatch):
+    """Each delta parsed the whole array again: a long answer's stream was quadratic on the event loop."""
+    from mempath.server import tool_choice
+    made = []
+    real = tool_choice.ToolCall
+    monkeypatch.setattr(tool_choice, "ToolCall", lambda *a, **k: made.append(a) or real(*a, **k))
+    request = ChatCompletionRequest(model="m", messages=ASK, tools=[WEATHER, TIME], tool_choice="required")
+    plan = plan_tools(request, "hermes", True)
+    items = [{"name": "get_weather", "parameters": {"city": "Paris " * 200}},
+             {"name": "get_time", "parameters": {"zone": "UTC"}}, {"name": "get_weather", "parameters": {"city": "x"}}]
+    text = json.dumps(items)
+    stream = ToolStream(plan)
+    deltas = [d for i in range(len(text)) for d in stream.take(text[i], False)] + stream.take("", True)
+    assert len(made) == 3  # not once per delta after each call
+    sent = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    names = [d["function"]["name"] for d in sent if "name" in d["function"]]
+    arguments = ["".join(d["function"]["arguments"] for d in sent if d["index"] == i) for i in range(3)]
+    assert names == [i["name"] for i in items]
+    assert [json.loads(a) for a in arguments] == [i["parameters"] for i in items]
+    assert not any("content" in d for d in deltas)
