@@ -414,3 +414,21 @@ def read_events_after(sock: socket.socket, seen: bytes) -> list[str]:
             sock.close()
 
     return read_events(Replay())
+
+
+@pytest.mark.parametrize("interval", [1e10, 1e300])
+def test_a_far_deadline_does_not_stop_the_engine_thread(tiny, interval):
+    """A wait past threading's limit (--log-stats-interval 1e10, --sleep-after 1e10) raised OverflowError in the
+    engine thread: the server came up answering 503 to every request."""
+    engine = LLMEngine(EngineConfig.from_kwargs(tiny, device="cpu", dtype="float32"), show_progress=False)
+    client = AsyncEngine(engine, log_stats_interval=interval)
+    client.start()
+    try:
+        async def one_request():
+            queue = UpdateQueue()
+            await client.add_request("x", greedy(2), "far", queue)
+            return await asyncio.wait_for(read_to_end(queue), WAIT_S)
+        assert asyncio.run(one_request())[-1].finish_reason == "length"
+        assert client.is_alive
+    finally:
+        client.shutdown()

@@ -101,7 +101,7 @@ def test_without_sleep_after_nobody_sleeps(loaded):
 
 def test_bad_sleep_after_one_line(two_models):  # noqa: F811
     llama, qwen = two_models
-    for bad in (0, -1, "5"):
+    for bad in (0, -1, "5", float("inf"), float("nan")):
         with pytest.raises(ValueError, match="sleep_after must be a number of seconds > 0"):
             LLM([llama, qwen], dtype="float32", show_progress=False, sleep_after=bad)
     with pytest.raises(TypeError, match="are for several models"):

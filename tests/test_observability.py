@@ -227,9 +227,10 @@ def test_stats_flags_follow_vllm():
     assert enable_stats_logging(args) == 10.0
     args = build_parser().parse_args(["serve", "--disable-log-stats", "--log-stats-interval", "2"])
     assert enable_stats_logging(args) is None
-    args = build_parser().parse_args(["serve", "--log-stats-interval", "0"])
-    with pytest.raises(ValueError, match="--log-stats-interval must be > 0"):
-        enable_stats_logging(args)
+    for bad in ("0", "inf", "nan"):
+        args = build_parser().parse_args(["serve", "--log-stats-interval", bad])
+        with pytest.raises(ValueError, match="--log-stats-interval must be a number of seconds > 0"):
+            enable_stats_logging(args)
 
 
 # ----------------------------------------------------------------- start-up and the port

@@ -34,7 +34,7 @@ from mempath.multi.pages import PagePool
 def check_sleep_after(sleep_after: float | None) -> None:
     """Refuse a --sleep-after that is not a positive number of seconds (before any model loads)."""
     if sleep_after is not None and (isinstance(sleep_after, bool) or not isinstance(sleep_after, (int, float))
-                                    or not sleep_after > 0):
+                                    or not 0 < sleep_after < float("inf")):
         raise ValueError(f"sleep_after must be a number of seconds > 0, got {sleep_after!r} "
                          f"(leave --sleep-after out to keep every model awake)")
 

@@ -377,7 +377,8 @@ class AsyncEngine:
                     wait = self._next_deadline()
                     if wait is not None and wait <= 0:
                         break
-                    self._wake.wait(wait)
+                    # A deadline past threading's limit (--sleep-after 1e10) is no deadline for this wait.
+                    self._wake.wait(None if wait is None or wait >= threading.TIMEOUT_MAX else wait)
                 if self._stopping:
                     break
                 commands = list(self._inbox)

@@ -35,8 +35,9 @@ def add_stats_log_arguments(parser: argparse.ArgumentParser) -> None:
 
 def enable_stats_logging(args) -> float | None:
     """Show the stats logger's lines; the interval of the periodic line, None when it is off."""
-    if not args.log_stats_interval > 0:
-        raise ValueError(f"--log-stats-interval must be > 0 seconds, got {args.log_stats_interval}")
+    if not 0 < args.log_stats_interval < float("inf"):
+        raise ValueError(f"--log-stats-interval must be a number of seconds > 0, got {args.log_stats_interval} "
+                         f"(--disable-log-stats turns the line off)")
     logging.getLogger(STATS_LOGGER).setLevel(logging.INFO)
     return None if args.disable_log_stats else args.log_stats_interval
 
