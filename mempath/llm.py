@@ -188,7 +188,7 @@ class LLM:
             raise ValueError("tokenizer names one tokenizer; with several models each uses the one in its directory")
         pairs = served_models(models, served_names)
         check_sleep_after(sleep_after)
-        check_min_share(kv_min_share)
+        check_min_share(kv_min_share, len(pairs))
         source = engine_options.get("generation_config", "auto")
         self.defaults_by_model = {name: generation_defaults(path, source) for name, path in pairs}  # before the load
         engines, pool = build_engines(pairs, engine_options, show_progress, kv_min_share)

@@ -721,6 +721,7 @@ def test_a_path_is_a_model_directory_and_cpu_n_is_the_cpu():
     (dict(kv_min_share=float("nan")), "kv_min_share must be a fraction of the KV pool in [0, 1], got nan"),
     (dict(kv_min_share=-0.5), "kv_min_share must be a fraction of the KV pool in [0, 1], got -0.5"),
     (dict(kv_min_share="x"), "kv_min_share must be a fraction of the KV pool in [0, 1], got 'x'"),
+    (dict(kv_min_share=0.6), "kv_min_share 0.6 guarantees 2 models 120% of the KV pool; use --kv-min-share 0.50"),
     (dict(served_model_name=[1, 2]), "served_model_name: each name must be a non-empty string"),
     (dict(show_progress="x"), "show_progress must be true or false, got 'x'"),
 ])

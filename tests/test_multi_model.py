@@ -209,25 +209,19 @@ def test_a_models_own_refusal_names_the_model(model_factory):
         LLM([f"a={llama}", f"s={short}"], dtype="float32", show_progress=False, max_model_len=256)
 
 
-def test_a_request_beyond_what_the_other_models_guarantees_leave_fails_instead_of_waiting(two_models):
+def test_a_request_beyond_what_the_other_models_guarantees_leave_is_refused_instead_of_waiting(two_models):
     """Waiting for pages another model holds is right only while they can come back: what another awake model
-    is guaranteed never does, so a request needing it waited forever behind a busy model (and all after it)."""
+    is guaranteed never does, so a request needing it waited forever behind a busy model (and all after it).
+    It is refused when added, as a request larger than a model's own pool is."""
     llm = together(two_models, num_gpu_blocks_override=8, kv_min_share=0.5)
     engine = llm.engine
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     engine.add_request(list(range(10, 30)), params, "b0", model="b")
     engine.step()
     block = engine.engines["a"].config.block_size
-    engine.add_request(list(range(10, 10 + 5 * block)), SamplingParams(max_tokens=4), "A", model="a")
-    done = {}
-    for _ in range(50):
-        for output in engine.step():
-            if output.finished:
-                done[output.request_id] = output
-        if "A" in done:
-            break
-    assert done["A"].finish_reason == "error"
-    assert "this model may hold 4 of the pool's 8 (the other models are guaranteed the rest" in done["A"].error
+    with pytest.raises(ValueError, match=r"this model may hold 4 blocks of the shared pool's 8 \(.*the other models "
+                                         r"are guaranteed the rest: --kv-min-share\)"):
+        engine.add_request(list(range(10, 10 + 5 * block)), SamplingParams(max_tokens=4), "A", model="a")
     while engine.has_unfinished_requests():
         engine.step()
     assert_all_free(engine)

@@ -76,6 +76,33 @@ def test_idle_model_gives_its_guarantee_and_a_request_wakes_it(sleepy):
     engine.engines["a"].kv.pool.check_invariants()
 
 
+def test_a_request_is_admitted_to_what_its_model_holds_with_every_model_awake(sleepy):
+    """a may hold 9 of the 12 pages while b is awake (b is guaranteed 3). A request sized to the whole pool,
+    admitted while b slept, was failed (a 500 mid-stream) when b woke and took its guarantee back."""
+    engine, clock = sleepy
+    a = engine.engines["a"]
+    page = a.config.block_size
+    assert a.max_request_tokens == min(a.max_model_len, 9 * page)  # the chat default max_tokens
+    clock.now = 10
+    engine.tick_idle()
+    assert engine.stats()["sleep"]["asleep"] == ["a", "b"]
+    prompt = list(range(3, 3 + 8 * page))
+    with pytest.raises(ValueError, match=r"this model may hold 9 blocks of the shared pool's 12 .*--kv-min-share"):
+        engine.add_request(prompt, SamplingParams(max_tokens=2 * page, ignore_eos=True), "too-long", model="a")
+    fits = SamplingParams(max_tokens=page - 4, temperature=0, ignore_eos=True)  # 9 pages at the end
+    alone = LLM(a.config.model, dtype="float32", show_progress=False).generate(prompt, fits)[0].token_ids
+    engine.add_request(prompt, fits, "long", model="a")  # b asleep: a may take the whole pool
+    for _ in range(3):
+        engine.step()
+    engine.add_request(LONG[0], PARAMS, "wake", model="b")  # b's guarantee is back
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done["long"].finish_reason == "length" and done["long"].outputs[0].token_ids == alone
+    assert done["wake"].finish_reason == "length"
+    assert engine.pool.pages.num_used == 0
+
+
 def test_sleeps_and_wakes_on_metrics(sleepy):
     engine, clock = sleepy
     clock.now = 10

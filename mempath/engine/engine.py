@@ -40,12 +40,13 @@ class LLMEngine:
         self.runner, self.probes, self.kv = parts.runner, parts.probes, parts.kv
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self.inputs = InputProcessor(config.model, self.tokenizer, self.spec.vocab_size, self.max_model_len,
-                                     config.max_logprobs, config.block_size, self.kv.num_blocks,
+                                     config.max_logprobs, config.block_size, self.kv.pool.num_admissible,
                                      self.runner.sampler.make_generator, frozenset(parts.eos_token_ids),
                                      grammars=GrammarCompiler(self.tokenizer, self.spec.vocab_size,
                                                               parts.eos_token_ids)
                                      if self.tokenizer is not None else None,
-                                     model_positions=resolve_max_model_len(None, self.spec))
+                                     model_positions=resolve_max_model_len(None, self.spec),
+                                     pool_blocks=self.kv.num_blocks)
         self.outputs = OutputProcessor(self.tokenizer, parts.eos_token_ids, self.max_model_len,
                                        self.scheduler.finish)
         self.num_prompt_tokens = 0

@@ -38,11 +38,12 @@ class InputProcessor:
     max_model_len: int
     max_logprobs: int
     block_size: int
-    num_kv_blocks: int
+    num_kv_blocks: int  # the most a request may need: the pool, or this model's share of a shared one
     make_generator: Callable[[int], torch.Generator]  # the sampler's: seeded draws on the device that samples
     eos_token_ids: frozenset[int] = frozenset()  # masked with stop_token_ids until min_tokens are out
     grammars: object = None  # a mempath.structured.grammar.GrammarCompiler, for structured_outputs
     model_positions: int | None = None  # the most max_model_len may be (startup.resolve_max_model_len)
+    pool_blocks: int | None = None  # the whole pool's blocks, where several models share it (None: num_kv_blocks)
     _ids: itertools.count = field(default_factory=itertools.count)
 
     def tokenize(self, prompt: str) -> list[int]:
@@ -110,10 +111,14 @@ class InputProcessor:
         kv_tokens = min(len(token_ids) + params.max_tokens - 1, self.max_model_len)
         needed = blocks_for(kv_tokens, self.block_size)
         if needed > self.num_kv_blocks:
+            room = self.num_kv_blocks * self.block_size
+            held = (f"the whole KV pool has {self.num_kv_blocks} ({room} tokens)"
+                    if self.pool_blocks in (None, self.num_kv_blocks) else
+                    f"this model may hold {self.num_kv_blocks} blocks of the shared pool's {self.pool_blocks} "
+                    f"({room} tokens; the other models are guaranteed the rest: --kv-min-share)")
             raise ValueError(
-                f"the prompt plus max_tokens needs {needed} KV blocks ({kv_tokens} tokens) but the "
-                f"whole KV pool has {self.num_kv_blocks} ({self.num_kv_blocks * self.block_size} "
-                f"tokens); lower max_tokens, shorten the prompt, or give the KV cache more memory "
+                f"the prompt plus max_tokens needs {needed} KV blocks ({kv_tokens} tokens) but {held}; "
+                f"lower max_tokens, shorten the prompt, or give the KV cache more memory "
                 f"(--gpu-memory-utilization, num_gpu_blocks_override)")
 
 

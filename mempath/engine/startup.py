@@ -265,7 +265,7 @@ class Startup:
             forget_start_up_routing(self.draft_runner.model)
         for line in kv_capacity_lines(self.device.type, self.kv, config.block_size, self.max_model_len):
             capacity_log.info("%s", line)
-        pool_tokens = self.kv.num_blocks * config.block_size
+        pool_tokens = self.kv.pool.num_admissible * config.block_size  # this model's share, where pools are shared
         if pool_tokens < self.max_model_len:  # vLLM refuses to start; shorter requests still run here
             more = ("raise num_gpu_blocks_override" if config.num_gpu_blocks_override is not None else
                     "give the KV cache more memory (" + ("--gpu-memory-utilization" if self.device.type == "cuda"

@@ -54,6 +54,11 @@ class BlockPool:
         return self.num_blocks
 
     @property
+    def num_admissible(self) -> int:
+        """The most blocks a request is admitted to need: all of them, in one model's own pool."""
+        return self.num_blocks
+
+    @property
     def num_used(self) -> int:
         return self.num_blocks - len(self.free_queue)
 

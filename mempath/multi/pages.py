@@ -21,10 +21,14 @@ from mempath.kv.block_pool import BlockPool
 POOL_TENANT = "shared KV pages"  # the device budget's tenant for the pool every model's KV is carved from
 
 
-def check_min_share(min_share) -> None:
-    """Refuse a kv_min_share that is not a fraction in [0, 1] (nan compared false and reached int() serving)."""
+def check_min_share(min_share, num_models: int = 1) -> None:
+    """Refuse a kv_min_share that is not a fraction in [0, 1] (nan compared false and reached int() serving), or
+    that guarantees ``num_models`` more than the whole pool."""
     if isinstance(min_share, bool) or not isinstance(min_share, (int, float)) or not 0.0 <= min_share <= 1.0:
         raise ValueError(f"kv_min_share must be a fraction of the KV pool in [0, 1], got {min_share!r}")
+    if min_share * num_models > 1:
+        raise ValueError(f"kv_min_share {min_share} guarantees {num_models} models {min_share * num_models:.0%} "
+                         f"of the KV pool; use --kv-min-share {1 / num_models:.2f} or less")
 
 
 class PagePool:
@@ -45,10 +49,7 @@ class PagePool:
     def view(self, name: str) -> "TenantPages":
         view = TenantPages(self, name)
         self.tenants[name] = view
-        if self.min_share * len(self.tenants) > 1:
-            raise ValueError(f"kv_min_share {self.min_share} guarantees {len(self.tenants)} models "
-                             f"{self.min_share * len(self.tenants):.0%} of the KV pool; "
-                             f"use --kv-min-share {1 / len(self.tenants):.2f} or less")
+        check_min_share(self.min_share, len(self.tenants))
         return view
 
     def guaranteed(self, name: str | None = None) -> int:
@@ -101,6 +102,13 @@ class TenantPages:
         """The most pages this model may hold: the pool less what the other (awake) models are guaranteed."""
         return self.pages.num_blocks - sum(self.shared.guaranteed(other) for other in self.shared.tenants
                                            if other != self.name)
+
+    @property
+    def num_admissible(self) -> int:
+        """The most pages a request of this model is admitted to need: the pool less every other model's
+        guarantee, asleep or not. A request sized to what sleeping models leave would fail when one woke."""
+        others = len(self.shared.tenants) - 1
+        return self.pages.num_blocks - int(self.shared.min_share * self.pages.num_blocks) * others
 
     @property
     def num_held_by_others(self) -> int:

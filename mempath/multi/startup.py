@@ -23,7 +23,7 @@ from mempath.memory.budget import ALLOCATION_ROUNDING, check_host_room
 from mempath.memory.ledger import Pathway, format_bytes
 from mempath.multi.experts import expert_cache_line, options_by_model
 from mempath.multi.layout import allocate_pages, attach_pages, kv_bytes_per_token, page_layout
-from mempath.multi.pages import POOL_TENANT, PagePool, TenantPages
+from mempath.multi.pages import POOL_TENANT, PagePool, TenantPages, check_min_share
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ def build_engines(models: list[tuple[str, str]], options: dict, show_progress: b
     Async scheduling is off: a model's tokens are read back before the next model steps, so
     that the victim policy may preempt any model's requests (none has a step in flight).
     """
+    check_min_share(kv_min_share, len(models))  # before any model loads
     options = {**options, "async_scheduling": False}
     per_model = options_by_model(models, options)  # the expert cache's options: the MoE models' (experts.py)
     configs = [EngineConfig.from_kwargs(path, **per_model[name]) for name, path in models]
@@ -99,6 +100,7 @@ def build_engines(models: list[tuple[str, str]], options: dict, show_progress: b
     for startup in startups:
         attach_pages(startup.runner, pages)
         startup.pages = pool.view(startup.tenant)
+    for startup in startups:  # every view first: a model's share of the pool counts the others' guarantees
         startup.finish(num_pages)
     if first.device.type == "cuda":
         Startup.cap_device_memory(first)  # the process's figure, granted once: to the first model

@@ -120,11 +120,7 @@ def _check_pool_settings(models, kv_min_share, num_gpu_blocks_override, sleep_of
     """What start-up (EngineConfig, PagePool) refuses of the shared pool's settings, refused here the same way."""
     if len(models) < 2:
         raise ValueError("plan_models plans several models; plan one with plan_memory")
-    check_min_share(kv_min_share)
-    if kv_min_share > 1 / len(models):
-        raise ValueError(f"kv_min_share {kv_min_share} guarantees {len(models)} models "
-                         f"{kv_min_share * len(models):.0%} of the KV pool; use --kv-min-share "
-                         f"{1 / len(models):.2f} or less")
+    check_min_share(kv_min_share, len(models))
     if num_gpu_blocks_override is not None and (not isinstance(num_gpu_blocks_override, int)
                                                 or num_gpu_blocks_override < 1):
         raise ValueError(f"num_gpu_blocks_override must be >= 1, got {num_gpu_blocks_override}: give the pool's "
