@@ -44,6 +44,16 @@ def test_a_bad_eos_token_id_names_generation_config_json(tiny, tmp_path):
         LLM(str(bad), show_progress=False)
 
 
+def test_an_eos_token_id_outside_the_vocabulary_is_named_at_start_up(tiny, tmp_path, caplog):
+    """An id past the logits is never sampled: outputs ran to max_tokens with no word of why."""
+    with caplog.at_level("WARNING", logger="mempath.engine.startup"):
+        llm = LLM(str(tiny), show_progress=False, generation_config=settings_dir(tmp_path, eos_token_id=[10 ** 6]))
+    vocab = llm.engine.spec.vocab_size
+    said = [r.getMessage() for r in caplog.records if "end-of-sequence" in r.getMessage()]
+    assert said and said[0].startswith(f"end-of-sequence id 1000000 is outside the model's {vocab} logits")
+    assert "outputs end on [" in said[0]  # the tokenizer's own EOS still ends them
+
+
 def test_a_bad_max_new_tokens_is_named_as_the_file_names_it(tiny, tmp_path):
     with pytest.raises(ValueError, match=r"max_new_tokens must be an integer >= 1, got 0"):
         LLM(str(tiny), show_progress=False, generation_config=settings_dir(tmp_path, max_new_tokens=0))

@@ -225,6 +225,14 @@ class Startup:
         self.eos_token_ids = set(self.spec.eos_token_ids) | set(load_generation_eos(config.model, config.generation_config))
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        beyond = sorted(t for t in self.eos_token_ids if not 0 <= t < self.spec.vocab_size)
+        if beyond:  # never sampled: outputs would run to max_tokens without a word of why
+            kept = sorted(set(self.eos_token_ids) - set(beyond))
+            log.warning("end-of-sequence id%s %s %s outside the model's %d logits and can never be sampled; %s",
+                        "s" * (len(beyond) > 1), ", ".join(map(str, beyond)), "are" if len(beyond) > 1 else "is",
+                        self.spec.vocab_size, f"outputs end on {kept} only" if kept else
+                        "no output ends before max_tokens or a stop string: fix eos_token_id in config.json or "
+                        "generation_config.json")
         self.runner = ModelRunner(config, self.model, self.spec, self.device, self.dtype, self.max_model_len)
         self.probes = Probes(config, self.runner, self.max_model_len)
         self.budget.grant(self.tenant, Pathway.STEP_BUFFERS, self.runner.workspace_bytes(), "measured",
