@@ -613,10 +613,10 @@ def test_a_sibling_sample_rejected_after_the_first_fails_the_call_cleanly(server
     engine = server.engine
     real_add = engine.add_request
 
-    def add_request(prompt, params, request_id=None):
+    def add_request(prompt, params, request_id=None, **options):
         if request_id.endswith("-1"):  # the second sample, added once the first has a token
             raise ValueError("injected: the second sample does not fit")
-        return real_add(prompt, params, request_id)
+        return real_add(prompt, params, request_id, **options)
 
     monkeypatch.setattr(engine, "add_request", add_request)
     body = completion(n=2, max_tokens=8, ignore_eos=True, stream=stream)

@@ -103,6 +103,22 @@ def test_a_request_is_admitted_to_what_its_model_holds_with_every_model_awake(sl
     assert engine.pool.pages.num_used == 0
 
 
+def test_a_refused_request_does_not_wake_its_model(sleepy):
+    """The wake came before the request's checks: bad traffic kept an asleep model's guarantee (and, with
+    --sleep-offload-weights, copied its weights back) for a request that never ran."""
+    engine, clock = sleepy
+    clock.now = 10
+    engine.tick_idle()
+    for prompt, params in (([], PARAMS), ([10 ** 6], PARAMS), ([1, 2], SamplingParams(logit_bias={10 ** 6: 1.0}))):
+        with pytest.raises(ValueError):
+            engine.add_request(prompt, params, "bad", model="b")
+    stats = engine.stats()["sleep"]
+    assert "b" in stats["asleep"] and stats["wakes_by_model"]["b"] == 0
+    engine.add_request([1, 2, 3], PARAMS, "good", model="b")
+    assert engine.stats()["sleep"]["wakes_by_model"]["b"] == 1
+    engine.abort_request("good")
+
+
 def test_sleeps_and_wakes_on_metrics(sleepy):
     engine, clock = sleepy
     clock.now = 10

@@ -69,13 +69,15 @@ class LLMEngine:
         return min(self.max_model_len, self.inputs.num_kv_blocks * self.inputs.block_size)
 
     def make_request(self, prompt: str | list[int], params: SamplingParams,
-                     request_id: str | None = None) -> Request:
-        """Validate and build a request; raise ValueError naming the problem and the fix."""
-        return self.inputs.make_request(prompt, params, request_id, self.outputs.requests)
+                     request_id: str | None = None, arrival_time: float | None = None) -> Request:
+        """Validate and build a request; raise ValueError naming the problem and the fix. ``arrival_time``:
+        when the request arrived (time.perf_counter), if before this call (the server stamps it on receipt,
+        before its grammar compiles); None: now. Latency metrics count from it."""
+        return self.inputs.make_request(prompt, params, request_id, self.outputs.requests, arrival_time)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams,
-                    request_id: str | None = None) -> str:
-        return self.add_made_request(self.make_request(prompt, params, request_id))
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        return self.add_made_request(self.make_request(prompt, params, request_id, arrival_time))
 
     def add_made_request(self, request: Request) -> str:
         """Schedule a request ``make_request`` built: for a caller that checks more between the two

@@ -55,8 +55,9 @@ class InputProcessor:
         return self.tokenizer.encode(prompt)
 
     def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None,
-                     live: Container[str]) -> Request:
-        """Validate and build a request; ``live`` holds the ids of requests not finished yet."""
+                     live: Container[str], arrival_time: float | None = None) -> Request:
+        """Validate and build a request; ``live`` holds the ids of requests not finished yet.
+        ``arrival_time``: when it arrived (time.perf_counter), if before this call; None: now."""
         params.validate(self.max_logprobs)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none: use stop_token_ids")
@@ -74,7 +75,7 @@ class InputProcessor:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in live:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, text, token_ids, params)  # after set_bad_words_token_ids
+        request = Request(request_id, text, token_ids, params, arrival_time)  # after set_bad_words_token_ids
         if params.min_tokens:
             request.min_tokens_stop_ids = sorted(
                 {t for t in (*self.eos_token_ids, *params.stop_token_ids) if 0 <= t < self.vocab_size})

@@ -104,11 +104,12 @@ class MultiEngine:
 
     # ----------------------------------------------------------------- requests
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                    model: str | None = None) -> str:
+                    model: str | None = None, arrival_time: float | None = None) -> str:
         self._check_new(request_id)
         engine = self.engine(model)
+        request = engine.make_request(prompt, params, request_id, arrival_time)  # a refused request wakes nothing
         self.sleep.active(self._name_of(engine))
-        engine.add_request(prompt, params, request_id)
+        engine.add_made_request(request)
         self.owner[request_id] = engine
         return request_id
 

@@ -156,7 +156,8 @@ class _Route:
     """Where a request's updates go, and the timing its metrics need."""
     loop: asyncio.AbstractEventLoop
     queue: UpdateQueue
-    last_token_time: float | None = None
+    last_token_time: float | None = None  # when a step last delivered tokens of the request
+    last_token_step: int | None = None  # which step that was (AsyncEngine.num_steps)
     model: str | None = None  # the served model whose metric series it counts in (several models)
 
 
@@ -204,6 +205,7 @@ class AsyncEngine:
         self._admitting = True
         self._thread: threading.Thread | None = None
         self.num_step_errors = 0
+        self.num_steps = 0  # steps run; engine thread only
         self._grammar_pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, "mempath-grammar")
         self._compiling: dict[str, bool] = {}  # request id -> aborted meanwhile; under _wake
 
@@ -247,11 +249,13 @@ class AsyncEngine:
     async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                           queue: UpdateQueue, model: str | None = None) -> None:
         """Queue a request (for the named model of a MultiEngine); its Updates will be put on
-        `queue`. Raises the engine's ValueError."""
+        `queue`. Raises the engine's ValueError. The request arrives now, as the engine's clock
+        reads it: its latency metrics count its grammar's compile, as vLLM's do."""
+        arrival_time = time.perf_counter()
         route = _Route(asyncio.get_running_loop(), queue, model=model)
         if params.structured_outputs is not None and not await self._compile_grammar(params, request_id, model):
             return  # aborted while its grammar compiled: it never reaches the engine
-        command = lambda: self._add(prompt, params, request_id, route, model)  # noqa: E731
+        command = lambda: self._add(prompt, params, request_id, route, model, arrival_time)  # noqa: E731
         await asyncio.wrap_future(self._submit(command, admit=not queue.admitted))
         queue.admitted = True
 
@@ -459,11 +463,12 @@ class AsyncEngine:
                 if future is not None:
                     future.set_result(result)
 
-    def _add(self, prompt, params: SamplingParams, request_id: str, route: _Route, model: str | None) -> None:
+    def _add(self, prompt, params: SamplingParams, request_id: str, route: _Route, model: str | None,
+             arrival_time: float | None = None) -> None:
         if model is None:
-            self.engine.add_request(prompt, params, request_id)
+            self.engine.add_request(prompt, params, request_id, arrival_time=arrival_time)
         else:
-            self.engine.add_request(prompt, params, request_id, model=model)
+            self.engine.add_request(prompt, params, request_id, model=model, arrival_time=arrival_time)
         self._routes[request_id] = route
 
     def _close_route(self, request_id: str) -> _Route | None:
@@ -492,6 +497,7 @@ class AsyncEngine:
             self._fail_all(f"the engine failed: {error}")
             return
         now = time.perf_counter()
+        self.num_steps += 1
         if self.stats_log is not None:
             self.stats_log.stepped()
         if self.metrics is not None:
@@ -518,6 +524,9 @@ class AsyncEngine:
             log.exception("recording the metrics of %s failed", request.request_id)
 
     def _record(self, output: RequestOutput, route: _Route | None, now: float) -> None:
+        """One output of the step that ended at ``now``. A step may emit several tokens of a request, an
+        output each (speculative decoding): as vLLM's, inter-token latency is one interval per request per
+        step, from the step that delivered its previous tokens, and tokens count one by one."""
         if self.metrics is None:
             return
         first = route is None or route.last_token_time is None
@@ -525,11 +534,11 @@ class AsyncEngine:
         if output.new_token_ids:
             if first:
                 self.metrics.record_first_token(output.time_to_first_token, len(output.prompt_token_ids), model=model)
-            else:
+            elif route.last_token_step != self.num_steps:  # this step's first output of the request
                 self.metrics.record_inter_token(now - route.last_token_time, model=model)
             self.metrics.record_generated(len(output.new_token_ids), model=model)
             if route is not None:
-                route.last_token_time = now
+                route.last_token_time, route.last_token_step = now, self.num_steps
         if output.finished:
             self.metrics.record_finish(output.finish_reason, output.total_time, model=model)
 

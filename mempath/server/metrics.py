@@ -14,7 +14,8 @@ prefix; ``deploy/grafana/mempath.json`` is one that reads them (docs/server.md,
   counters, preemptions, the ledger's bytes per pathway, the KV tiers) is read from
   one ``engine.stats()`` snapshot per scrape, so the figures of one scrape agree.
 
-Ours, beyond vLLM's: ``mempath:memory_bytes{pathway,device}`` (the ledger),
+Ours, beyond vLLM's: ``mempath:memory_bytes{pathway,device}`` (the ledger; the draft's
+rows of speculative decoding add ``tenant="draft"``),
 ``mempath:memory_budget_bytes`` and ``mempath:device_memory_used_bytes`` (CUDA),
 ``mempath:kv_blocks{state}`` with state used (referenced by a request), free
 (reusable) and cached (holding a prefix-cache entry, used or free), and the tier
@@ -26,6 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.samples import Sample
 
 # `_created` series double the exposition and no vLLM dashboard reads them (process-wide switch).
 disable_created_metrics()
@@ -327,6 +329,12 @@ class _SnapshotCollector:
                                    labels=["model_name", "pathway", "device", "source"])
         for pathway, entry in stats["ledger"].items():
             memory.add_metric([name, pathway, entry["device"], entry["source"]], entry["bytes"])
+        # The draft of speculative decoding, a tenant of the same budget: its rows carry tenant="draft",
+        # and the target's keep their labels (their series), so sum by (pathway) adds the two.
+        for pathway, entry in (stats.get("draft_ledger") or {}).items():
+            memory.samples.append(Sample("mempath:memory_bytes", {
+                "model_name": name, "pathway": pathway, "device": entry["device"], "source": entry["source"],
+                "tenant": "draft"}, entry["bytes"]))
         yield memory
 
         # Every kind at zero from the start when there is a disk tier (kv.tiers: disk_failures).
