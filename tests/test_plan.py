@@ -283,21 +283,54 @@ def tiny_train(**kw):
     return plan_memory(TINY, dtype="bfloat16", **{**args, **kw})
 
 
-A = 128 * 2 * (34 * 64 + 5 * 4 * 128)  # Korthikanti, s=128, b=2, h=64, a=4: 1,212,416
-LOGITS = 128 * 2 * 1000 * (2 + 4)
+# Korthikanti, s=128, b=2, h=64, a=4, 16-bit: 1,212,416. Its 34·sbh is 16 two-byte tensors of s·b·h and two
+# one-byte dropout masks, its 5·as²b two two-byte s×s tensors and a one-byte mask.
+A = 128 * 2 * (34 * 64 + 5 * 4 * 128)
+A32 = 128 * 2 * (66 * 64 + 9 * 4 * 128)  # the same tensors in float32, the masks still one byte: 2,260,992
+LOGITS = 128 * 2 * 1000 * (2 + 4)  # 16-bit LM-head output + the loss's fp32 log-softmax
+LOGITS32 = 128 * 2 * 1000 * (4 + 4)
 
 
 def test_training_adamw_fp32_no_checkpointing():
+    """adamw-fp32 trains fp32 weights, so the forward runs in fp32: 4-byte activations and logits."""
     plan = tiny_train()
     assert plan.total_params == TINY_PARAMS
-    assert A == 1_212_416
+    assert A == 1_212_416 and A32 == 2_260_992
     assert plan.trainable_params == TINY_PARAMS
     assert (plan.train_weight_bytes, plan.grad_bytes, plan.master_weight_bytes, plan.optimizer_bytes) == (
         4 * TINY_PARAMS, 4 * TINY_PARAMS, 0, 8 * TINY_PARAMS)
-    assert plan.activation_bytes_per_layer == A
-    assert plan.train_activation_bytes == 4 * A == 4_849_664
-    assert plan.train_logits_bytes == LOGITS == 1_536_000
-    assert plan.train_total_bytes == 16 * TINY_PARAMS + 4 * A + LOGITS
+    assert plan.activation_dtype_bytes == 4
+    assert plan.activation_bytes_per_layer == A32
+    assert plan.train_activation_bytes == 4 * A32 == 9_043_968
+    assert plan.train_logits_bytes == LOGITS32 == 2_048_000
+    assert plan.train_total_bytes == 16 * TINY_PARAMS + 4 * A32 + LOGITS32
+
+
+@pytest.mark.parametrize("optimizer,dtype,lora_rank,activation_bytes", [
+    ("adamw-fp32", "bfloat16", 0, 4),  # fp32 weights, whatever the checkpoint's dtype
+    ("adamw-fp32", "float32", 0, 4),
+    ("mixed", "bfloat16", 0, 2),       # 16-bit weights beside the fp32 master copy
+    ("mixed", "float32", 0, 2),
+    ("adamw-8bit", "bfloat16", 0, 2),  # the model's dtype
+    ("adamw-8bit", "float32", 0, 4),
+    ("adamw-fp32", "bfloat16", 8, 2),  # LoRA: the frozen base runs in the model's dtype
+    ("adamw-fp32", "float32", 8, 4),
+    ("mixed", "float32", 8, 2),
+])
+def test_training_activations_follow_the_precision_the_optimizer_implies(optimizer, dtype, lora_rank,
+                                                                          activation_bytes):
+    """Every optimizer got 16-bit activations and logits: float32 training was planned at about half."""
+    plan = plan_memory(TINY, dtype=dtype, train=True, micro_batch=2, seq_len=128, optimizer=optimizer,
+                       lora_rank=lora_rank)
+    e = activation_bytes
+    per_layer = 128 * 2 * ((16 * e + 2) * 64 + (2 * e + 1) * 4 * 128) + e * 128 * 2 * 8 * 2 * bool(lora_rank)
+    assert plan.activation_dtype_bytes == e
+    assert plan.activation_bytes_per_layer == per_layer
+    assert plan.train_activation_bytes == 4 * per_layer
+    assert plan.train_logits_bytes == 128 * 2 * 1000 * (e + 4)
+    full = plan_memory(TINY, dtype=dtype, train=True, micro_batch=2, seq_len=128, optimizer=optimizer,
+                       lora_rank=lora_rank, checkpointing="full")
+    assert full.train_activation_bytes == 4 * e * 128 * 2 * 64 + per_layer  # each layer's input, in that dtype
 
 
 def test_training_optimizers():
@@ -310,10 +343,13 @@ def test_training_optimizers():
 
 
 def test_training_checkpointing():
-    layer_input = 2 * 128 * 2 * 64  # s·b·h·2 bytes
-    assert tiny_train(checkpointing="full").train_activation_bytes == 4 * layer_input + A == 1_343_488
-    selective = tiny_train(checkpointing="selective", checkpoint_layers=[0, 2])
+    layer_input = 2 * 128 * 2 * 64  # s·b·h·2 bytes (mixed: 16-bit)
+    mixed = dict(optimizer="mixed")
+    assert tiny_train(checkpointing="full", **mixed).train_activation_bytes == 4 * layer_input + A == 1_343_488
+    selective = tiny_train(checkpointing="selective", checkpoint_layers=[0, 2], **mixed)
     assert selective.train_activation_bytes == 2 * layer_input + 2 * A + A == 3_702_784
+    fp32 = tiny_train(checkpointing="selective", checkpoint_layers=[0, 2])  # adamw-fp32: 4-byte inputs
+    assert fp32.train_activation_bytes == 2 * 2 * layer_input + 2 * A32 + A32
     assert selective.checkpoint_layers == [0, 2]
 
 
@@ -401,6 +437,14 @@ def test_cli_table(capsys):
     assert rc == 0
     assert "16,060,522,496 B" in out and "131,072 B" in out
     assert "max concurrency at 8192" in out and "layers 0-7" in out and "advice" in out
+
+
+@pytest.mark.parametrize("optimizer,bits", [("adamw-fp32", "fp32"), ("mixed", "16-bit")])
+def test_cli_training_rows_name_the_activation_dtype(capsys, optimizer, bits):
+    """The logits row said "16-bit" for adamw-fp32 too."""
+    assert cli(CONFIGS / "qwen3-0.6b.json", "--train", "--optimizer", optimizer, "--seq-len", "1024") == 0
+    out = capsys.readouterr().out
+    assert f"activations per layer ({bits})" in out and f"logits ({bits} + fp32 log-softmax)" in out
 
 
 def test_cli_json(capsys):

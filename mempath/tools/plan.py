@@ -136,6 +136,7 @@ class MemoryPlan:
     grad_bytes: int = 0
     master_weight_bytes: int = 0
     optimizer_bytes: int = 0
+    activation_dtype_bytes: int = 0  # bytes of a training activation element: the forward's compute dtype
     activation_bytes_per_layer: int = 0
     train_activation_bytes: int = 0
     train_logits_bytes: int = 0

@@ -121,6 +121,7 @@ def _training_lines(p: MemoryPlan) -> list[str]:
         setup += f" (layers {_layer_ranges(p.checkpoint_layers)})"
     if p.lora_rank:
         setup += f", LoRA r={p.lora_rank} on {','.join(p.lora_targets)}"
+    bits = "fp32" if p.activation_dtype_bytes == 4 else f"{8 * p.activation_dtype_bytes}-bit"
     return [
         f"training ({setup})",
         f"  {'trainable params':<34}{p.trainable_params:>16,}",
@@ -128,9 +129,9 @@ def _training_lines(p: MemoryPlan) -> list[str]:
         _row("gradients", p.grad_bytes),
         _row("fp32 master weights", p.master_weight_bytes),
         _row("optimizer moments", p.optimizer_bytes),
-        _row("activations per layer", p.activation_bytes_per_layer),
+        _row(f"activations per layer ({bits})", p.activation_bytes_per_layer),
         _row("activations", p.train_activation_bytes),
-        _row("logits (16-bit + fp32 for the loss)", p.train_logits_bytes),
+        _row(f"logits ({bits} + fp32 log-softmax)", p.train_logits_bytes),
         _row("total", p.train_total_bytes),
         "",
     ]

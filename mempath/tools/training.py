@@ -40,12 +40,28 @@ def resolve_lora_targets(shape: ModelShape, targets) -> list[str]:
     return list(dict.fromkeys(targets))
 
 
-def layer_activation_bytes(seq_len: int, micro_batch: int, shape: ModelShape) -> int:
-    """Korthikanti et al. (2022): s·b·h·(34 + 5·a·s/h) bytes per layer, 16-bit, no
-    tensor or sequence parallelism; written as s·b·(34·h + 5·a·s) so it stays exact.
-    The 5·a·s² term is the attention score matrix, softmax and dropout mask."""
-    s, b = seq_len, micro_batch
-    return s * b * (34 * shape.hidden_size + 5 * shape.num_heads * s)
+def activation_dtype_bytes(optimizer: str, dtype_bytes: int, lora: bool) -> int:
+    """Bytes of an activation element: the dtype the forward computes in. mixed computes in 16-bit (16-bit
+    weights, or autocast over fp32 ones); a LoRA base is frozen in the model dtype and the forward runs
+    through it in that dtype; a full fine-tune computes in its weights' dtype (adamw-fp32: fp32)."""
+    if optimizer == "mixed":
+        return 2
+    weights = OPTIMIZERS[optimizer][0]
+    return dtype_bytes if lora or weights is None else weights
+
+
+def layer_activation_bytes(seq_len: int, micro_batch: int, shape: ModelShape, element_bytes: int = 2) -> int:
+    """Korthikanti et al. (2022), no tensor or sequence parallelism, at `element_bytes` per element.
+
+    Their 16-bit count, s·b·h·(34 + 5·a·s/h), is 16·s·b·h elements at 2 B (attention 5: its input,
+    Q, K, V, the output projection's input; MLP 9: its input and two 4h-wide tensors; the two
+    LayerNorms' inputs 2) plus two 1-byte dropout masks of s·b·h (34 = 16·2 + 2), and per head
+    two s×s tensors (softmax output, its dropout's output) at 2 B plus a 1-byte mask (5 = 2·2 + 1).
+    At e bytes an element the masks stay 1 byte: s·b·((16·e + 2)·h + (2·e + 1)·a·s), exact in
+    integers; e = 2 gives theirs, e = 4 (fp32) s·b·(66·h + 9·a·s).
+    """
+    s, b, e = seq_len, micro_batch, element_bytes
+    return s * b * ((16 * e + 2) * shape.hidden_size + (2 * e + 1) * shape.num_heads * s)
 
 
 def plan_training(shape: ModelShape, dtype_bytes: int, *, optimizer: str, micro_batch: int,
@@ -59,12 +75,14 @@ def plan_training(shape: ModelShape, dtype_bytes: int, *, optimizer: str, micro_
     out). With LoRA the base is frozen in the model dtype with no grads or optimizer
     state, and only the adapters carry the optimizer's state.
 
-    Activations with A = layer_activation_bytes (+ 2·s·b·r per adapted matrix for the
-    LoRA intermediate):
+    Activations are e bytes an element, e = activation_dtype_bytes (adamw-fp32 4; mixed 2;
+    adamw-8bit and LoRA the model dtype's). With A = layer_activation_bytes at e (+ e·s·b·r per
+    adapted matrix for the LoRA intermediate):
         none:       L·A
-        full:       L·2·s·b·h (each layer's input) + A (one layer recomputed at a time)
-        selective:  C checkpointed layers: C·2·s·b·h + (L−C)·A + A
-    Logits: s·b·V·(2 + 4), the 16-bit LM-head output and its fp32 copy for the loss.
+        full:       L·e·s·b·h (each layer's input) + A (one layer recomputed at a time)
+        selective:  C checkpointed layers: C·e·s·b·h + (L−C)·A + A
+    Logits: s·b·V·(e + 4), the LM-head output in the compute dtype (the outputs a training loop
+    holds through the backward) and the fp32 log-softmax the cross-entropy keeps for its backward.
     """
     _check_training(optimizer, micro_batch, seq_len, checkpointing, lora_rank)
     _check_against_the_model(shape, lora_rank)
@@ -81,8 +99,9 @@ def plan_training(shape: ModelShape, dtype_bytes: int, *, optimizer: str, micro_
     g = dtype_bytes if g is None else g
 
     s, b, h = seq_len, micro_batch, shape.hidden_size
-    per_layer = layer_activation_bytes(s, b, shape) + 2 * s * b * lora_rank * len(targets)
-    stored = len(layers) * 2 * s * b * h + (L - len(layers)) * per_layer
+    e = activation_dtype_bytes(optimizer, dtype_bytes, bool(lora_rank))
+    per_layer = layer_activation_bytes(s, b, shape, e) + e * s * b * lora_rank * len(targets)
+    stored = len(layers) * e * s * b * h + (L - len(layers)) * per_layer
     activations = stored + (per_layer if layers else 0)
 
     figures = {
@@ -98,9 +117,10 @@ def plan_training(shape: ModelShape, dtype_bytes: int, *, optimizer: str, micro_
         "grad_bytes": trainable * g,
         "master_weight_bytes": trainable * master,
         "optimizer_bytes": trainable * moments,
+        "activation_dtype_bytes": e,
         "activation_bytes_per_layer": per_layer,
         "train_activation_bytes": activations,
-        "train_logits_bytes": s * b * shape.vocab_size * (2 + 4),
+        "train_logits_bytes": s * b * shape.vocab_size * (e + 4),
     }
     figures["train_total_bytes"] = sum(figures[k] for k in (
         "train_weight_bytes", "grad_bytes", "master_weight_bytes", "optimizer_bytes",

@@ -52,14 +52,20 @@ def progress(line: str) -> None:
 
 
 def run_and_print(measure, format_report, open_html: bool) -> int:
-    """Run a diagnose, print its table (and open its HTML): 0, or one line and 3 (out of memory) or 2."""
+    """Run a diagnose, print its table (and open its HTML): 0, or one line and 3 (out of memory) or 2 (a bad
+    flag; or a report that could not be written after the run, whose table is printed first)."""
     from mempath.memory.oom import MempathOutOfMemoryError
+    from mempath.tools.diagnose.report import ReportNotWritten
     try:
         report = measure()
     except MempathOutOfMemoryError as error:
         print(f"mempath diagnose: {error}", file=sys.stderr)
         return 3
     except ValueError as error:
+        print(f"mempath diagnose: error: {error}", file=sys.stderr)
+        return 2
+    except ReportNotWritten as error:  # the OSError of writing the files: the measurement is still printed
+        print(format_report(error.report))
         print(f"mempath diagnose: error: {error}", file=sys.stderr)
         return 2
     print(format_report(report))

@@ -22,7 +22,7 @@ import torch
 from mempath.memory.ledger import format_bytes
 from mempath.tools.diagnose.meters import CpuMeter, CudaMeter, Recorder, engine_stage_observer, read_host_memory
 from mempath.tools.diagnose.probes import measure_bandwidth
-from mempath.tools.diagnose.report import refuse_foreign_outputs
+from mempath.tools.diagnose.report import out_folder, write_report_files
 from mempath.tools.diagnose.rows import Row
 
 MiB = 1 << 20
@@ -64,51 +64,53 @@ def diagnose_models(models: list[str], *, served_model_name: list[str] | None = 
     from mempath.tools.diagnose.run import build_report, check_probe_counts, indexed_device, measure_serving
 
     check_probe_counts(probe_tokens, probe_seqs, leak_requests)
-    pairs = checked_models(models, served_model_name, out_dir)
+    pairs = checked_models(models, served_model_name)
     options = {**engine_options, "device": indexed_device(device), "dtype": dtype}
     config = EngineConfig.from_kwargs(pairs[0][1], **options)  # bad options: refused before anything loads
     torch_device = config.torch_device()
     plan = plan_pool(pairs, config, dtype, kv_min_share)  # and a --kv-min-share too large
-    meter = CudaMeter(torch_device) if torch_device.type == "cuda" else CpuMeter()
-    recorder = Recorder(meter, progress=progress)
-    bandwidth = measure_bandwidth(torch_device, bandwidth_bytes)
-    host_before = read_host_memory()
-    recorder.start()
-    try:
-        with meter.active():
-            engines, pool = build_engines(
-                pairs, options, show_progress, kv_min_share,
-                stage_for=lambda tenant: engine_stage_observer(TenantRecorder(recorder, tenant)))
-            multi = MultiEngine(engines, pool)
-            if out_dir is not None:
-                from mempath.tools.diagnose.report import require_plotting
-                require_plotting()
-            sections = []
-            for (name, path), engine in zip(pairs, engines.values()):
-                tenant = TenantRecorder(recorder, name)
-                measured = measure_serving(engine, path, tenant, torch_device, probe_tokens, probe_seqs,
-                                           leak_requests, growth_requests)
-                measured["rows"] = _tenant_rows(measured["rows"], engine, measured["plan"], pool.num_pages)
-                section = build_report(f"{name} ({path})", engine.config, torch_device, tenant, host_before,
-                                       bandwidth, measured)
-                sections.append({"name": name, **section})
-            with recorder.stage(f"{POOL_TENANT}: alternating workload", "kv_cache"):
-                split = run_split_workload(multi, split_requests)
-            shared = shared_pages_section(multi, plan, recorder.last(f"{POOL_TENANT}: kv allocation"), meter, split)
-            del multi, engines, pool
-            gc.collect()
-    finally:
-        recorder.stop()
-    report = {"mempath_diagnose": 1, "models": sections, "shared_kv_pages": shared,
-              "device": sections[0]["device"], "files": {}}
-    if out_dir is not None:
-        if progress is not None:
-            progress(f"mempath diagnose: {recorder.now():6.1f} s  writing the report to {out_dir}")
-        write_multi_outputs(report, Path(out_dir))
-    return report
+    # --out is made now, and written to: a bad one is refused before the run, and a failed run removes it.
+    with out_folder(out_dir):
+        meter = CudaMeter(torch_device) if torch_device.type == "cuda" else CpuMeter()
+        recorder = Recorder(meter, progress=progress)
+        bandwidth = measure_bandwidth(torch_device, bandwidth_bytes)
+        host_before = read_host_memory()
+        recorder.start()
+        try:
+            with meter.active():
+                engines, pool = build_engines(
+                    pairs, options, show_progress, kv_min_share,
+                    stage_for=lambda tenant: engine_stage_observer(TenantRecorder(recorder, tenant)))
+                multi = MultiEngine(engines, pool)
+                if out_dir is not None:
+                    from mempath.tools.diagnose.report import require_plotting
+                    require_plotting()
+                sections = []
+                for (name, path), engine in zip(pairs, engines.values()):
+                    tenant = TenantRecorder(recorder, name)
+                    measured = measure_serving(engine, path, tenant, torch_device, probe_tokens, probe_seqs,
+                                               leak_requests, growth_requests)
+                    measured["rows"] = _tenant_rows(measured["rows"], engine, measured["plan"], pool.num_pages)
+                    section = build_report(f"{name} ({path})", engine.config, torch_device, tenant, host_before,
+                                           bandwidth, measured)
+                    sections.append({"name": name, **section})
+                with recorder.stage(f"{POOL_TENANT}: alternating workload", "kv_cache"):
+                    split = run_split_workload(multi, split_requests)
+                shared = shared_pages_section(multi, plan, recorder.last(f"{POOL_TENANT}: kv allocation"), meter, split)
+                del multi, engines, pool
+                gc.collect()
+        finally:
+            recorder.stop()
+        report = {"mempath_diagnose": 1, "models": sections, "shared_kv_pages": shared,
+                  "device": sections[0]["device"], "files": {}}
+        if out_dir is not None:
+            if progress is not None:
+                progress(f"mempath diagnose: {recorder.now():6.1f} s  writing the report to {out_dir}")
+            write_report_files(write_multi_outputs, report, out_dir)
+        return report
 
 
-def checked_models(models: list[str], served_model_name: list[str] | None, out_dir) -> list[tuple[str, str]]:
+def checked_models(models: list[str], served_model_name: list[str] | None) -> list[tuple[str, str]]:
     """(name, directory) of each model, or the one-line ValueError of a bad argument, before anything loads."""
     from mempath.multi.names import served_models
     if len(models) < 2:
@@ -117,8 +119,6 @@ def checked_models(models: list[str], served_model_name: list[str] | None, out_d
     for name, path in pairs:
         if not (Path(path) / "config.json").is_file():
             raise ValueError(f"model {name!r}: {path} has no config.json; give a model directory (DIR or NAME=DIR)")
-    if out_dir is not None:
-        refuse_foreign_outputs(out_dir)
     return pairs
 
 

@@ -156,12 +156,14 @@ def measure_training(model_dir: str, recorder: Recorder, device: torch.device, s
     weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in params}.values())
     generator = torch.Generator().manual_seed(2)
     input_ids = torch.randint(0, model.config.vocab_size, (1, seq_len), generator=generator).to(device)
+    # The outputs (their logits) are held through the backward, as a training loop holds them: the plan's
+    # train_logits_bytes counts them beside the loss's log-softmax, which autograd keeps.
     with recorder.stage("train: forward", "train_activations"):
-        loss = model(input_ids=input_ids, labels=input_ids).loss
+        outputs = model(input_ids=input_ids, labels=input_ids)
     forward = recorder.last("train: forward")
     with recorder.stage("train: backward", "gradients"):
-        loss.backward()
-        del loss
+        outputs.loss.backward()
+        del outputs
     grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
     optimizer = torch.optim.AdamW(params, lr=1e-5, foreach=False)
     with recorder.stage("train: optimizer step", "optimizer_state"):

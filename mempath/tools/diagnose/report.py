@@ -11,6 +11,8 @@ from __future__ import annotations
 import html
 import json
 import os
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from mempath.memory.ledger import format_bytes
@@ -109,21 +111,62 @@ def summary_lines(report: dict) -> list[str]:
 REPORT_FILES = ("diagnose.json", "diagnose.html", "memory_snapshot.pickle")
 
 
-def refuse_foreign_outputs(out_dir: str | Path, snapshot: bool = False) -> None:
+class ReportNotWritten(OSError):
+    """The run finished but its files could not be written (a disk that filled during it): one line for the
+    command, with the report, whose table is then the measurement."""
+
+    def __init__(self, out_dir, error: OSError, report: dict):
+        super().__init__(f"--out {out_dir}: the report could not be written: {_failure(error)}; the table is "
+                         f"the measurement; free some space or give another --out folder")
+        self.report = report
+
+
+def write_report_files(write, report: dict, out_dir) -> None:
+    """``write(report, Path(out_dir))``; its OSError (a disk that filled during the run) as ReportNotWritten,
+    which carries the report, whose table is then still printed."""
+    try:
+        write(report, Path(out_dir))
+    except OSError as error:
+        report["files"] = {}
+        raise ReportNotWritten(out_dir, error, report) from error
+
+
+@contextmanager
+def out_folder(out_dir: str | Path | None, snapshot: bool = False):
+    """Around a run that writes its report to ``out_dir`` (None: none): refuse_foreign_outputs first, so a bad
+    --out is refused before the run; if the run fails, the folders made for it are removed again while still
+    empty, so a refused or failed run leaves nothing behind (rmdir never removes a file)."""
+    made = [] if out_dir is None else refuse_foreign_outputs(out_dir, snapshot)
+    try:
+        yield
+    except BaseException:
+        _remove_empty(made)
+        raise
+
+
+def refuse_foreign_outputs(out_dir: str | Path, snapshot: bool = False) -> list[Path]:
     """Raise the one-line ValueError if ``out_dir`` holds a file this run would write that no
     diagnose wrote: a report replaces only an earlier report (its JSON's "mempath_diagnose" key,
-    its HTML's title; with ``snapshot``, a memory snapshot beside such a JSON)."""
+    its HTML's title; with ``snapshot``, a memory snapshot beside such a JSON). Else make the folder
+    now and check a file can be written there, so a bad --out is refused before the run; return the
+    folders it made, the deepest first."""
     out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"--out {out_dir} is a file, not a folder; give a folder for the report (it is made if missing)")
-    _check_can_make(out_dir)
-    ours = {"diagnose.json": _is_report_json(out_dir / "diagnose.json")}
-    ours["diagnose.html"] = _is_report_html(out_dir / "diagnose.html")
-    ours["memory_snapshot.pickle"] = ours["diagnose.json"]
-    for name in REPORT_FILES if snapshot else REPORT_FILES[:2]:
-        if (out_dir / name).exists() and not ours[name]:
-            raise ValueError(f"--out {out_dir}: {name} is there and is not a mempath diagnose report; "
-                             f"give another --out folder, or move the file")
+    try:
+        if out_dir.exists() and not out_dir.is_dir():
+            raise ValueError(f"--out {out_dir} is a file, not a folder; give a folder for the report "
+                             f"(it is made if missing)")
+        _check_can_make(out_dir)
+        ours = {"diagnose.json": _is_report_json(out_dir / "diagnose.json")}
+        ours["diagnose.html"] = _is_report_html(out_dir / "diagnose.html")
+        ours["memory_snapshot.pickle"] = ours["diagnose.json"]
+        for name in REPORT_FILES if snapshot else REPORT_FILES[:2]:
+            if (out_dir / name).exists() and not ours[name]:
+                raise ValueError(f"--out {out_dir}: {name} is there and is not a mempath diagnose report; "
+                                 f"give another --out folder, or move the file")
+    except OSError as error:  # stat refused: a name too long, a folder above that cannot be searched
+        raise ValueError(f"--out {out_dir} cannot be made: {_failure(error)}; give a folder you can write") \
+            from error
+    return _make_and_try(out_dir)
 
 
 def _check_can_make(out_dir: Path) -> None:
@@ -140,6 +183,47 @@ def _check_can_make(out_dir: Path) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"--out {out_dir} cannot be made: {existing} is not writable by this user; give a folder "
                          f"you can write")
+
+
+def _make_and_try(out_dir: Path) -> list[Path]:
+    """Make the folder and write a scratch file into it; the folders made, the deepest first. os.access says
+    yes to root, on /proc and on a read-only mount, and the folder used to be made only after the run, whose
+    measurement was then lost. The scratch file is a new one (mkstemp opens with O_EXCL), removed at once:
+    no file is touched that this check did not create."""
+    missing = [out_dir, *out_dir.parents]
+    missing = missing[:next(i for i, folder in enumerate(missing) if folder.exists())]
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"--out {out_dir} cannot be made: {_failure(error)}; give a folder you can write") \
+            from error
+    try:
+        fd, scratch = tempfile.mkstemp(prefix=".mempath-diagnose-", suffix=".tmp", dir=out_dir)
+        try:
+            with os.fdopen(fd, "wb") as file:
+                file.write(b"mempath diagnose: checking that --out can be written\n")
+        finally:
+            os.unlink(scratch)
+    except OSError as error:
+        _remove_empty(missing)
+        raise ValueError(f"--out {out_dir} cannot be written: {_failure(error)}; give a folder you can write") \
+            from error
+    return missing
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove the folders made for a run that failed, the deepest first, while they are empty: rmdir never
+    removes a file, so one that holds anything (a report file got written) stays, with those above it."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
+def _failure(error: OSError) -> str:
+    """'/proc/nope: No such file or directory' from an OSError: the path that failed and why."""
+    return f"{error.filename}: {error.strerror}" if error.filename and error.strerror else str(error)
 
 
 def _is_report_json(path: Path) -> bool:

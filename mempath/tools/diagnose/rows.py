@@ -157,9 +157,10 @@ def train_rows(plan, training: dict, meter) -> list[Row]:
             f"tensor bytes of the state: {format_bytes(training['optimizer_state_tensor_bytes'])}"),
         Row("train.activations", plan.train_activation_bytes + plan.train_logits_bytes,
             training["activations"], f"plan: train_activation_bytes + train_logits_bytes at "
-            f"seq-len {plan.seq_len}", f"{meter.source} across the forward (kept for the backward)",
-            "the plan's figure is an estimate: Korthikanti et al.'s bytes for a 16-bit GPT layer with "
-            "dropout masks and the attention score matrix, not a count of this model's saved tensors; "
-            "negative: the model kept less than that"),
+            f"seq-len {plan.seq_len}, {plan.activation_dtype_bytes}-byte activations (adamw-fp32)",
+            f"{meter.source} across the forward (kept for the backward, with the logits it returns)",
+            "the plan's figure is an estimate: Korthikanti et al.'s count for a GPT layer with dropout "
+            "masks and the attention score matrix, taken at this run's element size, not a count of this "
+            "model's saved tensors; negative: the model kept less than that"),
     ]
 

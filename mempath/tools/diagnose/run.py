@@ -58,48 +58,49 @@ def diagnose(model_dir: str, *, device: str = "auto", dtype: str = "auto", train
     from mempath.model.spec import ModelSpec
     from mempath.model.loader import read_config
 
-    from mempath.tools.diagnose.report import refuse_foreign_outputs
+    from mempath.tools.diagnose.report import out_folder, write_report_files
 
     check_probe_counts(probe_tokens, probe_seqs, leak_requests)
     config = EngineConfig.from_kwargs(model_dir, device=indexed_device(device), dtype=dtype, **engine_options)
-    if out_dir is not None:
-        refuse_foreign_outputs(out_dir, snapshot)
-    # A broken config.json is refused before anything is measured.
+    # A broken config.json is refused before anything is measured, and before --out is made.
     ModelSpec.from_hf_config(read_config(config.model), source=str(Path(config.model) / "config.json"))
-    torch_device = config.torch_device()
-    meter = CudaMeter(torch_device) if torch_device.type == "cuda" else CpuMeter()
-    recorder = Recorder(meter, progress=progress)
-    # The link is measured first, alone: measured at the end, inside the memory-history
-    # recording, the H200's pinned host->device rate read 29.6 GB/s instead of ~54.
-    if progress is not None and torch_device.type == "cuda":
-        progress(f"mempath diagnose: {recorder.now():6.1f} s  host<->device bandwidth")
-    bandwidth = measure_bandwidth(torch_device, bandwidth_bytes)
-    if snapshot and torch_device.type == "cuda":
-        torch.cuda.memory._record_memory_history(max_entries=200_000)
-    host_before = read_host_memory()
-    recorder.start()
-    try:
-        with meter.active():
-            engine = LLMEngine(config, show_progress=show_progress, stage=engine_stage_observer(recorder))
-            if out_dir is not None:  # after the load (a broken model is refused first), before measuring
-                from mempath.tools.diagnose.report import require_plotting
-                require_plotting()
-            measured = measure_serving(engine, model_dir, recorder, torch_device, probe_tokens, probe_seqs,
-                                       leak_requests, growth_requests)
-            del engine
-            gc.collect()
-            if torch_device.type == "cuda":
-                torch.cuda.empty_cache()
-            if train:
-                _measure_training(measured, model_dir, recorder, torch_device, probe_tokens)
-    finally:
-        recorder.stop()
-    report = build_report(model_dir, config, torch_device, recorder, host_before, bandwidth, measured)
-    if out_dir is not None:
-        if progress is not None:
-            progress(f"mempath diagnose: {recorder.now():6.1f} s  writing the report to {out_dir}")
-        _write_outputs(report, Path(out_dir), snapshot and torch_device.type == "cuda")
-    return report
+    # --out is made now, and written to: a bad one is refused before the run, and a failed run removes it.
+    with out_folder(out_dir, snapshot):
+        torch_device = config.torch_device()
+        meter = CudaMeter(torch_device) if torch_device.type == "cuda" else CpuMeter()
+        recorder = Recorder(meter, progress=progress)
+        # The link is measured first, alone: measured at the end, inside the memory-history
+        # recording, the H200's pinned host->device rate read 29.6 GB/s instead of ~54.
+        if progress is not None and torch_device.type == "cuda":
+            progress(f"mempath diagnose: {recorder.now():6.1f} s  host<->device bandwidth")
+        bandwidth = measure_bandwidth(torch_device, bandwidth_bytes)
+        if snapshot and torch_device.type == "cuda":
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
+        host_before = read_host_memory()
+        recorder.start()
+        try:
+            with meter.active():
+                engine = LLMEngine(config, show_progress=show_progress, stage=engine_stage_observer(recorder))
+                if out_dir is not None:  # after the load (a broken model is refused first), before measuring
+                    from mempath.tools.diagnose.report import require_plotting
+                    require_plotting()
+                measured = measure_serving(engine, model_dir, recorder, torch_device, probe_tokens, probe_seqs,
+                                           leak_requests, growth_requests)
+                del engine
+                gc.collect()
+                if torch_device.type == "cuda":
+                    torch.cuda.empty_cache()
+                if train:
+                    _measure_training(measured, model_dir, recorder, torch_device, probe_tokens)
+        finally:
+            recorder.stop()
+        report = build_report(model_dir, config, torch_device, recorder, host_before, bandwidth, measured)
+        if out_dir is not None:
+            if progress is not None:
+                progress(f"mempath diagnose: {recorder.now():6.1f} s  writing the report to {out_dir}")
+            cuda_snapshot = snapshot and torch_device.type == "cuda"
+            write_report_files(lambda r, folder: _write_outputs(r, folder, cuda_snapshot), report, out_dir)
+        return report
 
 
 def build_report(model_dir, config, torch_device: torch.device, recorder: Recorder, host_before: dict,
@@ -253,8 +254,10 @@ def _write_outputs(report: dict, out_dir: Path, snapshot: bool) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     if snapshot:
         path = out_dir / "memory_snapshot.pickle"
-        torch.cuda.memory._dump_snapshot(str(path))
-        torch.cuda.memory._record_memory_history(enabled=None)
+        try:
+            torch.cuda.memory._dump_snapshot(str(path))
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
         report["snapshot"] = str(path)
         report["files"]["snapshot"] = str(path)
     report["files"]["json"] = str(out_dir / "diagnose.json")
