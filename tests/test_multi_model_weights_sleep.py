@@ -197,3 +197,61 @@ def test_llm_generate_on_an_asleep_model_wakes_it_and_its_weights(two_models, as
     assert run("b") == before
     stats = llm.stats()["sleep"]
     assert stats["asleep"] == [] and stats["wakes_by_model"]["b"] == 1 and llm.engine.owner == {}
+
+
+def failing_map(arena, monkeypatch) -> list[bool]:
+    """The arena's map fails as cuMemCreate does when the device memory the weights left is taken, until the
+    returned flag is cleared."""
+    from mempath.memory.arena import ArenaError
+    fail, real = [True], arena.map
+
+    def map_or_fail():
+        if fail[0]:
+            raise ArenaError("cuMemCreate failed (CUDA_ERROR_OUT_OF_MEMORY): the device cannot keep weights at "
+                             "fixed addresses while they sleep; leave --sleep-offload-weights off",
+                             "cuMemCreate failed (CUDA_ERROR_OUT_OF_MEMORY)")
+        real()
+    monkeypatch.setattr(arena, "map", map_or_fail)
+    return fail
+
+
+def test_a_wake_that_finds_no_room_refuses_its_request_and_the_next_one_wakes(offloading, monkeypatch):
+    """It raised the start-up advice (leave --sleep-offload-weights off) as a 500 to the request that woke it."""
+    from mempath.multi.sleep import WakeFailed
+    clock = FakeClock()
+    engine = MultiEngine(offloading.engines, offloading.engine.pool, sleep_after=5, clock=clock)
+    before = answer(engine, "b", "b0")
+    clock.now = 10
+    burst(engine, "a", "x")
+    fail = failing_map(engine.engines["b"].model.weights_arena, monkeypatch)
+    with pytest.raises(WakeFailed, match=r"model 'b' is asleep and could not wake: its weights \(.*\) found no "
+                                         r"room on the device \(cuMemCreate failed \(CUDA_ERROR_OUT_OF_MEMORY\)\);"):
+        engine.add_request(PROMPT, GREEDY, "woke", model="b")
+    stats = engine.stats()["sleep"]
+    assert stats["weights_offloaded"] == ["b"] and "b" in stats["asleep"] and not engine.has_unfinished_requests()
+    fail[0] = False
+    assert answer(engine, "b", "b1") == before
+
+
+def test_a_wake_that_finds_no_room_is_a_503_and_other_models_serve_on(two_models, monkeypatch):  # noqa: F811
+    from starlette.testclient import TestClient
+
+    from mempath.multi.http import build_multi_server_app
+    app, names = build_multi_server_app(list(two_models), {"dtype": "float32", "num_gpu_blocks_override": 12},
+                                        None, 0.0, None, {}, False, 30.0, None, None, {}, sleep_after=1e6,
+                                        sleep_offload_weights=True)
+    engine = app.shared.engine
+    asleep = names[1]
+    engine.sleep.pool.asleep.add(asleep)
+    engine.sleep.weights.offload(asleep)
+    fail = failing_map(engine.engines[asleep].model.weights_arena, monkeypatch)
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    with TestClient(app) as client:
+        refused = client.post("/v1/completions", json={**body, "model": asleep})
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        error = refused.json()["error"]
+        assert error["code"] == "model_unavailable" and "could not wake" in error["message"]
+        assert "leave --sleep-offload-weights off" not in error["message"]
+        assert client.post("/v1/completions", json={**body, "model": names[0]}).status_code == 200
+        fail[0] = False
+        assert client.post("/v1/completions", json={**body, "model": asleep}).status_code == 200

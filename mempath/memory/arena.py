@@ -31,7 +31,12 @@ def mapped_bytes() -> int:
 
 
 class ArenaError(RuntimeError):
-    """A driver call the arena needs failed: the message names the call and the fix."""
+    """A driver call the arena needs failed: the message names the call and the fix; ``failure`` the call and
+    the driver's error name alone (``cuMemCreate failed (CUDA_ERROR_OUT_OF_MEMORY)``)."""
+
+    def __init__(self, message: str, failure: str | None = None):
+        super().__init__(message)
+        self.failure = failure or message
 
 
 class _CUmemLocation(ctypes.Structure):
@@ -71,8 +76,9 @@ def _check(result: int, call: str) -> None:
     if result != 0:
         name = ctypes.c_char_p()
         _cuda().cuGetErrorName(result, ctypes.byref(name))
-        raise ArenaError(f"{call} failed ({(name.value or b'?').decode()}): the device cannot keep weights "
-                         f"at fixed addresses while they sleep; leave --sleep-offload-weights off")
+        failure = f"{call} failed ({(name.value or b'?').decode()})"
+        raise ArenaError(f"{failure}: the device cannot keep weights at fixed addresses while they sleep; leave "
+                         f"--sleep-offload-weights off", failure)
 
 
 class _CudaArrayInterface:

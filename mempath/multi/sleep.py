@@ -27,8 +27,19 @@ from typing import Callable
 
 import torch
 
+from mempath.memory.arena import ArenaError
 from mempath.memory.ledger import Pathway, format_bytes
 from mempath.multi.pages import PagePool
+
+
+class WakeFailed(RuntimeError):
+    """An asleep model's weights found no room on the device again: the request that woke it is refused (a 503),
+    the model stays asleep, and the next request tries again."""
+
+    def __init__(self, name: str, nbytes: int, error: ArenaError):
+        super().__init__(f"model {name!r} is asleep and could not wake: its weights ({format_bytes(nbytes)}) found "
+                         f"no room on the device ({error.failure}); the memory they left while it slept is in use "
+                         f"outside this engine (another process?). Retry later")
 
 
 def check_sleep_after(sleep_after: float | None) -> None:
@@ -106,7 +117,10 @@ class WeightsOffload:
         if arena.is_mapped:
             return
         start = time.perf_counter()
-        arena.map()
+        try:
+            arena.map()
+        except ArenaError as error:
+            raise WakeFailed(name, arena.nbytes, error) from None
         arena.tensor.copy_(state.host, non_blocking=True)
         if engine.device.type == "cuda":
             torch.cuda.synchronize(engine.device)

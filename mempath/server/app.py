@@ -28,6 +28,7 @@ from starlette.requests import ClientDisconnect
 from mempath import __version__
 from mempath.generation_config import with_defaults
 from mempath.sampling import SamplingParams
+from mempath.multi.sleep import WakeFailed
 from mempath.server.async_engine import AsyncEngine, EngineDeadError, Update
 from mempath.server.calls import (SSE_DONE, Call, ChoiceText, Limits, SSEResponse, api_key_checker,  # noqa: F401
                                   check_context, check_model, check_num_choices, check_prompt_length, collect,
@@ -302,6 +303,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_request, error: EngineDeadError):
         return JSONResponse(error_body(str(error), "server_error", None, "engine_unavailable"), 503)
+
+    @app.exception_handler(WakeFailed)
+    async def wake_failed(_request, error: WakeFailed):
+        log.warning("%s", error)
+        return JSONResponse(error_body(str(error), "server_error", None, "model_unavailable"), 503,
+                            headers={"Retry-After": "1"})
 
     @app.exception_handler(ClientDisconnect)
     async def client_hung_up(request: Request, _error: ClientDisconnect):
