@@ -69,12 +69,17 @@ def resolve_model_and_prompt(args) -> tuple[str | None, str]:
                      f"directory: quote a prompt that has spaces, and give the model as --model DIR")
 
 
-def warn_if_cut(output, params, max_model_len: int) -> None:
-    """Say when max_model_len, not --max-tokens, ended the output (the engine stops a sequence at its last position)."""
+def warn_if_cut(output, params, max_model_len: int, args=None, config_defaults: dict | None = None) -> None:
+    """Say when max_model_len, not max_tokens, ended the output (the engine stops a sequence at its last position);
+    ``args`` and ``config_defaults`` name where max_tokens came from (--max-tokens, the generation config, the
+    default)."""
     made = len(output.token_ids)
     if output.finish_reason == "length" and made < params.max_tokens:
-        log.warning("the output stopped at %d tokens, not --max-tokens %d: its %d-token prompt and the output fill "
-                    "--max-model-len %d; raise --max-model-len for a longer output", made, params.max_tokens,
+        limit = (f"--max-tokens {params.max_tokens}" if args is None or args.max_tokens is not None else
+                 f"max_tokens {params.max_tokens} (the generation config's max_new_tokens)"
+                 if "max_tokens" in (config_defaults or {}) else f"the default max_tokens {params.max_tokens}")
+        log.warning("the output stopped at %d tokens, not %s: its %d-token prompt and the output fill "
+                    "--max-model-len %d; raise --max-model-len for a longer output", made, limit,
                     len(output.prompt_token_ids), max_model_len)
 
 
@@ -86,7 +91,7 @@ def run_generate(args) -> int:
     params = sampling_params(args, llm.sampling_defaults, warn=True)
     try:
         output = llm.generate(prompt, params, use_tqdm=False)[0]
-        warn_if_cut(output, params, llm.engine.max_model_len)
+        warn_if_cut(output, params, llm.engine.max_model_len, args, llm.sampling_defaults)
         if args.json:
             print(json.dumps({"prompt": prompt, "text": output.text, "token_ids": output.token_ids,
                               "finish_reason": output.finish_reason,
@@ -112,7 +117,7 @@ def run_chat(args) -> int:
     try:
         output = llm.chat([{"role": "user", "content": args.message[0]}], params,
                           use_tqdm=False, chat_template=template)[0]
-        warn_if_cut(output, params, llm.engine.max_model_len)
+        warn_if_cut(output, params, llm.engine.max_model_len, args, llm.sampling_defaults)
         print(output.text, flush=True)
     finally:
         llm.engine.close()  # after the answer is out: a disk tier keeps what this run cached for the next

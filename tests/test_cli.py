@@ -299,6 +299,23 @@ def test_the_cut_names_the_max_model_len_start_up_chose(capsys, caplog):
     assert warning.endswith("fill --max-model-len 1024; raise --max-model-len for a longer output"), warning
 
 
+def test_the_cut_names_where_max_tokens_came_from(capsys, caplog, tmp_path):
+    """It named --max-tokens when the flag was not given and the limit was the generation config's."""
+    import json
+    import logging
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 100}))
+    with caplog.at_level(logging.WARNING, logger="mempath.cli"):
+        assert main(["generate", "def f():", "--generation-config", str(tmp_path), "--max-model-len", "40",
+                     "--ignore-eos", "--quiet"]) == 0
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "stopped" in r.getMessage()]
+    assert "not max_tokens 100 (the generation config's max_new_tokens):" in warning, warning
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mempath.cli"):
+        assert main(["generate", "def f():", "--max-model-len", "40", "--ignore-eos", "--quiet"]) == 0
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "stopped" in r.getMessage()]
+    assert "not the default max_tokens 64:" in warning, warning
+
+
 def test_an_unquoted_chat_message_is_told_to_be_quoted(capsys):
     """`mempath chat Hello World` was argparse's 'unrecognized arguments: World' under the whole usage."""
     assert main(["chat", "Hello", "World", "--quiet"]) == 2

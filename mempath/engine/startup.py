@@ -222,7 +222,8 @@ class Startup:
             raise ValueError(f"tokenizer {config.tokenizer}: no tokenizer.json, tokenizer.model or vocab.json there")
         self._check_draft_tokenizer()
         self.load_weights(show_progress)
-        self.eos_token_ids = set(self.spec.eos_token_ids) | set(load_generation_eos(config.model, config.generation_config))
+        generation_eos = load_generation_eos(config.model, config.generation_config)
+        self.eos_token_ids = set(self.spec.eos_token_ids) | set(generation_eos)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         beyond = sorted(t for t in self.eos_token_ids if not 0 <= t < self.spec.vocab_size)
