@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from mempath import LLM, SamplingParams
 from mempath.cli import main as cli_main
 from mempath.tools.plan import plan_memory
-from mempath.model import loader
+from mempath.model import digest, loader
 from mempath.model.spec import ModelSpec
 from mempath.model.loader import load_model
 from tests.conftest import make_model
@@ -465,9 +465,9 @@ def test_a_restart_on_unchanged_weights_hashes_nothing_and_writes_nothing_in_the
     listing = sorted(os.listdir(model))
     fill_disk_tier(model, tmp_path / "disk")
     assert sorted(os.listdir(model)) == listing
-    assert loader.digest_cache_file() == tmp_path / "xdg-cache" / "mempath" / "weight-digests.json"
-    assert loader.digest_cache_file().is_file()
-    monkeypatch.setattr(loader, "hash_file", lambda path: pytest.fail(f"{path} hashed again"))
+    assert digest.digest_cache_file() == tmp_path / "xdg-cache" / "mempath" / "weight-digests.json"
+    assert digest.digest_cache_file().is_file()
+    monkeypatch.setattr(digest, "hash_file", lambda path: pytest.fail(f"{path} hashed again"))
     llm = tiered(model, tmp_path / "disk")
     out = llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0]
     assert out.num_cached_tokens == 32  # the disk tier's blocks were kept
@@ -481,8 +481,8 @@ def test_the_same_bytes_rewritten_are_hashed_again_and_keep_the_kv(tmp_path, two
     copy.write_bytes((model / "model.safetensors").read_bytes())
     replace_in_place(model / "model.safetensors", copy)  # ctime moves: the cached digest is not trusted
     hashed = []
-    real_hash = loader.hash_file
-    monkeypatch.setattr(loader, "hash_file", lambda path: hashed.append(path) or real_hash(path))
+    real_hash = digest.hash_file
+    monkeypatch.setattr(digest, "hash_file", lambda path: hashed.append(path) or real_hash(path))
     llm = tiered(model, tmp_path / "disk")
     assert [Path(p).name for p in hashed] == ["model.safetensors"]
     assert llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].num_cached_tokens == 32
@@ -535,7 +535,7 @@ def test_the_dummy_weights_fingerprint_names_the_device_type(tmp_path):
 
 def test_no_disk_tier_no_hashing(tmp_path, monkeypatch):
     make_model(tmp_path, "llama", tokenizer=False)
-    monkeypatch.setattr(loader, "hash_file", lambda path: pytest.fail("hashed without a disk tier"))
+    monkeypatch.setattr(digest, "hash_file", lambda path: pytest.fail("hashed without a disk tier"))
     LLM(str(tmp_path), dtype="float32", show_progress=False)
     LLM(str(tmp_path), dtype="float32", show_progress=False, num_gpu_blocks_override=8, cpu_kv_gb=gb(8))
 
@@ -544,25 +544,25 @@ def test_a_damaged_digest_cache_is_rebuilt(tmp_path):
     make_model(tmp_path / "model", "llama", tokenizer=False)
     weights = str(tmp_path / "model" / "model.safetensors")
     cache = tmp_path / "digests.json"
-    identities = {weights: loader.file_identity(weights)}
-    digest = loader.weights_digest(identities, cache)
+    identities = {weights: digest.file_identity(weights)}
+    first = digest.weights_digest(identities, cache)
     cache.write_text("{not json")
-    assert loader.weights_digest(identities, cache) == digest
+    assert digest.weights_digest(identities, cache) == first
     cache.write_text(json.dumps([1, 2]))
-    assert loader.weights_digest(identities, cache) == digest
+    assert digest.weights_digest(identities, cache) == first
     assert json.loads(cache.read_text())  # rewritten whole
 
 
 def test_the_digest_cache_keeps_the_newest_entries(tmp_path, monkeypatch):
-    monkeypatch.setattr(loader, "_MAX_CACHED_DIGESTS", 2)
+    monkeypatch.setattr(digest, "_MAX_CACHED_DIGESTS", 2)
     cache = tmp_path / "digests.json"
     files = []
     for i in range(3):
         files.append(tmp_path / f"w{i}.safetensors")
         save_file({"w": torch.full((4,), float(i))}, files[-1])
-        loader.weights_digest({str(files[-1]): loader.file_identity(files[-1])}, cache)
+        digest.weights_digest({str(files[-1]): digest.file_identity(files[-1])}, cache)
     kept = json.loads(cache.read_text())
-    assert list(kept) == [loader.file_identity(f) for f in files[1:]]
+    assert list(kept) == [digest.file_identity(f) for f in files[1:]]
 
 
 @pytest.mark.parametrize("options,flag", [
@@ -639,7 +639,7 @@ def test_a_damaged_digest_cache_is_hashed_again_and_nothing_is_written_through_a
     """The weights-digest cache is only a cache: nested too deep, a FIFO, or links under its names, it is
     ignored, the weights are hashed again, and the user's file a link points to is left as it was."""
     model, _ = two_models
-    cache = loader.digest_cache_file()
+    cache = digest.digest_cache_file()
     cache.parent.mkdir(parents=True)
     cache.write_text("[" * 100_000 + "]" * 100_000)
     fill_disk_tier(model, tmp_path / "disk")  # raised RecursionError
@@ -683,3 +683,54 @@ def test_a_fifo_in_place_of_a_tokenizer_or_weights_file_is_one_line_not_a_hang(t
     if worker.is_alive():
         os.close(os.open(tmp_path / name, os.O_WRONLY | os.O_NONBLOCK))  # let a reader stuck in open() return
     assert f"{name}: is not a regular file" in outcome.get("error", ""), outcome
+
+
+# ----------------------------------------------------------------- fields config.json leaves out
+def test_each_architectures_defaults_are_transformers_own():
+    """A field config.json leaves out takes what transformers' config class of that architecture takes: one
+    default for all gave a Mixtral without rope_theta 10,000 where transformers uses 1e6 (other tokens)."""
+    import transformers
+
+    from mempath.model.spec import ARCH_DEFAULTS, SUPPORTED_ARCHITECTURES
+    assert set(ARCH_DEFAULTS) == set(SUPPORTED_ARCHITECTURES)
+    for arch, defaults in ARCH_DEFAULTS.items():
+        config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(num_attention_heads=12, hidden_size=96)
+        theirs = {"rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_parameters["rope_theta"],
+                  "max_position_embeddings": config.max_position_embeddings,
+                  "num_key_value_heads": None if config.num_key_value_heads == 12 else config.num_key_value_heads,
+                  "sliding_window": getattr(config, "sliding_window", None)}
+        assert defaults == theirs, arch
+
+
+@pytest.mark.parametrize("arch, left_out, field, value", [
+    ("mixtral", "rope_theta", "rope_theta", 1e6),
+    ("mixtral", "rms_norm_eps", "rms_norm_eps", 1e-5),
+    ("phi3", "rms_norm_eps", "rms_norm_eps", 1e-5),
+    ("mistral", "sliding_window", "sliding_window", 4096),
+])
+def test_a_field_left_out_takes_the_architectures_default(tmp_path, arch, left_out, field, value):
+    from mempath.model.spec import ModelSpec
+    make_model(tmp_path, arch, tokenizer=False)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop(left_out, None)
+    if left_out == "rope_theta":
+        config.pop("rope_parameters", None)
+    assert getattr(ModelSpec.from_hf_config(config), field) == value
+    if left_out == "sliding_window":
+        config["sliding_window"] = None  # null is no window, as in transformers
+        assert ModelSpec.from_hf_config(config).sliding_window is None
+
+
+def test_a_tied_model_whose_checkpoint_holds_another_lm_head_is_refused(tmp_path):
+    """tie_word_embeddings true and an lm_head.weight unlike the embedding: the tensor was dropped without a word
+    (the embedding served as the head), where transformers unties them: other tokens from the first one."""
+    from safetensors.torch import load_file, save_file
+    make_model(tmp_path, tie_word_embeddings=True, tokenizer=False)
+    tensors = load_file(tmp_path / "model.safetensors")
+    embedding = tensors["model.embed_tokens.weight"]
+    save_file({**tensors, "lm_head.weight": embedding.clone()}, tmp_path / "model.safetensors")
+    load_model(tmp_path, torch.float32, CPU, show_progress=False)  # the same tensor twice: tied as written
+    save_file({**tensors, "lm_head.weight": embedding + 0.5}, tmp_path / "model.safetensors")
+    message = refusal(lambda: load_model(tmp_path, torch.float32, CPU, show_progress=False))
+    assert message.startswith(str(tmp_path / "model.safetensors") + ": holds an lm_head.weight that differs")
+    assert 'set "tie_word_embeddings": false in config.json' in message

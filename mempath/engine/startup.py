@@ -33,8 +33,8 @@ from mempath.model.moe import expert_slot_bytes, forget_start_up_routing
 from mempath.model.moe_host import check_cpu_experts, set_cpu_experts
 from mempath.model.spec import ConfigFields, ModelSpec
 from mempath.model.quant import check_fp8_kv_device
-from mempath.model.loader import (checkpoint_dtype, digest_cache_file, load_model, read_config,
-                                  read_json_object, refuse_special_file, weights_digest)
+from mempath.model.digest import digest_cache_file, weights_digest
+from mempath.model.loader import checkpoint_dtype, load_model, read_config, read_json_object, refuse_special_file
 
 log = logging.getLogger(__name__)
 # The figures an operator reads (server/stats_log.py: `mempath serve` shows them at INFO).

@@ -7,12 +7,9 @@ parameter. Host memory holds one tensor at a time, never the whole state dict:
 that second full copy is what kills loads of large models on small hosts.
 """
 import dataclasses
-import hashlib
-import json
 import logging
 import os
 import re
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,12 +22,13 @@ from mempath.constants import CHECKPOINT_DTYPES
 from mempath.kernels.dispatch import kernels_for
 from mempath.memory.arena import aligned, make_arena
 from mempath.memory.arena import view as arena_view
+from mempath.model.digest import file_identity
 from mempath.model.llama import CausalLM
 from mempath.model.spec import CheckpointError, ModelSpec, describe, json_kind
 from mempath.model.moe import offloaded_weights, set_expert_cache_size, set_expert_prefetch
 from mempath.model.quant import (FP8_DTYPE, check_fp8_device, check_fp8_mix, copy_quantized, copy_scale,
                                  fp8_nan_count, quantized_targets, scale_problem, set_dense_gemv, set_fp8_matmul)
-from mempath.safe_io import loads_json, open_regular, write_new_file
+from mempath.safe_io import loads_json
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +55,6 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # mempath keeps); any other (integers, float8) is a quantized or damaged tensor, which a
 # cast would silently turn into garbage.
 _FLOAT_DTYPES = tuple(getattr(torch, name) for name in CHECKPOINT_DTYPES) + (torch.float64,)
-# safetensors refuses headers above 100 MB; the identity reads no further.
-_MAX_HEADER_BYTES = 100_000_000
-# The cache of weights files' content digests (docs/tiers.md) and how many it keeps.
-WEIGHT_DIGESTS_FILE = "weight-digests.json"
-_MAX_CACHED_DIGESTS = 1024
 
 
 @dataclass
@@ -372,6 +365,15 @@ def _skipped(name: str, model: CausalLM) -> bool:
     return name.endswith(_IGNORED_SUFFIXES) or (model.spec.tie_word_embeddings and name == "lm_head.weight")
 
 
+def _check_tied_head(where: str, head: torch.Tensor, embedding: torch.Tensor) -> None:
+    """A tied model serves its embedding as the LM head: refuse a checkpoint whose own lm_head differs (a head
+    untied in training, the config left as it was); transformers then unties them, so its tokens differ."""
+    if head.shape != embedding.shape or not torch.equal(head.to(embedding.device, embedding.dtype), embedding):
+        raise CheckpointError(f"{where}: holds an lm_head.weight that differs from model.embed_tokens.weight, yet "
+                              f"config.json sets tie_word_embeddings true; to serve the head it holds (as "
+                              f"transformers does), set \"tie_word_embeddings\": false in config.json")
+
+
 def copy_checkpoint_tensors(model: CausalLM, tensors, source: str) -> int:
     """Copy checkpoint tensors, named as in transformers, into the model.
 
@@ -393,9 +395,11 @@ def copy_checkpoint_tensors(model: CausalLM, tensors, source: str) -> int:
     # fp8 layers' weights by checkpoint name less ".weight": those that arrived as float and were quantized
     # here (-> where, dtype), those whose weight_scale the checkpoint holds; and how many arrived as fp8.
     quantized_here, scaled, fp8_weights = {}, set(), 0
+    tied_head = None  # a tied model's lm_head in the checkpoint: (file, tensor), checked once the embedding is in
     seen = {}  # name -> its file: a second copy would count as pieces a missing tensor never gave
     for where, name, read in tensors:
         if _skipped(name, model):
+            tied_head = (where, read()) if name == "lm_head.weight" else tied_head  # read while its file is open
             continue
         if seen.setdefault(name, where) != where:
             raise CheckpointError(f"{source}: tensor {name!r} is in both {seen[name]} and {where}; the checkpoint "
@@ -423,6 +427,8 @@ def copy_checkpoint_tensors(model: CausalLM, tensors, source: str) -> int:
         log.warning("ignored %d checkpoint tensors mempath does not use, e.g. %s",
                     len(unexpected), unexpected[:3])
     check_fp8_mix(quantized_here, scaled, fp8_weights, source)
+    if tied_head is not None:
+        _check_tied_head(*tied_head, params["model.embed_tokens.weight"])
     if tied:
         received["lm_head.weight"] = expected_pieces["lm_head.weight"]
     missing = [n for n in params if received[n] < expected_pieces[n]]
@@ -616,81 +622,3 @@ def _check_expert_cache_size(spec: ModelSpec, size: int | None, source: str) -> 
     if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= spec.num_experts:
         raise ValueError(f"moe_expert_cache_size must be an integer from 1 to {spec.num_experts} (the experts "
                          f"per layer in {source}), got {size!r}")
-
-
-# ---------------------------------------------------------------- content digest (disk KV fingerprint)
-
-def file_identity(path: str | Path) -> str:
-    """What changes whenever a file's bytes may have: device, inode, size, mtime, ctime, header.
-
-    ctime cannot be set from user space and moves on every write, so a copy over the
-    file (cp -p included, which restores the mtime) changes the identity; the safetensors
-    header hash also catches a re-export restored onto the same inode and times.
-    """
-    st = os.stat(path)  # follows symlinks: the bytes read are the target's
-    with open(path, "rb") as f:
-        head = f.read(8)
-        header = f.read(min(int.from_bytes(head, "little"), _MAX_HEADER_BYTES)) if len(head) == 8 else b""
-    header_hash = hashlib.blake2b(head + header, digest_size=16).hexdigest()
-    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{header_hash}"
-
-
-def hash_file(path: str | Path) -> str:
-    """sha256 of the file's bytes (OpenSSL's, with the CPU's SHA instructions where it has them)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(16 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _read_digests(cache_file: Path) -> dict[str, str]:
-    """identity -> digest, or nothing when the cache is missing or damaged (it is only a cache)."""
-    try:
-        f, _ = open_regular(str(cache_file))
-        with f:
-            cached = loads_json(f.read())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(cached, dict):
-        return {}
-    return {k: v for k, v in cached.items() if isinstance(k, str) and isinstance(v, str)}
-
-
-def digest_cache_file() -> Path:
-    """mempath's own cache, never the model directory: $XDG_CACHE_HOME/mempath (~/.cache/mempath)."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "mempath" / WEIGHT_DIGESTS_FILE
-
-
-def _write_digests(cache_file: Path, digests: dict[str, str]) -> None:
-    """Replace the cache whole; an engine writing at the same time may lose an entry (hashed again)."""
-    try:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        write_new_file(str(cache_file), [json.dumps(digests).encode()])
-    except OSError as error:
-        log.warning("could not cache the weights' digests in %s (%s); they are hashed again at the next "
-                    "start-up", cache_file, error)
-
-
-def weights_digest(identities: dict[str, str], cache_file: Path) -> str:
-    """One digest of the weights' content; ``identities`` maps each file to file_identity() at load.
-
-    A file whose identity is in ``cache_file`` is not read again; the others are hashed
-    (in parallel, one thread per file) and added to the cache, which keeps the newest
-    _MAX_CACHED_DIGESTS. Raises CheckpointError if a file changed after it was loaded.
-    """
-    cached = _read_digests(cache_file)
-    misses = [path for path, identity in identities.items() if identity not in cached]
-    if misses:
-        log.info("hashing %d weights file(s) for the disk KV tier's fingerprint", len(misses))
-        with ThreadPoolExecutor(max_workers=min(len(misses), os.cpu_count() or 1)) as pool:
-            for path, digest in zip(misses, pool.map(hash_file, misses)):
-                if file_identity(path) != identities[path]:
-                    raise CheckpointError(f"{path}: changed on disk after mempath loaded it; restart mempath "
-                                          f"once the new checkpoint is complete")
-                cached[identities[path]] = digest
-        newest = list(cached.items())[-_MAX_CACHED_DIGESTS:]  # JSON objects keep their order
-        _write_digests(cache_file, dict(newest))
-    return hashlib.blake2b("|".join(cached[identities[p]] for p in sorted(identities)).encode(),
-                           digest_size=16).hexdigest()

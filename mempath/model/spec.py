@@ -25,6 +25,28 @@ MODEL_TYPES = {
 }
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM")
 SUPPORTED_ARCHITECTURES = tuple(MODEL_TYPES.values())
+# What transformers' config class of each architecture takes for a field config.json leaves out (null is not
+# left out: a null sliding_window is none). One default for all gave a Mixtral without rope_theta 10,000 for
+# transformers' 1e6 (other tokens). num_key_value_heads None: as many as num_attention_heads.
+# tests/test_hostile_loading.py checks the table against the installed transformers.
+ARCH_DEFAULTS = {
+    "LlamaForCausalLM": dict(rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=2048,
+                             num_key_value_heads=None, sliding_window=None),
+    "MistralForCausalLM": dict(rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=131072,
+                               num_key_value_heads=8, sliding_window=4096),
+    "Qwen2ForCausalLM": dict(rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=32768,
+                             num_key_value_heads=32, sliding_window=None),
+    "Qwen3ForCausalLM": dict(rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=32768,
+                             num_key_value_heads=32, sliding_window=None),
+    "Phi3ForCausalLM": dict(rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=4096,
+                            num_key_value_heads=None, sliding_window=None),
+    "Qwen3MoeForCausalLM": dict(rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=32768,
+                                num_key_value_heads=4, sliding_window=None),
+    "MixtralForCausalLM": dict(rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=131072,
+                               num_key_value_heads=8, sliding_window=None),
+    "OlmoeForCausalLM": dict(rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=4096,
+                             num_key_value_heads=None, sliding_window=None),
+}
 ROPE_TYPES = ("default", "linear", "llama3")
 
 log = logging.getLogger(__name__)
@@ -195,11 +217,12 @@ class ModelSpec:
         arch = _architecture(f)
         num_layers = f.integer("num_hidden_layers")
         quantization, unquantized = _quantization(f, arch, num_layers)
-        hidden, heads, kv_heads, head_dim = _attention_shape(f)
+        defaults = ARCH_DEFAULTS[arch]
+        hidden, heads, kv_heads, head_dim = _attention_shape(f, defaults["num_key_value_heads"])
         act = f.choice("hidden_act", ("silu", "swish"), "silu", "mempath's MLP is SiLU-gated")
-        rope_theta, rope_scaling = _rope(f)
+        rope_theta, rope_scaling = _rope(f, defaults["rope_theta"])
         # Qwen2 and Qwen3(-MoE) keep a sliding_window value but only apply it with use_sliding_window.
-        window = f.integer("sliding_window", default=None)
+        window = f.integer("sliding_window", default=None) if "sliding_window" in cfg else defaults["sliding_window"]
         if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and not f.flag(
                 "use_sliding_window"):
             window = None
@@ -218,10 +241,10 @@ class ModelSpec:
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=f.number("rms_norm_eps", 1e-6),
+            rms_norm_eps=f.number("rms_norm_eps", defaults["rms_norm_eps"]),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=f.integer("max_position_embeddings", 2048),
+            max_position_embeddings=f.integer("max_position_embeddings", defaults["max_position_embeddings"]),
             tie_word_embeddings=f.flag("tie_word_embeddings"),
             qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
             o_bias=attention_bias,
@@ -303,8 +326,9 @@ def _architecture(f: ConfigFields) -> str:
     return archs[0]
 
 
-def _attention_shape(f: ConfigFields) -> tuple[int, int, int, int]:
-    """(hidden_size, heads, kv heads, head_dim), checked against each other."""
+def _attention_shape(f: ConfigFields, default_kv_heads: int | None) -> tuple[int, int, int, int]:
+    """(hidden_size, heads, kv heads, head_dim), checked against each other; ``default_kv_heads``: the
+    architecture's when config.json leaves it out (None: as many as the heads)."""
     hidden = f.integer("hidden_size")
     heads = f.integer("num_attention_heads")
     head_dim = f.integer("head_dim", default=None)  # Mistral v0.3 writes null
@@ -318,13 +342,13 @@ def _attention_shape(f: ConfigFields) -> tuple[int, int, int, int]:
                    f"is {head_dim}; rotary embeddings rotate pairs)")
     elif head_dim % 2:
         f.fail("head_dim", "an even positive integer (rotary embeddings rotate pairs)")
-    kv_heads = f.integer("num_key_value_heads", default=heads)
+    kv_heads = f.integer("num_key_value_heads", default=default_kv_heads or heads)
     if heads % kv_heads:
         f.fail("num_key_value_heads", f"a number of key-value heads that divides num_attention_heads ({heads})")
     return hidden, heads, kv_heads, head_dim
 
 
-def _rope(f: ConfigFields) -> tuple[float, dict | None]:
+def _rope(f: ConfigFields, default_theta: float) -> tuple[float, dict | None]:
     """(rope_theta, rope scaling or None); transformers 5 nests both in rope_parameters."""
     params = f.mapping("rope_parameters")
     nested = ConfigFields(params, f.source, "rope_parameters.")
@@ -333,7 +357,7 @@ def _rope(f: ConfigFields) -> tuple[float, dict | None]:
             where.fail("partial_rotary_factor", "1.0", "partial rotary embeddings are not supported")
     theta = nested.number("rope_theta", None) if params else None
     if theta is None:
-        theta = f.number("rope_theta", 10000.0)
+        theta = f.number("rope_theta", default_theta)
     if params.get("rope_type", "default") != "default":
         return theta, _rope_scaling(nested)
     scaling = ConfigFields(f.mapping("rope_scaling"), f.source, "rope_scaling.")
