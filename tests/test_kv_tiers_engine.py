@@ -150,6 +150,35 @@ def test_a_request_waiting_for_room_is_weighed_once(tiny):
     assert_no_leak(llm)
 
 
+def test_a_paused_request_gives_its_blocks_to_a_head_whose_prefix_is_in_the_host_tier(tiny):
+    """A paused request (a stream whose reader fell behind) is the first preempted for room. A head that would
+    load its prefix from the host tier but found no room waited instead, the paused request kept its blocks,
+    and the engine stepped on with nothing to run until the stream was read or timed out."""
+    llm = make_llm(tiny, cpu_kv_gb=gb(32), max_model_len=128)
+    engine = llm.engine
+    shared = conversations(1)[0]
+    llm.generate(shared, greedy(4), use_tqdm=False)
+    for other in conversations(4)[1:]:  # turn the pool over: the shared prefix moves to the host tier
+        llm.generate(other, greedy(4), use_tqdm=False)
+    engine.add_request(list(range(20, 120)), greedy(20), "paused")  # 100 tokens: 7 of the 8 blocks
+    while engine.outputs.requests["paused"].num_computed_tokens < 100:
+        engine.step()
+    engine.pause_request("paused")
+    engine.add_request(shared + [201, 202, 203], greedy(4), "head")
+    done = {}
+    for _ in range(20):
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+        if "head" in done:
+            break
+    assert "head" in done and done["head"].outputs[0].token_ids == make_llm(tiny).generate(
+        shared + [201, 202, 203], greedy(4), use_tqdm=False)[0].token_ids
+    assert engine.outputs.requests["paused"].num_computed_tokens == 0  # preempted: recomputes when read
+    engine.resume_request("paused")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_no_leak(llm)
+
+
 def _finished(future):
     future.result()
     return future

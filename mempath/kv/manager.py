@@ -26,8 +26,9 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 class Admit(enum.Enum):
     RUN = "run"  # it holds blocks for its next tokens: it runs this step
     LOAD = "load"  # it holds blocks, and its KV is on its way from the host or disk tier
-    NO_ROOM = "no room"  # too few free device blocks for it: room taken from others may admit it
-    WAIT = "wait"  # a swap-in or promotion that does not fit, or a prefix another request is loading
+    NO_ROOM = "no room"  # too few free device blocks for it (to compute, promote or swap in): room taken from
+    # others (a paused request's first) may admit it
+    WAIT = "wait"  # a prefix another request is loading
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,7 @@ class KVCacheManager:
     def _promote(self, request, cached: list[int], found: list, choices: list) -> Admission:
         load = self.tiers.start_promotion(request, cached, found)
         if load is None:
-            return Admission(Admit.WAIT)
+            return Admission(Admit.NO_ROOM)
         self._count_prefix_query(request, len(cached) * self.block_size)
         self.tiers.record_choices(request.request_id, choices)
         replace_table(request, cached + load.gpu_ids)
@@ -132,7 +133,7 @@ class KVCacheManager:
         host_ids, num_tokens = request.swapped
         load = self.tiers.start_swap_in(request, host_ids, num_tokens)
         if load is None:
-            return Admission(Admit.WAIT)
+            return Admission(Admit.NO_ROOM)
         request.swapped = None
         replace_table(request, load.gpu_ids)
         return Admission(Admit.LOAD, load=load)
