@@ -36,3 +36,44 @@ def test_each_step_passes_only_the_new_token_so_a_token_costs_the_same_at_any_le
         processor.emit([request], [token_id], [None])
     assert spy.calls == [(token_id,) for token_id in ids] + [("flush",)]
     assert request.output_text == text
+
+
+def forced(ids: list[int], params: SamplingParams, eos: set[int] = frozenset()):
+    """The finished output of a request whose tokens are ``ids`` (up to where it ends)."""
+    tokenizer = AutoTokenizer.from_pretrained(TINY)
+    def finish(request, reason):  # the scheduler's part of it
+        request.finish_reason = request.finish_reason or reason
+    processor = OutputProcessor(tokenizer, eos_token_ids=set(eos), max_model_len=1024, finish=finish)
+    request = Request("r", None, [1, 2, 3], params)
+    processor.add(request)
+    for token_id in ids:
+        [output] = processor.emit([request], [token_id], [None])
+        if output.finished:
+            return output.outputs[0]
+    raise AssertionError("the request did not finish")
+
+
+def words(text: str) -> list[int]:
+    return AutoTokenizer.from_pretrained(TINY).encode(text, add_special_tokens=False)
+
+
+def test_the_token_that_ends_a_request_adds_no_text_as_in_vllm():
+    """vLLM does not detokenize the EOS or stop id that ends a request: its text was in ours (with
+    skip_special_tokens false, '<|end|>'; a stop id that is a word, the word)."""
+    end = 6  # <|end|>, a special token
+    out = forced(words("Hello world") + [end], SamplingParams(max_tokens=9, skip_special_tokens=False), eos={end})
+    assert (out.text, out.token_ids[-1], out.finish_reason) == ("Hello world", end, "stop")
+    world = words(" world")[0]
+    out = forced(words("Hello world again"), SamplingParams(max_tokens=9, stop_token_ids=[world]))
+    assert (out.text, out.token_ids[-1], out.finish_reason, out.stop_reason) == ("Hello", world, "stop", world)
+
+
+def test_stop_strings_wait_past_min_tokens_as_in_vllm():
+    """vLLM checks stop strings once more than min_tokens tokens are out; ours from the min_tokens-th on."""
+    ids = words("Hello world again")
+    out = forced(ids, SamplingParams(max_tokens=len(ids), min_tokens=1, stop=["Hello"], ignore_eos=True))
+    assert (out.text, out.finish_reason) == ("Hello world again", "length")
+    out = forced(ids, SamplingParams(max_tokens=len(ids), min_tokens=2, stop=[" world"], ignore_eos=True))
+    assert (out.text, out.finish_reason) == ("Hello world again", "length")
+    out = forced(ids, SamplingParams(max_tokens=len(ids), min_tokens=1, stop=[" world"], ignore_eos=True))
+    assert (out.text, out.finish_reason, out.stop_reason) == ("Hello", "stop", " world")

@@ -116,12 +116,13 @@ class OutputProcessor:
         request.last_token_time = now
         if request.logprobs is not None:
             request.logprobs.append(logprobs)
-        new_text = ""
+        new_text, reason = "", "stop" if self._ends_on(request, token_id) else None
         detok = self.detokenizers.get(request.request_id)
-        if detok is not None:
+        if detok is not None and reason is None:  # the token that ends a request adds no text, as in vLLM
             new_text = detok.delta(token_id)
             request.output_text += new_text
-        reason, new_text = self._stop_reason(request, token_id, new_text)
+        if reason is None:
+            reason, new_text = self._stop_reason(request, new_text)
         if reason is not None:
             if detok is not None and reason != "stop":
                 tail = detok.flush()
@@ -132,8 +133,9 @@ class OutputProcessor:
             return None
         return self.output(request, new_text, [token_id], finished=reason is not None)
 
-    def _stop_reason(self, request: Request, token_id: int, new_text: str) -> tuple[str | None, str]:
-        """Why the request ends with this token, if it does, and its new text cut at a stop string."""
+    def _ends_on(self, request: Request, token_id: int) -> bool:
+        """Whether this token ends the request by itself: its grammar's end, a stop id or EOS (the grammar
+        advances by it)."""
         params = request.params
         if request.grammar is not None:
             try:
@@ -144,16 +146,23 @@ class OutputProcessor:
                     raise conflict from None
                 raise
             if request.grammar.finished:  # it took a stop token: the output is complete
-                return "stop", new_text
-        if request.num_output_tokens < params.min_tokens:
-            # Nothing but the length ends it before min_tokens (EOS and stop ids are masked too).
-            return ("length" if request.num_tokens >= self.max_model_len else None), new_text
+                return True
+        if request.num_output_tokens < params.min_tokens:  # EOS and stop ids are masked before min_tokens
+            return False
         if token_id in params.stop_token_ids:
             request.stop_reason = token_id
-            return "stop", new_text
-        if not params.ignore_eos and token_id in self.eos_token_ids:
-            return "stop", new_text
-        if params.stop and new_text:
+            return True
+        return not params.ignore_eos and token_id in self.eos_token_ids
+
+    def _stop_reason(self, request: Request, new_text: str) -> tuple[str | None, str]:
+        """Why the request ends with a token that did not end it by itself, if it does, and its new text cut
+        at a stop string."""
+        params = request.params
+        if request.num_output_tokens < params.min_tokens:
+            # Nothing but the length ends it before min_tokens.
+            return ("length" if request.num_tokens >= self.max_model_len else None), new_text
+        # As vLLM's: stop strings count once more than min_tokens tokens are out.
+        if params.stop and new_text and request.num_output_tokens > params.min_tokens:
             hit = find_stop(request.output_text, params.stop, len(new_text))
             if hit is not None:
                 index, stop = hit
