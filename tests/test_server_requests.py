@@ -775,3 +775,17 @@ def test_a_pool_smaller_than_max_model_len_caps_the_default_output_and_start_up_
         assert usage["prompt_tokens"] + usage["completion_tokens"] == 128  # the whole pool, no more
         answer = client.post("/v1/responses", json={"input": "hi", "temperature": 0, "ignore_eos": True})
         assert answer.status_code == 200, answer.text
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_a_stop_string_that_ended_the_output_is_its_stop_reason(server, path, idle_after):
+    """vLLM's choices carry stop_reason: the stop string (or token id) that ended them, null otherwise."""
+    fields = dict(max_tokens=12, temperature=0, ignore_eos=True)
+    body = completion(**fields) if path == COMPLETIONS else chat(**fields)
+    first = post(server, path, body).json()["choices"][0]
+    text = first["text"] if path == COMPLETIONS else first["message"]["content"]
+    assert first["stop_reason"] is None and first["finish_reason"] == "length" and len(text) > 3
+    stop = text[1:3]
+    cut = post(server, path, {**body, "stop": [stop]}).json()["choices"][0]
+    assert (cut["finish_reason"], cut["stop_reason"]) == ("stop", stop)
+    assert (cut["text"] if path == COMPLETIONS else cut["message"]["content"]) == text[:text.find(stop)]

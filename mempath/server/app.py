@@ -409,7 +409,7 @@ def prompt_logprobs_body(call: Call, prompt_logprobs: tuple[list, list] | None, 
 
 async def finish_completion(call: Call) -> dict:
     finals, tokens, logprobs = await collect(call)
-    choices = [{"index": i, "text": u.text, "finish_reason": openai_finish_reason(u),
+    choices = [{"index": i, "text": u.text, "finish_reason": openai_finish_reason(u), "stop_reason": u.stop_reason,
                 "logprobs": (completion_logprobs(call, tokens[i], logprobs[i], 0)
                              if call.num_logprobs is not None else None)}
                for i, u in sorted(finals.items())]
@@ -424,7 +424,7 @@ async def finish_completion(call: Call) -> dict:
 async def finish_chat(call: Call, plan=None) -> dict:
     finals, tokens, logprobs = await collect(call)
     messages = {i: tool_message(plan, u.text, openai_finish_reason(u)) for i, u in finals.items()}
-    choices = [{"index": i, "message": messages[i][0], "finish_reason": messages[i][1],
+    choices = [{"index": i, "message": messages[i][0], "finish_reason": messages[i][1], "stop_reason": u.stop_reason,
                 "logprobs": (chat_logprobs(call, tokens[i], logprobs[i])
                              if call.num_logprobs is not None else None)}
                for i, u in sorted(finals.items())]

@@ -67,6 +67,7 @@ class Update:
     # Finished updates of a request with SamplingParams.prompt_logprobs: (entries, ranks).
     prompt_logprobs: tuple[list, list] | None = None
     error_param: str | None = None  # the request field an error is about (a 400), None: the server's
+    stop_reason: str | int | None = None  # the stop string or token id that ended it (vLLM's field)
 
 
 class _Backlog:
@@ -579,7 +580,7 @@ class AsyncEngine:
             finished=output.finished, finish_reason=output.finish_reason,
             num_prompt_tokens=len(output.prompt_token_ids), num_cached_tokens=output.num_cached_tokens,
             num_output_tokens=output.num_output_tokens, error=output.error, error_param=output.error_param,
-            prompt_logprobs=((output.prompt_logprobs, output.prompt_logprob_ranks)
+            stop_reason=output.stop_reason if output.finished else None, prompt_logprobs=((output.prompt_logprobs, output.prompt_logprob_ranks)
                              if output.finished and output.prompt_logprobs is not None else None))
 
     def _deliver(self, route: _Route, update: Update) -> None:
