@@ -77,3 +77,14 @@ def test_stop_strings_wait_past_min_tokens_as_in_vllm():
     assert (out.text, out.finish_reason) == ("Hello world again", "length")
     out = forced(ids, SamplingParams(max_tokens=len(ids), min_tokens=1, stop=[" world"], ignore_eos=True))
     assert (out.text, out.finish_reason, out.stop_reason) == ("Hello", "stop", " world")
+
+
+def test_a_stop_string_in_the_text_held_back_at_the_length_ends_it():
+    """Text held back for an unfinished character is flushed when the length ends the request: a stop string
+    it completed stayed in the output."""
+    tokenizer = AutoTokenizer.from_pretrained(TINY)
+    dash = tokenizer.encode(" —", add_special_tokens=False)
+    assert len(dash) == 2  # " " + the dash's first bytes, then the rest: the space is held back with them
+    ids = words("Answer:") + dash[:1]
+    out = forced(ids, SamplingParams(max_tokens=len(ids), stop=[": "], ignore_eos=True))
+    assert (out.text, out.finish_reason, out.stop_reason) == ("Answer", "stop", ": ")

@@ -128,6 +128,9 @@ class OutputProcessor:
                 tail = detok.flush()
                 request.output_text += tail
                 new_text += tail
+                cut = self._match_stop(request, new_text) if tail else None  # the held-back text may end one
+                if cut is not None:
+                    reason, new_text = "stop", cut
             self.finish(request, reason)
         elif not self.emit_progress:
             return None
@@ -162,17 +165,28 @@ class OutputProcessor:
             # Nothing but the length ends it before min_tokens.
             return ("length" if request.num_tokens >= self.max_model_len else None), new_text
         # As vLLM's: stop strings count once more than min_tokens tokens are out.
-        if params.stop and new_text and request.num_output_tokens > params.min_tokens:
-            hit = find_stop(request.output_text, params.stop, len(new_text))
-            if hit is not None:
-                index, stop = hit
-                kept = len(request.output_text) - len(new_text)
-                request.output_text = request.output_text[:index]
-                request.stop_reason = stop
-                return "stop", request.output_text[kept:] if index > kept else ""
+        cut = self._match_stop(request, new_text)
+        if cut is not None:
+            return "stop", cut
         if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return "length", new_text
         return None, new_text
+
+    @staticmethod
+    def _match_stop(request: Request, new_text: str) -> str | None:
+        """``new_text`` cut at a stop string it completes (the output text cut there too), or None. As vLLM's,
+        stop strings count once more than min_tokens tokens are out."""
+        params = request.params
+        if not (params.stop and new_text and request.num_output_tokens > params.min_tokens):
+            return None
+        hit = find_stop(request.output_text, params.stop, len(new_text))
+        if hit is None:
+            return None
+        index, stop = hit
+        kept = len(request.output_text) - len(new_text)
+        request.output_text = request.output_text[:index]
+        request.stop_reason = stop
+        return request.output_text[kept:] if index > kept else ""
 
     def finished(self, request: Request) -> RequestOutput:
         """The output of a request the scheduler has just finished (error, abort)."""
