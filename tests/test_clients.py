@@ -98,7 +98,14 @@ def test_responses_stream_sends_openais_events(client):
     assert deltas == expected == final.output_text
     assert [e.sequence_number for e in events] == list(range(len(events)))
     raw = list(client.responses.create(model="tiny", input="hello", max_output_tokens=6, temperature=0, stream=True))
-    assert [e.type for e in raw] == kinds
+    # How many deltas carry the text depends on how fast the client reads (a reader that falls behind gets them
+    # merged): the same events, a run of deltas counted once, and the same text.
+    assert collapsed([e.type for e in raw]) == collapsed(kinds)
+    assert "".join(e.delta for e in raw if e.type == "response.output_text.delta") == expected
+
+
+def collapsed(kinds: list[str]) -> list[str]:
+    return [k for i, k in enumerate(kinds) if not (k == "response.output_text.delta" and kinds[i - 1] == k)]
 
 
 @pytest.mark.parametrize("fields, param", [
