@@ -789,3 +789,7 @@ def test_a_stop_string_that_ended_the_output_is_its_stop_reason(server, path, id
     cut = post(server, path, {**body, "stop": [stop]}).json()["choices"][0]
     assert (cut["finish_reason"], cut["stop_reason"]) == ("stop", stop)
     assert (cut["text"] if path == COMPLETIONS else cut["message"]["content"]) == text[:text.find(stop)]
+    streamed = post(server, path, {**body, "stop": [stop], "stream": True})
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    last = [c for e in events for c in e["choices"] if c["finish_reason"] is not None]
+    assert [(c["finish_reason"], c["stop_reason"]) for c in last] == [("stop", stop)]

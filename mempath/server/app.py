@@ -458,6 +458,8 @@ async def stream_sse(call: Call, include_usage: bool, chunk, choice, logprobs_fo
                 finish = openai_finish_reason(update) if update.finished and not failed else None
                 made = choice(index, delta, logprobs, finish)  # a chat choice with tools: one per delta
                 for one in made if isinstance(made, list) else [made]:
+                    if one["finish_reason"] is not None:
+                        one["stop_reason"] = update.stop_reason
                     yield chunk([one])
             if failed:
                 yield sse(stream_error_body(update, call.structured))
