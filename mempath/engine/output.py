@@ -164,7 +164,6 @@ class OutputProcessor:
         if request.num_output_tokens < params.min_tokens:
             # Nothing but the length ends it before min_tokens.
             return ("length" if request.num_tokens >= self.max_model_len else None), new_text
-        # As vLLM's: stop strings count once more than min_tokens tokens are out.
         cut = self._match_stop(request, new_text)
         if cut is not None:
             return "stop", cut

@@ -52,9 +52,14 @@ class PagePool:
         check_min_share(self.min_share, len(self.tenants))
         return view
 
+    @property
+    def min_pages(self) -> int:
+        """Pages kv_min_share guarantees an awake model."""
+        return int(self.min_share * self.num_pages)
+
     def guaranteed(self, name: str | None = None) -> int:
         """Pages each model (this one, if named) may always have, whatever the others use; none asleep."""
-        return 0 if name in self.asleep else int(self.min_share * self.num_pages)
+        return 0 if name in self.asleep else self.min_pages
 
     def held_back_from(self, name: str) -> int:
         """Free pages kept for the other models' guarantees (what they are owed and do not use)."""
@@ -107,8 +112,7 @@ class TenantPages:
     def num_admissible(self) -> int:
         """The most pages a request of this model is admitted to need: the pool less every other model's
         guarantee, asleep or not. A request sized to what sleeping models leave would fail when one woke."""
-        others = len(self.shared.tenants) - 1
-        return self.pages.num_blocks - int(self.shared.min_share * self.pages.num_blocks) * others
+        return self.pages.num_blocks - self.shared.min_pages * (len(self.shared.tenants) - 1)
 
     @property
     def num_held_by_others(self) -> int:

@@ -157,8 +157,7 @@ class _Route:
     """Where a request's updates go, and the timing its metrics need."""
     loop: asyncio.AbstractEventLoop
     queue: UpdateQueue
-    last_token_time: float | None = None  # when a step last delivered tokens of the request
-    last_token_step: int | None = None  # which step that was (AsyncEngine.num_steps)
+    last_token_time: float | None = None  # when a step last delivered tokens of the request (its `now`)
     model: str | None = None  # the served model whose metric series it counts in (several models)
 
 
@@ -206,7 +205,6 @@ class AsyncEngine:
         self._admitting = True
         self._thread: threading.Thread | None = None
         self.num_step_errors = 0
-        self.num_steps = 0  # steps run; engine thread only
         self._grammar_pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, "mempath-grammar")
         self._compiling: dict[str, bool] = {}  # request id -> aborted meanwhile; under _wake
 
@@ -498,7 +496,6 @@ class AsyncEngine:
             self._fail_all(f"the engine failed: {error}")
             return
         now = time.perf_counter()
-        self.num_steps += 1
         if self.stats_log is not None:
             self.stats_log.stepped()
         if self.metrics is not None:
@@ -535,11 +532,11 @@ class AsyncEngine:
         if output.new_token_ids:
             if first:
                 self.metrics.record_first_token(output.time_to_first_token, len(output.prompt_token_ids), model=model)
-            elif route.last_token_step != self.num_steps:  # this step's first output of the request
+            elif route.last_token_time != now:  # this step's first output of the request (one `now` a step)
                 self.metrics.record_inter_token(now - route.last_token_time, model=model)
             self.metrics.record_generated(len(output.new_token_ids), model=model)
             if route is not None:
-                route.last_token_time, route.last_token_step = now, self.num_steps
+                route.last_token_time = now
         if output.finished:
             self.metrics.record_finish(output.finish_reason, output.total_time, model=model)
 
@@ -580,7 +577,8 @@ class AsyncEngine:
             finished=output.finished, finish_reason=output.finish_reason,
             num_prompt_tokens=len(output.prompt_token_ids), num_cached_tokens=output.num_cached_tokens,
             num_output_tokens=output.num_output_tokens, error=output.error, error_param=output.error_param,
-            stop_reason=output.stop_reason if output.finished else None, prompt_logprobs=((output.prompt_logprobs, output.prompt_logprob_ranks)
+            stop_reason=output.stop_reason if output.finished else None,
+            prompt_logprobs=((output.prompt_logprobs, output.prompt_logprob_ranks)
                              if output.finished and output.prompt_logprobs is not None else None))
 
     def _deliver(self, route: _Route, update: Update) -> None:
